@@ -1,1 +1,12 @@
-"""tailorfx."""
+"""tailorfx: graph rewrites that make LLM training fit a memory budget and run fast.
+
+    opt = tailorfx.optimize(model, budget="24GB", example_inputs=batch)
+    compiled = torch.compile(model, backend="tailorfx")
+"""
+from tailorfx.api import OptimizedModule, optimize
+from tailorfx.backend import tailorfx_backend
+from tailorfx.budget import Budget, BudgetError
+from tailorfx.runtime.measure import measure_peak
+
+__all__ = ["optimize", "OptimizedModule", "Budget", "BudgetError", "measure_peak", "tailorfx_backend"]
+__version__ = "0.1.0"

@@ -1,0 +1,155 @@
+"""optimize(): capture -> plan -> passes -> codegen -> OptimizedModule."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from tailorfx.backend import GraphRecord, Options, Session, TailorBackend
+from tailorfx.budget import Budget
+from tailorfx.report import Report
+from tailorfx.rewrite import memory
+from tailorfx.rewrite.capture import mark_sequence_dims
+from tailorfx.rewrite.regions import Region
+
+
+class OptimizedModule(nn.Module):
+    """The model, compiled through tailorfx; shares the model's parameters.
+
+    Inspect what was done with `.regions`, `.plan`, `.graphs`, `.report()`, `.diff(name)`,
+    `.memory_timeline(path)` and `.predict_memory()`.
+    """
+
+    def __init__(self, model: nn.Module, options: Options, budget: Optional[Budget] = None):
+        super().__init__()
+        self.model = model
+        self.budget = budget
+        self.options = options
+        self.session = Session()
+        # kept out of the module tree: the compiled wrapper holds the same parameters
+        self.__dict__["_compiled"] = torch.compile(model, backend=TailorBackend(options, self.session),
+                                                   dynamic=None)
+        self.__dict__["_eager_reason"] = None
+
+    def forward(self, *args, **kwargs):
+        self.session.seq_len = mark_sequence_dims(args, kwargs)
+        if self._eager_reason is not None:
+            return self.model(*args, **kwargs)
+        try:
+            return self._compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            if isinstance(getattr(e, "inner_exception", None), ValueError):
+                raise e.inner_exception from e
+            self._fall_back(e)
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.TorchRuntimeError) as e:
+            self._fall_back(e)
+        return self.model(*args, **kwargs)
+
+    def _fall_back(self, e: Exception) -> None:
+        reason = f"capture failed, running the model eagerly (nothing rewritten): {type(e).__name__}: " \
+                 f"{str(e).splitlines()[0] if str(e) else ''}"
+        self.__dict__["_eager_reason"] = reason
+        self.session.warnings.append(reason)
+        warnings.warn(reason)
+
+    # ---- inspection -------------------------------------------------------------------------
+    @property
+    def graph_records(self) -> list[GraphRecord]:
+        return list(self.session.graphs)
+
+    @property
+    def regions(self) -> list[Region]:
+        """Regions found in every captured graph, in graph order."""
+        return [r for g in self.session.graphs for r in g.regions.regions]
+
+    @property
+    def plan(self) -> list:
+        return [g.plan for g in self.session.graphs]
+
+    @property
+    def graphs(self) -> dict:
+        """Pass name -> graph after it ("capture" is the graph before any pass); '@i' for graph i>0."""
+        out = {}
+        for g in self.session.graphs:
+            sfx = "" if g.index == 0 else f"@{g.index}"
+            out["capture" + sfx] = g.original
+            for r in g.records:
+                out[r.name + sfx] = r.gm
+        return out
+
+    def diff(self, name: str) -> str:
+        """Unified diff of the graph code before and after pass `name` (all graphs)."""
+        recs = [r for g in self.session.graphs for r in g.records if r.name == name]
+        if not recs:
+            ran = sorted({r.name for g in self.session.graphs for r in g.records})
+            raise KeyError(f"no pass named {name!r} ran; passes that ran: {ran or 'none'}")
+        return "\n".join(r.diff() or f"(pass {name} left graph {r.graph_index} unchanged)" for r in recs)
+
+    def report(self) -> Report:
+        """A table of what was rewritten and the predicted peak before/after each pass."""
+        return Report(self.session, self.budget, self._eager_reason)
+
+    def predict_memory(self, seq_len: Optional[int] = None, optimizer: Optional[str] = None,
+                       rewritten: bool = True) -> memory.MemoryEstimate:
+        """Predicted memory of one training step at `seq_len` (default: the captured length)."""
+        if not self.session.graphs:
+            raise RuntimeError("nothing captured yet: call the module once or pass example_inputs")
+        from tailorfx.codegen.lower import partition_for
+        gs = self.session.graphs
+        steps = [memory.trace_step(g.rewritten if rewritten else g.original, None,
+                                   partition_for(g.lowering)) for g in gs]
+        seq = gs[0].seq
+        return memory.simulate_step(steps, seq, seq_len or seq.length or None, optimizer)
+
+    def memory_timeline(self, path: str, seq_len: Optional[int] = None, measured: Optional[int] = None) -> str:
+        """Plot predicted live bytes over the step (before and after the passes) to a PNG."""
+        from tailorfx.report import plot_timeline
+        return plot_timeline(path, self.predict_memory(seq_len, rewritten=False),
+                             self.predict_memory(seq_len), measured)
+
+    def kernels(self) -> dict[str, str]:
+        """Generated kernel sources by name (none until a pass emits Triton kernels)."""
+        return {}
+
+
+def _split_examples(example_inputs: Any, example_kwargs: Optional[dict]) -> tuple[tuple, dict]:
+    kwargs = dict(example_kwargs or {})
+    if example_inputs is None:
+        return (), kwargs
+    if isinstance(example_inputs, dict) or hasattr(example_inputs, "keys"):
+        kwargs.update(dict(example_inputs))
+        return (), kwargs
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), kwargs
+    return tuple(example_inputs), kwargs
+
+
+def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
+             passes: Optional[Sequence[str]] = None, example_inputs: Any = None,
+             example_kwargs: Optional[dict] = None, minisequence_chunks: Optional[int] = None,
+             attention: Any = None, precision: Optional[str] = None, setup: Any = None,
+             lowering: str = "auto", verify: bool = True, predict: bool = True) -> OptimizedModule:
+    """Rewrite `model` for training under `budget`; returns a module that trains like the original.
+
+    passes=None lets the planner choose; passes=[] captures without rewriting. Capture happens
+    at the first call, or now when example inputs are given (their forward runs once).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
+    for name, value in (("attention", attention), ("precision", precision), ("setup", setup)):
+        if value is not None:
+            raise NotImplementedError(f"optimize({name}=...) is not implemented yet; leave it None")
+    if minisequence_chunks is not None and (not isinstance(minisequence_chunks, int) or minisequence_chunks < 1):
+        raise ValueError(f"minisequence_chunks must be a positive int, got {minisequence_chunks!r}")
+    b = Budget.parse(budget) if budget is not None else None
+    opts = {"minisequence_chunks": minisequence_chunks, "budget_bytes": b.bytes if b else None}
+    options = Options(passes=tuple(passes) if passes is not None else None,
+                      pass_options=tuple(sorted(opts.items())), lowering=lowering,
+                      predict=predict, verify=verify)
+    opt = OptimizedModule(model, options, b)
+    if example_inputs is not None or example_kwargs is not None:
+        args, kwargs = _split_examples(example_inputs, example_kwargs)
+        opt(*args, **kwargs)
+    return opt

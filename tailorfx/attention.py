@@ -1,0 +1,276 @@
+"""Attention specs: which keys each query sees, as callables with a dense reference and costs.
+
+    spec = SlidingWindow(512, global_tokens=4)
+    out = spec(q, k, v, document_ids=doc)   # q (B, H, S, D); k, v (B, H_kv, S, D); doc (B, S)
+    spec.dense_mask(S, H)                   # (1, 1, S, S) bool: the same pattern, explicitly
+    spec.flops(B, H, S, D), spec.extra_bytes(B, H, S, D, 2)   # what a planner compares
+
+Every spec is causal unless ``causal=False``, scales scores by ``scale`` (default 1/sqrt(D)),
+and with ``document_ids`` never attends across documents. The kernels behind the calls
+(``tailorfx.runtime.attention_kernels``) are O(S x keys per query) in memory, forward and
+backward, and are opaque custom ops, so a compiled graph keeps them as one node each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tailorfx.runtime.attention_kernels import dilated_attention, sparse_attention
+from tailorfx.runtime.attention_tiles import KV_CHUNK, TILE, bigbird_random_blocks
+
+__all__ = [
+    "AttentionSpec", "Exact", "SlidingWindow", "BigBird", "Dilated",
+    "masked_attention", "dense_extra_bytes",
+]
+
+# Matmul FLOPs per attended (query, key) pair and head dim: QK^T and PV forward; recompute of
+# QK^T plus dV, dP, dQ, dK backward.
+_FWD_FLOPS, _BWD_FLOPS = 4, 10
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, weights: Tensor, scale: Optional[float] = None) -> Tensor:
+    """Dense eager reference: softmax over keys with multiplicities ``weights`` (bool or counts).
+
+    ``weights`` broadcasts to (B, H, S, S); a key of weight c counts c times in the softmax. Rows
+    with no key give a zero output (and zero gradients), not nan.
+    """
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if weights.dtype == torch.bool:
+        s = s.masked_fill(~weights, float("-inf"))
+    else:
+        s = s + torch.log(weights.to(s.dtype))
+    live = weights.bool().any(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(~live, 0.0), -1) * live
+    return torch.matmul(p, v)
+
+
+def dense_extra_bytes(B: int, H: int, S: int, D: int, dtype_bytes: int) -> int:
+    """Training bytes beyond q/k/v/out of ``masked_attention``: mask, scores, probs and grads."""
+    return B * H * S * S * (3 * dtype_bytes + 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSpec:
+    """Base of the specs; subclasses define the pattern, its kernel and its pair count."""
+
+    causal: bool = True
+    scale: Optional[float] = None
+    tile: int = TILE  # query rows per block of the kernels: speed only, results do not change
+    kv_chunk: int = KV_CHUNK  # keys per matmul: bounds the transient (tile x keys) scores
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor] = None) -> Tensor:
+        batch, heads, seq, dim = q.shape
+        if k.shape != v.shape or k.shape[0] != batch or k.shape[2] != seq or k.shape[3] != dim:
+            raise ValueError(f"{type(self).__name__}: q {tuple(q.shape)} vs k/v {tuple(k.shape)}")
+        if heads % k.shape[1]:
+            raise ValueError(f"{type(self).__name__}: {heads} query heads, {k.shape[1]} kv heads")
+        if document_ids is not None and document_ids.shape != (batch, seq):
+            raise ValueError(f"document_ids {tuple(document_ids.shape)}, expected {(batch, seq)}")
+        scale = self.scale if self.scale is not None else dim**-0.5
+        return self._run(q, k, v, document_ids, scale)
+
+    def dense_weights(self, S: int, num_heads: int, document_ids: Optional[Tensor] = None, device=None) -> Tensor:
+        """(B or 1, H or 1, S, S) int: how often each key counts for each query (0 = masked)."""
+        w = self._pattern_weights(S, num_heads, device)
+        if self.causal:
+            i = torch.arange(S, device=device)
+            w = w * (i[None, :] <= i[:, None])
+        if document_ids is not None:
+            doc = document_ids.to(device)
+            w = w * (doc[:, None, :, None] == doc[:, None, None, :])
+        return w if w.dim() == 4 else w[None]
+
+    def dense_mask(self, S: int, num_heads: int, document_ids: Optional[Tensor] = None, device=None) -> Tensor:
+        """(B or 1, H or 1, S, S) bool: True where query i attends key j. The kernels' reference."""
+        return self.dense_weights(S, num_heads, document_ids, device) > 0
+
+    def reference(self, q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor] = None) -> Tensor:
+        """Dense eager attention with the explicit mask (O(S^2) memory): for tests and baselines."""
+        w = self.dense_weights(q.shape[2], q.shape[1], document_ids, q.device)
+        return masked_attention(q, k, v, w if w.max() > 1 else w > 0, self.scale)
+
+    def num_pairs(self, S: int, num_heads: int) -> int:
+        """Attended (head, query, key) triples of one sequence, with multiplicity, no documents."""
+        raise NotImplementedError
+
+    def flops(self, B: int, H: int, S: int, D: int, *, backward: bool = True) -> int:
+        """Matmul FLOPs of the attended pairs (documents only lower this): forward (+ backward)."""
+        return B * self.num_pairs(S, H) * D * (_FWD_FLOPS + (_BWD_FLOPS if backward else 0))
+
+    def extra_bytes(self, B: int, H: int, S: int, D: int, dtype_bytes: int) -> int:
+        """Training bytes beyond q/k/v/out (and their grads): O(S), never O(S^2).
+
+        Saved lse (fp32), one tile's scores/probs/grads, and fp32 grad accumulators when the
+        inputs are narrower than fp32.
+        """
+        widen = 3 * B * H * S * D * 4 if dtype_bytes < 4 else 0
+        return 4 * B * H * S + 3 * 4 * B * H * self.tile * self.kv_chunk + widen
+
+    def _pattern_weights(self, S: int, num_heads: int, device) -> Tensor:
+        raise NotImplementedError
+
+    def _run(self, q, k, v, document_ids, scale) -> Tensor:
+        raise NotImplementedError
+
+
+def _causal_pairs(S: int, causal: bool) -> int:
+    return S * (S + 1) // 2 if causal else S * S
+
+
+@dataclass(frozen=True)
+class Exact(AttentionSpec):
+    """Exact attention. No documents: SDPA (CPU flash: O(S) memory); documents: block-sparse."""
+
+    def _pattern_weights(self, S, num_heads, device):
+        return torch.ones(1, S, S, dtype=torch.int64, device=device)
+
+    def num_pairs(self, S, num_heads):
+        return num_heads * _causal_pairs(S, self.causal)
+
+    def _run(self, q, k, v, document_ids, scale):
+        if document_ids is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=scale, enable_gqa=True)
+        return sparse_attention(q, k, v, document_ids, "full", [], scale, self.causal, self.tile, self.kv_chunk)[0]
+
+
+@dataclass(frozen=True)
+class SlidingWindow(AttentionSpec):
+    """Query i sees keys i - window < j <= i (Mistral's ``sliding_window``); the first
+    ``global_tokens`` tokens see and are seen by all. Without causality: |i - j| < window."""
+
+    window: int
+    global_tokens: int = 0
+
+    def __post_init__(self):
+        if self.window < 1 or self.global_tokens < 0:
+            raise ValueError(f"SlidingWindow: window {self.window}, global_tokens {self.global_tokens}")
+
+    def _pattern_weights(self, S, num_heads, device):
+        i = torch.arange(S, device=device)[:, None]
+        j = torch.arange(S, device=device)[None, :]
+        g = self.global_tokens
+        near = (j > i - self.window) & (j < i + self.window)
+        return (near | (i < g) | (j < g)).long()[None]
+
+    def num_pairs(self, S, num_heads):
+        i = torch.arange(S, dtype=torch.int64)
+        w, g = self.window, self.global_tokens
+        global_left = torch.clamp(torch.clamp(i - w + 1, min=0), max=g)
+        if self.causal:
+            per_query = torch.clamp(i + 1, max=w) + global_left
+            per_query = torch.where(i < g, i + 1, per_query)
+        else:
+            band = torch.clamp(i + w, max=S) - torch.clamp(i - w + 1, min=0)
+            per_query = torch.where(i < g, torch.full_like(i, S), band + global_left)
+        return num_heads * int(per_query.sum())
+
+    def _run(self, q, k, v, document_ids, scale):
+        params = [self.window, self.global_tokens]
+        return sparse_attention(q, k, v, document_ids, "window", params, scale, self.causal, self.tile, self.kv_chunk)[0]
+
+
+@dataclass(frozen=True)
+class BigBird(AttentionSpec):
+    """Blocks of ``block`` tokens: query block qi sees key blocks qi - window .. qi + window, the
+    first ``num_global`` blocks (which also see all), and ``num_random`` random blocks per query
+    block drawn with ``seed`` from the blocks it does not see yet (for causal specs, from its
+    past); then the causal mask applies. The random blocks are shared by all heads and rows."""
+
+    block: int
+    window: int
+    num_global: int
+    num_random: int
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.block < 1 or min(self.window, self.num_global, self.num_random) < 0:
+            raise ValueError(f"BigBird: invalid parameters {self}")
+
+    def _block_rows(self, qb0: int, qb1: int, num_blocks: int) -> Tensor:
+        qb = torch.arange(qb0, qb1)[:, None]
+        kb = torch.arange(num_blocks)[None, :]
+        rand = bigbird_random_blocks(num_blocks, self.window, self.num_global, self.num_random, self.seed, self.causal)
+        picked = (rand[qb0:qb1, None, :] == kb[..., None]).any(-1)
+        return ((kb - qb).abs() <= self.window) | (kb < self.num_global) | (qb < self.num_global) | picked
+
+    def _pattern_weights(self, S, num_heads, device):
+        nb = -(-S // self.block)
+        blk = torch.arange(S) // self.block
+        return self._block_rows(0, nb, nb)[blk[:, None], blk[None, :]].long()[None].to(device)
+
+    def num_pairs(self, S, num_heads):
+        nb = -(-S // self.block)
+        size = torch.clamp(S - torch.arange(nb) * self.block, max=self.block)
+        total = 0
+        for qb0 in range(0, nb, 1024):  # rows of blocks in slabs: O(nb) memory per slab
+            qb1 = min(qb0 + 1024, nb)
+            pairs = size[qb0:qb1, None] * size[None, :]
+            if self.causal:
+                qb, kb = torch.arange(qb0, qb1)[:, None], torch.arange(nb)[None, :]
+                diag = size[qb0:qb1, None] * (size[qb0:qb1, None] + 1) // 2
+                pairs = torch.where(kb < qb, pairs, torch.where(kb == qb, diag, 0))
+            total += int((pairs * self._block_rows(qb0, qb1, nb)).sum())
+        return num_heads * total
+
+    def _run(self, q, k, v, document_ids, scale):
+        params = [self.block, self.window, self.num_global, self.num_random, self.seed]
+        return sparse_attention(q, k, v, document_ids, "bigbird", params, scale, self.causal, self.tile, self.kv_chunk)[0]
+
+
+@dataclass(frozen=True)
+class Dilated(AttentionSpec):
+    """LongNet dilated attention. For head h and group (w, r): segments of w tokens; positions
+    p (from the segment start) with p % r == h % r attend each other. Groups combine through
+    their softmax denominators: a key counts once per group joining it to the query. A query no
+    group selects gets a zero output."""
+
+    segments: tuple[int, ...] = field(default=())
+    rates: tuple[int, ...] = field(default=())
+
+    def __post_init__(self):
+        object.__setattr__(self, "segments", tuple(int(w) for w in self.segments))
+        object.__setattr__(self, "rates", tuple(int(r) for r in self.rates))
+        if not self.segments or len(self.segments) != len(self.rates):
+            raise ValueError(f"Dilated: segments {self.segments} and rates {self.rates}")
+        if min(self.segments) < 1 or min(self.rates) < 1:
+            raise ValueError(f"Dilated: segments and rates must be positive: {self}")
+
+    def _pattern_weights(self, S, num_heads, device):
+        i = torch.arange(S, device=device)
+        h = torch.arange(num_heads, device=device)[:, None]
+        counts = torch.zeros(num_heads, S, S, dtype=torch.int64, device=device)
+        for w, r in zip(self.segments, self.rates):
+            seg, pos = i // w, i % w
+            chosen = (pos[None, :] % r) == (h % r)  # (H, S)
+            same = seg[:, None] == seg[None, :]
+            counts += (chosen[:, :, None] & chosen[:, None, :] & same).long()
+        return counts
+
+    def num_pairs(self, S, num_heads):
+        total = 0
+        for w, r in zip(self.segments, self.rates):
+            for h in range(num_heads):
+                o = h % r
+                for length, count in ((w, S // w), (S % w, 1)):
+                    m = max(0, -(-(length - o) // r))
+                    total += count * _causal_pairs(m, self.causal)
+        return total
+
+    def extra_bytes(self, B, H, S, D, dtype_bytes):
+        # Per group: packed q, k, v, out, dout copies; plus the fp32 output/lse accumulators.
+        packed = 5 * B * H * S * D * dtype_bytes // min(self.rates)
+        return super().extra_bytes(B, H, S, D, dtype_bytes) + packed + 4 * B * H * S * D
+
+    def _run(self, q, k, v, document_ids, scale):
+        return dilated_attention(
+            q, k, v, document_ids, list(self.segments), list(self.rates), scale, self.causal,
+            self.tile, self.kv_chunk,
+        )[0]
+

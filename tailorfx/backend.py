@@ -1,0 +1,107 @@
+"""The torch.compile backend "tailorfx": analyse, plan, rewrite and lower each Dynamo graph.
+
+`optimize()` and `torch.compile(model, backend="tailorfx")` share this path, so both see and do
+the same thing. A graph the pipeline cannot handle is lowered unchanged and the reason recorded.
+"""
+from __future__ import annotations
+
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from tailorfx import planner
+from tailorfx.codegen import lower as lowering_mod
+from tailorfx.rewrite import memory
+from tailorfx.rewrite.capture import SeqInfo, seq_info
+from tailorfx.rewrite.passes import PassContext, PassManager, PassRecord
+from tailorfx.rewrite.regions import RegionMap, find_regions
+
+
+@dataclass
+class GraphRecord:
+    """Everything tailorfx did to one Dynamo graph."""
+    index: int
+    original: fx.GraphModule
+    rewritten: fx.GraphModule
+    regions: RegionMap
+    seq: SeqInfo
+    plan: planner.Plan
+    records: list[PassRecord]
+    lowering: str
+    warnings: list[str] = field(default_factory=list)
+    peak_captured: Optional[int] = None     # predicted peak of the graph as captured
+    peak_final: Optional[int] = None        # ... after every pass
+
+
+@dataclass
+class Session:
+    """Graphs compiled by one backend instance, in the order Dynamo handed them over."""
+    graphs: list[GraphRecord] = field(default_factory=list)
+    seq_len: Optional[int] = None
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Options:
+    passes: Optional[tuple[str, ...]] = None
+    pass_options: tuple = ()          # sorted (key, value) pairs, hashable
+    lowering: str = "auto"
+    predict: bool = True
+    verify: bool = True
+
+    def options_dict(self) -> dict:
+        return dict(self.pass_options)
+
+
+class TailorBackend:
+    """A Dynamo backend: (GraphModule, example_inputs) -> compiled callable."""
+
+    def __init__(self, options: Options = Options(), session: Optional[Session] = None):
+        self.options = options
+        self.session = session if session is not None else Session()
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        idx = len(self.session.graphs)
+        seq = seq_info(gm, self.session.seq_len)
+        lowering = lowering_mod.resolve_lowering(self.options.lowering, example_inputs)
+        partition = lowering_mod.partition_for(lowering)
+        regions = find_regions(gm, seq)
+        notes: list[str] = []
+        original = gm   # passes are pure: they clone before they rewrite
+        plan = planner.Plan((), {}, "not planned")
+        records: list[PassRecord] = []
+        rewritten = gm
+        peaks = (None, None)
+        try:
+            opts = self.options.options_dict()
+            plan = planner.choose(self.options.passes, regions, opts)
+            predict = self._predictor(seq, partition) if self.options.predict else None
+            pm = PassManager(planner.build_pipeline(plan), predict=predict, run_verify=self.options.verify)
+            rewritten, records = pm.run(gm, PassContext(regions, seq, opts, idx))
+            peaks = (pm.initial_peak, records[-1].peak_after if records else pm.initial_peak)
+        except ValueError:
+            raise   # bad user options: say so, do not hide it behind a fallback
+        except Exception as e:   # an unsupported graph: leave it as it was, and say why
+            notes.append(f"graph {idx}: passes failed, graph left unchanged: {type(e).__name__}: {e}")
+            warnings.warn(notes[-1])
+            traceback.print_exc()
+            rewritten = original
+        self.session.graphs.append(GraphRecord(idx, original, rewritten, regions, seq, plan, records,
+                                               lowering, notes, *peaks))
+        return lowering_mod.lower(rewritten, example_inputs, lowering)
+
+    @staticmethod
+    def _predictor(seq: SeqInfo, partition: str) -> Callable[[fx.GraphModule], int]:
+        def predict(g: fx.GraphModule) -> int:
+            est = memory.simulate_step([memory.trace_step(g, None, partition)], seq, seq.length or None)
+            return est.peak_bytes
+        return predict
+
+
+def tailorfx_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
+    """Entry point for `torch.compile(model, backend="tailorfx")`: the planner's default passes."""
+    return TailorBackend()(gm, example_inputs)

@@ -1,0 +1,1 @@
+"""Turns rewritten graphs into things that run."""

@@ -1,0 +1,39 @@
+"""Lowering: AOTAutograd splits forward/backward; each runs as fx code (eager) or through Inductor."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from tailorfx.rewrite import compat
+
+LOWERINGS = ("eager", "inductor")
+
+
+def resolve_lowering(lowering: str, example_inputs: Sequence) -> str:
+    """'auto' is Inductor on CUDA (Triton kernels) and eager on CPU, where the memory model is exact."""
+    if lowering == "auto":
+        cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+        return "inductor" if cuda else "eager"
+    if lowering not in LOWERINGS:
+        raise ValueError(f"lowering must be 'auto' or one of {LOWERINGS}, got {lowering!r}")
+    return lowering
+
+
+def partition_for(lowering: str) -> str:
+    """The partitioner each lowering uses, so the memory model traces the same split."""
+    return "min_cut" if lowering == "inductor" else "default"
+
+
+def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str) -> Callable:
+    """Compile a (rewritten) Dynamo graph for training; returns Dynamo's boxed callable."""
+    if lowering == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, list(example_inputs))
+
+    def eager(g: fx.GraphModule, _):
+        return compat.make_boxed_func(g.forward)
+
+    return compat.aot_module_simplified(gm, list(example_inputs), fw_compiler=eager,
+                                        bw_compiler=eager, partition_fn=compat.default_partition)

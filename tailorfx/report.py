@@ -1,0 +1,103 @@
+"""opt.report(): what was captured, what each pass rewrote, and the predicted peak it left."""
+from __future__ import annotations
+
+import io
+from typing import Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from tailorfx.budget import Budget, format_bytes
+
+
+class Report:
+    """A readable report (rich tables); str() gives plain text, rich renders it in colour."""
+
+    def __init__(self, session, budget: Optional[Budget], eager_reason: Optional[str]):
+        self.session = session
+        self.budget = budget
+        self.eager_reason = eager_reason
+
+    def tables(self) -> list:
+        out = []
+        regions = Table(title="Regions found", show_lines=False)
+        for col in ("graph", "kind", "module", "nodes", "token-wise"):
+            regions.add_column(col)
+        for g in self.session.graphs:
+            for r in g.regions.regions:
+                regions.add_row(str(g.index), r.kind, r.path, str(len(r.nodes)),
+                                "yes" if r.token_wise else "no")
+        out.append(regions)
+        passes = Table(title="Passes")
+        for col in ("graph", "pass", "changed", "regions rewritten", "peak before", "peak after", "time"):
+            passes.add_column(col)
+        for g in self.session.graphs:
+            if not g.records:
+                passes.add_row(str(g.index), "(none)", "-", "-", "-", "-", "-")
+            for r in g.records:
+                touched = ", ".join(r.touched) or "-"
+                passes.add_row(str(g.index), r.name, "yes" if r.changed else "no", touched,
+                               _fmt(r.peak_before), _fmt(r.peak_after), f"{r.seconds:.2f}s")
+        out.append(passes)
+        skipped = [(g.index, r.name, s) for g in self.session.graphs for r in g.records for s in r.skipped]
+        if skipped:
+            t = Table(title="Regions left unchanged")
+            for col in ("graph", "pass", "region: reason"):
+                t.add_column(col)
+            for i, name, s in skipped:
+                t.add_row(str(i), name, s)
+            out.append(t)
+        return out
+
+    def lines(self) -> list[str]:
+        head = [f"tailorfx: {len(self.session.graphs)} graph(s) captured"]
+        if self.budget is not None:
+            head.append(f"budget: {self.budget}")
+        for g in self.session.graphs:
+            head.append(f"graph {g.index}: lowering={g.lowering}, plan: {g.plan}, "
+                        f"sequence symbol={g.seq.symbol} (S={g.seq.length})")
+            if g.peak_captured is not None:
+                head.append(f"graph {g.index}: predicted peak of one step (params + forward + backward): "
+                            f"{_fmt(g.peak_captured)} as captured, {_fmt(g.peak_final)} rewritten")
+        warns = list(self.session.warnings) + [w for g in self.session.graphs for w in g.warnings]
+        if self.eager_reason:
+            warns.insert(0, self.eager_reason)
+        head += [f"WARNING: {w}" for w in warns]
+        return head
+
+    def __rich_console__(self, console, options):
+        for line in self.lines():
+            yield line
+        yield from self.tables()
+
+    def __str__(self) -> str:
+        buf = io.StringIO()
+        Console(file=buf, width=140, force_terminal=False, color_system=None).print(self)
+        return buf.getvalue()
+
+    __repr__ = __str__
+
+
+def _fmt(n: Optional[int]) -> str:
+    return format_bytes(n) if n is not None else "-"
+
+
+def plot_timeline(path: str, before, after, measured: Optional[int] = None) -> str:
+    """Predicted live bytes over one step, before and after the passes, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for est, label in ((before, "predicted, as captured"), (after, "predicted, rewritten")):
+        ys = [(est.static_bytes + b) / 2**20 for _, _, b in est.timeline.points]
+        ax.plot(range(len(ys)), ys, label=f"{label} (peak {format_bytes(est.peak_bytes)})")
+    if measured is not None:
+        ax.axhline((after.static_bytes + measured) / 2**20, color="k", ls="--",
+                   label=f"measured peak {format_bytes(after.static_bytes + measured)}")
+    ax.set_xlabel("op (forward, then backward)")
+    ax.set_ylabel("live MiB")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,1 @@
+"""The IR layer: capture, analyses, the memory model and the pass machinery."""

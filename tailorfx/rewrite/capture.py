@@ -1,0 +1,105 @@
+"""Capture: mark the sequence dimension dynamic and let Dynamo hand graphs to a backend.
+
+Marking the sequence dim dynamic makes every tensor size that depends on it a sympy expression in
+one symbol, so analyses find sequence dims exactly and the memory model predicts any length from
+one capture.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import sympy
+import torch
+import torch.fx as fx
+
+from tailorfx.rewrite import compat
+
+
+def mark_sequence_dims(args: tuple, kwargs: dict, seq_dim: int = 1) -> Optional[int]:
+    """Mark `seq_dim` of every integer (B, S) or float (B, S, H) input dynamic; return S (or None)."""
+    seq_len = None
+    for t in list(args) + list(kwargs.values()):
+        if not isinstance(t, torch.Tensor) or t.dim() <= seq_dim:
+            continue
+        integer = not t.is_floating_point()
+        if (integer and t.dim() == 2) or (not integer and t.dim() == 3):
+            if t.shape[seq_dim] >= 2:
+                compat.maybe_mark_dynamic(t, seq_dim)
+                seq_len = seq_len or int(t.shape[seq_dim])
+    return seq_len
+
+
+@dataclass
+class SeqInfo:
+    """How to recognise the sequence dimension in one captured graph."""
+    symbol: Optional[sympy.Symbol]   # the dynamic sequence length, if the capture kept it symbolic
+    length: int                      # its value in the example inputs
+    hints: dict = field(default_factory=dict)   # every shape symbol -> its traced value
+
+    def dims(self, t: Any) -> tuple[int, ...]:
+        """Dimensions of tensor t whose size depends on the sequence length."""
+        if not isinstance(t, torch.Tensor):
+            return ()
+        out = []
+        for i, s in enumerate(t.shape):
+            e = compat.sym_expr(s)
+            if self.symbol is not None:
+                if self.symbol in e.free_symbols:
+                    out.append(i)
+            elif self.length > 1 and e.is_Integer and int(e) % self.length == 0 and int(e) > 1:
+                # static capture: a size equal to S (or B*S rows) is taken as a sequence dim
+                q = int(e) // self.length
+                if q == 1 or (i == 0 and q <= 64):
+                    out.append(i)
+        return tuple(out)
+
+
+def node_value(node: fx.Node) -> Any:
+    """The fake value Dynamo or AOTAutograd recorded for a node."""
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def seq_info(gm: fx.GraphModule, seq_len: Optional[int]) -> SeqInfo:
+    """Find the sequence symbol: the SymInt placeholder whose hint equals the example length."""
+    fake_mode = compat.detect_fake_mode([node_value(n) for n in gm.graph.nodes if n.op == "placeholder"])
+    hints = compat.shape_env_hints(fake_mode) if fake_mode is not None else {}
+    symbol = None
+    for n in gm.graph.nodes:
+        v = node_value(n)
+        if n.op == "placeholder" and isinstance(v, torch.SymInt):
+            e = compat.sym_expr(v)
+            if isinstance(e, sympy.Symbol) and (seq_len is None or hints.get(e) == seq_len):
+                symbol = e
+                break
+    if symbol is not None and seq_len is None:
+        seq_len = int(hints.get(symbol, 0))
+    return SeqInfo(symbol=symbol, length=int(seq_len or 0), hints=hints)
+
+
+@dataclass
+class Captured:
+    """One Dynamo subgraph as the backend received it."""
+    gm: fx.GraphModule
+    example_inputs: list
+    seq: SeqInfo
+
+
+def capture_graphs(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict] = None,
+                   seq_dim: int = 1) -> tuple[list[Captured], Any]:
+    """Run `model` once through Dynamo with a recording backend; return the subgraphs and output.
+
+    Works under a FakeTensorMode too (a model built there costs no memory), which is how very large
+    configs are analysed on a small machine.
+    """
+    kwargs = dict(kwargs or {})
+    seq_len = mark_sequence_dims(args, kwargs, seq_dim)
+    graphs: list[Captured] = []
+
+    def record(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        graphs.append(Captured(gm, list(example_inputs), seq_info(gm, seq_len)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=record, dynamic=None)(*args, **kwargs)
+    return graphs, out

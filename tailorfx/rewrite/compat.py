@@ -1,0 +1,38 @@
+"""Every private PyTorch API tailorfx touches, in one place, so a torch upgrade breaks here first."""
+from __future__ import annotations
+
+import torch
+from torch._dynamo import maybe_mark_dynamic  # noqa: F401
+from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401
+from torch._functorch.aot_autograd import make_boxed_func  # noqa: F401
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition  # noqa: F401
+from torch._guards import detect_fake_mode  # noqa: F401
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401
+
+
+def compile_fx_inner():
+    """Inductor's per-graph compiler (imported lazily: importing Inductor costs seconds)."""
+    from torch._inductor.compile_fx import compile_fx_inner as inner
+    return inner
+
+
+def profiler_memory_events(prof) -> list[tuple[int, int]]:
+    """(start_ns, nbytes) of every CPU allocator event a profiler saw; frees have negative nbytes."""
+    events = prof.profiler.kineto_results.events()
+    return sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+
+
+def sym_expr(x):
+    """The sympy expression behind an int or SymInt."""
+    import sympy
+    if isinstance(x, torch.SymInt):
+        return x.node.expr
+    return sympy.Integer(int(x))
+
+
+def shape_env_hints(fake_mode) -> dict:
+    """Symbol -> the value it had when traced (the 'hint')."""
+    env = getattr(fake_mode, "shape_env", None)
+    if env is None:
+        return {}
+    return dict(getattr(env, "backed_var_to_val", None) or env.var_to_val)

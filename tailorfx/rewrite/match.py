@@ -1,0 +1,118 @@
+"""Matching helpers over Dynamo (torch-level) and ATen fx graphs. Matching never mutates."""
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from tailorfx.rewrite.capture import node_value
+
+
+def op_name(node: fx.Node) -> str:
+    """A short name for what a node computes: 'linear', 'softmax', 'scaled_dot_product_attention'."""
+    t = node.target
+    if node.op == "call_method":
+        return str(t)
+    if node.op != "call_function":
+        return node.op
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1]
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t._qualified_op_name.split("::")[-1]
+    return getattr(t, "__name__", str(t))
+
+
+MATMUL_OPS = frozenset({"linear", "addmm", "mm", "matmul", "bmm", "baddbmm", "einsum", "conv1d"})
+ATTENTION_OPS = frozenset({
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "flex_attention", "_scaled_dot_product_cudnn_attention",
+})
+NORM_OPS = frozenset({"layer_norm", "rms_norm", "group_norm", "native_layer_norm", "_fused_rms_norm"})
+STAT_OPS = frozenset({"rsqrt", "var", "var_mean", "std"})
+LOSS_OPS = frozenset({"cross_entropy", "nll_loss", "nll_loss_forward", "nll_loss2d_forward"})
+# Ops whose `dim` argument decides whether they mix sequence positions.
+DIM_OPS = frozenset({
+    "softmax", "log_softmax", "_softmax", "_log_softmax", "cumsum", "cumprod", "logcumsumexp",
+    "sort", "argsort", "flip", "roll", "cat", "concat", "narrow", "split", "chunk", "tensor_split",
+    "mean", "sum", "amax", "amin", "max", "min", "var", "std", "logsumexp", "norm", "topk",
+    "cummax", "cummin", "diff", "unbind",
+})
+
+
+def tensors_in(x: Any) -> list[torch.Tensor]:
+    """Tensor values found in a (nested) fx argument structure or value."""
+    out: list[torch.Tensor] = []
+
+    def visit(a):
+        if isinstance(a, fx.Node):
+            visit(node_value(a))
+        elif isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                visit(b)
+        elif isinstance(a, dict):
+            for b in a.values():
+                visit(b)
+    visit(x)
+    return out
+
+
+def dim_arg(node: fx.Node) -> Any:
+    """The `dim` argument of a node, positional or keyword (None if absent).
+
+    With `self` counted as the first argument (as call_method nodes and ATen ops both do), `dim`
+    is the second argument, except for split-like ops where a size or count comes first.
+    """
+    if "dim" in node.kwargs:
+        return node.kwargs["dim"]
+    pos = 2 if op_name(node) in ("split", "chunk", "tensor_split", "split_with_sizes") else 1
+    return node.args[pos] if len(node.args) > pos else None
+
+
+def getitem_dims(index: Any, ndim: int) -> dict[int, Any]:
+    """Map each input dim to the index element applied to it, for `x[index]`."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
+    out: dict[int, Any] = {}
+    d = 0
+    for i in index:
+        if i is None:
+            continue
+        if i is Ellipsis:
+            d += ndim - consumed
+            continue
+        out[d] = i
+        d += 1
+    return out
+
+
+def is_full_slice(s: Any) -> bool:
+    return isinstance(s, slice) and s.start in (None, 0) and s.stop is None and s.step in (None, 1)
+
+
+def users_closure(starts: Iterable[fx.Node]) -> list[fx.Node]:
+    """Every node reachable from `starts` through users, in graph order."""
+    seen: set[fx.Node] = set()
+    stack = list(starts)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.users)
+    order = {n: i for i, n in enumerate(next(iter(seen)).graph.nodes)} if seen else {}
+    return sorted(seen, key=order.__getitem__)
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def is_functional_call(node: fx.Node, fn: Any) -> bool:
+    return node.op == "call_function" and node.target in (fn, getattr(F, getattr(fn, "__name__", ""), None))

@@ -1,0 +1,232 @@
+"""Regions of a captured graph: transformer blocks, attention, MLP, norms, LM head + loss.
+
+Found from `nn_module_stack` metadata and dataflow, never from class names, so any architecture
+works. Each node is also classified by how it treats sequence positions:
+  token  - output at position s depends only on inputs at position s (chunkable along S)
+  mix    - mixes positions (attention, softmax over keys, shifts, scans)
+  reduce - sums over tokens into a scalar (a loss): chunkable by summing partial results
+  const  - touches no sequence-shaped tensor (parameters, RoPE tables' frequencies)
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from tailorfx.rewrite import match
+from tailorfx.rewrite.capture import SeqInfo, node_value
+
+KINDS = ("block", "attention", "mlp", "norm", "lm_head_loss")
+
+
+@dataclass(frozen=True)
+class Region:
+    """A named set of graph nodes that a pass may rewrite as a unit."""
+    kind: str                      # one of KINDS
+    path: str                      # module path, e.g. "model.layers.0.mlp"
+    nodes: tuple[str, ...]         # node names, in graph order
+    token_wise: bool               # no node mixes sequence positions (reduce allowed for losses)
+    inputs: tuple[str, ...] = ()   # activations flowing in (not parameters)
+    params: tuple[str, ...] = ()   # parameter/buffer placeholders used
+    outputs: tuple[str, ...] = ()  # nodes used outside the region
+    note: str = ""
+
+    def __str__(self) -> str:
+        tw = "token-wise" if self.token_wise else "mixes positions"
+        return f"{self.kind:<13} {self.path:<40} {len(self.nodes):>4} nodes  {tw}" + (
+            f"  ({self.note})" if self.note else "")
+
+
+@dataclass
+class RegionMap:
+    """All regions of one graph plus the per-node sequence classification."""
+    regions: list[Region] = field(default_factory=list)
+    node_class: dict[str, str] = field(default_factory=dict)
+
+    def of_kind(self, kind: str) -> list[Region]:
+        return [r for r in self.regions if r.kind == kind]
+
+    def counts(self) -> dict[str, int]:
+        return {k: len(self.of_kind(k)) for k in KINDS}
+
+
+_PATH_PARTS = re.compile(r"\._modules\['([^']+)'\]|\['([^']+)'\]|\[(\d+)\]")
+
+
+def normalize_path(p: str) -> str:
+    """"L['self'].model.layers[0]._modules['mlp']" -> "model.layers.0.mlp"."""
+    p = p.replace("L['self']", "", 1) if p.startswith("L['self']") else p
+    p = _PATH_PARTS.sub(lambda m: "." + (m.group(1) or m.group(2) or m.group(3)), p)
+    return p.strip(".")
+
+
+def module_paths(node: fx.Node) -> list[str]:
+    """Module paths enclosing a node, outermost first (root excluded)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [normalize_path(v[0] if isinstance(v, tuple) else str(v)) for v in stack.values()]
+    return [p for p in paths if p]
+
+
+def is_param(node: fx.Node) -> bool:
+    """A placeholder that carries a parameter or buffer (Dynamo lifts them as graph inputs)."""
+    if node.op == "get_attr":
+        return True
+    if node.op != "placeholder":
+        return False
+    v = node_value(node)
+    return isinstance(v, torch.nn.Parameter) or "_parameters_" in node.name or "_buffers_" in node.name
+
+
+def classify(node: fx.Node, seq: SeqInfo) -> str:
+    """token | mix | reduce | const, see the module docstring."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return "const"
+    ins = match.tensors_in((node.args, node.kwargs))
+    outs = match.tensors_in(node_value(node))
+    in_dims = [seq.dims(t) for t in ins]
+    out_dims = [seq.dims(t) for t in outs]
+    if not any(in_dims) and not any(out_dims):
+        return "const"
+    name = match.op_name(node)
+    if name in match.ATTENTION_OPS or any(len(d) >= 2 for d in in_dims + out_dims):
+        return "mix"
+    if any(in_dims) and outs and not any(out_dims):
+        return "reduce" if all(t.dim() == 0 for t in outs) else "mix"
+    first_dims = next((d for d in in_dims if d), ())
+    if name in match.DIM_OPS and ins:
+        d = match.dim_arg(node)
+        nd = ins[0].dim()
+        dims = d if isinstance(d, (list, tuple)) else [d]
+        if d is None and name not in ("cat", "concat"):
+            return "mix" if name not in ("chunk", "split", "tensor_split") else "token"
+        if d is None:
+            d, dims = 0, [0]
+        if any(isinstance(x, int) and (x % nd if nd else 0) in first_dims for x in dims):
+            return "mix"
+    if match.is_getitem(node) and isinstance(node.args[0], fx.Node) and ins:
+        idx = match.getitem_dims(node.args[1], ins[0].dim())
+        if any(dim in first_dims and not match.is_full_slice(i) for dim, i in idx.items()):
+            return "mix"
+    if name == "pad" and ins:
+        pads = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad", ())
+        nd = ins[0].dim()
+        padded = {nd - 1 - i // 2 for i, v in enumerate(pads) if v}
+        if padded & set(first_dims):
+            return "mix"
+    if name in ("conv1d", "conv2d", "conv_transpose1d", "convolution") and ins and any(
+            dim >= 2 for dim in first_dims):
+        return "mix"
+    return "token"
+
+
+def _block_paths(nodes: list[fx.Node], cls: dict[str, str]) -> list[str]:
+    """Paths of repeated modules (children of a ModuleList) that contain position-mixing nodes."""
+    by_parent: dict[str, set[str]] = defaultdict(set)
+    for n in nodes:
+        if cls.get(n.name) != "mix":
+            continue
+        for p in module_paths(n):
+            head, _, last = p.rpartition(".")
+            if last.isdigit():
+                by_parent[head].add(p)
+                break
+    if not by_parent:
+        return []
+    parent = max(by_parent, key=lambda k: len(by_parent[k]))
+    return sorted(by_parent[parent], key=lambda p: int(p.rpartition(".")[2]))
+
+
+def _child_of(path: str, node: fx.Node) -> Optional[str]:
+    """The module path one level below `path` that encloses node, if any."""
+    for p in module_paths(node):
+        if p.startswith(path + ".") and "." not in p[len(path) + 1:]:
+            return p
+    return None
+
+
+def _make_region(kind: str, path: str, members: list[fx.Node], cls: dict[str, str],
+                 allow_reduce: bool = False, note: str = "") -> Region:
+    member_set = set(members)
+    params: list[str] = []
+    inputs: list[str] = []
+    for n in members:
+        for a in n.all_input_nodes:
+            if a in member_set:
+                continue
+            target = params if is_param(a) else inputs
+            if a.name not in target and isinstance(node_value(a), torch.Tensor):
+                target.append(a.name)
+    outputs = [n.name for n in members if any(u not in member_set for u in n.users)]
+    ok = {"token", "const"} | ({"reduce"} if allow_reduce else set())
+    token_wise = all(cls.get(n.name, "const") in ok for n in members)
+    return Region(kind, path, tuple(n.name for n in members), token_wise,
+                  tuple(inputs), tuple(params), tuple(outputs), note)
+
+
+def _is_norm_module(members: list[fx.Node]) -> bool:
+    names = {match.op_name(n) for n in members}
+    if names & match.MATMUL_OPS or names & match.ATTENTION_OPS:
+        return False
+    return bool(names & match.NORM_OPS) or bool(names & match.STAT_OPS)
+
+
+def find_regions(gm: fx.GraphModule, seq: SeqInfo) -> RegionMap:
+    """Classify every node and group nodes into regions (see the module docstring)."""
+    nodes = list(gm.graph.nodes)
+    cls = {n.name: classify(n, seq) for n in nodes}
+    by_path: dict[str, list[fx.Node]] = defaultdict(list)
+    for n in nodes:
+        if n.op in ("call_function", "call_method", "call_module"):
+            for p in module_paths(n):
+                by_path[p].append(n)
+    rmap = RegionMap(node_class=cls)
+    blocks = _block_paths(nodes, cls)
+    for b in blocks:
+        members = by_path[b]
+        rmap.regions.append(_make_region("block", b, members, cls))
+        mix_children = {_child_of(b, n) for n in members if cls[n.name] == "mix"}
+        attn = next(iter(mix_children)) if len(mix_children) == 1 and None not in mix_children else None
+        if attn is not None:
+            rmap.regions.append(_make_region("attention", attn, by_path[attn], cls))
+        children = sorted({c for n in members if (c := _child_of(b, n)) and c != attn})
+        for c in children:
+            kids = by_path[c]
+            num_mm = sum(match.op_name(n) in match.MATMUL_OPS for n in kids)
+            if num_mm >= 2:
+                rmap.regions.append(_make_region("mlp", c, kids, cls))
+    for p, members in sorted(by_path.items()):
+        innermost = [n for n in members if module_paths(n)[-1] == p]
+        if innermost and len(innermost) == len(members) and _is_norm_module(members):
+            rmap.regions.append(_make_region("norm", p, members, cls))
+    head = _lm_head_loss(nodes, cls, set(blocks))
+    if head is not None:
+        rmap.regions.append(head)
+    order = {k: i for i, k in enumerate(KINDS)}
+    rmap.regions.sort(key=lambda r: (order[r.kind], _path_key(r.path)))
+    return rmap
+
+
+def _path_key(p: str) -> tuple:
+    return tuple(int(x) if x.isdigit() else x for x in p.split("."))
+
+
+def _lm_head_loss(nodes: list[fx.Node], cls: dict[str, str], blocks: set[str]) -> Optional[Region]:
+    """The last matmul outside every block with the widest output, plus the loss after it."""
+    def in_block(n):
+        return any(p in blocks for p in module_paths(n))
+    cands = [n for n in nodes if match.op_name(n) in match.MATMUL_OPS and not in_block(n)
+             and any(is_param(a) for a in n.all_input_nodes)]
+    if not cands:
+        return None
+    width = lambda n: int(node_value(n).shape[-1]) if isinstance(node_value(n), torch.Tensor) else 0
+    head = max(reversed(cands), key=width)
+    down = [n for n in match.users_closure([head]) if n.op != "output" and not in_block(n)]
+    has_loss = any(match.op_name(n) in match.LOSS_OPS or cls.get(n.name) == "reduce" for n in down)
+    paths = module_paths(head)
+    path = paths[-1] if paths else head.name
+    note = "" if has_loss else "no loss in graph (logits only)"
+    return _make_region("lm_head_loss", path, down, cls, allow_reduce=True, note=note)

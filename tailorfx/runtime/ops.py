@@ -1,0 +1,367 @@
+"""Opaque custom ops that run token-wise regions in sequence chunks (Mini-Sequence Transformer).
+
+The ops are ``torch.library.custom_op``s with fake and autograd registrations so AOTAutograd and
+Inductor keep each one as a single node: a plain-torch version would be decomposed back into the
+unchunked pattern and save the full-size intermediates.
+
+    token_chunked(key, seq_inputs, whole_inputs, seq_dim, num_chunks)      # MLP-like regions
+    chunked_linear_cross_entropy(hidden, weight, bias, labels, ...)        # LM head + loss
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["register_region", "get_region", "token_chunked", "chunked_linear_cross_entropy"]
+
+# The only module-level state: region key -> callable. Keys are what graphs store, so they must
+# be stable strings (custom ops cannot take callables as arguments).
+_REGIONS: dict[str, Callable[..., Tensor]] = {}
+
+_AUTOGRAD_KEYS = (
+    torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
+    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor)
+)
+
+
+def register_region(fn: Callable[..., Tensor], key: Optional[str] = None) -> str:
+    """Register ``fn(*seq_inputs, *whole_inputs) -> Tensor`` under ``key`` and return the key.
+
+    Without ``key``, a GraphModule gets a content hash of its code and tensor attributes (equal
+    hashes mean equal functions, so re-registering is a no-op); other callables need ``key``.
+    """
+    if key is None:
+        if not isinstance(fn, torch.fx.GraphModule):
+            raise TypeError("register_region: pass key= for callables that are not GraphModules")
+        key = "region_" + _graph_module_hash(fn)
+        _REGIONS.setdefault(key, fn)
+        return key
+    if key in _REGIONS and _REGIONS[key] is not fn:
+        raise ValueError(f"register_region: key {key!r} already names a different region")
+    _REGIONS[key] = fn
+    return key
+
+
+def get_region(key: str) -> Callable[..., Tensor]:
+    """Look up a registered region; a KeyError names the missing key."""
+    try:
+        return _REGIONS[key]
+    except KeyError:
+        raise KeyError(f"tailorfx region {key!r} is not registered in this process") from None
+
+
+def _graph_module_hash(gm: torch.fx.GraphModule) -> str:
+    # Comment lines carry provenance (source file/line), which must not split equal regions.
+    code = "\n".join(ln for ln in gm.code.splitlines() if not ln.lstrip().startswith("#"))
+    h = hashlib.sha256(code.encode())
+    # Tensor attributes (get_attr constants) are part of the function, not of its code.
+    for name, t in sorted([*gm.named_parameters(), *gm.named_buffers()], key=lambda kv: kv[0]):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+@contextlib.contextmanager
+def _autograd_enabled() -> Iterator[None]:
+    """Re-enable autograd inside a custom-op kernel (the dispatcher runs it below Autograd)."""
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        yield
+
+
+def _num_chunks(seq_inputs: Sequence[Tensor], seq_dim: int, num_chunks: int) -> int:
+    if not seq_inputs:
+        raise ValueError("token_chunked needs at least one sequence input to chunk")
+    return max(1, min(num_chunks, seq_inputs[0].size(seq_dim)))
+
+
+def _acc_dtype(t: Tensor) -> torch.dtype:
+    # Parameter grads summed over chunks: low-precision floats accumulate in fp32.
+    return torch.promote_types(t.dtype, torch.float32) if t.is_floating_point() else t.dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# token_chunked: a registered region run chunk by chunk along the sequence
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tailorfx::token_chunked", mutates_args=())
+def _token_chunked(
+    key: str, seq_inputs: list[Tensor], whole_inputs: list[Tensor], seq_dim: int, num_chunks: int
+) -> Tensor:
+    """Run region ``key`` on chunks of ``seq_inputs`` and concatenate along ``seq_dim``."""
+    fn = get_region(key)
+    n = _num_chunks(seq_inputs, seq_dim, num_chunks)
+    if n == 1:
+        out = fn(*seq_inputs, *whole_inputs).contiguous()
+        if any(out.untyped_storage()._cdata == t.untyped_storage()._cdata for t in
+               (*seq_inputs, *whole_inputs)):
+            out = out.clone()  # custom ops may not return aliases of their inputs
+        return out
+    chunks = [x.tensor_split(n, seq_dim) for x in seq_inputs]
+    out, start = None, 0
+    for i in range(n):
+        y = fn(*(c[i] for c in chunks), *whole_inputs)
+        length = chunks[0][i].size(seq_dim)
+        if y.size(seq_dim) != length:
+            raise RuntimeError(
+                f"token_chunked({key}): region changed the sequence length ({length} -> "
+                f"{y.size(seq_dim)}); only token-wise regions can be chunked"
+            )
+        if out is None:
+            shape = list(y.shape)
+            shape[seq_dim] = seq_inputs[0].size(seq_dim)
+            out = y.new_empty(shape)
+        out.narrow(seq_dim, start, length).copy_(y)
+        start += length
+        del y  # else it stays alive while the next chunk runs
+    return out
+
+
+@_token_chunked.register_fake
+def _token_chunked_fake(key, seq_inputs, whole_inputs, seq_dim, num_chunks):
+    # Runs the region once on the (fake, possibly symbolic) full inputs: costs no memory, and the
+    # shape follows whatever the region computes, including SymInt sequence lengths.
+    with torch.no_grad():
+        y = get_region(key)(*seq_inputs, *whole_inputs)
+    return y.new_empty(y.shape)
+
+
+def _region_chunk_grads(fn, xs, whole, grad_out, seq_grads, whole_acc):
+    """Recompute one chunk and backprop it: writes seq_grads, adds into whole_acc.
+
+    A call per chunk, so the chunk's activations and grads die before the next chunk starts.
+    """
+    wrt = [t for t in (*xs, *whole) if t.requires_grad]
+    grads = iter(torch.autograd.grad(fn(*xs, *whole), wrt, grad_out, allow_unused=True))
+    for x, out in zip(xs, seq_grads):
+        if x.requires_grad:
+            g = next(grads)
+            out.copy_(g) if g is not None else out.zero_()
+    for w, acc in zip(whole, whole_acc):
+        if w.requires_grad and (g := next(grads)) is not None:
+            acc.add_(g)
+
+
+@torch.library.custom_op("tailorfx::token_chunked_backward", mutates_args=())
+def _token_chunked_backward(
+    key: str, grad_out: Tensor, seq_inputs: list[Tensor], whole_inputs: list[Tensor],
+    seq_dim: int, num_chunks: int, seq_needs_grad: list[bool], whole_needs_grad: list[bool],
+) -> list[Tensor]:
+    """Grads of the flagged seq then whole inputs, recomputing the region one chunk at a time."""
+    fn = get_region(key)
+    n = _num_chunks(seq_inputs, seq_dim, num_chunks)
+    seq_grads = [torch.empty_like(x) if need else None for x, need in zip(seq_inputs, seq_needs_grad)]
+    whole = [w.detach().requires_grad_(need) for w, need in zip(whole_inputs, whole_needs_grad)]
+    whole_acc = [torch.zeros_like(w, dtype=_acc_dtype(w)) if need else None
+                 for w, need in zip(whole_inputs, whole_needs_grad)]
+    seq_chunks = [x.tensor_split(n, seq_dim) for x in seq_inputs]
+    grad_chunks = [g.tensor_split(n, seq_dim) if g is not None else [None] * n for g in seq_grads]
+    go_chunks = grad_out.tensor_split(n, seq_dim)
+    with _autograd_enabled():
+        for i in range(n):
+            xs = [c[i].detach().requires_grad_(need) for c, need in zip(seq_chunks, seq_needs_grad)]
+            _region_chunk_grads(fn, xs, whole, go_chunks[i], [g[i] for g in grad_chunks], whole_acc)
+    return [g for g in seq_grads if g is not None] + [
+        acc.to(w.dtype) for acc, w in zip(whole_acc, whole_inputs) if acc is not None
+    ]
+
+
+@_token_chunked_backward.register_fake
+def _token_chunked_backward_fake(key, grad_out, seq_inputs, whole_inputs, seq_dim, num_chunks,
+                                 seq_needs_grad, whole_needs_grad):
+    return [torch.empty_like(x) for x, need in zip(seq_inputs, seq_needs_grad) if need] + [
+        torch.empty_like(w) for w, need in zip(whole_inputs, whole_needs_grad) if need
+    ]
+
+
+def _token_chunked_setup(ctx, inputs, output):
+    key, seq_inputs, whole_inputs, seq_dim, num_chunks = inputs
+    ctx.save_for_backward(*seq_inputs, *whole_inputs)  # inputs only: chunks are recomputed
+    ctx.region = (key, len(seq_inputs), seq_dim, num_chunks)
+
+
+def _token_chunked_grad(ctx, grad_out):
+    key, num_seq, seq_dim, num_chunks = ctx.region
+    saved = ctx.saved_tensors
+    seq_inputs, whole_inputs = list(saved[:num_seq]), list(saved[num_seq:])
+    _, seq_need, whole_need, _, _ = ctx.needs_input_grad
+    grads = iter(torch.ops.tailorfx.token_chunked_backward(
+        key, grad_out, seq_inputs, whole_inputs, seq_dim, num_chunks,
+        list(seq_need), list(whole_need)))
+    seq_grads = [next(grads) if need else None for need in seq_need]
+    whole_grads = [next(grads) if need else None for need in whole_need]
+    return None, seq_grads, whole_grads, None, None
+
+
+_token_chunked.register_autograd(_token_chunked_grad, setup_context=_token_chunked_setup)
+
+
+def token_chunked(key: str, seq_inputs: Sequence[Tensor], whole_inputs: Sequence[Tensor],
+                  seq_dim: int, num_chunks: int) -> Tensor:
+    """``region(*seq_inputs, *whole_inputs)`` computed in ``num_chunks`` pieces along ``seq_dim``."""
+    return torch.ops.tailorfx.token_chunked(key, list(seq_inputs), list(whole_inputs),
+                                            seq_dim, num_chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked_linear_cross_entropy: LM head + loss without the N x V logits
+# ---------------------------------------------------------------------------------------------
+
+
+def _lce_chunk(h, y, w, b, ignore_index, softcap, scale, grad_h, grad_w, grad_b):
+    """Summed loss of one row chunk; writes grad_h and accumulates grad_w/grad_b if not None."""
+    z = F.linear(h, w, b)  # the only chunk x V buffer (plus tanh's under softcap)
+    if softcap is not None:
+        t = torch.tanh(z.div_(softcap))
+        z = t * softcap
+    valid = y != ignore_index
+    target = torch.where(valid, y, 0).unsqueeze(1)
+    picked = z.gather(1, target)
+    # logsumexp and softmax in place over z: torch.logsumexp would allocate another chunk x V.
+    z_max = z.amax(dim=1, keepdim=True)
+    g = z.sub_(z_max).exp_()
+    sum_exp = g.sum(dim=1, keepdim=True)
+    loss = torch.where(valid, (z_max + sum_exp.log() - picked).squeeze(1), 0).sum()
+    if grad_h is None and grad_w is None and grad_b is None:
+        return loss
+    g.div_(sum_exp)
+    g.scatter_add_(1, target, torch.full_like(picked, -1))
+    row_scale = valid.to(g.dtype) if scale is None else valid.to(g.dtype) * scale
+    g.mul_(row_scale.unsqueeze(1))
+    if softcap is not None:
+        g.mul_(t.mul_(t).neg_().add_(1))  # d(c*tanh(z/c))/dz = 1 - tanh^2
+    if grad_h is not None:
+        grad_h.copy_(g @ w)
+    if grad_w is not None:
+        grad_w.addmm_(g.t(), h)
+    if grad_b is not None:
+        grad_b.add_(g.sum(0))
+    return loss
+
+
+def _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, softcap,
+                need_hidden, need_weight, need_bias):
+    """Loss and (if asked) grads for d(loss)/d(inputs) with grad_output 1, one row chunk at a time.
+
+    Math runs in fp32 (fp64 stays fp64). The weight is upcast once, which costs V*H*4 bytes for a
+    bf16 weight; CPU has no mixed-dtype matmul (``mm(..., out_dtype=)``) to avoid that copy.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"chunked_linear_cross_entropy: reduction {reduction!r} not in mean/sum")
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    n = max(1, min(num_chunks, hidden.size(0)))
+    w = weight.to(dtype)
+    b = bias.to(dtype) if bias is not None else None
+    count = (labels != ignore_index).sum()
+    # torch: mean over zero valid labels is nan, but its grads are zero (not nan).
+    scale = 1.0 / count.clamp(min=1).to(dtype) if reduction == "mean" else None
+    total = torch.zeros((), dtype=dtype, device=hidden.device)
+    grad_h = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
+    grad_w = torch.zeros_like(w) if need_weight else None
+    grad_b = torch.zeros_like(b) if need_bias else None
+    grad_h_chunks = grad_h.tensor_split(n) if need_hidden else [None] * n
+    for h, y, gh in zip(hidden.tensor_split(n), labels.tensor_split(n), grad_h_chunks):
+        # One call per chunk, so the chunk x V buffers are freed before the next chunk allocates.
+        total += _lce_chunk(h.to(dtype), y, w, b, ignore_index, softcap, scale, gh, grad_w, grad_b)
+    loss = total / count if reduction == "mean" else total
+    grad_w = grad_w.to(weight.dtype) if need_weight else weight.new_empty(0)
+    grad_b = grad_b.to(bias.dtype) if need_bias else weight.new_empty(0)
+    return loss.to(hidden.dtype), grad_h, grad_w, grad_b
+
+
+@torch.library.custom_op("tailorfx::chunked_linear_cross_entropy", mutates_args=())
+def _lce_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+              ignore_index: int, reduction: str, num_chunks: int,
+              logit_softcap: Optional[float]) -> Tensor:
+    """Loss only; its autograd recomputes the chunks in backward (the 'recompute' mode)."""
+    return _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
+                       logit_softcap, False, False, False)[0]
+
+
+@_lce_loss.register_fake
+def _lce_loss_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap):
+    return hidden.new_empty(())
+
+
+@torch.library.custom_op("tailorfx::chunked_linear_cross_entropy_with_grads", mutates_args=())
+def _lce_with_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                    ignore_index: int, reduction: str, num_chunks: int,
+                    logit_softcap: Optional[float], grad_hidden: bool, grad_weight: bool,
+                    grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, grad_hidden, grad_weight, grad_bias) in one pass; unrequested grads are empty."""
+    return _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
+                       logit_softcap, grad_hidden, grad_weight, grad_bias)
+
+
+@_lce_with_grads.register_fake
+def _lce_with_grads_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
+                         logit_softcap, grad_hidden, grad_weight, grad_bias):
+    return (hidden.new_empty(()),
+            torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if grad_weight else weight.new_empty(0),
+            torch.empty_like(bias) if grad_bias else weight.new_empty(0))
+
+
+def _lce_with_grads_setup(ctx, inputs, output):
+    _, grad_h, grad_w, grad_b = output
+    ctx.mark_non_differentiable(grad_h, grad_w, grad_b)
+    ctx.save_for_backward(grad_h, grad_w, grad_b)
+    ctx.computed = inputs[8:11]
+
+
+def _lce_with_grads_grad(ctx, grad_loss, *_):
+    needs = ctx.needs_input_grad[:3]
+    if any(need and not computed for need, computed in zip(needs, ctx.computed)):
+        raise RuntimeError("chunked_linear_cross_entropy_with_grads: an input needs a grad that "
+                           f"was not computed (needed {needs}, computed {ctx.computed})")
+    grads = [g * grad_loss if need else None for g, need in zip(ctx.saved_tensors, needs)]
+    return (*grads, *[None] * 8)
+
+
+_lce_with_grads.register_autograd(_lce_with_grads_grad, setup_context=_lce_with_grads_setup)
+
+
+def _lce_loss_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], inputs[3])
+    ctx.args = inputs[4:]
+
+
+def _lce_loss_grad(ctx, grad_loss):
+    hidden, weight, bias, labels = ctx.saved_tensors
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    _, gh, gw, gb = torch.ops.tailorfx.chunked_linear_cross_entropy_with_grads(
+        hidden, weight, bias, labels, *ctx.args, need_h, need_w, need_b)
+    return (gh * grad_loss if need_h else None, gw * grad_loss if need_w else None,
+            gb * grad_loss if need_b else None, *[None] * 5)
+
+
+_lce_loss.register_autograd(_lce_loss_grad, setup_context=_lce_loss_setup)
+
+
+def chunked_linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, *,
+    ignore_index: int = -100, reduction: str = "mean", num_chunks: int = 8,
+    logit_softcap: Optional[float] = None, recompute: bool = False,
+) -> Tensor:
+    """``F.cross_entropy(softcap(F.linear(hidden, weight, bias)), labels)`` without N x V logits.
+
+    With grads needed, they are computed during the forward and only scaled in backward (one pass
+    over the vocabulary); ``recompute=True`` saves only the inputs and redoes the pass in backward.
+    Without grads (eval, no_grad), nothing but the loss is computed.
+    """
+    needs = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    if recompute or not (torch.is_grad_enabled() and any(needs)):
+        return torch.ops.tailorfx.chunked_linear_cross_entropy(
+            hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap)
+    return torch.ops.tailorfx.chunked_linear_cross_entropy_with_grads(
+        hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap, *needs)[0]
