@@ -98,8 +98,9 @@ class OptimizedModule(nn.Module):
             raise RuntimeError("nothing captured yet: call the module once or pass example_inputs")
         from tailorfx.codegen.lower import partition_for
         gs = self.session.graphs
-        steps = [memory.trace_step(g.rewritten if rewritten else g.original, None,
-                                   partition_for(g.lowering)) for g in gs]
+        steps = [g.step if (rewritten and g.step is not None) else
+                 memory.trace_step(g.rewritten if rewritten else g.original, None, partition_for(g.lowering))
+                 for g in gs]
         seq = gs[0].seq
         return memory.simulate_step(steps, seq, seq_len or seq.length or None, optimizer)
 

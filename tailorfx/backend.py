@@ -35,6 +35,7 @@ class GraphRecord:
     warnings: list[str] = field(default_factory=list)
     peak_captured: Optional[int] = None     # predicted peak of the graph as captured
     peak_final: Optional[int] = None        # ... after every pass
+    step: Optional[memory.StepGraphs] = None   # forward/backward graphs as lowered (eager lowering)
 
 
 @dataclass
@@ -90,9 +91,12 @@ class TailorBackend:
             warnings.warn(notes[-1])
             traceback.print_exc()
             rewritten = original
-        self.session.graphs.append(GraphRecord(idx, original, rewritten, regions, seq, plan, records,
-                                               lowering, notes, *peaks))
-        return lowering_mod.lower(rewritten, example_inputs, lowering)
+        rec = GraphRecord(idx, original, rewritten, regions, seq, plan, records, lowering, notes, *peaks)
+        self.session.graphs.append(rec)
+
+        def keep(fw, bw, n):
+            rec.step = memory.make_step(rewritten, fw, bw, n)
+        return lowering_mod.lower(rewritten, example_inputs, lowering, on_partition=keep)
 
     @staticmethod
     def _predictor(seq: SeqInfo, partition: str) -> Callable[[fx.GraphModule], int]:

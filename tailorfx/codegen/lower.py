@@ -1,7 +1,7 @@
 """Lowering: AOTAutograd splits forward/backward; each runs as fx code (eager) or through Inductor."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -26,8 +26,13 @@ def partition_for(lowering: str) -> str:
     return "min_cut" if lowering == "inductor" else "default"
 
 
-def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str) -> Callable:
-    """Compile a (rewritten) Dynamo graph for training; returns Dynamo's boxed callable."""
+def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
+          on_partition: Optional[Callable] = None) -> Callable:
+    """Compile a (rewritten) Dynamo graph for training; returns Dynamo's boxed callable.
+
+    `on_partition(fw, bw, num_fwd_outputs)` sees the graphs that will run (eager lowering), so the
+    memory model can reuse them instead of tracing again.
+    """
     if lowering == "inductor":
         from torch._inductor.compile_fx import compile_fx
         return compile_fx(gm, list(example_inputs))
@@ -35,5 +40,11 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str) -> Callab
     def eager(g: fx.GraphModule, _):
         return compat.make_boxed_func(g.forward)
 
+    def partition(joint, joint_inputs, *, num_fwd_outputs, **kw):
+        fw, bw = compat.default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+        if on_partition is not None:
+            on_partition(fw, bw, num_fwd_outputs)
+        return fw, bw
+
     return compat.aot_module_simplified(gm, list(example_inputs), fw_compiler=eager,
-                                        bw_compiler=eager, partition_fn=compat.default_partition)
+                                        bw_compiler=eager, partition_fn=partition)

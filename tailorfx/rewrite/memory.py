@@ -4,8 +4,8 @@ AOTAutograd traces the graph into the forward and backward graphs that will real
 partitioner as the lowering), on fake tensors, so nothing is allocated. Walking them in order,
 each op allocates its outputs (views and in-place ops alias their base) and every storage is
 freed after its last use, as fx-generated code does; forward outputs saved for backward live
-until their last use in backward; gradients live to the end of the step. Sizes are sympy
-expressions in the sequence length, so one trace predicts every length.
+until the backward graph returns (autograd's ctx holds them); gradients live to the end of the
+step. Sizes are sympy expressions in the sequence length, so one trace predicts every length.
 """
 from __future__ import annotations
 
@@ -62,15 +62,20 @@ def trace_step(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None,
 
     compat.aot_module_simplified(gm, list(example_inputs), fw_compiler=fw_compiler,
                                  bw_compiler=bw_compiler, partition_fn=part)
-    fw = rec["fw"]
+    return make_step(gm, rec["fw"], rec.get("bw"), rec.get("n"))
+
+
+def make_step(gm: fx.GraphModule, fw: fx.GraphModule, bw: Optional[fx.GraphModule],
+              num_user_outputs: Optional[int]) -> StepGraphs:
+    """StepGraphs from a Dynamo graph and the forward/backward graphs AOTAutograd made of it."""
     dyn_ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fw_ph = [n for n in fw.graph.nodes if n.op == "placeholder"]
     static = [is_param(n) for n in dyn_ph]
     if len(static) != len(fw_ph):   # AOTAutograd added or removed inputs: fall back on requires_grad
         static = [isinstance(node_value(n), torch.Tensor) and node_value(n).requires_grad for n in fw_ph]
-    grads = [isinstance(e, torch.Tensor) and e.requires_grad for e in example_inputs]
-    n_out = rec.get("n", len(_outputs(fw)))
-    return StepGraphs(fw, rec.get("bw"), n_out, static, grads + [False] * (len(fw_ph) - len(grads)))
+    grads = [isinstance(v, torch.Tensor) and v.requires_grad for v in fake_inputs(gm)]
+    n_out = num_user_outputs if num_user_outputs is not None else len(_outputs(fw))
+    return StepGraphs(fw, bw, n_out, static, grads + [False] * (len(fw_ph) - len(grads)))
 
 
 def _outputs(g: fx.GraphModule) -> list:
@@ -257,7 +262,7 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
         for sids in outs:
             for sid in sids:
                 pool.release(sid, "__out__")
-        saved_total += sum(pool.bytes.get(s, 0) for sids in saved.values() for s in set(sids))
+        saved_total += sum(pool.bytes.get(s, 0) for s in {s for sids in saved.values() for s in sids})
         pending.append((k, st, saved, user))
     for k, st, saved, user in reversed(pending):
         if st.bw is None:
@@ -270,16 +275,25 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
                 env[n.name] = saved[n.name]
             elif n.name.startswith("tangents") and isinstance(node_value(n), torch.Tensor):
                 env[n.name] = [pool.alloc(sizer(node_value(n)), ("tangent", k))]
-            for sid in env.get(n.name, []):
-                pool.hold(sid, n)   # the backward graph's own input now keeps it alive
-        for name, sids in saved.items():
-            for sid in sids:
-                pool.release(sid, ("saved", k, name))
+        # AOTAutograd's backward receives the saved tensors from autograd's ctx, which keeps them
+        # until the whole backward graph returns (measured: freeing at last use under-predicts)
         grads = _run_graph(st.bw, pool, env, sizer, f"backward[{k}]")
         for n in st.bw.graph.nodes:
             if n.op == "placeholder":
                 for sid in env.get(n.name, []):
                     pool.release(sid, ("tangent", k))
+        # AccumulateGrad copies a gradient whose layout differs from its (contiguous) parameter,
+        # one at a time, while the others are held
+        relayout = [sizer(node_value(o)) for o in _outputs(st.bw)
+                    if isinstance(o, fx.Node) and isinstance(node_value(o), torch.Tensor)
+                    and not node_value(o).is_contiguous()]
+        if relayout:
+            pool.total += max(relayout)
+            pool.mark(f"backward[{k}]", "accumulate_grad")
+            pool.total -= max(relayout)
+        for name, sids in saved.items():
+            for sid in sids:
+                pool.release(sid, ("saved", k, name))
         for sids in grads:
             for sid in sids:
                 grad_bytes += pool.bytes.get(sid, 0)

@@ -1,0 +1,45 @@
+"""Numerics harness: run a model eagerly and through tailorfx with the same weights and inputs."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+
+@dataclass
+class Comparison:
+    loss_ref: float
+    loss_opt: float
+    max_grad_rel_err: float      # max over parameters of |g - g_ref| / max(|g_ref|, tiny)
+    worst_param: str
+
+
+def compare_with_eager(model: nn.Module, inputs: dict, wrap: Callable[[nn.Module], nn.Module],
+                       rtol: float = 1e-5, atol: float = 1e-6, steps: int = 1) -> Comparison:
+    """Loss and every parameter gradient of `wrap(copy)` vs eager `model`; asserts closeness."""
+    ref = model
+    test = copy.deepcopy(model)
+    opt = wrap(test)
+    for _ in range(steps):
+        ref.zero_grad(set_to_none=True)
+        test.zero_grad(set_to_none=True)
+        loss_ref = ref(**inputs).loss
+        loss_ref.backward()
+        loss = opt(**inputs).loss
+        loss.backward()
+    torch.testing.assert_close(loss, loss_ref, rtol=rtol, atol=atol)
+    worst, worst_name = 0.0, ""
+    ref_params = dict(ref.named_parameters())
+    for name, p in test.named_parameters():
+        g_ref = ref_params[name].grad
+        assert (p.grad is None) == (g_ref is None), f"gradient presence differs for {name}"
+        if g_ref is None:
+            continue
+        torch.testing.assert_close(p.grad, g_ref, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        err = ((p.grad - g_ref).abs().max() / g_ref.abs().max().clamp_min(1e-30)).item()
+        if err >= worst:
+            worst, worst_name = err, name
+    return Comparison(loss_ref.item(), loss.item(), worst, worst_name)

@@ -1,0 +1,93 @@
+"""optimize(): inspection, errors that name the fix, and graceful fallback."""
+import pytest
+import torch
+
+import tailorfx
+from harness import compare_with_eager
+from models import batch, hf_gpt2, tiny_llama
+from tailorfx import passes as pass_registry
+from tailorfx.rewrite.passes import PassResult
+
+
+def test_report_lists_regions_and_passes():
+    opt = tailorfx.optimize(tiny_llama(num_layers=2), passes=[], example_inputs=batch())
+    text = str(opt.report())
+    assert "Regions found" in text and "model.layers.1.mlp" in text and "lm_head_loss" in text
+    assert "predicted peak of one step" in text
+    kinds = [r.kind for r in opt.regions]
+    assert kinds.count("norm") == 5 and kinds.count("block") == 2
+    assert set(opt.graphs) == {"capture"}
+
+
+def test_graph_breaks_are_each_handled():
+    opt = tailorfx.optimize(hf_gpt2(), passes=[], example_inputs=batch())
+    assert len(opt.session.graphs) == 2
+    assert set(opt.graphs) == {"capture", "capture@1"}
+
+
+def test_memory_timeline_png(tmp_path):
+    opt = tailorfx.optimize(tiny_llama(num_layers=1), passes=[], example_inputs=batch())
+    path = opt.memory_timeline(str(tmp_path / "t.png"))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_pass_names_the_available_ones():
+    with pytest.raises(ValueError, match="unknown pass 'fold_everything'; available passes"):
+        tailorfx.optimize(tiny_llama(), passes=["fold_everything"], example_inputs=batch())
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="nn.Module"):
+        tailorfx.optimize(lambda x: x)
+    with pytest.raises(ValueError, match="minisequence_chunks"):
+        tailorfx.optimize(tiny_llama(), minisequence_chunks=0)
+    with pytest.raises(ValueError, match="cannot parse budget"):
+        tailorfx.optimize(tiny_llama(), budget="lots")
+    with pytest.raises(ValueError, match="lowering"):
+        tailorfx.optimize(tiny_llama(), passes=[], lowering="tpu", example_inputs=batch())
+
+
+def test_diff_of_a_pass_that_did_not_run():
+    opt = tailorfx.optimize(tiny_llama(num_layers=1), passes=[], example_inputs=batch())
+    with pytest.raises(KeyError, match="no pass named 'minisequence' ran"):
+        opt.diff("minisequence")
+
+
+class Explodes:
+    name, after = "explodes", ()
+
+    def run(self, gm, ctx):
+        raise RuntimeError("this graph has an op I do not understand")
+
+
+def test_failing_pass_leaves_graph_unchanged_and_warns(monkeypatch):
+    monkeypatch.setitem(pass_registry.REGISTRY, "explodes", lambda options: Explodes())
+    holder = {}
+
+    def wrap(m):
+        with pytest.warns(UserWarning, match="graph left unchanged"):
+            holder["opt"] = tailorfx.optimize(m, passes=["explodes"], example_inputs=batch())
+        return holder["opt"]
+
+    compare_with_eager(tiny_llama(num_layers=1), batch(), wrap)
+    assert "WARNING: graph 0: passes failed, graph left unchanged: RuntimeError: this graph has an op" \
+        in str(holder["opt"].report())
+
+
+class Untraceable(torch.nn.Module):
+    """Calls into numpy on a tensor's values: Dynamo cannot capture a training graph of it."""
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        scale = float(torch.tensor(y.detach().numpy().std()))
+        return y * scale
+
+
+def test_model_that_cannot_be_captured_still_runs():
+    m = Untraceable()
+    x = torch.randn(3, 4)
+    opt = tailorfx.optimize(m, passes=[])
+    torch.testing.assert_close(opt(x), m(x))
