@@ -1,6 +1,9 @@
 """Every private PyTorch API tailorfx touches, in one place, so a torch upgrade breaks here first."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch._dynamo import maybe_mark_dynamic  # noqa: F401
 from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401
@@ -36,3 +39,20 @@ def shape_env_hints(fake_mode) -> dict:
     if env is None:
         return {}
     return dict(getattr(env, "backed_var_to_val", None) or env.var_to_val)
+
+
+_AUTOGRAD_KEYS = (
+    torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
+    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor)
+)
+
+
+@contextlib.contextmanager
+def autograd_enabled() -> Iterator[None]:
+    """Re-enable autograd inside a custom-op kernel (the dispatcher runs kernels below Autograd,
+    so `torch.enable_grad()` alone records nothing); used to recompute a chunk in backward."""
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        yield

@@ -10,27 +10,21 @@ unchunked pattern and save the full-size intermediates.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tailorfx.rewrite.compat import autograd_enabled as _autograd_enabled
+
 __all__ = ["register_region", "get_region", "token_chunked", "chunked_linear_cross_entropy"]
 
 # The only module-level state: region key -> callable. Keys are what graphs store, so they must
 # be stable strings (custom ops cannot take callables as arguments).
 _REGIONS: dict[str, Callable[..., Tensor]] = {}
-
-_AUTOGRAD_KEYS = (
-    torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
-    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
-    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor)
-)
-
 
 def register_region(fn: Callable[..., Tensor], key: Optional[str] = None) -> str:
     """Register ``fn(*seq_inputs, *whole_inputs) -> Tensor`` under ``key`` and return the key.
@@ -67,15 +61,6 @@ def _graph_module_hash(gm: torch.fx.GraphModule) -> str:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:24]
-
-
-@contextlib.contextmanager
-def _autograd_enabled() -> Iterator[None]:
-    """Re-enable autograd inside a custom-op kernel (the dispatcher runs it below Autograd)."""
-    include = torch._C._dispatch_tls_local_include_set()
-    exclude = torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS
-    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
-        yield
 
 
 def _num_chunks(seq_inputs: Sequence[Tensor], seq_dim: int, num_chunks: int) -> int:
