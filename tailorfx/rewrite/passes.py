@@ -79,7 +79,8 @@ def verify(gm: fx.GraphModule) -> None:
     """Check a graph is well formed and carries the metadata later stages rely on.
 
     - fx lint passes (topological order, no dangling uses, one output);
-    - every computing node has a fake value in meta["val"] or meta["example_value"];
+    - every computing node whose result is used has a fake value in meta["val"] or
+      meta["example_value"];
     - every node a pass created names that pass in meta["tailorfx_pass"] (a non-empty str).
     """
     try:
@@ -87,7 +88,8 @@ def verify(gm: fx.GraphModule) -> None:
     except Exception as e:  # fx raises RuntimeError with a precise message
         raise VerifyError(f"graph lint failed: {e}") from e
     for n in gm.graph.nodes:
-        if n.op in ("call_function", "call_method", "call_module") and node_value(n) is None:
+        if n.op in ("call_function", "call_method", "call_module") and n.users and \
+                node_value(n) is None:
             raise VerifyError(f"node {n.name} ({n.op} {n.target}) has no fake value in meta['val']")
         if PASS_META in n.meta and not (isinstance(n.meta[PASS_META], str) and n.meta[PASS_META]):
             raise VerifyError(f"node {n.name} has an empty or non-string meta['{PASS_META}']")

@@ -95,7 +95,8 @@ def _token_chunked(
     chunks = [x.tensor_split(n, seq_dim) for x in seq_inputs]
     out, start = None, 0
     for i in range(n):
-        y = fn(*(c[i] for c in chunks), *whole_inputs)
+        # a chunk of a (B, S, ...) tensor is strided; regions may .view() it (GPT-2's Conv1D)
+        y = fn(*(c[i].contiguous() for c in chunks), *whole_inputs)
         length = chunks[0][i].size(seq_dim)
         if y.size(seq_dim) != length:
             raise RuntimeError(
@@ -154,8 +155,9 @@ def _token_chunked_backward(
     go_chunks = grad_out.tensor_split(n, seq_dim)
     with _autograd_enabled():
         for i in range(n):
-            xs = [c[i].detach().requires_grad_(need) for c, need in zip(seq_chunks, seq_needs_grad)]
-            _region_chunk_grads(fn, xs, whole, go_chunks[i], [g[i] for g in grad_chunks], whole_acc)
+            xs = [c[i].contiguous().detach().requires_grad_(need)
+                  for c, need in zip(seq_chunks, seq_needs_grad)]
+            _region_chunk_grads(fn, xs, whole, go_chunks[i].contiguous(), [g[i] for g in grad_chunks], whole_acc)
     return [g for g in seq_grads if g is not None] + [
         acc.to(w.dtype) for acc, w in zip(whole_acc, whole_inputs) if acc is not None
     ]

@@ -1,0 +1,289 @@
+"""Mini-sequence (MST, NeurIPS 2024): token-wise regions run in chunks along the sequence.
+
+Invariant: the model computes the same values (exact up to float reassociation of the sums over
+chunks); only which intermediates exist at once changes.
+
+    before:  y = down(silu(gate(x)) * up(x))                # S x I intermediates, saved for bw
+    after:   y = tailorfx::token_chunked(key, [x], [Wg, Wu, Wd], seq_dim=1, num_chunks=M)
+
+    before:  loss = cross_entropy(linear(h, W).float().view(-1, V), labels)   # S x V logits
+    after:   loss = chunked_linear_cross_entropy(h.reshape(-1, H), W, None, labels, num_chunks=M)
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from tailorfx.passes import register
+from tailorfx.rewrite import compat, match
+from tailorfx.rewrite.capture import node_value
+from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult, clone
+from tailorfx.rewrite.regions import Region, is_param
+from tailorfx.runtime import ops
+
+NAME = "minisequence"
+MAX_CHUNKS = 64
+# Fewer tokens per chunk than this costs throughput (each chunk re-reads the weights and, for the
+# LM head, re-accumulates a V x H weight gradient) for little memory: below it, fewer chunks.
+MIN_CHUNK_TOKENS = 1024
+# Between the LM head and the loss only these may appear (dtype casts and reshapes).
+_PASSTHROUGH = frozenset({"float", "to", "view", "reshape", "contiguous", "type"})
+
+
+@dataclass
+class _Rewrite:
+    region: Region
+    num_chunks: int
+    saved_bytes: int
+
+
+def auto_chunks(intermediate_bytes: int, io_bytes: int) -> int:
+    """Enough chunks that one chunk's intermediates are no larger than the region's input."""
+    if io_bytes <= 0:
+        return 1
+    return max(1, min(MAX_CHUNKS, math.ceil(intermediate_bytes / io_bytes)))
+
+
+class MiniSequence:
+    """Chunk MLP regions and fuse LM head + cross-entropy, choosing M per region unless given."""
+    name = NAME
+    after = ("attention",)
+
+    def __init__(self, options: dict):
+        self.num_chunks: Optional[int] = options.get("minisequence_chunks")
+        self.min_tokens: int = options.get("minisequence_min_tokens") or MIN_CHUNK_TOKENS
+
+    def _chunks(self, gm: fx.GraphModule, x: fx.Node, seq_dim: int, ideal: int, before: fx.Node):
+        """M: as given, else min(ideal, tokens // min_tokens) computed at run time from the
+        (symbolic) length, so one graph chunks 2K and 64K tokens each sensibly."""
+        if self.num_chunks:
+            return self.num_chunks
+        xv = node_value(x)
+        other = math.prod(int(d) for i, d in enumerate(xv.shape[:seq_dim + 1]) if i != seq_dim)
+        length = xv.shape[seq_dim]
+        if not isinstance(length, torch.SymInt):
+            return max(1, min(ideal, int(length) * other // self.min_tokens))
+        g = gm.graph
+        with g.inserting_before(before):
+            n_len = g.call_method("size", (x, seq_dim))
+            n_tok = g.call_function(operator.mul, (n_len, other))
+            n_div = g.call_function(operator.floordiv, (n_tok, self.min_tokens))
+            n_min = g.call_function(torch.sym_min, (ideal, n_div))
+            n_max = g.call_function(torch.sym_max, (1, n_min))
+        tok = length * other
+        for node, val in ((n_len, length), (n_tok, tok), (n_div, tok // self.min_tokens),
+                          (n_min, torch.sym_min(ideal, tok // self.min_tokens)),
+                          (n_max, torch.sym_max(1, torch.sym_min(ideal, tok // self.min_tokens)))):
+            node.meta["val"] = node.meta["example_value"] = val
+            node.meta[PASS_META] = NAME
+        return n_max
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        gm = clone(gm)
+        nodes = {n.name: n for n in gm.graph.nodes}
+        done: list[_Rewrite] = []
+        skipped: list[str] = []
+        for region in ctx.regions.of_kind("mlp"):
+            why = self._rewrite_mlp(gm, nodes, region, ctx, done)
+            if why:
+                skipped.append(f"{region.path}: {why}")
+        for region in ctx.regions.of_kind("lm_head_loss"):
+            why = self._rewrite_head(gm, nodes, region, ctx, done)
+            if why:
+                skipped.append(f"{region.path}: {why}")
+        if done:
+            gm.graph.eliminate_dead_code()
+            gm.recompile()
+        stats = {r.region.path: {"kind": r.region.kind, "num_chunks": _describe(r.num_chunks),
+                                 "intermediate_bytes_saved": r.saved_bytes} for r in done}
+        return PassResult(gm, bool(done), stats,
+                          tuple(f"{r.region.path} (M={_describe(r.num_chunks)})" for r in done),
+                          tuple(skipped))
+
+    # ---- MLP-like regions -------------------------------------------------------------------
+    def _rewrite_mlp(self, gm, nodes, region: Region, ctx: PassContext, done) -> Optional[str]:
+        if not region.token_wise:
+            return "mixes sequence positions"
+        if len(region.inputs) != 1 or len(region.outputs) != 1:
+            return f"needs one activation input and one output, has {len(region.inputs)} and {len(region.outputs)}"
+        x, out = nodes[region.inputs[0]], nodes[region.outputs[0]]
+        xv, ov = node_value(x), node_value(out)
+        if not isinstance(xv, torch.Tensor) or not isinstance(ov, torch.Tensor):
+            return "input or output is not a tensor"
+        x_dims, out_dims = ctx.seq.dims(xv), ctx.seq.dims(ov)
+        if len(x_dims) != 1 or x_dims != out_dims:
+            return f"sequence dim not found consistently (input {x_dims}, output {out_dims})"
+        members = [nodes[n] for n in region.nodes]
+        io_bytes = _hint_bytes(xv, ctx) + _hint_bytes(ov, ctx)
+        inner = sum(_hint_bytes(v, ctx) for n in members if n is not out
+                    for v in match.tensors_in(node_value(n)))
+        if inner < 2 * io_bytes:
+            return f"intermediates ({inner} B) are not much larger than input+output ({io_bytes} B)"
+        try:
+            _check_deterministic(members)
+            sub = _extract(gm, members, [x] + [nodes[p] for p in region.params], out,
+                           ctx.seq.symbol, x_dims[0])
+        except _Unsupported as e:
+            return str(e)
+        key = ops.register_region(sub)
+        m = self._chunks(gm, x, x_dims[0], auto_chunks(inner, _hint_bytes(xv, ctx)), out)
+        with gm.graph.inserting_after(out):
+            new = gm.graph.call_function(torch.ops.tailorfx.token_chunked.default,
+                                         (key, [x], [nodes[p] for p in region.params], x_dims[0], m))
+        _annotate(new, out)
+        out.replace_all_uses_with(new)
+        new.update_arg(1, [x])   # replace_all_uses_with does not touch new's own args
+        for n in reversed(members):
+            if not n.users:
+                gm.graph.erase_node(n)
+        done.append(_Rewrite(region, m, inner))
+        return None
+
+    # ---- LM head + cross-entropy ------------------------------------------------------------
+    def _rewrite_head(self, gm, nodes, region: Region, ctx: PassContext, done) -> Optional[str]:
+        head = nodes[region.nodes[0]]
+        if match.op_name(head) != "linear":
+            return f"the LM head is a {match.op_name(head)}, only F.linear heads are fused"
+        chain, cur = [head], head
+        while len(cur.users) == 1:
+            (user,) = cur.users
+            if user.op == "output":
+                break
+            chain.append(user)
+            if match.op_name(user) not in _PASSTHROUGH:
+                break
+            cur = user
+        loss = chain[-1]
+        if match.op_name(loss) != "cross_entropy":
+            if any(u.op == "output" for n in chain for u in n.users):
+                return ("the logits leave the graph (returned by the model, or a graph break before "
+                        "the loss), so the LM head cannot be fused with the loss; left unchanged")
+            return f"the logits feed {match.op_name(loss)!r}, not cross_entropy"
+        kw = dict(zip(("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
+                       "label_smoothing"), loss.args))
+        kw.update(loss.kwargs)
+        if kw.get("weight") is not None or kw.get("label_smoothing", 0.0) or kw.get("size_average") is not None \
+                or kw.get("reduce") is not None:
+            return "cross_entropy with class weights or label smoothing is not fused"
+        reduction = kw.get("reduction", "mean")
+        if reduction not in ("mean", "sum"):
+            return f"reduction={reduction!r} is not fused"
+        logits2d = node_value(kw["input"])
+        if not isinstance(logits2d, torch.Tensor) or logits2d.dim() != 2:
+            return "cross_entropy input is not (tokens, vocab)"
+        h, w = head.args[0], head.args[1]
+        b = head.args[2] if len(head.args) > 2 else head.kwargs.get("bias")
+        if not (isinstance(w, fx.Node) and is_param(w)):
+            return "the LM head weight is not a parameter"
+        hv = node_value(h)
+        hidden = hv.shape[-1]
+        h_dims = ctx.seq.dims(hv)
+        if len(h_dims) != 1:
+            return f"sequence dim of the LM head input not found ({h_dims})"
+        m = self._chunks(gm, h, h_dims[0], auto_chunks(_hint_bytes(node_value(head), ctx), _hint_bytes(hv, ctx)),
+                         loss)
+        with gm.graph.inserting_before(loss):
+            flat = gm.graph.call_method("reshape", (h, -1, hidden))
+            new = gm.graph.call_function(ops.chunked_linear_cross_entropy, (flat, w, b, kw["target"]),
+                                         {"ignore_index": int(kw.get("ignore_index", -100)),
+                                          "reduction": reduction, "num_chunks": m})
+        with hv.fake_mode:
+            flat_val = hv.reshape(-1, hidden)
+        _annotate(flat, head, flat_val)
+        _annotate(new, loss)
+        loss.replace_all_uses_with(new)
+        for n in reversed(chain):
+            if not n.users:
+                gm.graph.erase_node(n)
+        done.append(_Rewrite(region, m, 3 * _hint_bytes(node_value(head), ctx)))
+        return None
+
+
+def _describe(m) -> str:
+    """M as the report shows it: a number, or the run-time rule."""
+    if isinstance(m, fx.Node):
+        v = node_value(m)
+        return f"{compat.sym_expr(v)}".replace("Max", "max").replace("Min", "min")
+    return str(m)
+
+
+def _hint_bytes(t, ctx: PassContext) -> int:
+    """Bytes of a fake tensor at the captured sequence length."""
+    if not isinstance(t, torch.Tensor):
+        return 0
+    e = compat.sym_expr(t.numel()).xreplace({k: v for k, v in ctx.seq.hints.items()})
+    try:
+        return int(e) * t.element_size()
+    except TypeError:
+        return 0
+
+
+def _annotate(new: fx.Node, like: fx.Node, val=None) -> None:
+    """Fake value, module stack and provenance for a node the pass created."""
+    v = node_value(like) if val is None else val
+    new.meta["val"] = v
+    new.meta["example_value"] = v
+    if "nn_module_stack" in like.meta:
+        new.meta["nn_module_stack"] = like.meta["nn_module_stack"]
+    new.meta[PASS_META] = NAME
+
+
+class _Unsupported(Exception):
+    """The region cannot be chunked; the message says why."""
+
+
+_RANDOM_OPS = frozenset({"dropout", "native_dropout", "rand", "randn", "rand_like", "randn_like",
+                         "bernoulli", "randint", "multinomial"})
+
+
+def _check_deterministic(members: list[fx.Node]) -> None:
+    """Chunks are recomputed in backward: a random op would draw a different mask there."""
+    for n in members:
+        if match.op_name(n) in _RANDOM_OPS:
+            p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+            training = n.args[2] if len(n.args) > 2 else n.kwargs.get("training", True)
+            if match.op_name(n).endswith("dropout") and (p == 0 or training is False):
+                continue
+            raise _Unsupported(f"random op {n.name} ({match.op_name(n)}) would draw different values "
+                               "when the chunk is recomputed in backward")
+
+
+def _extract(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node], out: fx.Node,
+             seq_symbol, seq_dim: int) -> fx.GraphModule:
+    """The region as its own GraphModule: f(x, *params) -> out.
+
+    A size taken from outside (Dynamo passes the sequence length as a SymInt graph input) is
+    re-read from the chunk, `x.size(seq_dim)`, so the region is correct on any chunk length.
+    """
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, n in enumerate(inputs):
+        env[n] = g.placeholder(f"in_{i}")
+        env[n].meta = dict(n.meta)
+    member_set = set(members)
+
+    def arg(a: fx.Node) -> fx.Node:
+        if a not in env:
+            v = node_value(a)
+            if a in member_set or not isinstance(v, torch.SymInt) or compat.sym_expr(v) != seq_symbol:
+                raise _Unsupported(f"uses {a.name} from outside the region")
+            env[a] = g.call_method("size", (env[inputs[0]], seq_dim))
+        return env[a]
+
+    for n in members:
+        env[n] = g.node_copy(n, arg)
+    g.output(env[out])
+    sub = fx.GraphModule(gm, g)
+    sub.meta = {}
+    return sub
+
+
+@register(NAME)
+def _factory(options: dict) -> MiniSequence:
+    return MiniSequence(options)
