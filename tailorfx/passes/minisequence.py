@@ -132,6 +132,8 @@ class MiniSequence:
         except _Unsupported as e:
             return str(e)
         key = ops.register_region(sub)
+        fwd, bwd = _region_cost(members, out, ctx, _tokens(xv, x_dims[0], ctx))
+        ops.set_region_cost(key, fwd, bwd)
         m = self._chunks(gm, x, x_dims[0], auto_chunks(inner, _hint_bytes(xv, ctx)), out)
         with gm.graph.inserting_after(out):
             new = gm.graph.call_function(torch.ops.tailorfx.token_chunked.default,
@@ -203,6 +205,38 @@ class MiniSequence:
                 gm.graph.erase_node(n)
         done.append(_Rewrite(region, m, 3 * _hint_bytes(node_value(head), ctx)))
         return None
+
+
+_VIEWS = frozenset({"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand",
+                    "contiguous", "getitem", "t", "flatten", "float", "to", "type", "dropout"})
+
+
+def _tokens(t, seq_dim: int, ctx: PassContext) -> int:
+    """Tokens (batch x sequence positions) a (B, S, ...) fake tensor holds at the captured length."""
+    shape = [int(compat.sym_expr(d).xreplace(ctx.seq.hints)) for d in t.shape[:seq_dim + 1]]
+    return max(1, math.prod(shape))
+
+
+def _region_cost(members: list[fx.Node], out: fx.Node, ctx: PassContext, tokens: int) -> tuple[float, float]:
+    """Per-token bytes a chunk holds inside the op: the most live at once in forward (values freed
+    at last use), and in backward all intermediates (saved by the recompute) plus the largest
+    gradient pair alive while they are consumed."""
+    index = {n: i for i, n in enumerate(members)}
+    last = {n: max((index.get(u, len(members)) for u in n.users), default=index[n]) for n in members}
+    live, peak, total, largest = 0, 0, 0, 0
+    sizes = {}
+    for i, n in enumerate(members):
+        b = 0 if match.op_name(n) in _VIEWS and n.op == "call_method" else sum(
+            _hint_bytes(v, ctx) for v in match.tensors_in(node_value(n)))
+        sizes[n] = b
+        live += b
+        total += b
+        largest = max(largest, b)
+        peak = max(peak, live)
+        for a in n.all_input_nodes:
+            if a in index and last[a] <= i and a is not out:
+                live -= sizes[a]
+    return peak / tokens, (total + 2 * largest) / tokens
 
 
 def _describe(m) -> str:

@@ -94,6 +94,13 @@ class Sizer:
                 self.subs[seq.symbol] = seq_len
         self._cache: dict = {}
 
+    def as_int(self, x) -> int:
+        """A size or SymInt at the predicted length."""
+        e = compat.sym_expr(x)
+        if e.is_Integer:
+            return int(e)
+        return int(e.xreplace({k: sympy.Integer(v) for k, v in self.subs.items() if k in e.free_symbols}))
+
     def __call__(self, t: torch.Tensor) -> int:
         e = compat.sym_expr(t.numel())
         if e.is_Integer:
@@ -174,6 +181,16 @@ class _Pool:
         self.timeline.points.append((phase, node, self.total))
 
 
+def _op_transient(node: fx.Node, sizer: Sizer) -> int:
+    """Bytes an opaque tailorfx op allocates inside itself while it runs (its chunk buffers)."""
+    t = node.target
+    if not (isinstance(t, torch._ops.OpOverload) and t.namespace == "tailorfx"):
+        return 0
+    from tailorfx.runtime import ops
+    args = fx.node.map_arg(node.args, node_value)
+    return ops.transient_bytes(t._opname, list(args), sizer.as_int)
+
+
 def _aliases_input(node: fx.Node) -> bool:
     t = node.target
     if isinstance(t, torch._ops.OpOverload):
@@ -211,7 +228,10 @@ def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: s
             held[n] = [s for s in held[n] if s >= 0] if not isinstance(val, (list, tuple)) else held[n]
         for sid in held[n]:
             pool.hold(sid, n)
+        inner = _op_transient(n, sizer)
+        pool.total += inner
         pool.mark(phase, n.name)
+        pool.total -= inner
         for a in set(n.all_input_nodes) | {n}:
             if last[a] <= i and not (a in out_node.all_input_nodes and pinned_outputs):
                 for sid in held.get(a, []):

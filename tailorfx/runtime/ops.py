@@ -20,7 +20,8 @@ from torch import Tensor
 
 from tailorfx.rewrite.compat import autograd_enabled as _autograd_enabled
 
-__all__ = ["register_region", "get_region", "token_chunked", "chunked_linear_cross_entropy"]
+__all__ = ["register_region", "get_region", "token_chunked", "chunked_linear_cross_entropy",
+           "set_region_cost", "transient_bytes"]
 
 # The only module-level state: region key -> callable. Keys are what graphs store, so they must
 # be stable strings (custom ops cannot take callables as arguments).
@@ -72,6 +73,43 @@ def _num_chunks(seq_inputs: Sequence[Tensor], seq_dim: int, num_chunks: int) -> 
 def _acc_dtype(t: Tensor) -> torch.dtype:
     # Parameter grads summed over chunks: low-precision floats accumulate in fp32.
     return torch.promote_types(t.dtype, torch.float32) if t.is_floating_point() else t.dtype
+
+
+# Per region key: (forward, backward) bytes a chunk holds inside the op, per token of the chunk.
+_REGION_COST: dict[str, tuple[float, float]] = {}
+
+
+def set_region_cost(key: str, forward_per_token: float, backward_per_token: float) -> None:
+    """What one token of a chunk costs inside the op, so the memory model sees the transients."""
+    _REGION_COST[key] = (forward_per_token, backward_per_token)
+
+
+def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
+    """Bytes an op of this module allocates and frees inside itself (invisible to the graph).
+
+    `args` are the node's arguments with tensors as fake values; `as_int` turns a size or SymInt
+    into an int at the length being predicted.
+    """
+    if op_name in ("token_chunked", "token_chunked_backward"):
+        key = args[0]
+        seq = args[1] if op_name == "token_chunked" else args[2]
+        seq_dim, n = (args[3], args[4]) if op_name == "token_chunked" else (args[4], args[5])
+        fwd, bwd = _REGION_COST.get(key, (0.0, 0.0))
+        tokens = as_int(seq[0].numel()) // max(1, as_int(seq[0].shape[-1])) if seq else 0
+        n = max(1, min(as_int(n), tokens or 1))
+        per = fwd if op_name == "token_chunked" else bwd
+        return int(per * -(-tokens // n))
+    if op_name.startswith("chunked_linear_cross_entropy"):
+        hidden, weight = args[0], args[1]
+        n_rows, vocab = as_int(hidden.shape[0]), as_int(weight.shape[0])
+        n = max(1, min(as_int(args[6]), n_rows))
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        item = torch.empty((), dtype=dtype).element_size()
+        extra = -(-n_rows // n) * vocab * item * (2 if args[7] is not None else 1)
+        if weight.dtype != dtype:
+            extra += weight.numel() * item
+        return int(extra)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
