@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)
-	$(BIN)/python -m tailorfx.cli demo
+	$(BIN)/python -m tailorfx.cli demo --timeline demo_memory.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -89,7 +89,8 @@ class OptimizedModule(nn.Module):
 
     def report(self) -> Report:
         """A table of what was rewritten and the predicted peak before/after each pass."""
-        return Report(self.session, self.budget, self._eager_reason)
+        return Report(self.session, self.budget, self._eager_reason,
+                      lambda S, rewritten: self.predict_memory(S, rewritten=rewritten))
 
     def predict_memory(self, seq_len: Optional[int] = None, optimizer: Optional[str] = None,
                        rewritten: bool = True) -> memory.MemoryEstimate:

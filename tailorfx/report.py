@@ -13,10 +13,11 @@ from tailorfx.budget import Budget, format_bytes
 class Report:
     """A readable report (rich tables); str() gives plain text, rich renders it in colour."""
 
-    def __init__(self, session, budget: Optional[Budget], eager_reason: Optional[str]):
+    def __init__(self, session, budget: Optional[Budget], eager_reason: Optional[str], predict=None):
         self.session = session
         self.budget = budget
         self.eager_reason = eager_reason
+        self.predict = predict   # (seq_len, rewritten) -> MemoryEstimate
 
     def tables(self) -> list:
         out = []
@@ -59,6 +60,13 @@ class Report:
             if g.peak_captured is not None:
                 head.append(f"graph {g.index}: predicted peak of one step (params + forward + backward): "
                             f"{_fmt(g.peak_captured)} as captured, {_fmt(g.peak_final)} rewritten")
+        S = self.session.seq_len
+        if self.predict is not None and S and self.session.graphs and self.session.graphs[0].seq.symbol is not None:
+            before, after = self.predict(S, False), self.predict(S, True)
+            head.append(f"at the last length seen (S={S}): predicted peak {_fmt(before.peak_bytes)} as captured, "
+                        f"{_fmt(after.peak_bytes)} rewritten = params {_fmt(after.param_bytes)} + "
+                        f"{_fmt(after.dynamic_peak_bytes)} allocated by the step at its peak "
+                        f"({after.peak_phase}, {after.peak_node}; grads {_fmt(after.grad_bytes)})")
         warns = list(self.session.warnings) + [w for g in self.session.graphs for w in g.warnings]
         if self.eager_reason:
             warns.insert(0, self.eager_reason)

@@ -38,7 +38,8 @@ def shape_env_hints(fake_mode) -> dict:
     env = getattr(fake_mode, "shape_env", None)
     if env is None:
         return {}
-    return dict(getattr(env, "backed_var_to_val", None) or env.var_to_val)
+    vals = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
+    return dict(vals)
 
 
 _AUTOGRAD_KEYS = (
