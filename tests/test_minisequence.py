@@ -42,6 +42,18 @@ def test_reference_model_exact(M, pad):
     assert touched == ("model.layers.0.mlp (M=%d)" % M, "model.layers.1.mlp (M=%d)" % M, "lm_head (M=%d)" % M)
 
 
+def test_mlp_ending_in_linear_skips_its_recompute():
+    """Backward recomputes only up to the down projection's input (its output is never needed)."""
+    from tailorfx.runtime import ops
+    opt = ms(tiny_llama(num_layers=1), 2)
+    keys = [n.args[0] for n in opt.graphs["minisequence"].graph.nodes
+            if n.target is torch.ops.tailorfx.token_chunked.default]
+    assert len(keys) == 1 and keys[0] in ops._TAILS
+    pre, wi, bi = ops._TAILS[keys[0]]
+    assert (wi, bi) == (2, -1)   # down_proj weight is the third parameter; no bias
+    assert "linear" in pre.code and pre.code.count("linear(") == 2   # gate and up, not down
+
+
 def test_reference_model_tied_head_exact():
     compare_with_eager(tiny_llama(num_layers=1, tied=True), batch(S=40, pad=3), lambda m: ms(m, 3, 40, 3),
                        rtol=1e-4, atol=1e-6)

@@ -132,6 +132,7 @@ class MiniSequence:
         except _Unsupported as e:
             return str(e)
         key = ops.register_region(sub)
+        self._declare_linear_tail(gm, key, members, x, region, nodes, out, ctx, x_dims[0])
         fwd, bwd = _region_cost(members, out, ctx, _tokens(xv, x_dims[0], ctx))
         ops.set_region_cost(key, fwd, bwd)
         m = self._chunks(gm, x, x_dims[0], auto_chunks(inner, _hint_bytes(xv, ctx)), out)
@@ -146,6 +147,23 @@ class MiniSequence:
                 gm.graph.erase_node(n)
         done.append(_Rewrite(region, m, inner))
         return None
+
+    @staticmethod
+    def _declare_linear_tail(gm, key, members, x, region, nodes, out, ctx, seq_dim) -> None:
+        """If the region ends in F.linear(a, W, b) of its own parameters, let backward skip it."""
+        if match.op_name(out) != "linear" or out.op != "call_function":
+            return
+        a = out.args[0]
+        w = out.args[1] if len(out.args) > 1 else out.kwargs.get("weight")
+        b = out.args[2] if len(out.args) > 2 else out.kwargs.get("bias")
+        params = [nodes[p] for p in region.params]
+        if a not in members or w not in params or (b is not None and b not in params):
+            return
+        try:
+            pre = _extract(gm, members[:members.index(out)], [x] + params, a, ctx.seq.symbol, seq_dim)
+        except _Unsupported:
+            return
+        ops.set_region_linear_tail(key, pre, params.index(w), params.index(b) if b is not None else -1)
 
     # ---- LM head + cross-entropy ------------------------------------------------------------
     def _rewrite_head(self, gm, nodes, region: Region, ctx: PassContext, done) -> Optional[str]:

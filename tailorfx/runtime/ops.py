@@ -160,13 +160,43 @@ def _token_chunked_fake(key, seq_inputs, whole_inputs, seq_dim, num_chunks):
     return y.new_empty(y.shape)
 
 
-def _region_chunk_grads(fn, xs, whole, grad_out, seq_grads, whole_acc):
+# Per region key: (pre, weight index, bias index or -1) when the region ends in F.linear(a, W, b):
+# backward then recomputes only `a = pre(...)`, not the last matmul whose output it never needs.
+_TAILS: dict[str, tuple[Callable[..., Tensor], int, int]] = {}
+
+
+def set_region_linear_tail(key: str, pre: Callable[..., Tensor], weight_index: int, bias_index: int) -> None:
+    """Declare that region `key` is `F.linear(pre(*inputs), whole[weight_index], whole[bias_index])`."""
+    _TAILS[key] = (pre, weight_index, bias_index)
+
+
+def _linear_tail_grads(key, xs, whole, grad_out, whole_acc):
+    """Grads through the region's final linear by hand; returns (a, grad_a) to backprop into pre."""
+    pre, wi, bi = _TAILS[key]
+    a = pre(*xs, *whole)
+    with torch.no_grad():
+        w = whole[wi]
+        go2 = grad_out.reshape(-1, grad_out.shape[-1])
+        if w.requires_grad:
+            acc = whole_acc[wi]
+            acc.addmm_(go2.t().to(acc.dtype), a.detach().reshape(-1, a.shape[-1]).to(acc.dtype))
+        if bi >= 0 and whole[bi].requires_grad:
+            whole_acc[bi].add_(go2.sum(0).to(whole_acc[bi].dtype))
+        grad_a = grad_out @ w
+    return a, grad_a
+
+
+def _region_chunk_grads(fn, xs, whole, grad_out, seq_grads, whole_acc, key=None):
     """Recompute one chunk and backprop it: writes seq_grads, adds into whole_acc.
 
     A call per chunk, so the chunk's activations and grads die before the next chunk starts.
     """
     wrt = [t for t in (*xs, *whole) if t.requires_grad]
-    grads = iter(torch.autograd.grad(fn(*xs, *whole), wrt, grad_out, allow_unused=True))
+    if key in _TAILS:
+        out, grad_out = _linear_tail_grads(key, xs, whole, grad_out, whole_acc)
+    else:
+        out = fn(*xs, *whole)
+    grads = iter(torch.autograd.grad(out, wrt, grad_out, allow_unused=True))
     for x, out in zip(xs, seq_grads):
         if x.requires_grad:
             g = next(grads)
@@ -195,7 +225,8 @@ def _token_chunked_backward(
         for i in range(n):
             xs = [c[i].contiguous().detach().requires_grad_(need)
                   for c, need in zip(seq_chunks, seq_needs_grad)]
-            _region_chunk_grads(fn, xs, whole, go_chunks[i].contiguous(), [g[i] for g in grad_chunks], whole_acc)
+            _region_chunk_grads(fn, xs, whole, go_chunks[i].contiguous(), [g[i] for g in grad_chunks],
+                                whole_acc, key)
     return [g for g in seq_grads if g is not None] + [
         acc.to(w.dtype) for acc, w in zip(whole_acc, whole_inputs) if acc is not None
     ]
