@@ -140,13 +140,15 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
-    for name, value in (("attention", attention), ("precision", precision), ("setup", setup)):
-        if value is not None:
-            raise NotImplementedError(f"optimize({name}=...) is not implemented yet; leave it None")
+    if setup is not None:
+        raise NotImplementedError("optimize(setup=...) is not implemented yet; leave it None")
+    if precision is not None and precision not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"precision must be 'bf16', 'fp16' or 'fp32', got {precision!r}")
     if minisequence_chunks is not None and (not isinstance(minisequence_chunks, int) or minisequence_chunks < 1):
         raise ValueError(f"minisequence_chunks must be a positive int, got {minisequence_chunks!r}")
     b = Budget.parse(budget) if budget is not None else None
-    opts = {"minisequence_chunks": minisequence_chunks, "budget_bytes": b.bytes if b else None}
+    opts = {"minisequence_chunks": minisequence_chunks, "budget_bytes": b.bytes if b else None,
+            "attention": attention, "precision": precision}
     options = Options(passes=tuple(passes) if passes is not None else None,
                       pass_options=tuple(sorted(opts.items())), lowering=lowering,
                       predict=predict, verify=verify)

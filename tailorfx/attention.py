@@ -7,8 +7,8 @@
 
 Every spec is causal unless ``causal=False``, scales scores by ``scale`` (default 1/sqrt(D)),
 and with ``document_ids`` never attends across documents. The kernels behind the calls
-(``tailorfx.runtime.attention_kernels``) are O(S x keys per query) in memory, forward and
-backward, and are opaque custom ops, so a compiled graph keeps them as one node each.
+(``tailorfx.runtime.attention_kernels``) do O(S x keys per query) work in O(S) memory, forward
+and backward, and are opaque custom ops, so a compiled graph keeps them as one node each.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tailorfx.runtime.attention_kernels import dilated_attention, sparse_attention
+from tailorfx.runtime.attention_kernels import (
+    dilated_attention, dilated_workspace_bytes, sparse_attention,
+)
 from tailorfx.runtime.attention_tiles import KV_CHUNK, TILE, bigbird_random_blocks
 
 __all__ = [
@@ -33,7 +35,9 @@ __all__ = [
 _FWD_FLOPS, _BWD_FLOPS = 4, 10
 
 
-def masked_attention(q: Tensor, k: Tensor, v: Tensor, weights: Tensor, scale: Optional[float] = None) -> Tensor:
+def masked_attention(
+    q: Tensor, k: Tensor, v: Tensor, weights: Tensor, scale: Optional[float] = None
+) -> Tensor:
     """Dense eager reference: softmax over keys with multiplicities ``weights`` (bool or counts).
 
     ``weights`` broadcasts to (B, H, S, S); a key of weight c counts c times in the softmax. Rows
@@ -52,8 +56,9 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, weights: Tensor, scale: Op
 
 
 def dense_extra_bytes(B: int, H: int, S: int, D: int, dtype_bytes: int) -> int:
-    """Training bytes beyond q/k/v/out of ``masked_attention``: mask, scores, probs and grads."""
-    return B * H * S * S * (3 * dtype_bytes + 1)
+    """Training bytes beyond q/k/v/out of ``masked_attention``: the bool mask plus four S x S
+    tensors alive at the backward peak (masked scores, probs, their grads)."""
+    return B * H * S * S * (4 * dtype_bytes + 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +70,9 @@ class AttentionSpec:
     tile: int = TILE  # query rows per block of the kernels: speed only, results do not change
     kv_chunk: int = KV_CHUNK  # keys per matmul: bounds the transient (tile x keys) scores
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor] = None) -> Tensor:
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor] = None
+    ) -> Tensor:
         batch, heads, seq, dim = q.shape
         if k.shape != v.shape or k.shape[0] != batch or k.shape[2] != seq or k.shape[3] != dim:
             raise ValueError(f"{type(self).__name__}: q {tuple(q.shape)} vs k/v {tuple(k.shape)}")
@@ -76,7 +83,9 @@ class AttentionSpec:
         scale = self.scale if self.scale is not None else dim**-0.5
         return self._run(q, k, v, document_ids, scale)
 
-    def dense_weights(self, S: int, num_heads: int, document_ids: Optional[Tensor] = None, device=None) -> Tensor:
+    def dense_weights(
+        self, S: int, num_heads: int, document_ids: Optional[Tensor] = None, device=None
+    ) -> Tensor:
         """(B or 1, H or 1, S, S) int: how often each key counts for each query (0 = masked)."""
         w = self._pattern_weights(S, num_heads, device)
         if self.causal:
@@ -87,11 +96,15 @@ class AttentionSpec:
             w = w * (doc[:, None, :, None] == doc[:, None, None, :])
         return w if w.dim() == 4 else w[None]
 
-    def dense_mask(self, S: int, num_heads: int, document_ids: Optional[Tensor] = None, device=None) -> Tensor:
+    def dense_mask(
+        self, S: int, num_heads: int, document_ids: Optional[Tensor] = None, device=None
+    ) -> Tensor:
         """(B or 1, H or 1, S, S) bool: True where query i attends key j. The kernels' reference."""
         return self.dense_weights(S, num_heads, document_ids, device) > 0
 
-    def reference(self, q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor] = None) -> Tensor:
+    def reference(
+        self, q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor] = None
+    ) -> Tensor:
         """Dense eager attention with the explicit mask (O(S^2) memory): for tests and baselines."""
         w = self.dense_weights(q.shape[2], q.shape[1], document_ids, q.device)
         return masked_attention(q, k, v, w if w.max() > 1 else w > 0, self.scale)
@@ -116,6 +129,10 @@ class AttentionSpec:
     def _pattern_weights(self, S: int, num_heads: int, device) -> Tensor:
         raise NotImplementedError
 
+    def _sparse(self, q, k, v, document_ids, scale, kind: str, params: list[int]) -> Tensor:
+        args = (scale, self.causal, self.tile, self.kv_chunk)
+        return sparse_attention(q, k, v, document_ids, kind, params, *args)[0]
+
     def _run(self, q, k, v, document_ids, scale) -> Tensor:
         raise NotImplementedError
 
@@ -126,7 +143,8 @@ def _causal_pairs(S: int, causal: bool) -> int:
 
 @dataclass(frozen=True)
 class Exact(AttentionSpec):
-    """Exact attention. No documents: SDPA (CPU flash: O(S) memory); documents: block-sparse."""
+    """Exact attention. No documents: SDPA (its CPU flash kernel is O(S) memory). Documents: on
+    CPU one flash call per document when ids are sorted per row, else block-sparse tiles."""
 
     def _pattern_weights(self, S, num_heads, device):
         return torch.ones(1, S, S, dtype=torch.int64, device=device)
@@ -134,10 +152,17 @@ class Exact(AttentionSpec):
     def num_pairs(self, S, num_heads):
         return num_heads * _causal_pairs(S, self.causal)
 
+    def extra_bytes(self, B, H, S, D, dtype_bytes):
+        # The CPU flash backward holds one fp32 (B, H, S, D) accumulator (measured: +8 MiB at
+        # S=4K, H=8, D=64 for any H_kv); per-document calls add their results before the copy.
+        return super().extra_bytes(B, H, S, D, dtype_bytes) + 2 * B * H * S * D * 4
+
     def _run(self, q, k, v, document_ids, scale):
         if document_ids is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=scale, enable_gqa=True)
-        return sparse_attention(q, k, v, document_ids, "full", [], scale, self.causal, self.tile, self.kv_chunk)[0]
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=self.causal, scale=scale, enable_gqa=True
+            )
+        return self._sparse(q, k, v, document_ids, scale, "full", [])
 
 
 @dataclass(frozen=True)
@@ -150,7 +175,9 @@ class SlidingWindow(AttentionSpec):
 
     def __post_init__(self):
         if self.window < 1 or self.global_tokens < 0:
-            raise ValueError(f"SlidingWindow: window {self.window}, global_tokens {self.global_tokens}")
+            raise ValueError(
+                f"SlidingWindow: window {self.window}, global_tokens {self.global_tokens}"
+            )
 
     def _pattern_weights(self, S, num_heads, device):
         i = torch.arange(S, device=device)[:, None]
@@ -173,7 +200,7 @@ class SlidingWindow(AttentionSpec):
 
     def _run(self, q, k, v, document_ids, scale):
         params = [self.window, self.global_tokens]
-        return sparse_attention(q, k, v, document_ids, "window", params, scale, self.causal, self.tile, self.kv_chunk)[0]
+        return self._sparse(q, k, v, document_ids, scale, "window", params)
 
 
 @dataclass(frozen=True)
@@ -196,9 +223,12 @@ class BigBird(AttentionSpec):
     def _block_rows(self, qb0: int, qb1: int, num_blocks: int) -> Tensor:
         qb = torch.arange(qb0, qb1)[:, None]
         kb = torch.arange(num_blocks)[None, :]
-        rand = bigbird_random_blocks(num_blocks, self.window, self.num_global, self.num_random, self.seed, self.causal)
+        rand = bigbird_random_blocks(
+            num_blocks, self.window, self.num_global, self.num_random, self.seed, self.causal
+        )
         picked = (rand[qb0:qb1, None, :] == kb[..., None]).any(-1)
-        return ((kb - qb).abs() <= self.window) | (kb < self.num_global) | (qb < self.num_global) | picked
+        near = (kb - qb).abs() <= self.window
+        return near | (kb < self.num_global) | (qb < self.num_global) | picked
 
     def _pattern_weights(self, S, num_heads, device):
         nb = -(-S // self.block)
@@ -221,7 +251,7 @@ class BigBird(AttentionSpec):
 
     def _run(self, q, k, v, document_ids, scale):
         params = [self.block, self.window, self.num_global, self.num_random, self.seed]
-        return sparse_attention(q, k, v, document_ids, "bigbird", params, scale, self.causal, self.tile, self.kv_chunk)[0]
+        return self._sparse(q, k, v, document_ids, scale, "bigbird", params)
 
 
 @dataclass(frozen=True)
@@ -264,9 +294,12 @@ class Dilated(AttentionSpec):
         return total
 
     def extra_bytes(self, B, H, S, D, dtype_bytes):
-        # Per group: packed q, k, v, out, dout copies; plus the fp32 output/lse accumulators.
-        packed = 5 * B * H * S * D * dtype_bytes // min(self.rates)
-        return super().extra_bytes(B, H, S, D, dtype_bytes) + packed + 4 * B * H * S * D
+        # One run of segments packed at a time, plus an fp32 output accumulator for narrow dtypes.
+        packed = dilated_workspace_bytes(
+            B, H, S, D, dtype_bytes, self.segments, self.rates, self.tile, self.kv_chunk
+        )
+        widen = 4 * B * H * S * D if dtype_bytes < 4 else 0
+        return super().extra_bytes(B, H, S, D, dtype_bytes) + packed + widen
 
     def _run(self, q, k, v, document_ids, scale):
         return dilated_attention(

@@ -8,7 +8,8 @@ from tailorfx import passes as pass_registry
 from tailorfx.rewrite.regions import RegionMap
 
 # The order passes run in when several are asked for; a pass's own `after=` is checked too.
-PIPELINE_ORDER = ("attention", "minisequence", "precision", "recompute", "parallel")
+# precision before minisequence: the chunked regions then run in the precision chosen for them.
+PIPELINE_ORDER = ("attention", "precision", "minisequence", "recompute", "parallel")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,10 @@ def choose(requested: Optional[Sequence[str]], regions: RegionMap, options: dict
         order = sorted(requested, key=lambda n: PIPELINE_ORDER.index(n) if n in PIPELINE_ORDER else 99)
         return Plan(tuple(order), dict(options), "requested")
     chosen = []
+    for name in ("attention", "precision"):
+        if options.get(name) is not None:   # asked for by the user: approximate rewrites never run unasked
+            pass_registry.make(name, options)   # fails, naming the available passes, if missing
+            chosen.append(name)
     if "minisequence" in pass_registry.available() and (
             regions.of_kind("mlp") or regions.of_kind("lm_head_loss")):
         chosen.append("minisequence")

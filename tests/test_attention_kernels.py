@@ -18,13 +18,25 @@ from tailorfx.attention import BigBird, Dilated, Exact, SlidingWindow, dense_ext
 from tailorfx.runtime.attention_tiles import bigbird_random_blocks
 
 SETTINGS = settings(max_examples=25, deadline=None)
-TILES = st.sampled_from([(4, 1024), (8, 8), (16, 24), (32, 40), (128, 1024)])  # (tile, kv_chunk)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These are thousands of tiny ops: with 2 OpenMP threads each one is a barrier, and when
+    another process holds a core the barriers stall (measured 10-50x slower); 1 thread is not."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+TILES = st.sampled_from([(8, 8), (16, 24), (32, 40), (128, 1024)])  # (tile, kv_chunk)
 
 
 @st.composite
 def problems(draw, max_seq: int = 200):
     """(shape, document_ids or None): B, H (GQA groups of H_kv), S not tied to any block size."""
-    batch, num_kv, groups = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    batch, num_kv, groups = (draw(st.integers(1, n)) for n in (2, 2, 3))
     seq, dim = draw(st.integers(1, max_seq)), draw(st.sampled_from([4, 8]))
     docs = draw(st.sampled_from(["none", "boundaries", "interleaved"]))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
@@ -40,8 +52,10 @@ def problems(draw, max_seq: int = 200):
 def _inputs(shape, dtype=torch.float64, seed=0):
     batch, heads, num_kv, seq, dim = shape
     gen = torch.Generator().manual_seed(seed)
-    make = lambda h: torch.randn(batch, h, seq, dim, generator=gen, dtype=dtype).requires_grad_()  # noqa: E731
-    return make(heads), make(num_kv), make(num_kv)
+    return tuple(
+        torch.randn(batch, h, seq, dim, generator=gen, dtype=dtype).requires_grad_()
+        for h in (heads, num_kv, num_kv)
+    )
 
 
 def _assert_matches_reference(spec, shape, doc, atol=1e-10):
@@ -78,7 +92,8 @@ def test_sliding_window(problem, tiles, causal, window, global_tokens):
     st.integers(0, 3), st.integers(0, 9),
 )
 def test_bigbird(problem, tiles, causal, block, window, num_global, num_random, seed):
-    spec = BigBird(block, window, num_global, num_random, seed, causal=causal, tile=tiles[0], kv_chunk=tiles[1])
+    tile, kv_chunk = tiles
+    spec = BigBird(block, window, num_global, num_random, seed, causal=causal, tile=tile, kv_chunk=kv_chunk)
     _assert_matches_reference(spec, *problem)
 
 
@@ -93,11 +108,18 @@ def test_dilated(problem, tiles, causal, groups):
     _assert_matches_reference(spec, *problem)
 
 
-def test_explicit_scale_and_float32():
+def test_explicit_scale_float32_and_strided_inputs():
+    # (B, S, H, D) activations viewed as (B, H, S, D), as attention layers usually pass them.
     shape, doc = (2, 4, 2, 77, 8), torch.arange(77).repeat(2, 1) // 30
-    for spec in (Exact(scale=0.3), SlidingWindow(9, 2, scale=0.3), BigBird(8, 1, 1, 1, scale=0.3)):
-        q, k, v = (t.detach().float().requires_grad_() for t in _inputs(shape))
+    specs = (
+        Exact(scale=0.3), SlidingWindow(9, 2, scale=0.3), BigBird(8, 1, 1, 1, scale=0.3),
+        Dilated([16], [2], scale=0.3),
+    )
+    for spec in specs:
+        q, k, v = (t.detach().float().transpose(1, 2).contiguous().transpose(1, 2) for t in _inputs(shape))
+        before = [t.clone() for t in (q, k, v)]
         torch.testing.assert_close(spec(q, k, v, doc), spec.reference(q, k, v, doc), atol=2e-6, rtol=0)
+        assert all(torch.equal(a, b) for a, b in zip((q, k, v), before))  # inputs are never written
 
 
 # ------------------------------------------------------------------------------------------------
@@ -119,8 +141,10 @@ def _loop_weights(spec, seq, heads):
                 elif isinstance(spec, BigBird):
                     qi, kj, b = i // spec.block, j // spec.block, spec.num_global
                     nb = -(-seq // spec.block)
-                    rand = bigbird_random_blocks(nb, spec.window, b, spec.num_random, spec.seed, spec.causal)
-                    w[h, i, j] = abs(qi - kj) <= spec.window or kj < b or qi < b or kj in rand[qi].tolist()
+                    rand = bigbird_random_blocks(
+                        nb, spec.window, b, spec.num_random, spec.seed, spec.causal
+                    )[qi].tolist()
+                    w[h, i, j] = abs(qi - kj) <= spec.window or kj < b or qi < b or kj in rand
                 else:
                     for seg, r in zip(spec.segments, spec.rates):
                         p_i, p_j = i % seg, j % seg
@@ -208,13 +232,18 @@ def test_ops_pass_opcheck_and_survive_aot_autograd():
 
     q, k, v = (t.detach().float().requires_grad_() for t in _inputs((1, 4, 2, 40, 8)))
     doc = (torch.arange(40) // 15)[None]
-    torch.library.opcheck(torch.ops.tailorfx.sparse_attention.default, (q, k, v, doc, "bigbird", [4, 1, 1, 1, 0], 0.3, True, 8, 16))
-    torch.library.opcheck(torch.ops.tailorfx.dilated_attention.default, (q, k, v, doc, [8, 16], [1, 2], 0.3, True, 8, 16))
-    for spec, op in ((BigBird(4, 1, 1, 1), "sparse_attention"), (Dilated([8, 16], [1, 2]), "dilated_attention")):
+    ops = torch.ops.tailorfx
+    bigbird_args = (q, k, v, doc, "bigbird", [4, 1, 1, 1, 0], 0.3, True, 8, 16)
+    torch.library.opcheck(ops.sparse_attention.default, bigbird_args)
+    torch.library.opcheck(ops.dilated_attention.default, (q, k, v, doc, [8, 16], [1, 2], 0.3, True, 8, 16))
+    cases = ((BigBird(4, 1, 1, 1), "sparse_attention"), (Dilated([8, 16], [1, 2]), "dilated_attention"))
+    for spec, op in cases:
         backend = AotEagerAndRecordGraphs()
-        loss = torch.compile(lambda q, k, v: spec(q, k, v, doc).square().sum(), backend=backend, fullgraph=True)(q, k, v)
+        loss_fn = lambda q, k, v: spec(q, k, v, doc).square().sum()  # noqa: E731
+        compiled = torch.compile(loss_fn, backend=backend, fullgraph=True)
+        loss = compiled(q, k, v)
         grads = torch.autograd.grad(loss, (q, k, v))
-        eager = torch.autograd.grad(spec(q, k, v, doc).square().sum(), (q, k, v))
+        eager = torch.autograd.grad(loss_fn(q, k, v), (q, k, v))
         for g, e in zip(grads, eager):
             torch.testing.assert_close(g, e)
         forward, backward = backend.fw_graphs[0].code, backend.bw_graphs[0].code
@@ -230,9 +259,8 @@ def _peak_bytes(fn) -> int:
     """Peak of the cumulative allocator bytes ([memory] events in time order) while fn runs."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
-    )
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
     live = peak = 0
     for e in events:
         live += e.nbytes()
@@ -240,9 +268,9 @@ def _peak_bytes(fn) -> int:
     return peak
 
 
-def _train_peak(attend, seq: int) -> int:
+def _train_peak(attend, seq: int, docs: bool = True) -> int:
     q, k, v = (t.detach().float().requires_grad_() for t in _inputs((1, 2, 1, seq, 16)))
-    doc = (torch.arange(seq) // 256)[None]
+    doc = (torch.arange(seq) // 256)[None] if docs else None
 
     def step():
         out = attend(q, k, v, doc)
@@ -254,15 +282,18 @@ def _train_peak(attend, seq: int) -> int:
 
 @pytest.mark.parametrize(
     "spec",
-    [Exact(), SlidingWindow(128), SlidingWindow(128, 16), BigBird(32, 1, 1, 2), Dilated([128, 512], [1, 4])],
+    [Exact(), SlidingWindow(128), SlidingWindow(128, 16), BigBird(32, 1, 1, 2),
+     Dilated([128, 512], [1, 4])],
     ids=repr,
 )
-def test_sparse_peak_memory_grows_linearly(spec):
-    small, large = _train_peak(spec, 2048), _train_peak(spec, 4096)
+@pytest.mark.parametrize("docs", [False, True], ids=["no_docs", "docs"])
+def test_sparse_peak_memory_grows_linearly(spec, docs):
+    small, large = _train_peak(spec, 2048, docs), _train_peak(spec, 4096, docs)
     assert large / small < 2.6, (small, large)
     # The cost model bounds the measurement: grads of q, k, v plus out (4 x 256 KiB at 4K) + extra.
     io_bytes = 4 * 2 * 4096 * 16 * 4
-    assert large <= io_bytes + spec.extra_bytes(1, 2, 4096, 16, 4), (large, spec.extra_bytes(1, 2, 4096, 16, 4))
+    model = spec.extra_bytes(1, 2, 4096, 16, 4)
+    assert large <= io_bytes + model, (large, model)
 
 
 def test_dense_masked_peak_memory_grows_quadratically():
@@ -270,4 +301,6 @@ def test_dense_masked_peak_memory_grows_quadratically():
     small, large = (_train_peak(spec.reference, s) for s in (2048, 4096))
     assert large / small > 3.5, (small, large)
     assert math.isclose(dense_extra_bytes(1, 2, 4096, 16, 4) / dense_extra_bytes(1, 2, 2048, 16, 4), 4.0)
-    assert large <= dense_extra_bytes(1, 2, 4096, 16, 4)
+    io_bytes = 4 * 2 * 4096 * 16 * 4
+    model = dense_extra_bytes(1, 2, 4096, 16, 4)
+    assert 0.5 * model <= large <= io_bytes + model, (large, model)

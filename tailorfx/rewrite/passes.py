@@ -1,6 +1,7 @@
 """Pass protocol, the pass manager, the verifier, and per-pass records for inspection."""
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import time
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from tailorfx.rewrite.capture import SeqInfo, node_value
-from tailorfx.rewrite.regions import RegionMap
+from tailorfx.rewrite.regions import RegionMap, find_regions
 
 PASS_META = "tailorfx_pass"   # node.meta key: the pass that created the node
 
@@ -130,4 +131,6 @@ class PassManager:
                                       res.touched, res.skipped, dict(res.stats), peak, peak_after,
                                       seconds, res.gm))
             gm, peak = res.gm, peak_after
+            if res.changed:   # later passes see regions of the graph as it now is
+                ctx = dataclasses.replace(ctx, regions=find_regions(gm, ctx.seq))
         return gm, records

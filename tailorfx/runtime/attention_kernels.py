@@ -1,7 +1,8 @@
 """Sparse, dilated and document-masked attention as opaque ``torch.library`` custom ops.
 
-    tailorfx::sparse_attention(q, k, v, document_ids, kind, params, scale, causal) -> (out, lse)
-    tailorfx::dilated_attention(q, k, v, document_ids, segments, rates, scale, causal) -> (out, lse)
+    tailorfx::sparse_attention(q, k, v, document_ids, kind, params, scale, causal, tile, kv_chunk)
+    tailorfx::dilated_attention(q, k, v, document_ids, segments, rates, scale, causal, tile, kv_chunk)
+        -> (out (B, H, S, D), lse (B, H, S) fp32, fp64 for fp64 inputs)
 
 each with a ``*_backward`` op, a fake kernel and an autograd registration, so a graph that calls
 them keeps one node through AOTAutograd and Inductor (a plain-torch version would be decomposed
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from tailorfx.runtime.attention_tiles import KV_CHUNK, TILE, Pattern, tile_backward, tile_forward
 
-__all__ = ["sparse_attention", "dilated_attention"]
+__all__ = ["sparse_attention", "dilated_attention", "dilated_workspace_bytes"]
 
 _NEG_INF = float("-inf")
 
@@ -31,7 +32,65 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------------------------
-# Block-sparse patterns (full + documents, sliding window, BigBird): the tile engine.
+# Dense (causal) attention with documents: on CPU the ATen flash kernel (O(S) memory, returns
+# lse, and its backward accepts a merged out/lse), one call per document when ids are sorted
+# in each row (packed sequences); otherwise, or off CPU, the tile engine.
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_MAX_FLASH_CALLS = 256  # beyond this many documents, batched tile matmuls beat per-call overhead
+
+
+def _document_runs(doc: Tensor) -> Optional[list[tuple[int, int, int]]]:
+    """(row, start, stop) per document when ids are sorted within each row (packed sequences)."""
+    if not bool((doc[:, 1:] >= doc[:, :-1]).all()):
+        return None
+    rows, cuts = (doc[:, 1:] != doc[:, :-1]).nonzero(as_tuple=True)
+    starts: list[list[int]] = [[0] for _ in range(doc.shape[0])]
+    for row, cut in zip(rows.tolist(), (cuts + 1).tolist()):
+        starts[row].append(cut)
+    return [(row, a, b) for row, s in enumerate(starts) for a, b in zip(s, [*s[1:], doc.shape[1]])]
+
+
+def _flash_runs(q: Tensor, doc: Optional[Tensor]) -> Optional[list[tuple[slice, slice]]]:
+    """(batch slice, sequence slice) per flash call, or None when the tile engine must run."""
+    if q.device.type != "cpu":
+        return None
+    if doc is None:
+        return [(slice(None), slice(None))]
+    runs = _document_runs(doc)
+    if runs is None or len(runs) > _MAX_FLASH_CALLS:
+        return None
+    return [(slice(r, r + 1), slice(a, b)) for r, a, b in runs]
+
+
+def _dense_forward(q, k, v, doc, scale, causal, tiles):
+    runs = _flash_runs(q, doc)
+    if runs is None:
+        return tile_forward(q, k, v, Pattern("full", (), causal, q.shape[2]), doc, scale, *tiles)
+    out = torch.empty_like(q)
+    lse = q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
+    for rows, span in runs:
+        o, l = _FLASH(q[rows, :, span], k[rows, :, span], v[rows, :, span], 0.0, causal, scale=scale)
+        out[rows, :, span], lse[rows, :, span] = o, l
+    return out, lse
+
+
+def _dense_backward(dout, q, k, v, out, lse, doc, scale, causal, tiles):
+    runs = _flash_runs(q, doc)
+    if runs is None:
+        pattern = Pattern("full", (), causal, q.shape[2])
+        return tile_backward(dout, q, k, v, out, lse, pattern, doc, scale, *tiles)
+    grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for rows, span in runs:  # documents do not overlap: each key's gradient comes from one call
+        part = [t[rows, :, span] for t in (dout, q, k, v, out)]
+        for g, d in zip(grads, _FLASH_BACKWARD(*part, lse[rows, :, span], 0.0, causal, scale=scale)):
+            g[rows, :, span] = d
+    return grads
+
+
+# ---------------------------------------------------------------------------------------------
+# Block-sparse patterns: full + documents (dense engine above), sliding window, BigBird.
 
 
 @torch.library.custom_op("tailorfx::sparse_attention", mutates_args=())
@@ -39,12 +98,14 @@ def sparse_attention(
     q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor], kind: str,
     params: Sequence[int], scale: float, causal: bool, tile: int = TILE, kv_chunk: int = KV_CHUNK,
 ) -> tuple[Tensor, Tensor]:
+    if kind == "full":
+        return _dense_forward(q, k, v, document_ids, scale, causal, (tile, kv_chunk))
     pattern = Pattern(kind, tuple(params), causal, q.shape[2])
     return tile_forward(q, k, v, pattern, document_ids, scale, tile, kv_chunk)
 
 
 @sparse_attention.register_fake
-def _(q, k, v, document_ids, kind, params, scale, causal, tile=TILE, kv_chunk=KV_CHUNK):
+def _(q, k, v, *_args, **_kwargs):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
 
 
@@ -54,12 +115,14 @@ def sparse_attention_backward(
     document_ids: Optional[Tensor], kind: str, params: Sequence[int], scale: float, causal: bool,
     tile: int = TILE, kv_chunk: int = KV_CHUNK,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    if kind == "full":
+        return _dense_backward(dout, q, k, v, out, lse, document_ids, scale, causal, (tile, kv_chunk))
     pattern = Pattern(kind, tuple(params), causal, q.shape[2])
     return tile_backward(dout, q, k, v, out, lse, pattern, document_ids, scale, tile, kv_chunk)
 
 
 @sparse_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, document_ids, kind, params, scale, causal, tile=TILE, kv_chunk=KV_CHUNK):
+def _(dout, q, k, v, *_args, **_kwargs):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -95,13 +158,26 @@ def _groups(
     for w, r in zip(segments, rates):
         whole = seq // w
         for o in range(min(r, heads)):  # heads o, o + r, ... select offset o
-            m = -(-(w - o) // r)  # positions per whole segment
+            m = max(1, -(-(w - o) // r))  # positions per whole segment (none when o >= w)
             per_segment = len(range(o, heads, r)) * min(m, tile) * min(m, kv_chunk)
             cap = max(1, heads * tile * kv_chunk // per_segment)
             for first in range(0, whole if o < w else 0, cap):
                 yield r, o, first * w, min(cap, whole - first), w
             if seq % w > o:
                 yield r, o, whole * w, 1, seq % w
+
+
+def dilated_workspace_bytes(
+    batch: int, heads: int, seq: int, dim: int, dtype_bytes: int, segments: Sequence[int],
+    rates: Sequence[int], tile: int = TILE, kv_chunk: int = KV_CHUNK,
+) -> int:
+    """Largest per-call packed copy the backward holds: q, dout, out, k, v and dq, dk, dv of
+    one run of segments (the forward holds fewer)."""
+    largest = 0
+    for r, o, _, nseg, length in _groups(seq, heads, segments, rates, tile, kv_chunk):
+        positions = len(range(o, length, r))
+        largest = max(largest, nseg * len(range(o, heads, r)) * positions)
+    return 8 * batch * largest * dim * dtype_bytes
 
 
 def _pick(x: Tensor, heads: slice, start: int, nseg: int, length: int, o: int, r: int) -> Tensor:
@@ -120,24 +196,6 @@ def _unpack(x: Tensor, batch: int) -> Tensor:
     return x.reshape(batch, -1, *x.shape[1:]).transpose(1, 2)
 
 
-def _dense_forward(q, k, v, doc, scale, causal, tiles):
-    if doc is None and q.device.type == "cpu":  # the CPU flash kernel: fastest, O(S) memory
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale
-        )
-        return out, lse.to(_lse_dtype(q.dtype))
-    return tile_forward(q, k, v, Pattern("full", (), causal, q.shape[2]), doc, scale, *tiles)
-
-
-def _dense_backward(dout, q, k, v, out, lse, doc, scale, causal, tiles):
-    if doc is None and q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
-        )
-    pattern = Pattern("full", (), causal, q.shape[2])
-    return tile_backward(dout, q, k, v, out, lse, pattern, doc, scale, *tiles)
-
-
 def _group_inputs(tensors, doc, num_kv, group):
     """Pack q-like tensors (all H heads) and k, v (expanded from H_kv) for one group."""
     r, o, start, nseg, length = group
@@ -147,7 +205,8 @@ def _group_inputs(tensors, doc, num_kv, group):
     kv_heads = torch.arange(o, h, r, device=k.device) // (h // num_kv)
     packed = [_pack(_pick(t, heads, start, nseg, length, o, r)) for t in qlike]
     everything = slice(None)
-    packed += [_pack(_pick(t, everything, start, nseg, length, o, r).index_select(1, kv_heads)) for t in (k, v)]
+    for t in (k, v):
+        packed.append(_pack(_pick(t, everything, start, nseg, length, o, r).index_select(1, kv_heads)))
     if doc is not None:
         doc = doc[:, start : start + nseg * length].reshape(-1, length)[:, o::r].contiguous()
     return packed, doc, kv_heads
@@ -178,7 +237,7 @@ def dilated_attention(
 
 
 @dilated_attention.register_fake
-def _(q, k, v, document_ids, segments, rates, scale, causal, tile=TILE, kv_chunk=KV_CHUNK):
+def _(q, k, v, *_args, **_kwargs):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
 
 
@@ -202,16 +261,18 @@ def dilated_attention_backward(
             (q, dout, out, k, v), document_ids, k.shape[1], group
         )
         lseg = _pack(_pick(lse, slice(o, None, r), start, nseg, length, o, r))
-        dqg, dkg, dvg = _dense_backward(dog, qg, kg, vg, outg, lseg, doc, scale, causal, (tile, kv_chunk))
+        tiles = (tile, kv_chunk)
+        dqg, dkg, dvg = _dense_backward(dog, qg, kg, vg, outg, lseg, doc, scale, causal, tiles)
         _pick(dq, slice(o, None, r), start, nseg, length, o, r).add_(_unpack(dqg, batch))
         everything = slice(None)
-        _pick(dk, everything, start, nseg, length, o, r).index_add_(1, kv_heads, _unpack(dkg, batch).to(acc))
-        _pick(dv, everything, start, nseg, length, o, r).index_add_(1, kv_heads, _unpack(dvg, batch).to(acc))
+        for grad, part in ((dk, dkg), (dv, dvg)):  # kv heads shared by several query heads add up
+            view = _pick(grad, everything, start, nseg, length, o, r)
+            view.index_add_(1, kv_heads, _unpack(part, batch).to(acc))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 @dilated_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, document_ids, segments, rates, scale, causal, tile=TILE, kv_chunk=KV_CHUNK):
+def _(dout, q, k, v, *_args, **_kwargs):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -224,7 +285,9 @@ def _dilated_setup(ctx, inputs, output) -> None:
 
 def _dilated_grad(ctx, dout, _dlse):
     q, k, v, out, lse, document_ids = ctx.saved_tensors
-    grads = dilated_attention_backward(dout.contiguous(), q, k, v, out, lse, document_ids, *ctx.args)
+    grads = dilated_attention_backward(
+        dout.contiguous(), q, k, v, out, lse, document_ids, *ctx.args
+    )
     return (*grads, None, None, None, None, None, None, None)
 
 

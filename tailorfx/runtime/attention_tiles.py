@@ -3,8 +3,9 @@
 A pattern (``full``, ``window``, ``bigbird``) says, for a query tile ``[q0, q1)``, which key units
 it may touch (``unit_row``) and the exact element mask inside them (``element_mask``). The
 engine gathers those keys in chunks of at most ``kv_chunk`` and runs an online (log-sum-exp)
-softmax, so memory is O(S x keys per query) for the work and O(tile x kv_chunk) transient. The
+softmax: work is O(S x keys per query), memory O(S) plus an O(tile x kv_chunk) transient. The
 backward recomputes each tile from ``out`` and ``lse`` (flash-style) and scatter-adds dk, dv.
+Every kind includes the diagonal, so no query row is empty and lse stays finite.
 
 Everything is torch ops on whatever device the inputs live on; no CPU-only calls here.
 """
@@ -43,9 +44,10 @@ def bigbird_random_blocks(
         lo, hi = max(num_global, qb - window), qb + window  # excluded window [lo, hi]
         limit = qb if causal else num_blocks - 1  # last eligible block
         before = max(0, min(lo, limit + 1) - num_global)  # candidates g .. lo-1
-        after = max(0, limit - max(hi, num_global - 1))  # candidates hi+1 .. limit
+        after = max(0, limit - max(hi, num_global - 1))  # candidates after the window .. limit
         picks = rng.sample(range(before + after), min(num_random, before + after))
-        blocks = [num_global + c if c < before else max(hi, num_global - 1) + 1 + c - before for c in picks]
+        right = max(hi, num_global - 1) + 1  # first candidate after the window
+        blocks = [num_global + c if c < before else right + c - before for c in picks]
         table[qb, : len(blocks)] = torch.tensor(sorted(blocks), dtype=torch.int64)
     return table
 
@@ -209,8 +211,9 @@ def _take(x: Tensor, index: KeyIndex, dtype: torch.dtype) -> Tensor:
     return (x[:, :, index] if isinstance(index, slice) else x.index_select(2, index)).to(dtype)
 
 
-def _scores(qt: Tensor, kc: Tensor, mask: Optional[Tensor], scale: float, tq: int) -> Tensor:
-    s = torch.matmul(qt, kc.transpose(-1, -2)).mul_(scale)
+def _scores(qt: Tensor, kc: Tensor, mask: Optional[Tensor], tq: int) -> Tensor:
+    """Masked scores of pre-scaled query rows against one key chunk."""
+    s = torch.matmul(qt, kc.transpose(-1, -2))
     if mask is not None:
         b, hkv, rows, tk = s.shape
         s.view(b, hkv, rows // tq, tq, tk).masked_fill_(~mask, float("-inf"))
@@ -227,12 +230,12 @@ def tile_forward(
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, seq, dtype=acc, device=q.device)
     for q0, q1, chunks in plan(pattern, doc, tile, kv_chunk, q.device):
-        qt = _tile_rows(q, q0, q1, num_kv, acc)
+        qt = _tile_rows(q, q0, q1, num_kv, acc) * scale  # scaling D columns, not Tk
         m = torch.full(qt.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         l = torch.zeros_like(m)
         o = torch.zeros_like(qt)
         for index, mask in chunks:
-            s = _scores(qt, _take(k, index, acc), mask, scale, q1 - q0)
+            s = _scores(qt, _take(k, index, acc), mask, q1 - q0)
             m_new = torch.maximum(m, s.amax(-1))
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # all-masked rows stay 0
             p = s.sub_(m_safe[..., None]).exp_()
@@ -258,15 +261,14 @@ def tile_backward(
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     for q0, q1, chunks in plan(pattern, doc, tile, kv_chunk, q.device):
-        qt = _tile_rows(q, q0, q1, num_kv, acc)
+        qt = _tile_rows(q, q0, q1, num_kv, acc) * scale  # so ds^T @ qt is already dk
         dot = _tile_rows(dout, q0, q1, num_kv, acc)
         delta = (dot * _tile_rows(out, q0, q1, num_kv, acc)).sum(-1, keepdim=True)
-        lt = lse[:, :, q0:q1].reshape(batch, num_kv, -1, 1).to(acc)
-        lt = lt.masked_fill(lt == float("-inf"), float("inf"))  # empty rows: p = exp(-inf) = 0
+        lt = lse[:, :, q0:q1].reshape(batch, num_kv, -1, 1).to(acc)  # finite: every query sees itself
         dqt = torch.zeros_like(qt)
         for index, mask in chunks:
             kc, vc = _take(k, index, acc), _take(v, index, acc)
-            p = _scores(qt, kc, mask, scale, q1 - q0).sub_(lt).exp_()
+            p = _scores(qt, kc, mask, q1 - q0).sub_(lt).exp_()
             ds = p * (torch.matmul(dot, vc.transpose(-1, -2)).sub_(delta))
             dvc = torch.matmul(p.transpose(-1, -2), dot)
             dkc = torch.matmul(ds.transpose(-1, -2), qt)
@@ -278,4 +280,4 @@ def tile_backward(
                 dk.index_add_(2, index, dkc)
                 dv.index_add_(2, index, dvc)
         dq[:, :, q0:q1] = (dqt * scale).view(batch, heads, q1 - q0, dim).to(q.dtype)
-    return dq, (dk * scale).to(k.dtype), dv.to(v.dtype)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
