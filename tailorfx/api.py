@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from tailorfx.backend import GraphRecord, Options, Session, TailorBackend
-from tailorfx.budget import Budget
+from tailorfx.budget import Budget, BudgetError
 from tailorfx.report import Report
 from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import mark_sequence_dims
@@ -100,7 +100,8 @@ class OptimizedModule(nn.Module):
         from tailorfx.codegen.lower import partition_for
         gs = self.session.graphs
         steps = [g.step if (rewritten and g.step is not None) else
-                 memory.trace_step(g.rewritten if rewritten else g.original, None, partition_for(g.lowering))
+                 memory.trace_step(g.rewritten if rewritten else g.original, None,
+                                   partition_for(g.lowering, g.rewritten if rewritten else g.original))
                  for g in gs]
         seq = gs[0].seq
         return memory.simulate_step(steps, seq, seq_len or seq.length or None, optimizer)
@@ -132,11 +133,16 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
              passes: Optional[Sequence[str]] = None, example_inputs: Any = None,
              example_kwargs: Optional[dict] = None, minisequence_chunks: Optional[int] = None,
              attention: Any = None, precision: Optional[str] = None, setup: Any = None,
+             optimizer: Optional[str] = "adamw", recompute: Optional[str] = None,
              lowering: str = "auto", verify: bool = True, predict: bool = True) -> OptimizedModule:
     """Rewrite `model` for training under `budget`; returns a module that trains like the original.
 
-    passes=None lets the planner choose; passes=[] captures without rewriting. Capture happens
-    at the first call, or now when example inputs are given (their forward runs once).
+    passes=None lets the planner choose (with a budget: the plan that fits with the least
+    recompute, else BudgetError naming the smallest budget that works); passes=[] captures
+    without rewriting. The budget covers parameters, gradients, `optimizer` state ("adamw",
+    "sgd" or None) and activations. `recompute="full"|"selective"` sets the recompute policy.
+    Capture happens at the first call, or now when example inputs are given (their forward runs
+    once).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
@@ -147,8 +153,13 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     if minisequence_chunks is not None and (not isinstance(minisequence_chunks, int) or minisequence_chunks < 1):
         raise ValueError(f"minisequence_chunks must be a positive int, got {minisequence_chunks!r}")
     b = Budget.parse(budget) if budget is not None else None
+    if optimizer not in ("adamw", "sgd", None):
+        raise ValueError(f"optimizer must be 'adamw', 'sgd' or None, got {optimizer!r}")
+    if recompute not in (None, "full", "selective"):
+        raise ValueError(f"recompute must be 'full', 'selective' or None, got {recompute!r}")
     opts = {"minisequence_chunks": minisequence_chunks, "budget_bytes": b.bytes if b else None,
-            "attention": attention, "precision": precision}
+            "budget_label": str(b) if b else None, "attention": attention, "precision": precision,
+            "optimizer": optimizer, "recompute_policy": recompute}
     options = Options(passes=tuple(passes) if passes is not None else None,
                       pass_options=tuple(sorted(opts.items())), lowering=lowering,
                       predict=predict, verify=verify)
@@ -157,3 +168,78 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
         args, kwargs = _split_examples(example_inputs, example_kwargs)
         opt(*args, **kwargs)
     return opt
+
+
+def _build(model_or_config: Any, dtype: Optional[torch.dtype]) -> nn.Module:
+    """A model from a model, a config (ours or Hugging Face's) or a zero-argument factory."""
+    from tailorfx.models import LlamaConfig, LlamaLM
+    old = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        if isinstance(model_or_config, LlamaConfig):
+            return LlamaLM(model_or_config)
+        if hasattr(model_or_config, "to_dict") and hasattr(model_or_config, "model_type"):
+            from transformers import AutoModelForCausalLM
+            return AutoModelForCausalLM.from_config(model_or_config)
+        if callable(model_or_config):
+            return model_or_config()
+    finally:
+        torch.set_default_dtype(old)
+    raise TypeError(f"max_seq_len takes a model, a config or a factory, got {type(model_or_config).__name__}")
+
+
+def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_size: int = 1,
+                passes: Optional[Sequence[str]] = None, optimizer: Optional[str] = "adamw",
+                dtype: Optional[torch.dtype] = None, limit: int = 1 << 21, granularity: int = 128) -> int:
+    """Longest sequence whose training step fits `budget`, by the memory model (nothing is run).
+
+    A config or factory is built under a FakeTensorMode, so an 8B model costs no memory. One
+    capture serves every length (the sequence dim is symbolic); the answer is bisected on the
+    prediction to `granularity` tokens. passes=[]: vanilla; ["recompute"]; ["minisequence",
+    "recompute"]; None: the plan that saves the most (mini-sequence + full recompute of every
+    block). The budget holds the steady state: weights, gradients, optimizer state, activations.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    b = Budget.parse(budget)
+    chosen = list(passes) if passes is not None else ["minisequence", "recompute"]
+    recompute = "full" if "recompute" in chosen else None
+    if isinstance(model_or_config, nn.Module):
+        model, mode = model_or_config, None
+        ids = torch.randint(0, 2, (batch_size, 256), device=next(model.parameters()).device)
+        opt = optimize(model, passes=chosen, recompute=recompute, optimizer=optimizer, predict=False,
+                       verify=False, example_inputs={"input_ids": ids, "labels": ids})
+    else:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            model = _build(model_or_config, dtype)
+            ids = torch.randint(0, 2, (batch_size, 256))
+            opt = optimize(model, passes=chosen, recompute=recompute, optimizer=optimizer, predict=False,
+                           verify=False, example_inputs={"input_ids": ids, "labels": ids})
+    if opt.session.graphs and opt.session.graphs[0].seq.symbol is None:
+        raise RuntimeError("the capture did not keep the sequence length symbolic; cannot extrapolate")
+
+    def peak(S: int) -> int:
+        return opt.predict_memory(S, optimizer=optimizer).peak_bytes
+
+    est = opt.predict_memory(1, optimizer=optimizer)
+    static = est.param_bytes + est.grad_bytes + est.optimizer_bytes
+    if static > b.bytes or peak(1) > b.bytes:
+        from tailorfx.budget import format_bytes
+        raise BudgetError(
+            f"even one token does not fit {b}: weights {format_bytes(est.param_bytes)}, gradients "
+            f"{format_bytes(est.grad_bytes)} and {optimizer or 'no'} optimizer state "
+            f"{format_bytes(est.optimizer_bytes)} need {format_bytes(static)} before any activation. "
+            f"Use bf16 weights and optimizer state, an 8-bit or no optimizer, or a larger device.",
+            static, "static")
+    lo, hi = 1, 1024
+    while hi <= limit and peak(hi) <= b.bytes:
+        lo, hi = hi, hi * 2
+    if hi > limit:
+        return lo
+    while hi - lo > granularity:
+        mid = (lo + hi) // 2 // granularity * granularity or granularity
+        if mid <= lo:
+            break
+        lo, hi = (mid, hi) if peak(mid) <= b.bytes else (lo, mid)
+    return lo

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from tailorfx import planner
 from tailorfx.codegen import lower as lowering_mod
-from tailorfx.rewrite import memory
+from tailorfx.rewrite import cost, memory
 from tailorfx.rewrite.capture import SeqInfo, seq_info
 from tailorfx.rewrite.passes import PassContext, PassManager, PassRecord
 from tailorfx.rewrite.regions import RegionMap, find_regions
@@ -69,7 +69,6 @@ class TailorBackend:
         idx = len(self.session.graphs)
         seq = seq_info(gm, self.session.seq_len)
         lowering = lowering_mod.resolve_lowering(self.options.lowering, example_inputs)
-        partition = lowering_mod.partition_for(lowering)
         regions = find_regions(gm, seq)
         notes: list[str] = []
         original = gm   # passes are pure: they clone before they rewrite
@@ -80,12 +79,14 @@ class TailorBackend:
         try:
             opts = self.options.options_dict()
             plan = planner.choose(self.options.passes, regions, opts)
-            predict = self._predictor(seq, partition) if self.options.predict else None
+            if opts.get("budget_bytes") and self.options.passes is None:
+                plan = self._plan_for_budget(gm, regions, seq, plan, lowering, idx)
+            predict = self._predictor(seq, lowering, plan.options.get("optimizer")) if self.options.predict else None
             pm = PassManager(planner.build_pipeline(plan), predict=predict, run_verify=self.options.verify)
-            rewritten, records = pm.run(gm, PassContext(regions, seq, opts, idx))
+            rewritten, records = pm.run(gm, PassContext(regions, seq, plan.options, idx))
             peaks = (pm.initial_peak, records[-1].peak_after if records else pm.initial_peak)
         except ValueError:
-            raise   # bad user options: say so, do not hide it behind a fallback
+            raise   # bad user options or an unreachable budget: say so, do not hide it behind a fallback
         except Exception as e:   # an unsupported graph: leave it as it was, and say why
             notes.append(f"graph {idx}: passes failed, graph left unchanged: {type(e).__name__}: {e}")
             warnings.warn(notes[-1])
@@ -99,11 +100,36 @@ class TailorBackend:
         return lowering_mod.lower(rewritten, example_inputs, lowering, on_partition=keep)
 
     @staticmethod
-    def _predictor(seq: SeqInfo, partition: str) -> Callable[[fx.GraphModule], int]:
+    def _predictor(seq: SeqInfo, lowering: str, optimizer: Optional[str] = None) -> Callable[[fx.GraphModule], int]:
         def predict(g: fx.GraphModule) -> int:
-            est = memory.simulate_step([memory.trace_step(g, None, partition)], seq, seq.length or None)
+            part = lowering_mod.partition_for(lowering, g)
+            est = memory.simulate_step([memory.trace_step(g, None, part)], seq, seq.length or None, optimizer)
             return est.peak_bytes
         return predict
+
+    def _plan_for_budget(self, gm, regions, seq, base: planner.Plan, lowering: str, idx: int) -> planner.Plan:
+        """Search plans against the budget at the captured length (see planner.search)."""
+        opts = base.options
+        budget, optimizer = opts["budget_bytes"], opts.get("optimizer")
+        sizer = memory.Sizer(seq, seq.length or None)
+
+        def evaluate(c: planner.Candidate):
+            o = {**opts, **dict(c.options)}
+            pm = PassManager(planner.build_pipeline(planner.Plan(c.passes, o)), run_verify=self.options.verify)
+            g, _ = pm.run(gm, PassContext(regions, seq, o, idx))
+            step = memory.trace_step(g, None, lowering_mod.partition_for(lowering, g))
+            est = memory.simulate_step([step], seq, seq.length or None, optimizer)
+            return planner.with_result(c, est.peak_bytes, cost.recompute_flops(g, sizer.as_int), budget), (est, o)
+
+        def breakdown(payload) -> dict:
+            est, _ = payload
+            fixed = est.param_bytes + est.grad_bytes
+            return {"weights and gradients": fixed, "optimizer state": est.optimizer_bytes,
+                    "activations": max(0, est.peak_bytes - fixed - est.optimizer_bytes)}
+
+        cands = planner.budget_candidates(base, len(regions.of_kind("block")))
+        chosen, (_, o), others = planner.search(cands, evaluate, budget, opts.get("budget_label", ""), breakdown)
+        return planner.Plan(chosen.passes, o, f"fits budget {opts.get('budget_label', '')}", chosen, tuple(others))
 
 
 def tailorfx_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:

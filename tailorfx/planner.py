@@ -1,26 +1,61 @@
-"""The planner: chooses which passes run, in which order, with which parameters."""
+"""The planner: chooses which passes run, in which order, with which parameters.
+
+Without a budget it runs the exact rewrites that only lower memory (and whatever approximate
+rewrite the user asked for). With a budget it searches plans (mini-sequence, selective recompute,
+full recompute of the first k blocks), predicts each plan's peak with the memory model, and keeps
+the plan that fits with the least recomputed FLOPs.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional, Sequence
 
 from tailorfx import passes as pass_registry
+from tailorfx.budget import BudgetError, format_bytes
 from tailorfx.rewrite.regions import RegionMap
 
-# The order passes run in when several are asked for; a pass's own `after=` is checked too.
 # precision before minisequence: the chunked regions then run in the precision chosen for them.
 PIPELINE_ORDER = ("attention", "precision", "minisequence", "recompute", "parallel")
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """One plan the planner considered, with what the memory and cost models said of it."""
+    label: str
+    passes: tuple[str, ...]
+    options: tuple = ()               # extra (key, value) pass options
+    peak: Optional[int] = None        # predicted peak of one step (params, grads, optimizer, activations)
+    added_flops: Optional[int] = None  # forward FLOPs rerun in backward
+    fits: Optional[bool] = None
+
+    def __str__(self) -> str:
+        from tailorfx.rewrite.cost import fmt_flops
+        peak = format_bytes(self.peak) if self.peak is not None else "-"
+        flops = fmt_flops(self.added_flops) if self.added_flops is not None else "-"
+        return f"{self.label}: peak {peak}, recompute {flops}" + ("" if self.fits is None else
+                                                                     (" (fits)" if self.fits else " (over)"))
+
+
+@dataclass(frozen=True)
 class Plan:
-    """The passes chosen for one graph and why."""
+    """The passes chosen for one graph, why, and the runners-up."""
     passes: tuple[str, ...]
     options: dict = field(default_factory=dict)
     reason: str = ""
+    chosen: Optional[Candidate] = None
+    runners_up: tuple[Candidate, ...] = ()
 
     def __str__(self) -> str:
-        return f"passes={list(self.passes)} ({self.reason})" if self.reason else f"passes={list(self.passes)}"
+        s = f"passes={list(self.passes)}" + (f" ({self.reason})" if self.reason else "")
+        if self.chosen is not None:
+            s += f"; chosen: {self.chosen}"
+        for c in self.runners_up:
+            s += f"\n    runner-up: {c}"
+        return s
+
+
+def _order(names: Sequence[str]) -> tuple[str, ...]:
+    return tuple(sorted(names, key=lambda n: PIPELINE_ORDER.index(n) if n in PIPELINE_ORDER else 99))
 
 
 def choose(requested: Optional[Sequence[str]], regions: RegionMap, options: dict) -> Plan:
@@ -28,19 +63,78 @@ def choose(requested: Optional[Sequence[str]], regions: RegionMap, options: dict
     if requested is not None:
         for name in requested:
             pass_registry.make(name, options)   # fails early, naming the available passes
-        order = sorted(requested, key=lambda n: PIPELINE_ORDER.index(n) if n in PIPELINE_ORDER else 99)
-        return Plan(tuple(order), dict(options), "requested")
+        return Plan(_order(requested), dict(options), "requested")
     chosen = []
     for name in ("attention", "precision"):
         if options.get(name) is not None:   # asked for by the user: approximate rewrites never run unasked
             pass_registry.make(name, options)   # fails, naming the available passes, if missing
             chosen.append(name)
+    if options.get("recompute_policy") is not None:
+        chosen.append("recompute")
     if "minisequence" in pass_registry.available() and (
             regions.of_kind("mlp") or regions.of_kind("lm_head_loss")):
         chosen.append("minisequence")
-    return Plan(tuple(chosen), dict(options), "default: exact rewrites that only lower memory")
+    return Plan(_order(chosen), dict(options), "default: exact rewrites that only lower memory")
 
 
 def build_pipeline(plan: Plan) -> list:
     """The passes of a plan, instantiated in order."""
     return [pass_registry.make(name, plan.options) for name in plan.passes]
+
+
+def budget_candidates(base: Plan, num_blocks: int) -> list[Candidate]:
+    """Plans from least to most recompute; the user's own passes (attention...) are kept in all."""
+    keep = tuple(p for p in base.passes if p not in ("minisequence", "recompute"))
+    out = [Candidate("no memory rewrite", _order(keep)),
+           Candidate("minisequence", _order(keep + ("minisequence",)))]
+    ms_rc = _order(keep + ("minisequence", "recompute"))
+    out.append(Candidate("minisequence + selective recompute, all blocks", ms_rc,
+                         (("recompute_policy", "selective"), ("recompute_blocks", None))))
+    for k in range(1, num_blocks + 1):
+        out.append(Candidate(f"minisequence + full recompute, {k}/{num_blocks} blocks", ms_rc,
+                             (("recompute_policy", "full"), ("recompute_blocks", k))))
+    return out
+
+
+Evaluate = Callable[[Candidate], tuple[Candidate, object]]
+
+
+def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_label: str,
+           breakdown: Callable[[object], dict]) -> tuple[Candidate, object, list[Candidate]]:
+    """The fitting candidate with the least recompute; raises BudgetError if none fits.
+
+    Candidates past the first three are 'full recompute of k blocks', whose peak falls as k grows:
+    bisection finds the smallest k that fits, so large models cost log(blocks) traces.
+    """
+    head, ks = candidates[:3], candidates[3:]
+    seen: list[tuple[Candidate, object]] = [evaluate(c) for c in head]
+    lo, hi = 0, len(ks) - 1
+    best_k = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        c, payload = evaluate(ks[mid])
+        seen.append((c, payload))
+        if c.fits:
+            best_k, hi = mid, mid - 1
+        else:
+            lo = mid + 1
+    fitting = [(c, p) for c, p in seen if c.fits]
+    if not fitting:
+        smallest, payload = min(seen, key=lambda cp: cp[0].peak)
+        parts = breakdown(payload)
+        dominant = max(parts, key=parts.get)
+        detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
+        raise BudgetError(
+            f"budget {budget_label} cannot be met: the smallest peak any plan reaches is "
+            f"{format_bytes(smallest.peak)} ({smallest.label}; {detail}), dominated by {dominant}. "
+            f"Use a budget of at least {format_bytes(smallest.peak)}, or shrink what dominates "
+            f"(shorter sequences or smaller batches for activations; bf16 weights or another "
+            f"optimizer for weights and optimizer state).", smallest.peak, dominant)
+    fitting.sort(key=lambda cp: (cp[0].added_flops, cp[0].peak))
+    chosen, payload = fitting[0]
+    others = sorted((c for c, _ in seen if c is not chosen), key=lambda c: (not c.fits, c.added_flops))
+    return chosen, payload, others
+
+
+def with_result(c: Candidate, peak: int, flops: int, budget: int) -> Candidate:
+    return replace(c, peak=peak, added_flops=flops, fits=peak <= budget)

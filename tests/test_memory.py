@@ -47,7 +47,8 @@ def test_static_parts_match_parameter_arithmetic():
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     assert est.param_bytes == nbytes + buffers
     assert est.grad_bytes == nbytes
-    assert est.optimizer_bytes == 2 * (nbytes + buffers)
+    assert est.optimizer_bytes == 2 * nbytes        # AdamW: two states per parameter, none for buffers
+    assert est.static_bytes == nbytes + buffers + 2 * nbytes
 
 
 def test_one_symbolic_trace_equals_a_fresh_trace_at_that_length():

@@ -21,9 +21,13 @@ def resolve_lowering(lowering: str, example_inputs: Sequence) -> str:
     return lowering
 
 
-def partition_for(lowering: str) -> str:
-    """The partitioner each lowering uses, so the memory model traces the same split."""
-    return "min_cut" if lowering == "inductor" else "default"
+def partition_for(lowering: str, gm: Optional[fx.GraphModule] = None) -> str:
+    """The partitioner a graph is lowered with, so the memory model traces the same split:
+    min-cut for Inductor and for graphs carrying recompute tags (it honours them), else the
+    default partitioner, which saves what eager autograd would."""
+    if lowering == "inductor" or (gm is not None and any("recompute" in n.meta for n in gm.graph.nodes)):
+        return "min_cut"
+    return "default"
 
 
 def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
@@ -40,8 +44,11 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     def eager(g: fx.GraphModule, _):
         return compat.make_boxed_func(g.forward)
 
+    partition_fn = (compat.min_cut_rematerialization_partition if partition_for(lowering, gm) == "min_cut"
+                    else compat.default_partition)
+
     def partition(joint, joint_inputs, *, num_fwd_outputs, **kw):
-        fw, bw = compat.default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+        fw, bw = partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
         if on_partition is not None:
             on_partition(fw, bw, num_fwd_outputs)
         return fw, bw

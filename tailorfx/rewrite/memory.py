@@ -130,7 +130,7 @@ class Timeline:
 class MemoryEstimate:
     """Predicted memory of one training step."""
     peak_bytes: int            # static + dynamic peak: what a device must hold
-    static_bytes: int          # parameters and buffers, held before and after the step
+    static_bytes: int          # parameters, buffers and optimizer state, held across steps
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int       # optimizer state (0 when no optimizer is modelled)
@@ -314,21 +314,27 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
         for name, sids in saved.items():
             for sid in sids:
                 pool.release(sid, ("saved", k, name))
-        for sids in grads:
+        for sids in grads:   # accumulated into .grad: they live to the end of the step
             for sid in sids:
                 grad_bytes += pool.bytes.get(sid, 0)
+                pool.hold(sid, ("grad", k))
                 pool.release(sid, "__out__")
         if not keep_outputs:
             for sid in user:
                 pool.release(sid, ("user", k))
     optimizer_bytes = 0
     if optimizer == "adamw":
-        optimizer_bytes = 2 * param_bytes
-        pool.total += optimizer_bytes + _largest_param(steps, sizer)
+        # Steady state: two states per parameter (in its dtype) live through the whole step, like
+        # the weights. The per-parameter update computes (exp_avg_sq.sqrt() / bias_correction):
+        # two parameter-sized temporaries (measured on CPU).
+        optimizer_bytes = 2 * grad_bytes   # one per trained parameter, in its dtype
+        temp = 2 * _largest_param(steps, sizer)
+        pool.total += temp
         pool.mark("optimizer", "adamw.step")
-        pool.total -= _largest_param(steps, sizer)
+        pool.total -= temp
     dyn_peak, phase, node = timeline.peak()
-    return MemoryEstimate(peak_bytes=param_bytes + dyn_peak, static_bytes=param_bytes,
+    static = param_bytes + optimizer_bytes
+    return MemoryEstimate(peak_bytes=static + dyn_peak, static_bytes=static,
                           param_bytes=param_bytes, grad_bytes=grad_bytes,
                           optimizer_bytes=optimizer_bytes, dynamic_peak_bytes=dyn_peak,
                           saved_bytes=saved_total, peak_phase=phase, peak_node=node,

@@ -1,0 +1,77 @@
+"""Recompute (activation checkpointing) as tags the partitioner honours.
+
+Invariant: values are unchanged; only which forward tensors are saved for backward and which are
+recomputed changes. Decisions are made where saved tensors are explicit: the pass tags nodes of the
+chosen blocks with `CheckpointPolicy` in `meta["recompute"]` (AOTAutograd copies the tag onto
+every ATen node it traces from them), and the lowering then partitions the joint graph with the
+min-cut partitioner, which must recompute what is tagged so and must save what is tagged so.
+
+    policy "full":      every op of the block is recomputed; the block saves only its input
+    policy "selective": matmuls and attention are saved, pointwise ops and norms recomputed
+                        (Megatron's selective recompute, torch SAC's usual policy)
+
+    before:  %mm_4 = mm(%view_8, %t_4)                       (saved for backward)
+    after:   %mm_4 = mm(%view_8, %t_4)  {recompute: MUST_RECOMPUTE, ac_graph_id: 1}
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from tailorfx.passes import register
+from tailorfx.rewrite import match
+from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult, clone
+from tailorfx.rewrite.regions import module_paths
+
+NAME = "recompute"
+POLICIES = ("full", "selective")
+SAVE_OPS = match.MATMUL_OPS | match.ATTENTION_OPS | {"token_chunked", "chunked_linear_cross_entropy"}
+
+
+def has_recompute_tags(gm: fx.GraphModule) -> bool:
+    """Whether a graph needs the tag-honouring (min-cut) partitioner."""
+    return any("recompute" in n.meta for n in gm.graph.nodes)
+
+
+class Recompute:
+    """Tag the ops of the chosen transformer blocks for recomputation under a policy."""
+    name = NAME
+    after = ("minisequence",)   # chunked ops are tagged like the ops they replaced
+
+    def __init__(self, options: dict):
+        self.policy: str = options.get("recompute_policy") or "full"
+        if self.policy not in POLICIES:
+            raise ValueError(f"recompute_policy must be one of {POLICIES}, got {self.policy!r}")
+        blocks = options.get("recompute_blocks")   # None: all blocks; an int k: the first k
+        self.num_blocks: Optional[int] = blocks
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        blocks = [r.path for r in ctx.regions.of_kind("block")]
+        chosen = blocks if self.num_blocks is None else blocks[:self.num_blocks]
+        if not chosen:
+            why = "no transformer blocks found" if not blocks else "recompute_blocks=0"
+            return PassResult(gm, False, {}, (), (f"(graph): {why}",))
+        gm = clone(gm)
+        index = {p: i for i, p in enumerate(chosen)}
+        counts = {"recomputed": 0, "saved": 0}
+        for n in gm.graph.nodes:
+            if n.op not in ("call_function", "call_method"):
+                continue
+            block = next((p for p in module_paths(n) if p in index), None)
+            if block is None:
+                continue
+            save = self.policy == "selective" and match.op_name(n) in SAVE_OPS
+            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
+            n.meta["ac_graph_id"] = index[block] + 1
+            n.meta[PASS_META] = n.meta.get(PASS_META, NAME)
+            counts["saved" if save else "recomputed"] += 1
+        gm.recompile()
+        stats = {"policy": self.policy, "blocks": len(chosen), **counts}
+        return PassResult(gm, True, stats, tuple(f"{p} ({self.policy})" for p in chosen))
+
+
+@register(NAME)
+def _factory(options: dict) -> Recompute:
+    return Recompute(options)

@@ -1,0 +1,70 @@
+"""FLOPs per node of a Dynamo (torch-level) graph, at a chosen sequence length.
+
+Used by the planner to rank plans by the compute they add: recompute reruns forward ops, and
+mini-sequence reruns each chunked MLP's matmuls but its last.
+"""
+from __future__ import annotations
+
+
+import torch
+import torch.fx as fx
+
+from tailorfx.rewrite import match
+from tailorfx.rewrite.capture import node_value
+
+
+def _numel(t, as_int) -> int:
+    return as_int(t.numel()) if isinstance(t, torch.Tensor) else 0
+
+
+def node_flops(node: fx.Node, as_int) -> int:
+    """Forward FLOPs of one node: 2*M*N*K for matmuls, 4*pairs*D for attention, numel otherwise."""
+    name = match.op_name(node)
+    out = node_value(node)
+    ins = match.tensors_in((node.args, node.kwargs))
+    if name in match.MATMUL_OPS and ins and isinstance(out, torch.Tensor):
+        k = as_int(ins[0].shape[-1]) if name != "addmm" else as_int(ins[1].shape[-1])
+        return 2 * _numel(out, as_int) * k
+    if name in match.ATTENTION_OPS and len(ins) >= 3:
+        q, kk = ins[0], ins[1]
+        B_H = _numel(q, as_int) // max(1, as_int(q.shape[-1]))   # B * H * S
+        causal = bool(node.kwargs.get("is_causal", False))
+        pairs = B_H * as_int(kk.shape[-2]) // (2 if causal else 1)
+        return 4 * pairs * as_int(q.shape[-1])
+    if name == "token_chunked":
+        from tailorfx.runtime import ops
+        region = ops.get_region(node.args[0])
+        return sum(node_flops(n, as_int) for n in region.graph.nodes) if isinstance(region, fx.GraphModule) else 0
+    return sum(_numel(t, as_int) for t in match.tensors_in(out)) if node.op != "placeholder" else 0
+
+
+def recompute_flops(gm: fx.GraphModule, as_int) -> int:
+    """FLOPs rerun in backward: forward ops tagged for recompute, and chunked regions' recompute."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    total = 0
+    for n in gm.graph.nodes:
+        if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
+            total += node_flops(n, as_int)
+        elif match.op_name(n) == "token_chunked":
+            from tailorfx.runtime import ops
+            region = ops.get_region(n.args[0])
+            tail = ops._TAILS.get(n.args[0])
+            src = tail[0] if tail else region
+            total += sum(node_flops(m, as_int) for m in src.graph.nodes) if isinstance(src, fx.GraphModule) else 0
+    return total
+
+
+def graph_flops(gm: fx.GraphModule, as_int) -> int:
+    """Forward FLOPs of the whole graph (a training step is about 3x this, plus recompute)."""
+    return sum(node_flops(n, as_int) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+
+
+def fmt_flops(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T", "P"):
+        if abs(n) < 1000 or unit == "P":
+            return f"{n:.1f} {unit}FLOP" if unit else f"{n:.0f} FLOP"
+        n /= 1000
+    return f"{n:.1f} PFLOP"
+
+
+__all__ = ["node_flops", "recompute_flops", "graph_flops", "fmt_flops"]
