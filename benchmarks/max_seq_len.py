@@ -5,9 +5,12 @@ For each variant: double the length from --start until a step no longer fits, th
 (tailorfx.measure_peak: allocator events, gradients freed first) <= budget. All variants run in
 this one process on the same model weights.
 
-Variants: eager PyTorch; torch.compile with Inductor and its experimental auto-chunker
-(torch._inductor.config.auto_chunker.enable=True, the nearest peer to mini-sequence); tailorfx
-with the mini-sequence pass.
+Variants: eager PyTorch; torch.utils.checkpoint around every decoder layer (torch's
+checkpoint_wrapper); torch.compile with Inductor and its experimental auto-chunker
+(auto_chunker.enable=True, the nearest peer to mini-sequence); torch.compile with
+torch._functorch.config.activation_memory_budget=0 (the min-cut partitioner saving as little as
+it can); tailorfx with the mini-sequence pass; tailorfx's planner given the budget (re-planned
+for each length, optimizer=None since the budget here has no optimizer state).
 """
 from __future__ import annotations
 
@@ -26,33 +29,61 @@ from common import lm_batch, measure_step, print_table, reference_model, write_j
 
 
 def make_variants(base):
-    out = {"eager": base}
+    """name -> factory(S) returning (module, params); most modules serve every length."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from tailorfx.models.llama import DecoderLayer
+    out = {"eager": lambda S, m=base: (m, list(m.parameters()))}
+    ck = copy.deepcopy(base)
+    apply_activation_checkpointing(ck, check_fn=lambda mod: isinstance(mod, DecoderLayer))
+    out["eager + checkpoint per block"] = lambda S, m=ck: (m, list(m.parameters()))
     m = copy.deepcopy(base)
-    with torch._inductor.config.patch({"auto_chunker.enable": True}):
-        out["inductor + auto_chunker"] = _Patched(torch.compile(m, backend="inductor", dynamic=True),
-                                                  {"auto_chunker.enable": True}, m)
+    ac = _Patched(torch.compile(m, backend="inductor", dynamic=True), "inductor", {"auto_chunker.enable": True}, m)
+    out["inductor + auto_chunker"] = lambda S, a=ac: (a, list(a.model.parameters()))
     m = copy.deepcopy(base)
-    out["tailorfx minisequence"] = tailorfx.optimize(m, passes=["minisequence"], example_inputs=lm_batch(64))
+    mb = _Patched(torch.compile(m, backend="inductor", dynamic=True), "functorch",
+                  {"activation_memory_budget": 0.0}, m)
+    out["inductor + activation_memory_budget=0"] = lambda S, a=mb: (a, list(a.model.parameters()))
+    m = copy.deepcopy(base)
+    ms = tailorfx.optimize(m, passes=["minisequence"], example_inputs=lm_batch(64))
+    out["tailorfx minisequence"] = lambda S, o=ms: (o, list(o.model.parameters()))
     return out
 
 
+def planner_variant(base, budget):
+    def make(S):
+        torch._dynamo.reset()
+        m = copy.deepcopy(base)
+        try:
+            opt = tailorfx.optimize(m, budget=budget, optimizer=None, example_inputs=lm_batch(S, m.config.vocab_size))
+        except tailorfx.BudgetError:
+            return None, list(m.parameters())
+        return opt, list(m.parameters())
+    return make
+
+
 class _Patched(torch.nn.Module):
-    """Runs a compiled module with an Inductor config patch active (compilation happens lazily)."""
-    def __init__(self, compiled, patch, model):
+    """Runs a compiled module with a config patch active (compilation happens lazily)."""
+    def __init__(self, compiled, which, patch, model):
         super().__init__()
         self.__dict__["compiled"] = compiled
-        self.patch = patch
+        self.which, self.patch = which, patch
         self.model = model
 
     def forward(self, **kw):
-        with torch._inductor.config.patch(self.patch):
+        cfg = torch._inductor.config if self.which == "inductor" else torch._functorch.config
+        with cfg.patch(self.patch):
             return self.compiled(**kw)
 
 
-def fits(module, params, S, budget, vocab, log):
+def fits(make, S, budget, vocab, log):
+    module, params = make(S)
+    if module is None:
+        log(f"    S={S}: no plan fits")
+        return False, None
     inputs = lm_batch(S, vocab)
     t0 = time.perf_counter()
     try:
+        module(**inputs).loss.backward()   # warm-up at this length (compiles where needed)
         peak = measure_step(module, params, inputs)
     except RuntimeError as e:   # an allocation failure counts as not fitting
         log(f"    S={S}: failed ({str(e).splitlines()[0][:80]})")
@@ -62,10 +93,10 @@ def fits(module, params, S, budget, vocab, log):
     return total <= budget, total
 
 
-def longest(module, params, budget, start, granularity, limit, vocab, log):
+def longest(make, budget, start, granularity, limit, vocab, log):
     lo, hi, S = 0, None, start
     while S <= limit:
-        ok, _ = fits(module, params, S, budget, vocab, log)
+        ok, _ = fits(make, S, budget, vocab, log)
         if not ok:
             hi = S
             break
@@ -76,7 +107,7 @@ def longest(module, params, budget, start, granularity, limit, vocab, log):
         mid = (lo + hi) // 2 // granularity * granularity or granularity
         if mid <= lo:
             break
-        ok, _ = fits(module, params, mid, budget, vocab, log)
+        ok, _ = fits(make, mid, budget, vocab, log)
         lo, hi = (mid, hi) if ok else (lo, mid)
     return lo, False
 
@@ -95,23 +126,25 @@ def main():
     budget = Budget.parse(a.budget).bytes
     base = reference_model(vocab=a.vocab, hidden=a.hidden, layers=a.layers)
     variants = make_variants(base)
+    variants["tailorfx planner (budget)"] = planner_variant(base, budget)
     rows, out = [], {}
-    for name, module in variants.items():
+    for name, make in variants.items():
         if a.variants and name not in a.variants:
             continue
-        params = list(base.parameters()) if module is base else list(module.model.parameters())
         print(f"{name}:", flush=True)
-        fits(module, params, 256, float("inf"), a.vocab, lambda s: None)   # warm-up / compile
-        S, capped = longest(module, params, budget, a.start, a.granularity, a.limit, a.vocab,
+        S, capped = longest(make, budget, a.start, a.granularity, a.limit, a.vocab,
                             lambda s: print(s, flush=True))
         out[name] = {"max_seq_len": S, "capped_at_limit": capped}
     eager = out.get("eager", {}).get("max_seq_len") or None
+    peers = [r["max_seq_len"] for n, r in out.items() if not n.startswith("tailorfx")]
+    best_peer = max(peers) if peers else None
     for name, r in out.items():
         ratio = f"{r['max_seq_len'] / eager:.1f}x" if eager else "-"
-        rows.append([name, f"{r['max_seq_len']}{'+' if r['capped_at_limit'] else ''}", ratio])
+        vs_peer = f"{r['max_seq_len'] / best_peer:.2f}x" if best_peer else "-"
+        rows.append([name, f"{r['max_seq_len']}{'+' if r['capped_at_limit'] else ''}", ratio, vs_peer])
     print_table(f"Longest sequence under {a.budget} (params + measured forward/backward peak); "
                 f"model vocab {a.vocab}, hidden {a.hidden}, {a.layers} layers, fp32, batch 1",
-                ["variant", "max seq len", "vs eager"], rows)
+                ["variant", "max seq len", "vs eager", "vs best non-tailorfx"], rows)
     print("wrote", write_json("max_seq_len.json", {"budget": a.budget, "budget_bytes": budget,
                                                    "model": vars(a), "results": out}))
 
