@@ -3,10 +3,11 @@
     opt = tailorfx.optimize(model, budget="24GB", example_inputs=batch)
     compiled = torch.compile(model, backend="tailorfx")
 """
+from tailorfx import attention
 from tailorfx.api import OptimizedModule, max_seq_len, optimize
 from tailorfx.backend import tailorfx_backend
 from tailorfx.budget import Budget, BudgetError
 from tailorfx.runtime.measure import measure_peak
 
-__all__ = ["optimize", "max_seq_len", "OptimizedModule", "Budget", "BudgetError", "measure_peak", "tailorfx_backend"]
+__all__ = ["attention", "optimize", "max_seq_len", "OptimizedModule", "Budget", "BudgetError", "measure_peak", "tailorfx_backend"]
 __version__ = "0.1.0"

@@ -30,6 +30,7 @@ ATTENTION_OPS = frozenset({
     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "flex_attention", "_scaled_dot_product_cudnn_attention",
+    "attention_call", "sparse_attention", "dilated_attention",   # tailorfx's own (passes/attention.py)
 })
 NORM_OPS = frozenset({"layer_norm", "rms_norm", "group_norm", "native_layer_norm", "_fused_rms_norm"})
 STAT_OPS = frozenset({"rsqrt", "var", "var_mean", "std"})

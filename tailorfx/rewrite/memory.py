@@ -186,9 +186,10 @@ def _op_transient(node: fx.Node, sizer: Sizer) -> int:
     t = node.target
     if not (isinstance(t, torch._ops.OpOverload) and t.namespace == "tailorfx"):
         return 0
-    from tailorfx.runtime import ops
-    args = fx.node.map_arg(node.args, node_value)
-    return ops.transient_bytes(t._opname, list(args), sizer.as_int)
+    from tailorfx.runtime import attention_kernels, ops
+    args = list(fx.node.map_arg(node.args, node_value))
+    return (ops.transient_bytes(t._opname, args, sizer.as_int)
+            + attention_kernels.transient_bytes(t._opname, args, sizer.as_int))
 
 
 def _aliases_input(node: fx.Node) -> bool:

@@ -99,14 +99,19 @@ def sparse_attention(
     params: Sequence[int], scale: float, causal: bool, tile: int = TILE, kv_chunk: int = KV_CHUNK,
 ) -> tuple[Tensor, Tensor]:
     if kind == "full":
-        return _dense_forward(q, k, v, document_ids, scale, causal, (tile, kv_chunk))
+        return _contiguous(*_dense_forward(q, k, v, document_ids, scale, causal, (tile, kv_chunk)))
     pattern = Pattern(kind, tuple(params), causal, q.shape[2])
-    return tile_forward(q, k, v, pattern, document_ids, scale, tile, kv_chunk)
+    return _contiguous(*tile_forward(q, k, v, pattern, document_ids, scale, tile, kv_chunk))
+
+
+def _contiguous(*ts: Tensor) -> tuple[Tensor, ...]:
+    """Outputs are always contiguous, whatever the inputs' strides, so fake and real agree."""
+    return tuple(t.contiguous() for t in ts)
 
 
 @sparse_attention.register_fake
 def _(q, k, v, *_args, **_kwargs):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("tailorfx::sparse_attention_backward", mutates_args=())
@@ -116,14 +121,15 @@ def sparse_attention_backward(
     tile: int = TILE, kv_chunk: int = KV_CHUNK,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if kind == "full":
-        return _dense_backward(dout, q, k, v, out, lse, document_ids, scale, causal, (tile, kv_chunk))
+        return _contiguous(*_dense_backward(dout, q, k, v, out, lse, document_ids, scale, causal,
+                                            (tile, kv_chunk)))
     pattern = Pattern(kind, tuple(params), causal, q.shape[2])
-    return tile_backward(dout, q, k, v, out, lse, pattern, document_ids, scale, tile, kv_chunk)
+    return _contiguous(*tile_backward(dout, q, k, v, out, lse, pattern, document_ids, scale, tile, kv_chunk))
 
 
 @sparse_attention_backward.register_fake
 def _(dout, q, k, v, *_args, **_kwargs):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _sparse_setup(ctx, inputs, output) -> None:
@@ -238,7 +244,7 @@ def dilated_attention(
 
 @dilated_attention.register_fake
 def _(q, k, v, *_args, **_kwargs):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("tailorfx::dilated_attention_backward", mutates_args=())
@@ -268,12 +274,12 @@ def dilated_attention_backward(
         for grad, part in ((dk, dkg), (dv, dvg)):  # kv heads shared by several query heads add up
             view = _pick(grad, everything, start, nseg, length, o, r)
             view.index_add_(1, kv_heads, _unpack(part, batch).to(acc))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return _contiguous(dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
 
 
 @dilated_attention_backward.register_fake
 def _(dout, q, k, v, *_args, **_kwargs):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _dilated_setup(ctx, inputs, output) -> None:
@@ -292,3 +298,62 @@ def _dilated_grad(ctx, dout, _dlse):
 
 
 dilated_attention.register_autograd(_dilated_grad, setup_context=_dilated_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the memory model cannot see: bytes these ops allocate and free inside themselves.
+
+
+def transient_bytes(op_name: str, args: list, as_int) -> int:
+    """Bytes an op of this module allocates and frees inside itself (its outputs excluded).
+
+    ``args`` are the node's arguments with tensors as fake values; ``as_int`` turns a size or
+    SymInt into an int. Per query tile the engine holds (tile x keys) score tiles (2 forward,
+    4 backward) and a few (tile x D) rows in the accumulation dtype, keys being what one tile
+    can touch (at most ``kv_chunk``); narrow inputs add fp32 dk/dv accumulators. Documents run
+    the CPU flash kernel once per document (copies of one call's outputs); dilated attention
+    packs one run of segments at a time. Measured against the allocator's peak in
+    ``tests/test_attention_pass.py``.
+    """
+    backward = op_name.endswith("_backward")
+    base = op_name[: -len("_backward")] if backward else op_name
+    if base not in ("sparse_attention", "dilated_attention"):
+        return 0
+    rest = list(args[1:] if backward else args)
+    q, k = rest[0], rest[1]
+    extra = rest[5:] if backward else rest[3:]  # past (q, k, v) and the backward's (out, lse)
+    doc, pattern_args, tiles = extra[0], extra[1:3], extra[5:7]
+    tile, kv_chunk = (list(tiles) + [TILE, KV_CHUNK][len(tiles):])[:2]
+    batch, heads, seq, dim = (as_int(s) for s in q.shape)
+    num_kv = as_int(k.shape[1])
+    acc, item = _lse_dtype(q.dtype).itemsize, q.dtype.itemsize
+    narrow = item < acc
+    q_elems, kv_elems = batch * heads * seq * dim, batch * num_kv * seq * dim
+    if base == "dilated_attention":
+        segments, rates = pattern_args
+        work = dilated_workspace_bytes(batch, heads, seq, dim, item, segments, rates, tile, kv_chunk)
+        if not backward:
+            return work * 6 // 8 + narrow * acc * q_elems
+        return work * 13 // 8 + narrow * acc * (q_elems + 2 * kv_elems)
+    kind, params = pattern_args
+    if kind == "full":   # CPU flash per document (sorted ids: packed sequences, the usual case)
+        half = narrow * item * q_elems // 2   # narrow dtypes: measured +50% (fp32 work rows)
+        return item * q_elems + half if not backward else item * (q_elems + 2 * kv_elems) + half
+    tq = tile if kind != "bigbird" else params[0] * max(1, tile // params[0])
+    tq = min(tq, seq)
+    if kind == "window":   # key units of `tile` tokens the band and the global tokens touch
+        window, num_global = params
+        keys = ((tq - 1) // tile + -(-(window - 1) // tile) + 1 + -(-num_global // tile)) * tile
+        gathered = num_global > 0   # keys in two runs: index_select copies, not slices
+    else:
+        block, window, num_global, num_random = params[:4]
+        keys = (tq // block * (1 + num_random) + 2 * window + num_global) * block
+        gathered = True
+    kc = min(kv_chunk, seq, keys)
+    copies = narrow or gathered or doc is not None
+    rows, chunk = acc * batch * heads * tq, acc * batch * num_kv * kc * dim
+    mask = tq * kc * (batch if doc is not None else 1)
+    if not backward:
+        return int(rows * (2 * kc + 3 * dim + 6) + 2 * chunk * copies + mask)
+    return int(rows * (4 * kc + 4 * dim + 2) + 2 * chunk * (1 + copies) + mask
+               + narrow * 2 * acc * kv_elems)

@@ -1,0 +1,540 @@
+"""Attention: each attention the pass recognises becomes one call that runs an attention spec.
+
+Invariant: with the exact spec (the default) the model computes the same values (up to float
+reassociation inside the kernel) without an S x S tensor; a sparse spec changes which keys each
+query sees and runs only when the user passed one. An attention whose mask is not proved causal
+(padding from a real attention_mask, ALiBi, windows, custom masks) is left as it was, and the
+pass says why.
+
+    before:  s = matmul(q, repeat_kv(k).transpose(2, 3)) * 0.25 + causal_mask     # B H S S
+             out = matmul(softmax(s, dim=-1, dtype=float32).to(float32), repeat_kv(v))
+    after:   out = attention_call(q, k, v, kind='Exact', params=(), causal=True, scale=0.25)
+
+    before:  out = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    after:   out = attention_call(q, k, v, kind='SlidingWindow', params=(('window', 8),),
+                                  causal=True, scale=0.25)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from tailorfx.attention import AttentionSpec, BigBird, Dilated, Exact, SlidingWindow
+from tailorfx.passes import register
+from tailorfx.rewrite import compat, match
+from tailorfx.rewrite.capture import node_value
+from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult, clone
+from tailorfx.rewrite.regions import is_param
+
+NAME = "attention"
+SPECS = {cls.__name__: cls for cls in (Exact, SlidingWindow, BigBird, Dilated)}
+# Lengths at which a mask is evaluated to prove it causal; integer constants in the mask's
+# subgraph (a window, an offset) add lengths past them, up to MAX_CHECK_LEN.
+CHECK_LENGTHS = (1, 2, 3, 5, 8, 13)
+MAX_CHECK_LEN = 512
+
+
+# ---- the call that replaces attention (fx prints it; it rebuilds the spec from primitives) ----
+@functools.lru_cache(maxsize=None)
+def build_spec(kind: str, params: tuple, causal: bool, scale: float) -> AttentionSpec:
+    return SPECS[kind](**dict(params), causal=causal, scale=scale)
+
+
+def attention_call(q, k, v, *, kind: str, params: tuple, causal: bool, scale: float):
+    """`SPECS[kind](**dict(params), causal=causal, scale=scale)(q, k, v)`; k, v have H_kv heads."""
+    if kind != "Exact":
+        # The custom ops' fake kernels return empty_like(q/k/v) while the real ones return
+        # contiguous tensors: with RoPE'd (transposed-layout) inputs AOTAutograd would plan a
+        # backward `view` on strides the real gradients do not have.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return build_spec(kind, params, causal, scale)(q, k, v)
+
+
+def spec_params(spec: AttentionSpec) -> tuple[str, tuple]:
+    """(kind, params): the spec's class name and its non-default fields other than causal/scale."""
+    params = tuple((f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec)
+                   if f.name not in ("causal", "scale") and getattr(spec, f.name) != f.default)
+    return type(spec).__name__, params
+
+
+# ---- matching: rules are (name, match) pairs; a match never mutates ----------------------------
+@dataclass(frozen=True)
+class Match:
+    """One attention, found: out = attention(q, k, v) with k, v of H_kv heads."""
+    spelling: str
+    out: fx.Node                 # the node the call replaces
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    causal: bool
+    scale: float
+    mask: str                    # how the mask was handled, for the report
+    removes_dense: bool          # an S x S tensor (scores or mask) the graph no longer makes
+
+
+@dataclass(frozen=True)
+class Rule:
+    """`match(anchor, ctx)` -> a Match, a reason it cannot be rewritten (str), or None (not this)."""
+    name: str
+    match: Callable[[fx.Node, PassContext], Union[Match, str, None]]
+
+
+def _args(node: fx.Node, names: tuple[str, ...]) -> dict:
+    a = dict(zip(names, node.args))
+    a.update(node.kwargs)
+    return a
+
+
+def _same(a, b) -> bool:
+    return compat.sym_expr(a) == compat.sym_expr(b)
+
+
+def _unwrap_repeat_kv(x: fx.Node) -> fx.Node:
+    """k for repeat_kv(k) (k[:, :, None].expand(B, H_kv, n, S, D).reshape(B, H_kv * n, S, D)) or
+    repeat_interleave(k, n, dim=1): query head h reads kv head h // n either way, which is how
+    the kernels and SDPA's enable_gqa map heads. Anything else is returned as it is."""
+    if not isinstance(x, fx.Node) or not x.args or not isinstance(x.args[0], fx.Node):
+        return x
+    name = match.op_name(x)
+    if name == "repeat_interleave":
+        a = _args(x, ("input", "repeats", "dim"))
+        return x.args[0] if a.get("dim") == 1 and isinstance(a.get("repeats"), int) else x
+    e = x.args[0]
+    if name not in ("reshape", "view") or match.op_name(e) != "expand" or not isinstance(e.args[0], fx.Node):
+        return x
+    h = e.args[0]
+    if not (match.is_getitem(h) and isinstance(h.args[0], fx.Node)):
+        return x
+    k = h.args[0]
+    kv, hv, ev, xv = (node_value(n) for n in (k, h, e, x))
+    if not all(isinstance(t, torch.Tensor) for t in (kv, hv, ev, xv)) or \
+            (kv.dim(), hv.dim(), ev.dim(), xv.dim()) != (4, 5, 5, 4):
+        return x
+    b, hk, s, d = kv.shape
+    ok = (_all_same(hv.shape, (b, hk, 1, s, d))
+          and _all_same(ev.shape[:2] + ev.shape[3:], (b, hk, s, d))
+          and _all_same(xv.shape, (b, hk * ev.shape[2], s, d)))
+    return k if ok else x
+
+
+def _all_same(xs, ys) -> bool:
+    return len(xs) == len(ys) and all(_same(a, b) for a, b in zip(xs, ys))
+
+
+def _check_qkv(q: fx.Node, k: fx.Node, v: fx.Node) -> Optional[str]:
+    qv, kv, vv = (node_value(n) for n in (q, k, v))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (qv, kv, vv)):
+        return "q, k, v are not all (B, H, S, D) tensors"
+    if not (_same(kv.shape[0], qv.shape[0]) and _same(kv.shape[2], qv.shape[2])
+            and _same(kv.shape[3], qv.shape[3])):
+        return (f"k {tuple(kv.shape)} does not match q {tuple(qv.shape)} in batch, length or head dim "
+                "(cross-attention or a KV cache)")
+    if not all(_same(i, j) for i, j in zip(kv.shape, vv.shape)):
+        return f"v {tuple(vv.shape)} differs from k {tuple(kv.shape)}"
+    if not isinstance(qv.shape[1], int) or not isinstance(kv.shape[1], int) or qv.shape[1] % kv.shape[1]:
+        return f"{qv.shape[1]} query heads are not a multiple of {kv.shape[1]} kv heads"
+    if not (qv.dtype == kv.dtype == vv.dtype):
+        return f"q, k, v dtypes differ ({qv.dtype}, {kv.dtype}, {vv.dtype})"
+    return None
+
+
+def _match_sdpa(node: fx.Node, ctx: PassContext) -> Union[Match, str, None]:
+    """F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)."""
+    if not match.is_functional_call(node, F.scaled_dot_product_attention):
+        return None
+    a = _args(node, ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"))
+    p = a.get("dropout_p", 0.0)
+    if not isinstance(p, (int, float)) or p != 0:
+        return f"attention dropout p={p}: the kernels have no dropout"
+    causal, scale, mask = a.get("is_causal", False), a.get("scale"), a.get("attn_mask")
+    if not isinstance(causal, bool):
+        return f"is_causal is not a constant ({causal})"
+    q, k, v = a["query"], _unwrap_repeat_kv(a["key"]), _unwrap_repeat_kv(a["value"])
+    why = _check_qkv(q, k, v)
+    if why:
+        return why
+    if scale is None:
+        d = node_value(q).shape[-1]
+        if not isinstance(d, int):
+            return "head dim is symbolic"
+        scale = d ** -0.5
+    if not isinstance(scale, (int, float)):
+        return f"scale is not a constant ({scale})"
+    how = "is_causal" if causal else "none"
+    if mask is not None:
+        if causal or not isinstance(mask, fx.Node):
+            return "attn_mask together with is_causal"
+        dtype = node_value(q).dtype
+        as_scores = _sdpa_mask_fn(node_value(mask).dtype, dtype)
+        proof, why = _prove_causal(ctx, None, mask, 1.0, dtype, as_scores)
+        if why:
+            return why
+        causal, how = True, f"attn_mask proved causal at S={proof}"
+    return Match("sdpa", node, q, k, v, causal, float(scale), how, mask is not None)
+
+
+def _sdpa_mask_fn(mask_dtype: torch.dtype, dtype: torch.dtype) -> Callable:
+    """What SDPA does with the scaled scores x and a mask m: add it, or keep where True."""
+    if mask_dtype == torch.bool:
+        return lambda m, x: torch.where(m, x, float("-inf"))
+    return lambda m, x: x + m.to(dtype)
+
+
+_CASTS = frozenset({"to", "type", "float", "half", "bfloat16", "contiguous"})
+_SCORE_OPS = _CASTS | {"mul", "truediv", "div", "add", "sub", "masked_fill", "where"}
+
+
+def _match_softmax_chain(node: fx.Node, ctx: PassContext) -> Union[Match, str, None]:
+    """softmax(matmul(q, k^T) [* c | / c] [+ mask], dim=-1) [casts] [dropout p=0] @ v."""
+    if match.op_name(node) != "softmax" or node.op not in ("call_function", "call_method"):
+        return None
+    x_in = node.args[0] if node.args else node.kwargs.get("input")
+    sv = node_value(node)
+    if not isinstance(x_in, fx.Node) or not isinstance(sv, torch.Tensor) or sv.dim() != 4:
+        return None
+    if match.dim_arg(node) not in (-1, 3):
+        return "softmax is not over the last dim (keys)"
+    # down: casts and a no-op dropout, then probs @ v; nothing else may read the probabilities
+    cur = node
+    while True:
+        if len(cur.users) != 1:
+            return f"attention probabilities ({cur.name}) are used elsewhere, e.g. returned as attention weights"
+        (user,) = cur.users
+        name, first = match.op_name(user), bool(user.args) and user.args[0] is cur
+        if name == "dropout" and first:
+            d = _args(user, ("input", "p", "training", "inplace"))
+            if d.get("training", True) is not False and d.get("p", 0.5) != 0:
+                return f"attention dropout p={d.get('p', 0.5)} in training: the kernels have no dropout"
+        elif not (name in _CASTS and first):
+            break
+        cur = user
+    if name != "matmul" or not first or len(user.args) != 2:
+        return f"softmax output feeds {name}, not a matmul with v"
+    out, v = user, _unwrap_repeat_kv(user.args[1])
+    # up: from the softmax input to the scores matmul; nothing else may read the scores
+    scale, has_mask, cur = 1.0, False, x_in
+    while match.op_name(cur) != "matmul":
+        name = match.op_name(cur)
+        on = [a for a in cur.args if isinstance(a, fx.Node) and _leads_to_matmul(a)]
+        if len(cur.users) != 1 or len(on) != 1:
+            return f"scores pass through {name} ({cur.name}), or are used elsewhere, before the softmax"
+        prev, first = on[0], cur.args[0] is on[0]
+        other = cur.args[1] if first and len(cur.args) > 1 else cur.args[0]
+        if name in ("mul", "truediv", "div") and len(cur.args) == 2 and (first or name == "mul"):
+            if not isinstance(other, (int, float)):
+                return f"scores are scaled by a non-constant ({cur.name})"
+            scale = scale * other if name == "mul" else scale / other
+        elif name in ("add", "sub", "masked_fill", "where") and (first or name in ("add", "where")) \
+                and not (name == "where" and first):
+            has_mask = True
+        elif not (name in _CASTS and first):
+            return f"scores pass through {name} ({cur.name}) before the softmax"
+        cur = prev
+    scores = cur
+    if len(scores.users) != 1 or len(scores.args) != 2:
+        return f"attention scores ({scores.name}) are used elsewhere"
+    q, k = scores.args[0], _untranspose(scores.args[1])
+    if k is None:
+        return "the scores matmul is not q @ k.transpose(-2, -1)"
+    k = _unwrap_repeat_kv(k)
+    why = _check_qkv(q, k, v)
+    if why:
+        return why
+    dtype = node_value(q).dtype
+    if node_value(out).dtype != dtype:
+        return f"attention output dtype {node_value(out).dtype} differs from q's {dtype}"
+    if not has_mask:   # softmax(q k^T * c) v: every query sees every key
+        return Match("softmax_chain", out, q, k, v, False, float(scale), "none", True)
+    proof, why = _prove_causal(ctx, scores, x_in, scale, dtype, None)
+    if why:
+        return why
+    return Match("softmax_chain", out, q, k, v, True, float(scale), f"proved causal at S={proof}", True)
+
+
+def _leads_to_matmul(a: fx.Node, depth: int = 8) -> bool:
+    """Whether `a` comes from a matmul through scale, mask and cast ops: the scores operand,
+    as opposed to the mask operand."""
+    if match.op_name(a) == "matmul":
+        return True
+    if depth == 0 or match.op_name(a) not in _SCORE_OPS:
+        return False
+    return any(_leads_to_matmul(x, depth - 1) for x in a.args if isinstance(x, fx.Node))
+
+
+def _untranspose(kt: fx.Node) -> Optional[fx.Node]:
+    """k for k.transpose(-2, -1) / transpose(2, 3) / permute(0, 1, 3, 2); else None."""
+    if not isinstance(kt, fx.Node) or not kt.args or not isinstance(kt.args[0], fx.Node):
+        return None
+    name, dims = match.op_name(kt), tuple(kt.args[1:])
+    if name == "transpose" and len(dims) == 2 and {d % 4 for d in dims} == {2, 3}:
+        return kt.args[0]
+    if name == "permute":
+        perm = dims[0] if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
+        if tuple(d % 4 for d in perm) == (0, 1, 3, 2):
+            return kt.args[0]
+    return None
+
+
+rules_attention = (Rule("sdpa", _match_sdpa), Rule("softmax_chain", _match_softmax_chain))
+
+
+# ---- proving a mask causal ------------------------------------------------------------------
+def _mask_subgraph(ctx: PassContext, out: fx.Node, x: Optional[fx.Node]):
+    """(nodes producing `out` from the sequence length alone, in graph order; their size leaves;
+    int-valued nodes -> their value), or why `out` depends on more (an attention_mask input...)."""
+    nodes, leaves, consts, seen, stack = [], [], {}, set(), [out]
+    while stack:
+        n = stack.pop()
+        if n in seen or n is x:
+            continue
+        seen.add(n)
+        val = node_value(n)
+        if isinstance(val, torch.SymInt):
+            if ctx.seq.symbol is None or compat.sym_expr(val) != ctx.seq.symbol:
+                return f"mask depends on size {n.name} = {compat.sym_expr(val)}, not the sequence length"
+            leaves.append(n)
+            continue
+        if type(val) is int:   # a size the graph was specialised on
+            consts[n] = val
+            continue
+        if n.op in ("placeholder", "get_attr"):
+            what = "parameter or buffer" if is_param(n) else "graph input"
+            return (f"mask depends on {what} {n.name} (a padding attention_mask?): it cannot be "
+                    "proved causal, so attention is left as it is")
+        if match.op_name(n) in _RANDOM_OPS:
+            return f"mask uses random op {n.name}"
+        nodes.append(n)
+        stack.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(out.graph.nodes)}
+    nodes.sort(key=order.__getitem__)
+    why = _mutation(nodes)
+    return why if why else (nodes, leaves, consts)
+
+
+_RANDOM_OPS = frozenset({"dropout", "rand", "randn", "rand_like", "randn_like", "bernoulli", "randint",
+                         "randperm", "normal", "multinomial"})
+_VIEW_OPS = frozenset({"getitem", "view", "reshape", "expand", "expand_as", "view_as", "transpose",
+                       "permute", "unsqueeze", "squeeze", "narrow", "select", "t", "contiguous", "to",
+                       "type", "detach", "as_strided", "unflatten", "flatten", "movedim", "swapaxes",
+                       "diagonal", "split", "chunk", "unbind", "float", "bool"})
+
+
+def _mutation(nodes: list[fx.Node]) -> Optional[str]:
+    """Why a value of the mask (or a view of one) is written in place later, if it is: evaluating
+    the nodes that produce it would then not give the mask attention sees."""
+    stack, seen = list(nodes), set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if _writes(u, n):
+                return f"the mask ({n.name}) is modified in place by {u.name} ({match.op_name(u)})"
+            if u.args and u.args[0] is n and match.op_name(u) in _VIEW_OPS:
+                stack.append(u)
+    return None
+
+
+_INPLACE_OPERATORS = frozenset({
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+    operator.irshift, operator.imatmul})
+
+
+def _writes(u: fx.Node, n: fx.Node) -> bool:
+    """Whether node u writes into n: x.add_(...), x[i] = v, x |= m, an ATen op mutating x, out=x."""
+    if u.kwargs.get("out") is n:
+        return True
+    if not u.args or u.args[0] is not n:
+        return False
+    t = u.target
+    if u.op == "call_method":
+        return (t.endswith("_") and not t.startswith("_")) or t.startswith("__i")
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.is_mutable
+    if t in _INPLACE_OPERATORS:
+        return True
+    name = getattr(t, "__name__", "")
+    return u.op == "call_function" and getattr(t, "__module__", "") != "_operator" and name.endswith("_") \
+        and not name.startswith("_")
+
+
+def _check_lengths(ctx: PassContext, nodes: list[fx.Node], leaves: list) -> Union[list[int], str]:
+    """Lengths that decide causality: small ones, and ones past every integer constant used."""
+    if not leaves:
+        return []   # a static graph: its one length is checked
+    consts: list[int] = []
+    for n in nodes:
+        fx.node.map_aggregate((n.args, n.kwargs), lambda a: consts.append(abs(a)) if type(a) is int else None)
+    c = max(consts, default=0)
+    if 2 * c + 1 > MAX_CHECK_LEN:
+        return (f"mask uses the constant {c}: proving it causal needs lengths past it "
+                f"(over {MAX_CHECK_LEN}); a window or offset, left unchanged")
+    return sorted(set(CHECK_LENGTHS) | {c + 1, c + 2, 2 * c + 1} |
+                  ({ctx.seq.length} if 0 < ctx.seq.length <= MAX_CHECK_LEN else set()))
+
+
+def _masked_floor(dtype: torch.dtype) -> float:
+    """Scores at or below this are masked exactly: softmax gives them a probability of 0."""
+    fi = torch.finfo(dtype)
+    return fi.min * (1e-4 if fi.max > 1e30 else 0.45)
+
+
+def _prove_causal(ctx: PassContext, x: Optional[fx.Node], out: fx.Node, scale: float,
+                  dtype: torch.dtype, combine: Optional[Callable]) -> tuple[str, Optional[str]]:
+    """(lengths checked, None) if at every length checked the masked scores `out`, a function of
+    the raw scores x and of the sequence length only, equal x * scale where key <= query and are
+    -inf or about the dtype minimum where key > query; else ("", why not). `combine(mask, x)`
+    applies a mask node as SDPA applies its attn_mask."""
+    found = _mask_subgraph(ctx, out, x)
+    if isinstance(found, str):
+        return "", found
+    nodes, leaves, consts = found
+    lengths = _check_lengths(ctx, nodes, leaves)
+    if isinstance(lengths, str):
+        return "", lengths
+    text = ",".join(map(str, lengths)) or "static"
+    g = fx.Graph()
+    env: dict[fx.Node, Any] = dict(consts)
+    for leaf in leaves:
+        env[leaf] = g.placeholder(leaf.name)
+    x_in = g.placeholder("scores")
+    if x is not None:
+        env[x] = x_in
+    for n in nodes:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(env[out])
+    fn = fx.GraphModule(torch.nn.Module(), g)
+    if not lengths:   # static shapes: the length the graph was traced at
+        ref = node_value(x if x is not None else out)
+        lengths = [int(ref.shape[-1])]
+    gen = torch.Generator().manual_seed(0)
+    for L in lengths:
+        xs = torch.randn(1, 1, L, L, generator=gen).to(dtype) * 4
+        try:
+            with torch.no_grad():
+                got = fn(*([L] * len(leaves)), xs)
+                if combine is not None:
+                    got = combine(got, xs * scale)
+        except Exception as e:  # a mask we cannot run on its own is a mask we cannot prove
+            return "", f"mask could not be evaluated at S={L}: {type(e).__name__}: {str(e)[:80]}"
+        if not isinstance(got, torch.Tensor) or got.dim() < 2 or tuple(got.shape[-2:]) != (L, L):
+            return "", f"masked scores at S={L} have shape {tuple(getattr(got, 'shape', ()))}"
+        want = (xs * scale).expand_as(got).to(got.dtype)
+        keep = torch.ones(L, L, dtype=torch.bool).tril().expand_as(got)
+        masked = torch.isneginf(got) | (got <= _masked_floor(got.dtype))
+        if (masked & keep).any():
+            return "", f"mask hides past keys at S={L} (padding, a window or a custom mask): not plain causal"
+        if (~masked & ~keep).any():
+            v = got[~keep & ~masked].flatten()[0].item()
+            return "", f"mask lets queries see later keys at S={L} (score {v:.3g}): not causal"
+        eps = torch.finfo(got.dtype).eps
+        if not torch.allclose(got[keep], want[keep], rtol=8 * eps, atol=0):
+            return "", f"mask changes the scores it keeps at S={L} (a bias such as ALiBi)"
+    return text, None
+
+
+# ---- the one rewriter -----------------------------------------------------------------------
+def _annotate(new: fx.Node, like: fx.Node) -> None:
+    v = node_value(like)
+    new.meta["val"] = new.meta["example_value"] = v
+    if "nn_module_stack" in like.meta:
+        new.meta["nn_module_stack"] = like.meta["nn_module_stack"]
+    new.meta[PASS_META] = NAME
+
+
+def _erase_dead(gm: fx.GraphModule, start: fx.Node, erased: set[str]) -> None:
+    """Erase `start` and every ancestor left without users (scores, mask, repeat_kv copies)."""
+    stack = [start]
+    while stack:
+        n = stack.pop()
+        if n.name in erased or n.users or n.op in ("placeholder", "output") or n.is_impure():
+            continue
+        inputs = n.all_input_nodes
+        gm.graph.erase_node(n)
+        erased.add(n.name)
+        stack.extend(inputs)
+
+
+def _rewrite(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased: set[str]) -> fx.Node:
+    with gm.graph.inserting_before(m.out):
+        new = gm.graph.call_function(attention_call, (m.q, m.k, m.v),
+                                     {"kind": kind, "params": params, "causal": m.causal, "scale": m.scale})
+    _annotate(new, m.out)
+    m.out.replace_all_uses_with(new)
+    _erase_dead(gm, m.out, erased)
+    return new
+
+
+def _fit(spec: Optional[AttentionSpec], m: Match) -> Union[AttentionSpec, str]:
+    """The spec to run for this attention: the user's, checked against what the model computes
+    (the spec brings the pattern; causality and scale are the model's), or why it does not fit."""
+    if spec is None:
+        return Exact(causal=m.causal)
+    if spec.causal != m.causal:
+        return (f"the model's attention is {'causal' if m.causal else 'bidirectional'} but the spec "
+                f"has causal={spec.causal}")
+    if spec.scale is not None and abs(spec.scale - m.scale) > 1e-6 * abs(m.scale):
+        return f"the spec's scale {spec.scale} differs from the model's {m.scale}"
+    return spec
+
+
+class AttentionPass:
+    """Replace each recognised attention (SDPA, or an explicit softmax chain) by one spec call."""
+    name = NAME
+    after = ()
+
+    def __init__(self, options: dict):
+        spec = options.get("attention")
+        if spec is not None and type(spec).__name__ not in SPECS:
+            raise ValueError(f"attention= takes one of {', '.join(SPECS)} (tailorfx.attention), "
+                             f"got {type(spec).__name__}")
+        self.spec: Optional[AttentionSpec] = spec
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        gm = clone(gm)
+        nodes = {n.name: n for n in gm.graph.nodes}
+        stats, touched, skipped, erased = {}, [], [], set()
+        for region in ctx.regions.of_kind("attention"):
+            found = []
+            for name in region.nodes:
+                for rule in rules_attention:
+                    got = None if name in erased else rule.match(nodes[name], ctx)
+                    if got is not None:
+                        found.append(got)
+                        break
+            if not found:
+                skipped.append(f"{region.path}: no attention spelling recognised "
+                               "(scaled_dot_product_attention or softmax(q @ k^T) @ v)")
+            for got in found:
+                spec = _fit(self.spec, got) if isinstance(got, Match) else got
+                if isinstance(spec, str):
+                    skipped.append(f"{region.path}: {spec}")
+                    continue
+                kind, params = spec_params(spec)
+                _rewrite(gm, got, kind, params, erased)
+                touched.append(region.path)
+                stats[region.path] = _stats(got, kind, params)
+        if touched:
+            gm.recompile()
+        return PassResult(gm, bool(touched), stats, tuple(dict.fromkeys(touched)), tuple(skipped))
+
+
+def _stats(m: Match, kind: str, params: tuple) -> dict:
+    qv, kv = node_value(m.q), node_value(m.k)
+    return {"spelling": m.spelling, "spec": f"{kind}({', '.join(f'{a}={b}' for a, b in params)})",
+            "causal": m.causal, "scale": m.scale, "mask": m.mask, "num_heads": int(qv.shape[1]),
+            "num_kv_heads": int(kv.shape[1]), "dense_removed": m.removes_dense}
+
+
+@register(NAME)
+def _factory(options: dict) -> AttentionPass:
+    return AttentionPass(options)
