@@ -13,12 +13,11 @@ import sys
 import time
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, os.path.dirname(__file__))
 import tailorfx  # noqa: E402
 from tailorfx.budget import format_bytes  # noqa: E402
-from tailorfx.models import LlamaConfig, LlamaLM  # noqa: E402
+from tailorfx.models import LlamaConfig  # noqa: E402
 from common import lm_batch, measure_step, mib, print_table, reference_model, write_json  # noqa: E402
 
 
@@ -49,16 +48,7 @@ def llama3_8b(seq_len: int):
     t0 = time.perf_counter()
     res = {}
     for passes in ([], ["minisequence"]):
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            old = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)
-            try:
-                model = LlamaLM(cfg)
-            finally:
-                torch.set_default_dtype(old)
-            ids = torch.randint(0, cfg.vocab_size, (1, 1024))
-            opt = tailorfx.optimize(model, passes=passes, example_inputs={"input_ids": ids, "labels": ids},
-                                    predict=False)
+        opt = tailorfx.api.capture_for_prediction(cfg, passes, seq_len=1024, dtype=torch.bfloat16)
         est = opt.predict_memory(seq_len=seq_len, optimizer="adamw")
         res["+".join(passes) or "no pass"] = est.summary()
         print(f"Llama-3-8B, bf16 weights+grads+AdamW state, seq {seq_len}, passes={passes}: peak "

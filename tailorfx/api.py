@@ -38,7 +38,16 @@ class OptimizedModule(nn.Module):
         if self._eager_reason is not None:
             return self.model(*args, **kwargs)
         try:
-            return self._compiled(*args, **kwargs)
+            # Every optimize() is a new backend; Dynamo caches them all on the model class's
+            # forward and stops compiling past recompile_limit (8), running eagerly instead.
+            limit = max(torch._dynamo.config.recompile_limit, 64)
+            with torch._dynamo.config.patch(recompile_limit=limit):
+                out = self._compiled(*args, **kwargs)
+            if not self.session.graphs and not self.session.warnings:
+                self.session.warnings.append("Dynamo handed no graph to tailorfx (a skipped frame or its "
+                                             "recompile limit): the model ran eagerly, nothing rewritten")
+                warnings.warn(self.session.warnings[-1])
+            return out
         except torch._dynamo.exc.BackendCompilerFailed as e:
             if isinstance(getattr(e, "inner_exception", None), ValueError):
                 raise e.inner_exception from e
@@ -189,6 +198,25 @@ def _build(model_or_config: Any, dtype: Optional[torch.dtype]) -> nn.Module:
     raise TypeError(f"max_seq_len takes a model, a config or a factory, got {type(model_or_config).__name__}")
 
 
+def capture_for_prediction(model_or_config: Any, passes: Sequence[str], seq_len: int = 256,
+                           batch_size: int = 1, dtype: Optional[torch.dtype] = None,
+                           **optimize_kwargs) -> OptimizedModule:
+    """Capture and rewrite a model for memory prediction only.
+
+    A config or factory is built under a FakeTensorMode (no memory, however large); a model
+    instance is captured on a short real batch.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    kw = dict(passes=list(passes), predict=False, verify=False, **optimize_kwargs)
+    if isinstance(model_or_config, nn.Module):
+        ids = torch.randint(0, 2, (batch_size, seq_len), device=next(model_or_config.parameters()).device)
+        return optimize(model_or_config, example_inputs={"input_ids": ids, "labels": ids}, **kw)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = _build(model_or_config, dtype)
+        ids = torch.randint(0, 2, (batch_size, seq_len))
+        return optimize(model, example_inputs={"input_ids": ids, "labels": ids}, **kw)
+
+
 def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_size: int = 1,
                 passes: Optional[Sequence[str]] = None, optimizer: Optional[str] = "adamw",
                 dtype: Optional[torch.dtype] = None, limit: int = 1 << 21, granularity: int = 128) -> int:
@@ -200,22 +228,10 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
     "recompute"]; None: the plan that saves the most (mini-sequence + full recompute of every
     block). The budget holds the steady state: weights, gradients, optimizer state, activations.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
     b = Budget.parse(budget)
     chosen = list(passes) if passes is not None else ["minisequence", "recompute"]
-    recompute = "full" if "recompute" in chosen else None
-    if isinstance(model_or_config, nn.Module):
-        model, mode = model_or_config, None
-        ids = torch.randint(0, 2, (batch_size, 256), device=next(model.parameters()).device)
-        opt = optimize(model, passes=chosen, recompute=recompute, optimizer=optimizer, predict=False,
-                       verify=False, example_inputs={"input_ids": ids, "labels": ids})
-    else:
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode:
-            model = _build(model_or_config, dtype)
-            ids = torch.randint(0, 2, (batch_size, 256))
-            opt = optimize(model, passes=chosen, recompute=recompute, optimizer=optimizer, predict=False,
-                           verify=False, example_inputs={"input_ids": ids, "labels": ids})
+    opt = capture_for_prediction(model_or_config, chosen, batch_size=batch_size, dtype=dtype,
+                                 optimizer=optimizer, recompute="full" if "recompute" in chosen else None)
     if opt.session.graphs and opt.session.graphs[0].seq.symbol is None:
         raise RuntimeError("the capture did not keep the sequence length symbolic; cannot extrapolate")
 
