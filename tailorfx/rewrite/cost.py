@@ -25,6 +25,11 @@ def node_flops(node: fx.Node, as_int) -> int:
     if name in match.MATMUL_OPS and ins and isinstance(out, torch.Tensor):
         k = as_int(ins[0].shape[-1]) if name != "addmm" else as_int(ins[1].shape[-1])
         return 2 * _numel(out, as_int) * k
+    if name == "attention_call" and len(ins) >= 3:   # a spec chosen by the attention pass
+        from tailorfx.passes.attention import build_spec
+        spec = build_spec(node.kwargs["kind"], node.kwargs["params"], node.kwargs["causal"], node.kwargs["scale"])
+        B, H, S, D = (as_int(d) for d in ins[0].shape)
+        return spec.flops(B, H, S, D, backward=False)
     if name in match.ATTENTION_OPS and len(ins) >= 3:
         q, kk = ins[0], ins[1]
         B_H = _numel(q, as_int) // max(1, as_int(q.shape[-1]))   # B * H * S
