@@ -132,6 +132,9 @@ def main():
         if a.variants and name not in a.variants:
             continue
         print(f"{name}:", flush=True)
+        # compiled variants of the same model class would otherwise reuse each other's graphs
+        # (Dynamo's cache ignores config patches such as auto_chunker or activation_memory_budget)
+        torch._dynamo.reset()
         S, capped = longest(make, budget, a.start, a.granularity, a.limit, a.vocab,
                             lambda s: print(s, flush=True))
         out[name] = {"max_seq_len": S, "capped_at_limit": capped}
