@@ -1,5 +1,4 @@
 """Memory model: predicted peak of a training step vs the allocator's measured peak."""
-import time
 
 import pytest
 import torch
@@ -78,14 +77,12 @@ def test_measure_peak_sees_inductor_buffers():
 
 
 @pytest.mark.slow
-def test_llama3_8b_prediction_at_8k_under_a_minute():
+def test_llama3_8b_prediction_at_8k():
+    """Predicted without allocating it (its time is a benchmark claim: benchmarks/memory_model.py)."""
     cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8)
-    t0 = time.perf_counter()
     opt = tailorfx.api.capture_for_prediction(cfg, [], seq_len=1024, dtype=torch.bfloat16)
     est = opt.predict_memory(seq_len=8192, optimizer="adamw")
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 60, elapsed
     n_params = (2 * cfg.vocab_size * cfg.hidden_size + cfg.num_hidden_layers * (
         2 * cfg.hidden_size * cfg.hidden_size + 2 * cfg.hidden_size * 1024 + 3 * cfg.hidden_size * 14336
         + 2 * cfg.hidden_size) + cfg.hidden_size)

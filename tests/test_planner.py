@@ -1,6 +1,5 @@
 """Budget planner: plans that fit (measured on real steps), BudgetError, max_seq_len."""
 import copy
-import time
 
 import pytest
 import torch
@@ -101,8 +100,5 @@ def test_static_part_too_large_is_a_clear_error():
 def test_max_seq_len_8b_config():
     cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8)
-    t0 = time.perf_counter()
     S = tailorfx.max_seq_len(cfg, "A100-80GB", passes=["minisequence", "recompute"], dtype=torch.bfloat16)
-    elapsed = time.perf_counter() - t0
-    assert S > 32768
-    assert elapsed < 90, elapsed
+    assert S > 32768   # vanilla fits under 3K tokens; the time it takes is in benchmarks/paper_table.py
