@@ -16,6 +16,17 @@ def ms(m, M, S=37, pad=5):
     return tailorfx.optimize(m, passes=["minisequence"], minisequence_chunks=M, example_inputs=batch(S=S, pad=pad))
 
 
+def exact_ms(model, M, S=37, pad=5):
+    """Mini-sequence with M chunks must match eager (loss and every gradient); returns the module."""
+    holder = {}
+
+    def wrap(m):
+        holder["opt"] = ms(m, M, S=S, pad=pad)
+        return holder["opt"]
+    compare_with_eager(model, batch(S=S, pad=pad), wrap, rtol=1e-4, atol=1e-6)
+    return holder["opt"]
+
+
 def test_golden_graph_diff():
     opt = ms(tiny_llama(num_layers=1), 4)
     diff = opt.diff("minisequence")
@@ -61,28 +72,18 @@ def test_reference_model_tied_head_exact():
 
 @pytest.mark.parametrize("M,pad", [(2, 0), (3, 5), (8, 5)])
 def test_hf_llama_exact(M, pad):
-    holder = {}
-
-    def wrap(m):
-        holder["opt"] = ms(m, M, S=37, pad=pad)
-        return holder["opt"]
-    compare_with_eager(hf_llama(), batch(S=37, pad=pad), wrap, rtol=1e-4, atol=1e-6)
-    rec = holder["opt"].graph_records[0].records[0]
+    opt = exact_ms(hf_llama(), M, pad=pad)
+    rec = opt.graph_records[0].records[0]
     assert [t.split(" ")[0] for t in rec.touched] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     # Hugging Face returns the logits too: the head cannot be fused, and the report says why
     assert any(s.startswith("lm_head: the logits leave the graph") for s in rec.skipped)
-    assert "the logits leave the graph" in str(holder["opt"].report())
+    assert "the logits leave the graph" in str(opt.report())
 
 
 @pytest.mark.parametrize("M,pad", [(2, 0), (3, 5), (8, 5)])
 def test_hf_gpt2_exact(M, pad):
-    holder = {}
-
-    def wrap(m):
-        holder["opt"] = ms(m, M, S=37, pad=pad)
-        return holder["opt"]
-    compare_with_eager(hf_gpt2(), batch(S=37, pad=pad), wrap, rtol=1e-4, atol=1e-6)
-    touched = [t for g in holder["opt"].graph_records for r in g.records for t in r.touched]
+    opt = exact_ms(hf_gpt2(), M, pad=pad)
+    touched = [t for g in opt.graph_records for r in g.records for t in r.touched]
     assert [t.split(" ")[0] for t in touched] == ["transformer.h.0.mlp", "transformer.h.1.mlp"]
 
 
