@@ -141,7 +141,8 @@ def _split_examples(example_inputs: Any, example_kwargs: Optional[dict]) -> tupl
 def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
              passes: Optional[Sequence[str]] = None, example_inputs: Any = None,
              example_kwargs: Optional[dict] = None, minisequence_chunks: Optional[int] = None,
-             attention: Any = None, precision: Optional[str] = None, setup: Any = None,
+             attention: Any = None, precision: Optional[str] = None,
+             precision_policy: Optional[dict] = None, setup: Any = None,
              optimizer: Optional[str] = "adamw", recompute: Optional[str] = None,
              lowering: str = "auto", verify: bool = True, predict: bool = True) -> OptimizedModule:
     """Rewrite `model` for training under `budget`; returns a module that trains like the original.
@@ -168,6 +169,7 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
         raise ValueError(f"recompute must be 'full', 'selective' or None, got {recompute!r}")
     opts = {"minisequence_chunks": minisequence_chunks, "budget_bytes": b.bytes if b else None,
             "budget_label": str(b) if b else None, "attention": attention, "precision": precision,
+            "precision_policy": _policy_items(precision, precision_policy),
             "optimizer": optimizer, "recompute_policy": recompute}
     options = Options(passes=tuple(passes) if passes is not None else None,
                       pass_options=tuple(sorted(opts.items())), lowering=lowering,
@@ -177,6 +179,17 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
         args, kwargs = _split_examples(example_inputs, example_kwargs)
         opt(*args, **kwargs)
     return opt
+
+
+def _policy_items(precision: Optional[str], policy: Optional[dict]) -> Optional[tuple]:
+    """The user's precision-policy overrides, checked now and kept hashable for the compile cache."""
+    if policy is None:
+        return None
+    if precision is None:
+        raise ValueError("precision_policy= overrides the policy of precision='bf16'|'fp16'; pass precision too")
+    from tailorfx.passes.precision import resolve_policy
+    resolve_policy(precision, policy)   # fails now, naming the bad entry
+    return tuple(sorted(dict(policy).items()))
 
 
 def _build(model_or_config: Any, dtype: Optional[torch.dtype]) -> nn.Module:

@@ -191,6 +191,18 @@ def test_policy_override():
         resolve_policy("bf16", {"mlp": "int8"})
 
 
+def test_policy_override_through_optimize():
+    opt = tailorfx.optimize(tiny_llama(num_layers=1), passes=["precision"], precision="bf16",
+                            precision_policy={"mlp": "fp32"}, example_inputs=batch(S=37))
+    stats = record(opt).stats
+    assert stats["regions"]["model.layers.0.mlp"] == "fp32"
+    assert stats["regions"]["model.layers.0.self_attn"] == "bf16"
+    with pytest.raises(ValueError, match="precision_policy\\['mlp'\\]"):
+        tailorfx.optimize(tiny_llama(num_layers=1), precision="bf16", precision_policy={"mlp": "int8"})
+    with pytest.raises(ValueError, match="pass precision too"):
+        tailorfx.optimize(tiny_llama(num_layers=1), precision_policy={"mlp": "fp32"})
+
+
 def test_cleanup_rules():
     """The three rules on casts the pass made; the model's own cast is never touched."""
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
