@@ -24,7 +24,7 @@ from tailorfx.passes import register
 from tailorfx.rewrite import compat, match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult, clone
-from tailorfx.rewrite.regions import Region, is_param
+from tailorfx.rewrite.regions import Region, is_param, param_source
 from tailorfx.runtime import ops
 
 NAME = "minisequence"
@@ -199,8 +199,12 @@ class MiniSequence:
             return "cross_entropy input is not (tokens, vocab)"
         h, w = head.args[0], head.args[1]
         b = head.args[2] if len(head.args) > 2 else head.kwargs.get("bias")
-        if not (isinstance(w, fx.Node) and is_param(w)):
+        if not (isinstance(w, fx.Node) and is_param(w, through_casts=True)):
             return "the LM head weight is not a parameter"
+        # A low-precision head (precision pass) reads W.to(bf16): the fused op takes the fp32
+        # master instead, computes in fp32 and accumulates W's gradient in fp32 (no V x H copy).
+        w = param_source(w)
+        b = param_source(b) if isinstance(b, fx.Node) and is_param(b, through_casts=True) else b
         hv = node_value(h)
         hidden = hv.shape[-1]
         h_dims = ctx.seq.dims(hv)

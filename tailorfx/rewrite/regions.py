@@ -71,8 +71,25 @@ def module_paths(node: fx.Node) -> list[str]:
     return [p for p in paths if p]
 
 
-def is_param(node: fx.Node) -> bool:
-    """A placeholder that carries a parameter or buffer (Dynamo lifts them as graph inputs)."""
+_FLOAT_CASTS = frozenset({"to", "type", "float", "half", "bfloat16", "double"})
+
+
+def param_source(node: fx.Node) -> fx.Node:
+    """`node` with float dtype casts peeled off: `W.to(bf16)` -> W (the precision pass reads fp32
+    master weights through such casts)."""
+    while (node.op == "call_method" and node.target in _FLOAT_CASTS and node.args
+           and isinstance(node.args[0], fx.Node) and isinstance(v := node_value(node), torch.Tensor)
+           and v.is_floating_point() and isinstance(s := node_value(node.args[0]), torch.Tensor)
+           and s.is_floating_point() and s.shape == v.shape):
+        node = node.args[0]
+    return node
+
+
+def is_param(node: fx.Node, through_casts: bool = False) -> bool:
+    """A placeholder that carries a parameter or buffer (Dynamo lifts them as graph inputs);
+    with `through_casts`, also a float cast of one (a low-precision copy of a master weight)."""
+    if through_casts:
+        node = param_source(node)
     if node.op == "get_attr":
         return True
     if node.op != "placeholder":
@@ -219,7 +236,7 @@ def _lm_head_loss(nodes: list[fx.Node], cls: dict[str, str], blocks: set[str]) -
     def in_block(n):
         return any(p in blocks for p in module_paths(n))
     cands = [n for n in nodes if match.op_name(n) in match.MATMUL_OPS and not in_block(n)
-             and any(is_param(a) for a in n.all_input_nodes)]
+             and any(is_param(a, through_casts=True) for a in n.all_input_nodes)]
     if not cands:
         return None
     width = lambda n: int(node_value(n).shape[-1]) if isinstance(node_value(n), torch.Tensor) else 0

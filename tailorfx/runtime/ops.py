@@ -310,7 +310,9 @@ def _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunk
     """Loss and (if asked) grads for d(loss)/d(inputs) with grad_output 1, one row chunk at a time.
 
     Math runs in fp32 (fp64 stays fp64). The weight is upcast once, which costs V*H*4 bytes for a
-    bf16 weight; CPU has no mixed-dtype matmul (``mm(..., out_dtype=)``) to avoid that copy.
+    bf16 weight; CPU has no mixed-dtype matmul (``mm(..., out_dtype=)``) to avoid that copy. A bf16
+    `hidden` with an fp32 (master) weight is upcast one chunk at a time; the loss then is fp32, as
+    the unfused `cross_entropy(logits.float())` it replaces.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"chunked_linear_cross_entropy: reduction {reduction!r} not in mean/sum")
@@ -332,7 +334,11 @@ def _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunk
     loss = total / count if reduction == "mean" else total
     grad_w = grad_w.to(weight.dtype) if need_weight else weight.new_empty(0)
     grad_b = grad_b.to(bias.dtype) if need_bias else weight.new_empty(0)
-    return loss.to(hidden.dtype), grad_h, grad_w, grad_b
+    return loss.to(_loss_dtype(hidden, weight)), grad_h, grad_w, grad_b
+
+
+def _loss_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    return torch.promote_types(hidden.dtype, weight.dtype)
 
 
 @torch.library.custom_op("tailorfx::chunked_linear_cross_entropy", mutates_args=())
@@ -346,7 +352,7 @@ def _lce_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Te
 
 @_lce_loss.register_fake
 def _lce_loss_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap):
-    return hidden.new_empty(())
+    return hidden.new_empty((), dtype=_loss_dtype(hidden, weight))
 
 
 @torch.library.custom_op("tailorfx::chunked_linear_cross_entropy_with_grads", mutates_args=())
@@ -362,7 +368,7 @@ def _lce_with_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
 @_lce_with_grads.register_fake
 def _lce_with_grads_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
                          logit_softcap, grad_hidden, grad_weight, grad_bias):
-    return (hidden.new_empty(()),
+    return (hidden.new_empty((), dtype=_loss_dtype(hidden, weight)),
             torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if grad_weight else weight.new_empty(0),
             torch.empty_like(bias) if grad_bias else weight.new_empty(0))
