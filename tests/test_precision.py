@@ -5,7 +5,7 @@ Tolerances (bf16 has an 8-bit mantissa: one rounding is up to 0.4%, relative):
   loss            |loss_bf16 - loss_fp32| / loss_fp32 < 0.5%
   gradients       |g_bf16 - g_fp32| / |g_fp32| < 3% per parameter (relative norm); random-init
                   models sit near 1-1.5% (torch.autocast's bf16 gives the same), trained ones
-                  lower; the LM-head weight at S=4096 below 1% (acceptance of issue 7)
+                  lower. The LM-head weight at S=4096 (issue 7): see test_acceptance_lm_head_grad.
   fp32 precision  exact (the graph is not touched)
 """
 import copy
@@ -282,6 +282,28 @@ def test_with_minisequence_chunked_ops_accumulate_in_fp32(runs_4096):
     assert max(rel(ms[k], plain[k]) for k in ms if ".mlp." in k) < 2e-2
 
 
+
+def test_bf16_head_is_fused_with_its_fp32_master_weight():
+    """With precision_policy={"lm_head_loss": "low"} the head reads W.to(bf16); mini-sequence's
+    fused head + loss must still see the parameter through that cast, take the fp32 master (no
+    V x H bf16 copy), compute in fp32 and return an fp32 loss. Before, the cast hid the parameter
+    and the head stayed unfused with its S x V logits (reference model at S=4096: 90.0 MiB peak,
+    fused 82.2 MiB)."""
+    def wrap(m):
+        return tailorfx.optimize(m, passes=["precision", "minisequence"], precision="bf16",
+                                 precision_policy={"lm_head_loss": "low"}, example_inputs=batch(S=37, pad=5))
+    loss_err, errs, opt = grads_vs_eager(tiny_llama(num_layers=1), wrap, batch(S=37, pad=5))
+    assert "lm_head (bf16)" in record(opt).touched
+    rec = record(opt, "minisequence")
+    (fused,) = [n for n in rec.gm.graph.nodes if "chunked_linear_cross_entropy" in str(n.target)]
+    hidden, weight = fused.args[0], fused.args[1]
+    assert weight.op == "placeholder" and weight.meta["example_value"].dtype == torch.float32
+    assert hidden.meta["example_value"].dtype == torch.bfloat16
+    assert fused.meta["example_value"].dtype == torch.float32
+    assert not [u for u in weight.users if u is not fused], "a cast copy of the head weight survived"
+    assert loss_err < 5e-3 and max(errs.values()) < 3e-2, (loss_err, errs)
+    assert errs["lm_head.weight"] > 1e-5, "the head's input was not bf16"
+
 # ---- training: bf16 needs no scaler, fp16 survives an overflow ----------------------------
 
 
@@ -316,3 +338,54 @@ def test_fp16_scaler_skips_overflowing_step_and_training_continues():
     assert not any(r.skipped for r in results) and trainer.num_skipped == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert results[-1].loss < results[0].loss - 0.1, [r.loss for r in results]
+
+
+# ---- issue 7 acceptance: LM-head weight gradient at S=4096 on the reference model ----------
+
+# benchmarks/precision.py's reference_model(): what the issue's figures are measured on.
+REFERENCE = dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=2)
+
+
+@pytest.mark.slow
+def test_acceptance_lm_head_grad_at_4096_reference_model():
+    """Issue 7: with mini-sequence on, bf16 LM-head weight gradients within 1% (relative norm) of
+    fp32 on the reference model at S=4096 (initial weights, the harder case: 0.52% after training).
+
+    Measured (benchmarks/precision.py, section 3), initial weights:
+      default policy, with or without mini-sequence   1.077%   (torch.autocast bf16: 1.070%)
+      precision_policy={"mlp": "fp32"}, mini-sequence  0.799%   (+10.2 MiB fwd+bwd peak, 86.2 -> 96.4)
+    The LM-head gradient depends only on forward values (logits and the final hidden state), so its
+    error is the bf16 body's forward error: rounding the body's weights to bf16 alone gives 0.61%,
+    attention and MLP contribute about equally. The default keeps bf16 matmuls (as autocast) and
+    misses 1% at init by 0.08 points; the acceptance holds with the MLP in fp32, which mini-sequence
+    makes cheap in memory (the MLP's activations are recomputed per chunk, not saved).
+    """
+    torch.manual_seed(0)
+    base = LlamaLM(LlamaConfig(**REFERENCE))
+    ids = torch.randint(0, REFERENCE["vocab_size"], (1, 4096), generator=torch.Generator().manual_seed(2))
+    inputs = {"input_ids": ids, "labels": ids}
+    short = {"input_ids": ids[:, :64].clone(), "labels": ids[:, :64].clone()}
+
+    def head_grad(passes=(), policy=None, autocast=False):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        if autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(**inputs).loss
+        else:
+            kw = dict(precision="bf16", precision_policy=policy) if "precision" in passes else {}
+            run = tailorfx.optimize(model, passes=list(passes), example_inputs=short, **kw) if passes else model
+            loss = run(**inputs).loss
+        loss.backward()
+        return model.lm_head.weight.grad
+
+    ref = head_grad()
+    plain = head_grad(["precision"])
+    ms = head_grad(["precision", "minisequence"])
+    ms_mlp32 = head_grad(["precision", "minisequence"], {"mlp": "fp32"})
+    autocast = head_grad(autocast=True)
+    assert rel(ms, plain) < 1e-3                      # chunking adds nothing to bf16's error
+    assert rel(ms, ref) < 1.02 * rel(autocast, ref)   # the default policy is no worse than autocast
+    assert rel(ms, ref) > 1e-3, "bf16 did not run"
+    assert rel(ms_mlp32, ref) < 0.9e-2                # acceptance, with margin: 0.799% measured
