@@ -39,8 +39,8 @@ def run(seqs, reps, chunks=None, layers=4):
         for _ in range(reps):   # interleave the variants so load affects all alike
             for k, f in steps.items():
                 times[k] += time_it(f, 1) / reps
-        pred = opt.predict_memory(seq_len=S).dynamic_peak_bytes
-        pred_plain = plain.predict_memory(seq_len=S).dynamic_peak_bytes
+        pred = opt.predict_memory(seq_len=S).forward_backward_peak_bytes
+        pred_plain = plain.predict_memory(seq_len=S).forward_backward_peak_bytes
         chunks_used = sorted({v["num_chunks"] for g in opt.session.graphs for r in g.records
                               for v in r.stats.values()})
         rec = {"seq": S, "peak_bytes": peaks, "seconds": times,

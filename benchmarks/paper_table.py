@@ -6,8 +6,10 @@ allocated). Assumptions, stated rather than fitted:
   layers, heads, KV heads, MLP width, tied head for Gemma-2); architecture details that barely
   move memory are not modelled (Qwen2's QKV bias, Gemma-2's 256-wide heads, logit soft-capping,
   GeGLU vs SwiGLU, sliding-window layers);
-- bf16 weights, bf16 gradients, AdamW with bf16 state (torch keeps the state in the parameter's
-  dtype), batch 1, steady state (the optimizer state lives through forward and backward);
+- the training setup is a tailorfx.TrainingSetup preset (`--setup`, several allowed; default all):
+  fp32 and amp-bf16 hold 16 B/param, pure-bf16 8 B/param, pure-bf16-fused-optimizer (the MST
+  paper's A100 setup: AdamW step fused into backward) 6 B/param plus the gradients in flight;
+  batch 1, steady state (the optimizer state lives through forward and backward);
 - the budget is the A100-80GB preset: 80 GiB minus 1.5 GiB for the CUDA context and allocator
   headroom (tailorfx.budget.PRESETS);
 - activations as the eager lowering runs them (CPU-measured transients: attention is the flash
@@ -19,8 +21,6 @@ import argparse
 import os
 import sys
 import time
-
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import tailorfx  # noqa: E402
@@ -43,30 +43,41 @@ MODELS = {
 PLANS = {"vanilla": [], "recompute only": ["recompute"], "mini-sequence + recompute": ["minisequence", "recompute"]}
 
 
+def table(setup: str, budget: str, models: list[str]) -> dict:
+    """One preset: the longest sequence per model and plan (0: the static part does not fit)."""
+    rows, out = [], {}
+    for name in models:
+        res, note = {}, ""
+        for plan, passes in PLANS.items():
+            t0 = time.perf_counter()
+            try:
+                res[plan] = tailorfx.max_seq_len(MODELS[name], budget, passes=passes, setup=setup)
+            except tailorfx.BudgetError as e:
+                res[plan] = 0
+                note = "static part does not fit" if e.dominant == "static" else "does not fit"
+                print(f"{name} {plan}: {e}")
+            print(f"{setup:26s} {name:12s} {plan:28s} {res[plan]:>8d} tokens ({time.perf_counter() - t0:.0f}s)",
+                  flush=True)
+            if note == "static part does not fit":   # no plan changes weights and optimizer state
+                res = {p: 0 for p in PLANS}
+                break
+        # the planner's choice (passes=None) is the plan that saves the most: mini-sequence + recompute
+        res["planner's best"] = max(res.values())
+        out[name] = res
+        v, best = res["vanilla"], res["planner's best"]
+        rows.append([name] + [f"{res[p]:,}" for p in PLANS] + [f"{best:,}", f"{best / v:.1f}x" if v else note or "-"])
+    print_table(f"Longest sequence, one {budget}, {tailorfx.PRESETS[setup].describe()}, batch 1 (predicted)",
+                ["model", *PLANS, "planner's best", "best / vanilla"], rows)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--budget", default="A100-80GB")
     ap.add_argument("--models", nargs="*", default=list(MODELS))
+    ap.add_argument("--setup", nargs="+", default=list(tailorfx.PRESETS), choices=list(tailorfx.PRESETS))
     a = ap.parse_args()
-    rows, out = [], {}
-    for name in a.models:
-        res = {}
-        for plan, passes in PLANS.items():
-            t0 = time.perf_counter()
-            try:
-                res[plan] = tailorfx.max_seq_len(MODELS[name], a.budget, passes=passes, dtype=torch.bfloat16)
-            except tailorfx.BudgetError as e:
-                res[plan] = 0
-                print(f"{name} {plan}: {e}")
-            print(f"{name:12s} {plan:28s} {res[plan]:>8d} tokens ({time.perf_counter() - t0:.0f}s)", flush=True)
-        # the planner's choice (passes=None) is the plan that saves the most: mini-sequence + recompute
-        res["planner's best"] = max(res.values())
-        out[name] = res
-        v = res["vanilla"] or 1
-        best = res["planner's best"]
-        rows.append([name] + [f"{res[p]:,}" for p in PLANS] + [f"{best:,}", f"{best / v:.1f}x"])
-    print_table(f"Longest sequence, one {a.budget}, bf16 weights/grads/AdamW state, batch 1 (predicted)",
-                ["model", *PLANS, "planner's best", "best / vanilla"], rows)
+    out = {s: table(s, a.budget, a.models) for s in a.setup}
     print("wrote", write_json("paper_table.json", {"budget": a.budget, "results": out}))
 
 

@@ -1,18 +1,21 @@
 """optimize(): capture -> plan -> passes -> codegen -> OptimizedModule."""
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
 from tailorfx.backend import GraphRecord, Options, Session, TailorBackend
-from tailorfx.budget import Budget, BudgetError
+from tailorfx.budget import Budget, BudgetError, format_bytes
 from tailorfx.report import Report
 from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import mark_sequence_dims
 from tailorfx.rewrite.regions import Region
+from tailorfx.setup import OPTIMIZERS, TrainingSetup
+from tailorfx.setup import resolve as resolve_setup
 
 
 class OptimizedModule(nn.Module):
@@ -101,19 +104,38 @@ class OptimizedModule(nn.Module):
         return Report(self.session, self.budget, self._eager_reason,
                       lambda S, rewritten: self.predict_memory(S, rewritten=rewritten))
 
+    @property
+    def setup(self) -> TrainingSetup:
+        """The training setup the graphs were planned and lowered for (the planner may have moved
+        the optimizer step into backward to fit the budget)."""
+        for g in self.session.graphs:
+            if g.plan.options.get("setup") is not None:
+                return g.plan.options["setup"]
+        return self.options.options_dict()["setup"]
+
     def predict_memory(self, seq_len: Optional[int] = None, optimizer: Optional[str] = None,
-                       rewritten: bool = True) -> memory.MemoryEstimate:
-        """Predicted memory of one training step at `seq_len` (default: the captured length)."""
+                       rewritten: bool = True, setup: Any = None) -> memory.MemoryEstimate:
+        """Predicted memory of one training step at `seq_len` (default: the captured length).
+
+        Under the module's TrainingSetup unless `setup` (or, for short, `optimizer`) is given.
+        """
+        if setup is not None:
+            setup = resolve_setup(setup)
+        elif optimizer is not None:
+            setup = self.setup.with_(optimizer=optimizer, optimizer_in_backward=False, name=optimizer)
+        else:
+            setup = self.setup
         if not self.session.graphs:
             raise RuntimeError("nothing captured yet: call the module once or pass example_inputs")
         from tailorfx.codegen.lower import partition_for
         gs = self.session.graphs
-        steps = [g.step if (rewritten and g.step is not None) else
+        lowered = setup.optimizer_in_backward == self.setup.optimizer_in_backward
+        steps = [g.step if (rewritten and lowered and g.step is not None) else
                  memory.trace_step(g.rewritten if rewritten else g.original, None,
-                                   partition_for(g.lowering, g.rewritten if rewritten else g.original))
+                                   partition_for(g.lowering, g.rewritten if rewritten else g.original), setup)
                  for g in gs]
         seq = gs[0].seq
-        return memory.simulate_step(steps, seq, seq_len or seq.length or None, optimizer)
+        return memory.simulate_step(steps, seq, seq_len or seq.length or None, setup=setup)
 
     def memory_timeline(self, path: str, seq_len: Optional[int] = None, measured: Optional[int] = None) -> str:
         """Plot predicted live bytes over the step (before and after the passes) to a PNG."""
@@ -156,21 +178,18 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
-    if setup is not None:
-        raise NotImplementedError("optimize(setup=...) is not implemented yet; leave it None")
+    setup = _setup_for(model, setup, optimizer)
     if precision is not None and precision not in ("bf16", "fp16", "fp32"):
         raise ValueError(f"precision must be 'bf16', 'fp16' or 'fp32', got {precision!r}")
     if minisequence_chunks is not None and (not isinstance(minisequence_chunks, int) or minisequence_chunks < 1):
         raise ValueError(f"minisequence_chunks must be a positive int, got {minisequence_chunks!r}")
     b = Budget.parse(budget) if budget is not None else None
-    if optimizer not in ("adamw", "sgd", None):
-        raise ValueError(f"optimizer must be 'adamw', 'sgd' or None, got {optimizer!r}")
     if recompute not in (None, "full", "selective"):
         raise ValueError(f"recompute must be 'full', 'selective' or None, got {recompute!r}")
     opts = {"minisequence_chunks": minisequence_chunks, "budget_bytes": b.bytes if b else None,
             "budget_label": str(b) if b else None, "attention": attention, "precision": precision,
             "precision_policy": _policy_items(precision, precision_policy),
-            "optimizer": optimizer, "recompute_policy": recompute}
+            "setup": setup, "recompute_policy": recompute}
     options = Options(passes=tuple(passes) if passes is not None else None,
                       pass_options=tuple(sorted(opts.items())), lowering=lowering,
                       predict=predict, verify=verify)
@@ -179,6 +198,25 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
         args, kwargs = _split_examples(example_inputs, example_kwargs)
         opt(*args, **kwargs)
     return opt
+
+
+def _setup_for(model: nn.Module, setup: Any, optimizer: Optional[str]) -> TrainingSetup:
+    """The TrainingSetup to plan for; the model's parameters must already be in its dtype."""
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point()}
+    if setup is None:
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        return resolve_setup(None, param_dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
+                             optimizer=optimizer)
+    s = resolve_setup(setup)
+    if optimizer not in ("adamw", s.optimizer):
+        raise ValueError(f"optimizer={optimizer!r} disagrees with setup {s.name!r} (optimizer "
+                         f"{s.optimizer!r}); give the optimizer in the TrainingSetup only")
+    if dtypes and dtypes != {s.param_dtype}:
+        have = ", ".join(sorted(str(d) for d in dtypes))
+        raise ValueError(f"setup {s.name!r} trains {s.param_dtype} parameters but the model's are {have}: "
+                         f"call model.to({s.param_dtype}) first (tailorfx does not cast your model)")
+    return s
 
 
 def _policy_items(precision: Optional[str], policy: Optional[dict]) -> Optional[tuple]:
@@ -211,27 +249,38 @@ def _build(model_or_config: Any, dtype: Optional[torch.dtype]) -> nn.Module:
     raise TypeError(f"max_seq_len takes a model, a config or a factory, got {type(model_or_config).__name__}")
 
 
+@contextlib.contextmanager
+def _prediction_model(model_or_config: Any, dtype: Optional[torch.dtype]) -> Iterator[nn.Module]:
+    """The model itself, or one built from a config or factory under a FakeTensorMode (no
+    memory, however large); everything made inside the block is fake too."""
+    if isinstance(model_or_config, nn.Module):
+        yield model_or_config
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield _build(model_or_config, dtype)
+
+
 def capture_for_prediction(model_or_config: Any, passes: Sequence[str], seq_len: int = 256,
                            batch_size: int = 1, dtype: Optional[torch.dtype] = None,
                            **optimize_kwargs) -> OptimizedModule:
     """Capture and rewrite a model for memory prediction only.
 
-    A config or factory is built under a FakeTensorMode (no memory, however large); a model
-    instance is captured on a short real batch.
+    A config or factory is built under a FakeTensorMode; a model instance is captured on a
+    short real batch.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    kw = dict(passes=list(passes), predict=False, verify=False, **optimize_kwargs)
-    if isinstance(model_or_config, nn.Module):
-        ids = torch.randint(0, 2, (batch_size, seq_len), device=next(model_or_config.parameters()).device)
-        return optimize(model_or_config, example_inputs={"input_ids": ids, "labels": ids}, **kw)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model = _build(model_or_config, dtype)
-        ids = torch.randint(0, 2, (batch_size, seq_len))
-        return optimize(model, example_inputs={"input_ids": ids, "labels": ids}, **kw)
+    with _prediction_model(model_or_config, dtype) as model:
+        return _capture(model, passes, seq_len, batch_size, **optimize_kwargs)
 
 
-def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_size: int = 1,
-                passes: Optional[Sequence[str]] = None, optimizer: Optional[str] = "adamw",
+def _capture(model: nn.Module, passes: Sequence[str], seq_len: int, batch_size: int, **kw) -> OptimizedModule:
+    ids = torch.randint(0, 2, (batch_size, seq_len), device=next(model.parameters()).device)
+    return optimize(model, example_inputs={"input_ids": ids, "labels": ids}, passes=list(passes),
+                    predict=False, verify=False, **kw)
+
+
+def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_size: Optional[int] = None,
+                passes: Optional[Sequence[str]] = None, setup: Any = None, optimizer: Optional[str] = "adamw",
                 dtype: Optional[torch.dtype] = None, limit: int = 1 << 21, granularity: int = 128) -> int:
     """Longest sequence whose training step fits `budget`, by the memory model (nothing is run).
 
@@ -239,30 +288,37 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
     capture serves every length (the sequence dim is symbolic); the answer is bisected on the
     prediction to `granularity` tokens. passes=[]: vanilla; ["recompute"]; ["minisequence",
     "recompute"]; None: the plan that saves the most (mini-sequence + full recompute of every
-    block). The budget holds the steady state: weights, gradients, optimizer state, activations.
+    block). `setup` (a TrainingSetup or preset name) says how the model trains: dtypes, optimizer
+    state, optimizer in backward, micro-batch size, allocator headroom; without it, `dtype`
+    weights and `optimizer`. The budget holds the steady state of that setup.
     """
     b = Budget.parse(budget)
+    if setup is not None:
+        s = resolve_setup(setup)
+        if dtype is not None and dtype != s.param_dtype:
+            raise ValueError(f"dtype={dtype} disagrees with setup {s.name!r} ({s.param_dtype} weights); drop dtype")
+    else:
+        if isinstance(model_or_config, nn.Module):
+            dtype = dtype or next(model_or_config.parameters()).dtype
+        s = resolve_setup(None, param_dtype=dtype, optimizer=optimizer)
     chosen = list(passes) if passes is not None else ["minisequence", "recompute"]
-    opt = capture_for_prediction(model_or_config, chosen, batch_size=batch_size, dtype=dtype,
-                                 optimizer=optimizer, recompute="full" if "recompute" in chosen else None)
+    usable = b.bytes * (1 - s.headroom)
+    with _prediction_model(model_or_config, s.param_dtype) as model:
+        _check_static(model, s, b, usable)   # before the capture: an 8B capture takes half a minute
+        opt = _capture(model, chosen, 256, batch_size or s.micro_batch_size, setup=s,
+                       recompute="full" if "recompute" in chosen else None)
     if opt.session.graphs and opt.session.graphs[0].seq.symbol is None:
         raise RuntimeError("the capture did not keep the sequence length symbolic; cannot extrapolate")
 
     def peak(S: int) -> int:
-        return opt.predict_memory(S, optimizer=optimizer).peak_bytes
+        return opt.predict_memory(S).peak_bytes
 
-    est = opt.predict_memory(1, optimizer=optimizer)
-    static = est.param_bytes + est.grad_bytes + est.optimizer_bytes
-    if static > b.bytes or peak(1) > b.bytes:
-        from tailorfx.budget import format_bytes
-        raise BudgetError(
-            f"even one token does not fit {b}: weights {format_bytes(est.param_bytes)}, gradients "
-            f"{format_bytes(est.grad_bytes)} and {optimizer or 'no'} optimizer state "
-            f"{format_bytes(est.optimizer_bytes)} need {format_bytes(static)} before any activation. "
-            f"Use bf16 weights and optimizer state, an 8-bit or no optimizer, or a larger device.",
-            static, "static")
+    est = opt.predict_memory(1)
+    if peak(1) > usable:
+        raise BudgetError(f"even one token does not fit {b} under {s.describe()}: the step peaks at "
+                          f"{format_bytes(peak(1))} ({_parts(est)})", peak(1), "activations")
     lo, hi = 1, 1024
-    while hi <= limit and peak(hi) <= b.bytes:
+    while hi <= limit and peak(hi) <= usable:
         lo, hi = hi, hi * 2
     if hi > limit:
         return lo
@@ -270,5 +326,33 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
         mid = (lo + hi) // 2 // granularity * granularity or granularity
         if mid <= lo:
             break
-        lo, hi = (mid, hi) if peak(mid) <= b.bytes else (lo, mid)
+        lo, hi = (mid, hi) if peak(mid) <= usable else (lo, mid)
     return lo
+
+
+def _parts(est: memory.MemoryEstimate) -> str:
+    return ", ".join(f"{k} {format_bytes(v)}" for k, v in est.breakdown().items() if v)
+
+
+def _check_static(model: nn.Module, s: TrainingSetup, b: Budget, usable: float) -> None:
+    """BudgetError when weights, master weights, optimizer state and gradients alone overflow,
+    naming the presets whose static part would fit."""
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    other = sum(t.numel() * t.element_size() for t in model.buffers()) + sum(
+        p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    static = s.static_bytes(trained) + other
+    if static <= usable:
+        return
+    from tailorfx.setup import PRESETS
+    held_grads = 0 if s.optimizer_in_backward or s.optimizer is None else trained * s.grads.itemsize
+    parts = {"weights": trained * s.param_dtype.itemsize + other, "master weights": s.master_bytes(trained),
+             "optimizer state": s.state_bytes(trained), "gradients": held_grads}
+    fits = [f"{name} ({format_bytes(p.static_bytes(trained) + other)})" for name, p in PRESETS.items()
+            if p.static_bytes(trained) + other <= usable]
+    raise BudgetError(
+        f"the static part alone does not fit {b}" + (f" less {s.headroom:.0%} allocator headroom" if s.headroom else "")
+        + f": {s.describe()} needs {format_bytes(static)} before any activation ("
+        + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v) + "). "
+        + (f"Setups whose static part fits: {', '.join(fits)}." if fits else
+           "No preset fits either: use 8-bit AdamW (TrainingSetup(optimizer='adamw8bit')), shard the "
+           "model over devices, or a larger device."), static, "static")

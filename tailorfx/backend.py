@@ -14,11 +14,13 @@ import torch
 import torch.fx as fx
 
 from tailorfx import planner
+from tailorfx.budget import BudgetError
 from tailorfx.codegen import lower as lowering_mod
 from tailorfx.rewrite import cost, memory
 from tailorfx.rewrite.capture import SeqInfo, seq_info
 from tailorfx.rewrite.passes import PassContext, PassManager, PassRecord
 from tailorfx.rewrite.regions import RegionMap, find_regions
+from tailorfx.runtime.optim import GraphInputs
 
 
 @dataclass
@@ -44,6 +46,8 @@ class Session:
     graphs: list[GraphRecord] = field(default_factory=list)
     seq_len: Optional[int] = None
     warnings: list[str] = field(default_factory=list)
+    param_readers: dict = field(default_factory=dict)      # id(param) -> graphs reading it
+    graph_inputs: list = field(default_factory=list)       # runtime.optim.GraphInputs per graph
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ class TailorBackend:
             plan = planner.choose(self.options.passes, regions, opts)
             if opts.get("budget_bytes") and self.options.passes is None:
                 plan = self._plan_for_budget(gm, regions, seq, plan, lowering, idx)
-            predict = self._predictor(seq, lowering, plan.options.get("optimizer")) if self.options.predict else None
+            predict = self._predictor(seq, lowering, plan.options.get("setup")) if self.options.predict else None
             pm = PassManager(planner.build_pipeline(plan), predict=predict, run_verify=self.options.verify)
             rewritten, records = pm.run(gm, PassContext(regions, seq, plan.options, idx))
             peaks = (pm.initial_peak, records[-1].peak_after if records else pm.initial_peak)
@@ -97,39 +101,63 @@ class TailorBackend:
 
         def keep(fw, bw, n):
             rec.step = memory.make_step(rewritten, fw, bw, n)
-        return lowering_mod.lower(rewritten, example_inputs, lowering, on_partition=keep)
+        setup = plan.options.get("setup")
+        steps_in_backward = None
+        if setup is not None and setup.optimizer_in_backward:
+            if lowering == "eager":
+                steps_in_backward = GraphInputs(self.session.param_readers)
+                self.session.graph_inputs.append(steps_in_backward)
+            else:
+                notes.append(f"graph {idx}: {lowering} lowering: the optimizer steps in backward run from "
+                             f"post-accumulate-grad hooks after the graph's backward, not inside it")
+        return lowering_mod.lower(rewritten, example_inputs, lowering, on_partition=keep,
+                                  steps_in_backward=steps_in_backward)
 
     @staticmethod
-    def _predictor(seq: SeqInfo, lowering: str, optimizer: Optional[str] = None) -> Callable[[fx.GraphModule], int]:
+    def _predictor(seq: SeqInfo, lowering: str, setup=None) -> Callable[[fx.GraphModule], int]:
         def predict(g: fx.GraphModule) -> int:
             part = lowering_mod.partition_for(lowering, g)
-            est = memory.simulate_step([memory.trace_step(g, None, part)], seq, seq.length or None, optimizer)
+            est = memory.simulate_step([memory.trace_step(g, None, part, setup)], seq, seq.length or None,
+                                       setup=setup)
             return est.peak_bytes
         return predict
 
     def _plan_for_budget(self, gm, regions, seq, base: planner.Plan, lowering: str, idx: int) -> planner.Plan:
-        """Search plans against the budget at the captured length (see planner.search)."""
+        """Search plans against the budget at the captured length (see planner.search). When no
+        plan fits the user's setup, the same plans with the optimizer step moved into backward
+        (gradients freed as they are used) are tried; the plan then says so."""
         opts = base.options
-        budget, optimizer = opts["budget_bytes"], opts.get("optimizer")
+        budget, setup = opts["budget_bytes"], opts.get("setup")
         sizer = memory.Sizer(seq, seq.length or None)
+        label = opts.get("budget_label", "")
 
-        def evaluate(c: planner.Candidate):
-            o = {**opts, **dict(c.options)}
-            pm = PassManager(planner.build_pipeline(planner.Plan(c.passes, o)), run_verify=self.options.verify)
-            g, _ = pm.run(gm, PassContext(regions, seq, o, idx))
-            step = memory.trace_step(g, None, lowering_mod.partition_for(lowering, g))
-            est = memory.simulate_step([step], seq, seq.length or None, optimizer)
-            return planner.with_result(c, est.peak_bytes, cost.recompute_flops(g, sizer.as_int), budget), (est, o)
+        def search(s):
+            def evaluate(c: planner.Candidate):
+                o = {**opts, **dict(c.options), "setup": s}
+                pm = PassManager(planner.build_pipeline(planner.Plan(c.passes, o)), run_verify=self.options.verify)
+                g, _ = pm.run(gm, PassContext(regions, seq, o, idx))
+                step = memory.trace_step(g, None, lowering_mod.partition_for(lowering, g), s)
+                est = memory.simulate_step([step], seq, seq.length or None, setup=s)
+                return planner.with_result(c, est.peak_bytes, cost.recompute_flops(g, sizer.as_int), budget,
+                                           s.headroom if s else 0.0), (est, o)
 
-        def breakdown(payload) -> dict:
-            est, _ = payload
-            fixed = est.param_bytes + est.grad_bytes
-            return {"weights and gradients": fixed, "optimizer state": est.optimizer_bytes,
-                    "activations": max(0, est.peak_bytes - fixed - est.optimizer_bytes)}
+            cands = planner.budget_candidates(base, len(regions.of_kind("block")))
+            return planner.search(cands, evaluate, budget, label, lambda payload: payload[0].breakdown(),
+                                  s.headroom if s else 0.0)
 
-        cands = planner.budget_candidates(base, len(regions.of_kind("block")))
-        chosen, (_, o), others = planner.search(cands, evaluate, budget, opts.get("budget_label", ""), breakdown)
-        return planner.Plan(chosen.passes, o, f"fits budget {opts.get('budget_label', '')}", chosen, tuple(others))
+        try:
+            chosen, (_, o), others = search(setup)
+            reason = f"fits budget {label}"
+        except BudgetError:
+            if setup is None or setup.optimizer is None or setup.optimizer_in_backward or setup.grad_accum_steps > 1:
+                raise
+            fused = setup.with_(optimizer_in_backward=True, name=f"{setup.name} + optimizer in backward")
+            chosen, (_, o), others = search(fused)   # raises if even this does not fit
+            reason = (f"fits budget {label} only with the optimizer step in backward: train with "
+                      f"tailorfx.SetupOptimizer(model.parameters(), opt.setup)")
+            self.session.warnings.append(f"graph {idx}: {reason}")
+            warnings.warn(self.session.warnings[-1])
+        return planner.Plan(chosen.passes, o, reason, chosen, tuple(others))
 
 
 def tailorfx_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:

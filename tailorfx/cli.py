@@ -71,7 +71,7 @@ def cmd_demo(args):
     peak_opt, loss_opt = peak(opt, list(model.parameters()))
     worst = max(((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)).item()
                 for p, q in zip(model.parameters(), eager.parameters()))
-    pred = opt.predict_memory(args.seq).dynamic_peak_bytes
+    pred = opt.predict_memory(args.seq).forward_backward_peak_bytes
     print(opt.report())
     print(f"loss: eager {loss_eager:.6f}   tailorfx {loss_opt:.6f}   max relative grad error {worst:.2e}")
     print(f"peak of forward+backward (measured, allocator events): eager {format_bytes(peak_eager)}, "

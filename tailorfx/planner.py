@@ -105,7 +105,8 @@ Evaluate = Callable[[Candidate], tuple[Candidate, object]]
 
 
 def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_label: str,
-           breakdown: Callable[[object], dict]) -> tuple[Candidate, object, list[Candidate]]:
+           breakdown: Callable[[object], dict], allocator_headroom: float = 0.0
+           ) -> tuple[Candidate, object, list[Candidate]]:
     """The fitting candidate with the least recompute; raises BudgetError if none fits.
 
     Candidates past the first three are 'full recompute of k blocks', whose peak falls as k grows:
@@ -132,15 +133,22 @@ def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_
         raise BudgetError(
             f"budget {budget_label} cannot be met: the smallest peak any plan reaches is "
             f"{format_bytes(smallest.peak)} ({smallest.label}; {detail}), dominated by {dominant}. "
-            f"Use a budget of at least {format_bytes(smallest.peak / (1 - HEADROOM))} (that peak plus "
-            f"{HEADROOM:.0%} headroom for prediction error), or shrink what dominates "
-            f"(shorter sequences or smaller batches for activations; bf16 weights or another "
-            f"optimizer for weights and optimizer state).", smallest.peak, dominant)
+            f"Use a budget of at least {format_bytes(smallest.peak / usable(1, allocator_headroom))} (that "
+            f"peak plus {HEADROOM:.0%} headroom for prediction error"
+            + (f" and the setup's {allocator_headroom:.0%} allocator headroom" if allocator_headroom else "")
+            + "), or shrink what dominates (shorter sequences or smaller batches for activations; "
+            "a lighter TrainingSetup for weights, gradients and optimizer state: pure-bf16, "
+            "pure-bf16-fused-optimizer, 8-bit AdamW).", smallest.peak, dominant)
     fitting.sort(key=lambda cp: (cp[0].added_flops, cp[0].peak))
     chosen, payload = fitting[0]
     others = sorted((c for c, _ in seen if c is not chosen), key=lambda c: (not c.fits, c.added_flops))
     return chosen, payload, others
 
 
-def with_result(c: Candidate, peak: int, flops: int, budget: int) -> Candidate:
-    return replace(c, peak=peak, added_flops=flops, fits=peak <= budget * (1 - HEADROOM))
+def usable(budget: int, allocator_headroom: float = 0.0) -> float:
+    """The part of a budget plans may fill: less the setup's allocator headroom and HEADROOM."""
+    return budget * (1 - allocator_headroom) * (1 - HEADROOM)
+
+
+def with_result(c: Candidate, peak: int, flops: int, budget: int, allocator_headroom: float = 0.0) -> Candidate:
+    return replace(c, peak=peak, added_flops=flops, fits=peak <= usable(budget, allocator_headroom))

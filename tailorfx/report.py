@@ -40,6 +40,9 @@ class Report:
                 passes.add_row(str(g.index), r.name, "yes" if r.changed else "no", touched,
                                _fmt(r.peak_before), _fmt(r.peak_after), f"{r.seconds:.2f}s")
         out.append(passes)
+        mem = self._memory_table()
+        if mem is not None:
+            out.append(mem)
         skipped = [(g.index, r.name, s) for g in self.session.graphs for r in g.records for s in r.skipped]
         if skipped:
             t = Table(title="Regions left unchanged")
@@ -49,6 +52,31 @@ class Report:
                 t.add_row(str(i), name, s)
             out.append(t)
         return out
+
+    def _estimates(self):
+        S = self.session.seq_len
+        if self.predict is None or not S or not self.session.graphs or self.session.graphs[0].seq.symbol is None:
+            return None
+        return S, self.predict(S, False), self.predict(S, True)
+
+    def _memory_table(self) -> Optional[Table]:
+        """The predicted peak split into the static part (held across steps) and the dynamic part."""
+        est = self._estimates()
+        if est is None:
+            return None
+        S, before, after = est
+        setup = after.setup.describe() if after.setup is not None else ""
+        t = Table(title=f"Predicted memory at the peak of one training step, S={S} ({setup})")
+        for col in ("part", "", "as captured", "rewritten"):
+            t.add_column(col)
+        b, a = before.breakdown(), after.breakdown()
+        for k in b:
+            kind = "dynamic" if k in ("gradients", "activations and transients") else "static"
+            t.add_row(k, kind, _fmt(b[k]), _fmt(a[k]))
+        t.add_row("static (held across steps)", "", _fmt(before.static_bytes), _fmt(after.static_bytes))
+        t.add_row("dynamic (at the peak)", "", _fmt(before.dynamic_peak_bytes), _fmt(after.dynamic_peak_bytes))
+        t.add_row("peak", "", _fmt(before.peak_bytes), _fmt(after.peak_bytes))
+        return t
 
     def lines(self) -> list[str]:
         head = [f"tailorfx: {len(self.session.graphs)} graph(s) captured"]
@@ -60,9 +88,9 @@ class Report:
             if g.peak_captured is not None:
                 head.append(f"graph {g.index}: predicted peak of one step (params + forward + backward): "
                             f"{_fmt(g.peak_captured)} as captured, {_fmt(g.peak_final)} rewritten")
-        S = self.session.seq_len
-        if self.predict is not None and S and self.session.graphs and self.session.graphs[0].seq.symbol is not None:
-            before, after = self.predict(S, False), self.predict(S, True)
+        est = self._estimates()
+        if est is not None:
+            S, before, after = est
             head.append(f"at the last length seen (S={S}): predicted peak {_fmt(before.peak_bytes)} as captured, "
                         f"{_fmt(after.peak_bytes)} rewritten = params {_fmt(after.param_bytes)} + "
                         f"{_fmt(after.dynamic_peak_bytes)} allocated by the step at its peak "

@@ -29,7 +29,7 @@ def test_prediction_within_10_percent_at_three_lengths():
     rows = []
     for S in (256, 512, 1024):
         measured = measured_step(opt, model, batch(B=1, S=S))
-        predicted = opt.predict_memory(seq_len=S).dynamic_peak_bytes
+        predicted = opt.predict_memory(seq_len=S).forward_backward_peak_bytes
         rows.append((S, predicted, measured))
         assert abs(predicted - measured) / measured < 0.10, rows
     assert len(opt.session.graphs) == 1

@@ -76,7 +76,7 @@ def test_recompute_lowers_measured_peak_as_predicted():
         m = copy.deepcopy(base)
         opt = tailorfx.optimize(m, example_inputs=_lm(64), **kw)
         measured = _fwd_bwd_peak(opt, m, inputs)
-        predicted = opt.predict_memory(1024).dynamic_peak_bytes
+        predicted = opt.predict_memory(1024).forward_backward_peak_bytes
         rows[name] = (measured, predicted)
         assert abs(predicted - measured) / measured < 0.10, (name, measured, predicted)
     assert rows["full"][0] < rows["selective"][0] < rows["none"][0], rows

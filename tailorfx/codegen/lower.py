@@ -7,6 +7,9 @@ import torch
 import torch.fx as fx
 
 from tailorfx.rewrite import compat
+from tailorfx.rewrite.trace import trainable_inputs
+from tailorfx.rewrite.optimizer_step import fuse_into_backward
+from tailorfx.runtime.optim import GraphInputs
 
 LOWERINGS = ("eager", "inductor")
 
@@ -31,11 +34,13 @@ def partition_for(lowering: str, gm: Optional[fx.GraphModule] = None) -> str:
 
 
 def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
-          on_partition: Optional[Callable] = None) -> Callable:
+          on_partition: Optional[Callable] = None, steps_in_backward: Optional[GraphInputs] = None) -> Callable:
     """Compile a (rewritten) Dynamo graph for training; returns Dynamo's boxed callable.
 
     `on_partition(fw, bw, num_fwd_outputs)` sees the graphs that will run (eager lowering), so the
-    memory model can reuse them instead of tracing again.
+    memory model can reuse them instead of tracing again. `steps_in_backward`: put the optimizer
+    step of each parameter inside the backward graph (see rewrite/optimizer_step.py); the forward
+    records its inputs there, so the backward can find the parameters to update.
     """
     if lowering == "inductor":
         from torch._inductor.compile_fx import compile_fx
@@ -44,14 +49,26 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     def eager(g: fx.GraphModule, _):
         return compat.make_boxed_func(g.forward)
 
+    def recording(g: fx.GraphModule, _):
+        forward = g.forward
+
+        def run(args):
+            steps_in_backward.record(args)
+            return forward(*args)
+        run._boxed_call = True
+        return run
+
     partition_fn = (compat.min_cut_rematerialization_partition if partition_for(lowering, gm) == "min_cut"
                     else compat.default_partition)
 
     def partition(joint, joint_inputs, *, num_fwd_outputs, **kw):
         fw, bw = partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+        if steps_in_backward is not None and bw is not None:
+            fuse_into_backward(fw, bw, num_fwd_outputs, trainable_inputs(gm), steps_in_backward.handle)
         if on_partition is not None:
             on_partition(fw, bw, num_fwd_outputs)
         return fw, bw
 
-    return compat.aot_module_simplified(gm, list(example_inputs), fw_compiler=eager,
+    return compat.aot_module_simplified(gm, list(example_inputs),
+                                        fw_compiler=recording if steps_in_backward is not None else eager,
                                         bw_compiler=eager, partition_fn=partition)

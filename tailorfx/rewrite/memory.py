@@ -1,123 +1,30 @@
 """The memory model: simulated execution of one training step on fake tensors.
 
-AOTAutograd traces the graph into the forward and backward graphs that will really run (same
-partitioner as the lowering), on fake tensors, so nothing is allocated. Walking them in order,
-each op allocates its outputs (views and in-place ops alias their base) and every storage is
-freed after its last use, as fx-generated code does; forward outputs saved for backward live
-until the backward graph returns (autograd's ctx holds them); gradients live to the end of the
-step. Sizes are sympy expressions in the sequence length, so one trace predicts every length.
+Walking the traced forward and backward graphs (rewrite/trace.py) in order, each op allocates its
+outputs (views and in-place ops alias their base) and every storage is freed after its last use,
+as fx-generated code does; forward outputs saved for backward live until the backward graph
+returns (autograd's ctx holds them); what happens to gradients and optimizer state follows the
+TrainingSetup (held to the step, accumulated, or consumed by an update inside backward).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
-import sympy
 import torch
 import torch.fx as fx
 
-from tailorfx.rewrite import compat
 from tailorfx.rewrite.capture import SeqInfo, node_value
-from tailorfx.rewrite.regions import is_param
-
-
-@dataclass
-class StepGraphs:
-    """The forward and backward graphs of one captured subgraph, as AOTAutograd partitions them."""
-    fw: fx.GraphModule
-    bw: Optional[fx.GraphModule]
-    num_user_outputs: int
-    static_inputs: list[bool]          # per fw placeholder: a parameter or buffer
-    requires_grad: list[bool]          # per fw placeholder
-
-
-def fake_inputs(gm: fx.GraphModule) -> list:
-    """The fake (possibly symbolic) example inputs Dynamo recorded on the placeholders."""
-    return [node_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
-
-
-def trace_step(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None,
-               partition: str = "default") -> StepGraphs:
-    """Trace `gm` with AOTAutograd on fake tensors and keep the partitioned graphs (runs nothing).
-
-    By default it traces on the fake inputs Dynamo recorded, so sizes stay symbolic in the
-    sequence length.
-    """
-    example_inputs = fake_inputs(gm) if example_inputs is None else example_inputs
-    rec: dict = {}
-    partition_fn = (compat.default_partition if partition == "default"
-                    else compat.min_cut_rematerialization_partition)
-
-    def part(joint, joint_inputs, *, num_fwd_outputs, **kw):
-        fw, bw = partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
-        rec.update(fw=fw, bw=bw, n=num_fwd_outputs)
-        return fw, bw
-
-    def fw_compiler(g, _):
-        rec.setdefault("fw", g)
-        return compat.make_boxed_func(g.forward)
-
-    def bw_compiler(g, _):
-        return compat.make_boxed_func(g.forward)
-
-    compat.aot_module_simplified(gm, list(example_inputs), fw_compiler=fw_compiler,
-                                 bw_compiler=bw_compiler, partition_fn=part)
-    return make_step(gm, rec["fw"], rec.get("bw"), rec.get("n"))
-
-
-def make_step(gm: fx.GraphModule, fw: fx.GraphModule, bw: Optional[fx.GraphModule],
-              num_user_outputs: Optional[int]) -> StepGraphs:
-    """StepGraphs from a Dynamo graph and the forward/backward graphs AOTAutograd made of it."""
-    dyn_ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    fw_ph = [n for n in fw.graph.nodes if n.op == "placeholder"]
-    static = [is_param(n) for n in dyn_ph]
-    if len(static) != len(fw_ph):   # AOTAutograd added or removed inputs: fall back on requires_grad
-        static = [isinstance(node_value(n), torch.Tensor) and node_value(n).requires_grad for n in fw_ph]
-    grads = [isinstance(v, torch.Tensor) and v.requires_grad for v in fake_inputs(gm)]
-    n_out = num_user_outputs if num_user_outputs is not None else len(_outputs(fw))
-    return StepGraphs(fw, bw, n_out, static, grads + [False] * (len(fw_ph) - len(grads)))
-
-
-def _outputs(g: fx.GraphModule) -> list:
-    out = next(n for n in reversed(g.graph.nodes) if n.op == "output")
-    return list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
-
-
-class Sizer:
-    """Bytes of a tensor, evaluated at a chosen sequence length (other symbols at their hints)."""
-
-    def __init__(self, seq: Optional[SeqInfo], seq_len: Optional[int] = None):
-        self.subs = {}
-        if seq is not None:
-            self.subs = {k: v for k, v in seq.hints.items()}
-            if seq.symbol is not None and seq_len is not None:
-                self.subs[seq.symbol] = seq_len
-        self._cache: dict = {}
-
-    def as_int(self, x) -> int:
-        """A size or SymInt at the predicted length."""
-        e = compat.sym_expr(x)
-        if e.is_Integer:
-            return int(e)
-        return int(e.xreplace({k: sympy.Integer(v) for k, v in self.subs.items() if k in e.free_symbols}))
-
-    def __call__(self, t: torch.Tensor) -> int:
-        e = compat.sym_expr(t.numel())
-        if e.is_Integer:
-            return int(e) * t.element_size()
-        key = e
-        if key not in self._cache:
-            val = e.xreplace({k: sympy.Integer(v) for k, v in self.subs.items() if k in e.free_symbols})
-            if not val.is_number:
-                raise ValueError(f"tensor size {e} depends on symbols with no known value: {val.free_symbols}")
-            self._cache[key] = int(val)
-        return self._cache[key] * t.element_size()
-
+from tailorfx.rewrite.optimizer_step import storage_root
+from tailorfx.rewrite.trace import (Sizer, StepGraphs, _outputs, fake_inputs, make_step,  # noqa: F401
+                                    trace_step, trainable_inputs)
+from tailorfx.setup import TrainingSetup, resolve
 
 @dataclass
 class Timeline:
     """Live bytes after each op of the simulated step (above what existed before the step)."""
     points: list[tuple[str, str, int]] = field(default_factory=list)   # (phase, node, bytes)
+    grads: list[int] = field(default_factory=list)                     # gradient bytes live at each point
 
     def peak(self) -> tuple[int, str, str]:
         if not self.points:
@@ -125,25 +32,52 @@ class Timeline:
         phase, node, b = max(self.points, key=lambda p: p[2])
         return b, phase, node
 
+    def grads_at_peak(self) -> int:
+        if not self.points:
+            return 0
+        i = max(range(len(self.points)), key=lambda i: self.points[i][2])
+        return self.grads[i]
+
 
 @dataclass
 class MemoryEstimate:
-    """Predicted memory of one training step."""
+    """Predicted memory of one training step.
+
+    static (held across steps: weights, master weights, optimizer state) + dynamic peak (above
+    static during the step: gradients, activations, transients) = peak.
+    """
     peak_bytes: int            # static + dynamic peak: what a device must hold
-    static_bytes: int          # parameters, buffers and optimizer state, held across steps
+    static_bytes: int          # parameters, buffers, master weights and optimizer state
     param_bytes: int
-    grad_bytes: int
+    grad_bytes: int            # gradients held after backward (0 with the optimizer in backward)
     optimizer_bytes: int       # optimizer state (0 when no optimizer is modelled)
     dynamic_peak_bytes: int    # peak above static during the step (what measure_peak sees)
     saved_bytes: int           # activations saved for backward, at the end of forward
     peak_phase: str
     peak_node: str
     timeline: Timeline
+    master_bytes: int = 0      # fp32 master weights
+    grads_at_peak: int = 0     # gradient bytes live at the peak (part of the dynamic peak)
+    setup: Optional[TrainingSetup] = None
+
+    @property
+    def forward_backward_peak_bytes(self) -> int:
+        """Peak above static during forward and backward only (what measure_peak sees around
+        `loss.backward()`; in-backward optimizer steps included, the separate step not)."""
+        pts = [b for phase, _, b in self.timeline.points if phase.startswith(("forward", "backward"))]
+        return max(pts, default=0)
 
     def summary(self) -> dict[str, int]:
         return {"peak": self.peak_bytes, "static": self.static_bytes, "params": self.param_bytes,
-                "grads": self.grad_bytes, "optimizer_state": self.optimizer_bytes,
-                "dynamic_peak": self.dynamic_peak_bytes, "saved_activations": self.saved_bytes}
+                "master_weights": self.master_bytes, "grads": self.grad_bytes,
+                "optimizer_state": self.optimizer_bytes, "dynamic_peak": self.dynamic_peak_bytes,
+                "grads_at_peak": self.grads_at_peak, "saved_activations": self.saved_bytes}
+
+    def breakdown(self) -> dict[str, int]:
+        """The peak split into what it is made of (sums to peak_bytes)."""
+        return {"weights": self.param_bytes, "master weights": self.master_bytes,
+                "optimizer state": self.optimizer_bytes, "gradients": self.grads_at_peak,
+                "activations and transients": self.dynamic_peak_bytes - self.grads_at_peak}
 
 
 class _Pool:
@@ -152,16 +86,21 @@ class _Pool:
     def __init__(self, timeline: Timeline):
         self.bytes: dict[int, int] = {}
         self.holders: dict[int, set] = {}
+        self.grad_sids: set[int] = set()
         self.total = 0
+        self.grad_total = 0
         self.next_id = 0
         self.timeline = timeline
 
-    def alloc(self, nbytes: int, holder) -> int:
+    def alloc(self, nbytes: int, holder, grad: bool = False) -> int:
         sid = self.next_id
         self.next_id += 1
         self.bytes[sid] = nbytes
         self.holders[sid] = {holder}
         self.total += nbytes
+        if grad:
+            self.grad_sids.add(sid)
+            self.grad_total += nbytes
         return sid
 
     def hold(self, sid: int, holder) -> None:
@@ -174,16 +113,25 @@ class _Pool:
             return
         h.discard(holder)
         if not h:
-            self.total -= self.bytes.pop(sid)
+            nbytes = self.bytes.pop(sid)
+            self.total -= nbytes
             del self.holders[sid]
+            if sid in self.grad_sids:
+                self.grad_sids.discard(sid)
+                self.grad_total -= nbytes
 
-    def mark(self, phase: str, node: str) -> None:
-        self.timeline.points.append((phase, node, self.total))
+    def mark(self, phase: str, node: str, extra: int = 0) -> None:
+        self.timeline.points.append((phase, node, self.total + extra))
+        self.timeline.grads.append(self.grad_total)
 
 
-def _op_transient(node: fx.Node, sizer: Sizer) -> int:
-    """Bytes an opaque tailorfx op allocates inside itself while it runs (its chunk buffers)."""
+def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup) -> int:
+    """Bytes an opaque tailorfx op allocates inside itself while it runs (its chunk buffers, or
+    one parameter's optimizer update in backward)."""
     t = node.target
+    if getattr(t, "__name__", "") == "grad_ready":
+        g = node_value(node.args[2])
+        return setup.update_temp_bytes(sizer(g) // g.element_size()) if isinstance(g, torch.Tensor) else 0
     if not (isinstance(t, torch._ops.OpOverload) and t.namespace == "tailorfx"):
         return 0
     from tailorfx.runtime import attention_kernels, ops
@@ -199,9 +147,10 @@ def _aliases_input(node: fx.Node) -> bool:
     return False
 
 
-def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: str,
-               pinned_outputs: bool = True) -> list:
-    """Simulate one graph. `env` maps placeholder names to storage-id lists (pre-existing values)."""
+def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: str, setup: TrainingSetup,
+               grad_nodes: frozenset = frozenset()) -> list:
+    """Simulate one graph. `env` maps placeholder names to storage-id lists (pre-existing values);
+    values of `grad_nodes` are counted as gradients."""
     nodes = list(g.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     last = {n: max((index[u] for u in n.users), default=index[n]) for n in nodes}
@@ -225,16 +174,14 @@ def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: s
             held[n] = list(held.get(base, [])) if base is not None else []
         else:
             vals = val if isinstance(val, (list, tuple)) else [val]
-            held[n] = [pool.alloc(sizer(v), n) if isinstance(v, torch.Tensor) else -1 for v in vals]
+            grad = n in grad_nodes
+            held[n] = [pool.alloc(sizer(v), n, grad) if isinstance(v, torch.Tensor) else -1 for v in vals]
             held[n] = [s for s in held[n] if s >= 0] if not isinstance(val, (list, tuple)) else held[n]
         for sid in held[n]:
             pool.hold(sid, n)
-        inner = _op_transient(n, sizer)
-        pool.total += inner
-        pool.mark(phase, n.name)
-        pool.total -= inner
+        pool.mark(phase, n.name, _op_transient(n, sizer, setup))
         for a in set(n.all_input_nodes) | {n}:
-            if last[a] <= i and not (a in out_node.all_input_nodes and pinned_outputs):
+            if last[a] <= i and not (a in out_node.all_input_nodes):
                 for sid in held.get(a, []):
                     pool.release(sid, a)
     outs = []
@@ -249,19 +196,50 @@ def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: s
     return outs
 
 
+def _grad_nodes(bw: fx.GraphModule) -> frozenset:
+    """The backward's gradient values: its outputs and what it hands to in-graph optimizer steps."""
+    out = {o for o in _outputs(bw) if isinstance(o, fx.Node)}
+    out |= {n.args[2] for n in bw.graph.nodes
+            if n.op == "call_function" and getattr(n.target, "__name__", "") == "grad_ready"}
+    out = {o for o in out if isinstance(node_value(o), torch.Tensor)}
+    return frozenset(out | {storage_root(o) for o in out})   # a gradient that is a view: count its base
+
+
+def _trained(steps: Sequence[StepGraphs], sizer: Sizer) -> list[tuple[int, torch.dtype]]:
+    """(numel, dtype) of every parameter that gets a gradient."""
+    out = []
+    for st in steps:
+        fw_ph = [n for n in st.fw.graph.nodes if n.op == "placeholder"]
+        for n, static, rg in zip(fw_ph, st.static_inputs, st.requires_grad):
+            v = node_value(n)
+            if static and rg and isinstance(v, torch.Tensor):
+                out.append((sizer(v) // v.element_size(), v.dtype))
+    return out
+
+
 def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
                   seq_len: Optional[int] = None, optimizer: Optional[str] = None,
-                  keep_outputs: bool = True) -> MemoryEstimate:
-    """Predict one training step over captured subgraphs run in order (forward, then backward).
+                  keep_outputs: bool = True, setup: Optional[TrainingSetup] = None) -> MemoryEstimate:
+    """Predict one training step over captured subgraphs run in order (forward, backward, update).
 
-    `optimizer`: None, "sgd" (no state) or "adamw" (two states per parameter, created at the
-    step). `keep_outputs`: the caller holds the model outputs (e.g. logits) through backward.
+    `setup` says how the step trains (tailorfx.TrainingSetup: master weights, optimizer state,
+    gradient accumulation, optimizer in backward); without it, the parameters' own dtype and
+    `optimizer` (None, "sgd" or "adamw"). Gradient accumulation is predicted for the last
+    micro-batch, when the accumulated gradients already exist. `keep_outputs`: the caller holds
+    the model outputs (e.g. logits) through backward.
     """
     sizer = Sizer(seq, seq_len)
+    trained = _trained(steps, sizer)
+    if setup is None:
+        setup = resolve(None, param_dtype=trained[0][1] if trained else None, optimizer=optimizer)
+    has_opt = setup.optimizer is not None
     timeline = Timeline()
     pool = _Pool(timeline)
     param_bytes = grad_bytes = 0
     saved_total = 0
+    if has_opt and setup.grad_accum_steps > 1:   # gradients of the earlier micro-batches
+        grad_bytes = sum(n for n, _ in trained) * setup.grads.itemsize
+        pool.alloc(grad_bytes, "accumulated", grad=True)
     pending = []   # (step, saved-name -> sids, user outputs' sids)
     for k, st in enumerate(steps):
         fw_ph = [n for n in st.fw.graph.nodes if n.op == "placeholder"]
@@ -269,7 +247,7 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
             v = node_value(n)
             if static and isinstance(v, torch.Tensor):
                 param_bytes += sizer(v)
-        outs = _run_graph(st.fw, pool, {}, sizer, f"forward[{k}]")
+        outs = _run_graph(st.fw, pool, {}, sizer, f"forward[{k}]", setup)
         fw_out_nodes = _outputs(st.fw)
         saved = {}
         for o, sids in zip(fw_out_nodes[st.num_user_outputs:], outs[st.num_user_outputs:]):
@@ -298,7 +276,7 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
                 env[n.name] = [pool.alloc(sizer(node_value(n)), ("tangent", k))]
         # AOTAutograd's backward receives the saved tensors from autograd's ctx, which keeps them
         # until the whole backward graph returns (measured: freeing at last use under-predicts)
-        grads = _run_graph(st.bw, pool, env, sizer, f"backward[{k}]")
+        grads = _run_graph(st.bw, pool, env, sizer, f"backward[{k}]", setup, _grad_nodes(st.bw))
         for n in st.bw.graph.nodes:
             if n.op == "placeholder":
                 for sid in env.get(n.name, []):
@@ -309,49 +287,59 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
                     if isinstance(o, fx.Node) and isinstance(node_value(o), torch.Tensor)
                     and not node_value(o).is_contiguous()]
         if relayout:
-            pool.total += max(relayout)
-            pool.mark(f"backward[{k}]", "accumulate_grad")
-            pool.total -= max(relayout)
+            pool.mark(f"backward[{k}]", "accumulate_grad", max(relayout))
         for name, sids in saved.items():
             for sid in sids:
                 pool.release(sid, ("saved", k, name))
-        for sids in grads:   # accumulated into .grad: they live to the end of the step
-            for sid in sids:
-                grad_bytes += pool.bytes.get(sid, 0)
-                pool.hold(sid, ("grad", k))
-                pool.release(sid, "__out__")
+        grad_bytes += _accumulate(pool, [sids for sids in grads if sids], setup, k)
         if not keep_outputs:
             for sid in user:
                 pool.release(sid, ("user", k))
-    optimizer_bytes = 0
-    if optimizer == "adamw":
-        # Steady state: two states per parameter (in its dtype) live through the whole step, like
-        # the weights. The per-parameter update computes (exp_avg_sq.sqrt() / bias_correction):
-        # two parameter-sized temporaries (measured on CPU).
-        optimizer_bytes = 2 * grad_bytes   # one per trained parameter, in its dtype
-        temp = 2 * _largest_param(steps, sizer)
-        pool.total += temp
-        pool.mark("optimizer", "adamw.step")
-        pool.total -= temp
+    master = sum(setup.master_bytes(n) for n, _ in trained) if has_opt else 0
+    state = sum(setup.state_bytes(n) for n, _ in trained) if has_opt else 0
+    if has_opt and not setup.optimizer_in_backward:
+        # one parameter at a time (tailorfx.runtime.optim; torch's single-tensor AdamW)
+        pool.mark("optimizer", f"{setup.optimizer}.step",
+                  max((setup.update_temp_bytes(n) for n, _ in trained), default=0))
     dyn_peak, phase, node = timeline.peak()
-    static = param_bytes + optimizer_bytes
+    static = param_bytes + master + state
     return MemoryEstimate(peak_bytes=static + dyn_peak, static_bytes=static,
                           param_bytes=param_bytes, grad_bytes=grad_bytes,
-                          optimizer_bytes=optimizer_bytes, dynamic_peak_bytes=dyn_peak,
+                          optimizer_bytes=state, dynamic_peak_bytes=dyn_peak,
                           saved_bytes=saved_total, peak_phase=phase, peak_node=node,
-                          timeline=timeline)
+                          timeline=timeline, master_bytes=master,
+                          grads_at_peak=timeline.grads_at_peak(), setup=setup)
 
 
-def _largest_param(steps: Sequence[StepGraphs], sizer: Sizer) -> int:
-    sizes = [sizer(node_value(n)) for st in steps
-             for n, s in zip([n for n in st.fw.graph.nodes if n.op == "placeholder"], st.static_inputs)
-             if s and isinstance(node_value(n), torch.Tensor)]
-    return max(sizes, default=0)
+def _accumulate(pool: _Pool, grads: list[list[int]], setup: TrainingSetup, k: int) -> int:
+    """What autograd and the setup do with the gradients one backward graph returned; returns the
+    bytes of gradients that stay (new ones: accumulated ones were counted up front)."""
+    phase = f"backward[{k}]"
+    kept = 0
+    for sids in grads:
+        nbytes = sum(pool.bytes.get(s, 0) for s in sids)
+        if setup.optimizer is None or (setup.grad_accum_steps == 1 and not setup.optimizer_in_backward
+                                       and setup.grads == setup.param_dtype):
+            for sid in sids:   # accumulated into .grad: they live to the end of the step
+                pool.hold(sid, ("grad", k))
+            kept += nbytes
+        elif setup.optimizer_in_backward:   # a post-accumulate hook updates and frees it
+            numel = nbytes // setup.param_dtype.itemsize
+            pool.mark(phase, "optimizer_hook", setup.update_temp_bytes(numel))
+        elif setup.grad_accum_steps == 1:   # fp32 gradients: moved into the master's .grad
+            numel = nbytes // setup.param_dtype.itemsize
+            pool.alloc(numel * setup.grads.itemsize, ("grad", k), grad=True)
+            kept += numel * setup.grads.itemsize
+            pool.mark(phase, "master_grad")
+        # else: added in place into the accumulated gradient
+        for sid in sids:
+            pool.release(sid, "__out__")
+    return kept
 
 
 def predict(graphs: Sequence[fx.GraphModule], seq: Optional[SeqInfo] = None,
             seq_len: Optional[int] = None, partition: str = "default",
-            optimizer: Optional[str] = None) -> MemoryEstimate:
+            optimizer: Optional[str] = None, setup: Optional[TrainingSetup] = None) -> MemoryEstimate:
     """Trace and simulate: the peak of one step of these Dynamo graphs, run in order."""
-    steps = [trace_step(gm, None, partition) for gm in graphs]
-    return simulate_step(steps, seq, seq_len, optimizer)
+    steps = [trace_step(gm, None, partition, setup) for gm in graphs]
+    return simulate_step(steps, seq, seq_len, optimizer, setup=setup)

@@ -1,0 +1,125 @@
+"""Forward and backward graphs of a training step, traced on fake tensors, and their sizes.
+
+AOTAutograd traces a Dynamo graph into the forward and backward graphs that will really run
+(same partitioner as the lowering), on fake tensors, so nothing is allocated. Sizes are sympy
+expressions in the sequence length, so one trace serves every length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import sympy
+import torch
+import torch.fx as fx
+
+from tailorfx.rewrite import compat
+from tailorfx.rewrite.capture import SeqInfo, node_value
+from tailorfx.rewrite.optimizer_step import fuse_into_backward
+from tailorfx.rewrite.regions import is_param
+from tailorfx.setup import TrainingSetup
+
+@dataclass
+class StepGraphs:
+    """The forward and backward graphs of one captured subgraph, as AOTAutograd partitions them."""
+    fw: fx.GraphModule
+    bw: Optional[fx.GraphModule]
+    num_user_outputs: int
+    static_inputs: list[bool]          # per fw placeholder: a parameter or buffer
+    requires_grad: list[bool]          # per fw placeholder
+
+
+def fake_inputs(gm: fx.GraphModule) -> list:
+    """The fake (possibly symbolic) example inputs Dynamo recorded on the placeholders."""
+    return [node_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def trace_step(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None,
+               partition: str = "default", setup: Optional[TrainingSetup] = None) -> StepGraphs:
+    """Trace `gm` with AOTAutograd on fake tensors and keep the partitioned graphs (runs nothing).
+
+    By default it traces on the fake inputs Dynamo recorded, so sizes stay symbolic in the
+    sequence length. With `setup.optimizer_in_backward` the backward graph gets the same
+    in-graph optimizer steps the lowering puts there.
+    """
+    example_inputs = fake_inputs(gm) if example_inputs is None else example_inputs
+    rec: dict = {}
+    partition_fn = (compat.default_partition if partition == "default"
+                    else compat.min_cut_rematerialization_partition)
+
+    def part(joint, joint_inputs, *, num_fwd_outputs, **kw):
+        fw, bw = partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+        if setup is not None and setup.optimizer_in_backward and bw is not None:
+            fuse_into_backward(fw, bw, num_fwd_outputs, trainable_inputs(gm), handle=-1)
+        rec.update(fw=fw, bw=bw, n=num_fwd_outputs)
+        return fw, bw
+
+    def fw_compiler(g, _):
+        rec.setdefault("fw", g)
+        return compat.make_boxed_func(g.forward)
+
+    def bw_compiler(g, _):
+        return compat.make_boxed_func(g.forward)
+
+    compat.aot_module_simplified(gm, list(example_inputs), fw_compiler=fw_compiler,
+                                 bw_compiler=bw_compiler, partition_fn=part)
+    return make_step(gm, rec["fw"], rec.get("bw"), rec.get("n"))
+
+
+def trainable_inputs(gm: fx.GraphModule) -> list[bool]:
+    """Per Dynamo placeholder: a parameter the step trains (it gets a gradient)."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            v = node_value(n)
+            out.append(is_param(n) and isinstance(v, torch.Tensor) and v.requires_grad)
+    return out
+
+
+def make_step(gm: fx.GraphModule, fw: fx.GraphModule, bw: Optional[fx.GraphModule],
+              num_user_outputs: Optional[int]) -> StepGraphs:
+    """StepGraphs from a Dynamo graph and the forward/backward graphs AOTAutograd made of it."""
+    dyn_ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fw_ph = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    static = [is_param(n) for n in dyn_ph]
+    if len(static) != len(fw_ph):   # AOTAutograd added or removed inputs: fall back on requires_grad
+        static = [isinstance(node_value(n), torch.Tensor) and node_value(n).requires_grad for n in fw_ph]
+    grads = [isinstance(v, torch.Tensor) and v.requires_grad for v in fake_inputs(gm)]
+    n_out = num_user_outputs if num_user_outputs is not None else len(_outputs(fw))
+    return StepGraphs(fw, bw, n_out, static, grads + [False] * (len(fw_ph) - len(grads)))
+
+
+def _outputs(g: fx.GraphModule) -> list:
+    out = next(n for n in reversed(g.graph.nodes) if n.op == "output")
+    return list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+
+
+class Sizer:
+    """Bytes of a tensor, evaluated at a chosen sequence length (other symbols at their hints)."""
+
+    def __init__(self, seq: Optional[SeqInfo], seq_len: Optional[int] = None):
+        self.subs = {}
+        if seq is not None:
+            self.subs = {k: v for k, v in seq.hints.items()}
+            if seq.symbol is not None and seq_len is not None:
+                self.subs[seq.symbol] = seq_len
+        self._cache: dict = {}
+
+    def as_int(self, x) -> int:
+        """A size or SymInt at the predicted length."""
+        e = compat.sym_expr(x)
+        if e.is_Integer:
+            return int(e)
+        return int(e.xreplace({k: sympy.Integer(v) for k, v in self.subs.items() if k in e.free_symbols}))
+
+    def __call__(self, t: torch.Tensor) -> int:
+        e = compat.sym_expr(t.numel())
+        if e.is_Integer:
+            return int(e) * t.element_size()
+        key = e
+        if key not in self._cache:
+            val = e.xreplace({k: sympy.Integer(v) for k, v in self.subs.items() if k in e.free_symbols})
+            if not val.is_number:
+                raise ValueError(f"tensor size {e} depends on symbols with no known value: {val.free_symbols}")
+            self._cache[key] = int(val)
+        return self._cache[key] * t.element_size()

@@ -1,0 +1,220 @@
+"""TrainingSetup: the memory model per setup against measured full steps, the optimizer in
+backward against a normal step, and the errors a wrong setup gets.
+
+Measured full step = bytes of the parameters, buffers, optimizer state and master weights that
+exist (summed from the real tensors) + tailorfx.measure_peak (allocator events) of forward,
+backward and optimizer step on the second step, when the optimizer state already exists.
+"""
+import copy
+
+import pytest
+import torch
+
+import tailorfx
+from models import batch
+from tailorfx.models import LlamaConfig, LlamaLM
+from tailorfx.setup import PRESETS, TrainingSetup
+
+CPU_PRESETS = ["fp32", "amp-bf16", "pure-bf16", "pure-bf16-fused-optimizer"]
+
+
+def reference(dtype=torch.float32, vocab=4096):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    return LlamaLM(cfg).to(dtype)
+
+
+def lm(S, vocab=4096, seed=1, B=1):
+    ids = torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids}
+
+
+def measured_full_step(setup, S, passes=(), accum=1):
+    """(measured, predicted MemoryEstimate) of one steady-state step under `setup`."""
+    m = reference(setup.param_dtype)
+    b = lm(S)
+    opt = tailorfx.optimize(m, setup=setup, passes=list(passes), example_inputs=b)
+    o = tailorfx.SetupOptimizer(m.parameters(), setup, lr=1e-3)
+
+    def step():
+        for _ in range(accum):
+            opt(**b).loss.backward()
+        o.step()
+        o.zero_grad()
+
+    def last_micro_batch_and_step():   # the accumulated gradients exist already
+        opt(**b).loss.backward()
+        o.step()
+        o.zero_grad()
+
+    step()
+    held = sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers())) + o.state_bytes()
+    if accum > 1:
+        for _ in range(accum - 1):
+            opt(**b).loss.backward()
+        held += sum(p.grad.numel() * p.grad.element_size() for p in m.parameters())   # accumulated so far
+        return held + tailorfx.measure_peak(last_micro_batch_and_step), opt.predict_memory(S)
+    return held + tailorfx.measure_peak(step), opt.predict_memory(S)
+
+
+def test_presets_bytes_per_parameter():
+    """The issue's arithmetic: 16 B/param with fp32 master + fp32 AdamW (amp-bf16, like fp32),
+    8 with everything bf16, 6 when gradients are not held (optimizer in backward)."""
+    per = {name: s.bytes_per_param() for name, s in PRESETS.items()}
+    assert per == {"fp32": 16, "amp-bf16": 16, "pure-bf16": 8, "pure-bf16-fused-optimizer": 6}
+    eight = TrainingSetup(param_dtype=torch.bfloat16, optimizer="adamw8bit")
+    assert 6 < eight.bytes_per_param() < 6.01   # 2 weights + 2 grads + 2x1 state + block scales
+    assert "fp32 master weights" in PRESETS["amp-bf16"].describe()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(optimizer_in_backward=True, grad_accum_steps=2), "cannot be accumulated"),
+    (dict(param_dtype=torch.bfloat16, grad_dtype=torch.float32), "need master_weights=True"),
+    (dict(master_weights=True), "already are the fp32 master"),
+    (dict(optimizer="lion"), "optimizer must be one of"),
+    (dict(optimizer=None, optimizer_in_backward=True), "needs an optimizer"),
+    (dict(headroom=1.5), "headroom"),
+])
+def test_invalid_setups_say_why(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainingSetup(**kwargs)
+
+
+def test_optimize_refuses_a_setup_the_model_is_not_in():
+    with pytest.raises(ValueError, match=r"call model.to\(torch.bfloat16\) first"):
+        tailorfx.optimize(reference(), setup="pure-bf16")
+    with pytest.raises(ValueError, match="unknown training setup 'bf16'; presets: fp32, amp-bf16"):
+        tailorfx.optimize(reference(), setup="bf16")
+    with pytest.raises(ValueError, match="bitsandbytes"):
+        tailorfx.SetupOptimizer(reference(torch.bfloat16).parameters(),
+                                TrainingSetup(param_dtype=torch.bfloat16, optimizer="adamw8bit"))
+
+
+@pytest.mark.parametrize("name", CPU_PRESETS)
+@pytest.mark.parametrize("S, passes", [(16, ()), (256, ()), (512, ("minisequence",))])
+def test_full_step_prediction_within_10_percent(name, S, passes):
+    """S=16: the optimizer step and the gradients make the peak; S=256: the LM head's logits;
+    S=512 with mini-sequence: chunked regions and their transients."""
+    measured, est = measured_full_step(PRESETS[name], S, passes)
+    assert abs(est.peak_bytes - measured) / measured < 0.10, (name, S, est.peak_bytes, measured, est.peak_node)
+
+
+def test_optimizer_in_backward_lowers_the_measured_peak():
+    """Where the step is the peak (short sequences), updating in backward frees each gradient:
+    the measured peak drops by about one set of gradients, as predicted."""
+    plain, est_plain = measured_full_step(PRESETS["pure-bf16"], 16)
+    fused, est_fused = measured_full_step(PRESETS["pure-bf16-fused-optimizer"], 16)
+    assert fused < plain
+    assert est_fused.grad_bytes == 0 and est_plain.grad_bytes > 0
+    assert abs((plain - fused) - (est_plain.peak_bytes - est_fused.peak_bytes)) < 0.1 * (plain - fused)
+
+
+def test_gradient_accumulation_is_predicted_for_the_last_micro_batch():
+    setup = PRESETS["fp32"].with_(grad_accum_steps=2, name="fp32 x2")
+    measured, est = measured_full_step(setup, 64, accum=2)
+    assert est.grad_bytes == sum(p.numel() * 4 for p in reference().parameters())
+    assert abs(est.peak_bytes - measured) / measured < 0.10, (est.peak_bytes, measured)
+
+
+def train(model, step_fn, steps=3, S=48):
+    for i in range(steps):
+        step_fn(batch(B=2, S=S, seed=i))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_optimizer_in_backward_trains_to_the_same_weights(dtype):
+    """Compiled by tailorfx with the update inside the backward graph vs the same compiled
+    model with a normal step (torch.optim.AdamW); and eagerly, post-accumulate-grad hooks vs
+    torch.optim.AdamW. fp32: identical; bf16: identical too (same ops, same order per
+    parameter; only when each update runs differs)."""
+    fused_setup = TrainingSetup(param_dtype=dtype, optimizer_in_backward=True, name="fused")
+    plain_setup = fused_setup.with_(optimizer_in_backward=False)
+    base = reference(dtype, vocab=512)
+    results = {}
+    for label, compiled, setup in [("compiled fused", True, fused_setup), ("compiled normal", True, plain_setup),
+                                   ("eager hooks", False, fused_setup), ("eager normal", False, plain_setup)]:
+        torch._dynamo.reset()
+        m = copy.deepcopy(base)
+        run = tailorfx.optimize(m, setup=setup, passes=[]) if compiled else m
+        if "normal" in label:
+            o = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False)
+        else:
+            o = tailorfx.SetupOptimizer(m.parameters(), setup, lr=1e-2)
+
+        def step(b):
+            run(**b).loss.backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+        results[label] = train(m, step)
+        if label == "compiled fused":
+            assert o.num_updates == 3 * len(list(m.parameters()))
+            assert all(p.grad is None for p in m.parameters())   # no gradient outlived its update
+            (g,) = run.graph_records
+            assert sum(n.name.startswith("grad_ready") for n in g.step.bw.graph.nodes) == len(list(m.parameters()))
+    start = base.state_dict()
+    for a, b in [("compiled fused", "compiled normal"), ("eager hooks", "eager normal")]:
+        for k in start:
+            assert torch.equal(results[a][k], results[b][k]), (a, b, k)
+    moved = max((results["compiled fused"][k].float() - start[k].float()).abs().max().item() for k in start)
+    assert moved > 1e-3   # it trained
+
+
+def test_tied_weights_are_updated_once():
+    """A tied embedding/head weight is one parameter read twice: one update per step."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    base = LlamaLM(cfg)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    setup = TrainingSetup(optimizer_in_backward=True)
+    run = tailorfx.optimize(a, setup=setup, passes=[])
+    oa = tailorfx.SetupOptimizer(a.parameters(), setup, lr=1e-2)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2, foreach=False)
+    for i in range(2):
+        run(**batch(S=32, seed=i)).loss.backward()
+        b(**batch(S=32, seed=i)).loss.backward()
+        ob.step()
+        ob.zero_grad()
+    assert oa.num_updates == 2 * len(list(a.parameters()))
+    for (k, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(pa, pb, rtol=1e-4, atol=1e-5), k
+
+
+@pytest.mark.slow
+def test_max_seq_len_names_setups_whose_static_part_fits():
+    """amp-bf16 Llama-3-8B: 16 B/param = 120 GiB before any activation, over an A100-80GB."""
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8)
+    with pytest.raises(tailorfx.BudgetError) as e:
+        tailorfx.max_seq_len(cfg, "A100-80GB", passes=[], setup="amp-bf16")
+    msg = str(e.value)
+    n = 8_030_261_248   # Llama-3-8B's published parameter count
+    f = tailorfx.budget.format_bytes
+    assert "the static part alone does not fit A100-80GB" in msg
+    assert f"master weights {f(4 * n)}" in msg and f"optimizer state {f(8 * n)}" in msg
+    assert f"Setups whose static part fits: pure-bf16 ({f(8 * n)}), pure-bf16-fused-optimizer ({f(6 * n)})" in msg
+    assert 0 <= e.value.smallest_bytes - 16 * n <= 4096   # + the RoPE frequency buffer
+
+
+def test_planner_moves_the_step_into_backward_when_nothing_else_fits():
+    """At 16 tokens the optimizer step (all gradients + state + update temporaries) is the peak:
+    no activation rewrite helps, updating in backward does. The budget sits between the two
+    predicted peaks (12.8 and 11.6 MiB, less the planner's 4% margin)."""
+    m = reference(torch.bfloat16)
+    b = lm(16)
+    with pytest.warns(UserWarning, match="only with the optimizer step in backward"):
+        opt = tailorfx.optimize(m, budget="12.6MiB", setup="pure-bf16", example_inputs=b)
+    assert opt.setup.optimizer_in_backward and opt.setup.param_dtype == torch.bfloat16
+    assert "SetupOptimizer" in opt.plan[0].reason
+    o = tailorfx.SetupOptimizer(m.parameters(), opt.setup, lr=1e-3)
+
+    def step():
+        opt(**b).loss.backward()
+        o.step()
+    step()
+    held = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]) + o.state_bytes()
+    assert held + tailorfx.measure_peak(step) <= tailorfx.Budget.parse("12.6MiB").bytes
+    with pytest.raises(tailorfx.BudgetError, match="cannot be met"):
+        tailorfx.optimize(reference(torch.bfloat16), budget="9MiB", setup="pure-bf16", example_inputs=b)
