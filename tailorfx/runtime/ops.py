@@ -107,7 +107,13 @@ def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
         item = torch.empty((), dtype=dtype).element_size()
         extra = -(-n_rows // n) * vocab * item * (2 if args[7] is not None else 1)
         if weight.dtype != dtype:
-            extra += weight.numel() * item
+            w_up = as_int(weight.numel()) * item          # the weight, upcast once
+            if op_name.endswith("_with_grads") and args[9]:
+                # + its gradient accumulated in fp32; cast to the weight's dtype at the end (that
+                # output is counted by the graph) once the chunk buffers are gone
+                out = as_int(weight.numel()) * weight.element_size()
+                return int(2 * w_up + max(0, extra - out))
+            extra += w_up
         return int(extra)
     return 0
 
