@@ -171,8 +171,12 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
 
     passes=None lets the planner choose (with a budget: the plan that fits with the least
     recompute, else BudgetError naming the smallest budget that works); passes=[] captures
-    without rewriting. The budget covers parameters, gradients, `optimizer` state ("adamw",
-    "sgd" or None) and activations. `recompute="full"|"selective"` sets the recompute policy.
+    without rewriting. The budget covers what `setup` holds (a tailorfx.TrainingSetup or a preset
+    name: weights, master weights, gradients, optimizer state, optimizer in backward; default:
+    the model's dtype with `optimizer` "adamw", "sgd" or None) plus activations; if only moving
+    the optimizer step into backward fits, the planner does so and says so (train with
+    tailorfx.SetupOptimizer(model.parameters(), opt.setup)). `precision_policy` overrides entries
+    of the precision pass's policy. `recompute="full"|"selective"` sets the recompute policy.
     Capture happens at the first call, or now when example inputs are given (their forward runs
     once).
     """
