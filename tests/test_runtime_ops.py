@@ -93,6 +93,19 @@ def test_register_region_key_is_a_content_hash():
         ops.get_region("not_registered")
 
 
+def test_region_key_includes_recorded_shapes():
+    """Costs and FLOPs are read from a region's metadata, so the same code recorded at other sizes
+    (another model) must not share a key: it once made a later model's planner read a stale
+    symbolic size and fail."""
+    def traced(width):
+        gm = torch.fx.symbolic_trace(swiglu)
+        for n in gm.graph.nodes:
+            n.meta["val"] = torch.empty(3, width)
+        return gm
+    assert ops.register_region(traced(8)) == ops.register_region(traced(8))
+    assert ops.register_region(traced(8)) != ops.register_region(traced(16))
+
+
 # --- token_chunked numerics --------------------------------------------------------------------
 
 

@@ -57,6 +57,12 @@ def _graph_module_hash(gm: torch.fx.GraphModule) -> str:
     # Comment lines carry provenance (source file/line), which must not split equal regions.
     code = "\n".join(ln for ln in gm.code.splitlines() if not ln.lstrip().startswith("#"))
     h = hashlib.sha256(code.encode())
+    # The recorded shapes too: the same code at other sizes (another model, another capture) has
+    # other costs and FLOPs, which are read from this graph's metadata and set per key.
+    for n in gm.graph.nodes:
+        v = n.meta.get("val", n.meta.get("example_value"))
+        if isinstance(v, torch.Tensor):
+            h.update(f"{n.name}:{tuple(v.shape)}:{v.dtype}".encode())
     # Tensor attributes (get_attr constants) are part of the function, not of its code.
     for name, t in sorted([*gm.named_parameters(), *gm.named_buffers()], key=lambda kv: kv[0]):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
