@@ -1,5 +1,6 @@
 """Mini-sequence pass: golden graphs, must-not-fire cases, exact numerics, measured memory."""
 import os
+import re
 
 import pytest
 import torch
@@ -32,6 +33,8 @@ def test_golden_graph_diff():
     diff = opt.diff("minisequence")
     # drop the provenance comments (source file/line) so the golden only holds the graph
     got = "\n".join(l for l in diff.splitlines() if not l.lstrip("+- ").startswith("#")) + "\n"
+    # region keys hash the recorded shapes, whose symbol names depend on what was compiled before
+    got = re.sub(r"region_[0-9a-f]{24}", "region_<hash>", got)
     if os.environ.get("TAILORFX_UPDATE_GOLDENS"):
         with open(GOLDEN, "w") as f:
             f.write(got)
