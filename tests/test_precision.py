@@ -380,12 +380,10 @@ def test_acceptance_lm_head_grad_at_4096_reference_model():
         loss.backward()
         return model.lm_head.weight.grad
 
-    ref = head_grad()
-    plain = head_grad(["precision"])
+    ref = head_grad()   # chunking adding nothing to bf16's error: test_with_minisequence_chunked_ops...
     ms = head_grad(["precision", "minisequence"])
     ms_mlp32 = head_grad(["precision", "minisequence"], {"mlp": "fp32"})
     autocast = head_grad(autocast=True)
-    assert rel(ms, plain) < 1e-3                      # chunking adds nothing to bf16's error
     assert rel(ms, ref) < 1.02 * rel(autocast, ref)   # the default policy is no worse than autocast
     assert rel(ms, ref) > 1e-3, "bf16 did not run"
     assert rel(ms_mlp32, ref) < 0.9e-2                # acceptance, with margin: 0.799% measured

@@ -93,10 +93,11 @@ def test_optimize_refuses_a_setup_the_model_is_not_in():
 
 
 @pytest.mark.parametrize("name", CPU_PRESETS)
-@pytest.mark.parametrize("S, passes", [(16, ()), (256, ()), (512, ("minisequence",))])
+@pytest.mark.parametrize("S, passes", [(16, ()), (512, ("minisequence",))])
 def test_full_step_prediction_within_10_percent(name, S, passes):
-    """S=16: the optimizer step and the gradients make the peak; S=256: the LM head's logits;
-    S=512 with mini-sequence: chunked regions and their transients."""
+    """S=16: the optimizer step and the gradients make the peak; S=512 with mini-sequence: the
+    fused head and chunked regions with their transients (the logits peak of S=256 without it:
+    test_fp32_gradients_of_bf16_weights_are_predicted)."""
     measured, est = measured_full_step(PRESETS[name], S, passes)
     assert abs(est.peak_bytes - measured) / measured < 0.10, (name, S, est.peak_bytes, measured, est.peak_node)
 
@@ -229,8 +230,6 @@ def test_planner_moves_the_step_into_backward_when_nothing_else_fits():
     step()
     held = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]) + o.state_bytes()
     assert held + tailorfx.measure_peak(step) <= tailorfx.Budget.parse("12.6MiB").bytes
-    with pytest.raises(tailorfx.BudgetError, match="cannot be met"):
-        tailorfx.optimize(reference(torch.bfloat16), budget="9MiB", setup="pure-bf16", example_inputs=b)
 
 
 def test_headroom_and_micro_batch_shorten_max_seq_len():
