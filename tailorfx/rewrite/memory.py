@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from tailorfx.rewrite.capture import SeqInfo, node_value
-from tailorfx.rewrite.optimizer_step import storage_root
+from tailorfx.rewrite.optimizer_step import aliases_input, storage_root
 from tailorfx.rewrite.trace import (Sizer, StepGraphs, _outputs, fake_inputs, make_step,  # noqa: F401
                                     trace_step, trainable_inputs)
 from tailorfx.setup import TrainingSetup, resolve
@@ -140,13 +140,6 @@ def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup) -> int:
             + attention_kernels.transient_bytes(t._opname, args, sizer.as_int))
 
 
-def _aliases_input(node: fx.Node) -> bool:
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return any(r.alias_info is not None for r in t._schema.returns)
-    return False
-
-
 def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: str, setup: TrainingSetup,
                grad_nodes: frozenset = frozenset()) -> list:
     """Simulate one graph. `env` maps placeholder names to storage-id lists (pre-existing values);
@@ -169,7 +162,7 @@ def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: s
             parent = held.get(n.args[0], [])
             k = n.args[1]
             held[n] = [parent[k]] if isinstance(k, int) and k < len(parent) else list(parent)
-        elif _aliases_input(n):
+        elif aliases_input(n):
             base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
             held[n] = list(held.get(base, [])) if base is not None else []
         else:

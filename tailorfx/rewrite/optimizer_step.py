@@ -24,14 +24,15 @@ import torch.fx as fx
 from tailorfx.rewrite.capture import node_value
 
 
-def _aliases_input(node: fx.Node) -> bool:
+def aliases_input(node: fx.Node) -> bool:
+    """An ATen op whose output shares its input's storage (a view or an in-place op)."""
     t = node.target
     return isinstance(t, torch._ops.OpOverload) and any(r.alias_info is not None for r in t._schema.returns)
 
 
 def storage_root(node: fx.Node) -> fx.Node:
     """Follow view ops back to the tensor whose storage `node` shares."""
-    while node.op == "call_function" and _aliases_input(node) and node.args and isinstance(node.args[0], fx.Node):
+    while node.op == "call_function" and aliases_input(node) and node.args and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 
@@ -71,7 +72,7 @@ def fuse_into_backward(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     for n in nodes:
         if n.op == "placeholder" and n.name in saved_slot:
             alias[n] = saved_slot[n.name]
-        elif n.op == "call_function" and _aliases_input(n) and n.args and n.args[0] in alias:
+        elif n.op == "call_function" and aliases_input(n) and n.args and n.args[0] in alias:
             alias[n] = alias[n.args[0]]
         for a in n.all_input_nodes:
             if a in alias and n is not out:
