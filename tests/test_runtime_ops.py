@@ -373,3 +373,38 @@ def test_lce_peak_memory_far_below_dense():
     logits_bytes = n * v * 4
     assert dense_peak >= logits_bytes  # the dense version does materialise the logits
     assert chunked_peak < 0.3 * dense_peak, (chunked_peak, dense_peak)
+
+
+# ---- linear_fp32_out ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_fp32_out_keeps_the_fp32_accumulator(dtype, bias):
+    """Forward: exactly the fp32 product of the low-precision operands (products of two 8- or
+    11-bit mantissas are exact in fp32), not rounded to bf16. Backward: the low-precision matmuls
+    torch.autocast runs, grads in the operands' dtypes."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 16, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(8, 16, generator=g).to(dtype).requires_grad_()
+    b = torch.randn(8, generator=g).to(dtype).requires_grad_() if bias else None
+    y = ops.linear_fp32_out(x, w, b)
+    ref = F.linear(x.detach().double(), w.detach().double(), b.detach().double() if bias else None)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-5)
+    rounded = F.linear(x, w, b).float()
+    assert (y - rounded).abs().max() > 0, "the result was rounded to the low dtype"
+    go = torch.randn(y.shape, generator=g)
+    y.backward(go)
+    gl = go.to(dtype)
+    torch.testing.assert_close(x.grad, gl @ w.detach())
+    torch.testing.assert_close(w.grad, gl.reshape(-1, 8).t() @ x.detach().reshape(-1, 16))
+    assert x.grad.dtype == w.grad.dtype == dtype
+    if bias:
+        torch.testing.assert_close(b.grad, go.reshape(-1, 8).sum(0).to(dtype))
+
+
+def test_linear_fp32_out_opcheck():
+    x = torch.randn(3, 4, 16).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(8, 16).to(torch.bfloat16).requires_grad_()
+    torch.library.opcheck(ops.linear_fp32_out_op, (x, w, None))

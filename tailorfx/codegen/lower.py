@@ -9,6 +9,7 @@ import torch.fx as fx
 from tailorfx.rewrite import compat
 from tailorfx.rewrite.trace import trainable_inputs
 from tailorfx.rewrite.optimizer_step import fuse_into_backward
+from tailorfx.rewrite.saved_dtype import store_saved_low
 from tailorfx.runtime.optim import GraphInputs
 
 LOWERINGS = ("eager", "inductor")
@@ -63,6 +64,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
 
     def partition(joint, joint_inputs, *, num_fwd_outputs, **kw):
         fw, bw = partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+        store_saved_low(fw, bw, num_fwd_outputs)
         if steps_in_backward is not None and bw is not None:
             fuse_into_backward(fw, bw, num_fwd_outputs, trainable_inputs(gm), steps_in_backward.handle)
         if on_partition is not None:

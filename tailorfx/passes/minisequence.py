@@ -151,7 +151,7 @@ class MiniSequence:
     @staticmethod
     def _declare_linear_tail(gm, key, members, x, region, nodes, out, ctx, seq_dim) -> None:
         """If the region ends in F.linear(a, W, b) of its own parameters, let backward skip it."""
-        if match.op_name(out) != "linear" or out.op != "call_function":
+        if match.op_name(out) not in ("linear", "linear_fp32_out") or out.op != "call_function":
             return
         a = out.args[0]
         w = out.args[1] if len(out.args) > 1 else out.kwargs.get("weight")

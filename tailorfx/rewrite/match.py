@@ -25,7 +25,8 @@ def op_name(node: fx.Node) -> str:
     return getattr(t, "__name__", str(t))
 
 
-MATMUL_OPS = frozenset({"linear", "addmm", "mm", "matmul", "bmm", "baddbmm", "einsum", "conv1d"})
+MATMUL_OPS = frozenset({"linear", "addmm", "mm", "matmul", "bmm", "baddbmm", "einsum", "conv1d",
+                        "linear_fp32_out"})   # tailorfx's own (passes/precision.py)
 ATTENTION_OPS = frozenset({
     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",

@@ -33,6 +33,7 @@ class PassContext:
     seq: SeqInfo
     options: dict = field(default_factory=dict)
     graph_index: int = 0
+    pipeline: tuple[str, ...] = ()   # the passes of this run, in order (a pass may plan for later ones)
 
 
 class Pass(Protocol):
@@ -119,6 +120,7 @@ class PassManager:
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, list[PassRecord]]:
         records = []
         peak = self.initial_peak = self.predict(gm) if self.predict else None
+        ctx = dataclasses.replace(ctx, pipeline=tuple(p.name for p in self.passes))
         for p in self.passes:
             before = gm.code
             t0 = time.perf_counter()

@@ -6,6 +6,8 @@ unchunked pattern and save the full-size intermediates.
 
     token_chunked(key, seq_inputs, whole_inputs, seq_dim, num_chunks)      # MLP-like regions
     chunked_linear_cross_entropy(hidden, weight, bias, labels, ...)        # LM head + loss
+
+and one the precision pass uses: ``linear_fp32_out`` (a bf16/fp16 matmul with an fp32 result).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import Tensor
 from tailorfx.rewrite.compat import autograd_enabled as _autograd_enabled
 
 __all__ = ["register_region", "get_region", "token_chunked", "chunked_linear_cross_entropy",
-           "set_region_cost", "transient_bytes"]
+           "set_region_cost", "transient_bytes", "linear_fp32_out"]
 
 # The only module-level state: region key -> callable. Keys are what graphs store, so they must
 # be stable strings (custom ops cannot take callables as arguments).
@@ -121,6 +123,9 @@ def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
                 return int(2 * w_up + max(0, extra - out))
             extra += w_up
         return int(extra)
+    if op_name == "linear_fp32_out" and args[0].device.type != "cuda":
+        # CPU upcasts the operands (see the op)
+        return sum(as_int(t.numel()) * 4 for t in args[:3] if t is not None)
     return 0
 
 
@@ -194,7 +199,7 @@ def _linear_tail_grads(key, xs, whole, grad_out, whole_acc):
             acc.addmm_(go2.t().to(acc.dtype), a.detach().reshape(-1, a.shape[-1]).to(acc.dtype))
         if bi >= 0 and whole[bi].requires_grad:
             whole_acc[bi].add_(go2.sum(0).to(whole_acc[bi].dtype))
-        grad_a = grad_out @ w
+        grad_a = grad_out.to(w.dtype) @ w   # an fp32 grad_out when the linear was linear_fp32_out
     return a, grad_a
 
 
@@ -439,3 +444,55 @@ def chunked_linear_cross_entropy(
             hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap)
     return torch.ops.tailorfx.chunked_linear_cross_entropy_with_grads(
         hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap, *needs)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# linear_fp32_out: a low-precision matmul that hands on its fp32 accumulator
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tailorfx::linear_fp32_out", mutates_args=())
+def _linear_fp32_out(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``F.linear`` of bf16/fp16 operands whose fp32 result is returned, not rounded to their dtype.
+
+    CUDA runs one mixed-dtype GEMM (``mm(..., out_dtype=float32)``). CPU has none, so the operands
+    are upcast: the same result, since a product of two 8- or 11-bit mantissas is exact in fp32.
+    """
+    if x.is_cuda:
+        y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+        y = y.view(*x.shape[:-1], weight.shape[0])
+        return y.add_(bias.float()) if bias is not None else y
+    return F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
+
+
+@_linear_fp32_out.register_fake
+def _linear_fp32_out_fake(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
+def _linear_fp32_out_setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _linear_fp32_out_grad(ctx, grad):
+    # The backward matmuls run in the operands' dtype, as torch.autocast's do.
+    x, weight = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad
+    g = grad.to(x.dtype)
+    gx = g @ weight if need_x else None
+    gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if need_w else None
+    gb = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype) if need_b else None
+    return gx, gw, gb
+
+
+_linear_fp32_out.register_autograd(_linear_fp32_out_grad, setup_context=_linear_fp32_out_setup)
+
+
+linear_fp32_out_op = torch.ops.tailorfx.linear_fp32_out.default
+
+
+def linear_fp32_out(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` in x's low precision with an fp32 result (see the op)."""
+    return torch.ops.tailorfx.linear_fp32_out(x, weight, bias)
