@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# two workers for the two cores (tests/conftest.py gives each one intra-op thread)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 tests
 
 demo: $(STAMP)
 	$(BIN)/python -m tailorfx.cli demo --timeline demo_memory.png

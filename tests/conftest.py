@@ -6,6 +6,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two workers on two cores: one intra-op thread each, else OpenMP threads
+    # spin-wait against the other worker's
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():

@@ -87,9 +87,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        out = self.attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of (B, heads, S, head_dim) tensors; a subclass may swap the kernel."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=self.num_kv_heads != self.num_heads)
 
 
 class MLP(nn.Module):

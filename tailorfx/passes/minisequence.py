@@ -151,7 +151,7 @@ class MiniSequence:
     @staticmethod
     def _declare_linear_tail(gm, key, members, x, region, nodes, out, ctx, seq_dim) -> None:
         """If the region ends in F.linear(a, W, b) of its own parameters, let backward skip it."""
-        if match.op_name(out) not in ("linear", "linear_fp32_out") or out.op != "call_function":
+        if match.op_name(out) not in match.LINEAR_OPS or out.op != "call_function":
             return
         a = out.args[0]
         w = out.args[1] if len(out.args) > 1 else out.kwargs.get("weight")
@@ -168,7 +168,7 @@ class MiniSequence:
     # ---- LM head + cross-entropy ------------------------------------------------------------
     def _rewrite_head(self, gm, nodes, region: Region, ctx: PassContext, done) -> Optional[str]:
         head = nodes[region.nodes[0]]
-        if match.op_name(head) != "linear":
+        if match.op_name(head) not in match.LINEAR_OPS:
             return f"the LM head is a {match.op_name(head)}, only F.linear heads are fused"
         chain, cur = [head], head
         while len(cur.users) == 1:

@@ -25,8 +25,8 @@ def op_name(node: fx.Node) -> str:
     return getattr(t, "__name__", str(t))
 
 
-MATMUL_OPS = frozenset({"linear", "addmm", "mm", "matmul", "bmm", "baddbmm", "einsum", "conv1d",
-                        "linear_fp32_out"})   # tailorfx's own (passes/precision.py)
+LINEAR_OPS = frozenset({"linear", "linear_fp32_out"})   # F.linear(x, W, b); tailorfx's own (passes/precision.py)
+MATMUL_OPS = frozenset({"addmm", "mm", "matmul", "bmm", "baddbmm", "einsum", "conv1d"}) | LINEAR_OPS
 ATTENTION_OPS = frozenset({
     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
