@@ -212,7 +212,8 @@ def head_grads(models: dict, seq: int) -> dict:
     errs = {}
     for weights, base in models.items():
         grads = {}
-        for name in ("fp32", "bf16", "bf16, matmul_output fp32", "bf16 + minisequence",
+        for name in ("fp32", "bf16", "bf16, matmul_output fp32", "bf16, matmul_output low",
+                     "bf16 + minisequence",
                      "bf16 + minisequence, matmul_output low",
                      "bf16 + minisequence, fp32 MLP", "bf16 + minisequence, bf16 head"):
             model, opt = _compiled(base, name, example)
