@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -11,7 +12,7 @@ import torch.nn as nn
 from tailorfx.backend import GraphRecord, Options, Session, TailorBackend
 from tailorfx.budget import Budget, BudgetError, format_bytes
 from tailorfx.report import Report
-from tailorfx.rewrite import memory
+from tailorfx.rewrite import compat, memory
 from tailorfx.rewrite.capture import mark_sequence_dims
 from tailorfx.rewrite.regions import Region
 from tailorfx.setup import OPTIMIZERS, TrainingSetup
@@ -35,16 +36,39 @@ class OptimizedModule(nn.Module):
         self.__dict__["_compiled"] = torch.compile(model, backend=TailorBackend(options, self.session),
                                                    dynamic=None)
         self.__dict__["_eager_reason"] = None
+        # look like the model to the ecosystem (Trainer and accelerate read forward's signature)
+        run = self._forward
 
-    def forward(self, *args, **kwargs):
+        @functools.wraps(model.forward)
+        def forward(*args, **kwargs):
+            return run(*args, **kwargs)
+        self.__dict__["forward"] = forward
+
+    def __getattr__(self, name: str):
+        """Attributes the wrapper lacks come from the model (`config`, `generate`, ...), as for
+        torch.compile's wrapper."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "model" or "model" not in self.__dict__.get("_modules", {}):
+                raise
+            return getattr(self._modules["model"], name)
+
+    def state_dict(self, *args, **kwargs):
+        """The model's own state dict (no wrapper prefix): `model.load_state_dict(opt.state_dict())`."""
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Loads a state dict of the model (as saved from the model or from this wrapper)."""
+        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _forward(self, *args, **kwargs):
         self.session.seq_len = mark_sequence_dims(args, kwargs)
+        self.session.training = self.model.training
         if self._eager_reason is not None:
             return self.model(*args, **kwargs)
         try:
-            # Every optimize() is a new backend; Dynamo caches them all on the model class's
-            # forward and stops compiling past recompile_limit (8), running eagerly instead.
-            limit = max(torch._dynamo.config.recompile_limit, 64)
-            with torch._dynamo.config.patch(recompile_limit=limit):
+            with compat.capture_config():
                 out = self._compiled(*args, **kwargs)
             if not self.session.graphs and not self.session.warnings:
                 self.session.warnings.append("Dynamo handed no graph to tailorfx (a skipped frame or its "
@@ -166,7 +190,8 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
              attention: Any = None, precision: Optional[str] = None,
              precision_policy: Optional[dict] = None, setup: Any = None,
              optimizer: Optional[str] = "adamw", recompute: Optional[str] = None,
-             lowering: str = "auto", verify: bool = True, predict: bool = True) -> OptimizedModule:
+             keep_logits: bool = False, lowering: str = "auto", verify: bool = True,
+             predict: bool = True) -> OptimizedModule:
     """Rewrite `model` for training under `budget`; returns a module that trains like the original.
 
     passes=None lets the planner choose (with a budget: the plan that fits with the least
@@ -175,7 +200,9 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     name: weights, master weights, gradients, optimizer state, optimizer in backward; default:
     the model's dtype with `optimizer` "adamw", "sgd" or None) plus activations; if only moving
     the optimizer step into backward fits, the planner does so and says so (train with
-    tailorfx.SetupOptimizer(model.parameters(), opt.setup)). `precision_policy` overrides entries
+    tailorfx.SetupOptimizer(model.parameters(), opt.setup)). In training with labels the fused LM
+    head returns `logits=None` (Liger's skip_logits); `keep_logits=True` keeps them, head unfused.
+    `precision_policy` overrides entries
     of the precision pass's policy. `recompute="full"|"selective"` sets the recompute policy.
     Capture happens at the first call, or now when example inputs are given (their forward runs
     once).
@@ -187,13 +214,15 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
         raise ValueError(f"precision must be 'bf16', 'fp16' or 'fp32', got {precision!r}")
     if minisequence_chunks is not None and (not isinstance(minisequence_chunks, int) or minisequence_chunks < 1):
         raise ValueError(f"minisequence_chunks must be a positive int, got {minisequence_chunks!r}")
+    if not isinstance(keep_logits, bool):
+        raise ValueError(f"keep_logits must be True or False, got {keep_logits!r}")
     b = Budget.parse(budget) if budget is not None else None
     if recompute not in (None, "full", "selective"):
         raise ValueError(f"recompute must be 'full', 'selective' or None, got {recompute!r}")
     opts = {"minisequence_chunks": minisequence_chunks, "budget_bytes": b.bytes if b else None,
             "budget_label": str(b) if b else None, "attention": attention, "precision": precision,
             "precision_policy": _policy_items(precision, precision_policy),
-            "setup": setup, "recompute_policy": recompute}
+            "setup": setup, "recompute_policy": recompute, "keep_logits": bool(keep_logits)}
     options = Options(passes=tuple(passes) if passes is not None else None,
                       pass_options=tuple(sorted(opts.items())), lowering=lowering,
                       predict=predict, verify=verify)

@@ -45,6 +45,7 @@ class Session:
     """Graphs compiled by one backend instance, in the order Dynamo handed them over."""
     graphs: list[GraphRecord] = field(default_factory=list)
     seq_len: Optional[int] = None
+    training: Optional[bool] = None    # the model's .training at the call (None: not known)
     warnings: list[str] = field(default_factory=list)
     param_readers: dict = field(default_factory=dict)      # id(param) -> graphs reading it
     graph_inputs: list = field(default_factory=list)       # runtime.optim.GraphInputs per graph
@@ -81,7 +82,9 @@ class TailorBackend:
         rewritten = gm
         peaks = (None, None)
         try:
-            opts = self.options.options_dict()
+            # Dynamo guards on grad mode and module.training, so each mode gets its own graph
+            opts = {**self.options.options_dict(),
+                    "training": torch.is_grad_enabled() and self.session.training is not False}
             plan = planner.choose(self.options.passes, regions, opts)
             if opts.get("budget_bytes") and self.options.passes is None:
                 plan = self._plan_for_budget(gm, regions, seq, plan, lowering, idx)

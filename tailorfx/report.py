@@ -43,6 +43,15 @@ class Report:
         mem = self._memory_table()
         if mem is not None:
             out.append(mem)
+        notes = [(g.index, r.name, f"{path}: {st['note']}") for g in self.session.graphs for r in g.records
+                 for path, st in r.stats.items() if isinstance(st, dict) and st.get("note")]
+        if notes:
+            t = Table(title="What the rewritten model returns differently")
+            for col in ("graph", "pass", "region: note"):
+                t.add_column(col)
+            for row in notes:
+                t.add_row(str(row[0]), row[1], row[2])
+            out.append(t)
         skipped = [(g.index, r.name, s) for g in self.session.graphs for r in g.records for s in r.skipped]
         if skipped:
             t = Table(title="Regions left unchanged")

@@ -19,10 +19,28 @@ def test_report_lists_regions_and_passes():
     assert set(opt.graphs) == {"capture"}
 
 
+class _TwoGraphs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(y).sum()
+
+
 def test_graph_breaks_are_each_handled():
-    opt = tailorfx.optimize(hf_gpt2(), passes=[], example_inputs=batch())
+    opt = tailorfx.optimize(_TwoGraphs(), passes=[], example_inputs=(torch.randn(2, 8, 16),))
     assert len(opt.session.graphs) == 2
     assert set(opt.graphs) == {"capture", "capture@1"}
+
+
+def test_gpt2_is_one_graph():
+    """transformers' logger.warning_once no longer splits GPT-2's LM head from its loss."""
+    opt = tailorfx.optimize(hf_gpt2(), passes=[], example_inputs=batch())
+    assert len(opt.session.graphs) == 1
 
 
 def test_memory_timeline_png(tmp_path):

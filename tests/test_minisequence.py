@@ -9,6 +9,7 @@ import tailorfx
 from harness import compare_with_eager
 from models import batch, hf_gpt2, hf_llama, tiny_llama
 from tailorfx.models import LlamaConfig, LlamaLM
+from tailorfx.passes.minisequence import LOGITS_NOTE
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "goldens", "minisequence_diff.txt")
 
@@ -77,29 +78,74 @@ def test_reference_model_tied_head_exact():
 def test_hf_llama_exact(M, pad):
     opt = exact_ms(hf_llama(), M, pad=pad)
     rec = opt.graph_records[0].records[0]
-    assert [t.split(" ")[0] for t in rec.touched] == ["model.layers.0.mlp", "model.layers.1.mlp"]
-    # Hugging Face returns the logits too: the head cannot be fused, and the report says why
-    assert any(s.startswith("lm_head: the logits leave the graph") for s in rec.skipped)
-    assert "the logits leave the graph" in str(opt.report())
+    assert [t.split(" ")[0] for t in rec.touched] == ["model.layers.0.mlp", "model.layers.1.mlp", "lm_head"]
+    # Hugging Face returns the logits with the loss: in training they become None, and the report says so
+    assert rec.stats["lm_head"]["note"] == LOGITS_NOTE
+    assert "keep_logits=True" in str(opt.report()).replace("\n", "")
+    assert opt(**batch(S=37, pad=pad)).logits is None
 
 
 @pytest.mark.parametrize("M,pad", [(2, 0), (3, 5), (8, 5)])
 def test_hf_gpt2_exact(M, pad):
+    """GPT-2's Conv1D MLPs, tied head; one graph (transformers' warning_once no longer breaks it)."""
     opt = exact_ms(hf_gpt2(), M, pad=pad)
+    assert len(opt.graph_records) == 1
     touched = [t for g in opt.graph_records for r in g.records for t in r.touched]
-    assert [t.split(" ")[0] for t in touched] == ["transformer.h.0.mlp", "transformer.h.1.mlp"]
+    assert [t.split(" ")[0] for t in touched] == ["transformer.h.0.mlp", "transformer.h.1.mlp", "lm_head"]
 
 
-def test_model_returning_logits_is_left_unfused():
-    """Must not fire on the head: fusing would drop logits the caller asked for."""
+def _grads(module, model, inputs, through_logits=False):
+    model.zero_grad(set_to_none=True)
+    out = module(**inputs)
+    (out.loss + (out.logits.square().mean() if through_logits else 0)).backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_keep_logits_returns_them_exact_head_unfused():
+    """Must not fire on the head with keep_logits=True; logits and every gradient equal eager,
+    also when the caller backpropagates through the logits (the lazily reattached gradient path)."""
+    import copy
+    model = hf_llama()
+    inputs = batch(S=37, pad=5)
+    ref_out, ref = _grads(model, model, inputs, through_logits=True)
+    test = copy.deepcopy(model)
+    opt = tailorfx.optimize(test, passes=["minisequence"], minisequence_chunks=2, keep_logits=True)
+    out, got = _grads(opt, test, inputs, through_logits=True)
+    rec = opt.graph_records[0].records[0]
+    assert [t.split(" ")[0] for t in rec.touched] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert any("keep_logits=True" in s for s in rec.skipped), rec.skipped
+    torch.testing.assert_close(out.logits, ref_out.logits, rtol=1e-5, atol=1e-6)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_eval_and_no_grad_return_logits():
+    """Must not fire on the head in eval mode or under no_grad: the logits come back as eager's."""
+    model = hf_llama()
+    inputs = batch(S=37, pad=5)
+    opt = tailorfx.optimize(model, passes=["minisequence"], minisequence_chunks=2)
+    assert opt(**inputs).logits is None
+    model.eval()
+    with torch.no_grad():
+        ref = model(**inputs)
+        out = opt(**inputs)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    out = opt(**inputs)   # eval mode with gradients on
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-6)
+    model.train()
+    with torch.no_grad():
+        assert opt(**inputs).logits is not None
+
+
+def test_reference_model_returning_logits_fuses_and_drops_them():
     m = LlamaLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=1,
                             num_attention_heads=4, num_key_value_heads=2, return_logits=True))
     opt = ms(m, 2)
     out = opt(**batch(S=37, pad=5))
-    assert out.logits is not None and out.logits.shape == (2, 37, 512)
+    assert out.logits is None
     rec = opt.graph_records[0].records[0]
-    assert [t.split(" ")[0] for t in rec.touched] == ["model.layers.0.mlp"]
-    assert any("logits leave the graph" in s for s in rec.skipped)
+    assert [t.split(" ")[0] for t in rec.touched] == ["model.layers.0.mlp", "lm_head"]
 
 
 class DropoutMLP(torch.nn.Module):

@@ -7,9 +7,11 @@ import torch
 import torch.fx as fx
 
 from tailorfx.rewrite import compat
+from tailorfx.rewrite.lazy_outputs import Split, split_lazy_outputs
 from tailorfx.rewrite.trace import trainable_inputs
 from tailorfx.rewrite.optimizer_step import fuse_into_backward
 from tailorfx.rewrite.saved_dtype import store_saved_low
+from tailorfx.runtime.lazy_grad import reattach
 from tailorfx.runtime.optim import GraphInputs
 
 LOWERINGS = ("eager", "inductor")
@@ -41,11 +43,15 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     `on_partition(fw, bw, num_fwd_outputs)` sees the graphs that will run (eager lowering), so the
     memory model can reuse them instead of tracing again. `steps_in_backward`: put the optimizer
     step of each parameter inside the backward graph (see rewrite/optimizer_step.py); the forward
-    records its inputs there, so the backward can find the parameters to update.
+    records its inputs there, so the backward can find the parameters to update. Logits-like
+    outputs leave the compiled graph detached and get their gradient path back outside it
+    (rewrite/lazy_outputs.py), so no zero gradient of them is materialised.
     """
+    split = split_lazy_outputs(gm)
+    gm = split.gm
     if lowering == "inductor":
         from torch._inductor.compile_fx import compile_fx
-        return compile_fx(gm, list(example_inputs))
+        return _with_lazy_outputs(compile_fx(gm, list(example_inputs)), split)
 
     def eager(g: fx.GraphModule, _):
         return compat.make_boxed_func(g.forward)
@@ -71,6 +77,20 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
             on_partition(fw, bw, num_fwd_outputs)
         return fw, bw
 
-    return compat.aot_module_simplified(gm, list(example_inputs),
-                                        fw_compiler=recording if steps_in_backward is not None else eager,
-                                        bw_compiler=eager, partition_fn=partition)
+    return _with_lazy_outputs(compat.aot_module_simplified(
+        gm, list(example_inputs), fw_compiler=recording if steps_in_backward is not None else eager,
+        bw_compiler=eager, partition_fn=partition), split)
+
+
+def _with_lazy_outputs(compiled: Callable, split: Split) -> Callable:
+    """The compiled graph returning what the model returns (see rewrite/lazy_outputs.py)."""
+    if not split.lazy:
+        return compiled
+
+    def run(*args):
+        # a boxed callee empties its argument list: keep the parameters the chains need first
+        flat = list(args[0]) if len(args) == 1 and isinstance(args[0], list) else list(args)
+        outs = compiled(*args)
+        kept = reattach(outs, flat, split.lazy, split.num_outputs)
+        return tuple(kept) if isinstance(outs, tuple) else kept
+    return run

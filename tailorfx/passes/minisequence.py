@@ -34,6 +34,8 @@ MAX_CHUNKS = 64
 MIN_CHUNK_TOKENS = 1024
 # Between the LM head and the loss only these may appear (dtype casts and reshapes).
 _PASSTHROUGH = frozenset({"float", "to", "view", "reshape", "contiguous", "type"})
+LOGITS_NOTE = ("logits=None: the LM head is fused with the loss in training with labels (as Liger-Kernel's "
+               "skip_logits); optimize(..., keep_logits=True) returns them, with the head unfused")
 
 
 @dataclass
@@ -41,6 +43,7 @@ class _Rewrite:
     region: Region
     num_chunks: int
     saved_bytes: int
+    logits_dropped: bool = False   # the model's logits output became None (fused head)
 
 
 def auto_chunks(intermediate_bytes: int, io_bytes: int) -> int:
@@ -102,6 +105,9 @@ class MiniSequence:
             gm.recompile()
         stats = {r.region.path: {"kind": r.region.kind, "num_chunks": _describe(r.num_chunks),
                                  "intermediate_bytes_saved": r.saved_bytes} for r in done}
+        for r in done:
+            if r.logits_dropped:
+                stats[r.region.path]["note"] = LOGITS_NOTE
         return PassResult(gm, bool(done), stats,
                           tuple(f"{r.region.path} (M={_describe(r.num_chunks)})" for r in done),
                           tuple(skipped))
@@ -171,20 +177,29 @@ class MiniSequence:
         if match.op_name(head) not in match.LINEAR_OPS:
             return f"the LM head is a {match.op_name(head)}, only F.linear heads are fused"
         chain, cur = [head], head
-        while len(cur.users) == 1:
-            (user,) = cur.users
-            if user.op == "output":
+        while True:
+            users = [u for u in cur.users if u.op != "output"]
+            if len(users) != 1:
                 break
-            chain.append(user)
-            if match.op_name(user) not in _PASSTHROUGH:
+            chain.append(users[0])
+            if match.op_name(users[0]) not in _PASSTHROUGH | _LOGIT_OPS:
                 break
-            cur = user
+            cur = users[0]
         loss = chain[-1]
+        returned = [n for n in chain if any(u.op == "output" for u in n.users)]
         if match.op_name(loss) != "cross_entropy":
-            if any(u.op == "output" for n in chain for u in n.users):
-                return ("the logits leave the graph (returned by the model, or a graph break before "
-                        "the loss), so the LM head cannot be fused with the loss; left unchanged")
+            if loss is head or (returned and len(chain) == len(returned)):
+                return ("the logits leave the graph before any loss (a graph break, or no labels given), "
+                        "so the LM head cannot be fused with a loss; left unchanged")
             return f"the logits feed {match.op_name(loss)!r}, not cross_entropy"
+        if returned and ctx.options.get("keep_logits"):
+            return "the model returns the logits and keep_logits=True: head and loss left unfused"
+        if returned and not ctx.options.get("training", True):
+            return "the logits are returned (eval mode or no_grad): head and loss left unfused"
+        transform = _logit_transform(chain[1:-1])
+        if isinstance(transform, str):
+            return transform
+        softcap, logit_scale = transform
         kw = dict(zip(("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
                        "label_smoothing"), loss.args))
         kw.update(loss.kwargs)
@@ -212,21 +227,52 @@ class MiniSequence:
             return f"sequence dim of the LM head input not found ({h_dims})"
         m = self._chunks(gm, h, h_dims[0], auto_chunks(_hint_bytes(node_value(head), ctx), _hint_bytes(hv, ctx)),
                          loss)
+        options = {"ignore_index": int(kw.get("ignore_index", -100)), "reduction": reduction, "num_chunks": m}
+        options.update({k: v for k, v in (("logit_softcap", softcap), ("logit_scale", logit_scale)) if v is not None})
         with gm.graph.inserting_before(loss):
             flat = gm.graph.call_method("reshape", (h, -1, hidden))
-            new = gm.graph.call_function(ops.chunked_linear_cross_entropy, (flat, w, b, kw["target"]),
-                                         {"ignore_index": int(kw.get("ignore_index", -100)),
-                                          "reduction": reduction, "num_chunks": m})
+            new = gm.graph.call_function(ops.chunked_linear_cross_entropy, (flat, w, b, kw["target"]), options)
         with hv.fake_mode:
             flat_val = hv.reshape(-1, hidden)
         _annotate(flat, head, flat_val)
         _annotate(new, loss)
         loss.replace_all_uses_with(new)
+        if returned:   # Liger's skip_logits: in training with labels the model returns logits=None
+            out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+            out.args = fx.node.map_arg(out.args, lambda a: None if a in returned else a)
         for n in reversed(chain):
             if not n.users:
                 gm.graph.erase_node(n)
-        done.append(_Rewrite(region, m, 3 * _hint_bytes(node_value(head), ctx)))
+        done.append(_Rewrite(region, m, 3 * _hint_bytes(node_value(head), ctx), bool(returned)))
         return None
+
+
+# Between the LM head and the loss: a logit scale (Cohere) and a soft-cap c*tanh(z/c) (Gemma-2),
+# fused into the chunks; anything else leaves the head unfused.
+_LOGIT_OPS = frozenset({"mul", "truediv", "div", "tanh"})
+
+
+def _logit_transform(chain: list[fx.Node]):
+    """(softcap, logit_scale) of the ops between head and loss, or the reason they are not fused."""
+    steps = []
+    for n in chain:
+        name = match.op_name(n)
+        if name in _PASSTHROUGH:
+            continue
+        scalars = [a for a in n.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        steps.append((name, float(scalars[0]) if len(scalars) == 1 and len(n.args) == 2 else None))
+    scale = softcap = None
+    k = 0
+    if k < len(steps) and steps[k][0] == "mul" and steps[k][1] is not None:
+        scale, k = steps[k][1], k + 1
+    cap = steps[k:k + 3]
+    if len(cap) == 3 and cap[0][0] in ("truediv", "div") and cap[1][0] == "tanh" and cap[2][0] == "mul" \
+            and cap[0][1] is not None and cap[0][1] == cap[2][1]:
+        softcap, k = cap[0][1], k + 3
+    if k != len(steps):
+        return (f"the logits pass through {[s[0] for s in steps]} before the loss; only a scale and a "
+                "soft-cap c*tanh(z/c) are fused")
+    return softcap, scale
 
 
 _VIEWS = frozenset({"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand",

@@ -57,3 +57,21 @@ def autograd_enabled() -> Iterator[None]:
     exclude = torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS
     with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
         yield
+
+
+@contextlib.contextmanager
+def capture_config() -> Iterator[None]:
+    """Dynamo settings for one optimize()d call (checked on torch 2.13).
+
+    Every optimize() is a new backend, and Dynamo caches them all on the model class's forward,
+    compiling no more past recompile_limit (8): raise it. `transformers`' `logger.warning_once`
+    (an lru_cache) breaks the graph, which splits GPT-2's LM head from its loss: trace through it
+    as a no-op (the warning is not printed under compile).
+    """
+    import logging
+    ignored = set(torch._dynamo.config.ignore_logging_functions)
+    if hasattr(logging.Logger, "warning_once"):
+        ignored.add(logging.Logger.warning_once)
+    limit = max(torch._dynamo.config.recompile_limit, 64)
+    with torch._dynamo.config.patch(recompile_limit=limit, ignore_logging_functions=ignored):
+        yield

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from tailorfx.rewrite import compat
 from tailorfx.rewrite.capture import SeqInfo, node_value
+from tailorfx.rewrite.lazy_outputs import split_lazy_outputs
 from tailorfx.rewrite.optimizer_step import fuse_into_backward
 from tailorfx.rewrite.saved_dtype import store_saved_low
 from tailorfx.rewrite.regions import is_param
@@ -41,8 +42,10 @@ def trace_step(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None,
 
     By default it traces on the fake inputs Dynamo recorded, so sizes stay symbolic in the
     sequence length. With `setup.optimizer_in_backward` the backward graph gets the same
-    in-graph optimizer steps the lowering puts there.
+    in-graph optimizer steps the lowering puts there. Logits-like outputs are split off as the
+    lowering does (rewrite/lazy_outputs.py).
     """
+    gm = split_lazy_outputs(gm).gm
     example_inputs = fake_inputs(gm) if example_inputs is None else example_inputs
     rec: dict = {}
     partition_fn = (compat.default_partition if partition == "default"

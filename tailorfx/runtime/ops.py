@@ -116,7 +116,7 @@ def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
         extra = -(-n_rows // n) * vocab * item * (2 if args[7] is not None else 1)
         if weight.dtype != dtype:
             w_up = as_int(weight.numel()) * item          # the weight, upcast once
-            if op_name.endswith("_with_grads") and args[9]:
+            if op_name.endswith("_with_grads") and args[10]:
                 # + its gradient accumulated in fp32; cast to the weight's dtype at the end (that
                 # output is counted by the graph) once the chunk buffers are gone
                 out = as_int(weight.numel()) * weight.element_size()
@@ -291,9 +291,11 @@ def token_chunked(key: str, seq_inputs: Sequence[Tensor], whole_inputs: Sequence
 # ---------------------------------------------------------------------------------------------
 
 
-def _lce_chunk(h, y, w, b, ignore_index, softcap, scale, grad_h, grad_w, grad_b):
+def _lce_chunk(h, y, w, b, ignore_index, softcap, logit_scale, scale, grad_h, grad_w, grad_b):
     """Summed loss of one row chunk; writes grad_h and accumulates grad_w/grad_b if not None."""
     z = F.linear(h, w, b)  # the only chunk x V buffer (plus tanh's under softcap)
+    if logit_scale is not None:
+        z.mul_(logit_scale)
     if softcap is not None:
         t = torch.tanh(z.div_(softcap))
         z = t * softcap
@@ -313,6 +315,8 @@ def _lce_chunk(h, y, w, b, ignore_index, softcap, scale, grad_h, grad_w, grad_b)
     g.mul_(row_scale.unsqueeze(1))
     if softcap is not None:
         g.mul_(t.mul_(t).neg_().add_(1))  # d(c*tanh(z/c))/dz = 1 - tanh^2
+    if logit_scale is not None:
+        g.mul_(logit_scale)
     if grad_h is not None:
         grad_h.copy_(g @ w)
     if grad_w is not None:
@@ -322,7 +326,7 @@ def _lce_chunk(h, y, w, b, ignore_index, softcap, scale, grad_h, grad_w, grad_b)
     return loss
 
 
-def _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, softcap,
+def _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, softcap, logit_scale,
                 need_hidden, need_weight, need_bias):
     """Loss and (if asked) grads for d(loss)/d(inputs) with grad_output 1, one row chunk at a time.
 
@@ -347,7 +351,7 @@ def _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunk
     grad_h_chunks = grad_h.tensor_split(n) if need_hidden else [None] * n
     for h, y, gh in zip(hidden.tensor_split(n), labels.tensor_split(n), grad_h_chunks):
         # One call per chunk, so the chunk x V buffers are freed before the next chunk allocates.
-        total += _lce_chunk(h.to(dtype), y, w, b, ignore_index, softcap, scale, gh, grad_w, grad_b)
+        total += _lce_chunk(h.to(dtype), y, w, b, ignore_index, softcap, logit_scale, scale, gh, grad_w, grad_b)
     loss = total / count if reduction == "mean" else total
     grad_w = grad_w.to(weight.dtype) if need_weight else weight.new_empty(0)
     grad_b = grad_b.to(bias.dtype) if need_bias else weight.new_empty(0)
@@ -361,30 +365,31 @@ def _loss_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
 @torch.library.custom_op("tailorfx::chunked_linear_cross_entropy", mutates_args=())
 def _lce_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
               ignore_index: int, reduction: str, num_chunks: int,
-              logit_softcap: Optional[float]) -> Tensor:
+              logit_softcap: Optional[float], logit_scale: Optional[float]) -> Tensor:
     """Loss only; its autograd recomputes the chunks in backward (the 'recompute' mode)."""
     return _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
-                       logit_softcap, False, False, False)[0]
+                       logit_softcap, logit_scale, False, False, False)[0]
 
 
 @_lce_loss.register_fake
-def _lce_loss_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap):
+def _lce_loss_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap,
+                   logit_scale):
     return hidden.new_empty((), dtype=_loss_dtype(hidden, weight))
 
 
 @torch.library.custom_op("tailorfx::chunked_linear_cross_entropy_with_grads", mutates_args=())
 def _lce_with_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
                     ignore_index: int, reduction: str, num_chunks: int,
-                    logit_softcap: Optional[float], grad_hidden: bool, grad_weight: bool,
-                    grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    logit_softcap: Optional[float], logit_scale: Optional[float], grad_hidden: bool,
+                    grad_weight: bool, grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, grad_hidden, grad_weight, grad_bias) in one pass; unrequested grads are empty."""
     return _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
-                       logit_softcap, grad_hidden, grad_weight, grad_bias)
+                       logit_softcap, logit_scale, grad_hidden, grad_weight, grad_bias)
 
 
 @_lce_with_grads.register_fake
 def _lce_with_grads_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
-                         logit_softcap, grad_hidden, grad_weight, grad_bias):
+                         logit_softcap, logit_scale, grad_hidden, grad_weight, grad_bias):
     return (hidden.new_empty((), dtype=_loss_dtype(hidden, weight)),
             torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if grad_weight else weight.new_empty(0),
@@ -395,7 +400,7 @@ def _lce_with_grads_setup(ctx, inputs, output):
     _, grad_h, grad_w, grad_b = output
     ctx.mark_non_differentiable(grad_h, grad_w, grad_b)
     ctx.save_for_backward(grad_h, grad_w, grad_b)
-    ctx.computed = inputs[8:11]
+    ctx.computed = inputs[9:12]
 
 
 def _lce_with_grads_grad(ctx, grad_loss, *_):
@@ -404,7 +409,7 @@ def _lce_with_grads_grad(ctx, grad_loss, *_):
         raise RuntimeError("chunked_linear_cross_entropy_with_grads: an input needs a grad that "
                            f"was not computed (needed {needs}, computed {ctx.computed})")
     grads = [g * grad_loss if need else None for g, need in zip(ctx.saved_tensors, needs)]
-    return (*grads, *[None] * 8)
+    return (*grads, *[None] * 9)
 
 
 _lce_with_grads.register_autograd(_lce_with_grads_grad, setup_context=_lce_with_grads_setup)
@@ -421,7 +426,7 @@ def _lce_loss_grad(ctx, grad_loss):
     _, gh, gw, gb = torch.ops.tailorfx.chunked_linear_cross_entropy_with_grads(
         hidden, weight, bias, labels, *ctx.args, need_h, need_w, need_b)
     return (gh * grad_loss if need_h else None, gw * grad_loss if need_w else None,
-            gb * grad_loss if need_b else None, *[None] * 5)
+            gb * grad_loss if need_b else None, *[None] * 6)
 
 
 _lce_loss.register_autograd(_lce_loss_grad, setup_context=_lce_loss_setup)
@@ -430,9 +435,10 @@ _lce_loss.register_autograd(_lce_loss_grad, setup_context=_lce_loss_setup)
 def chunked_linear_cross_entropy(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, *,
     ignore_index: int = -100, reduction: str = "mean", num_chunks: int = 8,
-    logit_softcap: Optional[float] = None, recompute: bool = False,
+    logit_softcap: Optional[float] = None, logit_scale: Optional[float] = None, recompute: bool = False,
 ) -> Tensor:
-    """``F.cross_entropy(softcap(F.linear(hidden, weight, bias)), labels)`` without N x V logits.
+    """``F.cross_entropy(softcap(logit_scale * F.linear(hidden, weight, bias)), labels)`` without
+    N x V logits (Cohere scales its logits, Gemma-2 soft-caps them).
 
     With grads needed, they are computed during the forward and only scaled in backward (one pass
     over the vocabulary); ``recompute=True`` saves only the inputs and redoes the pass in backward.
@@ -441,9 +447,10 @@ def chunked_linear_cross_entropy(
     needs = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
     if recompute or not (torch.is_grad_enabled() and any(needs)):
         return torch.ops.tailorfx.chunked_linear_cross_entropy(
-            hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap)
+            hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap, logit_scale)
     return torch.ops.tailorfx.chunked_linear_cross_entropy_with_grads(
-        hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap, *needs)[0]
+        hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap, logit_scale,
+        *needs)[0]
 
 
 # ---------------------------------------------------------------------------------------------
