@@ -151,6 +151,9 @@ class OptimizedModule(nn.Module):
             setup = self.setup
         if not self.session.graphs:
             raise RuntimeError("nothing captured yet: call the module once or pass example_inputs")
+        failed = [w for g in self.session.graphs if g.failed for w in g.warnings]
+        if failed:
+            raise RuntimeError("cannot predict memory: " + "; ".join(failed))
         from tailorfx.codegen.lower import partition_for
         gs = self.session.graphs
         lowered = setup.optimizer_in_backward == self.setup.optimizer_in_backward
@@ -158,8 +161,7 @@ class OptimizedModule(nn.Module):
                  memory.trace_step(g.rewritten if rewritten else g.original, None,
                                    partition_for(g.lowering, g.rewritten if rewritten else g.original), setup)
                  for g in gs]
-        seq = gs[0].seq
-        return memory.simulate_step(steps, seq, seq_len or seq.length or None, setup=setup)
+        return memory.simulate_step(steps, [g.seq for g in gs], seq_len or gs[0].seq.length or None, setup=setup)
 
     def memory_timeline(self, path: str, seq_len: Optional[int] = None, measured: Optional[int] = None) -> str:
         """Plot predicted live bytes over the step (before and after the passes) to a PNG."""
@@ -190,7 +192,7 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
              attention: Any = None, precision: Optional[str] = None,
              precision_policy: Optional[dict] = None, setup: Any = None,
              optimizer: Optional[str] = "adamw", recompute: Optional[str] = None,
-             keep_logits: bool = False, lowering: str = "auto", verify: bool = True,
+             keep_logits: bool = False, strict: bool = False, lowering: str = "auto", verify: bool = True,
              predict: bool = True) -> OptimizedModule:
     """Rewrite `model` for training under `budget`; returns a module that trains like the original.
 
@@ -202,7 +204,8 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     the optimizer step into backward fits, the planner does so and says so (train with
     tailorfx.SetupOptimizer(model.parameters(), opt.setup)). In training with labels the fused LM
     head returns `logits=None` (Liger's skip_logits); `keep_logits=True` keeps them, head unfused.
-    `precision_policy` overrides entries
+    A pass named in `passes` that leaves a region unchanged warns with the region and the reason;
+    `strict=True` raises instead. `precision_policy` overrides entries
     of the precision pass's policy. `recompute="full"|"selective"` sets the recompute policy.
     Capture happens at the first call, or now when example inputs are given (their forward runs
     once).
@@ -214,15 +217,17 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
         raise ValueError(f"precision must be 'bf16', 'fp16' or 'fp32', got {precision!r}")
     if minisequence_chunks is not None and (not isinstance(minisequence_chunks, int) or minisequence_chunks < 1):
         raise ValueError(f"minisequence_chunks must be a positive int, got {minisequence_chunks!r}")
-    if not isinstance(keep_logits, bool):
-        raise ValueError(f"keep_logits must be True or False, got {keep_logits!r}")
+    for name, flag in (("keep_logits", keep_logits), ("strict", strict)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
     b = Budget.parse(budget) if budget is not None else None
     if recompute not in (None, "full", "selective"):
         raise ValueError(f"recompute must be 'full', 'selective' or None, got {recompute!r}")
     opts = {"minisequence_chunks": minisequence_chunks, "budget_bytes": b.bytes if b else None,
             "budget_label": str(b) if b else None, "attention": attention, "precision": precision,
             "precision_policy": _policy_items(precision, precision_policy),
-            "setup": setup, "recompute_policy": recompute, "keep_logits": bool(keep_logits)}
+            "setup": setup, "recompute_policy": recompute, "keep_logits": keep_logits,
+            "strict": strict}
     options = Options(passes=tuple(passes) if passes is not None else None,
                       pass_options=tuple(sorted(opts.items())), lowering=lowering,
                       predict=predict, verify=verify)

@@ -5,7 +5,6 @@ the same thing. A graph the pipeline cannot handle is lowered unchanged and the 
 """
 from __future__ import annotations
 
-import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -38,6 +37,7 @@ class GraphRecord:
     peak_captured: Optional[int] = None     # predicted peak of the graph as captured
     peak_final: Optional[int] = None        # ... after every pass
     step: Optional[memory.StepGraphs] = None   # forward/backward graphs as lowered (eager lowering)
+    failed: bool = False                       # passes failed: the graph runs as captured
 
 
 @dataclass
@@ -92,13 +92,19 @@ class TailorBackend:
             pm = PassManager(planner.build_pipeline(plan), predict=predict, run_verify=self.options.verify)
             rewritten, records = pm.run(gm, PassContext(regions, seq, plan.options, idx))
             peaks = (pm.initial_peak, records[-1].peak_after if records else pm.initial_peak)
+            _check_requested(self.options.passes, records, idx, bool(opts.get("strict")), notes)
         except ValueError:
             raise   # bad user options or an unreachable budget: say so, do not hide it behind a fallback
-        except Exception as e:   # an unsupported graph: leave it as it was, and say why
-            notes.append(f"graph {idx}: passes failed, graph left unchanged: {type(e).__name__}: {e}")
+        except Exception as e:   # an unsupported graph: run it as captured, and say why
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            notes.append(f"graph {idx}: passes failed, graph runs as captured (eager autograd, nothing "
+                         f"rewritten): {type(e).__name__}: {first}")
             warnings.warn(notes[-1])
-            traceback.print_exc()
-            rewritten = original
+            self.session.graphs.append(GraphRecord(idx, original, original, regions, seq, plan, records, "eager",
+                                                   notes, failed=True))
+            # Not our lowering: a failed trace can leave Dynamo's fake tensors and shape guards in a
+            # state where a second AOTAutograd trace of the same graph computes wrong gradients.
+            return gm.forward
         rec = GraphRecord(idx, original, rewritten, regions, seq, plan, records, lowering, notes, *peaks)
         self.session.graphs.append(rec)
 
@@ -161,6 +167,23 @@ class TailorBackend:
             self.session.warnings.append(f"graph {idx}: {reason}")
             warnings.warn(self.session.warnings[-1])
         return planner.Plan(chosen.passes, o, reason, chosen, tuple(others))
+
+
+class RewriteNotApplied(ValueError):
+    """A rewrite the user asked for (strict=True) could not be applied; names regions and reasons."""
+
+
+def _check_requested(requested, records: list[PassRecord], idx: int, strict: bool, notes: list[str]) -> None:
+    """A pass the user named that left regions unchanged: a warning naming each region and the
+    reason, or with strict=True an error."""
+    missed = [f"{r.name}: {s}" for r in records if requested and r.name in requested for s in r.skipped]
+    if not missed:
+        return
+    msg = f"graph {idx}: requested rewrites not applied: " + "; ".join(missed)
+    if strict:
+        raise RewriteNotApplied(msg + " (strict=True; drop strict to run the rest)")
+    notes.append(msg)
+    warnings.warn(msg)
 
 
 def tailorfx_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:

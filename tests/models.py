@@ -44,7 +44,7 @@ def batch(B: int = 2, S: int = 40, pad: int = 0, seed: int = 0) -> dict:
 # model_type -> overrides of the common sizes below. Exercises dense, GQA, MoE, soft-capping,
 # logit scaling, tied embeddings, parallel blocks and GPT-2's Conv1D.
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                pad_token_id=0, bos_token_id=0, eos_token_id=0)
 FAMILIES = {
     "llama": {},
@@ -74,9 +74,9 @@ def hf_config(family: str, num_layers: int = 2, **overrides):
     from transformers import AutoConfig
     if family == "gpt2":
         from transformers import GPT2Config
-        return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=num_layers, n_head=4, n_positions=256,
-                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-                          **overrides)
+        kw = dict(vocab_size=VOCAB, n_embd=64, n_layer=num_layers, n_head=4, n_positions=2048,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return GPT2Config(**{**kw, **overrides})
     kw = {**_COMMON, **FAMILIES[family], "num_hidden_layers": num_layers, **overrides}
     kw = {k: v for k, v in kw.items() if v is not None}
     return AutoConfig.for_model(family, **kw)

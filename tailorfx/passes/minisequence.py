@@ -96,15 +96,19 @@ class MiniSequence:
             why = self._rewrite_mlp(gm, nodes, region, ctx, done)
             if why:
                 skipped.append(f"{region.path}: {why}")
+        by_request = {}
         for region in ctx.regions.of_kind("lm_head_loss"):
             why = self._rewrite_head(gm, nodes, region, ctx, done)
-            if why:
+            if isinstance(why, _ByRequest):
+                by_request[region.path] = {"kind": region.kind, "note": str(why)}
+            elif why:
                 skipped.append(f"{region.path}: {why}")
         if done:
             gm.graph.eliminate_dead_code()
             gm.recompile()
         stats = {r.region.path: {"kind": r.region.kind, "num_chunks": _describe(r.num_chunks),
                                  "intermediate_bytes_saved": r.saved_bytes} for r in done}
+        stats.update(by_request)
         for r in done:
             if r.logits_dropped:
                 stats[r.region.path]["note"] = LOGITS_NOTE
@@ -115,7 +119,9 @@ class MiniSequence:
     # ---- MLP-like regions -------------------------------------------------------------------
     def _rewrite_mlp(self, gm, nodes, region: Region, ctx: PassContext, done) -> Optional[str]:
         if not region.token_wise:
-            return "mixes sequence positions"
+            mixing = sorted({match.op_name(nodes[n]) for n in region.nodes
+                             if ctx.regions.node_class.get(n) not in ("token", "const", None)})
+            return f"mixes sequence positions ({', '.join(mixing)}{'; MoE token routing' if _routes(region, nodes) else ''})"
         if len(region.inputs) != 1 or len(region.outputs) != 1:
             return f"needs one activation input and one output, has {len(region.inputs)} and {len(region.outputs)}"
         x, out = nodes[region.inputs[0]], nodes[region.outputs[0]]
@@ -139,7 +145,9 @@ class MiniSequence:
             return str(e)
         key = ops.register_region(sub)
         self._declare_linear_tail(gm, key, members, x, region, nodes, out, ctx, x_dims[0])
-        fwd, bwd = _region_cost(members, out, ctx, _tokens(xv, x_dims[0], ctx))
+        tokens = _tokens(xv, x_dims[0], ctx)
+        fwd, bwd = _region_cost(members, out, ctx, tokens)
+        bwd = _simulated_backward_cost(sub, ctx, tokens, _hint_bytes(ov, ctx)) or bwd
         ops.set_region_cost(key, fwd, bwd)
         m = self._chunks(gm, x, x_dims[0], auto_chunks(inner, _hint_bytes(xv, ctx)), out)
         with gm.graph.inserting_after(out):
@@ -193,9 +201,9 @@ class MiniSequence:
                         "so the LM head cannot be fused with a loss; left unchanged")
             return f"the logits feed {match.op_name(loss)!r}, not cross_entropy"
         if returned and ctx.options.get("keep_logits"):
-            return "the model returns the logits and keep_logits=True: head and loss left unfused"
+            return _ByRequest("logits returned (keep_logits=True): LM head and loss left unfused")
         if returned and not ctx.options.get("training", True):
-            return "the logits are returned (eval mode or no_grad): head and loss left unfused"
+            return _ByRequest("logits returned (eval mode or no_grad): LM head and loss left unfused")
         transform = _logit_transform(chain[1:-1])
         if isinstance(transform, str):
             return transform
@@ -275,10 +283,6 @@ def _logit_transform(chain: list[fx.Node]):
     return softcap, scale
 
 
-_VIEWS = frozenset({"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand",
-                    "contiguous", "getitem", "t", "flatten", "float", "to", "type", "dropout"})
-
-
 def _tokens(t, seq_dim: int, ctx: PassContext) -> int:
     """Tokens (batch x sequence positions) a (B, S, ...) fake tensor holds at the captured length."""
     shape = [int(compat.sym_expr(d).xreplace(ctx.seq.hints)) for d in t.shape[:seq_dim + 1]]
@@ -286,25 +290,61 @@ def _tokens(t, seq_dim: int, ctx: PassContext) -> int:
 
 
 def _region_cost(members: list[fx.Node], out: fx.Node, ctx: PassContext, tokens: int) -> tuple[float, float]:
-    """Per-token bytes a chunk holds inside the op: the most live at once in forward (values freed
-    at last use), and in backward all intermediates (saved by the recompute) plus the largest
-    gradient pair alive while they are consumed."""
+    """Per-token bytes a chunk holds inside the op: the most live at once in forward (a storage is
+    freed after the last use of any view of it), and in backward all intermediates (saved by the
+    recompute) plus the largest gradient pair alive while they are consumed. Views (chunk, getitem,
+    view, a same-dtype .float()) allocate nothing: aliasing is read from the fake values."""
     index = {n: i for i, n in enumerate(members)}
-    last = {n: max((index.get(u, len(members)) for u in n.users), default=index[n]) for n in members}
+    root: dict[fx.Node, fx.Node] = {}
+    sizes: dict[fx.Node, int] = {}
+    for n in members:
+        base = next((a for a in n.all_input_nodes if _shares_storage(n, a)), None)
+        root[n] = root.get(base, base) if base is not None else n
+        if root[n] is n:
+            sizes[n] = sum(_hint_bytes(v, ctx) for v in match.tensors_in(node_value(n)))
+    last: dict[fx.Node, int] = {}
+    for n in members:
+        r = root[n]
+        last[r] = max(last.get(r, index[n]), *(index.get(u, len(members)) for u in n.users))
     live, peak, total, largest = 0, 0, 0, 0
-    sizes = {}
     for i, n in enumerate(members):
-        b = 0 if match.op_name(n) in _VIEWS and n.op == "call_method" else sum(
-            _hint_bytes(v, ctx) for v in match.tensors_in(node_value(n)))
-        sizes[n] = b
-        live += b
-        total += b
-        largest = max(largest, b)
+        if root[n] is n:
+            live += sizes[n]
+            total += sizes[n]
+            largest = max(largest, sizes[n])
         peak = max(peak, live)
-        for a in n.all_input_nodes:
-            if a in index and last[a] <= i and a is not out:
-                live -= sizes[a]
+        for r in {root[a] for a in n.all_input_nodes if a in index}:
+            if r in sizes and last[r] <= i and r is not root[out]:
+                live -= sizes.pop(r)
     return peak / tokens, (total + 2 * largest) / tokens
+
+
+def _simulated_backward_cost(sub: fx.GraphModule, ctx: PassContext, tokens: int, out_bytes: int) -> Optional[float]:
+    """Per-token bytes one chunk holds in backward, from the memory model: the region's forward
+    (what autograd saves when the chunk is recomputed) and backward simulated on fake tensors, less
+    the gradients (the op's outputs, counted by the graph) and the incoming output gradient (the
+    op's input). None when the region cannot be traced on its own."""
+    from tailorfx.rewrite import memory
+    traced = clone(sub)   # AOTAutograd wants a tuple of outputs
+    output = next(n for n in reversed(traced.graph.nodes) if n.op == "output")
+    output.args = ((output.args[0],),)
+    traced.recompile()
+    try:
+        est = memory.simulate_step([memory.trace_step(traced)], ctx.seq, None, optimizer=None)
+    except Exception:   # the estimate by hand (_region_cost) stands in
+        return None
+    return max(0, est.forward_backward_peak_bytes - est.grads_at_peak - out_bytes) / tokens
+
+
+def _shares_storage(n: fx.Node, a: fx.Node) -> bool:
+    """A tensor of n's value is a view of (shares storage with) a tensor of a's value."""
+    mine = {t.untyped_storage()._cdata for t in match.tensors_in(node_value(n))}
+    return any(t.untyped_storage()._cdata in mine for t in match.tensors_in(node_value(a)))
+
+
+def _routes(region: Region, nodes: dict) -> bool:
+    """An MoE layer: a top-k router over experts."""
+    return any(match.op_name(nodes[n]) == "topk" for n in region.nodes)
 
 
 def _describe(m) -> str:
@@ -334,6 +374,10 @@ def _annotate(new: fx.Node, like: fx.Node, val=None) -> None:
     if "nn_module_stack" in like.meta:
         new.meta["nn_module_stack"] = like.meta["nn_module_stack"]
     new.meta[PASS_META] = NAME
+
+
+class _ByRequest(str):
+    """A region left as it was because the user asked for what it computes (not a failure)."""
 
 
 class _Unsupported(Exception):

@@ -75,3 +75,12 @@ def capture_config() -> Iterator[None]:
     limit = max(torch._dynamo.config.recompile_limit, 64)
     with torch._dynamo.config.patch(recompile_limit=limit, ignore_logging_functions=ignored):
         yield
+
+
+@contextlib.contextmanager
+def isolated_tracing(example_inputs) -> Iterator[None]:
+    """A TracingContext of our own for AOTAutograd traces made only to predict memory, so they
+    cannot leave state (parameters, forward metadata) in the one Dynamo is compiling with."""
+    from torch._guards import TracingContext, tracing
+    with tracing(TracingContext(detect_fake_mode(list(example_inputs)))):
+        yield

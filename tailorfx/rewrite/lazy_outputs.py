@@ -7,6 +7,8 @@ in, one logits-sized tensor more than eager. Here such an output is returned det
 input of its head chain (`linear(h, W)` followed by casts, views, a scale or a soft-cap) as an
 extra output; the lowering reattaches the gradient path with an autograd node that costs nothing
 unless a gradient reaches it, and then recomputes the chain (runtime/lazy_grad.py). Exact.
+Other such outputs (the KV cache a model returns in training) are recomputed from the graph's
+inputs when a gradient reaches them, so they need no extra output.
 
     before:  return (loss, logits)                  logits = linear(h, W) ... (also feeds the loss)
     after:   return (loss, logits.detach(), h)      run time: logits = lazy_vjp(chain, logits, h, W)
@@ -37,11 +39,11 @@ META = "tailorfx_lazy_output"
 
 @dataclass(frozen=True)
 class LazyOutput:
-    """One output returned detached: `chain(anchor, *params)` recomputes it."""
+    """One output returned detached: `chain(anchor, *graph inputs)` recomputes it."""
     index: int                       # position among the graph's outputs
-    anchor_index: int                # position of the chain's input among the split graph's outputs
-    chain: fx.GraphModule            # (anchor, *params) -> the output
-    param_indices: tuple[int, ...]   # placeholder positions of the chain's parameters
+    anchor_index: Optional[int]      # position of the chain's input among the split graph's outputs
+    chain: fx.GraphModule            # ([anchor,] *inputs) -> the output
+    input_indices: tuple[int, ...]   # placeholder positions of the chain's other inputs
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,29 @@ def _head_chain(out: fx.Node) -> Optional[tuple[fx.Node, list[fx.Node]]]:
     return None
 
 
-def _extract(gm: fx.GraphModule, anchor: fx.Node, members: list[fx.Node], out: fx.Node):
-    """The chain as its own GraphModule (anchor, *params) -> out, or None if it reads anything else."""
+def _prefix_chain(out: fx.Node) -> Optional[list[fx.Node]]:
+    """Everything `out` is computed from, back to the graph inputs (a KV-cache output), unless a
+    random op is among it (a recompute would draw other values)."""
+    members, todo, seen = [], [out], set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op == "placeholder":
+            continue
+        seen.add(n)
+        if n.op not in ("call_function", "call_method") or match.op_name(n) in _RANDOM_OPS:
+            return None
+        members.append(n)
+        todo.extend(n.all_input_nodes)
+    return members
+
+
+_RANDOM_OPS = frozenset({"dropout", "native_dropout", "rand", "randn", "rand_like", "randn_like",
+                         "bernoulli", "randint", "multinomial", "randperm", "normal", "uniform"})
+
+
+def _extract(gm: fx.GraphModule, anchor: Optional[fx.Node], members: list[fx.Node], out: fx.Node):
+    """The chain as its own GraphModule ([anchor,] *graph inputs) -> out; None if it reads a value
+    other than the anchor and graph inputs (with an anchor, parameters only)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     members = sorted(set(members), key=order.__getitem__)
     member_set = set(members)
@@ -104,14 +127,14 @@ def _extract(gm: fx.GraphModule, anchor: fx.Node, members: list[fx.Node], out: f
         for a in n.all_input_nodes:
             if a is anchor or a in member_set:
                 continue
-            if not is_param(a) or a.op != "placeholder":
+            if a.op != "placeholder" or (anchor is not None and not is_param(a)):
                 return None
             if a not in params:
                 params.append(a)
     g = fx.Graph()
-    env = {anchor: g.placeholder("anchor")}
+    env = {anchor: g.placeholder("anchor")} if anchor is not None else {}
     for i, p in enumerate(params):
-        env[p] = g.placeholder(f"param_{i}")
+        env[p] = g.placeholder(f"input_{i}")
     for n in members:
         env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[out])
@@ -138,6 +161,8 @@ def split_lazy_outputs(gm: fx.GraphModule) -> Split:
         extracted = _extract(gm, chain[0], chain[1], o) if chain else None
         if extracted is not None:
             found.append((i, o, chain[0], *extracted))
+        elif (prefix := _prefix_chain(o)) is not None and (extracted := _extract(gm, None, prefix, o)):
+            found.append((i, o, None, *extracted))
     if not found:
         return Split(gm, (), len(outs))
     new = clone(gm)
@@ -155,9 +180,10 @@ def split_lazy_outputs(gm: fx.GraphModule) -> Split:
             det.meta["val"] = det.meta["example_value"] = v.detach()
         det.meta[META] = True
         values[i] = det
-        if anchor.name not in anchors:
+        if anchor is not None and anchor.name not in anchors:
             anchors.append(anchor.name)
-        lazy.append(LazyOutput(i, len(outs) + anchors.index(anchor.name), chain, param_idx))
+        anchor_index = len(outs) + anchors.index(anchor.name) if anchor is not None else None
+        lazy.append(LazyOutput(i, anchor_index, chain, param_idx))
     values += [by_name[a] for a in anchors]
     new_out.args = (tuple(values),)
     new.recompile()

@@ -26,7 +26,8 @@ def op_name(node: fx.Node) -> str:
 
 
 LINEAR_OPS = frozenset({"linear", "linear_fp32_out"})   # F.linear(x, W, b); tailorfx's own (passes/precision.py)
-MATMUL_OPS = frozenset({"addmm", "mm", "matmul", "bmm", "baddbmm", "einsum", "conv1d"}) | LINEAR_OPS
+MATMUL_OPS = frozenset({"addmm", "mm", "matmul", "bmm", "baddbmm", "einsum", "conv1d",
+                        "_grouped_mm", "grouped_mm", "grouped_mm_fallback"}) | LINEAR_OPS   # MoE experts
 ATTENTION_OPS = frozenset({
     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",

@@ -165,6 +165,23 @@ def _child_of(path: str, node: fx.Node) -> Optional[str]:
     return None
 
 
+def _attention_child(block: str, members: list[fx.Node], cls: dict[str, str], seq: SeqInfo) -> Optional[str]:
+    """The child of a block that attends: the one holding an attention kernel or an S x S score
+    matmul; failing that, the only child that mixes positions. An MoE block's router also mixes
+    positions (it dispatches tokens to experts), so "the only mixing child" alone is not enough."""
+    def attends(n):
+        if match.op_name(n) in match.ATTENTION_OPS:
+            return True
+        return match.op_name(n) in match.MATMUL_OPS and any(len(seq.dims(t)) >= 2 for t in match.tensors_in(node_value(n)))
+    for candidates in ({_child_of(block, n) for n in members if attends(n)},
+                       {_child_of(block, n) for n in members if cls[n.name] == "mix"}):
+        if len(candidates) == 1 and None not in candidates:
+            return next(iter(candidates))
+        if candidates:
+            return None
+    return None
+
+
 def _make_region(kind: str, path: str, members: list[fx.Node], cls: dict[str, str],
                  allow_reduce: bool = False, note: str = "") -> Region:
     member_set = set(members)
@@ -205,8 +222,7 @@ def find_regions(gm: fx.GraphModule, seq: SeqInfo) -> RegionMap:
     for b in blocks:
         members = by_path[b]
         rmap.regions.append(_make_region("block", b, members, cls))
-        mix_children = {_child_of(b, n) for n in members if cls[n.name] == "mix"}
-        attn = next(iter(mix_children)) if len(mix_children) == 1 and None not in mix_children else None
+        attn = _attention_child(b, members, cls, seq)
         if attn is not None:
             rmap.regions.append(_make_region("attention", attn, by_path[attn], cls))
         children = sorted({c for n in members if (c := _child_of(b, n)) and c != attn})

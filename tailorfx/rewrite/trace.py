@@ -66,8 +66,9 @@ def trace_step(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None,
     def bw_compiler(g, _):
         return compat.make_boxed_func(g.forward)
 
-    compat.aot_module_simplified(gm, list(example_inputs), fw_compiler=fw_compiler,
-                                 bw_compiler=bw_compiler, partition_fn=part)
+    with compat.isolated_tracing(example_inputs):
+        compat.aot_module_simplified(gm, list(example_inputs), fw_compiler=fw_compiler,
+                                     bw_compiler=bw_compiler, partition_fn=part)
     return make_step(gm, rec["fw"], rec.get("bw"), rec.get("n"))
 
 
@@ -102,12 +103,16 @@ def _outputs(g: fx.GraphModule) -> list:
 class Sizer:
     """Bytes of a tensor, evaluated at a chosen sequence length (other symbols at their hints)."""
 
-    def __init__(self, seq: Optional[SeqInfo], seq_len: Optional[int] = None):
+    def __init__(self, seq, seq_len: Optional[int] = None):
+        """`seq`: the SeqInfo of the graph(s) sized, or one per graph (each graph of a capture with
+        graph breaks has its own symbols; all sequence symbols take `seq_len`)."""
+        seqs = [s for s in (seq if isinstance(seq, (list, tuple)) else [seq]) if s is not None]
         self.subs = {}
-        if seq is not None:
-            self.subs = {k: v for k, v in seq.hints.items()}
-            if seq.symbol is not None and seq_len is not None:
-                self.subs[seq.symbol] = seq_len
+        for s in seqs:
+            self.subs.update(s.hints)
+        for s in seqs:
+            if s.symbol is not None and seq_len is not None:
+                self.subs[s.symbol] = seq_len
         self._cache: dict = {}
 
     def as_int(self, x) -> int:

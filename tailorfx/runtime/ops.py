@@ -113,7 +113,10 @@ def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
         n = max(1, min(as_int(args[6]), n_rows))
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         item = torch.empty((), dtype=dtype).element_size()
-        extra = -(-n_rows // n) * vocab * item * (2 if args[7] is not None else 1)
+        # the chunk's logits; under a soft-cap also tanh's output and the capped logits
+        extra = -(-n_rows // n) * vocab * item * (3 if args[7] is not None else 1)
+        if op_name.endswith("_with_grads") and args[9] and hidden.dtype != dtype:
+            extra += -(-n_rows // n) * as_int(hidden.shape[-1]) * item   # g @ w before its cast
         if weight.dtype != dtype:
             w_up = as_int(weight.numel()) * item          # the weight, upcast once
             if op_name.endswith("_with_grads") and args[10]:
@@ -318,7 +321,10 @@ def _lce_chunk(h, y, w, b, ignore_index, softcap, logit_scale, scale, grad_h, gr
     if logit_scale is not None:
         g.mul_(logit_scale)
     if grad_h is not None:
-        grad_h.copy_(g @ w)
+        if grad_h.dtype == g.dtype:
+            torch.mm(g, w, out=grad_h)   # straight into the chunk of grad_hidden: no chunk x H temporary
+        else:
+            grad_h.copy_(g @ w)
     if grad_w is not None:
         grad_w.addmm_(g.t(), h)
     if grad_b is not None:
