@@ -22,6 +22,17 @@ def reference_model(vocab=32000, hidden=512, layers=4, heads=8, kv_heads=2, seed
                                num_key_value_heads=kv_heads))
 
 
+def hf_llama_model(vocab=32000, hidden=512, layers=4, heads=None, kv_heads=None, seed=0):
+    """An unmodified Hugging Face LlamaForCausalLM from a config (random weights, fp32): what users train."""
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    heads = heads or max(1, hidden // 64)
+    kv_heads = kv_heads or max(1, heads // 4)
+    return LlamaForCausalLM(HFLlamaConfig(vocab_size=vocab, hidden_size=hidden,
+                                          intermediate_size=int(hidden * 2.6875), num_hidden_layers=layers,
+                                          num_attention_heads=heads, num_key_value_heads=kv_heads))
+
+
 def lm_batch(S: int, vocab: int = 32000, B: int = 1, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (B, S), generator=g)
@@ -40,7 +51,8 @@ def train_step(module, params, inputs) -> Callable[[], float]:
 
 
 def measure_step(module, params, inputs) -> int:
-    """Peak bytes of forward + backward above what was live before, gradients freed first.
+    """Peak bytes of forward + backward above what was live before, gradients freed first, with
+    the model's output held through backward as a training loop holds it.
 
     Freeing the previous step's gradients happens outside the measured region: the profiler
     would count those frees against blocks it never saw allocated.
@@ -50,7 +62,9 @@ def measure_step(module, params, inputs) -> int:
         p.grad = None
 
     def fwd_bwd():
-        module(**inputs).loss.backward()
+        out = module(**inputs)
+        out.loss.backward()
+        return out
     return tailorfx.measure_peak(fwd_bwd)
 
 

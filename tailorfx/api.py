@@ -9,7 +9,8 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from tailorfx.backend import GraphRecord, Options, Session, TailorBackend
+from tailorfx.backend import GraphRecord, Session, TailorBackend
+from tailorfx.options import Options, check_flag, check_passes, pass_options, positive_int
 from tailorfx.budget import Budget, BudgetError, format_bytes
 from tailorfx.report import Report
 from tailorfx.rewrite import compat, memory
@@ -65,6 +66,7 @@ class OptimizedModule(nn.Module):
     def _forward(self, *args, **kwargs):
         self.session.seq_len = mark_sequence_dims(args, kwargs)
         self.session.training = self.model.training
+        self._check_budget_at(self.session.seq_len)
         if self._eager_reason is not None:
             return self.model(*args, **kwargs)
         try:
@@ -82,6 +84,23 @@ class OptimizedModule(nn.Module):
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.TorchRuntimeError) as e:
             self._fall_back(e)
         return self.model(*args, **kwargs)
+
+    def _check_budget_at(self, seq_len: Optional[int]) -> None:
+        """A length other than the one planned for is re-checked against the budget (before it runs)."""
+        gs = self.session.graphs
+        if self.budget is None or not seq_len or not gs or any(g.failed for g in gs) or gs[0].seq.symbol is None:
+            return
+        checked = self.__dict__.setdefault("_checked_lengths", {gs[0].seq.length})
+        if seq_len in checked:
+            return
+        peak = self.predict_memory(seq_len).peak_bytes
+        if peak > self.budget.bytes:
+            raise BudgetError(
+                f"at sequence length {seq_len} the plan made for {gs[0].seq.length} predicts a peak of "
+                f"{format_bytes(peak)}, over the budget {self.budget}: call tailorfx.optimize again with "
+                f"example inputs of this length (the planner then plans for it), or use shorter sequences",
+                peak, "activations")
+        checked.add(seq_len)
 
     def _fall_back(self, e: Exception) -> None:
         reason = f"capture failed, running the model eagerly (nothing rewritten): {type(e).__name__}: " \
@@ -213,24 +232,11 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
     setup = _setup_for(model, setup, optimizer)
-    if precision is not None and precision not in ("bf16", "fp16", "fp32"):
-        raise ValueError(f"precision must be 'bf16', 'fp16' or 'fp32', got {precision!r}")
-    if minisequence_chunks is not None and (not isinstance(minisequence_chunks, int) or minisequence_chunks < 1):
-        raise ValueError(f"minisequence_chunks must be a positive int, got {minisequence_chunks!r}")
-    for name, flag in (("keep_logits", keep_logits), ("strict", strict)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be True or False, got {flag!r}")
-    b = Budget.parse(budget) if budget is not None else None
-    if recompute not in (None, "full", "selective"):
-        raise ValueError(f"recompute must be 'full', 'selective' or None, got {recompute!r}")
-    opts = {"minisequence_chunks": minisequence_chunks, "budget_bytes": b.bytes if b else None,
-            "budget_label": str(b) if b else None, "attention": attention, "precision": precision,
-            "precision_policy": _policy_items(precision, precision_policy),
-            "setup": setup, "recompute_policy": recompute, "keep_logits": keep_logits,
-            "strict": strict}
-    options = Options(passes=tuple(passes) if passes is not None else None,
-                      pass_options=tuple(sorted(opts.items())), lowering=lowering,
-                      predict=predict, verify=verify)
+    b, opts = pass_options(budget=budget, minisequence_chunks=minisequence_chunks, attention=attention,
+                           precision=precision, precision_policy=precision_policy, setup=setup,
+                           recompute=recompute, keep_logits=keep_logits, strict=strict)
+    options = Options(passes=check_passes(passes), pass_options=tuple(sorted(opts.items())),
+                      lowering=lowering, predict=check_flag("predict", predict), verify=check_flag("verify", verify))
     opt = OptimizedModule(model, options, b)
     if example_inputs is not None or example_kwargs is not None:
         args, kwargs = _split_examples(example_inputs, example_kwargs)
@@ -255,17 +261,6 @@ def _setup_for(model: nn.Module, setup: Any, optimizer: Optional[str]) -> Traini
         raise ValueError(f"setup {s.name!r} trains {s.param_dtype} parameters but the model's are {have}: "
                          f"call model.to({s.param_dtype}) first (tailorfx does not cast your model)")
     return s
-
-
-def _policy_items(precision: Optional[str], policy: Optional[dict]) -> Optional[tuple]:
-    """The user's precision-policy overrides, checked now and kept hashable for the compile cache."""
-    if policy is None:
-        return None
-    if precision is None:
-        raise ValueError("precision_policy= overrides the policy of precision='bf16'|'fp16'; pass precision too")
-    from tailorfx.passes.precision import resolve_policy
-    resolve_policy(precision, policy)   # fails now, naming the bad entry
-    return tuple(sorted(dict(policy).items()))
 
 
 def _build(model_or_config: Any, dtype: Optional[torch.dtype]) -> nn.Module:
@@ -331,6 +326,10 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
     weights and `optimizer`. The budget holds the steady state of that setup.
     """
     b = Budget.parse(budget)
+    positive_int("batch_size", batch_size)
+    positive_int("limit", limit, allow_none=False)
+    positive_int("granularity", granularity, allow_none=False)
+    passes = check_passes(passes)
     if setup is not None:
         s = resolve_setup(setup)
         if dtype is not None and dtype != s.param_dtype:

@@ -13,7 +13,8 @@ import torch
 import torch.fx as fx
 
 from tailorfx import planner
-from tailorfx.budget import BudgetError
+from tailorfx.budget import BudgetError, format_bytes
+from tailorfx.options import Options, backend_options
 from tailorfx.codegen import lower as lowering_mod
 from tailorfx.rewrite import cost, memory
 from tailorfx.rewrite.capture import SeqInfo, seq_info
@@ -51,18 +52,6 @@ class Session:
     graph_inputs: list = field(default_factory=list)       # runtime.optim.GraphInputs per graph
 
 
-@dataclass(frozen=True)
-class Options:
-    passes: Optional[tuple[str, ...]] = None
-    pass_options: tuple = ()          # sorted (key, value) pairs, hashable
-    lowering: str = "auto"
-    predict: bool = True
-    verify: bool = True
-
-    def options_dict(self) -> dict:
-        return dict(self.pass_options)
-
-
 class TailorBackend:
     """A Dynamo backend: (GraphModule, example_inputs) -> compiled callable."""
 
@@ -93,6 +82,7 @@ class TailorBackend:
             rewritten, records = pm.run(gm, PassContext(regions, seq, plan.options, idx))
             peaks = (pm.initial_peak, records[-1].peak_after if records else pm.initial_peak)
             _check_requested(self.options.passes, records, idx, bool(opts.get("strict")), notes)
+            _check_budget(self.options.passes, opts, peaks[1], seq)
         except ValueError:
             raise   # bad user options or an unreachable budget: say so, do not hide it behind a fallback
         except Exception as e:   # an unsupported graph: run it as captured, and say why
@@ -169,6 +159,17 @@ class TailorBackend:
         return planner.Plan(chosen.passes, o, reason, chosen, tuple(others))
 
 
+def _check_budget(requested, opts: dict, peak: Optional[int], seq: SeqInfo) -> None:
+    """Passes the user named under a budget: the predicted peak must fit (the planner's plans
+    are checked by the planner)."""
+    budget = opts.get("budget_bytes")
+    if requested is None or not budget or peak is None or peak <= budget:
+        return
+    raise BudgetError(f"passes {list(requested)} predict a peak of {format_bytes(peak)} at sequence length "
+                      f"{seq.length}, over the budget {opts.get('budget_label')}: drop passes= to let the "
+                      f"planner choose, or raise the budget", peak, "activations")
+
+
 class RewriteNotApplied(ValueError):
     """A rewrite the user asked for (strict=True) could not be applied; names regions and reasons."""
 
@@ -186,6 +187,8 @@ def _check_requested(requested, records: list[PassRecord], idx: int, strict: boo
     warnings.warn(msg)
 
 
-def tailorfx_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
-    """Entry point for `torch.compile(model, backend="tailorfx")`: the planner's default passes."""
-    return TailorBackend()(gm, example_inputs)
+def tailorfx_backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = None) -> Callable:
+    """Entry point for `torch.compile(model, backend="tailorfx", options={...})`: the planner's
+    default passes, or optimize()'s keywords given as options (passes, budget, ...)."""
+    opts, _ = backend_options(options)
+    return TailorBackend(opts)(gm, example_inputs)

@@ -11,12 +11,13 @@ import torch
 
 
 def _reference(args):
-    from tailorfx.models import LlamaConfig, LlamaLM
+    """An unmodified Hugging Face LlamaForCausalLM built from a config (random weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    return LlamaLM(LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                               intermediate_size=int(args.hidden * 2.6875), num_hidden_layers=args.layers,
-                               num_attention_heads=max(1, args.hidden // 64),
-                               num_key_value_heads=max(1, args.hidden // 256)))
+    return LlamaForCausalLM(LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                                        intermediate_size=int(args.hidden * 2.6875), num_hidden_layers=args.layers,
+                                        num_attention_heads=max(1, args.hidden // 64),
+                                        num_key_value_heads=max(1, args.hidden // 256)))
 
 
 def _batch(args, seq):
@@ -90,14 +91,32 @@ def cmd_bench(args):
     sys.exit(subprocess.call([sys.executable, script, *args.rest]))
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments: one line on stderr, exit code 2."""
+
+    def error(self, message):
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="tailorfx", description=__doc__)
+    ap = _Parser(prog="tailorfx", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def model_args(p):
-        p.add_argument("--vocab", type=int, default=32000)
-        p.add_argument("--hidden", type=int, default=512)
-        p.add_argument("--layers", type=int, default=4)
+        p.add_argument("--vocab", type=_positive, default=32000)
+        p.add_argument("--hidden", type=_positive, default=512)
+        p.add_argument("--layers", type=_positive, default=4)
         p.add_argument("--passes", nargs="*", default=None, help="default: the planner's choice")
 
     p = sub.add_parser("inspect", help="regions, passes and graphs of the reference model")
@@ -106,11 +125,11 @@ def main(argv=None):
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("plan", help="predicted peak per sequence length")
     model_args(p)
-    p.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192, 32768])
+    p.add_argument("--seqs", type=_positive, nargs="+", default=[2048, 8192, 32768])
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("demo", help="one training step, eager vs tailorfx")
     model_args(p)
-    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--seq", type=_positive, default=4096)
     p.add_argument("--timeline", default=None, help="write a PNG of the memory timeline here")
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("bench", help="run benchmarks/NAME.py with the remaining arguments")
@@ -118,7 +137,15 @@ def main(argv=None):
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_bench)
     args = ap.parse_args(argv)
-    args.fn(args)
+    if hasattr(args, "hidden"):
+        heads, kv = max(1, args.hidden // 64), max(1, args.hidden // 256)
+        if args.hidden % heads or heads % kv:
+            ap.error(f"--hidden {args.hidden} does not split into {heads} heads of 64 with {kv} KV heads; "
+                     f"use a multiple of 256 (or a size below 128)")
+    try:
+        args.fn(args)
+    except ValueError as e:   # bad options the library refused (a budget, a pass name): one line
+        ap.error(str(e).splitlines()[0])
 
 
 if __name__ == "__main__":

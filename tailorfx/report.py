@@ -66,7 +66,10 @@ class Report:
         S = self.session.seq_len
         if self.predict is None or not S or not self.session.graphs or self.session.graphs[0].seq.symbol is None:
             return None
-        return S, self.predict(S, False), self.predict(S, True)
+        try:
+            return S, self.predict(S, False), self.predict(S, True)
+        except RuntimeError:   # a graph that runs as captured cannot be predicted; its warning says why
+            return None
 
     def _memory_table(self) -> Optional[Table]:
         """The predicted peak split into the static part (held across steps) and the dynamic part."""

@@ -24,6 +24,7 @@ hands on its fp32 accumulator, the ops between compute in fp32 and save for back
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
@@ -104,7 +105,13 @@ def resolve_policy(precision: str, override: Any = None) -> dict[str, torch.dtyp
     if precision not in DTYPES:
         raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
     table = dict(POLICY)
-    table.update(dict(override.items() if isinstance(override, Mapping) else override or ()))
+    override = dict(override.items() if isinstance(override, Mapping) else override or ())
+    for key in override:
+        if key not in POLICY and not _is_op_name(key):
+            near = difflib.get_close_matches(str(key), list(POLICY), n=1)
+            raise ValueError(f"precision_policy key {key!r} is neither a policy entry ({sorted(POLICY)}) nor a "
+                             f"torch op name" + (f"; did you mean {near[0]!r}?" if near else ""))
+    table.update(override)
     out = {}
     for key, value in table.items():
         if key == "matmul_output":
@@ -116,6 +123,12 @@ def resolve_policy(precision: str, override: Any = None) -> dict[str, torch.dtyp
             raise ValueError(f"precision_policy[{key!r}] must be 'low' or one of {sorted(DTYPES)}, got {value!r}")
         out[key] = DTYPES[precision if value == LOW else value]
     return out
+
+
+def _is_op_name(key) -> bool:
+    """An op a policy entry may name (e.g. "tanh": "fp32")."""
+    return isinstance(key, str) and (hasattr(torch, key) or hasattr(torch.nn.functional, key)
+                                     or hasattr(torch.Tensor, key))
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,10 @@ def seq_info(gm: fx.GraphModule, seq_len: Optional[int]) -> SeqInfo:
                 break
     if symbol is not None and seq_len is None:
         seq_len = int(hints.get(symbol, 0))
+    if symbol is None and seq_len is None:   # a static capture through torch.compile: the ids' length
+        ids = [v for n in gm.graph.nodes if n.op == "placeholder" and isinstance(v := node_value(n), torch.Tensor)
+               and v.dim() == 2 and not v.is_floating_point() and isinstance(v.shape[1], int)]
+        seq_len = int(ids[0].shape[1]) if ids else None
     return SeqInfo(symbol=symbol, length=int(seq_len or 0), hints=hints)
 
 

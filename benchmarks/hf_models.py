@@ -1,0 +1,128 @@
+"""Unmodified Hugging Face causal LMs: measured peak and step time per variant, and the memory
+model's error across families, lengths and plans.
+
+Part 1 (HF LlamaForCausalLM, vocab 32000, hidden 256, 2 layers, fp32, batch 1): eager, tailorfx
+with no pass, mini-sequence, mini-sequence + recompute, and the planner under a budget of 45% of
+eager's step (weights + AdamW state + eager's measured forward+backward peak). Variants run in one
+process, timings interleaved. Part 2: predicted vs measured forward+backward peak for tiny configs
+of several families (vocab 8000, hidden 128, 2 layers) at three lengths and five plans.
+
+Peak = tailorfx.measure_peak (the allocator's events) of `out = model(**batch); out.loss.backward()`
+(the output held through backward, as a training loop holds it), gradients freed before.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import tailorfx  # noqa: E402
+from common import hf_llama_model, lm_batch, measure_step, mib, print_table, time_it, train_step, write_json  # noqa: E402
+
+
+def static_bytes(model) -> int:
+    """Weights + fp32 AdamW state (two moments), what a training step holds besides its peak."""
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def part1(S: int, reps: int) -> dict:
+    base = hf_llama_model(hidden=256, layers=2)
+    inputs = lm_batch(S)
+    eager_peak = measure_step(base, list(base.parameters()), inputs)
+    budget = int(0.45 * (static_bytes(base) + eager_peak))
+    variants = {"eager": base}
+    for name, kw in (("tailorfx, no pass", {"passes": []}),
+                     ("tailorfx minisequence", {"passes": ["minisequence"]}),
+                     ("tailorfx minisequence + recompute", {"passes": ["minisequence", "recompute"]}),
+                     ("tailorfx planner, budget 45% of eager", {"budget": budget})):
+        variants[name] = tailorfx.optimize(copy.deepcopy(base), example_inputs=inputs, **kw)
+    params = {k: list(m.parameters()) for k, m in variants.items()}
+    steps = {k: train_step(m, params[k], inputs) for k, m in variants.items()}
+    for f in steps.values():
+        f()
+    peaks = {k: measure_step(m, params[k], inputs) for k, m in variants.items()}
+    times = {k: 0.0 for k in steps}
+    for _ in range(reps):
+        for k, f in steps.items():
+            times[k] += time_it(f, 1) / reps
+    rows, out = [], {"seq": S, "budget_bytes": budget, "static_bytes": static_bytes(base), "variants": {}}
+    for k, m in variants.items():
+        pred = m.predict_memory(S).forward_backward_peak_bytes if k != "eager" else None
+        plan = [g.plan.passes for g in m.session.graphs] if k != "eager" else "-"
+        total = static_bytes(base) + peaks[k]
+        out["variants"][k] = {"peak_bytes": peaks[k], "predicted_bytes": pred, "seconds": times[k],
+                              "step_total_bytes": total, "plan": plan}
+        rows.append([k, mib(peaks[k]), mib(pred) if pred else "-",
+                     f"{(pred - peaks[k]) / peaks[k] * 100:+.2f}%" if pred else "-",
+                     f"{peaks[k] / peaks['eager']:.3f}", f"{times[k]:.2f}", f"{times[k] / times['eager']:.2f}",
+                     f"{mib(total)} ({'meets' if total <= budget else 'over'} {mib(budget)})"
+                     if "planner" in k else mib(total)])
+    print_table(f"HF LlamaForCausalLM (vocab 32000, hidden 256, 2 layers, fp32), S={S}, batch 1",
+                ["variant", "measured fwd+bwd MiB", "predicted MiB", "pred err", "peak / eager", "step s",
+                 "time / eager", "step total (weights + AdamW state + peak) MiB"], rows)
+    return out
+
+
+PLANS = {"none": [], "minisequence": ["minisequence"], "recompute": ["recompute"],
+         "minisequence + recompute": ["minisequence", "recompute"]}
+
+
+def part2(families, seqs) -> list:
+    from models import hf_family
+    rows, out = [], []
+    for family in families:
+        size = {"n_embd": 128} if family == "gpt2" else {"hidden_size": 128, "intermediate_size": 352}
+        model = hf_family(family, vocab_size=8000, **size)
+        params = list(model.parameters())
+        plans = dict(PLANS)
+        for name, passes in plans.items():
+            torch._dynamo.reset()
+            opt = tailorfx.optimize(model, passes=passes)
+            errs = []
+            for S in seqs:
+                inputs = lm_batch(S, vocab=8000)
+                train_step(opt, params, inputs)()
+                measured = measure_step(opt, params, inputs)
+                predicted = opt.predict_memory(S).forward_backward_peak_bytes
+                errs.append((predicted - measured) / measured)
+                out.append({"family": family, "plan": name, "seq": S, "measured_bytes": measured,
+                            "predicted_bytes": predicted})
+            rows.append([family, name] + [f"{e * 100:+.2f}%" for e in errs])
+        # the planner's choice at a budget between the smallest plan and no plan, at the middle length
+        S = seqs[len(seqs) // 2]
+        torch._dynamo.reset()
+        inputs = lm_batch(S, vocab=8000)
+        smallest = [r for r in out if r["family"] == family and r["seq"] == S]
+        budget = static_bytes(model) + (min(r["measured_bytes"] for r in smallest)
+                                        + max(r["measured_bytes"] for r in smallest)) // 2
+        opt = tailorfx.optimize(model, budget=budget, example_inputs=inputs)
+        measured = measure_step(opt, params, inputs)
+        predicted = opt.predict_memory(S).forward_backward_peak_bytes
+        out.append({"family": family, "plan": "planner", "seq": S, "measured_bytes": measured,
+                    "predicted_bytes": predicted, "passes": [g.plan.passes for g in opt.session.graphs]})
+        rows.append([family, f"planner ({'+'.join(opt.session.graphs[0].plan.passes) or 'none'})"]
+                    + [f"{(predicted - measured) / measured * 100:+.2f}%" if s == S else "" for s in seqs])
+    print_table("Memory model on HF families: (predicted - measured) / measured, forward+backward peak",
+                ["family", "plan"] + [f"S={s}" for s in seqs], rows)
+    return out
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--families", nargs="*", default=["llama", "gpt2", "qwen2", "gemma2", "mixtral", "phi3"])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[256, 1024, 2048])
+    ap.add_argument("--skip-part1", action="store_true")
+    a = ap.parse_args()
+    result = {}
+    if not a.skip_part1:
+        result["llama"] = part1(a.seq, a.reps)
+    if a.families:
+        result["families"] = part2(a.families, a.seqs)
+    print("wrote", write_json("hf_models.json", result))

@@ -1,0 +1,75 @@
+"""Bad input gets one clear error naming the parameter, the value and what is allowed; a budget
+is a promise kept at every length."""
+import pytest
+import torch
+
+import tailorfx
+from models import batch, hf_config, hf_llama
+from tailorfx import cli
+
+
+def test_passes_given_as_a_string():
+    with pytest.raises(ValueError, match=r"passes='minisequence' is not valid: give a list of pass names, "
+                                         r"e.g. passes=\['minisequence'\]"):
+        tailorfx.optimize(hf_llama(), passes="minisequence")
+
+
+def test_unknown_pass_suggests_the_close_one():
+    with pytest.raises(ValueError, match=r"unknown pass 'minisequance'.*did you mean 'minisequence'"):
+        tailorfx.optimize(hf_llama(), passes=["minisequance"])
+
+
+def test_precision_policy_typo():
+    with pytest.raises(ValueError, match=r"precision_policy key 'mlpx'.*did you mean 'mlp'"):
+        tailorfx.optimize(hf_llama(), precision="bf16", precision_policy={"mlpx": "fp32"})
+
+
+@pytest.mark.parametrize("name,value", [("keep_logits", "yes"), ("strict", 1), ("minisequence_chunks", 0)])
+def test_flags_and_counts(name, value):
+    with pytest.raises(ValueError, match=f"{name}={value!r} is not valid"):
+        tailorfx.optimize(hf_llama(), **{name: value})
+
+
+@pytest.mark.parametrize("granularity", [-5, 0])
+def test_max_seq_len_granularity(granularity):
+    with pytest.raises(ValueError, match=f"granularity={granularity} is not valid: a positive int"):
+        tailorfx.max_seq_len(hf_config("llama"), "1GB", granularity=granularity)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "--seqs", "-5"], "argument --seqs: must be a positive integer, got '-5'"),
+    (["inspect", "--hidden", "0"], "argument --hidden: must be a positive integer, got '0'"),
+    (["inspect", "--hidden", "1100"], "--hidden 1100 does not split"),
+])
+def test_cli_bad_numbers_exit_2_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_backend_options():
+    model = hf_llama()
+    out = torch.compile(model, backend="tailorfx", options={"passes": ["minisequence"], "minisequence_chunks": 2})(
+        **batch())
+    assert out.logits is None   # the fused head fired
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"unknown tailorfx backend option\(s\) \['bogus'\]; allowed: \['passes'"):
+        torch.compile(hf_llama(), backend="tailorfx", options={"bogus": 1})(**batch())
+
+
+def test_budget_with_named_passes_is_checked():
+    with pytest.raises(tailorfx.BudgetError, match=r"passes \['minisequence'\] predict a peak of .* over the "
+                                                   r"budget 1KiB"):
+        tailorfx.optimize(hf_llama(), budget="1KiB", passes=["minisequence"], example_inputs=batch())
+
+
+def test_a_new_length_is_rechecked_against_the_budget():
+    model = hf_llama()
+    planned = tailorfx.optimize(model, passes=["minisequence"], example_inputs=batch(B=1, S=64))
+    fits = planned.predict_memory(64).peak_bytes
+    opt = tailorfx.optimize(model, budget=int(fits * 1.05), passes=["minisequence"], example_inputs=batch(B=1, S=64))
+    opt(**batch(B=1, S=60))   # shorter: fits
+    with pytest.raises(tailorfx.BudgetError, match=r"at sequence length 256 the plan made for 64 predicts"):
+        opt(**batch(B=1, S=256))
