@@ -169,3 +169,24 @@ def test_wrapper_saves_loads_and_looks_like_the_model():
     assert set(opt.state_dict()) == set(model.state_dict())
     assert opt.config is model.config
     assert inspect.signature(opt.forward) == inspect.signature(model.forward)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2", "mixtral"])
+def test_memory_model_on_hf_families(family):
+    """Predicted forward+backward peak within 3% of the measured one (allocator events), and never
+    below it by more than 2% (a budget is a promise), per plan and length, one capture per plan."""
+    size = {"n_embd": 128} if family == "gpt2" else {"hidden_size": 128, "intermediate_size": 352}
+    model = hf_family(family, vocab_size=8000, **size)
+    errors = {}
+    for name, passes in {"none": [], "minisequence": ["minisequence"], "recompute": ["recompute"],
+                         "minisequence+recompute": ["minisequence", "recompute"]}.items():
+        torch._dynamo.reset()
+        opt = tailorfx.optimize(model, passes=passes)
+        for S in (256, 1024):
+            ids = torch.randint(0, 8000, (1, S))
+            measured = _peak_of_step(opt, model, {"input_ids": ids, "labels": ids.clone()})
+            predicted = opt.predict_memory(S).forward_backward_peak_bytes
+            errors[(name, S)] = (predicted - measured) / measured
+    bad = {k: f"{e:+.2%}" for k, e in errors.items() if abs(e) > 0.03 or e < -0.02}
+    assert not bad, bad

@@ -147,8 +147,8 @@ class MiniSequence:
         self._declare_linear_tail(gm, key, members, x, region, nodes, out, ctx, x_dims[0])
         tokens = _tokens(xv, x_dims[0], ctx)
         fwd, bwd = _region_cost(members, out, ctx, tokens)
-        bwd = _simulated_backward_cost(sub, ctx, tokens, _hint_bytes(ov, ctx)) or bwd
-        ops.set_region_cost(key, fwd, bwd)
+        bwd, bwd_const = _simulated_backward_cost(sub, ctx, tokens, _hint_bytes(ov, ctx)) or (bwd, 0.0)
+        ops.set_region_cost(key, fwd, bwd, bwd_const)
         m = self._chunks(gm, x, x_dims[0], auto_chunks(inner, _hint_bytes(xv, ctx)), out)
         with gm.graph.inserting_after(out):
             new = gm.graph.call_function(torch.ops.tailorfx.token_chunked.default,
@@ -319,21 +319,35 @@ def _region_cost(members: list[fx.Node], out: fx.Node, ctx: PassContext, tokens:
     return peak / tokens, (total + 2 * largest) / tokens
 
 
-def _simulated_backward_cost(sub: fx.GraphModule, ctx: PassContext, tokens: int, out_bytes: int) -> Optional[float]:
-    """Per-token bytes one chunk holds in backward, from the memory model: the region's forward
-    (what autograd saves when the chunk is recomputed) and backward simulated on fake tensors, less
-    the gradients (the op's outputs, counted by the graph) and the incoming output gradient (the
-    op's input). None when the region cannot be traced on its own."""
+def _simulated_backward_cost(sub: fx.GraphModule, ctx: PassContext, tokens: int,
+                             out_bytes: int) -> Optional[tuple[float, float]]:
+    """(bytes per token, bytes per chunk) one chunk holds in backward, from the memory model: the
+    region's forward (what autograd saves when the chunk is recomputed) and backward simulated on
+    fake tensors, less the gradients (the op's outputs, counted by the graph) and the incoming
+    output gradient (the op's input). Simulated at the captured length and twice it, so weight-
+    sized transients are not scaled with the chunk. None when the region cannot be traced alone."""
     from tailorfx.rewrite import memory
     traced = clone(sub)   # AOTAutograd wants a tuple of outputs
     output = next(n for n in reversed(traced.graph.nodes) if n.op == "output")
     output.args = ((output.args[0],),)
     traced.recompile()
+    length = ctx.seq.length
     try:
-        est = memory.simulate_step([memory.trace_step(traced)], ctx.seq, None, optimizer=None)
+        step = memory.trace_step(traced)
+
+        def held(seq_len):
+            est = memory.simulate_step([step], ctx.seq, seq_len, optimizer=None)
+            return est.forward_backward_peak_bytes - est.grads_at_peak
     except Exception:   # the estimate by hand (_region_cost) stands in
         return None
-    return max(0, est.forward_backward_peak_bytes - est.grads_at_peak - out_bytes) / tokens
+    if ctx.seq.symbol is None or not length:
+        return max(0, held(None) - out_bytes) / tokens, 0.0
+    try:
+        one, two = held(length), held(2 * length)
+    except Exception:
+        return None
+    per_token = max(0.0, (two - one - out_bytes) / tokens)   # out_bytes and tokens double with the length
+    return per_token, max(0.0, one - out_bytes - per_token * tokens)
 
 
 def _shares_storage(n: fx.Node, a: fx.Node) -> bool:

@@ -84,12 +84,14 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
 
 
 # Per region key: (forward, backward) bytes a chunk holds inside the op, per token of the chunk.
-_REGION_COST: dict[str, tuple[float, float]] = {}
+_REGION_COST: dict[str, tuple[float, float, float]] = {}
 
 
-def set_region_cost(key: str, forward_per_token: float, backward_per_token: float) -> None:
-    """What one token of a chunk costs inside the op, so the memory model sees the transients."""
-    _REGION_COST[key] = (forward_per_token, backward_per_token)
+def set_region_cost(key: str, forward_per_token: float, backward_per_token: float,
+                    backward_per_chunk: float = 0.0) -> None:
+    """What one token of a chunk costs inside the op, so the memory model sees the transients;
+    `backward_per_chunk`: bytes a chunk's backward holds whatever its length (weight-sized)."""
+    _REGION_COST[key] = (forward_per_token, backward_per_token, backward_per_chunk)
 
 
 def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
@@ -102,11 +104,12 @@ def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
         key = args[0]
         seq = args[1] if op_name == "token_chunked" else args[2]
         seq_dim, n = (args[3], args[4]) if op_name == "token_chunked" else (args[4], args[5])
-        fwd, bwd = _REGION_COST.get(key, (0.0, 0.0))
+        fwd, bwd, bwd_const = _REGION_COST.get(key, (0.0, 0.0, 0.0))
         tokens = as_int(seq[0].numel()) // max(1, as_int(seq[0].shape[-1])) if seq else 0
         n = max(1, min(as_int(n), tokens or 1))
-        per = fwd if op_name == "token_chunked" else bwd
-        return int(per * -(-tokens // n))
+        if op_name == "token_chunked":
+            return int(fwd * -(-tokens // n))
+        return int(bwd * -(-tokens // n) + bwd_const)
     if op_name.startswith("chunked_linear_cross_entropy"):
         hidden, weight = args[0], args[1]
         n_rows, vocab = as_int(hidden.shape[0]), as_int(weight.shape[0])
