@@ -103,8 +103,11 @@ class OptimizedModule(nn.Module):
         checked.add(seq_len)
 
     def _fall_back(self, e: Exception) -> None:
-        reason = f"capture failed, running the model eagerly (nothing rewritten): {type(e).__name__}: " \
-                 f"{str(e).splitlines()[0] if str(e) else ''}"
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        # Dynamo's "Explanation:" line names the op it could not run (e.g. one with no fake impl)
+        why = next((line[len("Explanation:"):].strip() for line in lines if line.startswith("Explanation:")), "")
+        reason = (f"capture failed, running the model eagerly (nothing rewritten): {type(e).__name__}: "
+                  f"{lines[0] if lines else ''}" + (f": {why}" if why else ""))
         self.__dict__["_eager_reason"] = reason
         self.session.warnings.append(reason)
         warnings.warn(reason)

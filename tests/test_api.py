@@ -104,6 +104,42 @@ class Untraceable(torch.nn.Module):
         return y * scale
 
 
+@torch.library.custom_op("tailorfx_test::no_fake", mutates_args=())
+def _no_fake(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+_no_fake.register_autograd(lambda ctx, g: g * 2)
+
+
+class NoFakeImpl(torch.nn.Module):
+    """An op with no fake (meta) implementation: Dynamo cannot trace through it."""
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, input_ids=None, labels=None, x=None):
+        return self.b(_no_fake(self.a(x))).square().mean()
+
+
+def test_op_without_fake_impl_falls_back_exactly_and_names_the_op():
+    model = NoFakeImpl()
+    ref = NoFakeImpl()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(2, 5, 8)
+    opt = tailorfx.optimize(model, passes=["minisequence"])
+    with pytest.warns(UserWarning, match=r"capture failed, running the model eagerly .*no fake impl registered "
+                                         r"for <CustomOpDef\(tailorfx_test::no_fake\)>"):
+        loss = opt(x=x)
+    loss.backward()
+    ref(x=x).backward()
+    assert opt.graph_records == []   # nothing compiled: it really fell back
+    assert "tailorfx_test::no_fake" in str(opt.report()).replace("\n", "")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_model_that_cannot_be_captured_still_runs():
     m = Untraceable()
     x = torch.randn(3, 4)

@@ -64,14 +64,23 @@ def seq_info(gm: fx.GraphModule, seq_len: Optional[int]) -> SeqInfo:
     """Find the sequence symbol: the SymInt placeholder whose hint equals the example length."""
     fake_mode = compat.detect_fake_mode([node_value(n) for n in gm.graph.nodes if n.op == "placeholder"])
     hints = compat.shape_env_hints(fake_mode) if fake_mode is not None else {}
-    symbol = None
+    # The symbol most of the graph's tensors are sized by: inputs of the same length (ids, labels,
+    # a padding mask) may each get a symbol of their own.
+    counts: dict = {}
     for n in gm.graph.nodes:
         v = node_value(n)
-        if n.op == "placeholder" and isinstance(v, torch.SymInt):
+        if isinstance(v, torch.Tensor):
+            for d in v.shape:
+                e = compat.sym_expr(d)
+                if isinstance(e, sympy.Symbol) and (seq_len is None or hints.get(e) == seq_len):
+                    counts[e] = counts.get(e, 0) + 1
+    symbol = max(counts, key=counts.get) if counts else None
+    for n in gm.graph.nodes:
+        v = node_value(n)
+        if symbol is None and n.op == "placeholder" and isinstance(v, torch.SymInt):
             e = compat.sym_expr(v)
             if isinstance(e, sympy.Symbol) and (seq_len is None or hints.get(e) == seq_len):
                 symbol = e
-                break
     if symbol is not None and seq_len is None:
         seq_len = int(hints.get(symbol, 0))
     if symbol is None and seq_len is None:   # a static capture through torch.compile: the ids' length

@@ -113,6 +113,8 @@ class Sizer:
         for s in seqs:
             if s.symbol is not None and seq_len is not None:
                 self.subs[s.symbol] = seq_len
+                # inputs of the same length (a padding mask) may carry symbols of their own
+                self.subs.update({k: seq_len for k, v in s.hints.items() if v == s.length and s.length > 1})
         self._cache: dict = {}
 
     def as_int(self, x) -> int:
