@@ -1,7 +1,7 @@
 """The torch.compile backend "tailorfx": analyse, plan, rewrite and lower each Dynamo graph.
 
 `optimize()` and `torch.compile(model, backend="tailorfx")` share this path, so both see and do
-the same thing. A graph the pipeline cannot handle is lowered unchanged and the reason recorded.
+the same thing. A graph the pipeline cannot handle runs as captured and the reason is recorded.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class TailorBackend:
             pm = PassManager(planner.build_pipeline(plan), predict=predict, run_verify=self.options.verify)
             rewritten, records = pm.run(gm, PassContext(regions, seq, plan.options, idx))
             peaks = (pm.initial_peak, records[-1].peak_after if records else pm.initial_peak)
-            _check_requested(self.options.passes, records, idx, bool(opts.get("strict")), notes)
+            _check_requested(_requested(self.options.passes, opts), records, idx, bool(opts.get("strict")), notes)
             _check_budget(self.options.passes, opts, peaks[1], seq)
         except ValueError:
             raise   # bad user options or an unreachable budget: say so, do not hide it behind a fallback
@@ -172,6 +172,14 @@ def _check_budget(requested, opts: dict, peak: Optional[int], seq: SeqInfo) -> N
 
 class RewriteNotApplied(ValueError):
     """A rewrite the user asked for (strict=True) could not be applied; names regions and reasons."""
+
+
+def _requested(passes, opts: dict) -> set[str]:
+    """The passes the user asked for: named ones, and those an option asks for (an attention
+    spec, a precision, a recompute policy) when the planner chooses."""
+    asked = {name for name, key in (("attention", "attention"), ("precision", "precision"),
+                                    ("recompute", "recompute_policy")) if opts.get(key) is not None}
+    return set(passes) if passes is not None else asked
 
 
 def _check_requested(requested, records: list[PassRecord], idx: int, strict: bool, notes: list[str]) -> None:

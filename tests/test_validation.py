@@ -73,3 +73,16 @@ def test_a_new_length_is_rechecked_against_the_budget():
     opt(**batch(B=1, S=60))   # shorter: fits
     with pytest.raises(tailorfx.BudgetError, match=r"at sequence length 256 the plan made for 64 predicts"):
         opt(**batch(B=1, S=256))
+
+
+def test_requested_sparse_attention_that_cannot_apply_warns():
+    """A padded batch's mask cannot be proved causal: the sliding window the user asked for is not
+    applied, and that is a warning naming the region and the reason (an error with strict=True)."""
+    inputs = batch(S=24, pad=4)
+    inputs["attention_mask"] = (inputs["labels"] != -100).long()
+    window = tailorfx.attention.SlidingWindow(8)
+    with pytest.warns(UserWarning, match=r"requested rewrites not applied: attention: model.layers.0.self_attn: "
+                                         r"mask depends on graph input"):
+        tailorfx.optimize(hf_llama(), attention=window, example_inputs=inputs)
+    with pytest.raises(ValueError, match=r"strict=True"):
+        tailorfx.optimize(hf_llama(), attention=window, strict=True, example_inputs=inputs)
