@@ -174,10 +174,9 @@ class SlidingWindow(AttentionSpec):
     global_tokens: int = 0
 
     def __post_init__(self):
-        if self.window < 1 or self.global_tokens < 0:
-            raise ValueError(
-                f"SlidingWindow: window {self.window}, global_tokens {self.global_tokens}"
-            )
+        for name, value, least in (("window", self.window, 1), ("global_tokens", self.global_tokens, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"SlidingWindow({name}={value!r}) is not valid: an int >= {least} (tokens)")
 
     def _pattern_weights(self, S, num_heads, device):
         i = torch.arange(S, device=device)[:, None]
@@ -217,8 +216,12 @@ class BigBird(AttentionSpec):
     seed: int = 0
 
     def __post_init__(self):
+        for name in ("block", "window", "num_global", "num_random", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"BigBird({name}={value!r}) is not valid: an int")
         if self.block < 1 or min(self.window, self.num_global, self.num_random) < 0:
-            raise ValueError(f"BigBird: invalid parameters {self}")
+            raise ValueError(f"BigBird: invalid parameters {self} (block >= 1, the others >= 0)")
 
     def _block_rows(self, qb0: int, qb1: int, num_blocks: int) -> Tensor:
         qb = torch.arange(qb0, qb1)[:, None]

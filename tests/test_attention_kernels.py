@@ -214,7 +214,7 @@ def test_bfloat16_inputs_accumulate_in_fp32():
 
 
 def test_invalid_specs_and_shapes_raise():
-    with pytest.raises(ValueError, match="window 0"):
+    with pytest.raises(ValueError, match=r"window=0\) is not valid"):
         SlidingWindow(0)
     with pytest.raises(ValueError, match="segments"):
         Dilated([8, 16], [1])

@@ -86,3 +86,14 @@ def test_requested_sparse_attention_that_cannot_apply_warns():
         tailorfx.optimize(hf_llama(), attention=window, example_inputs=inputs)
     with pytest.raises(ValueError, match=r"strict=True"):
         tailorfx.optimize(hf_llama(), attention=window, strict=True, example_inputs=inputs)
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: tailorfx.attention.SlidingWindow(2.5), r"SlidingWindow\(window=2.5\) is not valid: an int >= 1"),
+    (lambda: tailorfx.attention.SlidingWindow(0), r"SlidingWindow\(window=0\) is not valid"),
+    (lambda: tailorfx.attention.BigBird(block=16.0, window=1, num_global=1, num_random=1),
+     r"BigBird\(block=16.0\) is not valid"),
+])
+def test_attention_specs_refuse_bad_numbers(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
