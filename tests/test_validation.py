@@ -97,3 +97,12 @@ def test_requested_sparse_attention_that_cannot_apply_warns():
 def test_attention_specs_refuse_bad_numbers(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_gradient_checkpointing_hides_the_mlps_and_says_so():
+    from models import hf_family
+    model = hf_family("llama")
+    model.gradient_checkpointing_enable()
+    with pytest.warns(UserWarning, match=r"minisequence: \(graph\): no MLP region is visible: the layers run under "
+                                         r"torch.utils.checkpoint"):
+        tailorfx.optimize(model, passes=["minisequence"], example_inputs=batch())

@@ -96,6 +96,11 @@ class MiniSequence:
             why = self._rewrite_mlp(gm, nodes, region, ctx, done)
             if why:
                 skipped.append(f"{region.path}: {why}")
+        if not ctx.regions.of_kind("mlp") and any(match.op_name(n) == "tag_activation_checkpoint"
+                                                  for n in gm.graph.nodes):
+            skipped.append("(graph): no MLP region is visible: the layers run under torch.utils.checkpoint "
+                           "(model.gradient_checkpointing_enable()), opaque to tailorfx; call "
+                           "model.gradient_checkpointing_disable() and add 'recompute' to passes instead")
         by_request = {}
         for region in ctx.regions.of_kind("lm_head_loss"):
             why = self._rewrite_head(gm, nodes, region, ctx, done)
