@@ -25,11 +25,10 @@ CANNOT = {
 }
 
 
-# Twelve of the families in tests/models.py (dense, GQA, MoE, soft-capping, logit scale, tied
-# embeddings, parallel blocks, GPT-2's Conv1D); the other five (mistral, qwen3, stablelm,
-# starcoder2, gemma3_text) pass too and are left out to keep the suite's time.
-SWEEP = ["llama", "qwen2", "phi3", "olmo2", "gpt_neox", "falcon", "gemma2", "cohere", "mixtral", "qwen2_moe",
-         "olmoe", "gpt2"]
+# Ten of the families in tests/models.py (dense, GQA, MoE, soft-capping, logit scale, tied
+# embeddings, parallel blocks, GPT-2's Conv1D); the others (mistral, qwen3, olmo2, falcon,
+# stablelm, starcoder2, gemma3_text) pass too and are left out to keep the suite's time.
+SWEEP = ["llama", "qwen2", "phi3", "gpt_neox", "gemma2", "cohere", "mixtral", "qwen2_moe", "olmoe", "gpt2"]
 
 
 @pytest.mark.slow
@@ -179,7 +178,7 @@ def test_wrapper_saves_loads_and_looks_like_the_model():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_memory_model_on_hf_families(family):
     """Predicted forward+backward peak within 3% of the measured one (allocator events), and never
     below it by more than 2% (a budget is a promise), per plan and length, one capture per plan."""

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import tailorfx
 from models import hf_family
 
-EXAMPLES = int(os.environ.get("TAILORFX_PROPERTY_EXAMPLES", "3"))
+EXAMPLES = int(os.environ.get("TAILORFX_PROPERTY_EXAMPLES", "2"))
 KIND = {"attention": "attention", "minisequence": "mlp", "recompute": "block"}
 
 
