@@ -8,6 +8,9 @@ chunks); only which intermediates exist at once changes.
 
     before:  loss = cross_entropy(linear(h, W).float().view(-1, V), labels)   # S x V logits
     after:   loss = chunked_linear_cross_entropy(h.reshape(-1, H), W, None, labels, num_chunks=M)
+
+A model that also returns the logits (Hugging Face's) returns None for them in training; with
+keep_logits=True, in eval mode or under no_grad the head is left as it is.
 """
 from __future__ import annotations
 
