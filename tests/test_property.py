@@ -3,7 +3,6 @@ run equals eager (loss and every gradient), and every requested rewrite fired or
 
 CI runs a short profile; TAILORFX_PROPERTY_EXAMPLES=200 runs the long one (marked slow).
 """
-import copy
 import os
 
 import torch
@@ -11,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tailorfx
+from harness import compare_with_eager
 from models import hf_family
 
 EXAMPLES = int(os.environ.get("TAILORFX_PROPERTY_EXAMPLES", "2"))
@@ -49,21 +49,14 @@ def _inputs(B, S, pad, use_mask, seed):
 def test_random_models_equal_eager_and_report_every_request(case):
     family, B, S, pad, use_mask, passes, seed = case
     torch._dynamo.reset()
-    model = hf_family(family, seed=seed % 7)
-    ref = copy.deepcopy(model)
-    inputs = _inputs(B, S, pad, use_mask, seed)
-    opt = tailorfx.optimize(model, passes=passes)
-    loss = opt(**inputs).loss
-    loss.backward()
-    loss_ref = ref(**inputs).loss
-    loss_ref.backward()
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-6)
-    ref_grads = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        if ref_grads[name].grad is None:
-            assert p.grad is None or not p.grad.any(), name
-            continue
-        torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+    holder = {}
+
+    def wrap(m):
+        holder["opt"] = tailorfx.optimize(m, passes=passes)
+        return holder["opt"]
+    compare_with_eager(hf_family(family, seed=seed % 7), _inputs(B, S, pad, use_mask, seed), wrap,
+                       rtol=1e-4, atol=1e-5)
+    opt = holder["opt"]
     for g in opt.graph_records:
         if g.failed:   # the graph ran as captured: the report says so
             assert g.warnings
