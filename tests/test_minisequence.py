@@ -225,3 +225,17 @@ def test_measured_peak_drops_and_prediction_holds():
     predicted = opt.predict_memory(seq_len=4096).dynamic_peak_bytes
     assert peak_ms < 0.6 * peak_eager, (peak_ms, peak_eager)
     assert abs(predicted - peak_ms) / peak_ms < 0.10, (predicted, peak_ms)
+
+
+def test_batch_size_change_keeps_mlps_chunked():
+    """A second batch size makes Dynamo's batch dim dynamic: regions read that size from outside,
+    and it is re-read from the chunk (was: "uses s52 from outside the region", MLPs left whole)."""
+    tailorfx.optimize(hf_gpt2(), passes=["minisequence"], example_inputs=batch(B=3, S=21))
+    holder = {}
+
+    def wrap(m):
+        holder["opt"] = tailorfx.optimize(m, passes=["minisequence"], minisequence_chunks=2)
+        return holder["opt"]
+    compare_with_eager(hf_gpt2(), batch(B=4, S=21, pad=3), wrap, rtol=1e-4, atol=1e-6)
+    touched = [t.split(" ")[0] for g in holder["opt"].graph_records for r in g.records for t in r.touched]
+    assert touched == ["transformer.h.0.mlp", "transformer.h.1.mlp", "lm_head"]

@@ -148,7 +148,7 @@ class MiniSequence:
         try:
             _check_deterministic(members)
             sub = _extract(gm, members, [x] + [nodes[p] for p in region.params], out,
-                           ctx.seq.symbol, x_dims[0])
+                           ctx.seq.symbol, x_dims[0], ctx.seq.hints)
         except _Unsupported as e:
             return str(e)
         key = ops.register_region(sub)
@@ -182,7 +182,8 @@ class MiniSequence:
         if a not in members or w not in params or (b is not None and b not in params):
             return
         try:
-            pre = _extract(gm, members[:members.index(out)], [x] + params, a, ctx.seq.symbol, seq_dim)
+            pre = _extract(gm, members[:members.index(out)], [x] + params, a, ctx.seq.symbol, seq_dim,
+                           ctx.seq.hints)
         except _Unsupported:
             return
         ops.set_region_linear_tail(key, pre, params.index(w), params.index(b) if b is not None else -1)
@@ -423,11 +424,12 @@ def _check_deterministic(members: list[fx.Node]) -> None:
 
 
 def _extract(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node], out: fx.Node,
-             seq_symbol, seq_dim: int) -> fx.GraphModule:
+             seq_symbol, seq_dim: int, seq_hints: Optional[dict] = None) -> fx.GraphModule:
     """The region as its own GraphModule: f(x, *params) -> out.
 
-    A size taken from outside (Dynamo passes the sequence length as a SymInt graph input) is
-    re-read from the chunk, `x.size(seq_dim)`, so the region is correct on any chunk length.
+    A size taken from outside (Dynamo passes the sequence length as a SymInt graph input; inputs
+    of the same length, such as labels, may carry a symbol of their own) is re-read from the
+    chunk, `x.size(seq_dim)`, so the region is correct on any chunk length.
     """
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -439,9 +441,16 @@ def _extract(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node], 
     def arg(a: fx.Node) -> fx.Node:
         if a not in env:
             v = node_value(a)
-            if a in member_set or not isinstance(v, torch.SymInt) or compat.sym_expr(v) != seq_symbol:
+            same_length = isinstance(v, torch.SymInt) and (
+                compat.sym_expr(v) == seq_symbol
+                or (seq_hints is not None and seq_hints.get(compat.sym_expr(v)) == seq_hints.get(seq_symbol)))
+            # another dim of the input (a dynamic batch size) is re-read from the chunk as well
+            xv = node_value(inputs[0])
+            other = [d for d, size in enumerate(getattr(xv, "shape", ())) if d != seq_dim and isinstance(v, torch.SymInt)
+                     and compat.sym_expr(size) == compat.sym_expr(v)]
+            if a in member_set or not (same_length or other):
                 raise _Unsupported(f"uses {a.name} from outside the region")
-            env[a] = g.call_method("size", (env[inputs[0]], seq_dim))
+            env[a] = g.call_method("size", (env[inputs[0]], seq_dim if same_length else other[0]))
         return env[a]
 
     for n in members:
