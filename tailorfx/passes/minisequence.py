@@ -407,14 +407,11 @@ class _Unsupported(Exception):
     """The region cannot be chunked; the message says why."""
 
 
-_RANDOM_OPS = frozenset({"dropout", "native_dropout", "rand", "randn", "rand_like", "randn_like",
-                         "bernoulli", "randint", "multinomial"})
-
 
 def _check_deterministic(members: list[fx.Node]) -> None:
     """Chunks are recomputed in backward: a random op would draw a different mask there."""
     for n in members:
-        if match.op_name(n) in _RANDOM_OPS:
+        if match.op_name(n) in match.RANDOM_OPS:
             p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
             training = n.args[2] if len(n.args) > 2 else n.kwargs.get("training", True)
             if match.op_name(n).endswith("dropout") and (p == 0 or training is False):

@@ -105,15 +105,12 @@ def _prefix_chain(out: fx.Node) -> Optional[list[fx.Node]]:
         if n in seen or n.op == "placeholder":
             continue
         seen.add(n)
-        if n.op not in ("call_function", "call_method") or match.op_name(n) in _RANDOM_OPS:
+        if n.op not in ("call_function", "call_method") or match.op_name(n) in match.RANDOM_OPS:
             return None
         members.append(n)
         todo.extend(n.all_input_nodes)
     return members
 
-
-_RANDOM_OPS = frozenset({"dropout", "native_dropout", "rand", "randn", "rand_like", "randn_like",
-                         "bernoulli", "randint", "multinomial", "randperm", "normal", "uniform"})
 
 
 def _extract(gm: fx.GraphModule, anchor: Optional[fx.Node], members: list[fx.Node], out: fx.Node):

@@ -36,6 +36,10 @@ ATTENTION_OPS = frozenset({
 })
 NORM_OPS = frozenset({"layer_norm", "rms_norm", "group_norm", "native_layer_norm", "_fused_rms_norm"})
 STAT_OPS = frozenset({"rsqrt", "var", "var_mean", "std"})
+# Ops that draw random numbers: recomputing them (a chunk in backward, an output on demand) would
+# draw other values.
+RANDOM_OPS = frozenset({"dropout", "native_dropout", "rand", "randn", "rand_like", "randn_like",
+                        "bernoulli", "randint", "multinomial", "randperm", "normal", "uniform"})
 LOSS_OPS = frozenset({"cross_entropy", "nll_loss", "nll_loss_forward", "nll_loss2d_forward"})
 # Ops whose `dim` argument decides whether they mix sequence positions.
 DIM_OPS = frozenset({
