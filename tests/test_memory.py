@@ -17,7 +17,8 @@ def mid_llama():
 def measured_step(opt, model, inputs) -> int:
     def step():
         model.zero_grad(set_to_none=True)
-        opt(**inputs).loss.backward()
+        out = opt(**inputs)     # held through backward, as a training loop holds it
+        out.loss.backward()
     step()   # compile outside the measurement
     model.zero_grad(set_to_none=True)
     return tailorfx.measure_peak(step)

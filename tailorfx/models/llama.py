@@ -25,8 +25,9 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
-    # Return logits alongside the loss when labels are given (as Hugging Face models do).
-    return_logits: bool = False
+    # Logits come back with the loss when labels are given, as Hugging Face models return them;
+    # False returns only the loss.
+    return_logits: bool = True
 
     @property
     def head_dim(self) -> int:
