@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from tailorfx.backend import GraphRecord, Session, TailorBackend
 from tailorfx.options import Options, check_flag, check_passes, pass_options, positive_int
+from tailorfx import planner
 from tailorfx.budget import Budget, BudgetError, format_bytes
 from tailorfx.report import Report
 from tailorfx.rewrite import compat, memory
@@ -326,7 +327,9 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
     "recompute"]; None: the plan that saves the most (mini-sequence + full recompute of every
     block). `setup` (a TrainingSetup or preset name) says how the model trains: dtypes, optimizer
     state, optimizer in backward, micro-batch size, allocator headroom; without it, `dtype`
-    weights and `optimizer`. The budget holds the steady state of that setup.
+    weights and `optimizer`. The budget holds the steady state of that setup, less the headroom
+    the planner keeps for prediction error (planner.usable), so optimize() accepts every length
+    this returns.
     """
     b = Budget.parse(budget)
     positive_int("batch_size", batch_size)
@@ -342,7 +345,7 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
             dtype = dtype or next(model_or_config.parameters()).dtype
         s = resolve_setup(None, param_dtype=dtype, optimizer=optimizer)
     chosen = list(passes) if passes is not None else ["minisequence", "recompute"]
-    usable = b.bytes * (1 - s.headroom)
+    usable = planner.usable(b.bytes, s.headroom)
     with _prediction_model(model_or_config, s.param_dtype) as model:
         _check_static(model, s, b, usable)   # before the capture: an 8B capture takes half a minute
         opt = _capture(model, chosen, 256, batch_size or s.micro_batch_size, setup=s,
@@ -390,7 +393,8 @@ def _check_static(model: nn.Module, s: TrainingSetup, b: Budget, usable: float) 
     fits = [f"{name} ({format_bytes(p.static_bytes(trained) + other)})" for name, p in PRESETS.items()
             if p.static_bytes(trained) + other <= usable]
     raise BudgetError(
-        f"the static part alone does not fit {b}" + (f" less {s.headroom:.0%} allocator headroom" if s.headroom else "")
+        f"the static part alone does not fit {b} less {planner.HEADROOM:.0%} headroom for prediction error"
+        + (f" and {s.headroom:.0%} allocator headroom" if s.headroom else "")
         + f": {s.describe()} needs {format_bytes(static)} before any activation ("
         + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v) + "). "
         + (f"Setups whose static part fits: {', '.join(fits)}." if fits else
