@@ -1,0 +1,72 @@
+"""transformers.Trainer trains tailorfx's modules as it trains the model: same logged losses.
+
+Default TrainingArguments except gradient accumulation (2 micro-batches), so the loss Trainer logs
+goes through `num_items_in_batch` (token-mean over the whole accumulated batch), and labels padded
+with -100 so the micro-batches hold different numbers of tokens.
+"""
+import copy
+import tempfile
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+import tailorfx
+from models import hf_llama
+
+
+def _data(n=16, S=32, vocab=256):
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(0, vocab, (S,), generator=g)
+        labels = ids.clone()
+        labels[S - 3 - 2 * (i % 5):] = -100     # 3 to 11 padded positions
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def _train(model, data, **overrides):
+    with tempfile.TemporaryDirectory() as d:
+        args = TrainingArguments(output_dir=d, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                 max_steps=2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                                 disable_tqdm=True, **overrides)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _compile_in_place(m):
+    m.compile(backend="tailorfx")     # nn.Module.compile: Trainer still sees the model's forward
+    return m
+
+
+@pytest.mark.slow
+def test_trainer_logs_the_losses_of_the_unoptimized_model():
+    data = _data()
+    base = hf_llama()
+    eager_model = copy.deepcopy(base)
+    eager = _train(eager_model, data)
+    example = {k: torch.stack([r[k] for r in data[:4]]) for k in ("input_ids", "labels")}
+    runs = {
+        "optimize": lambda m: tailorfx.optimize(m, example_inputs=example),
+        "module.compile": _compile_in_place,
+        # Dynamo's wrapper shows forward(*args, **kwargs): Trainer would drop every column
+        "torch.compile": lambda m: torch.compile(m, backend="tailorfx"),
+    }
+    for name, wrap in runs.items():
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        wrapped = wrap(model)
+        extra = {"remove_unused_columns": False} if name == "torch.compile" else {}
+        losses = _train(wrapped, data, **extra)
+        assert len(losses) == len(eager) == 2
+        torch.testing.assert_close(losses, eager, rtol=1e-5, atol=0, msg=name)
+        for (pname, p), q in zip(model.named_parameters(), eager_model.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=f"{name}: {pname}")
+        # the rewrites fired inside Trainer's loop: training mode with labels returns no logits
+        model.train()
+        assert wrapped(**example).logits is None, name
+        if name == "optimize":
+            touched = [t for g in wrapped.graph_records for r in g.records for t in r.touched]
+            assert any("lm_head" in t for t in touched), touched
