@@ -193,11 +193,17 @@ class MiniSequence:
         head = nodes[region.nodes[0]]
         if match.op_name(head) not in match.LINEAR_OPS:
             return f"the LM head is a {match.op_name(head)}, only F.linear heads are fused"
-        chain, cur = [head], head
+        chain, side, cur = [head], [], head
         while True:
             users = [u for u in cur.users if u.op != "output"]
+            # a cast whose only use is the output (the precision pass restoring the logits' dtype)
+            # is a returned copy of the logits, not a second consumer
+            returned_casts = [u for u in users if len(users) > 1 and match.op_name(u) in _PASSTHROUGH
+                              and all(x.op == "output" for x in u.users)]
+            users = [u for u in users if u not in returned_casts]
             if len(users) != 1:
                 break
+            side += returned_casts
             chain.append(users[0])
             if match.op_name(users[0]) not in _PASSTHROUGH | _LOGIT_OPS:
                 break
@@ -209,6 +215,7 @@ class MiniSequence:
                 return ("the logits leave the graph before any loss (a graph break, or no labels given), "
                         "so the LM head cannot be fused with a loss; left unchanged")
             return f"the logits feed {match.op_name(loss)!r}, not cross_entropy"
+        returned += side
         if returned and ctx.options.get("keep_logits"):
             return _ByRequest("logits returned (keep_logits=True): LM head and loss left unfused")
         if returned and not ctx.options.get("training", True):
@@ -257,7 +264,7 @@ class MiniSequence:
         if returned:   # Liger's skip_logits: in training with labels the model returns logits=None
             out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
             out.args = fx.node.map_arg(out.args, lambda a: None if a in returned else a)
-        for n in reversed(chain):
+        for n in reversed(side + chain):
             if not n.users:
                 gm.graph.erase_node(n)
         done.append(_Rewrite(region, m, 3 * _hint_bytes(node_value(head), ctx), bool(returned)))
