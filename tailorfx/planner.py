@@ -7,6 +7,7 @@ the plan that fits with the least recomputed FLOPs.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
@@ -130,15 +131,16 @@ def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_
         parts = breakdown(payload)
         dominant = max(parts, key=parts.get)
         detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
+        suggested = math.ceil(smallest.peak / usable(1, allocator_headroom))
         raise BudgetError(
             f"budget {budget_label} cannot be met: the smallest peak any plan reaches is "
             f"{format_bytes(smallest.peak)} ({smallest.label}; {detail}), dominated by {dominant}. "
-            f"Use a budget of at least {format_bytes(smallest.peak / usable(1, allocator_headroom))} (that "
+            f"Use a budget of at least {format_bytes(suggested)} (that "
             f"peak plus {HEADROOM:.0%} headroom for prediction error"
             + (f" and the setup's {allocator_headroom:.0%} allocator headroom" if allocator_headroom else "")
             + "), or shrink what dominates (shorter sequences or smaller batches for activations; "
             "a lighter TrainingSetup for weights, gradients and optimizer state: pure-bf16, "
-            "pure-bf16-fused-optimizer, 8-bit AdamW).", smallest.peak, dominant)
+            "pure-bf16-fused-optimizer, 8-bit AdamW).", smallest.peak, dominant, suggested)
     fitting.sort(key=lambda cp: (cp[0].added_flops, cp[0].peak))
     chosen, payload = fitting[0]
     others = sorted((c for c, _ in seen if c is not chosen), key=lambda c: (not c.fits, c.added_flops))

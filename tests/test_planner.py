@@ -70,6 +70,27 @@ def test_impossible_budget_names_the_smallest():
     assert e.value.dominant in ("weights", "master weights", "optimizer state", "gradients", "activations and transients")
 
 
+def test_infeasible_budget_on_an_hf_model_names_one_that_is_met_when_measured():
+    """HF Llama (logits returned with the loss): the budget BudgetError suggests is accepted, its
+    plan's measured step fits it, and it is below eager's measured step."""
+    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(HFConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)).train()
+    inputs = lm(1024)
+    eager = copy.deepcopy(base)
+    eager_total = steady_state_total(eager, eager, inputs)
+    with pytest.raises(tailorfx.BudgetError) as e:
+        tailorfx.optimize(copy.deepcopy(base), budget=eager_total // 20, example_inputs=inputs)
+    suggested = e.value.suggested_bytes
+    assert e.value.smallest_bytes < suggested < eager_total
+    torch._dynamo.reset()
+    m = copy.deepcopy(base)
+    opt = tailorfx.optimize(m, budget=suggested, example_inputs=inputs)
+    assert opt.plan[0].passes                                 # a memory rewrite was needed ...
+    assert steady_state_total(opt, m, inputs) <= suggested     # ... and it keeps the promise
+
+
 def test_max_seq_len_orders_the_plans():
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=3,
                       num_attention_heads=8, num_key_value_heads=2)
