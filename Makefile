@@ -17,7 +17,7 @@ setup: $(STAMP)
 
 # two workers for the two cores (tests/conftest.py gives each one intra-op thread)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 tests
 
 demo: $(STAMP)
 	$(BIN)/python -m tailorfx.cli demo --timeline demo_memory.png

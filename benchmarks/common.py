@@ -9,17 +9,14 @@ from typing import Callable
 
 import torch
 
-from tailorfx.models import LlamaConfig, LlamaLM
 
 OUT_DIR = os.path.join(os.path.dirname(__file__), "out")
 
 
-def reference_model(vocab=32000, hidden=512, layers=4, heads=8, kv_heads=2, seed=0) -> LlamaLM:
-    """The issue's reference model: Llama-style, vocab 32000, hidden 512, 4 layers, fp32."""
-    torch.manual_seed(seed)
-    return LlamaLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.6875),
-                               num_hidden_layers=layers, num_attention_heads=heads,
-                               num_key_value_heads=kv_heads))
+def reference_model(vocab=32000, hidden=512, layers=4, heads=8, kv_heads=2, seed=0):
+    """The benchmarks' default model: HF LlamaForCausalLM, vocab 32000, hidden 512, 4 layers, 8 heads /
+    2 KV heads, fp32 (random weights). It returns logits with the loss, as users' models do."""
+    return hf_llama_model(vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, seed=seed)
 
 
 def hf_llama_model(vocab=32000, hidden=512, layers=4, heads=None, kv_heads=None, seed=0):

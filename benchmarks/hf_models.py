@@ -3,9 +3,12 @@ model's error across families, lengths and plans.
 
 Part 1 (HF LlamaForCausalLM, vocab 32000, hidden 256, 2 layers, fp32, batch 1): eager, tailorfx
 with no pass, mini-sequence, mini-sequence + recompute, and the planner under a budget of 45% of
-eager's step (weights + AdamW state + eager's measured forward+backward peak). Variants run in one
+eager's step (weights + AdamW state + eager's measured forward+backward peak) and under a loose
+budget (twice eager's step), and under the smallest budget BudgetError names when asked for 5%.
+Variants run in one
 process, timings interleaved. Part 2: predicted vs measured forward+backward peak for tiny configs
-of several families (vocab 8000, hidden 128, 2 layers) at three lengths and five plans.
+of several families (vocab 8000, hidden 128, 2 layers) at three lengths and five plans. Part 3:
+capture alone (passes=[]) against eager on 17 families (same tiny sizes), peak and step time.
 
 Peak = tailorfx.measure_peak (the allocator's events) of `out = model(**batch); out.loss.backward()`
 (the output held through backward, as a training loop holds it), gradients freed before.
@@ -35,12 +38,23 @@ def part1(S: int, reps: int) -> dict:
     inputs = lm_batch(S)
     eager_peak = measure_step(base, list(base.parameters()), inputs)
     budget = int(0.45 * (static_bytes(base) + eager_peak))
-    variants = {"eager": base}
+    variants, budgets = {"eager": base}, {}
     for name, kw in (("tailorfx, no pass", {"passes": []}),
                      ("tailorfx minisequence", {"passes": ["minisequence"]}),
                      ("tailorfx minisequence + recompute", {"passes": ["minisequence", "recompute"]}),
-                     ("tailorfx planner, budget 45% of eager", {"budget": budget})):
+                     ("tailorfx planner, budget 45% of eager", {"budget": budget}),
+                     ("tailorfx planner, loose budget (2x eager)", {"budget": int(budget / 0.45 * 2)})):
         variants[name] = tailorfx.optimize(copy.deepcopy(base), example_inputs=inputs, **kw)
+        budgets[name] = kw.get("budget")
+    # an infeasible budget (5% of eager's step) names the smallest that works: that one must be met
+    try:
+        tailorfx.optimize(copy.deepcopy(base), example_inputs=inputs, budget=int(budget / 0.45 * 0.05))
+        raise AssertionError("5% of eager's step was accepted")
+    except tailorfx.BudgetError as e:
+        smallest = e.suggested_bytes
+    name = f"tailorfx planner, the smallest budget BudgetError names for 5% of eager ({mib(smallest)} MiB)"
+    variants[name] = tailorfx.optimize(copy.deepcopy(base), example_inputs=inputs, budget=smallest)
+    budgets[name] = smallest
     params = {k: list(m.parameters()) for k, m in variants.items()}
     steps = {k: train_step(m, params[k], inputs) for k, m in variants.items()}
     for f in steps.values():
@@ -60,8 +74,8 @@ def part1(S: int, reps: int) -> dict:
         rows.append([k, mib(peaks[k]), mib(pred) if pred else "-",
                      f"{(pred - peaks[k]) / peaks[k] * 100:+.2f}%" if pred else "-",
                      f"{peaks[k] / peaks['eager']:.3f}", f"{times[k]:.2f}", f"{times[k] / times['eager']:.2f}",
-                     f"{mib(total)} ({'meets' if total <= budget else 'over'} {mib(budget)})"
-                     if "planner" in k else mib(total)])
+                     f"{mib(total)} ({'meets' if total <= budgets[k] else 'over'} {mib(budgets[k])})"
+                     if budgets.get(k) else mib(total)])
     print_table(f"HF LlamaForCausalLM (vocab 32000, hidden 256, 2 layers, fp32), S={S}, batch 1",
                 ["variant", "measured fwd+bwd MiB", "predicted MiB", "pred err", "peak / eager", "step s",
                  "time / eager", "step total (weights + AdamW state + peak) MiB"], rows)
@@ -112,6 +126,38 @@ def part2(families, seqs) -> list:
     return out
 
 
+def part3(families, S: int, reps: int) -> list:
+    """Capture alone (passes=[]) against eager on every family: peak and step time, one process."""
+    from models import hf_family
+    rows, out = [], []
+    for family in families:
+        size = {"n_embd": 128} if family == "gpt2" else {"hidden_size": 128, "intermediate_size": 352}
+        torch._dynamo.reset()
+        eager = hf_family(family, vocab_size=8000, **size)
+        opt = tailorfx.optimize(copy.deepcopy(eager), passes=[])
+        inputs = lm_batch(S, vocab=8000)
+        mods = {"eager": eager, "passes=[]": opt}
+        steps = {k: train_step(m, list(m.parameters()), inputs) for k, m in mods.items()}
+        for f in steps.values():
+            f()
+        peaks = {k: measure_step(m, list(m.parameters()), inputs) for k, m in mods.items()}
+        times = {k: 0.0 for k in mods}
+        for _ in range(reps):
+            for k, f in steps.items():
+                times[k] += time_it(f, 1) / reps
+        graphs = len(opt.session.graphs)
+        out.append({"family": family, "seq": S, "peak_bytes": peaks, "seconds": times, "graphs": graphs})
+        rows.append([family, graphs, mib(peaks["eager"]), mib(peaks["passes=[]"]),
+                     f"{peaks['passes=[]'] / peaks['eager']:.3f}", f"{times['passes=[]'] / times['eager']:.2f}"])
+    print_table(f"Capture alone (passes=[]) vs eager, S={S}, vocab 8000, hidden 128, 2 layers, fp32, batch 1",
+                ["family", "graphs", "eager MiB", "passes=[] MiB", "peak / eager", "time / eager"], rows)
+    return out
+
+
+ALL_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "stablelm", "starcoder2", "gpt_neox", "falcon",
+                "gemma2", "gemma3_text", "cohere", "mixtral", "qwen2_moe", "olmoe", "gpt2"]
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seq", type=int, default=4096)
@@ -119,10 +165,15 @@ if __name__ == "__main__":
     ap.add_argument("--families", nargs="*", default=["llama", "gpt2", "qwen2", "gemma2", "mixtral", "phi3"])
     ap.add_argument("--seqs", type=int, nargs="+", default=[256, 1024, 2048])
     ap.add_argument("--skip-part1", action="store_true")
+    ap.add_argument("--capture-families", nargs="*", default=ALL_FAMILIES,
+                    help="part 3: capture alone vs eager on each family (none: skip)")
+    ap.add_argument("--capture-seq", type=int, default=1024)
     a = ap.parse_args()
     result = {}
     if not a.skip_part1:
         result["llama"] = part1(a.seq, a.reps)
     if a.families:
         result["families"] = part2(a.families, a.seqs)
+    if a.capture_families:
+        result["capture"] = part3(a.capture_families, a.capture_seq, a.reps)
     print("wrote", write_json("hf_models.json", result))

@@ -2,7 +2,8 @@
 
 One capture per variant (at a short length); predictions at every length come from the same
 symbolic graph. Measured: tailorfx.measure_peak over forward+backward (allocator events), with
-gradients freed first. Also prints the Llama-3-8B prediction (model built under FakeTensorMode).
+gradients freed first, the output held through backward; the model is HF LlamaForCausalLM
+(benchmarks/common.py). Also prints the HF Llama-3-8B prediction (model built under FakeTensorMode).
 
 `--setups`: the full step (forward, backward, optimizer) under each TrainingSetup preset that runs
 on CPU, trained with tailorfx.SetupOptimizer. Measured = bytes of the weights, buffers, optimizer
@@ -22,7 +23,6 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import tailorfx  # noqa: E402
 from tailorfx.budget import format_bytes  # noqa: E402
-from tailorfx.models import LlamaConfig  # noqa: E402
 from common import lm_batch, measure_step, mib, print_table, reference_model, write_json  # noqa: E402
 
 
@@ -42,14 +42,15 @@ def accuracy(seqs):
             name = "+".join(passes) or "no pass"
             rows.append([name, S, mib(measured), mib(predicted), f"{err * 100:+.2f}%"])
             out.append({"passes": passes, "seq": S, "measured": measured, "predicted": predicted})
-    print_table("Predicted vs measured peak of forward+backward (reference model, fp32, batch 1)",
+    print_table("Predicted vs measured peak of forward+backward (HF LlamaForCausalLM, fp32, batch 1)",
                 ["passes", "seq", "measured MiB", "predicted MiB", "error"], rows)
     return out
 
 
 def llama3_8b(seq_len: int):
+    from transformers import LlamaConfig
     cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8)
+                      num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)
     t0 = time.perf_counter()
     res = {}
     for passes in ([], ["minisequence"]):
@@ -78,7 +79,8 @@ def full_steps(seqs, passes):
             inputs = lm_batch(S)
 
             def step():
-                opt(**inputs).loss.backward()
+                out = opt(**inputs)    # held through backward and the step, as a training loop holds it
+                out.loss.backward()
                 optim.step()
                 optim.zero_grad()
             step()
@@ -91,7 +93,7 @@ def full_steps(seqs, passes):
                          mib(est.static_bytes), mib(est.dynamic_peak_bytes), f"{est.peak_phase} {est.peak_node}"])
             out.append({"setup": name, "seq": S, "measured": measured, "predicted": est.peak_bytes,
                         **est.summary()})
-    print_table(f"Full training step per setup, predicted vs measured (reference model, passes={passes}, batch 1)",
+    print_table(f"Full training step per setup, predicted vs measured (HF LlamaForCausalLM, passes={passes}, batch 1)",
                 ["setup", "seq", "measured MiB", "predicted MiB", "error", "static MiB", "dynamic MiB",
                  "peak at"], rows)
     return out

@@ -1,4 +1,5 @@
-"""Mini-sequence vs eager: step time, measured peak and predicted peak on the reference model.
+"""Mini-sequence vs eager: step time, measured peak and predicted peak on HF LlamaForCausalLM
+(benchmarks/common.py reference_model).
 
 Both variants run in the same process, interleaved, so the time ratio is measured under the same
 load. Peak = bytes allocated during one forward+backward above what existed before it
@@ -52,7 +53,7 @@ def run(seqs, reps, chunks=None, layers=4):
             rows.append([S, k, mib(peaks[k]), mib(p) if p else "-",
                          f"{(p - peaks[k]) / peaks[k] * 100:+.1f}%" if p else "-",
                          f"{peaks[k] / peaks['eager']:.2f}", f"{times[k]:.2f}", f"{times[k] / times['eager']:.2f}"])
-    print_table("Mini-sequence on the reference model (vocab 32000, hidden 512, 4 layers, fp32, batch 1)",
+    print_table("Mini-sequence on HF LlamaForCausalLM (vocab 32000, hidden 512, 4 layers, fp32, batch 1)",
                 ["seq", "variant", "measured peak MiB", "predicted MiB", "pred err", "peak / eager",
                  "step s", "time / eager"], rows)
     print("chunks per seq:", {r["seq"]: r["num_chunks"] for r in out})
