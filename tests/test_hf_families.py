@@ -6,6 +6,7 @@ what the pass reports.
 """
 import copy
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -165,6 +166,19 @@ def test_wrapper_saves_loads_and_looks_like_the_model():
     assert set(opt.state_dict()) == set(model.state_dict())
     assert opt.config is model.config
     assert inspect.signature(opt.forward) == inspect.signature(model.forward)
+
+
+def test_logits_to_keep_in_eval_returns_eagers_logits():
+    """Generation-style calls (eval, no labels, `logits_to_keep`) come back as eager's."""
+    model = hf_llama().eval()
+    opt = tailorfx.optimize(model, passes=["minisequence"])
+    ids = batch(S=24)["input_ids"]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")          # an unfused head in eval is expected, not a warning
+        for keep in (1, 5):
+            got, want = opt(input_ids=ids, logits_to_keep=keep).logits, model(input_ids=ids, logits_to_keep=keep).logits
+            assert got.shape == (ids.shape[0], keep, model.config.vocab_size)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -211,6 +211,8 @@ class MiniSequence:
         loss = chain[-1]
         returned = [n for n in chain if any(u.op == "output" for u in n.users)]
         if match.op_name(loss) != "cross_entropy":
+            if not ctx.options.get("training", True):
+                return _ByRequest("eval mode or no_grad: no loss to fuse the LM head with; left unfused")
             if loss is head or (returned and len(chain) == len(returned)):
                 return ("the logits leave the graph before any loss (a graph break, or no labels given), "
                         "so the LM head cannot be fused with a loss; left unchanged")
