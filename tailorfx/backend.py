@@ -17,7 +17,7 @@ from tailorfx.budget import BudgetError, format_bytes
 from tailorfx.options import Options, backend_options
 from tailorfx.codegen import lower as lowering_mod
 from tailorfx.rewrite import cost, memory
-from tailorfx.rewrite.capture import SeqInfo, seq_info
+from tailorfx.rewrite.capture import SeqInfo, seq_info, strip_identity_dropout
 from tailorfx.rewrite.passes import PassContext, PassManager, PassRecord
 from tailorfx.rewrite.regions import RegionMap, find_regions
 from tailorfx.runtime.optim import GraphInputs
@@ -61,6 +61,7 @@ class TailorBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         idx = len(self.session.graphs)
+        strip_identity_dropout(gm)
         seq = seq_info(gm, self.session.seq_len)
         lowering = lowering_mod.resolve_lowering(self.options.lowering, example_inputs)
         regions = find_regions(gm, seq)

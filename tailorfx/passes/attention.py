@@ -308,7 +308,7 @@ def _mask_subgraph(ctx: PassContext, out: fx.Node, x: Optional[fx.Node]):
             what = "parameter or buffer" if is_param(n) else "graph input"
             return (f"mask depends on {what} {n.name} (a padding attention_mask?): it cannot be "
                     "proved causal, so attention is left as it is")
-        if match.op_name(n) in _RANDOM_OPS:
+        if match.draws_random(n):
             return f"mask uses random op {n.name}"
         nodes.append(n)
         stack.extend(n.all_input_nodes)
@@ -318,8 +318,6 @@ def _mask_subgraph(ctx: PassContext, out: fx.Node, x: Optional[fx.Node]):
     return why if why else (nodes, leaves, consts)
 
 
-_RANDOM_OPS = frozenset({"dropout", "rand", "randn", "rand_like", "randn_like", "bernoulli", "randint",
-                         "randperm", "normal", "multinomial"})
 _VIEW_OPS = frozenset({"getitem", "view", "reshape", "expand", "expand_as", "view_as", "transpose",
                        "permute", "unsqueeze", "squeeze", "narrow", "select", "t", "contiguous", "to",
                        "type", "detach", "as_strided", "unflatten", "flatten", "movedim", "swapaxes",

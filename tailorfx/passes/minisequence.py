@@ -420,11 +420,7 @@ class _Unsupported(Exception):
 def _check_deterministic(members: list[fx.Node]) -> None:
     """Chunks are recomputed in backward: a random op would draw a different mask there."""
     for n in members:
-        if match.op_name(n) in match.RANDOM_OPS:
-            p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
-            training = n.args[2] if len(n.args) > 2 else n.kwargs.get("training", True)
-            if match.op_name(n).endswith("dropout") and (p == 0 or training is False):
-                continue
+        if match.draws_random(n):
             raise _Unsupported(f"random op {n.name} ({match.op_name(n)}) would draw different values "
                                "when the chunk is recomputed in backward")
 

@@ -60,6 +60,30 @@ def node_value(node: fx.Node) -> Any:
     return node.meta.get("val", node.meta.get("example_value"))
 
 
+_DROPOUTS = (torch.nn.functional.dropout, torch.dropout)
+
+
+def strip_identity_dropout(gm: fx.GraphModule) -> int:
+    """Remove dropouts that return their input (p=0, or training=False), in place; returns how many.
+
+    Eager dropout(p=0) returns its input, but traced by AOTAutograd it becomes native_dropout: an
+    output copy and a mask saved for backward (Gemma-2's eager attention: S x S per layer)."""
+    removed = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in _DROPOUTS:
+            continue
+        p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+        train = n.args[2] if len(n.args) > 2 else n.kwargs.get("training", n.kwargs.get("train", True))
+        inplace = n.args[3] if len(n.args) > 3 else n.kwargs.get("inplace", False)
+        if (p == 0 or train is False) and inplace is False and isinstance(n.args[0], fx.Node):
+            n.replace_all_uses_with(n.args[0])
+            gm.graph.erase_node(n)
+            removed += 1
+    if removed:
+        gm.recompile()
+    return removed
+
+
 def seq_info(gm: fx.GraphModule, seq_len: Optional[int]) -> SeqInfo:
     """Find the sequence symbol: the SymInt placeholder whose hint equals the example length."""
     fake_mode = compat.detect_fake_mode([node_value(n) for n in gm.graph.nodes if n.op == "placeholder"])

@@ -105,7 +105,7 @@ def _prefix_chain(out: fx.Node) -> Optional[list[fx.Node]]:
         if n in seen or n.op == "placeholder":
             continue
         seen.add(n)
-        if n.op not in ("call_function", "call_method") or match.op_name(n) in match.RANDOM_OPS:
+        if n.op not in ("call_function", "call_method") or match.draws_random(n):
             return None
         members.append(n)
         todo.extend(n.all_input_nodes)

@@ -40,6 +40,19 @@ STAT_OPS = frozenset({"rsqrt", "var", "var_mean", "std"})
 # draw other values.
 RANDOM_OPS = frozenset({"dropout", "native_dropout", "rand", "randn", "rand_like", "randn_like",
                         "bernoulli", "randint", "multinomial", "randperm", "normal", "uniform"})
+
+
+def draws_random(n: fx.Node) -> bool:
+    """n draws random numbers (recomputing it would draw other values); dropout with p=0 or
+    training=False does not."""
+    name = op_name(n)
+    if name not in RANDOM_OPS:
+        return False
+    if name in ("dropout", "native_dropout"):
+        p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+        train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", n.kwargs.get("training", True))
+        return not (p == 0 or train is False)
+    return True
 LOSS_OPS = frozenset({"cross_entropy", "nll_loss", "nll_loss_forward", "nll_loss2d_forward"})
 # Ops whose `dim` argument decides whether they mix sequence positions.
 DIM_OPS = frozenset({
