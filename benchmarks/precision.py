@@ -1,6 +1,6 @@
 """Precision pass: bf16/fp16 training vs fp32 (loss curves), memory at seq 4096, LM-head gradients.
 
-1. Loss curves: the reference model (small LlamaLM) trained 200 steps with AdamW on a generated
+1. Loss curves: the reference model (a small HF LlamaForCausalLM) trained 200 steps with AdamW on a generated
    corpus, fp32 (eager) vs bf16 vs fp16 + GradScaler (tailorfx precision pass), same init, same
    batches. Relative gap |loss - loss_fp32| / loss_fp32 at every logged step.
 2. Memory at seq 4096 (batch 1), initial weights: measured peak of forward + backward above what was live before,
@@ -28,7 +28,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import tailorfx  # noqa: E402
-from tailorfx.models import LlamaConfig, LlamaLM  # noqa: E402
 from tailorfx.runtime.train import Trainer  # noqa: E402
 from common import OUT_DIR, measure_step, mib, print_table, write_json  # noqa: E402
 
@@ -37,9 +36,11 @@ CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden
 BATCH, SEQ, LR, WARMUP, LOG_EVERY = 4, 256, 2e-3, 20, 10
 
 
-def reference_model(seed: int = 0, **overrides) -> LlamaLM:
+def reference_model(seed: int = 0, **overrides) -> torch.nn.Module:
+    """HF LlamaForCausalLM from a config (random weights); it returns logits with the loss."""
+    from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
-    return LlamaLM(LlamaConfig(**{**CONFIG, **overrides}))
+    return LlamaForCausalLM(LlamaConfig(**{**CONFIG, **overrides}))
 
 
 def synthetic_corpus(num_seqs: int, seq_len: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -72,13 +73,13 @@ def lr_lambda(step: int, steps: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - WARMUP) / max(1, steps - WARMUP)))
 
 
-def fresh_copy(base: LlamaLM) -> LlamaLM:
+def fresh_copy(base: torch.nn.Module) -> torch.nn.Module:
     model = copy.deepcopy(base)
     model.zero_grad(set_to_none=True)
     return model
 
 
-def train(variant: str, base: LlamaLM, data: torch.Tensor, steps: int) -> dict:
+def train(variant: str, base: torch.nn.Module, data: torch.Tensor, steps: int) -> dict:
     """Train a copy of `base` on `data`; returns losses per step, skipped steps and seconds."""
     torch._dynamo.reset()
     model = fresh_copy(base)
@@ -100,7 +101,7 @@ def train(variant: str, base: LlamaLM, data: torch.Tensor, steps: int) -> dict:
             "final_scale": trainer.scaler.get_scale() if trainer.scaler is not None else None}
 
 
-def loss_curves(steps: int) -> tuple[dict, LlamaLM]:
+def loss_curves(steps: int) -> tuple[dict, torch.nn.Module]:
     base = reference_model()
     data = synthetic_corpus(steps * BATCH, SEQ, CONFIG["vocab_size"], seed=1)
     runs = {v: train(v, base, data, steps) for v in ("fp32", "bf16", "fp16")}
@@ -180,13 +181,13 @@ def _inputs(seq: int) -> tuple[dict, dict]:
     return {"input_ids": ids, "labels": ids}, {"input_ids": ids[:, :64].clone(), "labels": ids[:, :64].clone()}
 
 
-def _compiled(base: LlamaLM, variant: str, example: dict):
+def _compiled(base: torch.nn.Module, variant: str, example: dict):
     torch._dynamo.reset()   # one compiled variant at a time (Dynamo's recompile limit is per code object)
     model = fresh_copy(base)
     return model, tailorfx.optimize(model, **VARIANTS[variant], example_inputs=example)
 
 
-def memory(base: LlamaLM, seq: int) -> dict:
+def memory(base: torch.nn.Module, seq: int) -> dict:
     """Measured and predicted peak of forward + backward at `seq` tokens, per variant."""
     inputs, example = _inputs(seq)
     out, rows = {"seq": seq, "peak_bytes": {}, "predicted_peak_bytes": {}}, []

@@ -12,9 +12,11 @@ VOCAB = 8000
 
 
 def model():
+    """HF LlamaForCausalLM (it returns logits with the loss), random weights, train mode."""
+    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    return LlamaLM(LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
-                               num_attention_heads=8, num_key_value_heads=2))
+    return LlamaForCausalLM(HFConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                     num_attention_heads=8, num_key_value_heads=2)).train()
 
 
 def lm(S):
@@ -23,8 +25,11 @@ def lm(S):
 
 
 def steady_state_total(opt, m, inputs) -> int:
-    """Parameters + AdamW state + the measured peak of a second full step (forward, backward, step)."""
-    o = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    """Parameters + optimizer state + the measured peak of a second full step (forward, backward,
+    step), trained as the plan says (tailorfx.SetupOptimizer: the step in backward if it moved)."""
+    setup = getattr(opt, "setup", None)
+    o = tailorfx.SetupOptimizer(m.parameters(), setup, lr=1e-4) if setup is not None else \
+        torch.optim.AdamW(m.parameters(), lr=1e-4)
 
     def step():
         out = opt(**inputs)     # held through backward and the step, as a training loop holds it
@@ -34,31 +39,36 @@ def steady_state_total(opt, m, inputs) -> int:
     for p in m.parameters():
         p.grad = None
     peak = tailorfx.measure_peak(step)
-    state = sum(t.numel() * t.element_size() for s in o.state.values() for t in s.values()
-                if torch.is_tensor(t) and t.dim() > 0)
+    state = o.state_bytes() if setup is not None else sum(
+        t.numel() * t.element_size() for s in o.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     params = sum(p.numel() * p.element_size() for p in m.parameters())
     return params + state + peak
 
 
-def test_planner_fits_three_budgets():
+def test_planner_meets_a_loose_budget_and_the_one_budget_error_suggests():
+    """A loose budget: no rewrite, and the measured step is within the planner's headroom of its
+    prediction. An infeasible budget: BudgetError suggests one below eager's measured step, and
+    the plan chosen for it is met when measured (trained as the plan says)."""
     S = 1024
     base = model()
-    probe = tailorfx.optimize(copy.deepcopy(base), budget="100GB", example_inputs=lm(S))
-    plan = probe.plan[0]
+    m = copy.deepcopy(base)
+    loose = tailorfx.optimize(m, budget="100GB", example_inputs=lm(S))
+    plan = loose.plan[0]
     assert plan.chosen.label == "no memory rewrite"   # everything fits: nothing is rewritten
-    peaks = sorted([plan.chosen.peak] + [c.peak for c in plan.runners_up])
-    smallest, vanilla = peaks[0], plan.chosen.peak
-    budgets = {"loose": int(vanilla * 1.1), "medium": (smallest + vanilla) // 2, "tight": int(smallest * 1.06)}
-    for name, budget in budgets.items():
-        m = copy.deepcopy(base)
-        opt = tailorfx.optimize(m, budget=budget, example_inputs=lm(S))
-        chosen = opt.plan[0]
-        measured = steady_state_total(opt, m, lm(S))
-        assert measured <= budget, (name, measured, budget, str(chosen))
-        if name == "loose":
-            assert "recompute" not in chosen.passes and chosen.chosen.added_flops == 0
-        else:
-            assert chosen.passes, name
+    assert steady_state_total(loose, m, lm(S)) <= plan.chosen.peak / (1 - HEADROOM)
+    smallest = min([plan.chosen.peak] + [c.peak for c in plan.runners_up])
+    with pytest.raises(tailorfx.BudgetError) as e:
+        tailorfx.optimize(copy.deepcopy(base), budget=smallest // 2, example_inputs=lm(S))
+    assert e.value.smallest_bytes <= smallest       # the full search reaches at least the probe's smallest
+    eager = copy.deepcopy(base)
+    suggested = e.value.suggested_bytes
+    assert e.value.smallest_bytes < suggested < steady_state_total(eager, eager, lm(S))
+    torch._dynamo.reset()
+    m = copy.deepcopy(base)
+    opt = tailorfx.optimize(m, budget=suggested, example_inputs=lm(S))
+    assert opt.plan[0].passes
+    measured = steady_state_total(opt, m, lm(S))
+    assert measured <= suggested, (measured, suggested, str(opt.plan[0]))
 
 
 def test_impossible_budget_names_the_smallest():
@@ -68,27 +78,6 @@ def test_impossible_budget_names_the_smallest():
     assert "budget 1MB" in msg and "cannot be met" in msg and "Use a budget of at least" in msg
     assert e.value.smallest_bytes > 2 * sum(p.numel() * 4 for p in model().parameters())   # weights + state
     assert e.value.dominant in ("weights", "master weights", "optimizer state", "gradients", "activations and transients")
-
-
-def test_infeasible_budget_on_an_hf_model_names_one_that_is_met_when_measured():
-    """HF Llama (logits returned with the loss): the budget BudgetError suggests is accepted, its
-    plan's measured step fits it, and it is below eager's measured step."""
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(HFConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2)).train()
-    inputs = lm(1024)
-    eager = copy.deepcopy(base)
-    eager_total = steady_state_total(eager, eager, inputs)
-    with pytest.raises(tailorfx.BudgetError) as e:
-        tailorfx.optimize(copy.deepcopy(base), budget=eager_total // 20, example_inputs=inputs)
-    suggested = e.value.suggested_bytes
-    assert e.value.smallest_bytes < suggested < eager_total
-    torch._dynamo.reset()
-    m = copy.deepcopy(base)
-    opt = tailorfx.optimize(m, budget=suggested, example_inputs=inputs)
-    assert opt.plan[0].passes                                 # a memory rewrite was needed ...
-    assert steady_state_total(opt, m, inputs) <= suggested     # ... and it keeps the promise
 
 
 def test_max_seq_len_orders_the_plans():

@@ -155,7 +155,7 @@ class MiniSequence:
         self._declare_linear_tail(gm, key, members, x, region, nodes, out, ctx, x_dims[0])
         tokens = _tokens(xv, x_dims[0], ctx)
         fwd, bwd = _region_cost(members, out, ctx, tokens)
-        bwd, bwd_const = _simulated_backward_cost(sub, ctx, tokens, _hint_bytes(ov, ctx)) or (bwd, 0.0)
+        bwd, bwd_const = _cached_backward_cost(key, sub, ctx, tokens, _hint_bytes(ov, ctx)) or (bwd, 0.0)
         ops.set_region_cost(key, fwd, bwd, bwd_const)
         m = self._chunks(gm, x, x_dims[0], auto_chunks(inner, _hint_bytes(xv, ctx)), out)
         with gm.graph.inserting_after(out):
@@ -335,6 +335,21 @@ def _region_cost(members: list[fx.Node], out: fx.Node, ctx: PassContext, tokens:
             if r in sizes and last[r] <= i and r is not root[out]:
                 live -= sizes.pop(r)
     return peak / tokens, (total + 2 * largest) / tokens
+
+
+_BACKWARD_COSTS: dict = {}
+
+
+def _cached_backward_cost(key: str, sub: fx.GraphModule, ctx: PassContext, tokens: int,
+                          out_bytes: int) -> Optional[tuple[float, float]]:
+    """_simulated_backward_cost, memoised: the planner runs this pass once per candidate plan, and
+    the key already hashes the region's code and recorded shapes."""
+    memo = (key, str(ctx.seq.symbol), ctx.seq.length, tokens, out_bytes)
+    if memo not in _BACKWARD_COSTS:
+        if len(_BACKWARD_COSTS) > 256:
+            _BACKWARD_COSTS.clear()
+        _BACKWARD_COSTS[memo] = _simulated_backward_cost(sub, ctx, tokens, out_bytes)
+    return _BACKWARD_COSTS[memo]
 
 
 def _simulated_backward_cost(sub: fx.GraphModule, ctx: PassContext, tokens: int,
