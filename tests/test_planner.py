@@ -6,6 +6,7 @@ import torch
 
 import tailorfx
 from tailorfx.models import LlamaConfig, LlamaLM
+from tailorfx.budget import format_bytes
 from tailorfx.planner import HEADROOM
 
 VOCAB = 8000
@@ -59,6 +60,9 @@ def test_planner_meets_a_loose_budget_and_the_one_budget_error_suggests():
     smallest = min([plan.chosen.peak] + [c.peak for c in plan.runners_up])
     with pytest.raises(tailorfx.BudgetError) as e:
         tailorfx.optimize(copy.deepcopy(base), budget=smallest // 2, example_inputs=lm(S))
+    msg = str(e.value)
+    assert "cannot be met" in msg and "Use a budget of at least" in msg and format_bytes(e.value.suggested_bytes) in msg
+    assert e.value.dominant in ("weights", "master weights", "optimizer state", "gradients", "activations and transients")
     assert e.value.smallest_bytes <= smallest       # the full search reaches at least the probe's smallest
     eager = copy.deepcopy(base)
     suggested = e.value.suggested_bytes
@@ -69,15 +73,6 @@ def test_planner_meets_a_loose_budget_and_the_one_budget_error_suggests():
     assert opt.plan[0].passes
     measured = steady_state_total(opt, m, lm(S))
     assert measured <= suggested, (measured, suggested, str(opt.plan[0]))
-
-
-def test_impossible_budget_names_the_smallest():
-    with pytest.raises(tailorfx.BudgetError) as e:
-        tailorfx.optimize(model(), budget="1MB", example_inputs=lm(256))
-    msg = str(e.value)
-    assert "budget 1MB" in msg and "cannot be met" in msg and "Use a budget of at least" in msg
-    assert e.value.smallest_bytes > 2 * sum(p.numel() * 4 for p in model().parameters())   # weights + state
-    assert e.value.dominant in ("weights", "master weights", "optimizer state", "gradients", "activations and transients")
 
 
 def test_max_seq_len_orders_the_plans():
@@ -107,11 +102,3 @@ def test_static_part_too_large_is_a_clear_error():
                       num_attention_heads=16, num_key_value_heads=4)
     with pytest.raises(tailorfx.BudgetError, match="before any activation"):
         tailorfx.max_seq_len(cfg, "100MiB")
-
-
-@pytest.mark.slow
-def test_max_seq_len_8b_config():
-    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8)
-    S = tailorfx.max_seq_len(cfg, "A100-80GB", passes=["minisequence", "recompute"], dtype=torch.bfloat16)
-    assert S > 32768   # vanilla fits under 3K tokens; the time it takes is in benchmarks/paper_table.py
