@@ -63,6 +63,13 @@ def node_value(node: fx.Node) -> Any:
 _DROPOUTS = (torch.nn.functional.dropout, torch.dropout)
 
 
+def dropout_is_identity(n: fx.Node) -> bool:
+    """A dropout node (F.dropout, torch.dropout, native_dropout) with p=0 or training=False."""
+    p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+    train = n.args[2] if len(n.args) > 2 else n.kwargs.get("training", n.kwargs.get("train", True))
+    return p == 0 or train is False
+
+
 def strip_identity_dropout(gm: fx.GraphModule) -> int:
     """Remove dropouts that return their input (p=0, or training=False), in place; returns how many.
 
@@ -72,10 +79,8 @@ def strip_identity_dropout(gm: fx.GraphModule) -> int:
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target not in _DROPOUTS:
             continue
-        p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
-        train = n.args[2] if len(n.args) > 2 else n.kwargs.get("training", n.kwargs.get("train", True))
         inplace = n.args[3] if len(n.args) > 3 else n.kwargs.get("inplace", False)
-        if (p == 0 or train is False) and inplace is False and isinstance(n.args[0], fx.Node):
+        if dropout_is_identity(n) and inplace is False and isinstance(n.args[0], fx.Node):
             n.replace_all_uses_with(n.args[0])
             gm.graph.erase_node(n)
             removed += 1

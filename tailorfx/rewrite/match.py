@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from tailorfx.rewrite.capture import node_value
+from tailorfx.rewrite.capture import dropout_is_identity, node_value
 
 
 def op_name(node: fx.Node) -> str:
@@ -48,11 +48,9 @@ def draws_random(n: fx.Node) -> bool:
     name = op_name(n)
     if name not in RANDOM_OPS:
         return False
-    if name in ("dropout", "native_dropout"):
-        p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
-        train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", n.kwargs.get("training", True))
-        return not (p == 0 or train is False)
-    return True
+    return not (name in ("dropout", "native_dropout") and dropout_is_identity(n))
+
+
 LOSS_OPS = frozenset({"cross_entropy", "nll_loss", "nll_loss_forward", "nll_loss2d_forward"})
 # Ops whose `dim` argument decides whether they mix sequence positions.
 DIM_OPS = frozenset({
