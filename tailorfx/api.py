@@ -9,7 +9,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from tailorfx.backend import GraphRecord, Session, TailorBackend
+from tailorfx.backend import GraphRecord, Session, StepObservation, TailorBackend
 from tailorfx.options import Options, check_flag, check_passes, pass_options, positive_int
 from tailorfx import planner
 from tailorfx.budget import Budget, BudgetError, format_bytes
@@ -72,7 +72,7 @@ class OptimizedModule(nn.Module):
             return self.model(*args, **kwargs)
         try:
             with compat.capture_config():
-                out = self._compiled(*args, **kwargs)
+                out = self._observed_call(args, kwargs)
             if not self.session.graphs and not self.session.warnings:
                 self.session.warnings.append("Dynamo handed no graph to tailorfx (a skipped frame or its "
                                              "recompile limit): the model ran eagerly, nothing rewritten")
@@ -86,6 +86,29 @@ class OptimizedModule(nn.Module):
             self._fall_back(e)
         return self.model(*args, **kwargs)
 
+    def _observed_call(self, args: tuple, kwargs: dict):
+        """Run the compiled model; in a training call, record which graphs ran and whether they
+        are the whole step (warn once if not: predictions and budgets then cannot cover it)."""
+        if not (self.model.training and torch.is_grad_enabled()):
+            return self._compiled(*args, **kwargs)
+        obs = self.session.observing = StepObservation()
+        try:
+            out = self._compiled(*args, **kwargs)
+        finally:
+            self.session.observing = None
+        if obs.calls:
+            obs.outside = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in obs.params]
+            self.session.last_step = obs
+            problems = obs.problems()
+            if problems:
+                msg = ("the captured graphs are not the whole training step: " + "; ".join(problems) +
+                       ". Memory predictions, budgets and max_seq_len cannot cover it: remove the graph break "
+                       "(a print, logging or .item() in forward; TORCH_LOGS=graph_breaks names it)")
+                if msg not in self.session.warnings:
+                    self.session.warnings.append(msg)
+                    warnings.warn(msg)
+        return out
+
     def _check_budget_at(self, seq_len: Optional[int]) -> None:
         """A length other than the one planned for is re-checked against the budget (before it runs)."""
         gs = self.session.graphs
@@ -94,7 +117,10 @@ class OptimizedModule(nn.Module):
         checked = self.__dict__.setdefault("_checked_lengths", {gs[0].seq.length})
         if seq_len in checked:
             return
-        peak = self.predict_memory(seq_len).peak_bytes
+        try:
+            peak = self.predict_memory(seq_len).peak_bytes
+        except PredictionError:   # the step is not all captured: already warned at capture
+            return
         if peak > self.budget.bytes:
             raise BudgetError(
                 f"at sequence length {seq_len} the plan made for {gs[0].seq.length} predicts a peak of "
@@ -176,15 +202,33 @@ class OptimizedModule(nn.Module):
             raise RuntimeError("nothing captured yet: call the module once or pass example_inputs")
         failed = [w for g in self.session.graphs if g.failed for w in g.warnings]
         if failed:
-            raise RuntimeError("cannot predict memory: " + "; ".join(failed))
+            raise PredictionError("cannot predict memory: " + "; ".join(failed))
         from tailorfx.codegen.lower import partition_for
-        gs = self.session.graphs
+        gs = self._step_graphs(seq_len)
         lowered = setup.optimizer_in_backward == self.setup.optimizer_in_backward
         steps = [g.step if (rewritten and lowered and g.step is not None) else
                  memory.trace_step(g.rewritten if rewritten else g.original, None,
                                    partition_for(g.lowering, g.rewritten if rewritten else g.original), setup)
                  for g in gs]
         return memory.simulate_step(steps, [g.seq for g in gs], seq_len or gs[0].seq.length or None, setup=setup)
+
+    def _step_graphs(self, seq_len: Optional[int]) -> list[GraphRecord]:
+        """The graphs one training step runs (those the last training call ran, else every graph),
+        or PredictionError when they are not the whole step or cannot follow `seq_len`."""
+        obs, gs = self.session.last_step, self.session.graphs
+        if obs is not None:
+            if obs.problems():
+                raise PredictionError("cannot predict one training step: " + "; ".join(obs.problems()))
+            gs = [gs[i] for i in obs.calls]
+        S = seq_len or gs[0].seq.length
+        for g in gs:
+            if g.seq.symbol is None and S != g.seq.length and _carries_sequence(g):
+                raise PredictionError(
+                    f"cannot predict S={S}: graph {g.index} was captured with static shapes at S={g.seq.length} "
+                    f"(Dynamo compiled it after a graph break, from inputs that did not carry the marked "
+                    f"sequence dimension), so its sizes do not follow the length; predict at S={g.seq.length}, "
+                    f"or remove the graph break")
+        return gs
 
     def memory_timeline(self, path: str, seq_len: Optional[int] = None, measured: Optional[int] = None) -> str:
         """Plot predicted live bytes over the step (before and after the passes) to a PNG."""
@@ -195,6 +239,19 @@ class OptimizedModule(nn.Module):
     def kernels(self) -> dict[str, str]:
         """Generated kernel sources by name (none until a pass emits Triton kernels)."""
         return {}
+
+
+class PredictionError(RuntimeError):
+    """The memory model cannot predict this step (not all of it was captured, or a graph's sizes
+    do not follow the sequence length); the message says which and how to fix it."""
+
+
+def _carries_sequence(g: GraphRecord) -> bool:
+    """A graph input (other than a parameter) has a dimension of the captured sequence length."""
+    from tailorfx.rewrite.capture import node_value
+    from tailorfx.rewrite.regions import is_param
+    return any(g.seq.dims(node_value(n)) for n in g.original.graph.nodes
+               if n.op == "placeholder" and not is_param(n))
 
 
 def _split_examples(example_inputs: Any, example_kwargs: Optional[dict]) -> tuple[tuple, dict]:
@@ -351,7 +408,8 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
         opt = _capture(model, chosen, 256, batch_size or s.micro_batch_size, setup=s,
                        recompute="full" if "recompute" in chosen else None)
     if opt.session.graphs and opt.session.graphs[0].seq.symbol is None:
-        raise RuntimeError("the capture did not keep the sequence length symbolic; cannot extrapolate")
+        raise PredictionError("the capture did not keep the sequence length symbolic (a graph break before the "
+                              "model's first layer?); max_seq_len cannot extrapolate from it")
 
     def peak(S: int) -> int:
         return opt.predict_memory(S).peak_bytes

@@ -42,9 +42,38 @@ class GraphRecord:
 
 
 @dataclass
+class StepObservation:
+    """Which graphs one training call of the model ran (in first-call order, with counts) and
+    which parameters they read: the memory model predicts a step only when these graphs are all
+    of it, each run once."""
+    calls: dict = field(default_factory=dict)      # graph index -> times run during the call
+    params: set = field(default_factory=set)       # id() of every nn.Parameter the graphs read
+    outside: list = field(default_factory=list)    # trainable parameter names no graph read
+
+    def run(self, idx: int, args: tuple) -> None:
+        self.calls[idx] = self.calls.get(idx, 0) + 1
+        flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args
+        self.params.update(id(a) for a in flat if isinstance(a, torch.nn.Parameter))
+
+    def problems(self) -> list[str]:
+        """Why the captured graphs are not the whole step (empty: they are)."""
+        out = []
+        if self.outside:
+            names = ", ".join(self.outside[:4]) + (f", ... ({len(self.outside)} in all)" if len(self.outside) > 4 else "")
+            out.append(f"parameters {names} are used by code Dynamo ran eagerly, outside every captured graph "
+                       f"(a graph break inside a loop makes Dynamo skip the whole function)")
+        again = [f"graph {i} ran {n} times" for i, n in self.calls.items() if n > 1]
+        if again:
+            out.append(", ".join(again) + " in one call (a graph break inside a repeated layer)")
+        return out
+
+
+@dataclass
 class Session:
     """Graphs compiled by one backend instance, in the order Dynamo handed them over."""
     graphs: list[GraphRecord] = field(default_factory=list)
+    observing: Optional[StepObservation] = None    # set by OptimizedModule around a training call
+    last_step: Optional[StepObservation] = None     # the last training call's observation
     seq_len: Optional[int] = None
     training: Optional[bool] = None    # the model's .training at the call (None: not known)
     warnings: list[str] = field(default_factory=list)
@@ -95,7 +124,7 @@ class TailorBackend:
                                                    notes, failed=True))
             # Not our lowering: a failed trace can leave Dynamo's fake tensors and shape guards in a
             # state where a second AOTAutograd trace of the same graph computes wrong gradients.
-            return gm.forward
+            return self._observed(idx, gm.forward)
         rec = GraphRecord(idx, original, rewritten, regions, seq, plan, records, lowering, notes, *peaks)
         self.session.graphs.append(rec)
 
@@ -110,8 +139,20 @@ class TailorBackend:
             else:
                 notes.append(f"graph {idx}: {lowering} lowering: the optimizer steps in backward run from "
                              f"post-accumulate-grad hooks after the graph's backward, not inside it")
-        return lowering_mod.lower(rewritten, example_inputs, lowering, on_partition=keep,
-                                  steps_in_backward=steps_in_backward)
+        return self._observed(idx, lowering_mod.lower(rewritten, example_inputs, lowering, on_partition=keep,
+                                                      steps_in_backward=steps_in_backward))
+
+    def _observed(self, idx: int, compiled: Callable) -> Callable:
+        """`compiled`, telling the session's current StepObservation (if any) that graph idx ran."""
+        session = self.session
+
+        def run(*args):
+            if session.observing is not None:
+                session.observing.run(idx, args)
+            return compiled(*args)
+        if getattr(compiled, "_boxed_call", False):
+            run._boxed_call = True
+        return run
 
     @staticmethod
     def _predictor(seq: SeqInfo, lowering: str, setup=None) -> Callable[[fx.GraphModule], int]:

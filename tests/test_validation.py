@@ -1,5 +1,7 @@
 """Bad input gets one clear error naming the parameter, the value and what is allowed; a budget
 is a promise kept at every length."""
+import copy
+
 import pytest
 import torch
 
@@ -106,3 +108,49 @@ def test_gradient_checkpointing_hides_the_mlps_and_says_so():
     with pytest.warns(UserWarning, match=r"minisequence: \(graph\): no MLP region is visible: the layers run under "
                                          r"torch.utils.checkpoint"):
         tailorfx.optimize(model, passes=["minisequence"], example_inputs=batch())
+
+
+class _PrintingBlock(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        print(end="")    # a graph break inside a layer that a loop calls
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class _PrintingLM(torch.nn.Module):
+    def __init__(self, vocab=300, d=32):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, vocab)
+        self.blocks = torch.nn.ModuleList(_PrintingBlock(d) for _ in range(2))
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = b(h)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def test_a_step_not_all_captured_is_not_predicted():
+    """A print() in a looped layer: Dynamo skips the model's forward (embedding, head and loss run
+    eagerly) and compiles the layer alone, run twice per step. Predictions were silently the
+    layer's alone (the same 1 MiB at every length) and its fc1 was taken for the LM head."""
+    torch.manual_seed(0)
+    model = _PrintingLM()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 300, (2, 64))
+    with pytest.warns(UserWarning, match=r"not the whole training step: parameters emb.weight, head.weight, "
+                                         r"head.bias are used by code Dynamo ran eagerly.*graph 0 ran 2 times"):
+        opt = tailorfx.optimize(model, passes=[], example_inputs=(ids, ids))
+    assert not [r for r in opt.regions if r.kind == "lm_head_loss"], opt.regions
+    for S in (64, 4096):
+        with pytest.raises(tailorfx.PredictionError, match="cannot predict one training step: parameters emb.weight"):
+            opt.predict_memory(S)
+    assert "not the whole training step" in str(opt.report())
+    model.zero_grad(set_to_none=True)
+    opt(ids, ids).backward()
+    ref(ids, ids).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -247,12 +247,31 @@ def _path_key(p: str) -> tuple:
     return tuple(int(x) if x.isdigit() else x for x in p.split("."))
 
 
+def _widens(mm: fx.Node) -> bool:
+    """The matmul's output rows are wider than its input rows (a head maps hidden -> vocab)."""
+    k = 1 if match.op_name(mm) in ("addmm", "baddbmm") else 0   # (bias, input, weight)
+    src = mm.args[k] if len(mm.args) > k else None
+    out, inp = node_value(mm), node_value(src) if isinstance(src, fx.Node) else None
+    if not isinstance(out, torch.Tensor) or not isinstance(inp, torch.Tensor) or not out.dim() or not inp.dim():
+        return True
+    try:
+        return bool(out.shape[-1] > inp.shape[-1])
+    except Exception:   # symbolic widths: cannot tell, keep the candidate
+        return True
+
+
 def _lm_head_loss(nodes: list[fx.Node], cls: dict[str, str], blocks: set[str]) -> Optional[Region]:
-    """The last matmul outside every block with the widest output, plus the loss after it."""
+    """The last matmul outside every block with the widest output, plus the loss after it. A
+    matmul whose output feeds another weight matmul, or is no wider than its input (vocab >
+    hidden), is a layer inside the model, not its head."""
     def in_block(n):
         return any(p in blocks for p in module_paths(n))
-    cands = [n for n in nodes if match.op_name(n) in match.MATMUL_OPS and not in_block(n)
-             and any(is_param(a, through_casts=True) for a in n.all_input_nodes)]
+
+    def weight_mm(n):
+        return (match.op_name(n) in match.MATMUL_OPS
+                and any(is_param(a, through_casts=True) for a in n.all_input_nodes))
+    cands = [n for n in nodes if weight_mm(n) and not in_block(n)
+             and _widens(n) and not any(weight_mm(u) for u in match.users_closure(n.users))]
     if not cands:
         return None
     width = lambda n: int(node_value(n).shape[-1]) if isinstance(node_value(n), torch.Tensor) else 0
