@@ -436,3 +436,33 @@ def test_acceptance_lm_head_grad_at_4096_reference_model():
     assert rel(ms, ref) > 1e-3, "bf16 did not run"
     assert rel(ms_low, ref) < 1.02 * rel(autocast, ref)   # all-bf16 regions: no worse than autocast
     assert rel(ms, ref) < 0.9 * rel(autocast, ref)
+
+
+@pytest.mark.parametrize("family,seed", [("mixtral", 0), ("qwen2_moe", 0), ("olmoe", 2)])
+def test_moe_router_is_an_fp32_island(family, seed):
+    """The router (found from the graph: a weight matmul reaching a topk) reads the fp32 hidden
+    state and computes its logits, softmax, top-k and routing weights in fp32; the experts run in
+    bf16. One layer, attention kept fp32, so the router sees eager's input: the gradients are then
+    as close as a dense family's. With the router in bf16 (policy "router": "low") these seeds
+    route tokens to other experts and the router's gradient is 11-25% off."""
+    from models import hf_family
+    model = hf_family(family, num_layers=1, seed=seed)
+    policy = {"attention": "fp32"}
+    loss_err, errs, opt = grads_vs_eager(model, lambda m: tailorfx.optimize(
+        m, passes=["precision"], precision="bf16", precision_policy=policy), batch(S=64))
+    assert loss_err < 5e-3 and max(errs.values()) < 2e-2, (loss_err, max(errs.items(), key=lambda kv: kv[1]))
+    gm = record(opt).gm
+    dtypes = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and match.op_name(n) in match.MATMUL_OPS | {"topk"}:
+            reads_gate = any("mlp_modules_gate_parameters_weight" in a.name for a in n.all_input_nodes)
+            kind = "router" if reads_gate else match.op_name(n)
+            v = n.meta.get("val", n.meta.get("example_value"))
+            dtypes.setdefault(kind, set()).add((v[0] if isinstance(v, tuple) else v).dtype)
+    assert dtypes["router"] == {torch.float32} and dtypes["topk"] == {torch.float32}, dtypes
+    assert torch.bfloat16 in set().union(*(d for k, d in dtypes.items() if k not in ("router", "topk"))), dtypes
+    if family == "mixtral":   # the island is what keeps it close
+        model.zero_grad(set_to_none=True)
+        _, errs_low, _ = grads_vs_eager(model, lambda m: tailorfx.optimize(
+            m, passes=["precision"], precision="bf16", precision_policy={**policy, "router": "low"}), batch(S=64))
+        assert errs_low["model.layers.0.mlp.gate.weight"] > 5e-2, errs_low["model.layers.0.mlp.gate.weight"]

@@ -36,7 +36,7 @@ from tailorfx.passes import register
 from tailorfx.rewrite import compat, match, saved_dtype
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult, clone
-from tailorfx.rewrite.regions import KINDS, Region, normalize_path
+from tailorfx.rewrite.regions import KINDS, Region, is_param, normalize_path
 from tailorfx.runtime import ops
 
 NAME = "precision"
@@ -84,6 +84,10 @@ POLICY: Mapping[str, str] = {
     "sum": "fp32", "mean": "fp32", "var": "fp32", "std": "fp32", "var_mean": "fp32",
     "cumsum": "fp32",                 # reductions ("norm" names the region kind, not torch.norm)
     "layer_norm": "fp32", "rms_norm": "fp32", "group_norm": "fp32",       # norms not in a module
+    # An MoE router (found from the graph: a weight matmul whose result reaches a topk before any
+    # other weight matmul) and the routing weights it computes: in bf16 its logits round, tokens
+    # change experts, and the router's weight gradient is off by 7-20% (Mixtral, Qwen2-MoE, OLMoE).
+    "router": "fp32",
 }
 
 MAX_ATTEMPTS = 64        # regions given up on, one per attempt, before the pass stops trying
@@ -346,8 +350,12 @@ class Precision:
                     best[name] = (depth, r)
         zones: dict[str, Zone] = {}
         self._save_low, self._matmuls_only = {}, set()
+        routers = router_nodes(gm) if self.policy.get("router") == torch.float32 else {}
         for name, (_, r) in best.items():
             dtype = dtypes[r.path]
+            if name in routers and dtype != torch.float32:   # an fp32 island, like softmax
+                zones[name] = Zone(f"{r.path}:router:{routers[name]}", r.path, torch.float32, False)
+                continue
             z = Zone(r.path, r.path, dtype, dtype != torch.float32)
             op_name = match.op_name(nodes[name])
             if z.low and self._fp32_out(r, ctx):
@@ -376,6 +384,45 @@ class Precision:
         if mode == AUTO:
             return r.kind == "attention" or (r.kind == "mlp" and r.token_wise and "minisequence" in ctx.pipeline)
         return mode == "fp32"
+
+
+def router_nodes(gm: fx.GraphModule) -> dict[str, str]:
+    """Node name -> its router's matmul, for every MoE router: a weight matmul whose result reaches
+    a topk before any other weight matmul, with what it computes from its own result alone (the
+    softmax, the top-k and the normalised routing weights), not what mixes in expert outputs, and
+    the views its input goes through (so it reads the fp32 hidden state, not a bf16 copy)."""
+    nodes = list(gm.graph.nodes)
+    weight_mms = [n for n in nodes if match.op_name(n) in match.MATMUL_OPS
+                  and any(is_param(a, through_casts=True) for a in n.all_input_nodes)]
+    out: dict[str, str] = {}
+    for m in weight_mms:
+        others = set(weight_mms) - {m}
+        reach: set[fx.Node] = set()
+        for n in nodes[nodes.index(m):]:
+            if n is m or (n not in others and any(a in reach for a in n.all_input_nodes)
+                          and not any(a in others or _fed_by(a, others) for a in n.all_input_nodes if a not in reach)):
+                reach.add(n)
+        if any(match.op_name(n) == "topk" for n in reach):
+            out.update({n.name: m.name for n in reach if n.op != "output"})
+            x = m.args[0] if m.args else None
+            while isinstance(x, fx.Node) and match.op_name(x) in _VIEW_OPS:   # its input, re-viewed: fp32 too
+                out[x.name] = m.name
+                x = x.args[0] if x.args else None
+    return out
+
+
+def _fed_by(n: fx.Node, sources: set, limit: int = 64) -> bool:
+    """Whether one of `sources` is an ancestor of n (searched `limit` nodes deep)."""
+    stack, seen = [n], set()
+    while stack and len(seen) < limit:
+        x = stack.pop()
+        if x in sources:
+            return True
+        if x in seen:
+            continue
+        seen.add(x)
+        stack.extend(x.all_input_nodes)
+    return False
 
 
 def _cannot_lower(r: Region, nodes: dict[str, fx.Node]) -> Optional[str]:
