@@ -348,39 +348,47 @@ def _cached_backward_cost(key: str, sub: fx.GraphModule, ctx: PassContext, token
     if memo not in _BACKWARD_COSTS:
         if len(_BACKWARD_COSTS) > 256:
             _BACKWARD_COSTS.clear()
-        _BACKWARD_COSTS[memo] = _simulated_backward_cost(sub, ctx, tokens, out_bytes)
+        _BACKWARD_COSTS[memo] = _simulated_backward_cost(key, sub, ctx, tokens, out_bytes)
     return _BACKWARD_COSTS[memo]
 
 
-def _simulated_backward_cost(sub: fx.GraphModule, ctx: PassContext, tokens: int,
+def _simulated_backward_cost(key: str, sub: fx.GraphModule, ctx: PassContext, tokens: int,
                              out_bytes: int) -> Optional[tuple[float, float]]:
-    """(bytes per token, bytes per chunk) one chunk holds in backward, from the memory model: the
-    region's forward (what autograd saves when the chunk is recomputed) and backward simulated on
-    fake tensors, less the gradients (the op's outputs, counted by the graph) and the incoming
-    output gradient (the op's input). Simulated at the captured length and twice it, so weight-
-    sized transients are not scaled with the chunk. None when the region cannot be traced alone."""
+    """(bytes per token, bytes per chunk) one chunk holds in backward: the runtime's own chunk
+    backward (ops.region_chunk_grads: the chunk's contiguous copies, the recompute, what eager
+    autograd saves, the grads) run on fake tensors under memory.LiveBytes, at the captured length
+    and twice it, so weight-sized transients are not scaled with the chunk. None when the region
+    cannot run alone on fake tensors."""
     from tailorfx.rewrite import memory
-    traced = clone(sub)   # AOTAutograd wants a tuple of outputs
-    output = next(n for n in reversed(traced.graph.nodes) if n.op == "output")
-    output.args = ((output.args[0],),)
-    traced.recompile()
+    phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    vals = [node_value(n) for n in phs]
     length = ctx.seq.length
-    try:
-        step = memory.trace_step(traced)
-
-        def held(seq_len):
-            est = memory.simulate_step([step], ctx.seq, seq_len, optimizer=None)
-            return est.forward_backward_peak_bytes - est.grads_at_peak
-    except Exception:   # the estimate by hand (_region_cost) stands in
+    if ctx.seq.symbol is None or not length or not all(isinstance(v, torch.Tensor) for v in vals):
         return None
-    if ctx.seq.symbol is None or not length:
-        return max(0, held(None) - out_bytes) / tokens, 0.0
+
+    def shape(v, seq_len):
+        subs = {**ctx.seq.hints, ctx.seq.symbol: seq_len}
+        return [int(compat.sym_expr(d).xreplace(subs)) for d in v.shape]
+
+    def held(seq_len) -> int:
+        with compat.FakeTensorMode():
+            x = torch.empty(shape(vals[0], seq_len), dtype=vals[0].dtype).requires_grad_(vals[0].is_floating_point())
+            whole = [torch.empty(shape(v, seq_len), dtype=v.dtype).requires_grad_(v.is_floating_point())
+                     for v in vals[1:]]
+            with torch.no_grad():
+                go = sub(x, *whole)
+            seq_grad = [torch.empty_like(x)]
+            acc = [torch.zeros_like(w, dtype=ops.acc_dtype(w)) if w.requires_grad else None for w in whole]
+            with torch.enable_grad(), memory.LiveBytes() as live:
+                ops.region_chunk_grads(sub, [x.detach().clone().requires_grad_(x.requires_grad)], whole,
+                                        go.clone(), seq_grad, acc, key)
+            return live.peak
     try:
         one, two = held(length), held(2 * length)
-    except Exception:
+    except Exception:   # the estimate by hand (_region_cost) stands in
         return None
-    per_token = max(0.0, (two - one - out_bytes) / tokens)   # out_bytes and tokens double with the length
-    return per_token, max(0.0, one - out_bytes - per_token * tokens)
+    per_token = max(0.0, (two - one) / tokens)
+    return per_token, max(0.0, one - per_token * tokens)
 
 
 def _shares_storage(n: fx.Node, a: fx.Node) -> bool:

@@ -11,6 +11,7 @@ from torch._functorch.aot_autograd import make_boxed_func  # noqa: F401
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition  # noqa: F401
 from torch._guards import detect_fake_mode  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (checked on torch 2.13)
 
 
 def compile_fx_inner():

@@ -8,12 +8,15 @@ TrainingSetup (held to the step, accumulated, or consumed by an update inside ba
 """
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 import torch.fx as fx
 
+from tailorfx.rewrite import compat
 from tailorfx.rewrite.capture import SeqInfo, node_value
 from tailorfx.rewrite.optimizer_step import aliases_input, storage_root
 from tailorfx.rewrite.trace import (Sizer, StepGraphs, _outputs, fake_inputs, make_step,  # noqa: F401
@@ -336,3 +339,30 @@ def predict(graphs: Sequence[fx.GraphModule], seq: Optional[SeqInfo] = None,
     """Trace and simulate: the peak of one step of these Dynamo graphs, run in order."""
     steps = [trace_step(gm, None, partition, setup) for gm in graphs]
     return simulate_step(steps, seq, seq_len, optimizer, setup=setup)
+
+
+class LiveBytes(compat.TorchDispatchMode):
+    """Peak bytes of the storages that eager code allocates while active, on real or fake
+    tensors: each new storage counts until Python frees it (what autograd saves included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: dict[int, object] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if id(st) in self._seen:
+                    continue
+                n = st.nbytes()
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                self._seen[id(st)] = weakref.ref(st, functools.partial(self._free, id(st), n))
+        return out
+
+    def _free(self, key: int, n: int, _ref) -> None:
+        self._seen.pop(key, None)
+        self.live -= n

@@ -78,7 +78,7 @@ def _num_chunks(seq_inputs: Sequence[Tensor], seq_dim: int, num_chunks: int) -> 
     return max(1, min(num_chunks, seq_inputs[0].size(seq_dim)))
 
 
-def _acc_dtype(t: Tensor) -> torch.dtype:
+def acc_dtype(t: Tensor) -> torch.dtype:
     # Parameter grads summed over chunks: low-precision floats accumulate in fp32.
     return torch.promote_types(t.dtype, torch.float32) if t.is_floating_point() else t.dtype
 
@@ -209,7 +209,7 @@ def _linear_tail_grads(key, xs, whole, grad_out, whole_acc):
     return a, grad_a
 
 
-def _region_chunk_grads(fn, xs, whole, grad_out, seq_grads, whole_acc, key=None):
+def region_chunk_grads(fn, xs, whole, grad_out, seq_grads, whole_acc, key=None):
     """Recompute one chunk and backprop it: writes seq_grads, adds into whole_acc.
 
     A call per chunk, so the chunk's activations and grads die before the next chunk starts.
@@ -239,7 +239,7 @@ def _token_chunked_backward(
     n = _num_chunks(seq_inputs, seq_dim, num_chunks)
     seq_grads = [torch.empty_like(x) if need else None for x, need in zip(seq_inputs, seq_needs_grad)]
     whole = [w.detach().requires_grad_(need) for w, need in zip(whole_inputs, whole_needs_grad)]
-    whole_acc = [torch.zeros_like(w, dtype=_acc_dtype(w)) if need else None
+    whole_acc = [torch.zeros_like(w, dtype=acc_dtype(w)) if need else None
                  for w, need in zip(whole_inputs, whole_needs_grad)]
     seq_chunks = [x.tensor_split(n, seq_dim) for x in seq_inputs]
     grad_chunks = [g.tensor_split(n, seq_dim) if g is not None else [None] * n for g in seq_grads]
@@ -248,7 +248,7 @@ def _token_chunked_backward(
         for i in range(n):
             xs = [c[i].contiguous().detach().requires_grad_(need)
                   for c, need in zip(seq_chunks, seq_needs_grad)]
-            _region_chunk_grads(fn, xs, whole, go_chunks[i].contiguous(), [g[i] for g in grad_chunks],
+            region_chunk_grads(fn, xs, whole, go_chunks[i].contiguous(), [g[i] for g in grad_chunks],
                                 whole_acc, key)
     return [g for g in seq_grads if g is not None] + [
         acc.to(w.dtype) for acc, w in zip(whole_acc, whole_inputs) if acc is not None
