@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo clean
+.PHONY: setup test test-long demo clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,6 +18,10 @@ setup: $(STAMP)
 # two workers for the two cores (tests/conftest.py gives each one intra-op thread)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 tests
+
+# the property test's long profile (200 random models; CI runs its short profile in `make test`)
+test-long: $(STAMP)
+	TAILORFX_PROPERTY_EXAMPLES=200 $(BIN)/python -m pytest -q -n 2 --dist worksteal tests/test_property.py
 
 demo: $(STAMP)
 	$(BIN)/python -m tailorfx.cli demo --timeline demo_memory.png

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import sys
 
@@ -25,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import tailorfx  # noqa: E402
-from common import hf_llama_model, lm_batch, measure_step, mib, print_table, time_it, train_step, write_json  # noqa: E402
+from common import OUT_DIR, hf_llama_model, lm_batch, measure_step, mib, print_table, time_it, train_step, write_json  # noqa: E402
 
 
 def static_bytes(model) -> int:
@@ -169,7 +170,8 @@ if __name__ == "__main__":
                     help="part 3: capture alone vs eager on each family (none: skip)")
     ap.add_argument("--capture-seq", type=int, default=1024)
     a = ap.parse_args()
-    result = {}
+    previous = os.path.join(OUT_DIR, "hf_models.json")
+    result = json.load(open(previous)) if os.path.exists(previous) else {}   # parts not run keep their figures
     if not a.skip_part1:
         result["llama"] = part1(a.seq, a.reps)
     if a.families:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import tailorfx
 from harness import compare_with_eager
-from models import batch, hf_family, hf_llama
+from models import batch, hf_config, hf_family, hf_llama
 
 PASSES = ["attention", "minisequence", "recompute"]
 # What a family legitimately cannot have rewritten, and the reason the pass must give.
@@ -159,6 +159,13 @@ def test_inspection_of_a_multi_graph_capture():
     assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
 
 
+def test_max_seq_len_of_a_gpt2_config():
+    """GPT-2 from a config (was: 'tensor size 2*s3 + 2 depends on symbols with no known value')."""
+    cfg = hf_config("gpt2", n_positions=1 << 16)
+    vanilla, best = tailorfx.max_seq_len(cfg, "256MiB", passes=[]), tailorfx.max_seq_len(cfg, "256MiB")
+    assert 1024 < vanilla < best
+
+
 def test_wrapper_saves_loads_and_looks_like_the_model():
     model = hf_llama()
     opt = tailorfx.optimize(model, passes=[])
@@ -191,11 +198,11 @@ def test_memory_model_on_hf_families(family):
     size = {"n_embd": 128} if family == "gpt2" else {"hidden_size": 128, "intermediate_size": 352}
     model = hf_family(family, vocab_size=8000, **size)
     errors = {}
-    for name, passes in {"none": [], "minisequence": ["minisequence"],
+    for name, passes in {"none": [], "minisequence": ["minisequence"], "recompute": ["recompute"],
                          "minisequence+recompute": ["minisequence", "recompute"]}.items():
         torch._dynamo.reset()
         opt = tailorfx.optimize(model, passes=passes)
-        for S in (256, 1024):
+        for S in (256, 1024, 2048):
             ids = torch.randint(0, 8000, (1, S))
             measured = _peak_of_step(opt, model, {"input_ids": ids, "labels": ids.clone()})
             predicted = opt.predict_memory(S).forward_backward_peak_bytes

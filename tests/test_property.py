@@ -1,10 +1,12 @@
 """Property test: random small HF configs, batch sizes, odd lengths, padding and pass sets. Every
 run equals eager (loss and every gradient), and every requested rewrite fired or was reported.
 
-CI runs a short profile; TAILORFX_PROPERTY_EXAMPLES=200 runs the long one (marked slow).
+CI runs a short profile (2 examples); `make test-long` runs the long one
+(TAILORFX_PROPERTY_EXAMPLES=200).
 """
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -43,6 +45,7 @@ def _inputs(B, S, pad, use_mask, seed):
     return batch
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cases())
