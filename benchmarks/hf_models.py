@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import os
 import sys
 
@@ -142,10 +143,11 @@ def part3(families, S: int, reps: int) -> list:
         for f in steps.values():
             f()
         peaks = {k: measure_step(m, list(m.parameters()), inputs) for k, m in mods.items()}
-        times = {k: 0.0 for k in mods}
-        for _ in range(reps):
+        samples = {k: [] for k in mods}
+        for _ in range(reps):   # interleaved, so both see the same machine; the median drops stragglers
             for k, f in steps.items():
-                times[k] += time_it(f, 1) / reps
+                samples[k].append(time_it(f, 1))
+        times = {k: statistics.median(v) for k, v in samples.items()}
         graphs = len(opt.session.graphs)
         out.append({"family": family, "seq": S, "peak_bytes": peaks, "seconds": times, "graphs": graphs})
         rows.append([family, graphs, mib(peaks["eager"]), mib(peaks["passes=[]"]),

@@ -89,8 +89,10 @@ class OptimizedModule(nn.Module):
     def _observed_call(self, args: tuple, kwargs: dict):
         """Run the compiled model; in a training call, record which graphs ran and whether they
         are the whole step (warn once if not: predictions and budgets then cannot cover it)."""
-        if not (self.model.training and torch.is_grad_enabled()):
-            return self._compiled(*args, **kwargs)
+        observed = self.session.last_step
+        if not (self.model.training and torch.is_grad_enabled()) or (
+                observed is not None and observed.num_graphs == len(self.session.graphs)):
+            return self._compiled(*args, **kwargs)   # observed already, and nothing recompiled since
         obs = self.session.observing = StepObservation()
         try:
             out = self._compiled(*args, **kwargs)
@@ -98,6 +100,7 @@ class OptimizedModule(nn.Module):
             self.session.observing = None
         if obs.calls:
             obs.outside = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in obs.params]
+            obs.num_graphs = len(self.session.graphs)
             self.session.last_step = obs
             problems = obs.problems()
             if problems:

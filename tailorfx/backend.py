@@ -49,6 +49,7 @@ class StepObservation:
     calls: dict = field(default_factory=dict)      # graph index -> times run during the call
     params: set = field(default_factory=set)       # id() of every nn.Parameter the graphs read
     outside: list = field(default_factory=list)    # trainable parameter names no graph read
+    num_graphs: int = 0                            # graphs compiled when it was taken
 
     def run(self, idx: int, args: tuple) -> None:
         self.calls[idx] = self.calls.get(idx, 0) + 1
