@@ -7,6 +7,7 @@ the plan that fits with the least recomputed FLOPs.
 """
 from __future__ import annotations
 
+import graphlib
 import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
@@ -20,8 +21,6 @@ from tailorfx.rewrite.regions import RegionMap
 # choices); without them they are exact to the byte.
 HEADROOM = 0.04
 
-# precision before minisequence: the chunked regions then run in the precision chosen for them.
-PIPELINE_ORDER = ("attention", "precision", "minisequence", "recompute", "parallel")
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,11 @@ class Plan:
 
 
 def _order(names: Sequence[str]) -> tuple[str, ...]:
-    return tuple(sorted(names, key=lambda n: PIPELINE_ORDER.index(n) if n in PIPELINE_ORDER else 99))
+    """The passes in an order that respects every pass's `after=` (ties by name), e.g. attention,
+    precision, minisequence, recompute."""
+    from tailorfx import passes as pass_registry
+    graph = {n: [d for d in pass_registry.make(n, {}).after if d in names] for n in sorted(set(names))}
+    return tuple(graphlib.TopologicalSorter(graph).static_order())
 
 
 def choose(requested: Optional[Sequence[str]], regions: RegionMap, options: dict) -> Plan:

@@ -251,7 +251,7 @@ class _RegionFailed(Exception):
 class Precision:
     """Run the regions the policy lowers in bf16/fp16, with casts at their entries and exits."""
     name = NAME
-    after = ()
+    after = ("attention",)   # lowers the attention the attention pass chose
 
     def __init__(self, options: dict):
         self.precision = options.get("precision") or "bf16"
