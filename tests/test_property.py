@@ -22,7 +22,7 @@ KIND = {"attention": "attention", "minisequence": "mlp", "recompute": "block"}
 @st.composite
 def cases(draw):
     family = draw(st.sampled_from(["llama", "qwen2", "mistral", "gpt2", "phi3"]))
-    B = draw(st.integers(1, 3))
+    B = draw(st.integers(1, 4))
     S = draw(st.integers(5, 33))
     pad = draw(st.integers(0, min(4, S - 2)))
     use_mask = draw(st.booleans())
