@@ -363,8 +363,10 @@ def _simulated_backward_cost(key: str, sub: fx.GraphModule, ctx: PassContext, to
     phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
     vals = [node_value(n) for n in phs]
     length = ctx.seq.length
-    if ctx.seq.symbol is None or not length or not all(isinstance(v, torch.Tensor) for v in vals):
+    if ctx.seq.symbol is None or not length or not all(isinstance(v, torch.Tensor) for v in vals) \
+            or len(ctx.seq.dims(vals[0])) != 1:
         return None
+    seq_dim = ctx.seq.dims(vals[0])[0]
 
     def shape(v, seq_len):
         subs = {**ctx.seq.hints, ctx.seq.symbol: seq_len}
@@ -379,9 +381,12 @@ def _simulated_backward_cost(key: str, sub: fx.GraphModule, ctx: PassContext, to
                 go = sub(x, *whole)
             seq_grad = [torch.empty_like(x)]
             acc = [torch.zeros_like(w, dtype=ops.acc_dtype(w)) if w.requires_grad else None for w in whole]
+            # a chunk is copied (.contiguous()) unless every dim before the sequence dim is 1
+            copied = any(d != 1 for d in x.shape[:seq_dim])
             with torch.enable_grad(), memory.LiveBytes() as live:
-                ops.region_chunk_grads(sub, [x.detach().clone().requires_grad_(x.requires_grad)], whole,
-                                        go.clone(), seq_grad, acc, key)
+                xc = x.detach().clone() if copied else x.detach()
+                ops.region_chunk_grads(sub, [xc.requires_grad_(x.requires_grad)], whole,
+                                       go.clone() if copied else go, seq_grad, acc, key)
             return live.peak
     try:
         one, two = held(length), held(2 * length)
