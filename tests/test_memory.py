@@ -24,7 +24,8 @@ def measured_step(opt, model, inputs) -> int:
     return tailorfx.measure_peak(step)
 
 
-def test_prediction_within_10_percent_at_three_lengths():
+def test_prediction_within_3_percent_at_three_lengths():
+    """The README's claim: within 3% of the measured peak, and never more than 2% below it."""
     model = mid_llama()
     opt = tailorfx.optimize(model, passes=[], example_inputs=batch(B=1, S=64))
     rows = []
@@ -32,7 +33,7 @@ def test_prediction_within_10_percent_at_three_lengths():
         measured = measured_step(opt, model, batch(B=1, S=S))
         predicted = opt.predict_memory(seq_len=S).forward_backward_peak_bytes
         rows.append((S, predicted, measured))
-        assert abs(predicted - measured) / measured < 0.10, rows
+        assert abs(predicted - measured) / measured <= 0.03 and predicted >= 0.98 * measured, rows
     assert len(opt.session.graphs) == 1
     # peak grows with S: the model really depends on the length, not a constant
     assert rows[2][2] > 1.8 * rows[0][2]
@@ -97,3 +98,27 @@ def test_llama3_8b_prediction_without_allocating_it():
     assert est.dynamic_peak_bytes < est.grad_bytes + 8192 * 128256 * 4
     usable = tailorfx.Budget.parse("A100-80GB").bytes * (1 - HEADROOM)
     assert opt.predict_memory(seq_len=32768, optimizer="adamw").peak_bytes <= usable
+
+
+def test_live_bytes_on_fake_tensors_equals_the_allocator():
+    """memory.LiveBytes counts what eager code (autograd's saves included) holds: on fake tensors
+    it gives the allocator's measured peak of the same code on real ones, views of the inputs
+    (weight.t()) not counted as new memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from tailorfx.rewrite.memory import LiveBytes
+
+    def make():
+        x = torch.randn(300, 64, requires_grad=True)
+        w1, w2 = torch.randn(256, 64, requires_grad=True), torch.randn(64, 256, requires_grad=True)
+        return x, w1, w2
+
+    def step(x, w1, w2):
+        y = torch.nn.functional.linear(torch.nn.functional.silu(torch.nn.functional.linear(x, w1)), w2)
+        return torch.autograd.grad(y.square().sum(), [x, w1, w2])
+    real = make()
+    measured = tailorfx.measure_peak(lambda: step(*real))
+    with FakeTensorMode():
+        fake = make()
+        with LiveBytes() as live:
+            step(*fake)
+    assert live.peak == measured and measured > 300 * 256 * 4 * 2
