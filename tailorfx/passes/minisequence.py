@@ -348,12 +348,12 @@ def _cached_backward_cost(key: str, sub: fx.GraphModule, ctx: PassContext, token
     if memo not in _BACKWARD_COSTS:
         if len(_BACKWARD_COSTS) > 256:
             _BACKWARD_COSTS.clear()
-        _BACKWARD_COSTS[memo] = _simulated_backward_cost(key, sub, ctx, tokens, out_bytes)
+        _BACKWARD_COSTS[memo] = _simulated_backward_cost(key, sub, ctx, tokens)
     return _BACKWARD_COSTS[memo]
 
 
-def _simulated_backward_cost(key: str, sub: fx.GraphModule, ctx: PassContext, tokens: int,
-                             out_bytes: int) -> Optional[tuple[float, float]]:
+def _simulated_backward_cost(key: str, sub: fx.GraphModule, ctx: PassContext,
+                             tokens: int) -> Optional[tuple[float, float]]:
     """(bytes per token, bytes per chunk) one chunk holds in backward: the runtime's own chunk
     backward (ops.region_chunk_grads: the chunk's contiguous copies, the recompute, what eager
     autograd saves, the grads) run on fake tensors under memory.LiveBytes, at the captured length

@@ -392,6 +392,8 @@ def router_nodes(gm: fx.GraphModule) -> dict[str, str]:
     softmax, the top-k and the normalised routing weights), not what mixes in expert outputs, and
     the views its input goes through (so it reads the fp32 hidden state, not a bf16 copy)."""
     nodes = list(gm.graph.nodes)
+    if not any(match.op_name(n) == "topk" for n in nodes):   # no router in a dense model
+        return {}
     weight_mms = [n for n in nodes if match.op_name(n) in match.MATMUL_OPS
                   and any(is_param(a, through_casts=True) for a in n.all_input_nodes)]
     out: dict[str, str] = {}

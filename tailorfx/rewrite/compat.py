@@ -12,6 +12,7 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch._guards import detect_fake_mode  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (checked on torch 2.13)
+from torch.utils._pytree import tree_leaves  # noqa: F401  (checked on torch 2.13)
 
 
 def compile_fx_inner():

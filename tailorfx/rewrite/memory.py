@@ -352,9 +352,9 @@ class LiveBytes(compat.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {id(a.untyped_storage()) for a in torch.utils._pytree.tree_leaves((args, kwargs))
+        inputs = {id(a.untyped_storage()) for a in compat.tree_leaves((args, kwargs))
                   if isinstance(a, torch.Tensor)}
-        for t in torch.utils._pytree.tree_leaves(out):
+        for t in compat.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
                 if id(st) in self._seen or id(st) in inputs:   # a view (or in-place result) of an input
