@@ -94,12 +94,12 @@ def test_optimize_refuses_a_setup_the_model_is_not_in():
 
 @pytest.mark.parametrize("name", CPU_PRESETS)
 @pytest.mark.parametrize("S, passes", [(16, ()), (512, ("minisequence",))])
-def test_full_step_prediction_within_10_percent(name, S, passes):
+def test_full_step_prediction_within_3_percent(name, S, passes):
     """S=16: the optimizer step and the gradients make the peak; S=512 with mini-sequence: the
     fused head and chunked regions with their transients (the logits peak of S=256 without it:
     test_fp32_gradients_of_bf16_weights_are_predicted)."""
     measured, est = measured_full_step(PRESETS[name], S, passes)
-    assert abs(est.peak_bytes - measured) / measured < 0.10, (name, S, est.peak_bytes, measured, est.peak_node)
+    assert -0.02 <= (est.peak_bytes - measured) / measured <= 0.03, (name, S, est.peak_bytes, measured, est.peak_node)
 
 
 def test_optimizer_in_backward_lowers_the_measured_peak():
@@ -121,14 +121,16 @@ def test_gradient_accumulation_is_predicted_for_the_last_micro_batch(setup):
     setup = setup.with_(grad_accum_steps=2)
     measured, est = measured_full_step(setup, 64, accum=2)
     assert est.grad_bytes == sum(p.numel() * 4 for p in reference().parameters())   # fp32 either way
-    assert abs(est.peak_bytes - measured) / measured < 0.10, (est.peak_bytes, measured)
+    # never below by more than 2%; above by up to 3.4% today (fp32), an open over-prediction
+    assert -0.02 <= (est.peak_bytes - measured) / measured <= 0.10, (est.peak_bytes, measured)
 
 
 @pytest.mark.parametrize("S", [16, 256])
 def test_fp32_gradients_of_bf16_weights_are_predicted(S):
     """Each bf16 gradient is moved into its fp32 master's .grad (a post-accumulate hook) and freed."""
     measured, est = measured_full_step(FP32_GRADS, S)
-    assert abs(est.peak_bytes - measured) / measured < 0.10, (est.peak_bytes, measured)
+    # never below by more than 2%; above by up to 5.9% today (S=256), an open over-prediction
+    assert -0.02 <= (est.peak_bytes - measured) / measured <= 0.10, (est.peak_bytes, measured)
 
 
 def train(model, step_fn, steps=3, S=48):
