@@ -81,5 +81,5 @@ def test_recompute_lowers_measured_peak_as_predicted():
         measured = _fwd_bwd_peak(opt, m, inputs)
         predicted = opt.predict_memory(1024).forward_backward_peak_bytes
         rows[name] = (measured, predicted)
-        assert abs(predicted - measured) / measured < 0.10, (name, measured, predicted)
+        assert -0.02 <= (predicted - measured) / measured <= 0.03, (name, measured, predicted)
     assert rows["full"][0] < rows["selective"][0] < rows["none"][0], rows
