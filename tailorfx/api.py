@@ -220,8 +220,9 @@ class OptimizedModule(nn.Module):
         or PredictionError when they are not the whole step or cannot follow `seq_len`."""
         obs, gs = self.session.last_step, self.session.graphs
         if obs is not None:
-            if obs.problems():
-                raise PredictionError("cannot predict one training step: " + "; ".join(obs.problems()))
+            problems = obs.problems()
+            if problems:
+                raise PredictionError("cannot predict one training step: " + "; ".join(problems))
             gs = [gs[i] for i in obs.calls]
         S = seq_len or gs[0].seq.length
         for g in gs:

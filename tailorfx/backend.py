@@ -53,8 +53,7 @@ class StepObservation:
 
     def run(self, idx: int, args: tuple) -> None:
         self.calls[idx] = self.calls.get(idx, 0) + 1
-        flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args
-        self.params.update(id(a) for a in flat if isinstance(a, torch.nn.Parameter))
+        self.params.update(id(a) for a in lowering_mod.call_args(args) if isinstance(a, torch.nn.Parameter))
 
     def problems(self) -> list[str]:
         """Why the captured graphs are not the whole step (empty: they are)."""

@@ -82,6 +82,12 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
         bw_compiler=eager, partition_fn=partition), split)
 
 
+def call_args(args: tuple) -> list:
+    """The arguments of a call to a compiled graph, boxed (one list, which the callee empties) or
+    not, as a list of their own."""
+    return list(args[0]) if len(args) == 1 and isinstance(args[0], list) else list(args)
+
+
 def _with_lazy_outputs(compiled: Callable, split: Split) -> Callable:
     """The compiled graph returning what the model returns (see rewrite/lazy_outputs.py)."""
     if not split.lazy:
@@ -89,7 +95,7 @@ def _with_lazy_outputs(compiled: Callable, split: Split) -> Callable:
 
     def run(*args):
         # a boxed callee empties its argument list: keep the parameters the chains need first
-        flat = list(args[0]) if len(args) == 1 and isinstance(args[0], list) else list(args)
+        flat = call_args(args)
         outs = compiled(*args)
         kept = reattach(outs, flat, split.lazy, split.num_outputs)
         return tuple(kept) if isinstance(outs, tuple) else kept

@@ -155,7 +155,7 @@ class MiniSequence:
         self._declare_linear_tail(gm, key, members, x, region, nodes, out, ctx, x_dims[0])
         tokens = _tokens(xv, x_dims[0], ctx)
         fwd, bwd = _region_cost(members, out, ctx, tokens)
-        bwd, bwd_const = _cached_backward_cost(key, sub, ctx, tokens, _hint_bytes(ov, ctx)) or (bwd, 0.0)
+        bwd, bwd_const = _cached_backward_cost(key, sub, ctx, tokens) or (bwd, 0.0)
         ops.set_region_cost(key, fwd, bwd, bwd_const)
         m = self._chunks(gm, x, x_dims[0], auto_chunks(inner, _hint_bytes(xv, ctx)), out)
         with gm.graph.inserting_after(out):
@@ -340,11 +340,11 @@ def _region_cost(members: list[fx.Node], out: fx.Node, ctx: PassContext, tokens:
 _BACKWARD_COSTS: dict = {}
 
 
-def _cached_backward_cost(key: str, sub: fx.GraphModule, ctx: PassContext, tokens: int,
-                          out_bytes: int) -> Optional[tuple[float, float]]:
+def _cached_backward_cost(key: str, sub: fx.GraphModule, ctx: PassContext,
+                          tokens: int) -> Optional[tuple[float, float]]:
     """_simulated_backward_cost, memoised: the planner runs this pass once per candidate plan, and
     the key already hashes the region's code and recorded shapes."""
-    memo = (key, str(ctx.seq.symbol), ctx.seq.length, tokens, out_bytes)
+    memo = (key, str(ctx.seq.symbol), ctx.seq.length, tokens)
     if memo not in _BACKWARD_COSTS:
         if len(_BACKWARD_COSTS) > 256:
             _BACKWARD_COSTS.clear()

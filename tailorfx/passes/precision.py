@@ -36,7 +36,7 @@ from tailorfx.passes import register
 from tailorfx.rewrite import compat, match, saved_dtype
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult, clone
-from tailorfx.rewrite.regions import KINDS, Region, is_param, normalize_path
+from tailorfx.rewrite.regions import KINDS, Region, is_weight_matmul, normalize_path
 from tailorfx.runtime import ops
 
 NAME = "precision"
@@ -266,8 +266,9 @@ class Precision:
         fake_mode = next((v.fake_mode for n in gm.graph.nodes if n.op == "placeholder"
                           and isinstance(v := node_value(n), compat.FakeTensor)), None)
         given_up: set[str] = set()
+        routers = router_nodes(gm) if self.policy.get("router") == torch.float32 else {}
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            zones = self._zones(gm, ctx, dtypes)
+            zones = self._zones(gm, ctx, dtypes, routers)
             tails = self._norm_outputs(gm, ctx, zones, given_up)
             if not any(z.low for z in zones.values()) and not tails:
                 stats.update(regions={p: _short(d) for p, d in dtypes.items()}, attempts=attempt)
@@ -336,7 +337,8 @@ class Precision:
                 out.append((r.path, cast, dtypes.pop()))
         return out
 
-    def _zones(self, gm: fx.GraphModule, ctx: PassContext, dtypes: dict[str, torch.dtype]) -> dict[str, Zone]:
+    def _zones(self, gm: fx.GraphModule, ctx: PassContext, dtypes: dict[str, torch.dtype],
+               routers: dict[str, str]) -> dict[str, Zone]:
         """Zone of every node the policy covers: its innermost region with a policy entry, or the
         op itself where the policy names the op with another dtype."""
         nodes = {n.name: n for n in gm.graph.nodes}
@@ -350,7 +352,6 @@ class Precision:
                     best[name] = (depth, r)
         zones: dict[str, Zone] = {}
         self._save_low, self._matmuls_only = {}, set()
-        routers = router_nodes(gm) if self.policy.get("router") == torch.float32 else {}
         for name, (_, r) in best.items():
             dtype = dtypes[r.path]
             if name in routers and dtype != torch.float32:   # an fp32 island, like softmax
@@ -394,37 +395,23 @@ def router_nodes(gm: fx.GraphModule) -> dict[str, str]:
     nodes = list(gm.graph.nodes)
     if not any(match.op_name(n) == "topk" for n in nodes):   # no router in a dense model
         return {}
-    weight_mms = [n for n in nodes if match.op_name(n) in match.MATMUL_OPS
-                  and any(is_param(a, through_casts=True) for a in n.all_input_nodes)]
+    nearest: dict[fx.Node, frozenset] = {}   # node -> the weight matmuls closest above it
+    own: dict[fx.Node, list] = {}            # weight matmul -> the nodes computed from it alone
+    for n in nodes:
+        nearest[n] = frozenset({n}) if is_weight_matmul(n) else frozenset().union(
+            *(nearest[a] for a in n.all_input_nodes))
+        if len(nearest[n]) == 1 and n.op != "output":
+            own.setdefault(next(iter(nearest[n])), []).append(n)
     out: dict[str, str] = {}
-    for m in weight_mms:
-        others = set(weight_mms) - {m}
-        reach: set[fx.Node] = set()
-        for n in nodes[nodes.index(m):]:
-            if n is m or (n not in others and any(a in reach for a in n.all_input_nodes)
-                          and not any(a in others or _fed_by(a, others) for a in n.all_input_nodes if a not in reach)):
-                reach.add(n)
-        if any(match.op_name(n) == "topk" for n in reach):
-            out.update({n.name: m.name for n in reach if n.op != "output"})
-            x = m.args[0] if m.args else None
-            while isinstance(x, fx.Node) and match.op_name(x) in _VIEW_OPS:   # its input, re-viewed: fp32 too
-                out[x.name] = m.name
-                x = x.args[0] if x.args else None
-    return out
-
-
-def _fed_by(n: fx.Node, sources: set, limit: int = 64) -> bool:
-    """Whether one of `sources` is an ancestor of n (searched `limit` nodes deep)."""
-    stack, seen = [n], set()
-    while stack and len(seen) < limit:
-        x = stack.pop()
-        if x in sources:
-            return True
-        if x in seen:
+    for m, computed in own.items():
+        if not any(match.op_name(n) == "topk" for n in computed):
             continue
-        seen.add(x)
-        stack.extend(x.all_input_nodes)
-    return False
+        out.update({n.name: m.name for n in computed})
+        x = m.args[0] if m.args else None
+        while isinstance(x, fx.Node) and match.op_name(x) in _VIEW_OPS:   # its input, re-viewed: fp32 too
+            out[x.name] = m.name
+            x = x.args[0] if x.args else None
+    return out
 
 
 def _cannot_lower(r: Region, nodes: dict[str, fx.Node]) -> Optional[str]:

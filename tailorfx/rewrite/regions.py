@@ -247,6 +247,11 @@ def _path_key(p: str) -> tuple:
     return tuple(int(x) if x.isdigit() else x for x in p.split("."))
 
 
+def is_weight_matmul(n: fx.Node) -> bool:
+    """A matmul (linear, addmm, grouped expert mm, ...) with a parameter (or its cast) as operand."""
+    return match.op_name(n) in match.MATMUL_OPS and any(is_param(a, through_casts=True) for a in n.all_input_nodes)
+
+
 def _widens(mm: fx.Node) -> bool:
     """The matmul's output rows are wider than its input rows (a head maps hidden -> vocab)."""
     k = 1 if match.op_name(mm) in ("addmm", "baddbmm") else 0   # (bias, input, weight)
@@ -266,12 +271,8 @@ def _lm_head_loss(nodes: list[fx.Node], cls: dict[str, str], blocks: set[str]) -
     hidden), is a layer inside the model, not its head."""
     def in_block(n):
         return any(p in blocks for p in module_paths(n))
-
-    def weight_mm(n):
-        return (match.op_name(n) in match.MATMUL_OPS
-                and any(is_param(a, through_casts=True) for a in n.all_input_nodes))
-    cands = [n for n in nodes if weight_mm(n) and not in_block(n)
-             and _widens(n) and not any(weight_mm(u) for u in match.users_closure(n.users))]
+    cands = [n for n in nodes if is_weight_matmul(n) and not in_block(n)
+             and _widens(n) and not any(is_weight_matmul(u) for u in match.users_closure(n.users))]
     if not cands:
         return None
     width = lambda n: int(node_value(n).shape[-1]) if isinstance(node_value(n), torch.Tensor) else 0
