@@ -125,12 +125,14 @@ class TailorBackend:
             # Not our lowering: a failed trace can leave Dynamo's fake tensors and shape guards in a
             # state where a second AOTAutograd trace of the same graph computes wrong gradients.
             return self._observed(idx, gm.forward)
+        setup = plan.options.get("setup")
+        lowering = lowering_mod.settle(lowering, any(r.changed for r in records),
+                                       setup is not None and setup.optimizer_in_backward)
         rec = GraphRecord(idx, original, rewritten, regions, seq, plan, records, lowering, notes, *peaks)
         self.session.graphs.append(rec)
 
         def keep(fw, bw, n):
             rec.step = memory.make_step(rewritten, fw, bw, n)
-        setup = plan.options.get("setup")
         steps_in_backward = None
         if setup is not None and setup.optimizer_in_backward:
             if lowering == "eager":
@@ -182,7 +184,8 @@ class TailorBackend:
                 return planner.with_result(c, est.peak_bytes, cost.recompute_flops(g, sizer.as_int), budget,
                                            s.headroom if s else 0.0), (est, o)
 
-            cands = planner.budget_candidates(base, len(regions.of_kind("block")))
+            cands = planner.budget_candidates(base, len(regions.of_kind("block")),
+                                              bool(regions.of_kind("lm_head_loss")))
             return planner.search(cands, evaluate, budget, label, lambda payload: payload[0].breakdown(),
                                   s.headroom if s else 0.0)
 

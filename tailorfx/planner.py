@@ -91,11 +91,16 @@ def build_pipeline(plan: Plan) -> list:
     return [pass_registry.make(name, plan.options) for name in plan.passes]
 
 
-def budget_candidates(base: Plan, num_blocks: int) -> list[Candidate]:
-    """Plans from least to most recompute; the user's own passes (attention...) are kept in all."""
+def budget_candidates(base: Plan, num_blocks: int, has_head: bool = False) -> list[Candidate]:
+    """Plans from least to most recompute; the user's own passes (attention...) are kept in all.
+    The fused LM head recomputes nothing (its gradient is taken in forward) and never
+    materialises the logits, so it is both smaller and faster than no rewrite: with room to spare
+    the planner keeps it."""
     keep = tuple(p for p in base.passes if p not in ("minisequence", "recompute"))
-    out = [Candidate("no memory rewrite", _order(keep)),
-           Candidate("minisequence", _order(keep + ("minisequence",)))]
+    out = [Candidate("no memory rewrite", _order(keep))]
+    if has_head:
+        out.append(Candidate("fused LM head", _order(keep + ("minisequence",)), (("minisequence_mlps", False),)))
+    out.append(Candidate("minisequence", _order(keep + ("minisequence",))))
     ms_rc = _order(keep + ("minisequence", "recompute"))
     out.append(Candidate("minisequence + selective recompute, all blocks", ms_rc,
                          (("recompute_policy", "selective"), ("recompute_blocks", None))))
@@ -113,10 +118,11 @@ def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_
            ) -> tuple[Candidate, object, list[Candidate]]:
     """The fitting candidate with the least recompute; raises BudgetError if none fits.
 
-    Candidates past the first three are 'full recompute of k blocks', whose peak falls as k grows:
-    bisection finds the smallest k that fits, so large models cost log(blocks) traces.
+    The 'full recompute of k blocks' candidates, whose peak falls as k grows, are bisected for
+    the smallest k that fits, so large models cost log(blocks) traces; the others are all tried.
     """
-    head, ks = candidates[:3], candidates[3:]
+    ks = [c for c in candidates if dict(c.options).get("recompute_policy") == "full"]
+    head = [c for c in candidates if c not in ks]
     seen: list[tuple[Candidate, object]] = [evaluate(c) for c in head]
     lo, hi = 0, len(ks) - 1
     best_k = None

@@ -85,28 +85,39 @@ def _peak_of_step(module, model, inputs) -> int:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])   # gemma2: soft-capped logits, dropout(p=0) in the cache's chain
-def test_capture_costs_nothing_and_logits_keep_their_gradient(family):
-    """passes=[]: the returned logits and KV cache leave the compiled graph detached (no zero
-    gradient of them is materialised); measured peak <= eager + 1%, predicted within 3%, and
-    backpropagating through them is exact."""
+@pytest.mark.parametrize("kw", [{"passes": []}, {"passes": ["minisequence"], "keep_logits": True}], ids=["none", "ms"])
+def test_capture_costs_nothing_and_logits_keep_their_gradient(family, kw):
+    """passes=[]: the graph runs as Dynamo captured it, under eager autograd (no AOTAutograd).
+    With a rewrite (the MLPs chunked, logits kept), the returned logits and KV cache leave the
+    compiled graph detached, so no zero gradient of them is materialised. Either way: measured
+    peak <= eager + 1%, predicted within 3%, and backpropagating through them is exact."""
     from tailorfx.runtime.lazy_grad import _LazyVJP
     torch.manual_seed(0)
     model = hf_family(family, vocab_size=8000, hidden_size=128, intermediate_size=352)
     ids = torch.randint(0, 8000, (1, 1024))
     inputs = {"input_ids": ids, "labels": ids.clone()}
-    opt = tailorfx.optimize(model, passes=[])
+    opt = tailorfx.optimize(model, **kw)
     out = opt(**inputs)
-    assert out.logits.grad_fn.name() == _LazyVJP.__name__ + "Backward"   # the split happened
+    lazy = _LazyVJP.__name__ + "Backward"
+    if kw["passes"]:
+        assert all(g.lowering == "eager" for g in opt.session.graphs)
+        assert any(r.changed for g in opt.session.graphs for r in g.records)   # the MLPs were chunked
+        assert out.logits.grad_fn.name() == lazy   # the split happened
+    else:
+        assert [g.lowering for g in opt.session.graphs] == ["dynamo"], opt.report()
+        assert out.logits.grad_fn.name() != lazy
     eager, captured = _peak_of_step(model, model, inputs), _peak_of_step(opt, model, inputs)
     assert captured <= 1.01 * eager, (captured, eager)
-    assert abs(opt.predict_memory(1024).forward_backward_peak_bytes - captured) <= 0.03 * captured
+    predicted = opt.predict_memory(1024).forward_backward_peak_bytes
+    assert -0.02 * captured <= predicted - captured <= 0.03 * captured, (predicted, captured)
 
     ref = copy.deepcopy(model)
     for m in (model, ref):
         m.zero_grad(set_to_none=True)
     o_ref, o = ref(**inputs), opt(**inputs)
-    for layer in o.past_key_values.layers:
-        assert layer.keys.grad_fn.name() == _LazyVJP.__name__ + "Backward"
+    if kw["passes"]:
+        for layer in o.past_key_values.layers:
+            assert layer.keys.grad_fn.name() == lazy
 
     def through_outputs(out):   # the logits and the KV cache, as a custom loss could use them
         kv = sum(layer.keys.square().mean() + layer.values.mean() for layer in out.past_key_values.layers)

@@ -47,7 +47,8 @@ def steady_state_total(opt, m, inputs) -> int:
 
 
 def test_planner_meets_a_loose_budget_and_the_one_budget_error_suggests():
-    """A loose budget: no rewrite, and the measured step is within the planner's headroom of its
+    """A loose budget: only the LM head is fused with the loss (it recomputes nothing and never
+    materialises the logits), and the measured step is within the planner's headroom of its
     prediction. An infeasible budget: BudgetError suggests one below eager's measured step, and
     the plan chosen for it is met when measured (trained as the plan says)."""
     S = 1024
@@ -55,7 +56,9 @@ def test_planner_meets_a_loose_budget_and_the_one_budget_error_suggests():
     m = copy.deepcopy(base)
     loose = tailorfx.optimize(m, budget="100GB", example_inputs=lm(S))
     plan = loose.plan[0]
-    assert plan.chosen.label == "no memory rewrite"   # everything fits: nothing is rewritten
+    assert plan.chosen.label == "fused LM head"   # everything fits: nothing that recomputes
+    stats = {k: v for r in loose.session.graphs[0].records if r.changed for k, v in r.stats.items()}
+    assert {v["kind"] for v in stats.values()} == {"lm_head_loss"}, stats   # the head, not the MLPs
     assert steady_state_total(loose, m, lm(S)) <= plan.chosen.peak / (1 - HEADROOM)
     smallest = min([plan.chosen.peak] + [c.peak for c in plan.runners_up])
     with pytest.raises(tailorfx.BudgetError) as e:

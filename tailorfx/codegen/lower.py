@@ -1,4 +1,5 @@
-"""Lowering: AOTAutograd splits forward/backward; each runs as fx code (eager) or through Inductor."""
+"""Lowering: AOTAutograd splits forward/backward; each runs as fx code (eager) or through Inductor.
+A graph no pass changed runs as Dynamo captured it ("dynamo"): eager autograd, no AOTAutograd."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
@@ -27,6 +28,16 @@ def resolve_lowering(lowering: str, example_inputs: Sequence) -> str:
     return lowering
 
 
+def settle(lowering: str, changed: bool, optimizer_in_backward: bool) -> str:
+    """The lowering a graph gets: an unchanged graph under the eager lowering runs as Dynamo's own
+    graph ("dynamo"), so capture costs what eager costs: AOTAutograd's functionalized graphs and
+    runtime wrappers would add time and buy nothing when there is no rewrite to lower (and eager
+    autograd saves what the default partitioner, which the memory model traces, saves)."""
+    if lowering == "eager" and not changed and not optimizer_in_backward:
+        return "dynamo"
+    return lowering
+
+
 def partition_for(lowering: str, gm: Optional[fx.GraphModule] = None) -> str:
     """The partitioner a graph is lowered with, so the memory model traces the same split:
     min-cut for Inductor and for graphs carrying recompute tags (it honours them), else the
@@ -47,6 +58,8 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     outputs leave the compiled graph detached and get their gradient path back outside it
     (rewrite/lazy_outputs.py), so no zero gradient of them is materialised.
     """
+    if lowering == "dynamo":
+        return _dynamo_graph(gm)
     split = split_lazy_outputs(gm)
     gm = split.gm
     if lowering == "inductor":
@@ -80,6 +93,33 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     return _with_lazy_outputs(compat.aot_module_simplified(
         gm, list(example_inputs), fw_compiler=recording if steps_in_backward is not None else eager,
         bw_compiler=eager, partition_fn=partition), split)
+
+
+def _dynamo_graph(gm: fx.GraphModule) -> Callable:
+    """Dynamo's graph run as captured. Outputs with symbolic sizes are stamped as AOTAutograd
+    stamps them, so the graph Dynamo compiles after a graph break keeps those dims dynamic (else
+    it specialises, and the memory model cannot follow the sequence length through it)."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    marks = []
+    for i, node in enumerate(flat):
+        val = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+        dims = {d for d, size in enumerate(val.shape) if isinstance(size, torch.SymInt)} \
+            if isinstance(val, torch.Tensor) else set()
+        if dims:
+            marks.append((i, dims))
+    forward = gm.forward
+    if not marks:
+        return forward
+
+    def run(*args):
+        outs = forward(*args)
+        seq = outs if isinstance(outs, (tuple, list)) else (outs,)
+        for i, dims in marks:
+            if isinstance(seq[i], torch.Tensor):
+                compat.mark_dynamo_propagated_dynamic_indices(seq[i], dims)
+        return outs
+    return run
 
 
 def call_args(args: tuple) -> list:

@@ -64,6 +64,8 @@ class MiniSequence:
     def __init__(self, options: dict):
         self.num_chunks: Optional[int] = options.get("minisequence_chunks")
         self.min_tokens: int = options.get("minisequence_min_tokens") or MIN_CHUNK_TOKENS
+        # False: fuse the LM head with the loss only (no recompute: its gradient is taken in forward)
+        self.chunk_mlps: bool = options.get("minisequence_mlps", True)
 
     def _chunks(self, gm: fx.GraphModule, x: fx.Node, seq_dim: int, ideal: int, before: fx.Node):
         """M: as given, else min(ideal, tokens // min_tokens) computed at run time from the
@@ -95,7 +97,7 @@ class MiniSequence:
         nodes = {n.name: n for n in gm.graph.nodes}
         done: list[_Rewrite] = []
         skipped: list[str] = []
-        for region in ctx.regions.of_kind("mlp"):
+        for region in ctx.regions.of_kind("mlp") if self.chunk_mlps else ():
             why = self._rewrite_mlp(gm, nodes, region, ctx, done)
             if why:
                 skipped.append(f"{region.path}: {why}")

@@ -8,6 +8,8 @@ import torch
 from torch._dynamo import maybe_mark_dynamic  # noqa: F401
 from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401
 from torch._functorch.aot_autograd import make_boxed_func  # noqa: F401
+from torch._functorch._aot_autograd.runtime_wrappers import (  # noqa: F401  (checked on torch 2.13)
+    mark_dynamo_propagated_dynamic_indices)
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition  # noqa: F401
 from torch._guards import detect_fake_mode  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401
