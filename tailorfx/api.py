@@ -206,14 +206,11 @@ class OptimizedModule(nn.Module):
         failed = [w for g in self.session.graphs if g.failed for w in g.warnings]
         if failed:
             raise PredictionError("cannot predict memory: " + "; ".join(failed))
-        from tailorfx.codegen.lower import partition_for
         gs = self._step_graphs(seq_len)
-        lowered = setup.optimizer_in_backward == self.setup.optimizer_in_backward
-        steps = [g.step if (rewritten and lowered and g.step is not None) else
-                 memory.trace_step(g.rewritten if rewritten else g.original, None,
-                                   partition_for(g.lowering, g.rewritten if rewritten else g.original), setup)
-                 for g in gs]
-        return memory.simulate_step(steps, [g.seq for g in gs], seq_len or gs[0].seq.length or None, setup=setup)
+        lowered = setup.optimizer_in_backward == self.setup.optimizer_in_backward   # g.step is what runs
+        graphs = [(g.rewritten, g.lowering, g.step if lowered else None) if rewritten else (g.original, g.lowering, None)
+                  for g in gs]
+        return planner.predict_graphs(graphs, [g.seq for g in gs], seq_len, setup)
 
     def _step_graphs(self, seq_len: Optional[int]) -> list[GraphRecord]:
         """The graphs one training step runs (those the last training call ran, else every graph),
@@ -418,21 +415,10 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
     def peak(S: int) -> int:
         return opt.predict_memory(S).peak_bytes
 
-    est = opt.predict_memory(1)
     if peak(1) > usable:
         raise BudgetError(f"even one token does not fit {b} under {s.describe()}: the step peaks at "
-                          f"{format_bytes(peak(1))} ({_parts(est)})", peak(1), "activations")
-    lo, hi = 1, 1024
-    while hi <= limit and peak(hi) <= usable:
-        lo, hi = hi, hi * 2
-    if hi > limit:
-        return lo
-    while hi - lo > granularity:
-        mid = (lo + hi) // 2 // granularity * granularity or granularity
-        if mid <= lo:
-            break
-        lo, hi = (mid, hi) if peak(mid) <= usable else (lo, mid)
-    return lo
+                          f"{format_bytes(peak(1))} ({_parts(opt.predict_memory(1))})", peak(1), "activations")
+    return planner.longest_fitting(peak, usable, limit, granularity)
 
 
 def _parts(est: memory.MemoryEstimate) -> str:
@@ -440,25 +426,8 @@ def _parts(est: memory.MemoryEstimate) -> str:
 
 
 def _check_static(model: nn.Module, s: TrainingSetup, b: Budget, usable: float) -> None:
-    """BudgetError when weights, master weights, optimizer state and gradients alone overflow,
-    naming the presets whose static part would fit."""
+    """planner.check_static for this model's trainable parameters and other tensors."""
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     other = sum(t.numel() * t.element_size() for t in model.buffers()) + sum(
         p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    static = s.static_bytes(trained) + other
-    if static <= usable:
-        return
-    from tailorfx.setup import PRESETS
-    held_grads = 0 if s.optimizer_in_backward or s.optimizer is None else trained * s.grads.itemsize
-    parts = {"weights": trained * s.param_dtype.itemsize + other, "master weights": s.master_bytes(trained),
-             "optimizer state": s.state_bytes(trained), "gradients": held_grads}
-    fits = [f"{name} ({format_bytes(p.static_bytes(trained) + other)})" for name, p in PRESETS.items()
-            if p.static_bytes(trained) + other <= usable]
-    raise BudgetError(
-        f"the static part alone does not fit {b} less {planner.HEADROOM:.0%} headroom for prediction error"
-        + (f" and {s.headroom:.0%} allocator headroom" if s.headroom else "")
-        + f": {s.describe()} needs {format_bytes(static)} before any activation ("
-        + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v) + "). "
-        + (f"Setups whose static part fits: {', '.join(fits)}." if fits else
-           "No preset fits either: use 8-bit AdamW (TrainingSetup(optimizer='adamw8bit')), shard the "
-           "model over devices, or a larger device."), static, "static")
+    planner.check_static(trained, other, s, b, usable)

@@ -6,7 +6,7 @@ the same thing. A graph the pipeline cannot handle runs as captured and the reas
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -16,9 +16,9 @@ from tailorfx import planner
 from tailorfx.budget import BudgetError, format_bytes
 from tailorfx.options import Options, backend_options
 from tailorfx.codegen import lower as lowering_mod
-from tailorfx.rewrite import cost, memory
+from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import SeqInfo, seq_info, strip_identity_dropout
-from tailorfx.rewrite.passes import PassContext, PassManager, PassRecord
+from tailorfx.rewrite.passes import PassContext, PassRecord
 from tailorfx.rewrite.regions import RegionMap, find_regions
 from tailorfx.runtime.optim import GraphInputs
 
@@ -95,54 +95,77 @@ class TailorBackend:
         lowering = lowering_mod.resolve_lowering(self.options.lowering, example_inputs)
         regions = find_regions(gm, seq)
         notes: list[str] = []
-        original = gm   # passes are pure: they clone before they rewrite
-        plan = planner.Plan((), {}, "not planned")
-        records: list[PassRecord] = []
-        rewritten = gm
-        peaks = (None, None)
         try:
-            # Dynamo guards on grad mode and module.training, so each mode gets its own graph
-            opts = {**self.options.options_dict(),
-                    "training": torch.is_grad_enabled() and self.session.training is not False}
-            plan = planner.choose(self.options.passes, regions, opts)
-            if opts.get("budget_bytes") and self.options.passes is None:
-                plan = self._plan_for_budget(gm, regions, seq, plan, lowering, idx)
-            predict = self._predictor(seq, lowering, plan.options.get("setup")) if self.options.predict else None
-            pm = PassManager(planner.build_pipeline(plan), predict=predict, run_verify=self.options.verify)
-            rewritten, records = pm.run(gm, PassContext(regions, seq, plan.options, idx))
+            ctx = PassContext(regions, seq, {}, idx)   # shared by the plans tried and the one run
+            plan = self._plan(gm, ctx, lowering)
+            rewritten, records, pm = planner.run_plan(plan, gm, replace(ctx, options=plan.options),
+                                                      self.options.verify, self._predictor(seq, lowering, plan))
             peaks = (pm.initial_peak, records[-1].peak_after if records else pm.initial_peak)
-            _check_requested(_requested(self.options.passes, opts), records, idx, bool(opts.get("strict")), notes)
-            _check_budget(self.options.passes, opts, peaks[1], seq)
+            _check_requested(_requested(self.options.passes, plan.options), records, idx,
+                             bool(plan.options.get("strict")), notes)
+            _check_budget(self.options.passes, plan.options, peaks[1], seq)
         except ValueError:
             raise   # bad user options or an unreachable budget: say so, do not hide it behind a fallback
         except Exception as e:   # an unsupported graph: run it as captured, and say why
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            notes.append(f"graph {idx}: passes failed, graph runs as captured (eager autograd, nothing "
-                         f"rewritten): {type(e).__name__}: {first}")
-            warnings.warn(notes[-1])
-            self.session.graphs.append(GraphRecord(idx, original, original, regions, seq, plan, records, "eager",
-                                                   notes, failed=True))
-            # Not our lowering: a failed trace can leave Dynamo's fake tensors and shape guards in a
-            # state where a second AOTAutograd trace of the same graph computes wrong gradients.
-            return self._observed(idx, gm.forward)
+            return self._run_as_captured(gm, regions, seq, idx, e)
         setup = plan.options.get("setup")
         lowering = lowering_mod.settle(lowering, any(r.changed for r in records),
                                        setup is not None and setup.optimizer_in_backward)
-        rec = GraphRecord(idx, original, rewritten, regions, seq, plan, records, lowering, notes, *peaks)
+        rec = GraphRecord(idx, gm, rewritten, regions, seq, plan, records, lowering, notes, *peaks)
         self.session.graphs.append(rec)
+        return self._observed(idx, self._lower(rec, example_inputs))
 
+    def _plan(self, gm: fx.GraphModule, ctx: PassContext, lowering: str) -> planner.Plan:
+        """The passes the user named, else the planner's default, searched against the budget
+        when there is one (Dynamo guards on grad mode and module.training, so each mode gets its
+        own graph and plan)."""
+        opts = {**self.options.options_dict(),
+                "training": torch.is_grad_enabled() and self.session.training is not False}
+        plan = planner.choose(self.options.passes, ctx.regions, opts)
+        if not (opts.get("budget_bytes") and self.options.passes is None):
+            return plan
+        plan, warning = planner.plan_for_budget(gm, ctx, plan, lowering, self.options.verify)
+        if warning:
+            self.session.warnings.append(warning)
+            warnings.warn(warning)
+        return plan
+
+    def _predictor(self, seq: SeqInfo, lowering: str, plan: planner.Plan) -> Optional[Callable[[fx.GraphModule], int]]:
+        """Each pass's predicted peak, for the report (off with predict=False)."""
+        if not self.options.predict:
+            return None
+        setup = plan.options.get("setup")
+        return lambda g: planner.predict_peak(g, seq, lowering, setup)
+
+    def _run_as_captured(self, gm: fx.GraphModule, regions: RegionMap, seq: SeqInfo, idx: int,
+                         e: Exception) -> Callable:
+        """The graph as Dynamo captured it, with the reason the passes failed in the report."""
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        note = (f"graph {idx}: passes failed, graph runs as captured (eager autograd, nothing "
+                f"rewritten): {type(e).__name__}: {first}")
+        warnings.warn(note)
+        plan = planner.Plan((), {}, "not planned")
+        self.session.graphs.append(GraphRecord(idx, gm, gm, regions, seq, plan, [], "eager", [note], failed=True))
+        # Not our lowering: a failed trace can leave Dynamo's fake tensors and shape guards in a
+        # state where a second AOTAutograd trace of the same graph computes wrong gradients.
+        return self._observed(idx, gm.forward)
+
+    def _lower(self, rec: GraphRecord, example_inputs: list) -> Callable:
+        """The rewritten graph compiled for its lowering; the forward/backward it runs are kept
+        for the memory model, and the optimizer step goes into backward if the setup says so."""
         def keep(fw, bw, n):
-            rec.step = memory.make_step(rewritten, fw, bw, n)
+            rec.step = memory.make_step(rec.rewritten, fw, bw, n)
+        setup = rec.plan.options.get("setup")
         steps_in_backward = None
         if setup is not None and setup.optimizer_in_backward:
-            if lowering == "eager":
+            if rec.lowering == "eager":
                 steps_in_backward = GraphInputs(self.session.param_readers)
                 self.session.graph_inputs.append(steps_in_backward)
             else:
-                notes.append(f"graph {idx}: {lowering} lowering: the optimizer steps in backward run from "
-                             f"post-accumulate-grad hooks after the graph's backward, not inside it")
-        return self._observed(idx, lowering_mod.lower(rewritten, example_inputs, lowering, on_partition=keep,
-                                                      steps_in_backward=steps_in_backward))
+                rec.warnings.append(f"graph {rec.index}: {rec.lowering} lowering: the optimizer steps in backward "
+                                    f"run from post-accumulate-grad hooks after the graph's backward, not inside it")
+        return lowering_mod.lower(rec.rewritten, example_inputs, rec.lowering, on_partition=keep,
+                                  steps_in_backward=steps_in_backward)
 
     def _observed(self, idx: int, compiled: Callable) -> Callable:
         """`compiled`, telling the session's current StepObservation (if any) that graph idx ran."""
@@ -155,53 +178,6 @@ class TailorBackend:
         if getattr(compiled, "_boxed_call", False):
             run._boxed_call = True
         return run
-
-    @staticmethod
-    def _predictor(seq: SeqInfo, lowering: str, setup=None) -> Callable[[fx.GraphModule], int]:
-        def predict(g: fx.GraphModule) -> int:
-            part = lowering_mod.partition_for(lowering, g)
-            est = memory.simulate_step([memory.trace_step(g, None, part, setup)], seq, seq.length or None,
-                                       setup=setup)
-            return est.peak_bytes
-        return predict
-
-    def _plan_for_budget(self, gm, regions, seq, base: planner.Plan, lowering: str, idx: int) -> planner.Plan:
-        """Search plans against the budget at the captured length (see planner.search). When no
-        plan fits the user's setup, the same plans with the optimizer step moved into backward
-        (gradients freed as they are used) are tried; the plan then says so."""
-        opts = base.options
-        budget, setup = opts["budget_bytes"], opts.get("setup")
-        sizer = memory.Sizer(seq, seq.length or None)
-        label = opts.get("budget_label", "")
-
-        def search(s):
-            def evaluate(c: planner.Candidate):
-                o = {**opts, **dict(c.options), "setup": s}
-                pm = PassManager(planner.build_pipeline(planner.Plan(c.passes, o)), run_verify=self.options.verify)
-                g, _ = pm.run(gm, PassContext(regions, seq, o, idx))
-                step = memory.trace_step(g, None, lowering_mod.partition_for(lowering, g), s)
-                est = memory.simulate_step([step], seq, seq.length or None, setup=s)
-                return planner.with_result(c, est.peak_bytes, cost.recompute_flops(g, sizer.as_int), budget,
-                                           s.headroom if s else 0.0), (est, o)
-
-            cands = planner.budget_candidates(base, len(regions.of_kind("block")),
-                                              bool(regions.of_kind("lm_head_loss")))
-            return planner.search(cands, evaluate, budget, label, lambda payload: payload[0].breakdown(),
-                                  s.headroom if s else 0.0)
-
-        try:
-            chosen, (_, o), others = search(setup)
-            reason = f"fits budget {label}"
-        except BudgetError:
-            if setup is None or setup.optimizer is None or setup.optimizer_in_backward or setup.grad_accum_steps > 1:
-                raise
-            fused = setup.with_(optimizer_in_backward=True, name=f"{setup.name} + optimizer in backward")
-            chosen, (_, o), others = search(fused)   # raises if even this does not fit
-            reason = (f"fits budget {label} only with the optimizer step in backward: train with "
-                      f"tailorfx.SetupOptimizer(model.parameters(), opt.setup)")
-            self.session.warnings.append(f"graph {idx}: {reason}")
-            warnings.warn(self.session.warnings[-1])
-        return planner.Plan(chosen.passes, o, reason, chosen, tuple(others))
 
 
 def _check_budget(requested, opts: dict, peak: Optional[int], seq: SeqInfo) -> None:

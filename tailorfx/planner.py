@@ -12,9 +12,16 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
+import torch.fx as fx
+
 from tailorfx import passes as pass_registry
-from tailorfx.budget import BudgetError, format_bytes
+from tailorfx.budget import Budget, BudgetError, format_bytes
+from tailorfx.codegen.lower import partition_for
+from tailorfx.rewrite import cost, memory
+from tailorfx.rewrite.capture import SeqInfo
+from tailorfx.rewrite.passes import PassContext, PassManager
 from tailorfx.rewrite.regions import RegionMap
+from tailorfx.setup import TrainingSetup
 
 # A plan fits when its predicted peak is within the budget less this headroom: predictions with
 # recompute tags were measured up to ~3.6% under the allocator's peak (the min-cut partitioner's
@@ -62,7 +69,6 @@ class Plan:
 def _order(names: Sequence[str]) -> tuple[str, ...]:
     """The passes in an order that respects every pass's `after=` (ties by name), e.g. attention,
     precision, minisequence, recompute."""
-    from tailorfx import passes as pass_registry
     graph = {n: [d for d in pass_registry.make(n, {}).after if d in names] for n in sorted(set(names))}
     return tuple(graphlib.TopologicalSorter(graph).static_order())
 
@@ -163,3 +169,109 @@ def usable(budget: int, allocator_headroom: float = 0.0) -> float:
 
 def with_result(c: Candidate, peak: int, flops: int, budget: int, allocator_headroom: float = 0.0) -> Candidate:
     return replace(c, peak=peak, added_flops=flops, fits=peak <= usable(budget, allocator_headroom))
+
+
+# ---- prediction: the one place that runs the memory model on a graph --------------------------
+def predict_graphs(graphs: Sequence[tuple[fx.GraphModule, str, Optional[memory.StepGraphs]]],
+                   seqs: Sequence[SeqInfo], seq_len: Optional[int] = None,
+                   setup: Optional[TrainingSetup] = None) -> memory.MemoryEstimate:
+    """The memory model's estimate of one training step made of `graphs`, each (graph, its
+    lowering, its lowered forward/backward if already known), at `seq_len` (default: the
+    captured length). Each graph is traced with the partition its lowering runs."""
+    steps = [step if step is not None else memory.trace_step(gm, None, partition_for(lowering, gm), setup)
+             for gm, lowering, step in graphs]
+    return memory.simulate_step(steps, list(seqs), seq_len or seqs[0].length or None, setup=setup)
+
+
+def predict_peak(gm: fx.GraphModule, seq: SeqInfo, lowering: str, setup: Optional[TrainingSetup] = None) -> int:
+    """Predicted peak of a step that is this one graph, at its captured length."""
+    return predict_graphs([(gm, lowering, None)], [seq], setup=setup).peak_bytes
+
+
+def run_plan(plan: Plan, gm: fx.GraphModule, ctx: PassContext, verify: bool = True,
+             predict: Optional[Callable[[fx.GraphModule], int]] = None):
+    """The plan's passes over gm: (rewritten graph, per-pass records, the pass manager)."""
+    pm = PassManager(build_pipeline(plan), predict=predict, run_verify=verify)
+    rewritten, records = pm.run(gm, ctx)
+    return rewritten, records, pm
+
+
+# ---- planning against a budget ------------------------------------------------------------------
+def plan_for_budget(gm: fx.GraphModule, ctx: PassContext, base: Plan, lowering: str,
+                    verify: bool = True) -> tuple[Plan, Optional[str]]:
+    """Search plans against the budget at the captured length (see search). When no plan fits
+    the user's setup, the same plans with the optimizer step moved into backward (gradients freed
+    as they are used) are tried; the plan then says so, and the second value is that warning."""
+    opts = base.options
+    setup = opts.get("setup")
+    label = opts.get("budget_label", "")
+    cands = budget_candidates(base, len(ctx.regions.of_kind("block")), bool(ctx.regions.of_kind("lm_head_loss")))
+    try:
+        chosen, o, others = _search_setup(gm, ctx, cands, opts, setup, lowering, verify)
+        return Plan(chosen.passes, o, f"fits budget {label}", chosen, tuple(others)), None
+    except BudgetError:
+        if setup is None or setup.optimizer is None or setup.optimizer_in_backward or setup.grad_accum_steps > 1:
+            raise
+    fused = setup.with_(optimizer_in_backward=True, name=f"{setup.name} + optimizer in backward")
+    chosen, o, others = _search_setup(gm, ctx, cands, opts, fused, lowering, verify)   # raises if this does not fit
+    reason = (f"fits budget {label} only with the optimizer step in backward: train with "
+              f"tailorfx.SetupOptimizer(model.parameters(), opt.setup)")
+    return Plan(chosen.passes, o, reason, chosen, tuple(others)), f"graph {ctx.graph_index}: {reason}"
+
+
+def _search_setup(gm, ctx: PassContext, cands: list[Candidate], opts: dict, setup, lowering: str, verify: bool):
+    """search() over `cands` with each plan's peak predicted under `setup`; the candidates share
+    ctx (and its memo), so a region costed for one plan is not costed again for the next."""
+    budget = opts["budget_bytes"]
+    headroom = setup.headroom if setup else 0.0
+    as_int = memory.Sizer(ctx.seq, ctx.seq.length or None).as_int
+
+    def evaluate(c: Candidate):
+        o = {**opts, **dict(c.options), "setup": setup}
+        g, _, _ = run_plan(Plan(c.passes, o), gm, replace(ctx, options=o), verify)
+        est = predict_graphs([(g, lowering, None)], [ctx.seq], setup=setup)
+        return with_result(c, est.peak_bytes, cost.recompute_flops(g, as_int), budget, headroom), (est, o)
+
+    chosen, (_, o), others = search(cands, evaluate, budget, opts.get("budget_label", ""),
+                                    lambda payload: payload[0].breakdown(), headroom)
+    return chosen, o, others
+
+
+# ---- the longest sequence under a budget --------------------------------------------------------
+def longest_fitting(peak: Callable[[int], int], usable: float, limit: int, granularity: int) -> int:
+    """The longest length whose predicted peak fits `usable` (peak grows with length): doubling
+    from 1024, then bisection to `granularity` tokens; `limit` caps the search."""
+    lo, hi = 1, 1024
+    while hi <= limit and peak(hi) <= usable:
+        lo, hi = hi, hi * 2
+    if hi > limit:
+        return lo
+    while hi - lo > granularity:
+        mid = (lo + hi) // 2 // granularity * granularity or granularity
+        if mid <= lo:
+            break
+        lo, hi = (mid, hi) if peak(mid) <= usable else (lo, mid)
+    return lo
+
+
+def check_static(trained: int, other: int, s: TrainingSetup, b: Budget, usable_bytes: float) -> None:
+    """BudgetError when weights, master weights, optimizer state and gradients alone overflow
+    (`trained` trainable parameters, `other` bytes of buffers and frozen weights), naming the
+    presets whose static part would fit."""
+    static = s.static_bytes(trained) + other
+    if static <= usable_bytes:
+        return
+    from tailorfx.setup import PRESETS
+    held_grads = 0 if s.optimizer_in_backward or s.optimizer is None else trained * s.grads.itemsize
+    parts = {"weights": trained * s.param_dtype.itemsize + other, "master weights": s.master_bytes(trained),
+             "optimizer state": s.state_bytes(trained), "gradients": held_grads}
+    fits = [f"{name} ({format_bytes(p.static_bytes(trained) + other)})" for name, p in PRESETS.items()
+            if p.static_bytes(trained) + other <= usable_bytes]
+    raise BudgetError(
+        f"the static part alone does not fit {b} less {HEADROOM:.0%} headroom for prediction error"
+        + (f" and {s.headroom:.0%} allocator headroom" if s.headroom else "")
+        + f": {s.describe()} needs {format_bytes(static)} before any activation ("
+        + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v) + "). "
+        + (f"Setups whose static part fits: {', '.join(fits)}." if fits else
+           "No preset fits either: use 8-bit AdamW (TrainingSetup(optimizer='adamw8bit')), shard the "
+           "model over devices, or a larger device."), static, "static")
