@@ -129,7 +129,12 @@ def part2(families, seqs) -> list:
 
 
 def part3(families, S: int, reps: int) -> list:
-    """Capture alone (passes=[]) against eager on every family: peak and step time, one process."""
+    """Capture alone (passes=[]) against eager on every family: peak and step time, one process.
+
+    Time: per round, each variant runs one step, in alternating order (ABC, CBA, ...); the ratio
+    is the median over rounds of (variant's step / eager's step in the same round), so slow
+    drifts of the machine cancel. A second copy of the eager model is timed the same way: its
+    ratio is the noise floor of the measurement."""
     from models import hf_family
     rows, out = [], []
     for family in families:
@@ -138,22 +143,27 @@ def part3(families, S: int, reps: int) -> list:
         eager = hf_family(family, vocab_size=8000, **size)
         opt = tailorfx.optimize(copy.deepcopy(eager), passes=[])
         inputs = lm_batch(S, vocab=8000)
-        mods = {"eager": eager, "passes=[]": opt}
+        mods = {"eager": eager, "eager (a second copy)": copy.deepcopy(eager), "passes=[]": opt}
         steps = {k: train_step(m, list(m.parameters()), inputs) for k, m in mods.items()}
         for f in steps.values():
             f()
+            f()
         peaks = {k: measure_step(m, list(m.parameters()), inputs) for k, m in mods.items()}
         samples = {k: [] for k in mods}
-        for _ in range(reps):   # interleaved, so both see the same machine; the median drops stragglers
-            for k, f in steps.items():
-                samples[k].append(time_it(f, 1))
-        times = {k: statistics.median(v) for k, v in samples.items()}
-        graphs = len(opt.session.graphs)
-        out.append({"family": family, "seq": S, "peak_bytes": peaks, "seconds": times, "graphs": graphs})
-        rows.append([family, graphs, mib(peaks["eager"]), mib(peaks["passes=[]"]),
-                     f"{peaks['passes=[]'] / peaks['eager']:.3f}", f"{times['passes=[]'] / times['eager']:.2f}"])
+        keys = list(mods)
+        for r in range(reps):
+            for k in (keys if r % 2 == 0 else keys[::-1]):
+                samples[k].append(time_it(steps[k], 1))
+        ratio = {k: statistics.median(a / b for a, b in zip(samples[k], samples["eager"])) for k in keys}
+        graphs = [g.lowering for g in opt.session.graphs]
+        out.append({"family": family, "seq": S, "peak_bytes": peaks, "seconds": samples, "time_ratio": ratio,
+                    "lowerings": graphs})
+        rows.append([family, "+".join(graphs), mib(peaks["eager"]), mib(peaks["passes=[]"]),
+                     f"{peaks['passes=[]'] / peaks['eager']:.3f}", f"{ratio['passes=[]']:.2f}",
+                     f"{ratio['eager (a second copy)']:.2f}"])
     print_table(f"Capture alone (passes=[]) vs eager, S={S}, vocab 8000, hidden 128, 2 layers, fp32, batch 1",
-                ["family", "graphs", "eager MiB", "passes=[] MiB", "peak / eager", "time / eager"], rows)
+                ["family", "lowering", "eager MiB", "passes=[] MiB", "peak / eager", "time / eager",
+                 "eager copy / eager (noise)"], rows)
     return out
 
 
@@ -171,6 +181,7 @@ if __name__ == "__main__":
     ap.add_argument("--capture-families", nargs="*", default=ALL_FAMILIES,
                     help="part 3: capture alone vs eager on each family (none: skip)")
     ap.add_argument("--capture-seq", type=int, default=1024)
+    ap.add_argument("--capture-reps", type=int, default=15, help="part 3: rounds of interleaved steps")
     a = ap.parse_args()
     previous = os.path.join(OUT_DIR, "hf_models.json")
     result = json.load(open(previous)) if os.path.exists(previous) else {}   # parts not run keep their figures
@@ -179,5 +190,5 @@ if __name__ == "__main__":
     if a.families:
         result["families"] = part2(a.families, a.seqs)
     if a.capture_families:
-        result["capture"] = part3(a.capture_families, a.capture_seq, a.reps)
+        result["capture"] = part3(a.capture_families, a.capture_seq, a.capture_reps)
     print("wrote", write_json("hf_models.json", result))

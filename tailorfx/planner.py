@@ -178,7 +178,8 @@ def predict_graphs(graphs: Sequence[tuple[fx.GraphModule, str, Optional[memory.S
     """The memory model's estimate of one training step made of `graphs`, each (graph, its
     lowering, its lowered forward/backward if already known), at `seq_len` (default: the
     captured length). Each graph is traced with the partition its lowering runs."""
-    steps = [step if step is not None else memory.trace_step(gm, None, partition_for(lowering, gm), setup)
+    steps = [replace(step if step is not None else memory.trace_step(gm, None, partition_for(lowering, gm), setup),
+                     eager_autograd=lowering == "dynamo")
              for gm, lowering, step in graphs]
     return memory.simulate_step(steps, list(seqs), seq_len or seqs[0].length or None, setup=setup)
 

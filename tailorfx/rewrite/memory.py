@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -144,9 +144,13 @@ def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup) -> int:
 
 
 def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: str, setup: TrainingSetup,
-               grad_nodes: frozenset = frozenset()) -> list:
+               grad_nodes: frozenset = frozenset(), inputs_held: Optional[Callable[[], None]] = None,
+               grads_consumed: bool = False) -> list:
     """Simulate one graph. `env` maps placeholder names to storage-id lists (pre-existing values);
-    values of `grad_nodes` are counted as gradients."""
+    values of `grad_nodes` are counted as gradients; `inputs_held` runs once the graph holds its
+    inputs (each then lives until its last use in the graph, unless held elsewhere);
+    `grads_consumed`: each gradient is consumed as it is made (eager autograd adding it into an
+    accumulated .grad), not returned with the others."""
     nodes = list(g.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     last = {n: max((index[u] for u in n.users), default=index[n]) for n in nodes}
@@ -158,6 +162,9 @@ def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: s
             for sid in held[n]:
                 pool.hold(sid, n)
             continue
+        if inputs_held is not None:
+            inputs_held()
+            inputs_held = None
         if n.op == "output":
             break
         val = node_value(n)
@@ -177,7 +184,7 @@ def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: s
             pool.hold(sid, n)
         pool.mark(phase, n.name, _op_transient(n, sizer, setup))
         for a in set(n.all_input_nodes) | {n}:
-            if last[a] <= i and not (a in out_node.all_input_nodes):
+            if last[a] <= i and (a not in out_node.all_input_nodes or (grads_consumed and a in grad_nodes)):
                 for sid in held.get(a, []):
                     pool.release(sid, a)
     outs = []
@@ -271,8 +278,19 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
             elif n.name.startswith("tangents") and isinstance(node_value(n), torch.Tensor):
                 env[n.name] = [pool.alloc(sizer(node_value(n)), ("tangent", k))]
         # AOTAutograd's backward receives the saved tensors from autograd's ctx, which keeps them
-        # until the whole backward graph returns (measured: freeing at last use under-predicts)
-        grads = _run_graph(st.bw, pool, env, sizer, f"backward[{k}]", setup, _grad_nodes(st.bw))
+        # until the whole backward graph returns (measured: freeing at last use under-predicts);
+        # eager autograd frees each node's saved tensors once that node has run
+        let_go = None
+        if st.eager_autograd:
+            saved_now = saved
+
+            def let_go():   # once the backward holds its inputs, the saved holds go
+                for name, sids in saved_now.items():
+                    for sid in sids:
+                        pool.release(sid, ("saved", k, name))
+            saved = {}
+        consumed = st.eager_autograd and has_opt and setup.grad_accum_steps > 1 and not setup.optimizer_in_backward
+        grads = _run_graph(st.bw, pool, env, sizer, f"backward[{k}]", setup, _grad_nodes(st.bw), let_go, consumed)
         for n in st.bw.graph.nodes:
             if n.op == "placeholder":
                 for sid in env.get(n.name, []):

@@ -29,6 +29,9 @@ class StepGraphs:
     num_user_outputs: int
     static_inputs: list[bool]          # per fw placeholder: a parameter or buffer
     requires_grad: list[bool]          # per fw placeholder
+    # run under eager autograd (the "dynamo" lowering), not as AOTAutograd's backward: each saved
+    # tensor is freed once the backward no longer needs it, not when the whole backward returns
+    eager_autograd: bool = False
 
 
 def fake_inputs(gm: fx.GraphModule) -> list:
