@@ -245,70 +245,17 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
         pool.alloc(grad_bytes, "accumulated", grad=True)
     pending = []   # (step, saved-name -> sids, user outputs' sids)
     for k, st in enumerate(steps):
-        fw_ph = [n for n in st.fw.graph.nodes if n.op == "placeholder"]
-        for n, static in zip(fw_ph, st.static_inputs):
-            v = node_value(n)
-            if static and isinstance(v, torch.Tensor):
-                param_bytes += sizer(v)
-        outs = _run_graph(st.fw, pool, {}, sizer, f"forward[{k}]", setup)
-        fw_out_nodes = _outputs(st.fw)
-        saved = {}
-        for o, sids in zip(fw_out_nodes[st.num_user_outputs:], outs[st.num_user_outputs:]):
-            if isinstance(o, fx.Node):
-                saved[o.name] = sids
-                for sid in sids:
-                    pool.hold(sid, ("saved", k, o.name))
-        user = [sid for sids in outs[:st.num_user_outputs] for sid in sids]
-        for sid in user:
-            pool.hold(sid, ("user", k))
-        for sids in outs:
-            for sid in sids:
-                pool.release(sid, "__out__")
+        param_bytes += sum(sizer(node_value(n)) for n, static in zip(_placeholders(st.fw), st.static_inputs)
+                           if static and isinstance(node_value(n), torch.Tensor))
+        saved, user = _forward(pool, st, k, sizer, setup)
         saved_total += sum(pool.bytes.get(s, 0) for s in {s for sids in saved.values() for s in sids})
         pending.append((k, st, saved, user))
     for k, st, saved, user in reversed(pending):
-        if st.bw is None:
-            continue
-        env = {}
-        for n in st.bw.graph.nodes:
-            if n.op != "placeholder":
-                continue
-            if n.name in saved:
-                env[n.name] = saved[n.name]
-            elif n.name.startswith("tangents") and isinstance(node_value(n), torch.Tensor):
-                env[n.name] = [pool.alloc(sizer(node_value(n)), ("tangent", k))]
-        # AOTAutograd's backward receives the saved tensors from autograd's ctx, which keeps them
-        # until the whole backward graph returns (measured: freeing at last use under-predicts);
-        # eager autograd frees each node's saved tensors once that node has run
-        let_go = None
-        if st.eager_autograd:
-            saved_now = saved
-
-            def let_go():   # once the backward holds its inputs, the saved holds go
-                for name, sids in saved_now.items():
-                    for sid in sids:
-                        pool.release(sid, ("saved", k, name))
-            saved = {}
-        consumed = st.eager_autograd and has_opt and setup.grad_accum_steps > 1 and not setup.optimizer_in_backward
-        grads = _run_graph(st.bw, pool, env, sizer, f"backward[{k}]", setup, _grad_nodes(st.bw), let_go, consumed)
-        for n in st.bw.graph.nodes:
-            if n.op == "placeholder":
-                for sid in env.get(n.name, []):
-                    pool.release(sid, ("tangent", k))
-        # AccumulateGrad copies a gradient whose layout differs from its (contiguous) parameter,
-        # one at a time, while the others are held
-        relayout = [sizer(node_value(o)) for o in _outputs(st.bw)
-                    if isinstance(o, fx.Node) and isinstance(node_value(o), torch.Tensor)
-                    and not node_value(o).is_contiguous()]
-        if relayout:
-            pool.mark(f"backward[{k}]", "accumulate_grad", max(relayout))
-        for name, sids in saved.items():
-            for sid in sids:
-                pool.release(sid, ("saved", k, name))
-        grad_bytes += _accumulate(pool, [sids for sids in grads if sids], setup, k)
-        if not keep_outputs:
-            for sid in user:
-                pool.release(sid, ("user", k))
+        if st.bw is not None:
+            grad_bytes += _backward(pool, st, k, saved, sizer, setup)
+            if not keep_outputs:
+                for sid in user:
+                    pool.release(sid, ("user", k))
     master = sum(setup.master_bytes(n) for n, _ in trained) if has_opt else 0
     state = sum(setup.state_bytes(n) for n, _ in trained) if has_opt else 0
     if has_opt and not setup.optimizer_in_backward:
@@ -323,6 +270,65 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
                           saved_bytes=saved_total, peak_phase=phase, peak_node=node,
                           timeline=timeline, master_bytes=master,
                           grads_at_peak=timeline.grads_at_peak(), setup=setup)
+
+
+def _placeholders(g: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in g.graph.nodes if n.op == "placeholder"]
+
+
+def _forward(pool: _Pool, st: StepGraphs, k: int, sizer: Sizer, setup: TrainingSetup):
+    """Run one forward graph: (saved-for-backward name -> storage ids, the user outputs' ids),
+    each held until backward (saved) or the end of the step (user outputs)."""
+    outs = _run_graph(st.fw, pool, {}, sizer, f"forward[{k}]", setup)
+    saved = {}
+    for o, sids in zip(_outputs(st.fw)[st.num_user_outputs:], outs[st.num_user_outputs:]):
+        if isinstance(o, fx.Node):
+            saved[o.name] = sids
+            for sid in sids:
+                pool.hold(sid, ("saved", k, o.name))
+    user = [sid for sids in outs[:st.num_user_outputs] for sid in sids]
+    for sid in user:
+        pool.hold(sid, ("user", k))
+    for sids in outs:
+        for sid in sids:
+            pool.release(sid, "__out__")
+    return saved, user
+
+
+def _backward(pool: _Pool, st: StepGraphs, k: int, saved: dict, sizer: Sizer, setup: TrainingSetup) -> int:
+    """Run one backward graph and hand its gradients to autograd and the setup; returns the
+    bytes of gradients that stay (see _accumulate)."""
+    env = {}
+    for n in _placeholders(st.bw):
+        if n.name in saved:
+            env[n.name] = saved[n.name]
+        elif n.name.startswith("tangents") and isinstance(node_value(n), torch.Tensor):
+            env[n.name] = [pool.alloc(sizer(node_value(n)), ("tangent", k))]
+
+    def release_saved():
+        for name, sids in saved.items():
+            for sid in sids:
+                pool.release(sid, ("saved", k, name))
+    # AOTAutograd's backward receives the saved tensors from autograd's ctx, which keeps them
+    # until the whole backward graph returns (measured: freeing at last use under-predicts);
+    # eager autograd frees each node's saved tensors once that node has run
+    eager = st.eager_autograd
+    consumed = eager and setup.optimizer is not None and setup.grad_accum_steps > 1 and not setup.optimizer_in_backward
+    grads = _run_graph(st.bw, pool, env, sizer, f"backward[{k}]", setup, _grad_nodes(st.bw),
+                       release_saved if eager else None, consumed)
+    for n in _placeholders(st.bw):
+        for sid in env.get(n.name, []):
+            pool.release(sid, ("tangent", k))
+    # AccumulateGrad copies a gradient whose layout differs from its (contiguous) parameter,
+    # one at a time, while the others are held
+    relayout = [sizer(node_value(o)) for o in _outputs(st.bw)
+                if isinstance(o, fx.Node) and isinstance(node_value(o), torch.Tensor)
+                and not node_value(o).is_contiguous()]
+    if relayout:
+        pool.mark(f"backward[{k}]", "accumulate_grad", max(relayout))
+    if not eager:
+        release_saved()
+    return _accumulate(pool, [sids for sids in grads if sids], setup, k)
 
 
 def _accumulate(pool: _Pool, grads: list[list[int]], setup: TrainingSetup, k: int) -> int:
