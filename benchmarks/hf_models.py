@@ -69,17 +69,19 @@ def part1(S: int, reps: int) -> dict:
     rows, out = [], {"seq": S, "budget_bytes": budget, "static_bytes": static_bytes(base), "variants": {}}
     for k, m in variants.items():
         pred = m.predict_memory(S).forward_backward_peak_bytes if k != "eager" else None
-        plan = [g.plan.passes for g in m.session.graphs] if k != "eager" else "-"
+        plan = [(g.plan.chosen.label if g.plan.chosen else list(g.plan.passes), g.lowering)
+                for g in m.session.graphs] if k != "eager" else "-"
         total = static_bytes(base) + peaks[k]
         out["variants"][k] = {"peak_bytes": peaks[k], "predicted_bytes": pred, "seconds": times[k],
                               "step_total_bytes": total, "plan": plan}
-        rows.append([k, mib(peaks[k]), mib(pred) if pred else "-",
+        rows.append([k, "; ".join(f"{p} ({lw})" for p, lw in plan) if k != "eager" else "-",
+                     mib(peaks[k]), mib(pred) if pred else "-",
                      f"{(pred - peaks[k]) / peaks[k] * 100:+.2f}%" if pred else "-",
                      f"{peaks[k] / peaks['eager']:.3f}", f"{times[k]:.2f}", f"{times[k] / times['eager']:.2f}",
                      f"{mib(total)} ({'meets' if total <= budgets[k] else 'over'} {mib(budgets[k])})"
                      if budgets.get(k) else mib(total)])
     print_table(f"HF LlamaForCausalLM (vocab 32000, hidden 256, 2 layers, fp32), S={S}, batch 1",
-                ["variant", "measured fwd+bwd MiB", "predicted MiB", "pred err", "peak / eager", "step s",
+                ["variant", "plan (lowering)", "measured fwd+bwd MiB", "predicted MiB", "pred err", "peak / eager", "step s",
                  "time / eager", "step total (weights + AdamW state + peak) MiB"], rows)
     return out
 
