@@ -63,8 +63,8 @@ def test_mlp_ending_in_linear_skips_its_recompute():
     opt = ms(tiny_llama(num_layers=1), 2)
     keys = [n.args[0] for n in opt.graphs["minisequence"].graph.nodes
             if n.target is torch.ops.tailorfx.token_chunked.default]
-    assert len(keys) == 1 and keys[0] in ops._TAILS
-    pre, wi, bi = ops._TAILS[keys[0]]
+    assert len(keys) == 1 and ops.chunked_region(keys[0]).tail is not None
+    pre, wi, bi = ops.chunked_region(keys[0]).tail
     assert (wi, bi) == (2, -1)   # down_proj weight is the third parameter; no bias
     assert "linear" in pre.code and pre.code.count("linear(") == 2   # gate and up, not down
 

@@ -1,6 +1,7 @@
 """Numerics, graph shape and memory of the chunked runtime ops against eager PyTorch."""
 
 import functools
+import gc
 import operator
 
 import pytest
@@ -81,16 +82,39 @@ def _peak_bytes(fn):
 
 
 def test_register_region_key_is_a_content_hash():
-    key = ops.register_region(torch.fx.symbolic_trace(swiglu))
-    assert ops.register_region(torch.fx.symbolic_trace(swiglu)) == key  # same code, same key
-    assert ops.register_region(torch.fx.symbolic_trace(gpt2_mlp)) != key
+    region = ops.register_region(torch.fx.symbolic_trace(swiglu))
+    # same code, same key, and the live region of that key is returned, not a second one
+    assert ops.register_region(torch.fx.symbolic_trace(swiglu)) is region
+    assert ops.register_region(torch.fx.symbolic_trace(gpt2_mlp)).key != region.key
     with pytest.raises(TypeError):  # a plain callable has no stable content to hash
         ops.register_region(swiglu)
-    assert ops.register_region(swiglu, key="test_swiglu_plain") == "test_swiglu_plain"
+    plain = ops.register_region(swiglu, key="test_swiglu_plain")
+    assert plain.key == "test_swiglu_plain" and ops.get_region("test_swiglu_plain") is swiglu
     with pytest.raises(ValueError):  # one key, two functions
         ops.register_region(gpt2_mlp, key="test_swiglu_plain")
     with pytest.raises(KeyError, match="not_registered"):
         ops.get_region("not_registered")
+
+
+def test_region_lives_as_long_as_its_holders():
+    """The index is weak: a region is registered while something (a graph, a pending backward)
+    holds it."""
+    region = ops.register_region(torch.fx.symbolic_trace(swiglu))
+    key = region.key
+    again = ops.register_region(torch.fx.symbolic_trace(swiglu))   # a second graph's reference
+    del region
+    gc.collect()
+    assert ops.chunked_region(key) is again
+    x, params = _x(torch.float64), _params(swiglu, torch.float64)
+    out = ops.token_chunked(key, [x], params, 1, 3)
+    del again
+    gc.collect()
+    out.sum().backward()   # the autograd node holds the region until its backward ran
+    torch.testing.assert_close(x.grad, torch.autograd.grad(swiglu(x, *params).sum(), x)[0])
+    del out
+    gc.collect()
+    with pytest.raises(KeyError, match=key):
+        ops.chunked_region(key)
 
 
 def test_region_key_includes_recorded_shapes():
@@ -102,8 +126,8 @@ def test_region_key_includes_recorded_shapes():
         for n in gm.graph.nodes:
             n.meta["val"] = torch.empty(3, width)
         return gm
-    assert ops.register_region(traced(8)) == ops.register_region(traced(8))
-    assert ops.register_region(traced(8)) != ops.register_region(traced(16))
+    assert ops.register_region(traced(8)) is ops.register_region(traced(8))
+    assert ops.register_region(traced(8)).key != ops.register_region(traced(16)).key
 
 
 # --- token_chunked numerics --------------------------------------------------------------------
@@ -112,7 +136,8 @@ def test_region_key_includes_recorded_shapes():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("region", [swiglu, gpt2_mlp])
 def test_token_chunked_matches_eager(region, dtype):
-    key = ops.register_region(torch.fx.symbolic_trace(region))
+    chunked = ops.register_region(torch.fx.symbolic_trace(region))
+    key = chunked.key
     x, params = _x(dtype), _params(region, dtype)
     ref = region(x, *params)
     grad_out = torch.randn_like(ref)
@@ -132,7 +157,8 @@ def test_token_chunked_matches_eager(region, dtype):
 
 def test_token_chunked_partial_requires_grad_and_negative_seq_dim():
     # Frozen weights get no grad (the op must not return one); seq dim given as -2.
-    key = ops.register_region(torch.fx.symbolic_trace(swiglu))
+    region = ops.register_region(torch.fx.symbolic_trace(swiglu))
+    key = region.key
     x = _x(torch.float64)
     params = [p.detach() for p in _params(swiglu, torch.float64)]
     params[2].requires_grad_()
@@ -148,7 +174,8 @@ def test_token_chunked_partial_requires_grad_and_negative_seq_dim():
 def test_token_chunked_peak_memory_far_below_dense():
     # Profiler allocator events over forward + backward; the dense MLP keeps (S, I) activations.
     s, i = 4096, 512
-    key = ops.register_region(torch.fx.symbolic_trace(swiglu))
+    region = ops.register_region(torch.fx.symbolic_trace(swiglu))
+    key = region.key
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, s, H, generator=g).requires_grad_()
     params = [(torch.randn(shape, generator=g) / 16).requires_grad_()
@@ -164,7 +191,8 @@ def test_token_chunked_peak_memory_far_below_dense():
 
 
 def test_token_chunked_aot_saves_only_inputs():
-    key = ops.register_region(torch.fx.symbolic_trace(swiglu))
+    region = ops.register_region(torch.fx.symbolic_trace(swiglu))
+    key = region.key
     x, params = _x(torch.float32), _params(swiglu, torch.float32)
 
     chunked, dense = GraphRecorder(), GraphRecorder()
@@ -189,7 +217,8 @@ def test_token_chunked_aot_saves_only_inputs():
 
 
 def test_token_chunked_symbolic_seq_len_compiles_once():
-    key = ops.register_region(torch.fx.symbolic_trace(gpt2_mlp))
+    region = ops.register_region(torch.fx.symbolic_trace(gpt2_mlp))
+    key = region.key
     params = _params(gpt2_mlp, torch.float32)
     rec = GraphRecorder()
     f = torch.compile(lambda x, *p: ops.token_chunked(key, [x], p, 1, 3),
@@ -206,7 +235,8 @@ def test_token_chunked_symbolic_seq_len_compiles_once():
 
 
 def test_token_chunked_inductor():
-    key = ops.register_region(torch.fx.symbolic_trace(swiglu))
+    region = ops.register_region(torch.fx.symbolic_trace(swiglu))
+    key = region.key
     x, params = _x(torch.float32), _params(swiglu, torch.float32)
     compiled = torch.compile(lambda x, *p: ops.token_chunked(key, [x], p, 1, 3),
                              backend="inductor", fullgraph=True)

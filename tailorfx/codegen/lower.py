@@ -11,6 +11,7 @@ from tailorfx.rewrite import compat
 from tailorfx.rewrite.lazy_outputs import Split, split_lazy_outputs
 from tailorfx.rewrite.trace import trainable_inputs
 from tailorfx.rewrite.optimizer_step import fuse_into_backward
+from tailorfx.rewrite.passes import own, owned
 from tailorfx.rewrite.saved_dtype import store_saved_low
 from tailorfx.runtime.lazy_grad import reattach
 from tailorfx.runtime.optim import GraphInputs
@@ -60,6 +61,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     """
     if lowering == "dynamo":
         return _dynamo_graph(gm)
+    needs = owned(gm)   # what the graph's code reaches by name at run time (chunked regions)
     split = split_lazy_outputs(gm)
     gm = split.gm
     if lowering == "inductor":
@@ -88,6 +90,10 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
             fuse_into_backward(fw, bw, num_fwd_outputs, trainable_inputs(gm), steps_in_backward.handle)
         if on_partition is not None:
             on_partition(fw, bw, num_fwd_outputs)
+        # a pending backward may outlive the rewritten graph: the graphs that run own what it owns
+        for name, obj in needs.items():
+            for g in (fw, bw) if bw is not None else (fw,):
+                own(g, name, obj)
         return fw, bw
 
     return _with_lazy_outputs(compat.aot_module_simplified(

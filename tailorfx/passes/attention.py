@@ -30,7 +30,7 @@ from tailorfx.attention import AttentionSpec, BigBird, Dilated, Exact, SlidingWi
 from tailorfx.passes import register
 from tailorfx.rewrite import compat, match
 from tailorfx.rewrite.capture import node_value
-from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult, clone
+from tailorfx.rewrite.passes import PassContext, PassResult, annotate
 from tailorfx.rewrite.regions import is_param
 
 NAME = "attention"
@@ -441,14 +441,6 @@ def _prove_causal(ctx: PassContext, x: Optional[fx.Node], out: fx.Node, scale: f
 
 
 # ---- the one rewriter -----------------------------------------------------------------------
-def _annotate(new: fx.Node, like: fx.Node) -> None:
-    v = node_value(like)
-    new.meta["val"] = new.meta["example_value"] = v
-    if "nn_module_stack" in like.meta:
-        new.meta["nn_module_stack"] = like.meta["nn_module_stack"]
-    new.meta[PASS_META] = NAME
-
-
 def _erase_dead(gm: fx.GraphModule, start: fx.Node, erased: set[str]) -> None:
     """Erase `start` and every ancestor left without users (scores, mask, repeat_kv copies)."""
     stack = [start]
@@ -466,7 +458,7 @@ def _rewrite(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased: set
     with gm.graph.inserting_before(m.out):
         new = gm.graph.call_function(attention_call, (m.q, m.k, m.v),
                                      {"kind": kind, "params": params, "causal": m.causal, "scale": m.scale})
-    _annotate(new, m.out)
+    annotate(new, m.out, pass_name=NAME)
     m.out.replace_all_uses_with(new)
     _erase_dead(gm, m.out, erased)
     return new
@@ -498,7 +490,6 @@ class AttentionPass:
         self.spec: Optional[AttentionSpec] = spec
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        gm = clone(gm)
         nodes = {n.name: n for n in gm.graph.nodes}
         stats, touched, skipped, erased = {}, [], [], set()
         for region in ctx.regions.of_kind("attention"):
@@ -521,8 +512,6 @@ class AttentionPass:
                 _rewrite(gm, got, kind, params, erased)
                 touched.append(region.path)
                 stats[region.path] = _stats(got, kind, params)
-        if touched:
-            gm.recompile()
         return PassResult(gm, bool(touched), stats, tuple(dict.fromkeys(touched)), tuple(skipped))
 
 

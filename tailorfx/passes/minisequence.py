@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tailorfx.passes import register
 from tailorfx.rewrite import compat, match
 from tailorfx.rewrite.capture import node_value
-from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult, clone
+from tailorfx.rewrite.passes import PassContext, PassResult, annotate, own
 from tailorfx.rewrite.regions import Region, is_param, param_source
 from tailorfx.runtime import ops
 
@@ -88,12 +88,10 @@ class MiniSequence:
         for node, val in ((n_len, length), (n_tok, tok), (n_div, tok // self.min_tokens),
                           (n_min, torch.sym_min(ideal, tok // self.min_tokens)),
                           (n_max, torch.sym_max(1, torch.sym_min(ideal, tok // self.min_tokens)))):
-            node.meta["val"] = node.meta["example_value"] = val
-            node.meta[PASS_META] = NAME
+            annotate(node, val=val, pass_name=NAME)
         return n_max
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        gm = clone(gm)
         nodes = {n.name: n for n in gm.graph.nodes}
         done: list[_Rewrite] = []
         skipped: list[str] = []
@@ -115,7 +113,6 @@ class MiniSequence:
                 skipped.append(f"{region.path}: {why}")
         if done:
             gm.graph.eliminate_dead_code()
-            gm.recompile()
         stats = {r.region.path: {"kind": r.region.kind, "num_chunks": _describe(r.num_chunks),
                                  "intermediate_bytes_saved": r.saved_bytes} for r in done}
         stats.update(by_request)
@@ -153,17 +150,18 @@ class MiniSequence:
                            ctx.seq.symbol, x_dims[0], ctx.seq.hints)
         except _Unsupported as e:
             return str(e)
-        key = ops.register_region(sub)
-        self._declare_linear_tail(gm, key, members, x, region, nodes, out, ctx, x_dims[0])
+        chunked = ops.register_region(sub)   # an equal region already live: that one
+        own(gm, chunked.key, chunked)         # the graph calls it by key: it keeps it registered
+        self._declare_linear_tail(gm, chunked, members, x, region, nodes, out, ctx, x_dims[0])
         tokens = _tokens(xv, x_dims[0], ctx)
         fwd, bwd = _region_cost(members, out, ctx, tokens)
-        bwd, bwd_const = _cached_backward_cost(key, sub, ctx, tokens) or (bwd, 0.0)
-        ops.set_region_cost(key, fwd, bwd, bwd_const)
+        bwd, bwd_const = _cached_backward_cost(chunked, sub, ctx, tokens) or (bwd, 0.0)
+        chunked.cost = (fwd, bwd, bwd_const)
         m = self._chunks(gm, x, x_dims[0], auto_chunks(inner, _hint_bytes(xv, ctx)), out)
         with gm.graph.inserting_after(out):
             new = gm.graph.call_function(torch.ops.tailorfx.token_chunked.default,
-                                         (key, [x], [nodes[p] for p in region.params], x_dims[0], m))
-        _annotate(new, out)
+                                         (chunked.key, [x], [nodes[p] for p in region.params], x_dims[0], m))
+        annotate(new, out, pass_name=NAME)
         out.replace_all_uses_with(new)
         new.update_arg(1, [x])   # replace_all_uses_with does not touch new's own args
         for n in reversed(members):
@@ -173,7 +171,8 @@ class MiniSequence:
         return None
 
     @staticmethod
-    def _declare_linear_tail(gm, key, members, x, region, nodes, out, ctx, seq_dim) -> None:
+    def _declare_linear_tail(gm, chunked: ops.ChunkedRegion, members, x, region, nodes, out, ctx,
+                             seq_dim) -> None:
         """If the region ends in F.linear(a, W, b) of its own parameters, let backward skip it."""
         if match.op_name(out) not in match.LINEAR_OPS or out.op != "call_function":
             return
@@ -188,7 +187,7 @@ class MiniSequence:
                            ctx.seq.hints)
         except _Unsupported:
             return
-        ops.set_region_linear_tail(key, pre, params.index(w), params.index(b) if b is not None else -1)
+        chunked.tail = (pre, params.index(w), params.index(b) if b is not None else -1)
 
     # ---- LM head + cross-entropy ------------------------------------------------------------
     def _rewrite_head(self, gm, nodes, region: Region, ctx: PassContext, done) -> Optional[str]:
@@ -262,8 +261,8 @@ class MiniSequence:
             new = gm.graph.call_function(ops.chunked_linear_cross_entropy, (flat, w, b, kw["target"]), options)
         with hv.fake_mode:
             flat_val = hv.reshape(-1, hidden)
-        _annotate(flat, head, flat_val)
-        _annotate(new, loss)
+        annotate(flat, head, flat_val, pass_name=NAME)
+        annotate(new, loss, pass_name=NAME)
         loss.replace_all_uses_with(new)
         if returned:   # Liger's skip_logits: in training with labels the model returns logits=None
             out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
@@ -339,22 +338,17 @@ def _region_cost(members: list[fx.Node], out: fx.Node, ctx: PassContext, tokens:
     return peak / tokens, (total + 2 * largest) / tokens
 
 
-_BACKWARD_COSTS: dict = {}
-
-
-def _cached_backward_cost(key: str, sub: fx.GraphModule, ctx: PassContext,
+def _cached_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, ctx: PassContext,
                           tokens: int) -> Optional[tuple[float, float]]:
-    """_simulated_backward_cost, memoised: the planner runs this pass once per candidate plan, and
-    the key already hashes the region's code and recorded shapes."""
-    memo = (key, str(ctx.seq.symbol), ctx.seq.length, tokens)
-    if memo not in _BACKWARD_COSTS:
-        if len(_BACKWARD_COSTS) > 256:
-            _BACKWARD_COSTS.clear()
-        _BACKWARD_COSTS[memo] = _simulated_backward_cost(key, sub, ctx, tokens)
-    return _BACKWARD_COSTS[memo]
+    """_simulated_backward_cost, memoised in ctx.memo: the planner runs this pass once per
+    candidate plan, and the key already hashes the region's code and recorded shapes."""
+    memo = (NAME, "backward_cost", chunked.key, str(ctx.seq.symbol), ctx.seq.length, tokens)
+    if memo not in ctx.memo:
+        ctx.memo[memo] = _simulated_backward_cost(sub, chunked.tail, ctx, tokens)
+    return ctx.memo[memo]
 
 
-def _simulated_backward_cost(key: str, sub: fx.GraphModule, ctx: PassContext,
+def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
                              tokens: int) -> Optional[tuple[float, float]]:
     """(bytes per token, bytes per chunk) one chunk holds in backward: the runtime's own chunk
     backward (ops.region_chunk_grads: the chunk's contiguous copies, the recompute, what eager
@@ -388,7 +382,7 @@ def _simulated_backward_cost(key: str, sub: fx.GraphModule, ctx: PassContext,
             with torch.enable_grad(), memory.LiveBytes() as live:
                 xc = x.detach().clone() if copied else x.detach()
                 ops.region_chunk_grads(sub, [xc.requires_grad_(x.requires_grad)], whole,
-                                       go.clone() if copied else go, seq_grad, acc, key)
+                                       go.clone() if copied else go, seq_grad, acc, tail)
             return live.peak
     try:
         one, two = held(length), held(2 * length)
@@ -426,16 +420,6 @@ def _hint_bytes(t, ctx: PassContext) -> int:
         return int(e) * t.element_size()
     except TypeError:
         return 0
-
-
-def _annotate(new: fx.Node, like: fx.Node, val=None) -> None:
-    """Fake value, module stack and provenance for a node the pass created."""
-    v = node_value(like) if val is None else val
-    new.meta["val"] = v
-    new.meta["example_value"] = v
-    if "nn_module_stack" in like.meta:
-        new.meta["nn_module_stack"] = like.meta["nn_module_stack"]
-    new.meta[PASS_META] = NAME
 
 
 class _ByRequest(str):

@@ -35,7 +35,7 @@ import torch.fx as fx
 from tailorfx.passes import register
 from tailorfx.rewrite import compat, match, saved_dtype
 from tailorfx.rewrite.capture import node_value
-from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult, clone
+from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult, annotate, clone
 from tailorfx.rewrite.regions import KINDS, Region, is_weight_matmul, normalize_path
 from tailorfx.runtime import ops
 
@@ -203,11 +203,10 @@ class _Rewriter:
             c = g.call_method("to", (a, dtype))
         with self.fake_mode:
             val = node_value(a).to(dtype)
-        c.meta["val"] = c.meta["example_value"] = val
+        annotate(c, val=val, pass_name=NAME)
         stack = _stack_prefix(site, owner.region if owner else None)
         if stack is not None:
             c.meta["nn_module_stack"] = stack
-        c.meta[PASS_META] = NAME
         self.casts[key] = c
         self.fresh.add(c)
         if owner is not None:
@@ -273,7 +272,7 @@ class Precision:
             if not any(z.low for z in zones.values()) and not tails:
                 stats.update(regions={p: _short(d) for p, d in dtypes.items()}, attempts=attempt)
                 return PassResult(gm, False, stats, (), tuple(skipped))
-            new = clone(gm)
+            new = clone(gm)   # an attempt that fails is thrown away, and the next starts from gm
             rw = _Rewriter(new, zones, fake_mode, {cast: d for _, cast, d in tails})
             try:
                 rw.run()
@@ -291,7 +290,6 @@ class Precision:
             if n.name in self._save_low:
                 saved_dtype.tag(n, self._save_low[n.name])
         removed, cleanup_stop = cleanup(new)
-        new.recompile()
         regions = {p: _short(d) for p, d in dtypes.items()}
         outputs = {r: _short(d) for r, _, d in tails}
         stats.update(regions=regions, norm_outputs=outputs,

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from tailorfx.passes import register
 from tailorfx.rewrite import match
-from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult, clone
+from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult
 from tailorfx.rewrite.regions import module_paths
 
 NAME = "recompute"
@@ -53,7 +53,6 @@ class Recompute:
         if not chosen:
             why = "no transformer blocks found" if not blocks else "recompute_blocks=0"
             return PassResult(gm, False, {}, (), (f"(graph): {why}",))
-        gm = clone(gm)
         index = {p: i for i, p in enumerate(chosen)}
         counts = {"recomputed": 0, "saved": 0}
         for n in gm.graph.nodes:
@@ -67,7 +66,6 @@ class Recompute:
             n.meta["ac_graph_id"] = index[block] + 1
             n.meta[PASS_META] = n.meta.get(PASS_META, NAME)
             counts["saved" if save else "recomputed"] += 1
-        gm.recompile()
         stats = {"policy": self.policy, "blocks": len(chosen), **counts}
         return PassResult(gm, True, stats, tuple(f"{p} ({self.policy})" for p in chosen))
 

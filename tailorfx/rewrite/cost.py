@@ -52,9 +52,8 @@ def recompute_flops(gm: fx.GraphModule, as_int) -> int:
             total += node_flops(n, as_int)
         elif match.op_name(n) == "token_chunked":
             from tailorfx.runtime import ops
-            region = ops.get_region(n.args[0])
-            tail = ops._TAILS.get(n.args[0])
-            src = tail[0] if tail else region
+            region = ops.chunked_region(n.args[0])
+            src = region.tail[0] if region.tail else region.fn
             total += sum(node_flops(m, as_int) for m in src.graph.nodes) if isinstance(src, fx.GraphModule) else 0
     return total
 

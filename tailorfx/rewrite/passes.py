@@ -1,4 +1,5 @@
-"""Pass protocol, the pass manager, the verifier, and per-pass records for inspection."""
+"""Pass protocol, the pass manager, the verifier, and per-pass records for inspection; what
+every pass shares: annotate() for the nodes it creates, own() for what its graph needs at run time."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,7 @@ from tailorfx.rewrite.capture import SeqInfo, node_value
 from tailorfx.rewrite.regions import RegionMap, find_regions
 
 PASS_META = "tailorfx_pass"   # node.meta key: the pass that created the node
+OWNED = "tailorfx_owned"      # GraphModule attribute: name -> object its code needs at run time
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,10 @@ class PassContext:
     options: dict = field(default_factory=dict)
     graph_index: int = 0
     pipeline: tuple[str, ...] = ()   # the passes of this run, in order (a pass may plan for later ones)
+    # the caller's memo for what passes derive from a graph alone (costs keyed by region content);
+    # dataclasses.replace keeps the same dict, so every pass of a run and every plan sharing this
+    # context reuse it
+    memo: dict = field(default_factory=dict)
 
 
 class Pass(Protocol):
@@ -66,11 +72,46 @@ class PassRecord:
 
 
 def clone(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy whose graph can be mutated without touching `gm` (node meta is shared, read-only)."""
+    """A copy whose graph can be mutated without touching `gm` (node meta is shared, read-only);
+    it owns what `gm` owns."""
     g = fx.Graph()
     out = g.graph_copy(gm.graph, {})
     g.output(out)
-    return fx.GraphModule(gm, g)
+    copy = fx.GraphModule(gm, g)
+    if OWNED in gm.__dict__:
+        copy.__dict__[OWNED] = dict(gm.__dict__[OWNED])
+    return copy
+
+
+def own(gm: fx.GraphModule, name: str, obj: Any) -> None:
+    """Make `gm` own `obj`, which its code reaches by `name` at run time (a region token_chunked
+    runs by key): the object lives as long as the graph, and copies made by clone() own it too."""
+    gm.__dict__.setdefault(OWNED, {})[name] = obj
+
+
+def owned(gm: fx.GraphModule) -> dict:
+    """What `gm` owns, by name."""
+    return dict(gm.__dict__.get(OWNED, {}))
+
+
+def annotate(node: fx.Node, like: Optional[fx.Node] = None, val: Any = None, *, pass_name: str) -> fx.Node:
+    """Stamp a node a pass created: its fake value (`val`, else `like`'s), `like`'s module stack,
+    and the pass's name (provenance, which verify checks)."""
+    if val is not None or like is not None:
+        v = node_value(like) if val is None else val
+        node.meta["val"] = node.meta["example_value"] = v
+    if like is not None and "nn_module_stack" in like.meta:
+        node.meta["nn_module_stack"] = like.meta["nn_module_stack"]
+    node.meta[PASS_META] = pass_name
+    return node
+
+
+def run_pass(p: Pass, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """One pass alone, as the PassManager runs it: on a copy of `gm`, recompiled if it changed."""
+    res = p.run(clone(gm), ctx)
+    if res.changed:
+        res.gm.recompile()
+    return res
 
 
 class VerifyError(AssertionError):
@@ -118,13 +159,16 @@ class PassManager:
         self.initial_peak: Optional[int] = None
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, list[PassRecord]]:
+        """The graph after every pass, and a record per pass. `gm` is left as it is: each pass
+        rewrites the manager's copy of the graph before it (run_pass), so each record keeps the
+        graph as its pass left it."""
         records = []
         peak = self.initial_peak = self.predict(gm) if self.predict else None
         ctx = dataclasses.replace(ctx, pipeline=tuple(p.name for p in self.passes))
         for p in self.passes:
             before = gm.code
             t0 = time.perf_counter()
-            res = p.run(gm, ctx)
+            res = run_pass(p, gm, ctx)
             if self.run_verify:
                 verify(res.gm)
             seconds = time.perf_counter() - t0

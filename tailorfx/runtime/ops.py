@@ -13,7 +13,9 @@ and one the precision pass uses: ``linear_fp32_out`` (a bf16/fp16 matmul with an
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -22,37 +24,69 @@ from torch import Tensor
 
 from tailorfx.rewrite.compat import autograd_enabled as _autograd_enabled
 
-__all__ = ["register_region", "get_region", "token_chunked", "chunked_linear_cross_entropy",
-           "set_region_cost", "transient_bytes", "linear_fp32_out"]
+__all__ = ["ChunkedRegion", "register_region", "chunked_region", "get_region", "token_chunked",
+           "chunked_linear_cross_entropy", "transient_bytes", "linear_fp32_out"]
 
-# The only module-level state: region key -> callable. Keys are what graphs store, so they must
-# be stable strings (custom ops cannot take callables as arguments).
-_REGIONS: dict[str, Callable[..., Tensor]] = {}
 
-def register_region(fn: Callable[..., Tensor], key: Optional[str] = None) -> str:
-    """Register ``fn(*seq_inputs, *whole_inputs) -> Tensor`` under ``key`` and return the key.
+@dataclass(eq=False)
+class ChunkedRegion:
+    """A region ``fn(*seq_inputs, *whole_inputs) -> Tensor`` that token_chunked runs by key, with
+    what the memory model and the backward need to know about it. The rewritten graph that calls
+    it owns it (rewrite.passes.own): it lives exactly as long as a graph that can run it.
 
-    Without ``key``, a GraphModule gets a content hash of its code and tensor attributes (equal
-    hashes mean equal functions, so re-registering is a no-op); other callables need ``key``.
+    `cost`: (forward, backward) bytes a chunk holds inside the op per token of the chunk, and the
+    bytes a chunk's backward holds whatever its length (weight-sized), so the memory model sees
+    the transients. `tail`: (pre, weight index, bias index or -1) when the region is
+    ``F.linear(pre(*inputs), whole[weight_index], whole[bias_index])``: backward then recomputes
+    only `pre`, not the last matmul whose output it never needs.
+    """
+    key: str
+    fn: Callable[..., Tensor]
+    cost: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    tail: Optional[tuple[Callable[..., Tensor], int, int]] = None
+
+
+# The only module-level state: a weak index, key -> the live region of that key, owned elsewhere
+# (by the graphs that call it). Graphs store keys, stable strings, because custom ops cannot take
+# callables as arguments.
+_INDEX: "weakref.WeakValueDictionary[str, ChunkedRegion]" = weakref.WeakValueDictionary()
+
+
+def register_region(fn: Callable[..., Tensor], key: Optional[str] = None) -> ChunkedRegion:
+    """The live region of ``fn`` under ``key``: the caller must hold it (a graph owns it) for the
+    key to stay registered.
+
+    Without ``key``, a GraphModule gets a content hash of its code and tensor attributes. Equal
+    hashes mean equal functions, so an equal region already live is returned as it is: every graph
+    that calls the key then holds the same object, and the key stays registered while any of them
+    lives. Other callables need ``key``.
     """
     if key is None:
         if not isinstance(fn, torch.fx.GraphModule):
             raise TypeError("register_region: pass key= for callables that are not GraphModules")
         key = "region_" + _graph_module_hash(fn)
-        _REGIONS.setdefault(key, fn)
-        return key
-    if key in _REGIONS and _REGIONS[key] is not fn:
-        raise ValueError(f"register_region: key {key!r} already names a different region")
-    _REGIONS[key] = fn
-    return key
+        region = _INDEX.get(key)
+    else:
+        region = _INDEX.get(key)
+        if region is not None and region.fn is not fn:
+            raise ValueError(f"register_region: key {key!r} already names a different region")
+    if region is None:
+        region = _INDEX[key] = ChunkedRegion(key, fn)
+    return region
+
+
+def chunked_region(key: str) -> ChunkedRegion:
+    """The live region of `key`; a KeyError names the missing key."""
+    region = _INDEX.get(key)
+    if region is None:
+        raise KeyError(f"tailorfx region {key!r} is not registered in this process (no live graph "
+                       "owns it)")
+    return region
 
 
 def get_region(key: str) -> Callable[..., Tensor]:
-    """Look up a registered region; a KeyError names the missing key."""
-    try:
-        return _REGIONS[key]
-    except KeyError:
-        raise KeyError(f"tailorfx region {key!r} is not registered in this process") from None
+    """The function of a registered region; a KeyError names the missing key."""
+    return chunked_region(key).fn
 
 
 def _graph_module_hash(gm: torch.fx.GraphModule) -> str:
@@ -83,17 +117,6 @@ def acc_dtype(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32) if t.is_floating_point() else t.dtype
 
 
-# Per region key: (forward, backward) bytes a chunk holds inside the op, per token of the chunk.
-_REGION_COST: dict[str, tuple[float, float, float]] = {}
-
-
-def set_region_cost(key: str, forward_per_token: float, backward_per_token: float,
-                    backward_per_chunk: float = 0.0) -> None:
-    """What one token of a chunk costs inside the op, so the memory model sees the transients;
-    `backward_per_chunk`: bytes a chunk's backward holds whatever its length (weight-sized)."""
-    _REGION_COST[key] = (forward_per_token, backward_per_token, backward_per_chunk)
-
-
 def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
     """Bytes an op of this module allocates and frees inside itself (invisible to the graph).
 
@@ -104,7 +127,8 @@ def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
         key = args[0]
         seq = args[1] if op_name == "token_chunked" else args[2]
         seq_dim, n = (args[3], args[4]) if op_name == "token_chunked" else (args[4], args[5])
-        fwd, bwd, bwd_const = _REGION_COST.get(key, (0.0, 0.0, 0.0))
+        region = _INDEX.get(key)
+        fwd, bwd, bwd_const = region.cost if region is not None else (0.0, 0.0, 0.0)
         tokens = as_int(seq[0].numel()) // max(1, as_int(seq[0].shape[-1])) if seq else 0
         n = max(1, min(as_int(n), tokens or 1))
         if op_name == "token_chunked":
@@ -183,19 +207,9 @@ def _token_chunked_fake(key, seq_inputs, whole_inputs, seq_dim, num_chunks):
     return y.new_empty(y.shape)
 
 
-# Per region key: (pre, weight index, bias index or -1) when the region ends in F.linear(a, W, b):
-# backward then recomputes only `a = pre(...)`, not the last matmul whose output it never needs.
-_TAILS: dict[str, tuple[Callable[..., Tensor], int, int]] = {}
-
-
-def set_region_linear_tail(key: str, pre: Callable[..., Tensor], weight_index: int, bias_index: int) -> None:
-    """Declare that region `key` is `F.linear(pre(*inputs), whole[weight_index], whole[bias_index])`."""
-    _TAILS[key] = (pre, weight_index, bias_index)
-
-
-def _linear_tail_grads(key, xs, whole, grad_out, whole_acc):
+def _linear_tail_grads(tail, xs, whole, grad_out, whole_acc):
     """Grads through the region's final linear by hand; returns (a, grad_a) to backprop into pre."""
-    pre, wi, bi = _TAILS[key]
+    pre, wi, bi = tail
     a = pre(*xs, *whole)
     with torch.no_grad():
         w = whole[wi]
@@ -209,14 +223,15 @@ def _linear_tail_grads(key, xs, whole, grad_out, whole_acc):
     return a, grad_a
 
 
-def region_chunk_grads(fn, xs, whole, grad_out, seq_grads, whole_acc, key=None):
-    """Recompute one chunk and backprop it: writes seq_grads, adds into whole_acc.
+def region_chunk_grads(fn, xs, whole, grad_out, seq_grads, whole_acc, tail=None):
+    """Recompute one chunk and backprop it: writes seq_grads, adds into whole_acc. With a `tail`
+    (ChunkedRegion.tail), the region's final linear is differentiated by hand, not recomputed.
 
     A call per chunk, so the chunk's activations and grads die before the next chunk starts.
     """
     wrt = [t for t in (*xs, *whole) if t.requires_grad]
-    if key in _TAILS:
-        out, grad_out = _linear_tail_grads(key, xs, whole, grad_out, whole_acc)
+    if tail is not None:
+        out, grad_out = _linear_tail_grads(tail, xs, whole, grad_out, whole_acc)
     else:
         out = fn(*xs, *whole)
     grads = iter(torch.autograd.grad(out, wrt, grad_out, allow_unused=True))
@@ -235,7 +250,7 @@ def _token_chunked_backward(
     seq_dim: int, num_chunks: int, seq_needs_grad: list[bool], whole_needs_grad: list[bool],
 ) -> list[Tensor]:
     """Grads of the flagged seq then whole inputs, recomputing the region one chunk at a time."""
-    fn = get_region(key)
+    region = chunked_region(key)
     n = _num_chunks(seq_inputs, seq_dim, num_chunks)
     seq_grads = [torch.empty_like(x) if need else None for x, need in zip(seq_inputs, seq_needs_grad)]
     whole = [w.detach().requires_grad_(need) for w, need in zip(whole_inputs, whole_needs_grad)]
@@ -248,8 +263,8 @@ def _token_chunked_backward(
         for i in range(n):
             xs = [c[i].contiguous().detach().requires_grad_(need)
                   for c, need in zip(seq_chunks, seq_needs_grad)]
-            region_chunk_grads(fn, xs, whole, go_chunks[i].contiguous(), [g[i] for g in grad_chunks],
-                                whole_acc, key)
+            region_chunk_grads(region.fn, xs, whole, go_chunks[i].contiguous(), [g[i] for g in grad_chunks],
+                                whole_acc, region.tail)
     return [g for g in seq_grads if g is not None] + [
         acc.to(w.dtype) for acc, w in zip(whole_acc, whole_inputs) if acc is not None
     ]
@@ -267,6 +282,7 @@ def _token_chunked_setup(ctx, inputs, output):
     key, seq_inputs, whole_inputs, seq_dim, num_chunks = inputs
     ctx.save_for_backward(*seq_inputs, *whole_inputs)  # inputs only: chunks are recomputed
     ctx.region = (key, len(seq_inputs), seq_dim, num_chunks)
+    ctx.owner = _INDEX.get(key)   # a pending backward keeps its region registered
 
 
 def _token_chunked_grad(ctx, grad_out):
