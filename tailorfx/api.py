@@ -14,7 +14,8 @@ from tailorfx.options import Options, check_flag, check_passes, pass_options, po
 from tailorfx import planner
 from tailorfx.budget import Budget, BudgetError, format_bytes
 from tailorfx.report import Report
-from tailorfx.rewrite import compat, memory
+from tailorfx import compat
+from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import mark_sequence_dims
 from tailorfx.rewrite.regions import Region
 from tailorfx.setup import OPTIMIZERS, TrainingSetup
@@ -78,11 +79,11 @@ class OptimizedModule(nn.Module):
                                              "recompile limit): the model ran eagerly, nothing rewritten")
                 warnings.warn(self.session.warnings[-1])
             return out
-        except torch._dynamo.exc.BackendCompilerFailed as e:
+        except compat.dynamo_backend_failed() as e:
             if isinstance(getattr(e, "inner_exception", None), ValueError):
                 raise e.inner_exception from e
             self._fall_back(e)
-        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.TorchRuntimeError) as e:
+        except compat.dynamo_unsupported() as e:
             self._fall_back(e)
         return self.model(*args, **kwargs)
 
@@ -351,8 +352,7 @@ def _prediction_model(model_or_config: Any, dtype: Optional[torch.dtype]) -> Ite
     if isinstance(model_or_config, nn.Module):
         yield model_or_config
         return
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with compat.FakeTensorMode(allow_non_fake_inputs=True):
         yield _build(model_or_config, dtype)
 
 

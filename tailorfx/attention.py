@@ -13,6 +13,8 @@ and backward, and are opaque custom ops, so a compiled graph keeps them as one n
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -310,3 +312,28 @@ class Dilated(AttentionSpec):
             self.tile, self.kv_chunk,
         )[0]
 
+
+# ---- the call the attention pass puts in graphs (fx prints it; it rebuilds the spec from primitives) ----
+SPECS = {cls.__name__: cls for cls in (Exact, SlidingWindow, BigBird, Dilated)}
+
+
+@functools.lru_cache(maxsize=None)
+def build_spec(kind: str, params: tuple, causal: bool, scale: float) -> AttentionSpec:
+    return SPECS[kind](**dict(params), causal=causal, scale=scale)
+
+
+def attention_call(q, k, v, *, kind: str, params: tuple, causal: bool, scale: float):
+    """`SPECS[kind](**dict(params), causal=causal, scale=scale)(q, k, v)`; k, v have H_kv heads."""
+    if kind != "Exact":
+        # The custom ops' fake kernels return empty_like(q/k/v) while the real ones return
+        # contiguous tensors: with RoPE'd (transposed-layout) inputs AOTAutograd would plan a
+        # backward `view` on strides the real gradients do not have.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return build_spec(kind, params, causal, scale)(q, k, v)
+
+
+def spec_params(spec: AttentionSpec) -> tuple[str, tuple]:
+    """(kind, params): the spec's class name and its non-default fields other than causal/scale."""
+    params = tuple((f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec)
+                   if f.name not in ("causal", "scale") and getattr(spec, f.name) != f.default)
+    return type(spec).__name__, params

@@ -7,7 +7,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from tailorfx.rewrite import compat
+from tailorfx import compat
 from tailorfx.rewrite.lazy_outputs import Split, split_lazy_outputs
 from tailorfx.rewrite.trace import trainable_inputs
 from tailorfx.rewrite.optimizer_step import fuse_into_backward
@@ -65,8 +65,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     split = split_lazy_outputs(gm)
     gm = split.gm
     if lowering == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-        return _with_lazy_outputs(compile_fx(gm, list(example_inputs)), split)
+        return _with_lazy_outputs(compat.compile_fx()(gm, list(example_inputs)), split)
 
     def eager(g: fx.GraphModule, _):
         return compat.make_boxed_func(g.forward)

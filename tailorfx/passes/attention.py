@@ -16,8 +16,6 @@ pass says why.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -26,42 +24,19 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from tailorfx.attention import AttentionSpec, BigBird, Dilated, Exact, SlidingWindow
+from tailorfx.attention import SPECS, AttentionSpec, Exact, attention_call, spec_params
 from tailorfx.passes import register
-from tailorfx.rewrite import compat, match
+from tailorfx import compat
+from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PassContext, PassResult, annotate
 from tailorfx.rewrite.regions import is_param
 
 NAME = "attention"
-SPECS = {cls.__name__: cls for cls in (Exact, SlidingWindow, BigBird, Dilated)}
 # Lengths at which a mask is evaluated to prove it causal; integer constants in the mask's
 # subgraph (a window, an offset) add lengths past them, up to MAX_CHECK_LEN.
 CHECK_LENGTHS = (1, 2, 3, 5, 8, 13)
 MAX_CHECK_LEN = 512
-
-
-# ---- the call that replaces attention (fx prints it; it rebuilds the spec from primitives) ----
-@functools.lru_cache(maxsize=None)
-def build_spec(kind: str, params: tuple, causal: bool, scale: float) -> AttentionSpec:
-    return SPECS[kind](**dict(params), causal=causal, scale=scale)
-
-
-def attention_call(q, k, v, *, kind: str, params: tuple, causal: bool, scale: float):
-    """`SPECS[kind](**dict(params), causal=causal, scale=scale)(q, k, v)`; k, v have H_kv heads."""
-    if kind != "Exact":
-        # The custom ops' fake kernels return empty_like(q/k/v) while the real ones return
-        # contiguous tensors: with RoPE'd (transposed-layout) inputs AOTAutograd would plan a
-        # backward `view` on strides the real gradients do not have.
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return build_spec(kind, params, causal, scale)(q, k, v)
-
-
-def spec_params(spec: AttentionSpec) -> tuple[str, tuple]:
-    """(kind, params): the spec's class name and its non-default fields other than causal/scale."""
-    params = tuple((f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec)
-                   if f.name not in ("causal", "scale") and getattr(spec, f.name) != f.default)
-    return type(spec).__name__, params
 
 
 # ---- matching: rules are (name, match) pairs; a match never mutates ----------------------------
@@ -356,8 +331,8 @@ def _writes(u: fx.Node, n: fx.Node) -> bool:
     t = u.target
     if u.op == "call_method":
         return (t.endswith("_") and not t.startswith("_")) or t.startswith("__i")
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.is_mutable
+    if compat.is_op_overload(t):
+        return compat.op_is_mutable(t)
     if t in _INPLACE_OPERATORS:
         return True
     name = getattr(t, "__name__", "")

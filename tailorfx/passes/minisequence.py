@@ -21,10 +21,10 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from tailorfx.passes import register
-from tailorfx.rewrite import compat, match
+from tailorfx import compat
+from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PassContext, PassResult, annotate, own
 from tailorfx.rewrite.regions import Region, is_param, param_source

@@ -33,7 +33,8 @@ import torch
 import torch.fx as fx
 
 from tailorfx.passes import register
-from tailorfx.rewrite import compat, match, saved_dtype
+from tailorfx import compat
+from tailorfx.rewrite import match, saved_dtype
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult, annotate, clone
 from tailorfx.rewrite.regions import KINDS, Region, is_weight_matmul, normalize_path
@@ -573,7 +574,7 @@ def _retarget(n: fx.Node, dtype: torch.dtype) -> bool:
 def _quiet_fake_tensor_log():
     """A region that fails in low precision is expected and reported; FakeTensorMode would also
     log the failure with a traceback."""
-    log = logging.getLogger("torch._subclasses.fake_tensor")
+    log = logging.getLogger(compat.FAKE_TENSOR_LOGGER)
     level = log.level
     log.setLevel(logging.CRITICAL)
     try:

@@ -15,7 +15,7 @@ min-cut partitioner, which must recompute what is tagged so and must save what i
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy

@@ -13,7 +13,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from tailorfx.rewrite import compat
+from tailorfx import compat
 
 
 def mark_sequence_dims(args: tuple, kwargs: dict, seq_dim: int = 1) -> Optional[int]:
@@ -142,6 +142,6 @@ def capture_graphs(model: torch.nn.Module, args: tuple = (), kwargs: Optional[di
         graphs.append(Captured(gm, list(example_inputs), seq_info(gm, seq_len)))
         return gm.forward
 
-    torch._dynamo.reset()
+    compat.reset_dynamo()
     out = torch.compile(model, backend=record, dynamic=None)(*args, **kwargs)
     return graphs, out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from tailorfx.attention import build_spec
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 
@@ -26,7 +27,6 @@ def node_flops(node: fx.Node, as_int) -> int:
         k = as_int(ins[0].shape[-1]) if name != "addmm" else as_int(ins[1].shape[-1])
         return 2 * _numel(out, as_int) * k
     if name == "attention_call" and len(ins) >= 3:   # a spec chosen by the attention pass
-        from tailorfx.passes.attention import build_spec
         spec = build_spec(node.kwargs["kind"], node.kwargs["params"], node.kwargs["causal"], node.kwargs["scale"])
         B, H, S, D = (as_int(d) for d in ins[0].shape)
         return spec.flops(B, H, S, D, backward=False)

@@ -24,7 +24,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from tailorfx.rewrite import compat, match
+from tailorfx import compat
+from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import clone
 from tailorfx.rewrite.regions import is_param, param_source

@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from tailorfx import compat
 from tailorfx.rewrite.capture import dropout_is_identity, node_value
 
 
@@ -18,11 +19,8 @@ def op_name(node: fx.Node) -> str:
         return str(t)
     if node.op != "call_function":
         return node.op
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.name.split("::")[-1]
-    if isinstance(t, torch._ops.OpOverloadPacket):
-        return t._qualified_op_name.split("::")[-1]
-    return getattr(t, "__name__", str(t))
+    short = compat.op_short_name(t)
+    return short if short is not None else getattr(t, "__name__", str(t))
 
 
 LINEAR_OPS = frozenset({"linear", "linear_fp32_out"})   # F.linear(x, W, b); tailorfx's own (passes/precision.py)

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from tailorfx.rewrite import compat
+from tailorfx import compat
 from tailorfx.rewrite.capture import SeqInfo, node_value
 from tailorfx.rewrite.optimizer_step import aliases_input, storage_root
 from tailorfx.rewrite.trace import (Sizer, StepGraphs, _outputs, fake_inputs, make_step,  # noqa: F401
@@ -135,12 +135,13 @@ def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup) -> int:
     if getattr(t, "__name__", "") == "grad_ready":
         g = node_value(node.args[2])
         return setup.update_temp_bytes(sizer(g) // g.element_size()) if isinstance(g, torch.Tensor) else 0
-    if not (isinstance(t, torch._ops.OpOverload) and t.namespace == "tailorfx"):
+    name = compat.tailorfx_op_name(t)
+    if name is None:
         return 0
     from tailorfx.runtime import attention_kernels, ops
     args = list(fx.node.map_arg(node.args, node_value))
-    return (ops.transient_bytes(t._opname, args, sizer.as_int)
-            + attention_kernels.transient_bytes(t._opname, args, sizer.as_int))
+    return (ops.transient_bytes(name, args, sizer.as_int)
+            + attention_kernels.transient_bytes(name, args, sizer.as_int))
 
 
 def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: str, setup: TrainingSetup,

@@ -21,13 +21,14 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
+from tailorfx import compat
 from tailorfx.rewrite.capture import node_value
 
 
 def aliases_input(node: fx.Node) -> bool:
     """An ATen op whose output shares its input's storage (a view or an in-place op)."""
     t = node.target
-    return isinstance(t, torch._ops.OpOverload) and any(r.alias_info is not None for r in t._schema.returns)
+    return compat.op_returns_alias(t)
 
 
 def storage_root(node: fx.Node) -> fx.Node:

@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-import torch
 import torch.fx as fx
 
 from tailorfx.rewrite.capture import SeqInfo, node_value

@@ -13,8 +13,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from tailorfx.rewrite import compat
-from tailorfx.rewrite.capture import SeqInfo, node_value
+from tailorfx import compat
+from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.lazy_outputs import split_lazy_outputs
 from tailorfx.rewrite.optimizer_step import fuse_into_backward
 from tailorfx.rewrite.saved_dtype import store_saved_low

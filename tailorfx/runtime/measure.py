@@ -4,10 +4,9 @@ from __future__ import annotations
 import gc
 from typing import Any, Callable
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tailorfx.rewrite import compat
+from tailorfx import compat
 
 
 def measure_peak(fn: Callable[[], Any], return_result: bool = False):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tailorfx.rewrite.compat import autograd_enabled as _autograd_enabled
+from tailorfx.compat import autograd_enabled as _autograd_enabled
 
 __all__ = ["ChunkedRegion", "register_region", "chunked_region", "get_region", "token_chunked",
            "chunked_linear_cross_entropy", "transient_bytes", "linear_fp32_out"]

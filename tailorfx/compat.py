@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch._dynamo import maybe_mark_dynamic  # noqa: F401
@@ -15,6 +15,65 @@ from torch._guards import detect_fake_mode  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (checked on torch 2.13)
 from torch.utils._pytree import tree_leaves  # noqa: F401  (checked on torch 2.13)
+
+
+# ---- operator overloads (checked on torch 2.13) --------------------------------------------------
+def is_op_overload(t) -> bool:
+    """An ATen/custom operator overload (torch.ops.ns.op.overload)."""
+    return isinstance(t, torch._ops.OpOverload)
+
+
+def op_short_name(t) -> Optional[str]:
+    """'softmax' for torch.ops.aten._softmax.default or its packet (namespace and overload
+    dropped); None for anything else."""
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1]
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t._qualified_op_name.split("::")[-1]
+    return None
+
+
+def op_is_mutable(t) -> bool:
+    """The overload writes one of its inputs (its schema says so)."""
+    return isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable
+
+
+def op_returns_alias(t) -> bool:
+    """An overload whose output shares an input's storage (a view or an in-place op)."""
+    return isinstance(t, torch._ops.OpOverload) and any(r.alias_info is not None for r in t._schema.returns)
+
+
+def tailorfx_op_name(t) -> Optional[str]:
+    """'token_chunked' for torch.ops.tailorfx.token_chunked.default; None for other targets."""
+    if isinstance(t, torch._ops.OpOverload) and t.namespace == "tailorfx":
+        return t._opname
+    return None
+
+
+# ---- Dynamo (checked on torch 2.13) --------------------------------------------------------------
+def dynamo_backend_failed() -> type:
+    """The error Dynamo raises when a backend's compile fails (the backend's own error inside)."""
+    return torch._dynamo.exc.BackendCompilerFailed
+
+
+def dynamo_unsupported() -> tuple[type, ...]:
+    """Errors of a model Dynamo cannot trace: the model then runs eagerly."""
+    return torch._dynamo.exc.Unsupported, torch._dynamo.exc.TorchRuntimeError
+
+
+def reset_dynamo() -> None:
+    """Forget every compiled frame (a capture of our own that must not reuse another's)."""
+    torch._dynamo.reset()
+
+
+def compile_fx():
+    """Inductor's whole-graph compiler (imported lazily: importing Inductor costs seconds)."""
+    from torch._inductor.compile_fx import compile_fx as fx_compile
+    return fx_compile
+
+
+# FakeTensorMode logs a failed op with a traceback under this logger's name
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 
 
 def compile_fx_inner():

@@ -1,0 +1,84 @@
+"""One-way layers: each module imports only from its own layer or lower ones (DESIGN.md, Layers),
+and only tailorfx/compat.py touches private torch names."""
+import ast
+import pathlib
+import re
+
+import tailorfx
+
+# bottom to top; a module's layer is that of the longest matching prefix
+LAYERS = (
+    ("compat",),
+    ("budget", "setup", "models"),
+    ("runtime", "attention"),
+    ("rewrite",),
+    ("passes",),
+    ("codegen",),
+    ("planner", "options", "report"),
+    ("backend",),
+    ("api", "cli", ""),       # "" is the package itself (tailorfx/__init__.py)
+)
+PRIVATE = re.compile(r"torch\._|(?<![A-Za-z0-9])_dynamo\b|_functorch|_inductor|_subclasses|_guards|\._schema|\._opname|"
+                     r"torch\.utils\._|fx\.experimental")
+
+
+def layer_of(module: str) -> int:
+    """Layer index of `tailorfx.x.y` (by its first component after the package)."""
+    parts = module.split(".")[1:]
+    head = parts[0] if parts else ""
+    for i, names in enumerate(LAYERS):
+        if head in names:
+            return i
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/test_layers.py")
+
+
+def imports(path: pathlib.Path, module: str) -> set[str]:
+    """Every tailorfx module `path` imports, at module level or inside functions."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] == "tailorfx":
+            out |= {f"{node.module}.{a.name}" if node.module == "tailorfx" else node.module for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "tailorfx"}
+    return out - {module}
+
+
+def layer_violations(root: pathlib.Path) -> list[str]:
+    """'tailorfx/x.py imports tailorfx.y: layer A may not import layer B' for each edge upward."""
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent)
+        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        mine = layer_of(module)
+        for target in sorted(imports(path, module)):
+            theirs = layer_of(target)
+            if theirs > mine:
+                bad.append(f"{rel} imports {target}: layer {mine} ({'/'.join(LAYERS[mine]) or 'tailorfx'}) may "
+                           f"not import layer {theirs} ({'/'.join(LAYERS[theirs]) or 'tailorfx'})")
+    return bad
+
+
+PACKAGE = pathlib.Path(tailorfx.__file__).parent
+
+
+def test_imports_point_down_the_layers():
+    assert layer_violations(PACKAGE) == []
+
+
+def test_the_checker_names_an_upward_import(tmp_path):
+    pkg = tmp_path / "tailorfx"
+    (pkg / "runtime").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "runtime" / "__init__.py").write_text("")
+    (pkg / "planner.py").write_text("from tailorfx.runtime import ops\n")          # down: fine
+    (pkg / "runtime" / "ops.py").write_text("def f():\n    from tailorfx.planner import search\n")   # up
+    assert layer_violations(pkg) == [
+        "tailorfx/runtime/ops.py imports tailorfx.planner: layer 2 (runtime/attention) may not import "
+        "layer 6 (planner/options/report)"]
+
+
+def test_only_compat_touches_private_torch_names():
+    found = [f"{p.relative_to(PACKAGE.parent)}:{i}: {line.strip()}"
+             for p in sorted(PACKAGE.rglob("*.py")) if p.name != "compat.py" or p.parent != PACKAGE
+             for i, line in enumerate(p.read_text().splitlines(), 1) if PRIVATE.search(line)]
+    assert found == []
