@@ -54,7 +54,7 @@ def llama3_8b(seq_len: int):
     t0 = time.perf_counter()
     res = {}
     for passes in ([], ["minisequence"]):
-        opt = tailorfx.api.capture_for_prediction(cfg, passes, seq_len=1024, dtype=torch.bfloat16,
+        opt = tailorfx.sizing.capture_for_prediction(cfg, passes, seq_len=1024, dtype=torch.bfloat16,
                                                   setup="pure-bf16")
         est = opt.predict_memory(seq_len=seq_len)
         res["+".join(passes) or "no pass"] = est.summary()

@@ -4,12 +4,13 @@
     compiled = torch.compile(model, backend="tailorfx")
 """
 from tailorfx import attention
-from tailorfx.api import OptimizedModule, PredictionError, max_seq_len, optimize
+from tailorfx.api import OptimizedModule, PredictionError, optimize
 from tailorfx.backend import tailorfx_backend
 from tailorfx.budget import Budget, BudgetError
 from tailorfx.runtime.measure import measure_peak
 from tailorfx.runtime.optim import SetupOptimizer
 from tailorfx.setup import PRESETS, TrainingSetup
+from tailorfx.sizing import max_seq_len
 
 __all__ = ["attention", "optimize", "max_seq_len", "OptimizedModule", "PredictionError", "Budget", "BudgetError", "measure_peak", "tailorfx_backend",
            "TrainingSetup", "PRESETS", "SetupOptimizer"]

@@ -86,7 +86,7 @@ def test_llama3_8b_prediction_without_allocating_it():
     from tailorfx.planner import HEADROOM
     cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8)
-    opt = tailorfx.api.capture_for_prediction(cfg, ["minisequence", "recompute"], seq_len=1024,
+    opt = tailorfx.sizing.capture_for_prediction(cfg, ["minisequence", "recompute"], seq_len=1024,
                                               dtype=torch.bfloat16, recompute="full")
     est = opt.predict_memory(seq_len=8192, optimizer="adamw")
     n_params = (2 * cfg.vocab_size * cfg.hidden_size + cfg.num_hidden_layers * (

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from tailorfx.passes import register
+from tailorfx.passes.minisequence_cost import _cached_backward_cost, _hint_bytes, _region_cost, _tokens
 from tailorfx import compat
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
@@ -194,21 +195,7 @@ class MiniSequence:
         head = nodes[region.nodes[0]]
         if match.op_name(head) not in match.LINEAR_OPS:
             return f"the LM head is a {match.op_name(head)}, only F.linear heads are fused"
-        chain, side, cur = [head], [], head
-        while True:
-            users = [u for u in cur.users if u.op != "output"]
-            # a cast whose only use is the output (the precision pass restoring the logits' dtype)
-            # is a returned copy of the logits, not a second consumer
-            returned_casts = [u for u in users if len(users) > 1 and match.op_name(u) in _PASSTHROUGH
-                              and all(x.op == "output" for x in u.users)]
-            users = [u for u in users if u not in returned_casts]
-            if len(users) != 1:
-                break
-            side += returned_casts
-            chain.append(users[0])
-            if match.op_name(users[0]) not in _PASSTHROUGH | _LOGIT_OPS:
-                break
-            cur = users[0]
+        chain, side = _head_chain(head)
         loss = chain[-1]
         returned = [n for n in chain if any(u.op == "output" for u in n.users)]
         if match.op_name(loss) != "cross_entropy":
@@ -227,18 +214,10 @@ class MiniSequence:
         if isinstance(transform, str):
             return transform
         softcap, logit_scale = transform
-        kw = dict(zip(("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
-                       "label_smoothing"), loss.args))
-        kw.update(loss.kwargs)
-        if kw.get("weight") is not None or kw.get("label_smoothing", 0.0) or kw.get("size_average") is not None \
-                or kw.get("reduce") is not None:
-            return "cross_entropy with class weights or label smoothing is not fused"
+        kw = _loss_kwargs(loss)
+        if isinstance(kw, str):
+            return kw
         reduction = kw.get("reduction", "mean")
-        if reduction not in ("mean", "sum"):
-            return f"reduction={reduction!r} is not fused"
-        logits2d = node_value(kw["input"])
-        if not isinstance(logits2d, torch.Tensor) or logits2d.dim() != 2:
-            return "cross_entropy input is not (tokens, vocab)"
         h, w = head.args[0], head.args[1]
         b = head.args[2] if len(head.args) > 2 else head.kwargs.get("bias")
         if not (isinstance(w, fx.Node) and is_param(w, through_casts=True)):
@@ -279,6 +258,42 @@ class MiniSequence:
 _LOGIT_OPS = frozenset({"mul", "truediv", "div", "tanh"})
 
 
+def _head_chain(head: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The nodes from the LM head down to the first that is neither a cast/reshape nor a logit
+    transform (the loss, if fusable), and the returned casts of the logits met on the way."""
+    chain, side, cur = [head], [], head
+    while True:
+        users = [u for u in cur.users if u.op != "output"]
+        # a cast whose only use is the output (the precision pass restoring the logits' dtype)
+        # is a returned copy of the logits, not a second consumer
+        returned_casts = [u for u in users if len(users) > 1 and match.op_name(u) in _PASSTHROUGH
+                          and all(x.op == "output" for x in u.users)]
+        users = [u for u in users if u not in returned_casts]
+        if len(users) != 1:
+            return chain, side
+        side += returned_casts
+        chain.append(users[0])
+        if match.op_name(users[0]) not in _PASSTHROUGH | _LOGIT_OPS:
+            return chain, side
+        cur = users[0]
+
+
+def _loss_kwargs(loss: fx.Node):
+    """cross_entropy's arguments by name, or why this loss is not fused."""
+    kw = dict(zip(("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
+                   "label_smoothing"), loss.args))
+    kw.update(loss.kwargs)
+    if kw.get("weight") is not None or kw.get("label_smoothing", 0.0) or kw.get("size_average") is not None \
+            or kw.get("reduce") is not None:
+        return "cross_entropy with class weights or label smoothing is not fused"
+    if kw.get("reduction", "mean") not in ("mean", "sum"):
+        return f"reduction={kw.get('reduction')!r} is not fused"
+    logits2d = node_value(kw["input"])
+    if not isinstance(logits2d, torch.Tensor) or logits2d.dim() != 2:
+        return "cross_entropy input is not (tokens, vocab)"
+    return kw
+
+
 def _logit_transform(chain: list[fx.Node]):
     """(softcap, logit_scale) of the ops between head and loss, or the reason they are not fused."""
     steps = []
@@ -302,102 +317,6 @@ def _logit_transform(chain: list[fx.Node]):
     return softcap, scale
 
 
-def _tokens(t, seq_dim: int, ctx: PassContext) -> int:
-    """Tokens (batch x sequence positions) a (B, S, ...) fake tensor holds at the captured length."""
-    shape = [int(compat.sym_expr(d).xreplace(ctx.seq.hints)) for d in t.shape[:seq_dim + 1]]
-    return max(1, math.prod(shape))
-
-
-def _region_cost(members: list[fx.Node], out: fx.Node, ctx: PassContext, tokens: int) -> tuple[float, float]:
-    """Per-token bytes a chunk holds inside the op: the most live at once in forward (a storage is
-    freed after the last use of any view of it), and in backward all intermediates (saved by the
-    recompute) plus the largest gradient pair alive while they are consumed. Views (chunk, getitem,
-    view, a same-dtype .float()) allocate nothing: aliasing is read from the fake values."""
-    index = {n: i for i, n in enumerate(members)}
-    root: dict[fx.Node, fx.Node] = {}
-    sizes: dict[fx.Node, int] = {}
-    for n in members:
-        base = next((a for a in n.all_input_nodes if _shares_storage(n, a)), None)
-        root[n] = root.get(base, base) if base is not None else n
-        if root[n] is n:
-            sizes[n] = sum(_hint_bytes(v, ctx) for v in match.tensors_in(node_value(n)))
-    last: dict[fx.Node, int] = {}
-    for n in members:
-        r = root[n]
-        last[r] = max(last.get(r, index[n]), *(index.get(u, len(members)) for u in n.users))
-    live, peak, total, largest = 0, 0, 0, 0
-    for i, n in enumerate(members):
-        if root[n] is n:
-            live += sizes[n]
-            total += sizes[n]
-            largest = max(largest, sizes[n])
-        peak = max(peak, live)
-        for r in {root[a] for a in n.all_input_nodes if a in index}:
-            if r in sizes and last[r] <= i and r is not root[out]:
-                live -= sizes.pop(r)
-    return peak / tokens, (total + 2 * largest) / tokens
-
-
-def _cached_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, ctx: PassContext,
-                          tokens: int) -> Optional[tuple[float, float]]:
-    """_simulated_backward_cost, memoised in ctx.memo: the planner runs this pass once per
-    candidate plan, and the key already hashes the region's code and recorded shapes."""
-    memo = (NAME, "backward_cost", chunked.key, str(ctx.seq.symbol), ctx.seq.length, tokens)
-    if memo not in ctx.memo:
-        ctx.memo[memo] = _simulated_backward_cost(sub, chunked.tail, ctx, tokens)
-    return ctx.memo[memo]
-
-
-def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
-                             tokens: int) -> Optional[tuple[float, float]]:
-    """(bytes per token, bytes per chunk) one chunk holds in backward: the runtime's own chunk
-    backward (ops.region_chunk_grads: the chunk's contiguous copies, the recompute, what eager
-    autograd saves, the grads) run on fake tensors under memory.LiveBytes, at the captured length
-    and twice it, so weight-sized transients are not scaled with the chunk. None when the region
-    cannot run alone on fake tensors."""
-    from tailorfx.rewrite import memory
-    phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    vals = [node_value(n) for n in phs]
-    length = ctx.seq.length
-    if ctx.seq.symbol is None or not length or not all(isinstance(v, torch.Tensor) for v in vals) \
-            or len(ctx.seq.dims(vals[0])) != 1:
-        return None
-    seq_dim = ctx.seq.dims(vals[0])[0]
-
-    def shape(v, seq_len):
-        subs = {**ctx.seq.hints, ctx.seq.symbol: seq_len}
-        return [int(compat.sym_expr(d).xreplace(subs)) for d in v.shape]
-
-    def held(seq_len) -> int:
-        with compat.FakeTensorMode():
-            x = torch.empty(shape(vals[0], seq_len), dtype=vals[0].dtype).requires_grad_(vals[0].is_floating_point())
-            whole = [torch.empty(shape(v, seq_len), dtype=v.dtype).requires_grad_(v.is_floating_point())
-                     for v in vals[1:]]
-            with torch.no_grad():
-                go = sub(x, *whole)
-            seq_grad = [torch.empty_like(x)]
-            acc = [torch.zeros_like(w, dtype=ops.acc_dtype(w)) if w.requires_grad else None for w in whole]
-            # a chunk is copied (.contiguous()) unless every dim before the sequence dim is 1
-            copied = any(d != 1 for d in x.shape[:seq_dim])
-            with torch.enable_grad(), memory.LiveBytes() as live:
-                xc = x.detach().clone() if copied else x.detach()
-                ops.region_chunk_grads(sub, [xc.requires_grad_(x.requires_grad)], whole,
-                                       go.clone() if copied else go, seq_grad, acc, tail)
-            return live.peak
-    try:
-        one, two = held(length), held(2 * length)
-    except Exception:   # the estimate by hand (_region_cost) stands in
-        return None
-    per_token = max(0.0, (two - one) / tokens)
-    return per_token, max(0.0, one - per_token * tokens)
-
-
-def _shares_storage(n: fx.Node, a: fx.Node) -> bool:
-    """A tensor of n's value is a view of (shares storage with) a tensor of a's value."""
-    mine = {t.untyped_storage()._cdata for t in match.tensors_in(node_value(n))}
-    return any(t.untyped_storage()._cdata in mine for t in match.tensors_in(node_value(a)))
-
-
 def _routes(region: Region, nodes: dict) -> bool:
     """An MoE layer: a top-k router over experts."""
     return any(match.op_name(nodes[n]) == "topk" for n in region.nodes)
@@ -409,17 +328,6 @@ def _describe(m) -> str:
         v = node_value(m)
         return f"{compat.sym_expr(v)}".replace("Max", "max").replace("Min", "min")
     return str(m)
-
-
-def _hint_bytes(t, ctx: PassContext) -> int:
-    """Bytes of a fake tensor at the captured sequence length."""
-    if not isinstance(t, torch.Tensor):
-        return 0
-    e = compat.sym_expr(t.numel()).xreplace({k: v for k, v in ctx.seq.hints.items()})
-    try:
-        return int(e) * t.element_size()
-    except TypeError:
-        return 0
 
 
 class _ByRequest(str):

@@ -7,7 +7,8 @@ unchunked pattern and save the full-size intermediates.
     token_chunked(key, seq_inputs, whole_inputs, seq_dim, num_chunks)      # MLP-like regions
     chunked_linear_cross_entropy(hidden, weight, bias, labels, ...)        # LM head + loss
 
-and one the precision pass uses: ``linear_fp32_out`` (a bf16/fp16 matmul with an fp32 result).
+and one the precision pass uses: ``linear_fp32_out`` (a bf16/fp16 matmul with an fp32 result);
+those two live in runtime/linear_ops.py and are re-exported here.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from tailorfx.compat import autograd_enabled as _autograd_enabled
+from tailorfx.runtime import linear_ops
+from tailorfx.runtime.linear_ops import chunked_linear_cross_entropy, linear_fp32_out, linear_fp32_out_op  # noqa: F401
 
 __all__ = ["ChunkedRegion", "register_region", "chunked_region", "get_region", "token_chunked",
            "chunked_linear_cross_entropy", "transient_bytes", "linear_fp32_out"]
@@ -134,29 +136,7 @@ def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
         if op_name == "token_chunked":
             return int(fwd * -(-tokens // n))
         return int(bwd * -(-tokens // n) + bwd_const)
-    if op_name.startswith("chunked_linear_cross_entropy"):
-        hidden, weight = args[0], args[1]
-        n_rows, vocab = as_int(hidden.shape[0]), as_int(weight.shape[0])
-        n = max(1, min(as_int(args[6]), n_rows))
-        dtype = torch.promote_types(hidden.dtype, torch.float32)
-        item = torch.empty((), dtype=dtype).element_size()
-        # the chunk's logits; under a soft-cap also tanh's output and the capped logits
-        extra = -(-n_rows // n) * vocab * item * (3 if args[7] is not None else 1)
-        if op_name.endswith("_with_grads") and args[9] and hidden.dtype != dtype:
-            extra += -(-n_rows // n) * as_int(hidden.shape[-1]) * item   # g @ w before its cast
-        if weight.dtype != dtype:
-            w_up = as_int(weight.numel()) * item          # the weight, upcast once
-            if op_name.endswith("_with_grads") and args[10]:
-                # + its gradient accumulated in fp32; cast to the weight's dtype at the end (that
-                # output is counted by the graph) once the chunk buffers are gone
-                out = as_int(weight.numel()) * weight.element_size()
-                return int(2 * w_up + max(0, extra - out))
-            extra += w_up
-        return int(extra)
-    if op_name == "linear_fp32_out" and args[0].device.type != "cuda":
-        # CPU upcasts the operands (see the op)
-        return sum(as_int(t.numel()) * 4 for t in args[:3] if t is not None)
-    return 0
+    return linear_ops.transient_bytes(op_name, args, as_int)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,225 +286,3 @@ def token_chunked(key: str, seq_inputs: Sequence[Tensor], whole_inputs: Sequence
     """``region(*seq_inputs, *whole_inputs)`` computed in ``num_chunks`` pieces along ``seq_dim``."""
     return torch.ops.tailorfx.token_chunked(key, list(seq_inputs), list(whole_inputs),
                                             seq_dim, num_chunks)
-
-
-# ---------------------------------------------------------------------------------------------
-# chunked_linear_cross_entropy: LM head + loss without the N x V logits
-# ---------------------------------------------------------------------------------------------
-
-
-def _lce_chunk(h, y, w, b, ignore_index, softcap, logit_scale, scale, grad_h, grad_w, grad_b):
-    """Summed loss of one row chunk; writes grad_h and accumulates grad_w/grad_b if not None."""
-    z = F.linear(h, w, b)  # the only chunk x V buffer (plus tanh's under softcap)
-    if logit_scale is not None:
-        z.mul_(logit_scale)
-    if softcap is not None:
-        t = torch.tanh(z.div_(softcap))
-        z = t * softcap
-    valid = y != ignore_index
-    target = torch.where(valid, y, 0).unsqueeze(1)
-    picked = z.gather(1, target)
-    # logsumexp and softmax in place over z: torch.logsumexp would allocate another chunk x V.
-    z_max = z.amax(dim=1, keepdim=True)
-    g = z.sub_(z_max).exp_()
-    sum_exp = g.sum(dim=1, keepdim=True)
-    loss = torch.where(valid, (z_max + sum_exp.log() - picked).squeeze(1), 0).sum()
-    if grad_h is None and grad_w is None and grad_b is None:
-        return loss
-    g.div_(sum_exp)
-    g.scatter_add_(1, target, torch.full_like(picked, -1))
-    row_scale = valid.to(g.dtype) if scale is None else valid.to(g.dtype) * scale
-    g.mul_(row_scale.unsqueeze(1))
-    if softcap is not None:
-        g.mul_(t.mul_(t).neg_().add_(1))  # d(c*tanh(z/c))/dz = 1 - tanh^2
-    if logit_scale is not None:
-        g.mul_(logit_scale)
-    if grad_h is not None:
-        if grad_h.dtype == g.dtype:
-            torch.mm(g, w, out=grad_h)   # straight into the chunk of grad_hidden: no chunk x H temporary
-        else:
-            grad_h.copy_(g @ w)
-    if grad_w is not None:
-        grad_w.addmm_(g.t(), h)
-    if grad_b is not None:
-        grad_b.add_(g.sum(0))
-    return loss
-
-
-def _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, softcap, logit_scale,
-                need_hidden, need_weight, need_bias):
-    """Loss and (if asked) grads for d(loss)/d(inputs) with grad_output 1, one row chunk at a time.
-
-    Math runs in fp32 (fp64 stays fp64). The weight is upcast once, which costs V*H*4 bytes for a
-    bf16 weight; CPU has no mixed-dtype matmul (``mm(..., out_dtype=)``) to avoid that copy. A bf16
-    `hidden` with an fp32 (master) weight is upcast one chunk at a time; the loss then is fp32, as
-    the unfused `cross_entropy(logits.float())` it replaces.
-    """
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"chunked_linear_cross_entropy: reduction {reduction!r} not in mean/sum")
-    dtype = torch.promote_types(hidden.dtype, torch.float32)
-    n = max(1, min(num_chunks, hidden.size(0)))
-    w = weight.to(dtype)
-    b = bias.to(dtype) if bias is not None else None
-    count = (labels != ignore_index).sum()
-    # torch: mean over zero valid labels is nan, but its grads are zero (not nan).
-    scale = 1.0 / count.clamp(min=1).to(dtype) if reduction == "mean" else None
-    total = torch.zeros((), dtype=dtype, device=hidden.device)
-    grad_h = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
-    grad_w = torch.zeros_like(w) if need_weight else None
-    grad_b = torch.zeros_like(b) if need_bias else None
-    grad_h_chunks = grad_h.tensor_split(n) if need_hidden else [None] * n
-    for h, y, gh in zip(hidden.tensor_split(n), labels.tensor_split(n), grad_h_chunks):
-        # One call per chunk, so the chunk x V buffers are freed before the next chunk allocates.
-        total += _lce_chunk(h.to(dtype), y, w, b, ignore_index, softcap, logit_scale, scale, gh, grad_w, grad_b)
-    loss = total / count if reduction == "mean" else total
-    grad_w = grad_w.to(weight.dtype) if need_weight else weight.new_empty(0)
-    grad_b = grad_b.to(bias.dtype) if need_bias else weight.new_empty(0)
-    return loss.to(_loss_dtype(hidden, weight)), grad_h, grad_w, grad_b
-
-
-def _loss_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
-    return torch.promote_types(hidden.dtype, weight.dtype)
-
-
-@torch.library.custom_op("tailorfx::chunked_linear_cross_entropy", mutates_args=())
-def _lce_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-              ignore_index: int, reduction: str, num_chunks: int,
-              logit_softcap: Optional[float], logit_scale: Optional[float]) -> Tensor:
-    """Loss only; its autograd recomputes the chunks in backward (the 'recompute' mode)."""
-    return _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
-                       logit_softcap, logit_scale, False, False, False)[0]
-
-
-@_lce_loss.register_fake
-def _lce_loss_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap,
-                   logit_scale):
-    return hidden.new_empty((), dtype=_loss_dtype(hidden, weight))
-
-
-@torch.library.custom_op("tailorfx::chunked_linear_cross_entropy_with_grads", mutates_args=())
-def _lce_with_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                    ignore_index: int, reduction: str, num_chunks: int,
-                    logit_softcap: Optional[float], logit_scale: Optional[float], grad_hidden: bool,
-                    grad_weight: bool, grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(loss, grad_hidden, grad_weight, grad_bias) in one pass; unrequested grads are empty."""
-    return _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
-                       logit_softcap, logit_scale, grad_hidden, grad_weight, grad_bias)
-
-
-@_lce_with_grads.register_fake
-def _lce_with_grads_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
-                         logit_softcap, logit_scale, grad_hidden, grad_weight, grad_bias):
-    return (hidden.new_empty((), dtype=_loss_dtype(hidden, weight)),
-            torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0),
-            torch.empty_like(weight) if grad_weight else weight.new_empty(0),
-            torch.empty_like(bias) if grad_bias else weight.new_empty(0))
-
-
-def _lce_with_grads_setup(ctx, inputs, output):
-    _, grad_h, grad_w, grad_b = output
-    ctx.mark_non_differentiable(grad_h, grad_w, grad_b)
-    ctx.save_for_backward(grad_h, grad_w, grad_b)
-    ctx.computed = inputs[9:12]
-
-
-def _lce_with_grads_grad(ctx, grad_loss, *_):
-    needs = ctx.needs_input_grad[:3]
-    if any(need and not computed for need, computed in zip(needs, ctx.computed)):
-        raise RuntimeError("chunked_linear_cross_entropy_with_grads: an input needs a grad that "
-                           f"was not computed (needed {needs}, computed {ctx.computed})")
-    grads = [g * grad_loss if need else None for g, need in zip(ctx.saved_tensors, needs)]
-    return (*grads, *[None] * 9)
-
-
-_lce_with_grads.register_autograd(_lce_with_grads_grad, setup_context=_lce_with_grads_setup)
-
-
-def _lce_loss_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], inputs[3])
-    ctx.args = inputs[4:]
-
-
-def _lce_loss_grad(ctx, grad_loss):
-    hidden, weight, bias, labels = ctx.saved_tensors
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    _, gh, gw, gb = torch.ops.tailorfx.chunked_linear_cross_entropy_with_grads(
-        hidden, weight, bias, labels, *ctx.args, need_h, need_w, need_b)
-    return (gh * grad_loss if need_h else None, gw * grad_loss if need_w else None,
-            gb * grad_loss if need_b else None, *[None] * 6)
-
-
-_lce_loss.register_autograd(_lce_loss_grad, setup_context=_lce_loss_setup)
-
-
-def chunked_linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, *,
-    ignore_index: int = -100, reduction: str = "mean", num_chunks: int = 8,
-    logit_softcap: Optional[float] = None, logit_scale: Optional[float] = None, recompute: bool = False,
-) -> Tensor:
-    """``F.cross_entropy(softcap(logit_scale * F.linear(hidden, weight, bias)), labels)`` without
-    N x V logits (Cohere scales its logits, Gemma-2 soft-caps them).
-
-    With grads needed, they are computed during the forward and only scaled in backward (one pass
-    over the vocabulary); ``recompute=True`` saves only the inputs and redoes the pass in backward.
-    Without grads (eval, no_grad), nothing but the loss is computed.
-    """
-    needs = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
-    if recompute or not (torch.is_grad_enabled() and any(needs)):
-        return torch.ops.tailorfx.chunked_linear_cross_entropy(
-            hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap, logit_scale)
-    return torch.ops.tailorfx.chunked_linear_cross_entropy_with_grads(
-        hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap, logit_scale,
-        *needs)[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# linear_fp32_out: a low-precision matmul that hands on its fp32 accumulator
-# ---------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("tailorfx::linear_fp32_out", mutates_args=())
-def _linear_fp32_out(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """``F.linear`` of bf16/fp16 operands whose fp32 result is returned, not rounded to their dtype.
-
-    CUDA runs one mixed-dtype GEMM (``mm(..., out_dtype=float32)``). CPU has none, so the operands
-    are upcast: the same result, since a product of two 8- or 11-bit mantissas is exact in fp32.
-    """
-    if x.is_cuda:
-        y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
-        y = y.view(*x.shape[:-1], weight.shape[0])
-        return y.add_(bias.float()) if bias is not None else y
-    return F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
-
-
-@_linear_fp32_out.register_fake
-def _linear_fp32_out_fake(x, weight, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
-
-
-def _linear_fp32_out_setup(ctx, inputs, output):
-    x, weight, bias = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.bias_dtype = bias.dtype if bias is not None else None
-
-
-def _linear_fp32_out_grad(ctx, grad):
-    # The backward matmuls run in the operands' dtype, as torch.autocast's do.
-    x, weight = ctx.saved_tensors
-    need_x, need_w, need_b = ctx.needs_input_grad
-    g = grad.to(x.dtype)
-    gx = g @ weight if need_x else None
-    gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if need_w else None
-    gb = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype) if need_b else None
-    return gx, gw, gb
-
-
-_linear_fp32_out.register_autograd(_linear_fp32_out_grad, setup_context=_linear_fp32_out_setup)
-
-
-linear_fp32_out_op = torch.ops.tailorfx.linear_fp32_out.default
-
-
-def linear_fp32_out(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """``F.linear(x, weight, bias)`` in x's low precision with an fp32 result (see the op)."""
-    return torch.ops.tailorfx.linear_fp32_out(x, weight, bias)

@@ -1,0 +1,127 @@
+"""What a chunked region costs inside its op: bytes per token a chunk holds in forward and in
+backward (the backward measured by running the runtime's own chunk backward on fake tensors), so
+the memory model sees the transients the graph cannot show.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from tailorfx import compat
+from tailorfx.rewrite import match
+from tailorfx.rewrite.capture import node_value
+from tailorfx.rewrite.passes import PassContext
+from tailorfx.runtime import ops
+
+
+NAME = "minisequence"
+
+
+def _tokens(t, seq_dim: int, ctx: PassContext) -> int:
+    """Tokens (batch x sequence positions) a (B, S, ...) fake tensor holds at the captured length."""
+    shape = [int(compat.sym_expr(d).xreplace(ctx.seq.hints)) for d in t.shape[:seq_dim + 1]]
+    return max(1, math.prod(shape))
+
+
+def _region_cost(members: list[fx.Node], out: fx.Node, ctx: PassContext, tokens: int) -> tuple[float, float]:
+    """Per-token bytes a chunk holds inside the op: the most live at once in forward (a storage is
+    freed after the last use of any view of it), and in backward all intermediates (saved by the
+    recompute) plus the largest gradient pair alive while they are consumed. Views (chunk, getitem,
+    view, a same-dtype .float()) allocate nothing: aliasing is read from the fake values."""
+    index = {n: i for i, n in enumerate(members)}
+    root: dict[fx.Node, fx.Node] = {}
+    sizes: dict[fx.Node, int] = {}
+    for n in members:
+        base = next((a for a in n.all_input_nodes if _shares_storage(n, a)), None)
+        root[n] = root.get(base, base) if base is not None else n
+        if root[n] is n:
+            sizes[n] = sum(_hint_bytes(v, ctx) for v in match.tensors_in(node_value(n)))
+    last: dict[fx.Node, int] = {}
+    for n in members:
+        r = root[n]
+        last[r] = max(last.get(r, index[n]), *(index.get(u, len(members)) for u in n.users))
+    live, peak, total, largest = 0, 0, 0, 0
+    for i, n in enumerate(members):
+        if root[n] is n:
+            live += sizes[n]
+            total += sizes[n]
+            largest = max(largest, sizes[n])
+        peak = max(peak, live)
+        for r in {root[a] for a in n.all_input_nodes if a in index}:
+            if r in sizes and last[r] <= i and r is not root[out]:
+                live -= sizes.pop(r)
+    return peak / tokens, (total + 2 * largest) / tokens
+
+
+def _cached_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, ctx: PassContext,
+                          tokens: int) -> Optional[tuple[float, float]]:
+    """_simulated_backward_cost, memoised in ctx.memo: the planner runs this pass once per
+    candidate plan, and the key already hashes the region's code and recorded shapes."""
+    memo = (NAME, "backward_cost", chunked.key, str(ctx.seq.symbol), ctx.seq.length, tokens)
+    if memo not in ctx.memo:
+        ctx.memo[memo] = _simulated_backward_cost(sub, chunked.tail, ctx, tokens)
+    return ctx.memo[memo]
+
+
+def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
+                             tokens: int) -> Optional[tuple[float, float]]:
+    """(bytes per token, bytes per chunk) one chunk holds in backward: the runtime's own chunk
+    backward (ops.region_chunk_grads: the chunk's contiguous copies, the recompute, what eager
+    autograd saves, the grads) run on fake tensors under memory.LiveBytes, at the captured length
+    and twice it, so weight-sized transients are not scaled with the chunk. None when the region
+    cannot run alone on fake tensors."""
+    from tailorfx.rewrite import memory
+    phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    vals = [node_value(n) for n in phs]
+    length = ctx.seq.length
+    if ctx.seq.symbol is None or not length or not all(isinstance(v, torch.Tensor) for v in vals) \
+            or len(ctx.seq.dims(vals[0])) != 1:
+        return None
+    seq_dim = ctx.seq.dims(vals[0])[0]
+
+    def shape(v, seq_len):
+        subs = {**ctx.seq.hints, ctx.seq.symbol: seq_len}
+        return [int(compat.sym_expr(d).xreplace(subs)) for d in v.shape]
+
+    def held(seq_len) -> int:
+        with compat.FakeTensorMode():
+            x = torch.empty(shape(vals[0], seq_len), dtype=vals[0].dtype).requires_grad_(vals[0].is_floating_point())
+            whole = [torch.empty(shape(v, seq_len), dtype=v.dtype).requires_grad_(v.is_floating_point())
+                     for v in vals[1:]]
+            with torch.no_grad():
+                go = sub(x, *whole)
+            seq_grad = [torch.empty_like(x)]
+            acc = [torch.zeros_like(w, dtype=ops.acc_dtype(w)) if w.requires_grad else None for w in whole]
+            # a chunk is copied (.contiguous()) unless every dim before the sequence dim is 1
+            copied = any(d != 1 for d in x.shape[:seq_dim])
+            with torch.enable_grad(), memory.LiveBytes() as live:
+                xc = x.detach().clone() if copied else x.detach()
+                ops.region_chunk_grads(sub, [xc.requires_grad_(x.requires_grad)], whole,
+                                       go.clone() if copied else go, seq_grad, acc, tail)
+            return live.peak
+    try:
+        one, two = held(length), held(2 * length)
+    except Exception:   # the estimate by hand (_region_cost) stands in
+        return None
+    per_token = max(0.0, (two - one) / tokens)
+    return per_token, max(0.0, one - per_token * tokens)
+
+
+def _shares_storage(n: fx.Node, a: fx.Node) -> bool:
+    """A tensor of n's value is a view of (shares storage with) a tensor of a's value."""
+    mine = {t.untyped_storage()._cdata for t in match.tensors_in(node_value(n))}
+    return any(t.untyped_storage()._cdata in mine for t in match.tensors_in(node_value(a)))
+
+
+def _hint_bytes(t, ctx: PassContext) -> int:
+    """Bytes of a fake tensor at the captured sequence length."""
+    if not isinstance(t, torch.Tensor):
+        return 0
+    e = compat.sym_expr(t.numel()).xreplace({k: v for k, v in ctx.seq.hints.items()})
+    try:
+        return int(e) * t.element_size()
+    except TypeError:
+        return 0

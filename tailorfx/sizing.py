@@ -1,0 +1,124 @@
+"""How long a sequence fits a budget, by the memory model: `max_seq_len()` and the capture it
+predicts from (a config or factory built under a FakeTensorMode, so an 8B model costs nothing)."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from tailorfx import compat, planner
+from tailorfx.api import OptimizedModule, PredictionError, optimize
+from tailorfx.budget import Budget, BudgetError, format_bytes
+from tailorfx.options import check_passes, positive_int
+from tailorfx.rewrite import memory
+from tailorfx.setup import TrainingSetup
+from tailorfx.setup import resolve as resolve_setup
+
+
+def _build(model_or_config: Any, dtype: Optional[torch.dtype]) -> nn.Module:
+    """A model from a model, a config (ours or Hugging Face's) or a zero-argument factory."""
+    from tailorfx.models import LlamaConfig, LlamaLM
+    old = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        if isinstance(model_or_config, LlamaConfig):
+            return LlamaLM(model_or_config)
+        if hasattr(model_or_config, "to_dict") and hasattr(model_or_config, "model_type"):
+            from transformers import AutoModelForCausalLM
+            return AutoModelForCausalLM.from_config(model_or_config)
+        if callable(model_or_config):
+            return model_or_config()
+    finally:
+        torch.set_default_dtype(old)
+    raise TypeError(f"max_seq_len takes a model, a config or a factory, got {type(model_or_config).__name__}")
+
+
+@contextlib.contextmanager
+def _prediction_model(model_or_config: Any, dtype: Optional[torch.dtype]) -> Iterator[nn.Module]:
+    """The model itself, or one built from a config or factory under a FakeTensorMode (no
+    memory, however large); everything made inside the block is fake too."""
+    if isinstance(model_or_config, nn.Module):
+        yield model_or_config
+        return
+    with compat.FakeTensorMode(allow_non_fake_inputs=True):
+        yield _build(model_or_config, dtype)
+
+
+def capture_for_prediction(model_or_config: Any, passes: Sequence[str], seq_len: int = 256,
+                           batch_size: int = 1, dtype: Optional[torch.dtype] = None,
+                           **optimize_kwargs) -> OptimizedModule:
+    """Capture and rewrite a model for memory prediction only.
+
+    A config or factory is built under a FakeTensorMode; a model instance is captured on a
+    short real batch.
+    """
+    with _prediction_model(model_or_config, dtype) as model:
+        return _capture(model, passes, seq_len, batch_size, **optimize_kwargs)
+
+
+def _capture(model: nn.Module, passes: Sequence[str], seq_len: int, batch_size: int, **kw) -> OptimizedModule:
+    ids = torch.randint(0, 2, (batch_size, seq_len), device=next(model.parameters()).device)
+    return optimize(model, example_inputs={"input_ids": ids, "labels": ids}, passes=list(passes),
+                    predict=False, verify=False, **kw)
+
+
+def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_size: Optional[int] = None,
+                passes: Optional[Sequence[str]] = None, setup: Any = None, optimizer: Optional[str] = "adamw",
+                dtype: Optional[torch.dtype] = None, limit: int = 1 << 21, granularity: int = 128) -> int:
+    """Longest sequence whose training step fits `budget`, by the memory model (nothing is run).
+
+    A config or factory is built under a FakeTensorMode, so an 8B model costs no memory. One
+    capture serves every length (the sequence dim is symbolic); the answer is bisected on the
+    prediction to `granularity` tokens. passes=[]: vanilla; ["recompute"]; ["minisequence",
+    "recompute"]; None: the plan that saves the most (mini-sequence + full recompute of every
+    block). `setup` (a TrainingSetup or preset name) says how the model trains: dtypes, optimizer
+    state, optimizer in backward, micro-batch size, allocator headroom; without it, `dtype`
+    weights and `optimizer`. The budget holds the steady state of that setup, less the headroom
+    the planner keeps for prediction error (planner.usable), so optimize() accepts every length
+    this returns.
+    """
+    b = Budget.parse(budget)
+    positive_int("batch_size", batch_size)
+    positive_int("limit", limit, allow_none=False)
+    positive_int("granularity", granularity, allow_none=False)
+    passes = check_passes(passes)
+    if setup is not None:
+        s = resolve_setup(setup)
+        if dtype is not None and dtype != s.param_dtype:
+            raise ValueError(f"dtype={dtype} disagrees with setup {s.name!r} ({s.param_dtype} weights); drop dtype")
+    else:
+        if isinstance(model_or_config, nn.Module):
+            dtype = dtype or next(model_or_config.parameters()).dtype
+        s = resolve_setup(None, param_dtype=dtype, optimizer=optimizer)
+    chosen = list(passes) if passes is not None else ["minisequence", "recompute"]
+    usable = planner.usable(b.bytes, s.headroom)
+    with _prediction_model(model_or_config, s.param_dtype) as model:
+        _check_static(model, s, b, usable)   # before the capture: an 8B capture takes half a minute
+        opt = _capture(model, chosen, 256, batch_size or s.micro_batch_size, setup=s,
+                       recompute="full" if "recompute" in chosen else None)
+    if opt.session.graphs and opt.session.graphs[0].seq.symbol is None:
+        raise PredictionError("the capture did not keep the sequence length symbolic (a graph break before the "
+                              "model's first layer?); max_seq_len cannot extrapolate from it")
+
+    def peak(S: int) -> int:
+        return opt.predict_memory(S).peak_bytes
+
+    if peak(1) > usable:
+        raise BudgetError(f"even one token does not fit {b} under {s.describe()}: the step peaks at "
+                          f"{format_bytes(peak(1))} ({_parts(opt.predict_memory(1))})", peak(1), "activations")
+    return planner.longest_fitting(peak, usable, limit, granularity)
+
+
+def _parts(est: memory.MemoryEstimate) -> str:
+    return ", ".join(f"{k} {format_bytes(v)}" for k, v in est.breakdown().items() if v)
+
+
+def _check_static(model: nn.Module, s: TrainingSetup, b: Budget, usable: float) -> None:
+    """planner.check_static for this model's trainable parameters and other tensors."""
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    other = sum(t.numel() * t.element_size() for t in model.buffers()) + sum(
+        p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    planner.check_static(trained, other, s, b, usable)
