@@ -101,8 +101,8 @@ class TailorBackend:
             rewritten, records, pm = planner.run_plan(plan, gm, replace(ctx, options=plan.options),
                                                       self.options.verify, self._predictor(seq, lowering, plan))
             peaks = (pm.initial_peak, records[-1].peak_after if records else pm.initial_peak)
-            _check_requested(_requested(self.options.passes, plan.options), records, idx,
-                             bool(plan.options.get("strict")), notes)
+            asked = self.options.options_dict()   # the user's own, not what the planner added
+            _check_requested(_requested(self.options.passes, asked), records, idx, bool(asked.get("strict")), notes)
             _check_budget(self.options.passes, plan.options, peaks[1], seq)
         except ValueError:
             raise   # bad user options or an unreachable budget: say so, do not hide it behind a fallback
