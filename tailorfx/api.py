@@ -64,7 +64,14 @@ class OptimizedModule(nn.Module):
         """Loads a state dict of the model (as saved from the model or from this wrapper)."""
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The model's parameters under the names `model.named_parameters()` gives them (no
+        wrapper prefix); under parallel=, this rank's shards (DTensors)."""
+        return self.model.named_parameters(prefix, recurse, remove_duplicate)
+
     def _forward(self, *args, **kwargs):
+        if self.session.parallel is not None:   # sharded by DTensor/FSDP2: runs as torch.distributed runs it
+            return self.model(*args, **kwargs)
         self.session.seq_len = mark_sequence_dims(args, kwargs)
         self.session.training = self.model.training
         self._check_budget_at(self.session.seq_len)
@@ -274,7 +281,7 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
              precision_policy: Optional[dict] = None, setup: Any = None,
              optimizer: Optional[str] = "adamw", recompute: Optional[str] = None,
              keep_logits: bool = False, strict: bool = False, lowering: str = "auto", verify: bool = True,
-             predict: bool = True) -> OptimizedModule:
+             predict: bool = True, parallel: Optional[dict] = None) -> OptimizedModule:
     """Rewrite `model` for training under `budget`; returns a module that trains like the original.
 
     passes=None lets the planner choose (with a budget: the plan that fits with the least
@@ -289,7 +296,9 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     `strict=True` raises instead. `precision_policy` overrides entries
     of the precision pass's policy. `recompute="full"|"selective"` sets the recompute policy.
     Capture happens at the first call, or now when example inputs are given (their forward runs
-    once).
+    once). `parallel=dict(tp=2, dp=2)` (inside torchrun, example inputs required) shards the model
+    with DTensor tensor parallelism, planned from its graph, and FSDP2; `opt.report()` lists
+    each module's style and why the others stay replicated.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
@@ -299,10 +308,27 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
                            recompute=recompute, keep_logits=keep_logits, strict=strict)
     options = Options(passes=check_passes(passes), pass_options=tuple(sorted(opts.items())),
                       lowering=lowering, predict=check_flag("predict", predict), verify=check_flag("verify", verify))
+    if parallel is not None:
+        return _parallel_module(model, options, b, parallel, example_inputs, example_kwargs)
     opt = OptimizedModule(model, options, b)
     if example_inputs is not None or example_kwargs is not None:
         args, kwargs = _split_examples(example_inputs, example_kwargs)
         opt(*args, **kwargs)
+    return opt
+
+
+def _parallel_module(model: nn.Module, options: Options, budget: Optional[Budget], parallel: dict,
+                     example_inputs: Any, example_kwargs: Optional[dict]) -> OptimizedModule:
+    """optimize(parallel=...): the plan read off the graph, applied with torch.distributed."""
+    from tailorfx.parallelize import check_parallel, parallelize
+    check_parallel(parallel)
+    if options.passes or budget is not None:
+        raise ValueError("parallel= shards the model without single-device rewrites in this version: drop "
+                         "passes= and budget=, or run them without parallel=")
+    args, kwargs = _split_examples(example_inputs, example_kwargs)
+    plan = parallelize(model, parallel, args, kwargs)
+    opt = OptimizedModule(model, options, budget)
+    opt.session.parallel = plan
     return opt
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -79,6 +79,7 @@ class Session:
     warnings: list[str] = field(default_factory=list)
     param_readers: dict = field(default_factory=dict)      # id(param) -> graphs reading it
     graph_inputs: list = field(default_factory=list)       # runtime.optim.GraphInputs per graph
+    parallel: Any = None        # parallelize.ParallelPlan under optimize(parallel=...)
 
 
 class TailorBackend:

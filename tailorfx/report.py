@@ -21,6 +21,14 @@ class Report:
 
     def tables(self) -> list:
         out = []
+        plan = getattr(self.session, "parallel", None)
+        if plan is not None:
+            t = Table(title=f"Parallel: tp={plan.tp}, dp={plan.dp} (plan read off the graph; eager execution)")
+            for col in ("module", "style"):
+                t.add_column(col)
+            for fqn, style in plan.describe():
+                t.add_row(fqn, style)
+            out.append(t)
         regions = Table(title="Regions found", show_lines=False)
         for col in ("graph", "kind", "module", "nodes", "token-wise"):
             regions.add_column(col)

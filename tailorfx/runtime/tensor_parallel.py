@@ -1,0 +1,69 @@
+"""Tensor parallel and FSDP2 applied with torch.distributed: DTensor plans and `fully_shard`.
+
+Each parallelism is one `apply_*` function; the plan (which module gets which style) comes from
+`passes/parallel.py`, read off the graph, and arrives here as plain strings.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    # the LM head: vocab split over the ranks, logits gathered so any loss runs unchanged
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+}
+
+
+def device_mesh(*, tp: int = 1, dp: int = 1, device: Optional[str] = None) -> DeviceMesh:
+    """A ("dp", "tp") mesh over the torchrun world; initializes the process group if torchrun
+    started us and nobody has yet (gloo on CPU, NCCL on CUDA)."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise RuntimeError(f"parallel=dict(tp={tp}, dp={dp}) needs {tp * dp} processes: launch with "
+                               f"`torchrun --nproc-per-node {tp * dp} your_script.py`")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    world = dist.get_world_size()
+    if tp * dp != world:
+        raise ValueError(f"parallel=dict(tp={tp}, dp={dp}) needs tp*dp = {tp * dp} processes, but the world "
+                         f"has {world}: launch with --nproc-per-node {tp * dp} or change tp/dp")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def apply_tp(model: nn.Module, *, styles: dict[str, str], mesh: DeviceMesh) -> nn.Module:
+    """Shard `model` in place: each named module gets its style; the rest stays replicated."""
+    if mesh.size() > 1 and styles:
+        parallelize_module(model, mesh, {fqn: _style(s) for fqn, s in styles.items()})
+    return model
+
+
+def _style(name: str):
+    """A ParallelStyle by name; "sharded_input:D": the module's input is this rank's shard along
+    dim D and its parameters are replicated, so their gradients are summed over the ranks."""
+    if name.startswith("sharded_input:"):
+        return SequenceParallel(sequence_dim=int(name.split(":")[1]), use_local_output=True)
+    if name not in STYLES:
+        raise ValueError(f"unknown tensor-parallel style {name!r}; known: {sorted(STYLES)} and 'sharded_input:D'")
+    return STYLES[name]()
+
+
+def apply_fsdp(model: nn.Module, *, blocks: list[str], mesh: DeviceMesh) -> nn.Module:
+    """FSDP2: each repeated block is one `fully_shard` unit (its parameters gathered only while it
+    runs), then the root takes what is left (embeddings, final norm, head)."""
+    from torch.distributed.fsdp import fully_shard
+    if mesh.size() == 1:
+        return model
+    mods = dict(model.named_modules())
+    for path in blocks:
+        fully_shard(mods[path], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

@@ -1,0 +1,53 @@
+"""Run under torchrun: optimize(parallel=...) on a tiny HF model equals one process.
+
+Every rank builds the same model (same seed), computes the single-process loss and gradients on
+the whole batch, then the parallel run; it prints one JSON line per rank with the largest
+relative errors, and exits 1 if loss or any gradient differs (fp32, rtol 1e-4)."""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tailorfx  # noqa: E402
+from models import hf_family  # noqa: E402
+
+
+def main(family: str, tp: int, dp: int) -> int:
+    torch.manual_seed(0)
+    ref = hf_family(family, vocab_size=512)
+    model = hf_family(family, vocab_size=512)
+    ids = torch.randint(0, 512, (2 * dp, 32), generator=torch.Generator().manual_seed(1))
+    out = ref(input_ids=ids, labels=ids)
+    out.loss.backward()
+    opt = tailorfx.optimize(model, example_inputs=dict(input_ids=ids, labels=ids), parallel=dict(tp=tp, dp=dp))
+    rank = dist.get_rank()
+    # data parallel: each dp rank takes its rows; FSDP averages the gradients over dp
+    dp_rank = opt.session.parallel and rank // tp
+    rows = ids.chunk(dp)[dp_rank] if dp > 1 else ids
+    for p in model.parameters():
+        p.grad = None
+    loss = opt(input_ids=rows, labels=rows).loss
+    loss.backward()
+    full_loss = loss.detach().clone()
+    if dp > 1:
+        dist.all_reduce(full_loss)     # tp ranks hold the same loss: the mean over the world is over dp
+        full_loss /= dist.get_world_size()
+    errs, names = {}, dict(ref.named_parameters())
+    for name, p in opt.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        r = names[name].grad
+        errs[name] = float(((g - r).abs() / (r.abs() + 1e-6)).max()) if not torch.allclose(g, r, rtol=1e-4, atol=1e-6) else 0.0
+    sharded = sum(1 for _, p in opt.named_parameters() if hasattr(p, "full_tensor"))
+    ok = torch.allclose(full_loss, out.loss.detach(), rtol=1e-4) and not any(errs.values()) and len(errs) == len(names)
+    print(json.dumps({"rank": rank, "family": family, "ok": bool(ok), "loss": float(full_loss),
+                      "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": len(errs),
+                      "bad": {k: v for k, v in errs.items() if v}, "styles": opt.session.parallel.styles}), flush=True)
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))

@@ -1,0 +1,129 @@
+"""Tensor parallel read off the graph: the inferred plan against the one transformers ships for
+its own TP (an oracle nobody here wrote), the reasons regions stay replicated, clear errors, and,
+under torchrun with gloo, loss and every gradient equal to one process."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from models import hf_family
+from tailorfx.parallelize import check_parallel, plan_tensor_parallel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def plan_of(family, **overrides):
+    model = hf_family(family, vocab_size=512, **overrides)
+    ids = torch.randint(0, 512, (1, 32))
+    plan, blocks = plan_tensor_parallel(model, (), dict(input_ids=ids, labels=ids))
+    return model, plan, blocks
+
+
+def hf_styles(model) -> dict:
+    """transformers' own `base_model_tp_plan`, expanded to this model's module names."""
+    prefix = model.base_model_prefix
+    out = {}
+    for pattern, style in type(model.config).base_model_tp_plan.items():
+        for i in range(model.config.num_hidden_layers):
+            out[f"{prefix}.{pattern.replace('*', str(i))}"] = style
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "starcoder2", "cohere"])
+def test_plan_matches_transformers_own(family):
+    model, plan, blocks = plan_of(family)
+    hf = hf_styles(model)
+    mine = {k: v for k, v in plan.styles.items() if k in hf}
+    expect = {k: ("sharded_input" if v == "replicated_with_grad_allreduce" else v) for k, v in hf.items()}
+    assert {k: v.split(":")[0] for k, v in mine.items()} == expect
+    assert blocks == [f"{model.base_model_prefix}.layers.{i}" for i in range(model.config.num_hidden_layers)]
+
+
+def test_head_is_vocab_parallel_unless_tied():
+    _, plan, _ = plan_of("llama")
+    assert plan.styles["lm_head"] == "colwise_gather_output"
+    _, plan, _ = plan_of("llama", tie_word_embeddings=True)
+    assert "lm_head" not in plan.styles
+    assert "tied to model.embed_tokens.weight" in plan.replicated["lm_head"]
+
+
+@pytest.mark.parametrize("family, module, reason", [
+    # qkv in one projection, split after it: its column shards would mix q, k and v
+    ("phi3", "model.layers.0.self_attn.qkv_proj", "fused projection"),
+    # GPT-2's Conv1D is an addmm on a transposed weight: DTensor's styles shard nn.Linear only
+    ("gpt2", "transformer.h.0.attn.c_attn (Conv1D)", "not an nn.Linear"),
+    # OLMo-2 normalises q and k over all heads at once: a rank holding half the heads cannot
+    ("olmo2", "model.layers.0.self_attn.q_proj", "reduces over the sharded features"),
+    # a top-k router is a parameter matmul, not an nn.Linear, and its softmax spans the experts
+    ("mixtral", "model.layers.0.mlp.gate (MixtralTopKRouter)", "not an nn.Linear"),
+])
+def test_unshardable_groups_stay_replicated_with_the_reason(family, module, reason):
+    _, plan, _ = plan_of(family)
+    assert reason in plan.replicated[module]
+    assert module.split(" ")[0] not in plan.styles
+
+
+def test_tp_must_divide_the_heads_read_off_the_graph():
+    _, plan, _ = plan_of("llama")      # 4 query heads, 2 key/value heads
+    plan.check(2)
+    with pytest.raises(ValueError, match=r"tp=4 does not divide the 2 heads of model.layers.0.self_attn.k_proj.*"
+                                         r"choose tp in \[1, 2\]"):
+        plan.check(4)
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (dict(tp=0), "tp=0 is not valid"),
+    (dict(tp=2, pp=2), "pipeline .* not available"),
+    (dict(tq=2), "unknown parallel option"),
+    ([2], "give a dict"),
+])
+def test_bad_parallel_options_name_the_problem(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        check_parallel(bad)
+
+
+def test_parallel_outside_torchrun_says_how_to_launch(monkeypatch):
+    import tailorfx
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = hf_family("llama", vocab_size=512)
+    ids = torch.randint(0, 512, (1, 16))
+    with pytest.raises(RuntimeError, match="torchrun --nproc-per-node 2"):
+        tailorfx.optimize(model, example_inputs=dict(input_ids=ids, labels=ids), parallel=dict(tp=2))
+
+
+def torchrun(nproc: int, *args) -> list[dict]:
+    """Run tests/dist/parallel_check.py on `nproc` gloo processes; one JSON result per rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           os.path.join(HERE, "dist", "parallel_check.py"), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"rank"')]
+    assert out.returncode == 0 and len(rows) == nproc, out.stdout[-3000:] + out.stderr[-3000:]
+    return rows
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_tp2_equals_one_process(family):
+    rows = torchrun(2, family, 2, 1)
+    for r in rows:
+        assert r["ok"], r
+        assert r["sharded_params"] > 0 and "colwise" in r["styles"].values() and "rowwise" in r["styles"].values()
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_dp2_equals_one_process():
+    for r in torchrun(2, "llama", 1, 2):
+        assert r["ok"], r
+        assert r["sharded_params"] == r["num_params"]    # every parameter is a DTensor shard
+
+
+@pytest.mark.multiprocess
+def test_tp2_x_dp2_on_four_processes_equals_one_process():
+    for r in torchrun(4, "qwen3", 2, 2):
+        assert r["ok"], r
+        assert r["styles"]["model.layers.0.self_attn.q_norm"] == "sharded_input:2"   # per-head norm's grad summed
