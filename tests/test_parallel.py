@@ -127,3 +127,17 @@ def test_tp2_x_dp2_on_four_processes_equals_one_process():
     for r in torchrun(4, "qwen3", 2, 2):
         assert r["ok"], r
         assert r["styles"]["model.layers.0.self_attn.q_norm"] == "sharded_input:2"   # per-head norm's grad summed
+
+
+@pytest.mark.multiprocess
+def test_a_killed_rank_ends_the_job_with_an_error_not_a_hang():
+    import time
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(HERE, "dist", "killed_rank.py")]
+    t = time.time()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    elapsed = time.time() - t
+    assert out.returncode != 0
+    assert "rank 0 step 0" in out.stdout and "rank 0 step 2" not in out.stdout
+    assert "exitcode  : 3" in out.stderr          # torchrun names the rank that died and how
+    assert elapsed < 60, elapsed      # the whole run, start-up included, inside the 60 s the survivors get

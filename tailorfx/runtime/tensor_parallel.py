@@ -6,6 +6,7 @@ Each parallelism is one `apply_*` function; the plan (which module gets which st
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -30,7 +31,8 @@ def device_mesh(*, tp: int = 1, dp: int = 1, device: Optional[str] = None) -> De
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise RuntimeError(f"parallel=dict(tp={tp}, dp={dp}) needs {tp * dp} processes: launch with "
                                f"`torchrun --nproc-per-node {tp * dp} your_script.py`")
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # a dead peer must end the job: collectives give up after 60 s instead of torch's 10-30 min
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=60))
     world = dist.get_world_size()
     if tp * dp != world:
         raise ValueError(f"parallel=dict(tp={tp}, dp={dp}) needs tp*dp = {tp * dp} processes, but the world "
