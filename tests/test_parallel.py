@@ -95,36 +95,36 @@ def test_parallel_outside_torchrun_says_how_to_launch(monkeypatch):
         tailorfx.optimize(model, example_inputs=dict(input_ids=ids, labels=ids), parallel=dict(tp=2))
 
 
-def torchrun(nproc: int, *args) -> list[dict]:
+def torchrun(tmp_path, nproc: int, *args) -> list[dict]:
     """Run tests/dist/parallel_check.py on `nproc` gloo processes; one JSON result per rank."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            os.path.join(HERE, "dist", "parallel_check.py"), *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TAILORFX_RESULTS": str(tmp_path)}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"rank"')]
+    rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert out.returncode == 0 and len(rows) == nproc, out.stdout[-3000:] + out.stderr[-3000:]
     return rows
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
-def test_tp2_equals_one_process(family):
-    rows = torchrun(2, family, 2, 1)
+def test_tp2_equals_one_process(family, tmp_path):
+    rows = torchrun(tmp_path, 2, family, 2, 1)
     for r in rows:
         assert r["ok"], r
         assert r["sharded_params"] > 0 and "colwise" in r["styles"].values() and "rowwise" in r["styles"].values()
 
 
 @pytest.mark.multiprocess
-def test_fsdp2_dp2_equals_one_process():
-    for r in torchrun(2, "llama", 1, 2):
+def test_fsdp2_dp2_equals_one_process(tmp_path):
+    for r in torchrun(tmp_path, 2, "llama", 1, 2):
         assert r["ok"], r
         assert r["sharded_params"] == r["num_params"]    # every parameter is a DTensor shard
 
 
 @pytest.mark.multiprocess
-def test_tp2_x_dp2_on_four_processes_equals_one_process():
-    for r in torchrun(4, "qwen3", 2, 2):
+def test_tp2_x_dp2_on_four_processes_equals_one_process(tmp_path):
+    for r in torchrun(tmp_path, 4, "qwen3", 2, 2):
         assert r["ok"], r
         assert r["styles"]["model.layers.0.self_attn.q_norm"] == "sharded_input:2"   # per-head norm's grad summed
 

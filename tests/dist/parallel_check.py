@@ -1,7 +1,7 @@
 """Run under torchrun: optimize(parallel=...) on a tiny HF model equals one process.
 
 Every rank builds the same model (same seed), computes the single-process loss and gradients on
-the whole batch, then the parallel run; it prints one JSON line per rank with the largest
+the whole batch, then the parallel run; it writes one JSON file per rank to $TAILORFX_RESULTS with the largest
 relative errors, and exits 1 if loss or any gradient differs (fp32, rtol 1e-4)."""
 import json
 import os
@@ -42,9 +42,11 @@ def main(family: str, tp: int, dp: int) -> int:
         errs[name] = float(((g - r).abs() / (r.abs() + 1e-6)).max()) if not torch.allclose(g, r, rtol=1e-4, atol=1e-6) else 0.0
     sharded = sum(1 for _, p in opt.named_parameters() if hasattr(p, "full_tensor"))
     ok = torch.allclose(full_loss, out.loss.detach(), rtol=1e-4) and not any(errs.values()) and len(errs) == len(names)
-    print(json.dumps({"rank": rank, "family": family, "ok": bool(ok), "loss": float(full_loss),
+    path = os.path.join(os.environ["TAILORFX_RESULTS"], f"rank{rank}.json")
+    with open(path, "w") as f:   # one file per rank: ranks share stdout and their lines interleave
+        json.dump({"rank": rank, "family": family, "ok": bool(ok), "loss": float(full_loss),
                       "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": len(errs),
-                      "bad": {k: v for k, v in errs.items() if v}, "styles": opt.session.parallel.styles}), flush=True)
+                      "bad": {k: v for k, v in errs.items() if v}, "styles": opt.session.parallel.styles}, f)
     dist.destroy_process_group()
     return 0 if ok else 1
 
