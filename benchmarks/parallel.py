@@ -50,7 +50,8 @@ def worker(tp: int, dp: int, seq: int, batch: int) -> None:
             p.grad = None
         loss = opt(**rows).loss
         loss.backward()
-        return loss.detach()
+        loss = loss.detach()
+        return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
     loss = step()
     step()
     times = []

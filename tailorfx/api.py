@@ -71,7 +71,7 @@ class OptimizedModule(nn.Module):
 
     def _forward(self, *args, **kwargs):
         if self.session.parallel is not None:   # sharded by DTensor/FSDP2: runs as torch.distributed runs it
-            return self.model(*args, **kwargs)
+            return self.session.parallel.run(self.model, args, kwargs)
         self.session.seq_len = mark_sequence_dims(args, kwargs)
         self.session.training = self.model.training
         self._check_budget_at(self.session.seq_len)

@@ -26,6 +26,20 @@ class ParallelPlan:
     styles: dict[str, str] = field(default_factory=dict)
     replicated: dict[str, str] = field(default_factory=dict)
     blocks: list[str] = field(default_factory=list)
+    loss_scope: Any = None      # runtime.tensor_parallel.LossParallelScope for a vocab-parallel head
+
+    def run(self, model: nn.Module, args: tuple, kwargs: dict):
+        """One call of the sharded model; a vocab-parallel head's loss runs under loss_parallel,
+        in forward here and in the caller's backward through the scope's hooks."""
+        if self.loss_scope is None:
+            return model(*args, **kwargs)
+        from torch.distributed.tensor.parallel import loss_parallel
+        with loss_parallel():
+            out = model(*args, **kwargs)
+        loss = getattr(out, "loss", None)
+        if loss is not None and loss.requires_grad:
+            out["loss"] = self.loss_scope.enter_on_backward(loss)
+        return out
 
     def describe(self) -> list[tuple[str, str]]:
         rows = [(fqn, style) for fqn, style in self.styles.items()]
@@ -61,8 +75,8 @@ def plan_tensor_parallel(model: nn.Module, args: tuple, kwargs: dict) -> tuple[T
     groups, blocks = [], []
     for g in graphs:
         regions = find_regions(g.gm, g.seq)
-        head = next((r.path for r in regions.of_kind("lm_head_loss")), None)
-        plan = infer_tp_plan(g.gm, g.example_inputs, model, head)
+        head = next((r for r in regions.of_kind("lm_head_loss")), None)
+        plan = infer_tp_plan(g.gm, g.example_inputs, model, head and head.path, bool(head and not head.note))
         styles.update(plan.styles)
         replicated.update(plan.replicated)
         groups += plan.groups
@@ -72,7 +86,7 @@ def plan_tensor_parallel(model: nn.Module, args: tuple, kwargs: dict) -> tuple[T
 
 def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> ParallelPlan:
     """Shard `model` in place as `parallel` asks; returns what was done (for the report)."""
-    from tailorfx.runtime.tensor_parallel import apply_fsdp, apply_tp, device_mesh
+    from tailorfx.runtime.tensor_parallel import apply_fsdp, apply_loss_parallel, apply_tp, device_mesh
     spec = check_parallel(parallel)
     if not args and not kwargs:
         raise ValueError("parallel= needs example_inputs: the tensor-parallel plan is read off the graph "
@@ -84,6 +98,9 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
         tp_plan.check(spec["tp"])
         apply_tp(model, styles=tp_plan.styles, mesh=mesh["tp"])
         out.styles, out.replicated = dict(tp_plan.styles), dict(tp_plan.replicated)
+        head = next((f for f, st in tp_plan.styles.items() if st == "colwise_vocab_parallel"), None)
+        if head is not None:
+            out.loss_scope = apply_loss_parallel(model, head=head)
     if spec["dp"] > 1:
         apply_fsdp(model, blocks=blocks, mesh=mesh["dp"])
     return out

@@ -44,7 +44,7 @@ def test_plan_matches_transformers_own(family):
 
 def test_head_is_vocab_parallel_unless_tied():
     _, plan, _ = plan_of("llama")
-    assert plan.styles["lm_head"] == "colwise_gather_output"
+    assert plan.styles["lm_head"] == "colwise_vocab_parallel"     # it feeds the loss: logits stay split
     _, plan, _ = plan_of("llama", tie_word_embeddings=True)
     assert "lm_head" not in plan.styles
     assert "tied to model.embed_tokens.weight" in plan.replicated["lm_head"]
@@ -107,12 +107,14 @@ def torchrun(tmp_path, nproc: int, *args) -> list[dict]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3_text"])
 def test_tp2_equals_one_process(family, tmp_path):
     rows = torchrun(tmp_path, 2, family, 2, 1)
     for r in rows:
         assert r["ok"], r
         assert r["sharded_params"] > 0 and "colwise" in r["styles"].values() and "rowwise" in r["styles"].values()
+        if family == "llama":     # untied head into the loss: logits split over the vocab, loss_parallel
+            assert r["styles"]["lm_head"] == "colwise_vocab_parallel"
 
 
 @pytest.mark.multiprocess

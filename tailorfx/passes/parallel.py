@@ -17,20 +17,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.fx as fx
 
+from tailorfx.passes.parallel_shapes import getitem_keeps, perm_dim, same, shape_of, view_dim
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
-from tailorfx.rewrite.regions import is_param, is_weight_matmul, module_paths, param_source
+from tailorfx.rewrite.regions import is_param, is_weight_matmul, module_paths
 
 # ops that keep a sharded dim where it is (elementwise, casts, copies)
 _SAME = frozenset({"to", "float", "type", "half", "bfloat16", "contiguous", "clone", "dropout", "neg", "silu",
                    "gelu", "relu", "sigmoid", "tanh", "exp", "pow", "mul", "add", "sub", "div", "truediv",
                    "where", "masked_fill", "alias", "detach", "rsqrt", "sqrt", "square", "abs", "erf",
-                   "softplus", "gelu_tanh", "cat", "concat"})
+                   "softplus", "gelu_tanh", "cat", "concat", "type_as"})
 _REDUCE = frozenset({"mean", "sum", "var", "std", "amax", "max", "min", "norm", "softmax", "log_softmax",
                      "rms_norm", "layer_norm", "logsumexp", "argmax", "topk"})
 _VIEWS = frozenset({"view", "reshape", "flatten", "unflatten", "expand", "unsqueeze", "squeeze", "stack"})
@@ -49,7 +50,8 @@ class Group:
 
 @dataclass
 class TPPlan:
-    """Module fqn -> "colwise" | "rowwise" | "colwise_gather_output"; the rest stays replicated."""
+    """Module fqn -> "colwise" | "rowwise" | "sharded_input:D" | the head's "colwise_vocab_parallel"
+    (it feeds a loss) or "colwise_gather_output"; the rest stays replicated."""
     styles: dict[str, str]
     groups: list[Group]
     replicated: dict[str, str]    # linear fqn -> why it is not sharded
@@ -94,18 +96,6 @@ def linear_modules(gm: fx.GraphModule, example_inputs: list, model: torch.nn.Mod
     return out, owner
 
 
-def _shape(n: Any) -> Optional[tuple]:
-    v = node_value(n) if isinstance(n, fx.Node) else None
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
-
-
-def _same(a, b) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
-
-
 class _Propagation:
     """Follows one group's sharded dim through the graph; `fail` holds the reason it cannot."""
 
@@ -119,9 +109,9 @@ class _Propagation:
     def run(self, starts: list[fx.Node]) -> None:
         order = {n: i for i, n in enumerate(starts[0].graph.nodes)}
         for s in starts:
-            self.sharded[s] = len(_shape(s)) - 1
+            self.sharded[s] = len(shape_of(s)) - 1
             self.group.colwise.append(self.linears[s])
-            self.group.widths[self.linears[s]] = int(_shape(s)[-1])
+            self.group.widths[self.linears[s]] = int(shape_of(s)[-1])
         todo = sorted({u for s in starts for u in s.users}, key=order.get)
         seen = set()
         while todo and self.fail is None:
@@ -143,13 +133,13 @@ class _Propagation:
         if name == "scaled_dot_product_attention":
             return self._attention(n)
         dim = self.sharded[ins[0]]
-        out = _shape(n)
+        out = shape_of(n)
         if name in _VIEWS or name == "getitem":
-            if name == "getitem" and not _getitem_keeps(n, dim):
+            if name == "getitem" and not getitem_keeps(n, dim):
                 return self._stop(f"slicing at {n.name} cuts the sharded features (a fused projection)")
-            dim = _view_dim(_shape(ins[0]), out, dim)
+            dim = view_dim(shape_of(ins[0]), out, dim)
         elif name in ("transpose", "permute", "movedim", "swapaxes"):
-            dim = _perm_dim(n, dim, len(out or ()))
+            dim = perm_dim(n, dim, len(out or ()))
         elif name in ("matmul", "bmm"):    # q @ k^T, p @ v: per head, the batch-like dim stays
             ops = [a for a in n.args[:2] if isinstance(a, fx.Node)]
             if any(a not in self.sharded for a in ops):
@@ -159,7 +149,7 @@ class _Propagation:
         elif name in _REDUCE:
             d = match.dim_arg(n)
             dims = d if isinstance(d, (list, tuple)) else [d]
-            nd = len(_shape(ins[0]))
+            nd = len(shape_of(ins[0]))
             if d is None or any((x % nd) == dim for x in dims if isinstance(x, int)):
                 return self._stop(f"{name} at {n.name} reduces over the sharded features")
         elif name in ("cat", "concat") and (match.dim_arg(n) or 0) % len(out or (0,)) == dim:
@@ -175,7 +165,7 @@ class _Propagation:
         return True
 
     def _contracting(self, n: fx.Node, ins: list) -> bool:
-        if not ins or n.args[0] not in self.sharded or self.sharded[n.args[0]] != len(_shape(n.args[0])) - 1:
+        if not ins or n.args[0] not in self.sharded or self.sharded[n.args[0]] != len(shape_of(n.args[0])) - 1:
             return self._stop(f"linear {n.name} reads the sharded tensor other than over its features")
         if self.linears[n] is None:
             return self._stop(f"linear {n.name}'s weight is not an nn.Linear's")
@@ -195,20 +185,35 @@ class _Propagation:
 
     def _operands_agree(self, n: fx.Node, dim: int, out: Optional[tuple]) -> bool:
         """Each replicated tensor operand broadcasts over the sharded dim, or is pulled into the group."""
-        if out is None:
+        if out is None or match.op_name(n) == "type_as":   # type_as reads only the other's dtype
             return True
         need = []
         for a in n.all_input_nodes:
-            s = _shape(a)
+            s = shape_of(a)
             if a in self.sharded or s is None or s == (0,):
                 continue
-            if is_param(a, through_casts=True):   # e.g. a per-head norm's weight: its grad is partial per rank
-                self.group.params[param_source(a)] = dim
-                continue
             k = dim - (len(out) - len(s))
-            if 0 <= k < len(s) and not _same(s[k], 1):
+            if 0 <= k < len(s) and not same(s[k], 1):
                 need.append(a)
+            elif not self._broadcast_ok(n, a, dim):
+                return False
         return self._pull(need, n) if need else True
+
+    def _broadcast_ok(self, n: fx.Node, a: fx.Node, dim: int) -> bool:
+        """A replicated operand broadcast over the shards gets a partial gradient on each rank:
+        fine for parameters alone (`weight`, `1 + weight`; their module then takes its input as a
+        shard and DTensor sums the gradient), wrong for an activation."""
+        v = node_value(a)
+        if not (isinstance(v, torch.Tensor) and v.requires_grad):
+            return True
+        if not _param_only(a):
+            return self._stop(f"{n.name} combines the sharded features with {a.name}, a replicated activation "
+                              f"whose gradient would be partial on each rank")
+        for p in _ancestors(a):
+            pv = node_value(p)
+            if p.op == "placeholder" and isinstance(pv, torch.Tensor) and pv.requires_grad:
+                self.group.params[p] = dim
+        return True
 
     def _pull(self, nodes: list, at: fx.Node) -> bool:
         for a in nodes:
@@ -220,7 +225,7 @@ class _Propagation:
         return False
 
     def _note_heads(self, n: fx.Node, src: fx.Node, dim: int) -> None:
-        out = _shape(n)
+        out = shape_of(n)
         if match.op_name(n) in _VIEWS and out is not None and dim == len(out) - 2:
             lin = next((k for k in _back_to_linears(src, self.linears)), None)
             if lin is not None and self.linears[lin] in self.group.widths:
@@ -232,49 +237,6 @@ class _Propagation:
     def _stop(self, why: str) -> bool:
         self.fail = self.fail or why
         return False
-
-
-def _view_dim(src: Optional[tuple], out: Optional[tuple], dim: int) -> Optional[int]:
-    """Where sharded dim `dim` of `src` lands in `out` (a view, expand, or an indexing that keeps
-    it). Shapes are aligned by their common prefix and suffix; a sharded dim in the changed middle
-    survives only as its outermost dim (features -> (heads, head_dim) keeps heads; (kv, n_rep) ->
-    kv * n_rep keeps kv outermost), else None."""
-    if src is None or out is None:
-        return None
-    p = 0
-    while p < min(len(src), len(out)) and _same(src[p], out[p]):
-        p += 1
-    q = 0
-    while q < min(len(src), len(out)) - p and _same(src[-1 - q], out[-1 - q]):
-        q += 1
-    if dim < p:
-        return dim
-    if dim >= len(src) - q:
-        return dim + len(out) - len(src)
-    mid_src, mid_out = src[p:len(src) - q], out[p:len(out) - q]
-    if dim == p and mid_out and _same(math.prod(mid_src), math.prod(mid_out)):
-        return p
-    return None
-
-
-def _perm_dim(n: fx.Node, dim: int, nd: int) -> Optional[int]:
-    name = match.op_name(n)
-    if name in ("transpose", "swapaxes"):
-        a, b = (x % nd for x in n.args[1:3])
-        return b if dim == a else a if dim == b else dim
-    if name == "permute":
-        perm = n.args[1] if isinstance(n.args[1], (list, tuple)) else n.args[1:]
-        perm = [p % nd for p in perm]
-        return perm.index(dim)
-    return None
-
-
-def _getitem_keeps(n: fx.Node, dim: int) -> bool:
-    src = _shape(n.args[0])
-    if src is None:
-        return False
-    idx = match.getitem_dims(n.args[1], len(src))
-    return dim not in idx or match.is_full_slice(idx[dim])
 
 
 def _back_to_linears(n: fx.Node, linears: dict) -> list[fx.Node]:
@@ -296,6 +258,22 @@ def _back_to_linears(n: fx.Node, linears: dict) -> list[fx.Node]:
     return out
 
 
+def _param_only(n: fx.Node) -> bool:
+    """`n` is computed from parameters and constants alone (`1 + weight`)."""
+    return all(is_param(x) for x in _ancestors(n) if x.op == "placeholder")
+
+
+def _ancestors(n: fx.Node) -> list[fx.Node]:
+    out, todo, seen = [], [n], set()
+    while todo:
+        x = todo.pop()
+        if x not in seen:
+            seen.add(x)
+            out.append(x)
+            todo.extend(x.all_input_nodes)
+    return out
+
+
 def _source_linear(n: fx.Node, linears: dict) -> Optional[fx.Node]:
     """The one linear (an nn.Linear's) that produces `n` through feature-keeping ops, else None."""
     found = [x for x in _back_to_linears(n, linears) if linears[x] is not None]
@@ -303,9 +281,10 @@ def _source_linear(n: fx.Node, linears: dict) -> Optional[fx.Node]:
 
 
 def infer_tp_plan(gm: fx.GraphModule, example_inputs: list, model: torch.nn.Module,
-                  head_fqn: Optional[str] = None) -> TPPlan:
+                  head_fqn: Optional[str] = None, head_loss: bool = False) -> TPPlan:
     """The plan for one captured graph: groups found by following each linear's sharded output;
-    the LM head (`head_fqn`, from the regions) is column-parallel with its logits gathered."""
+    the LM head (`head_fqn`, from the regions) is column-parallel, vocab-parallel into its loss
+    when `head_loss` (the graph computes one), else with its logits gathered."""
     linears, owner = linear_modules(gm, example_inputs, model)
     names = _param_names(gm, example_inputs, model)
     head = next((n for n, f in owner.items() if f.split(" ")[0] == head_fqn), None)
@@ -334,7 +313,7 @@ def infer_tp_plan(gm: fx.GraphModule, example_inputs: list, model: torch.nn.Modu
     if head is not None:
         tied = _tied(model, owner[head])
         if linears.get(head) and not tied:
-            styles[linears[head]] = "colwise_gather_output"
+            styles[linears[head]] = "colwise_vocab_parallel" if head_loss else "colwise_gather_output"
         else:
             replicated[owner[head]] = tied or "its weight is not an nn.Linear's"
     return TPPlan(styles, groups, {k: v for k, v in replicated.items() if k not in styles})
@@ -360,7 +339,7 @@ def _inner_params(gm: fx.GraphModule, group: Group, names: dict) -> tuple[dict[s
         mod = name.rsplit(".", 1)[0]
         ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")
                and (module_paths(n) or [""])[-1] == mod]
-        if not ops or any(n not in group.region for n in ops):
+        if not ops or any(n not in group.region and not _param_only(n) for n in ops):
             return {}, f"its sharded features meet {name} in {mod}, which also computes outside them"
         styles[mod] = f"sharded_input:{dim}"
     return styles, None

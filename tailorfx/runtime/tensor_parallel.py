@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 STYLES = {
@@ -21,6 +21,9 @@ STYLES = {
     "rowwise": lambda: RowwiseParallel(),
     # the LM head: vocab split over the ranks, logits gathered so any loss runs unchanged
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    # the LM head feeding a loss: logits stay split over the vocab (DTensor), the loss runs
+    # under loss_parallel (LossParallelScope), no rank ever holds the whole logits
+    "colwise_vocab_parallel": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
 }
 
 
@@ -69,3 +72,56 @@ def apply_fsdp(model: nn.Module, *, blocks: list[str], mesh: DeviceMesh) -> nn.M
         fully_shard(mods[path], mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+class LossParallelScope:
+    """DTensor's `loss_parallel()` around the loss of a vocab-parallel head, in forward and in the
+    caller's backward: the model's output enters it when its gradient starts flowing back
+    (`enter_on_backward(loss)`) and the head's output leaves it once its gradient is done
+    (`exit_on_backward(logits)`, a forward hook on the head). Counted, so micro-batches whose
+    backwards overlap share one scope."""
+
+    def __init__(self):
+        self.depth = 0
+        self._cm = None
+
+    def enter(self) -> None:
+        from torch.distributed.tensor.parallel import loss_parallel
+        if self.depth == 0:
+            self._cm = loss_parallel()
+            self._cm.__enter__()
+        self.depth += 1
+
+    def exit(self) -> None:
+        self.depth -= 1
+        if self.depth == 0 and self._cm is not None:
+            cm, self._cm = self._cm, None
+            cm.__exit__(None, None, None)
+
+    def enter_on_backward(self, loss: torch.Tensor) -> torch.Tensor:
+        return _OnBackward.apply(loss, self.enter)
+
+    def exit_on_backward(self, logits: torch.Tensor) -> torch.Tensor:
+        return _OnBackward.apply(logits, self.exit)
+
+
+class _OnBackward(torch.autograd.Function):
+    """Identity whose backward calls `fn` before passing the gradient on."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.fn()
+        return grad, None
+
+
+def apply_loss_parallel(model: nn.Module, *, head: str) -> LossParallelScope:
+    """Make `head`'s sharded logits leave the loss scope once their gradient is computed."""
+    scope = LossParallelScope()
+    dict(model.named_modules())[head].register_forward_hook(
+        lambda mod, args, out: scope.exit_on_backward(out) if torch.is_grad_enabled() and out.requires_grad else out)
+    return scope

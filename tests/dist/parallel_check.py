@@ -27,11 +27,13 @@ def main(family: str, tp: int, dp: int) -> int:
     # data parallel: each dp rank takes its rows; FSDP averages the gradients over dp
     dp_rank = opt.session.parallel and rank // tp
     rows = ids.chunk(dp)[dp_rank] if dp > 1 else ids
-    for p in model.parameters():
-        p.grad = None
-    loss = opt(input_ids=rows, labels=rows).loss
-    loss.backward()
-    full_loss = loss.detach().clone()
+    for _ in range(2):     # twice: the second step must not see state the first one left
+        for p in model.parameters():
+            p.grad = None
+        loss = opt(input_ids=rows, labels=rows).loss
+        loss.backward()
+    full_loss = loss.detach()
+    full_loss = full_loss.full_tensor() if hasattr(full_loss, "full_tensor") else full_loss.clone()
     if dp > 1:
         dist.all_reduce(full_loss)     # tp ranks hold the same loss: the mean over the world is over dp
         full_loss /= dist.get_world_size()
