@@ -7,11 +7,12 @@ from tailorfx import attention
 from tailorfx.api import OptimizedModule, PredictionError, optimize
 from tailorfx.backend import tailorfx_backend
 from tailorfx.budget import Budget, BudgetError
+from tailorfx.codegen.schedule import simulate_schedule
 from tailorfx.runtime.measure import measure_peak
 from tailorfx.runtime.optim import SetupOptimizer
 from tailorfx.setup import PRESETS, TrainingSetup
 from tailorfx.sizing import max_seq_len
 
 __all__ = ["attention", "optimize", "max_seq_len", "OptimizedModule", "PredictionError", "Budget", "BudgetError", "measure_peak", "tailorfx_backend",
-           "TrainingSetup", "PRESETS", "SetupOptimizer"]
+           "TrainingSetup", "PRESETS", "SetupOptimizer", "simulate_schedule"]
 __version__ = "0.1.0"
