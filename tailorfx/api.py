@@ -66,8 +66,22 @@ class OptimizedModule(nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The model's parameters under the names `model.named_parameters()` gives them (no
-        wrapper prefix); under parallel=, this rank's shards (DTensors)."""
-        return self.model.named_parameters(prefix, recurse, remove_duplicate)
+        wrapper prefix); under parallel=, this rank's shards (DTensors), and with pipeline
+        stages only its stages' parameters."""
+        plan = self.session.parallel
+        mine = plan.rank_params if plan is not None else None
+        for name, p in self.model.named_parameters(prefix, recurse, remove_duplicate):
+            if mine is None or id(p) in mine:
+                yield name, p
+
+    def step(self, **batch):
+        """Under parallel=dict(pp=...): one pipelined training step (forward and backward of every
+        micro-batch); returns the mean micro-batch loss on the last stage's rank, else None."""
+        plan = self.session.parallel
+        if plan is None or plan.pp == 1:
+            raise ValueError("opt.step(**batch) is the pipelined training step of parallel=dict(pp=...); "
+                             "otherwise call opt(**batch).loss.backward()")
+        return plan.step(batch)
 
     def _forward(self, *args, **kwargs):
         if self.session.parallel is not None:   # sharded by DTensor/FSDP2: runs as torch.distributed runs it

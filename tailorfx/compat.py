@@ -209,3 +209,13 @@ def pipelining_format(order: dict) -> str:
     """torch's step x rank table of a `pipeline_order`, for failure messages (checked on torch 2.13)."""
     from torch.distributed.pipelining.schedules import _format_pipeline_order
     return _format_pipeline_order({r: list(actions) for r, actions in order.items()})
+
+
+def pipelining_runtime(stages: list, num_microbatches: int, loss_fn, order: dict):
+    """torch's `_PipelineScheduleRuntime` over this rank's PipelineStages, loaded with a
+    compute-only `order` (rank -> actions; comms added by torch's lowering); `step()` runs it
+    (checked on torch 2.13)."""
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+    runtime = _PipelineScheduleRuntime(stages, num_microbatches, loss_fn=loss_fn)
+    runtime._prepare_schedule_with_comms({r: list(actions) for r, actions in order.items()})
+    return runtime

@@ -1,8 +1,10 @@
-"""optimize(..., parallel=dict(tp=2, dp=2)): read a tensor-parallel plan off the captured graph,
-then apply it (DTensor) and FSDP2 on one ("dp", "tp") DeviceMesh, inside a torchrun process.
+"""optimize(..., parallel=dict(tp=2, dp=2) | dict(pp=2, schedule="1f1b", microbatches=4)), inside
+a torchrun process.
 
-    capture (one forward, Dynamo) -> regions -> passes.parallel.infer_tp_plan -> check(tp)
-      -> runtime.apply_tp (tp mesh dim) -> runtime.apply_fsdp (dp mesh dim)
+    tp/dp: capture -> regions -> passes.parallel.infer_tp_plan -> check(tp)
+             -> runtime.apply_tp (DTensor, tp mesh dim) -> runtime.apply_fsdp (FSDP2, dp mesh dim)
+    pp:    capture (static shapes) -> regions -> passes.pipeline_split (block FLOPs, bytes)
+             -> codegen.pipeline.cut_stages -> codegen.schedule -> torch.distributed.pipelining
 """
 from __future__ import annotations
 
@@ -27,10 +29,31 @@ class ParallelPlan:
     replicated: dict[str, str] = field(default_factory=dict)
     blocks: list[str] = field(default_factory=list)
     loss_scope: Any = None      # runtime.tensor_parallel.LossParallelScope for a vocab-parallel head
+    pp: int = 1
+    schedule: str = ""
+    microbatches: int = 1
+    stage_blocks: list[list[str]] = field(default_factory=list)   # blocks of each pipeline stage
+    bubble: float = 0.0           # the schedule's simulated idle fraction (uniform stage costs)
+    runtime: Any = None           # torch's pipeline schedule runtime, this rank's stages
+    rank_params: Optional[set] = None   # ids of the parameters this rank's stages hold
+    is_last: bool = False
+
+    def step(self, kwargs: dict):
+        """One pipelined training step (forward and backward of every micro-batch); the mean
+        micro-batch loss on the rank holding the last stage, None elsewhere."""
+        import torch
+        losses: list = []
+        target = next(iter(kwargs.values())) if self.is_last else None
+        self.runtime.step(**kwargs, target=target, losses=losses)
+        return torch.stack([x.detach() for x in losses]).mean() if self.is_last else None
 
     def run(self, model: nn.Module, args: tuple, kwargs: dict):
         """One call of the sharded model; a vocab-parallel head's loss runs under loss_parallel,
         in forward here and in the caller's backward through the scope's hooks."""
+        if self.pp > 1:
+            raise ValueError("under parallel=dict(pp=...) one call is a whole pipelined training step: use "
+                             "opt.step(**batch), which runs forward and backward of every micro-batch and "
+                             "returns the loss on the last stage's rank")
         if self.loss_scope is None:
             return model(*args, **kwargs)
         from torch.distributed.tensor.parallel import loss_parallel
@@ -44,6 +67,9 @@ class ParallelPlan:
     def describe(self) -> list[tuple[str, str]]:
         rows = [(fqn, style) for fqn, style in self.styles.items()]
         rows += [(fqn, f"replicated: {why}") for fqn, why in self.replicated.items()]
+        rows += [(", ".join(b) or "(no block)", f"pipeline stage {i} of {len(self.stage_blocks)}, rank "
+                  f"{i % self.pp}, {self.schedule}, {self.microbatches} micro-batches, bubble {self.bubble:.1%}")
+                 for i, b in enumerate(self.stage_blocks)]
         if self.dp > 1:
             rows += [(b, f"fully_shard over dp={self.dp}") for b in self.blocks] + [("(root)", f"fully_shard over dp={self.dp}")]
         return rows
@@ -60,10 +86,18 @@ def check_parallel(parallel: Any) -> dict:
         v = parallel.get(k, 1)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"parallel={parallel!r}: {k}={v!r} is not valid: a positive int")
-    if parallel.get("pp", 1) > 1 or parallel.get("sp") is not None:
-        raise ValueError(f"parallel={parallel!r}: pipeline (pp>1) and sequence (sp=) parallelism are not "
-                         f"available in optimize() yet; use tp= and dp=")
-    return {"tp": parallel.get("tp", 1), "dp": parallel.get("dp", 1)}
+    from tailorfx.codegen.schedule import SCHEDULES
+    tp, dp, pp = (parallel.get(k, 1) for k in ("tp", "dp", "pp"))
+    if parallel.get("sp") is not None:
+        raise ValueError(f"parallel={parallel!r}: sequence parallelism (sp=) is not available in optimize() yet")
+    if pp > 1 and tp * dp > 1:
+        raise ValueError(f"parallel={parallel!r}: pipeline stages (pp>1) combined with tp/dp are not available "
+                         f"yet; use pp= alone, or tp= and dp=")
+    schedule = parallel.get("schedule", "1f1b")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel={parallel!r}: schedule={schedule!r} is not valid: one of {list(SCHEDULES)}")
+    return {"tp": tp, "dp": dp, "pp": pp, "schedule": schedule, "microbatches": parallel.get("microbatches", pp),
+            "virtual": 2 if schedule == "interleaved_1f1b" else 1}
 
 
 def plan_tensor_parallel(model: nn.Module, args: tuple, kwargs: dict) -> tuple[TPPlan, list[str]]:
@@ -91,7 +125,9 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
     if not args and not kwargs:
         raise ValueError("parallel= needs example_inputs: the tensor-parallel plan is read off the graph "
                          "of one forward pass")
-    mesh = device_mesh(tp=spec["tp"], dp=spec["dp"])
+    mesh = device_mesh(tp=spec["tp"], dp=spec["dp"], pp=spec["pp"])
+    if spec["pp"] > 1:
+        return pipeline(model, spec, kwargs)
     tp_plan, blocks = plan_tensor_parallel(model, args, kwargs)
     out = ParallelPlan(spec["tp"], spec["dp"], blocks=blocks)
     if spec["tp"] > 1:
@@ -104,3 +140,36 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
     if spec["dp"] > 1:
         apply_fsdp(model, blocks=blocks, mesh=mesh["dp"])
     return out
+
+
+def pipeline(model: nn.Module, spec: dict, kwargs: dict) -> ParallelPlan:
+    """Cut the model's step graph into pp * virtual stages balanced by the cost model, and load
+    this rank's stages into torch's pipeline runtime with the tailorfx schedule."""
+    import torch.distributed as dist
+    from tailorfx.codegen.pipeline import capture_static, cut_stages, pipeline_runtime
+    from tailorfx.codegen.schedule import simulate_schedule
+    from tailorfx.passes.pipeline_split import block_costs, split_points
+    from tailorfx.rewrite.capture import seq_info
+    m, pp, v = spec["microbatches"], spec["pp"], spec["virtual"]
+    rows = {k: t.shape[0] for k, t in kwargs.items() if hasattr(t, "shape") and t.dim()}
+    if any(r % m for r in rows.values()):
+        raise ValueError(f"example_inputs have {sorted(set(rows.values()))} rows, which microbatches={m} does not "
+                         f"divide: give a batch of a multiple of {m} rows (every step must have that shape)")
+    micro = {k: (t[: t.shape[0] // m] if k in rows else t) for k, t in kwargs.items()}
+    gm, example = capture_static(model, micro)
+    regions = find_regions(gm, seq_info(gm, None))
+    costs = block_costs(gm, regions)
+    num_stages = pp * v
+    starts = split_points(costs.flops, num_stages, costs.bytes, costs.first_flops, costs.last_flops)
+    bounds = [*starts, len(costs.blocks)]
+    stage_blocks = [costs.blocks[a:b] for a, b in zip(bounds, bounds[1:])]
+    block_stage = {name: i for i, blocks in enumerate(stage_blocks) for b in regions.of_kind("block")
+                   if b.path in blocks for name in b.nodes}
+    stages = cut_stages(gm, example, model, block_stage, num_stages, micro)
+    rank = dist.get_rank()
+    runtime = pipeline_runtime(stages, rank=rank, num_ranks=pp, name=spec["schedule"], microbatches=m, virtual=v)
+    mine = {id(p) for s in range(rank, num_stages, pp) for p in stages[s].parameters()}
+    bubble = float(simulate_schedule(spec["schedule"], pp, m, virtual=v).bubble)
+    return ParallelPlan(pp=pp, schedule=spec["schedule"], microbatches=m, stage_blocks=stage_blocks, bubble=bubble,
+                        runtime=runtime, rank_params=mine, is_last=(num_stages - 1) % pp == rank,
+                        blocks=list(costs.blocks))

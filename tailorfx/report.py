@@ -23,12 +23,15 @@ class Report:
         out = []
         plan = getattr(self.session, "parallel", None)
         if plan is not None:
-            t = Table(title=f"Parallel: tp={plan.tp}, dp={plan.dp} (plan read off the graph; eager execution)")
+            how = "the step graph cut into stages" if plan.pp > 1 else "plan read off the graph; eager execution"
+            t = Table(title=f"Parallel: tp={plan.tp}, dp={plan.dp}, pp={plan.pp} ({how})")
             for col in ("module", "style"):
                 t.add_column(col)
             for fqn, style in plan.describe():
                 t.add_row(fqn, style)
             out.append(t)
+            if not self.session.graphs:    # nothing went through the single-device passes
+                return out
         regions = Table(title="Regions found", show_lines=False)
         for col in ("graph", "kind", "module", "nodes", "token-wise"):
             regions.add_column(col)

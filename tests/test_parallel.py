@@ -76,7 +76,9 @@ def test_tp_must_divide_the_heads_read_off_the_graph():
 
 @pytest.mark.parametrize("bad, msg", [
     (dict(tp=0), "tp=0 is not valid"),
-    (dict(tp=2, pp=2), "pipeline .* not available"),
+    (dict(tp=2, pp=2), "pipeline stages .* combined with tp/dp are not available"),
+    (dict(pp=2, schedule="zb"), r"schedule='zb' is not valid: one of \['gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1'\]"),
+    (dict(sp="ulysses"), "sequence parallelism"),
     (dict(tq=2), "unknown parallel option"),
     ([2], "give a dict"),
 ])
@@ -143,3 +145,74 @@ def test_a_killed_rank_ends_the_job_with_an_error_not_a_hang():
     assert "rank 0 step 0" in out.stdout and "rank 0 step 2" not in out.stdout
     assert "exitcode  : 3" in out.stderr          # torchrun names the rank that died and how
     assert elapsed < 60, elapsed      # the whole run, start-up included, inside the 60 s the survivors get
+
+
+def cut_and_run(family, num_stages, ids):
+    """The step graph cut into stages and run one stage after the other, in one process."""
+    from tailorfx.codegen.pipeline import capture_static, cut_stages
+    from tailorfx.passes.pipeline_split import block_costs, split_points
+    from tailorfx.rewrite.capture import seq_info
+    from tailorfx.rewrite.regions import find_regions
+    model = hf_family(family, num_layers=4, vocab_size=512)
+    kw = dict(input_ids=ids, labels=ids)
+    gm, example = capture_static(model, kw)
+    regions = find_regions(gm, seq_info(gm, None))
+    c = block_costs(gm, regions)
+    starts = split_points(c.flops, num_stages, c.bytes, c.first_flops, c.last_flops)
+    stage_of = {b.path: max(i for i, s in enumerate(starts) if s <= k) for k, b in enumerate(regions.of_kind("block"))}
+    block_stage = {n: stage_of[b.path] for b in regions.of_kind("block") for n in b.nodes}
+    stages = cut_stages(gm, example, model, block_stage, num_stages, kw)
+    sent = ()
+    for stage in stages:
+        sent = stage(*sent, **kw)
+        sent = sent if isinstance(sent, tuple) else (sent,)
+    return model, stages, sent[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_step_graph_cut_into_stages_computes_the_step(family):
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    model, stages, loss = cut_and_run(family, 4, ids)
+    loss.sum().backward()
+    ref = hf_family(family, num_layers=4, vocab_size=512)
+    out = ref(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert torch.allclose(loss.sum(), out.loss, rtol=1e-5)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    # each stage holds the model's own parameters, every parameter on exactly one stage
+    held = [id(p) for s in stages for p in s.parameters()]
+    assert sorted(held) == sorted(id(p) for p in model.parameters())
+    assert all(len(list(s.parameters())) > 0 for s in stages)
+
+
+def test_tied_weights_across_stages_are_refused_with_the_fix():
+    ids = torch.randint(0, 512, (1, 16))
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight = lm_head.weight is read on pipeline stages \[0, 1\].*"
+                                         r"tie_word_embeddings=False"):
+        cut_and_run("gemma2", 2, ids)
+
+
+def torchrun_pipeline(tmp_path, nproc: int, *args) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           os.path.join(HERE, "dist", "pipeline_check.py"), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TAILORFX_RESULTS": str(tmp_path)}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert out.returncode == 0 and len(rows) == nproc, out.stdout[-3000:] + out.stderr[-3000:]
+    return rows
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family, schedule", [("llama", "gpipe"), ("llama", "1f1b"), ("llama", "interleaved_1f1b"),
+                                              ("llama", "zb_h1"), ("qwen3", "1f1b")])
+def test_pipeline_schedules_equal_one_process(family, schedule, tmp_path):
+    from tailorfx import simulate_schedule
+    rows = torchrun_pipeline(tmp_path, 2, family, schedule, 4)
+    for r in rows:
+        assert r["ok"], r
+        stages = 4 if schedule == "interleaved_1f1b" else 2
+        assert len(r["stages"]) == stages and all(r["stages"])       # the graph was cut, every stage has blocks
+        assert r["bubble"] == pytest.approx(float(simulate_schedule(schedule, 2, 4, virtual=stages // 2).bubble))
+    assert [r["loss"] is not None for r in rows] == [False, True]    # the loss lives on the last stage's rank

@@ -27,21 +27,22 @@ STYLES = {
 }
 
 
-def device_mesh(*, tp: int = 1, dp: int = 1, device: Optional[str] = None) -> DeviceMesh:
-    """A ("dp", "tp") mesh over the torchrun world; initializes the process group if torchrun
-    started us and nobody has yet (gloo on CPU, NCCL on CUDA)."""
+def device_mesh(*, tp: int = 1, dp: int = 1, pp: int = 1, device: Optional[str] = None) -> DeviceMesh:
+    """A ("pp", "dp", "tp") mesh over the torchrun world; initializes the process group if
+    torchrun started us and nobody has yet (gloo on CPU, NCCL on CUDA)."""
+    want = tp * dp * pp
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            raise RuntimeError(f"parallel=dict(tp={tp}, dp={dp}) needs {tp * dp} processes: launch with "
-                               f"`torchrun --nproc-per-node {tp * dp} your_script.py`")
+            raise RuntimeError(f"parallel=dict(tp={tp}, dp={dp}, pp={pp}) needs {want} processes: launch with "
+                               f"`torchrun --nproc-per-node {want} your_script.py`")
         # a dead peer must end the job: collectives give up after 60 s instead of torch's 10-30 min
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=60))
     world = dist.get_world_size()
-    if tp * dp != world:
-        raise ValueError(f"parallel=dict(tp={tp}, dp={dp}) needs tp*dp = {tp * dp} processes, but the world "
-                         f"has {world}: launch with --nproc-per-node {tp * dp} or change tp/dp")
+    if want != world:
+        raise ValueError(f"parallel=dict(tp={tp}, dp={dp}, pp={pp}) needs tp*dp*pp = {want} processes, but the "
+                         f"world has {world}: launch with --nproc-per-node {want} or change tp/dp/pp")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
 
 
 def apply_tp(model: nn.Module, *, styles: dict[str, str], mesh: DeviceMesh) -> nn.Module:

@@ -1,0 +1,176 @@
+"""Pipeline stages cut from the captured graph, run by torch.distributed.pipelining with a
+tailorfx schedule (codegen/schedule.py).
+
+The whole training step's graph (static shapes) is cut at block boundaries: a node runs on the
+stage of its block, or, outside blocks, on the latest stage among its inputs (the embedding and
+rotary tables on the first, norm, head and loss on the last). Each stage sends on every value a
+later stage needs (hidden states, rotary tables, masks) and receives the earlier stage's; graph
+inputs a later stage reads (labels) reach every stage as keyword arguments. A stage's
+parameters are the model's own Parameter objects, so gradients land on the model.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+
+class StageModule(nn.Module):
+    """One stage: `forward(*received, **graph_inputs)` runs its slice of the graph and returns the
+    values later stages need (the last stage: the loss)."""
+
+    def __init__(self, gm: fx.GraphModule, kw_names: list[str]):
+        super().__init__()
+        self.gm = gm
+        self.kw_names = kw_names
+
+    def forward(self, *received, **graph_inputs):
+        return self.gm(*received, *[graph_inputs[k] for k in self.kw_names])
+
+
+def _is_tensor(n: fx.Node) -> bool:
+    v = n.meta.get("example_value", n.meta.get("val"))
+    return isinstance(v, torch.Tensor)
+
+
+def stage_of_nodes(gm: fx.GraphModule, block_stage: dict[str, int]) -> dict[fx.Node, int]:
+    """Node -> stage. Block nodes: their block's. Nodes that depend on a block or a parameter:
+    the latest stage among their inputs. The rest (label shifts, rotary tables, masks: made from
+    graph inputs and buffers alone) run on the earliest stage that uses them, so integer tensors
+    never cross a stage; a node nobody uses (a grad-mode switch) stays with the node after it."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    stage: dict[fx.Node, int] = {}
+    free = set()
+    for n in nodes:
+        if n.name in block_stage:
+            stage[n] = block_stage[n.name]
+            continue
+        anchored = [a for a in n.all_input_nodes if a in stage or
+                    (a.op == "placeholder" and isinstance(a.meta.get("example_value"), nn.Parameter))]
+        if anchored:
+            stage[n] = max((stage[a] for a in anchored if a in stage), default=0)
+        else:
+            free.add(n)
+    following = None
+    for n in reversed(nodes):
+        if n in free:
+            used = [stage[u] for u in n.users if u in stage]
+            stage[n] = min(used) if used else (stage[following] if following is not None else 0)
+        following = n
+    return stage
+
+
+def cut_stages(gm: fx.GraphModule, example_inputs: list, model: nn.Module, block_stage: dict[str, int],
+               num_stages: int, kwargs: dict) -> list[StageModule]:
+    """The graph cut into `num_stages` StageModules (see the module docstring); `kwargs` are the
+    model's keyword inputs the graph was captured with (their names are the stages' keywords)."""
+    kw_name = {id(t): k for k, t in kwargs.items() if isinstance(t, torch.Tensor)}
+    params = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    buffers = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    value = dict(zip(phs, example_inputs))
+    stage = stage_of_nodes(gm, block_stage)
+    users_stage = {n: max((stage.get(u, num_stages - 1) for u in n.users), default=-1) for n in gm.graph.nodes}
+    aliases: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
+    _check_shared_params(phs, value, aliases, stage)
+    loss = _loss_node(gm)
+    carried: list[fx.Node] = []      # values received by the stage being built, in order
+    out = []
+    for k in range(num_stages):
+        mine = [n for n in gm.graph.nodes if stage.get(n) == k]
+        g, env, holder = fx.Graph(), {}, nn.Module()
+        for n in carried:
+            env[n] = g.placeholder(f"in_{n.name}")
+        kw = []
+        for ph in phs:
+            if not any(stage.get(u) == k for u in ph.users) or ph in env:
+                continue
+            t = value[ph]
+            name = params.get(id(t)) or buffers.get(id(t))
+            if name is not None:
+                attr = re.sub(r"\W", "_", name)
+                if isinstance(t, nn.Parameter):
+                    holder.register_parameter(attr, t)
+                else:
+                    holder.register_buffer(attr, t)
+                env[ph] = g.get_attr(attr)
+            elif id(t) in kw_name:
+                kw.append(ph)
+            else:
+                raise ValueError(f"graph input {ph.name} is neither a parameter, a buffer nor a keyword input")
+        for ph in kw:
+            env[ph] = g.placeholder(ph.name)
+        for n in mine:
+            env[n] = g.node_copy(n, lambda a: env[a])
+        if k == num_stages - 1:
+            g.output(g.call_method("reshape", (env[loss], 1)))   # (1,): torch merges micro-batch outputs
+            sends = []
+        else:
+            sends = [n for n in [*carried, *mine] if users_stage.get(n, -1) > k]
+            bad = [n.name for n in sends if not _is_tensor(n)]
+            if bad:
+                raise ValueError(f"cannot cut the graph before stage {k + 1}: {bad} cross it and are not tensors")
+            g.output(tuple(env[n] for n in sends))
+        out.append(StageModule(fx.GraphModule(holder, g), [kw_name[id(value[ph])] for ph in kw]))
+        carried = sends
+    return out
+
+
+def _check_shared_params(phs: list, value: dict, params: dict, stage: dict) -> None:
+    """A parameter read on two stages (tied embeddings) would get two partial gradients."""
+    for ph in phs:
+        t = value.get(ph)
+        if isinstance(t, nn.Parameter):
+            on = sorted({stage[u] for u in ph.users if u in stage})
+            if len(on) > 1:
+                names = " = ".join(params.get(id(t), [ph.name]))
+                raise ValueError(f"parameter {names} is read on pipeline stages {on} (tied weights): untie them "
+                                 f"(e.g. tie_word_embeddings=False) or use pp=1")
+
+
+def _loss_node(gm: fx.GraphModule) -> fx.Node:
+    """The graph output that is the loss (a 0-dim float tensor)."""
+    outs = [a for a in fx.graph.map_arg(next(n for n in gm.graph.nodes if n.op == "output").args, lambda a: a)
+            for a in (a if isinstance(a, (tuple, list)) else [a])]
+    flat = []
+    for a in outs:
+        flat += list(a) if isinstance(a, (tuple, list)) else [a]
+    for a in flat:
+        v = a.meta.get("example_value") if isinstance(a, fx.Node) else None
+        if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():
+            return a
+    raise ValueError("the captured step returns no loss: pass labels in example_inputs (pipeline stages "
+                     "end in the loss)")
+
+
+def capture_static(model: nn.Module, kwargs: dict) -> tuple[fx.GraphModule, list]:
+    """The model's step as one Dynamo graph with static shapes (pipeline stages exchange fixed
+    shapes; gloo aborts on a change)."""
+    from tailorfx import compat
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+    compat.reset_dynamo()
+    torch.compile(model, backend=record, dynamic=False, fullgraph=True)(**kwargs)
+    return graphs[0]
+
+
+def pipeline_runtime(stages: list[StageModule], *, rank: int, num_ranks: int, name: str, microbatches: int,
+                     virtual: int = 1, device: Optional[torch.device] = None):
+    """This rank's PipelineStages (stage s on rank s % num_ranks) under torch's schedule runtime,
+    running tailorfx's schedule `name` (its per-rank action lists, exported)."""
+    from torch.distributed.pipelining import PipelineStage
+    from tailorfx import compat
+    from tailorfx.codegen.schedule import build_schedule, to_pipelining
+    num_stages = len(stages)
+    schedule = build_schedule(name, num_ranks, microbatches, virtual)
+    device = device or torch.device("cpu")
+    mine = [PipelineStage(stages[s], s, num_stages, device) for s in range(rank, num_stages, num_ranks)]
+    return compat.pipelining_runtime(mine, microbatches, lambda out, target: out.sum(), to_pipelining(schedule))
