@@ -90,9 +90,9 @@ def check_parallel(parallel: Any) -> dict:
     tp, dp, pp = (parallel.get(k, 1) for k in ("tp", "dp", "pp"))
     if parallel.get("sp") is not None:
         raise ValueError(f"parallel={parallel!r}: sequence parallelism (sp=) is not available in optimize() yet")
-    if pp > 1 and tp * dp > 1:
-        raise ValueError(f"parallel={parallel!r}: pipeline stages (pp>1) combined with tp/dp are not available "
-                         f"yet; use pp= alone, or tp= and dp=")
+    if pp > 1 and dp > 1:
+        raise ValueError(f"parallel={parallel!r}: pipeline stages (pp>1) combined with dp are not available "
+                         f"yet; use pp= with tp=, or tp= with dp=")
     schedule = parallel.get("schedule", "1f1b")
     if schedule not in SCHEDULES:
         raise ValueError(f"parallel={parallel!r}: schedule={schedule!r} is not valid: one of {list(SCHEDULES)}")
@@ -126,9 +126,17 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
         raise ValueError("parallel= needs example_inputs: the tensor-parallel plan is read off the graph "
                          "of one forward pass")
     mesh = device_mesh(tp=spec["tp"], dp=spec["dp"], pp=spec["pp"])
-    if spec["pp"] > 1:
-        return pipeline(model, spec, kwargs)
     tp_plan, blocks = plan_tensor_parallel(model, args, kwargs)
+    if spec["pp"] > 1:
+        if spec["tp"] > 1:   # the stages are cut from the sharded model's graph; its head gathers the logits
+            tp_plan.check(spec["tp"])
+            styles = {f: ("colwise_gather_output" if st == "colwise_vocab_parallel" else st)
+                      for f, st in tp_plan.styles.items()}
+            apply_tp(model, styles=styles, mesh=mesh["tp"])
+        out = pipeline(model, spec, kwargs, mesh["pp"])
+        if spec["tp"] > 1:
+            out.tp, out.styles, out.replicated = spec["tp"], styles, dict(tp_plan.replicated)
+        return out
     out = ParallelPlan(spec["tp"], spec["dp"], blocks=blocks)
     if spec["tp"] > 1:
         tp_plan.check(spec["tp"])
@@ -142,10 +150,9 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
     return out
 
 
-def pipeline(model: nn.Module, spec: dict, kwargs: dict) -> ParallelPlan:
+def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh) -> ParallelPlan:
     """Cut the model's step graph into pp * virtual stages balanced by the cost model, and load
     this rank's stages into torch's pipeline runtime with the tailorfx schedule."""
-    import torch.distributed as dist
     from tailorfx.codegen.pipeline import capture_static, cut_stages, pipeline_runtime
     from tailorfx.codegen.schedule import simulate_schedule
     from tailorfx.passes.pipeline_split import block_costs, split_points
@@ -166,8 +173,9 @@ def pipeline(model: nn.Module, spec: dict, kwargs: dict) -> ParallelPlan:
     block_stage = {name: i for i, blocks in enumerate(stage_blocks) for b in regions.of_kind("block")
                    if b.path in blocks for name in b.nodes}
     stages = cut_stages(gm, example, model, block_stage, num_stages, micro)
-    rank = dist.get_rank()
-    runtime = pipeline_runtime(stages, rank=rank, num_ranks=pp, name=spec["schedule"], microbatches=m, virtual=v)
+    rank = mesh.get_local_rank()
+    runtime = pipeline_runtime(stages, rank=rank, num_ranks=pp, name=spec["schedule"], microbatches=m, virtual=v,
+                               group=mesh.get_group())
     mine = {id(p) for s in range(rank, num_stages, pp) for p in stages[s].parameters()}
     bubble = float(simulate_schedule(spec["schedule"], pp, m, virtual=v).bubble)
     return ParallelPlan(pp=pp, schedule=spec["schedule"], microbatches=m, stage_blocks=stage_blocks, bubble=bubble,

@@ -76,7 +76,7 @@ def test_tp_must_divide_the_heads_read_off_the_graph():
 
 @pytest.mark.parametrize("bad, msg", [
     (dict(tp=0), "tp=0 is not valid"),
-    (dict(tp=2, pp=2), "pipeline stages .* combined with tp/dp are not available"),
+    (dict(dp=2, pp=2), "pipeline stages .* combined with dp are not available"),
     (dict(pp=2, schedule="zb"), r"schedule='zb' is not valid: one of \['gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1'\]"),
     (dict(sp="ulysses"), "sequence parallelism"),
     (dict(tq=2), "unknown parallel option"),
@@ -216,3 +216,13 @@ def test_pipeline_schedules_equal_one_process(family, schedule, tmp_path):
         assert len(r["stages"]) == stages and all(r["stages"])       # the graph was cut, every stage has blocks
         assert r["bubble"] == pytest.approx(float(simulate_schedule(schedule, 2, 4, virtual=stages // 2).bubble))
     assert [r["loss"] is not None for r in rows] == [False, True]    # the loss lives on the last stage's rank
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family, schedule", [("llama", "1f1b"), ("qwen3", "zb_h1")])
+def test_tp2_x_pp2_on_four_processes_equals_one_process(family, schedule, tmp_path):
+    rows = torchrun_pipeline(tmp_path, 4, family, schedule, 4, 2)
+    for r in rows:
+        assert r["ok"], r
+        assert r["sharded"] > 0 and len(r["stages"]) == 2     # TP shards inside pipeline stages
+    assert [r["loss"] is not None for r in rows] == [False, False, True, True]   # mesh (pp, dp, tp)

@@ -101,6 +101,11 @@ def cut_stages(gm: fx.GraphModule, example_inputs: list, model: nn.Module, block
                 env[ph] = g.get_attr(attr)
             elif id(t) in kw_name:
                 kw.append(ph)
+            elif not isinstance(t, torch.Tensor):
+                # an object Dynamo lifted (a DTensor hook's mesh or layout): held as a constant
+                attr = f"const_{ph.name}"
+                setattr(holder, attr, t)
+                env[ph] = g.get_attr(attr)
             else:
                 raise ValueError(f"graph input {ph.name} is neither a parameter, a buffer nor a keyword input")
         for ph in kw:
@@ -163,14 +168,15 @@ def capture_static(model: nn.Module, kwargs: dict) -> tuple[fx.GraphModule, list
 
 
 def pipeline_runtime(stages: list[StageModule], *, rank: int, num_ranks: int, name: str, microbatches: int,
-                     virtual: int = 1, device: Optional[torch.device] = None):
-    """This rank's PipelineStages (stage s on rank s % num_ranks) under torch's schedule runtime,
-    running tailorfx's schedule `name` (its per-rank action lists, exported)."""
+                     virtual: int = 1, device: Optional[torch.device] = None, group=None):
+    """This rank's PipelineStages (stage s on pipeline rank s % num_ranks, in process group
+    `group`, default the world) under torch's schedule runtime, running tailorfx's schedule
+    `name` (its per-rank action lists, exported)."""
     from torch.distributed.pipelining import PipelineStage
     from tailorfx import compat
     from tailorfx.codegen.schedule import build_schedule, to_pipelining
     num_stages = len(stages)
     schedule = build_schedule(name, num_ranks, microbatches, virtual)
     device = device or torch.device("cpu")
-    mine = [PipelineStage(stages[s], s, num_stages, device) for s in range(rank, num_stages, num_ranks)]
+    mine = [PipelineStage(stages[s], s, num_stages, device, group=group) for s in range(rank, num_stages, num_ranks)]
     return compat.pipelining_runtime(mine, microbatches, lambda out, target: out.sum(), to_pipelining(schedule))

@@ -13,15 +13,15 @@ import tailorfx  # noqa: E402
 from models import hf_family  # noqa: E402
 
 
-def main(family: str, schedule: str, microbatches: int) -> int:
+def main(family: str, schedule: str, microbatches: int, tp: int = 1) -> int:
     ref = hf_family(family, num_layers=4, vocab_size=512)
     model = hf_family(family, num_layers=4, vocab_size=512)
     ids = torch.randint(0, 512, (microbatches, 32), generator=torch.Generator().manual_seed(1))
     out = ref(input_ids=ids, labels=ids)
     out.loss.backward()
-    pp = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+    pp = int(os.environ["WORLD_SIZE"]) // tp
     opt = tailorfx.optimize(model, example_inputs=dict(input_ids=ids, labels=ids),
-                            parallel=dict(pp=pp, schedule=schedule, microbatches=microbatches))
+                            parallel=dict(pp=pp, tp=tp, schedule=schedule, microbatches=microbatches))
     for _ in range(2):     # twice: the second step must not see state the first one left
         for p in model.parameters():
             p.grad = None
@@ -29,21 +29,22 @@ def main(family: str, schedule: str, microbatches: int) -> int:
     rank = dist.get_rank()
     names = dict(ref.named_parameters())
     mine = dict(opt.named_parameters())
-    bad = {n: float((p.grad - names[n].grad).abs().max()) for n, p in mine.items()
-           if p.grad is None or not torch.allclose(p.grad, names[n].grad, rtol=1e-4, atol=1e-6)}
+    full = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in mine.items()}
+    bad = {n: (None if g is None else float((g - names[n].grad).abs().max())) for n, g in full.items()
+           if g is None or not torch.allclose(g, names[n].grad, rtol=1e-4, atol=1e-6)}
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, sorted(mine))
-    covered = sorted(n for c in counts for n in c)
+    covered = sorted({n for c in counts for n in c})
     ok = (not bad and covered == sorted(names)
           and (loss is None or torch.allclose(loss, out.loss.detach(), rtol=1e-4)))
     with open(os.path.join(os.environ["TAILORFX_RESULTS"], f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "family": family, "schedule": schedule, "ok": bool(ok),
                    "loss": None if loss is None else float(loss), "eager_loss": float(out.loss.detach()),
-                   "num_params": len(mine), "bad": bad, "stages": opt.session.parallel.stage_blocks,
+                   "num_params": len(mine), "bad": bad, "sharded": sum(hasattr(p, "full_tensor") for p in mine.values()), "stages": opt.session.parallel.stage_blocks,
                    "bubble": opt.session.parallel.bubble, "report": str(opt.report())}, f)
     dist.destroy_process_group()
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *map(int, sys.argv[4:])))
