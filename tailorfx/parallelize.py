@@ -37,6 +37,9 @@ class ParallelPlan:
     runtime: Any = None           # torch's pipeline schedule runtime, this rank's stages
     rank_params: Optional[set] = None   # ids of the parameters this rank's stages hold
     is_last: bool = False
+    sp: Optional[str] = None      # "ulysses": the dp ranks hold slices of the sequence
+    dp_group: Any = None
+    dp_rank: int = 0
 
     def step(self, kwargs: dict):
         """One pipelined training step (forward and backward of every micro-batch); the mean
@@ -54,6 +57,8 @@ class ParallelPlan:
             raise ValueError("under parallel=dict(pp=...) one call is a whole pipelined training step: use "
                              "opt.step(**batch), which runs forward and backward of every micro-batch and "
                              "returns the loss on the last stage's rank")
+        if self.sp:
+            return self._run_ulysses(model, args, kwargs)
         if self.loss_scope is None:
             return model(*args, **kwargs)
         from torch.distributed.tensor.parallel import loss_parallel
@@ -64,15 +69,38 @@ class ParallelPlan:
             out["loss"] = self.loss_scope.enter_on_backward(loss)
         return out
 
+    def _run_ulysses(self, model: nn.Module, args: tuple, kwargs: dict):
+        from tailorfx.runtime.ulysses import shard_batch
+        if args:
+            raise ValueError("sp='ulysses' takes the batch as keywords (input_ids=, labels=, ...)")
+        out = model(**shard_batch(kwargs, rank=self.dp_rank, size=self.dp))
+        loss = getattr(out, "loss", None)
+        if loss is not None:
+            out["loss"] = _ulysses_loss(loss, self.dp, self.dp_group)
+        return out
+
     def describe(self) -> list[tuple[str, str]]:
         rows = [(fqn, style) for fqn, style in self.styles.items()]
         rows += [(fqn, f"replicated: {why}") for fqn, why in self.replicated.items()]
         rows += [(", ".join(b) or "(no block)", f"pipeline stage {i} of {len(self.stage_blocks)}, rank "
                   f"{i % self.pp}, {self.schedule}, {self.microbatches} micro-batches, bubble {self.bubble:.1%}")
                  for i, b in enumerate(self.stage_blocks)]
+        if self.sp:
+            rows += [("(attention)", f"Ulysses: the sequence split over the {self.dp} dp ranks, heads swapped by all-to-all")]
+        if self.sp:
+            rows.append(("(attention)", f"Ulysses: the sequence split over the {self.dp} dp ranks, heads by all-to-all"))
         if self.dp > 1:
             rows += [(b, f"fully_shard over dp={self.dp}") for b in self.blocks] + [("(root)", f"fully_shard over dp={self.dp}")]
         return rows
+
+
+def _ulysses_loss(loss, size: int, group):
+    """The whole sequence's loss as the value; as the gradient, `size` times this rank's share, so
+    FSDP's mean over the ranks sums the shares (each is its tokens' sum over the whole count)."""
+    import torch.distributed as dist
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    return loss * size + (total - loss.detach() * size)
 
 
 def check_parallel(parallel: Any) -> dict:
@@ -88,15 +116,20 @@ def check_parallel(parallel: Any) -> dict:
             raise ValueError(f"parallel={parallel!r}: {k}={v!r} is not valid: a positive int")
     from tailorfx.codegen.schedule import SCHEDULES
     tp, dp, pp = (parallel.get(k, 1) for k in ("tp", "dp", "pp"))
-    if parallel.get("sp") is not None:
-        raise ValueError(f"parallel={parallel!r}: sequence parallelism (sp=) is not available in optimize() yet")
+    sp = parallel.get("sp")
+    if sp not in (None, "ulysses"):
+        raise ValueError(f"parallel={parallel!r}: sp={sp!r} is not valid: 'ulysses' (the dp ranks split the "
+                         f"sequence instead of the batch) or None")
+    if sp and (dp < 2 or tp * pp > 1):
+        raise ValueError(f"parallel={parallel!r}: sp='ulysses' splits the sequence over the dp ranks: give dp>=2, "
+                         f"without tp/pp (not combined yet)")
     if pp > 1 and dp > 1:
         raise ValueError(f"parallel={parallel!r}: pipeline stages (pp>1) combined with dp are not available "
                          f"yet; use pp= with tp=, or tp= with dp=")
     schedule = parallel.get("schedule", "1f1b")
     if schedule not in SCHEDULES:
         raise ValueError(f"parallel={parallel!r}: schedule={schedule!r} is not valid: one of {list(SCHEDULES)}")
-    return {"tp": tp, "dp": dp, "pp": pp, "schedule": schedule, "microbatches": parallel.get("microbatches", pp),
+    return {"tp": tp, "dp": dp, "pp": pp, "sp": sp, "schedule": schedule, "microbatches": parallel.get("microbatches", pp),
             "virtual": 2 if schedule == "interleaved_1f1b" else 1}
 
 
@@ -145,6 +178,10 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
         head = next((f for f, st in tp_plan.styles.items() if st == "colwise_vocab_parallel"), None)
         if head is not None:
             out.loss_scope = apply_loss_parallel(model, head=head)
+    if spec["sp"]:
+        from tailorfx.runtime.ulysses import register
+        model.set_attn_implementation(register(group=mesh["dp"].get_group(), size=spec["dp"]))
+        out.sp, out.dp_group, out.dp_rank = spec["sp"], mesh["dp"].get_group(), mesh["dp"].get_local_rank()
     if spec["dp"] > 1:
         apply_fsdp(model, blocks=blocks, mesh=mesh["dp"])
     return out

@@ -78,7 +78,8 @@ def test_tp_must_divide_the_heads_read_off_the_graph():
     (dict(tp=0), "tp=0 is not valid"),
     (dict(dp=2, pp=2), "pipeline stages .* combined with dp are not available"),
     (dict(pp=2, schedule="zb"), r"schedule='zb' is not valid: one of \['gpipe', '1f1b', 'interleaved_1f1b', 'zb_h1'\]"),
-    (dict(sp="ulysses"), "sequence parallelism"),
+    (dict(sp="ulysses"), "splits the sequence over the dp ranks: give dp>=2"),
+    (dict(dp=2, sp="ring"), "sp=.ring. is not valid"),
     (dict(tq=2), "unknown parallel option"),
     ([2], "give a dict"),
 ])
@@ -226,3 +227,41 @@ def test_tp2_x_pp2_on_four_processes_equals_one_process(family, schedule, tmp_pa
         assert r["ok"], r
         assert r["sharded"] > 0 and len(r["stages"]) == 2     # TP shards inside pipeline stages
     assert [r["loss"] is not None for r in rows] == [False, False, True, True]   # mesh (pp, dp, tp)
+
+
+def test_ulysses_slices_shift_labels_over_the_whole_sequence():
+    from tailorfx.runtime.ulysses import shard_batch
+    ids = torch.arange(16).reshape(2, 8)
+    labels = ids.clone()
+    labels[0, 0] = -100
+    parts = [shard_batch(dict(input_ids=ids, labels=labels), rank=r, size=2) for r in range(2)]
+    assert torch.equal(torch.cat([p["input_ids"] for p in parts], 1), ids)
+    assert torch.equal(torch.cat([p["position_ids"] for p in parts], 1), torch.arange(8).expand(2, 8))
+    shifted = torch.cat([p["shift_labels"] for p in parts], 1)
+    assert torch.equal(shifted[:, :-1], labels[:, 1:]) and bool((shifted[:, -1] == -100).all())
+    assert int(parts[0]["num_items_in_batch"]) == int(parts[1]["num_items_in_batch"]) == 14
+    with pytest.raises(ValueError, match="sequence length divisible by 3"):
+        shard_batch(dict(input_ids=ids, labels=labels), rank=0, size=3)
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(softcap=50.0), "softcap=50.0: use tp/dp/pp"),
+                                     (dict(), r"must divide the 2 key/value heads: use dp in \[1, 2\]")])
+def test_ulysses_refuses_what_it_cannot_compute_exactly(kw, msg):
+    from tailorfx.runtime.ulysses import ulysses_attention
+    q, kv = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=msg):
+        ulysses_attention(None, q, kv, kv, None, group=None, size=4 if not kw else 2, **kw)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_ulysses_sp2_equals_one_process(family, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(HERE, "dist", "ulysses_check.py"), family]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TAILORFX_RESULTS": str(tmp_path)}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert out.returncode == 0 and len(rows) == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    for r in rows:
+        assert r["ok"], r
+        assert r["attention"] == "tailorfx_ulysses"      # the model's attention was swapped

@@ -1,0 +1,49 @@
+"""Run under torchrun: optimize(parallel=dict(dp=N, sp="ulysses")) on a tiny HF model equals one
+process on the whole batch (loss and every gradient, fp32, rtol 1e-4). One JSON file per rank
+in $TAILORFX_RESULTS; exits 1 on a mismatch."""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tailorfx  # noqa: E402
+from models import hf_family  # noqa: E402
+
+
+def main(family: str) -> int:
+    ref = hf_family(family, vocab_size=512)
+    model = hf_family(family, vocab_size=512)
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :5] = -100          # some ignored labels, so the slices hold different token counts
+    out = ref(input_ids=ids, labels=labels)
+    out.loss.backward()
+    world = int(os.environ["WORLD_SIZE"])
+    opt = tailorfx.optimize(model, example_inputs=dict(input_ids=ids, labels=labels),
+                            parallel=dict(dp=world, sp="ulysses"))
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = None
+        loss = opt(input_ids=ids, labels=labels).loss
+        loss.backward()
+    names = dict(ref.named_parameters())
+    bad = {}
+    for n, p in opt.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        if not torch.allclose(g, names[n].grad, rtol=1e-4, atol=1e-6):
+            bad[n] = float((g - names[n].grad).abs().max())
+    ok = not bad and torch.allclose(loss.detach(), out.loss.detach(), rtol=1e-4)
+    rank = dist.get_rank()
+    with open(os.path.join(os.environ["TAILORFX_RESULTS"], f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "family": family, "ok": bool(ok), "loss": float(loss.detach()),
+                   "eager_loss": float(out.loss.detach()), "bad": bad,
+                   "attention": model.config._attn_implementation}, f)
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
