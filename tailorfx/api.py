@@ -222,6 +222,8 @@ class OptimizedModule(nn.Module):
             setup = self.setup.with_(optimizer=optimizer, optimizer_in_backward=False, name=optimizer)
         else:
             setup = self.setup
+        if self.session.parallel is not None:
+            return self.session.parallel.predict(self.model, seq_len, setup)
         if not self.session.graphs:
             raise RuntimeError("nothing captured yet: call the module once or pass example_inputs")
         failed = [w for g in self.session.graphs if g.failed for w in g.warnings]

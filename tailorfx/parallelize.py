@@ -38,6 +38,7 @@ class ParallelPlan:
     rank_params: Optional[set] = None   # ids of the parameters this rank's stages hold
     is_last: bool = False
     sp: Optional[str] = None      # "ulysses": the dp ranks hold slices of the sequence
+    example: dict = field(default_factory=dict)   # the example batch (per-rank predictions trace it)
     dp_group: Any = None
     dp_rank: int = 0
 
@@ -78,6 +79,32 @@ class ParallelPlan:
         if loss is not None:
             out["loss"] = _ulysses_loss(loss, self.dp, self.dp_group)
         return out
+
+    def predict(self, model: nn.Module, seq_len: Optional[int], setup):
+        """This rank's memory for one step, by the memory model on the sharded model's own graph
+        (DTensor shards, collectives and all; traced on fake tensors, nothing run), at the
+        example batch's shape. Tensor parallel only, for now."""
+        import contextlib
+        from tailorfx import planner
+        from tailorfx.api import PredictionError
+        from tailorfx.rewrite import memory
+        from tailorfx.codegen.pipeline import capture_static
+        from tailorfx.rewrite.capture import seq_info
+        if self.dp > 1 or self.pp > 1 or self.sp:
+            raise PredictionError("per-rank memory predictions cover tensor parallel (tp=) only, for now: "
+                                  "dp (FSDP2), pp and sp are not modelled yet")
+        length = self.example["input_ids"].shape[1] if "input_ids" in self.example else None
+        if seq_len not in (None, length):
+            raise PredictionError(f"under parallel= the prediction is at the example batch's length ({length}): "
+                                  f"give example_inputs of length {seq_len}")
+        if self.loss_scope is not None:
+            from torch.distributed.tensor.parallel import loss_parallel
+            scope = loss_parallel
+        else:
+            scope = contextlib.nullcontext
+        with scope():
+            gm, _, _ = capture_static(model, self.example)
+            return planner.predict_graphs([(gm, "dynamo", None)], [seq_info(gm, None)], None, setup)
 
     def describe(self) -> list[tuple[str, str]]:
         rows = [(fqn, style) for fqn, style in self.styles.items()]
@@ -170,7 +197,7 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
         if spec["tp"] > 1:
             out.tp, out.styles, out.replicated = spec["tp"], styles, dict(tp_plan.replicated)
         return out
-    out = ParallelPlan(spec["tp"], spec["dp"], blocks=blocks)
+    out = ParallelPlan(spec["tp"], spec["dp"], blocks=blocks, example=dict(kwargs))
     if spec["tp"] > 1:
         tp_plan.check(spec["tp"])
         apply_tp(model, styles=tp_plan.styles, mesh=mesh["tp"])
@@ -200,7 +227,7 @@ def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh) -> ParallelPlan:
         raise ValueError(f"example_inputs have {sorted(set(rows.values()))} rows, which microbatches={m} does not "
                          f"divide: give a batch of a multiple of {m} rows (every step must have that shape)")
     micro = {k: (t[: t.shape[0] // m] if k in rows else t) for k, t in kwargs.items()}
-    gm, example = capture_static(model, micro)
+    gm, example, micro = capture_static(model, micro)
     regions = find_regions(gm, seq_info(gm, None))
     costs = block_costs(gm, regions)
     num_stages = pp * v

@@ -118,6 +118,8 @@ def test_tp2_equals_one_process(family, tmp_path):
         assert r["sharded_params"] > 0 and "colwise" in r["styles"].values() and "rowwise" in r["styles"].values()
         if family == "llama":     # untied head into the loss: logits split over the vocab, loss_parallel
             assert r["styles"]["lm_head"] == "colwise_vocab_parallel"
+        # the memory model on the sharded graph: within 5% of this rank's measured peak, never 2% under
+        assert -0.02 <= (r["predicted"] - r["measured"]) / r["measured"] <= 0.05, r
 
 
 @pytest.mark.multiprocess
@@ -155,8 +157,7 @@ def cut_and_run(family, num_stages, ids):
     from tailorfx.rewrite.capture import seq_info
     from tailorfx.rewrite.regions import find_regions
     model = hf_family(family, num_layers=4, vocab_size=512)
-    kw = dict(input_ids=ids, labels=ids)
-    gm, example = capture_static(model, kw)
+    gm, example, kw = capture_static(model, dict(input_ids=ids, labels=ids))
     regions = find_regions(gm, seq_info(gm, None))
     c = block_costs(gm, regions)
     starts = split_points(c.flops, num_stages, c.bytes, c.first_flops, c.last_flops)

@@ -153,10 +153,13 @@ def _loss_node(gm: fx.GraphModule) -> fx.Node:
                      "end in the loss)")
 
 
-def capture_static(model: nn.Module, kwargs: dict) -> tuple[fx.GraphModule, list]:
+def capture_static(model: nn.Module, kwargs: dict) -> tuple[fx.GraphModule, list, dict]:
     """The model's step as one Dynamo graph with static shapes (pipeline stages exchange fixed
-    shapes; gloo aborts on a change)."""
+    shapes; gloo aborts on a change); returns the graph, its example inputs, and the keyword
+    inputs it was captured with: copies, since a tensor optimize() captured before carries
+    Dynamo's mark of a dynamic sequence dim, which would make this graph symbolic."""
     from tailorfx import compat
+    kwargs = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
     graphs = []
 
     def record(gm, example_inputs):
@@ -164,7 +167,8 @@ def capture_static(model: nn.Module, kwargs: dict) -> tuple[fx.GraphModule, list
         return gm.forward
     compat.reset_dynamo()
     torch.compile(model, backend=record, dynamic=False, fullgraph=True)(**kwargs)
-    return graphs[0]
+    gm, example = graphs[0]
+    return gm, example, kwargs
 
 
 def pipeline_runtime(stages: list[StageModule], *, rank: int, num_ranks: int, name: str, microbatches: int,

@@ -161,6 +161,8 @@ def split_lazy_outputs(gm: fx.GraphModule) -> Split:
             found.append((i, o, chain[0], *extracted))
         elif (prefix := _prefix_chain(o)) is not None and (extracted := _extract(gm, None, prefix, o)):
             found.append((i, o, None, *extracted))
+    # a tensor subclass output (a DTensor's logits) is not a FakeTensor the split can detach: kept
+    found = [f for f in found if hasattr(node_value(f[1]), "fake_mode")]
     if not found:
         return Split(gm, (), len(outs))
     new = clone(gm)

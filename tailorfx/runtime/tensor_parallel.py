@@ -123,6 +123,10 @@ class _OnBackward(torch.autograd.Function):
 def apply_loss_parallel(model: nn.Module, *, head: str) -> LossParallelScope:
     """Make `head`'s sharded logits leave the loss scope once their gradient is computed."""
     scope = LossParallelScope()
-    dict(model.named_modules())[head].register_forward_hook(
-        lambda mod, args, out: scope.exit_on_backward(out) if torch.is_grad_enabled() and out.requires_grad else out)
+    def hook(mod, args, out):
+        # a graph traced for the memory model never runs backward: no scope to leave
+        if torch.is_grad_enabled() and out.requires_grad and not torch.compiler.is_compiling():
+            return scope.exit_on_backward(out)
+        return out
+    dict(model.named_modules())[head].register_forward_hook(hook)
     return scope

@@ -17,9 +17,9 @@ from models import hf_family  # noqa: E402
 
 def main(family: str, tp: int, dp: int) -> int:
     torch.manual_seed(0)
-    ref = hf_family(family, vocab_size=512)
-    model = hf_family(family, vocab_size=512)
-    ids = torch.randint(0, 512, (2 * dp, 32), generator=torch.Generator().manual_seed(1))
+    ref = hf_family(family, vocab_size=2048)
+    model = hf_family(family, vocab_size=2048)
+    ids = torch.randint(0, 2048, (2 * dp, 128), generator=torch.Generator().manual_seed(1))
     out = ref(input_ids=ids, labels=ids)
     out.loss.backward()
     opt = tailorfx.optimize(model, example_inputs=dict(input_ids=ids, labels=ids), parallel=dict(tp=tp, dp=dp))
@@ -37,6 +37,20 @@ def main(family: str, tp: int, dp: int) -> int:
     if dp > 1:
         dist.all_reduce(full_loss)     # tp ranks hold the same loss: the mean over the world is over dp
         full_loss /= dist.get_world_size()
+    predicted = measured = None
+    if dp == 1:      # this rank's forward+backward peak: the memory model against the allocator
+        saved = {n: p.grad for n, p in opt.named_parameters()}
+        for p in model.parameters():
+            p.grad = None
+
+        def fwd_bwd():
+            out = opt(input_ids=rows, labels=rows)
+            out.loss.backward()
+            return out
+        measured = tailorfx.measure_peak(fwd_bwd)
+        predicted = opt.predict_memory().forward_backward_peak_bytes
+        for n, p in opt.named_parameters():
+            p.grad = saved[n]
     errs, names = {}, dict(ref.named_parameters())
     for name, p in opt.named_parameters():
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
@@ -47,7 +61,7 @@ def main(family: str, tp: int, dp: int) -> int:
     path = os.path.join(os.environ["TAILORFX_RESULTS"], f"rank{rank}.json")
     with open(path, "w") as f:   # one file per rank: ranks share stdout and their lines interleave
         json.dump({"rank": rank, "family": family, "ok": bool(ok), "loss": float(full_loss),
-                      "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": len(errs),
+                      "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": len(errs), "predicted": predicted, "measured": measured,
                       "bad": {k: v for k, v in errs.items() if v}, "styles": opt.session.parallel.styles}, f)
     dist.destroy_process_group()
     return 0 if ok else 1
