@@ -98,22 +98,26 @@ def test_parallel_outside_torchrun_says_how_to_launch(monkeypatch):
         tailorfx.optimize(model, example_inputs=dict(input_ids=ids, labels=ids), parallel=dict(tp=2))
 
 
-def torchrun(tmp_path, nproc: int, *args) -> list[dict]:
-    """Run tests/dist/parallel_check.py on `nproc` gloo processes; one JSON result per rank."""
+def torchrun(tmp_path, nproc: int, script: str, *args) -> dict:
+    """Run tests/dist/SCRIPT on `nproc` gloo processes (one launch, several models: each process
+    start costs seconds); {(rank, run): result} from the JSON file each rank writes per run."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(HERE, "dist", "parallel_check.py"), *map(str, args)]
+           os.path.join(HERE, "dist", script), *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TAILORFX_RESULTS": str(tmp_path)}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
-    assert out.returncode == 0 and len(rows) == nproc, out.stdout[-3000:] + out.stderr[-3000:]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    rows = {tuple(p.stem.split("_", 1)): json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))}
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return rows
 
 
+TP_FAMILIES = ["llama", "qwen3", "gemma2", "gemma3_text"]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3_text"])
-def test_tp2_equals_one_process(family, tmp_path):
-    rows = torchrun(tmp_path, 2, family, 2, 1)
-    for r in rows:
+def test_tp2_equals_one_process(tmp_path):
+    rows = torchrun(tmp_path, 2, "parallel_check.py", 2, 1, *TP_FAMILIES)
+    assert sorted(rows) == sorted((f"rank{r}", f) for r in range(2) for f in TP_FAMILIES)
+    for (_, family), r in rows.items():
         assert r["ok"], r
         assert r["sharded_params"] > 0 and "colwise" in r["styles"].values() and "rowwise" in r["styles"].values()
         if family == "llama":     # untied head into the loss: logits split over the vocab, loss_parallel
@@ -124,14 +128,18 @@ def test_tp2_equals_one_process(family, tmp_path):
 
 @pytest.mark.multiprocess
 def test_fsdp2_dp2_equals_one_process(tmp_path):
-    for r in torchrun(tmp_path, 2, "llama", 1, 2):
+    rows = torchrun(tmp_path, 2, "parallel_check.py", 1, 2, "llama")
+    assert len(rows) == 2
+    for r in rows.values():
         assert r["ok"], r
         assert r["sharded_params"] == r["num_params"]    # every parameter is a DTensor shard
 
 
 @pytest.mark.multiprocess
 def test_tp2_x_dp2_on_four_processes_equals_one_process(tmp_path):
-    for r in torchrun(tmp_path, 4, "qwen3", 2, 2):
+    rows = torchrun(tmp_path, 4, "parallel_check.py", 2, 2, "qwen3")
+    assert len(rows) == 4
+    for r in rows.values():
         assert r["ok"], r
         assert r["styles"]["model.layers.0.self_attn.q_norm"] == "sharded_input:2"   # per-head norm's grad summed
 
@@ -196,38 +204,30 @@ def test_tied_weights_across_stages_are_refused_with_the_fix():
         cut_and_run("gemma2", 2, ids)
 
 
-def torchrun_pipeline(tmp_path, nproc: int, *args) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(HERE, "dist", "pipeline_check.py"), *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TAILORFX_RESULTS": str(tmp_path)}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
-    assert out.returncode == 0 and len(rows) == nproc, out.stdout[-3000:] + out.stderr[-3000:]
-    return rows
+PIPELINES = [("llama", "gpipe"), ("llama", "1f1b"), ("llama", "interleaved_1f1b"), ("llama", "zb_h1"), ("qwen3", "1f1b")]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family, schedule", [("llama", "gpipe"), ("llama", "1f1b"), ("llama", "interleaved_1f1b"),
-                                              ("llama", "zb_h1"), ("qwen3", "1f1b")])
-def test_pipeline_schedules_equal_one_process(family, schedule, tmp_path):
+def test_pipeline_schedules_equal_one_process(tmp_path):
     from tailorfx import simulate_schedule
-    rows = torchrun_pipeline(tmp_path, 2, family, schedule, 4)
-    for r in rows:
+    rows = torchrun(tmp_path, 2, "pipeline_check.py", 1, 4, *[f"{f}:{s}" for f, s in PIPELINES])
+    assert len(rows) == 2 * len(PIPELINES)
+    for (rank, run), r in rows.items():
         assert r["ok"], r
-        stages = 4 if schedule == "interleaved_1f1b" else 2
+        stages = 4 if r["schedule"] == "interleaved_1f1b" else 2
         assert len(r["stages"]) == stages and all(r["stages"])       # the graph was cut, every stage has blocks
-        assert r["bubble"] == pytest.approx(float(simulate_schedule(schedule, 2, 4, virtual=stages // 2).bubble))
-    assert [r["loss"] is not None for r in rows] == [False, True]    # the loss lives on the last stage's rank
+        assert r["bubble"] == pytest.approx(float(simulate_schedule(r["schedule"], 2, 4, virtual=stages // 2).bubble))
+        assert (r["loss"] is not None) == (rank == "rank1")           # the loss lives on the last stage's rank
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family, schedule", [("llama", "1f1b"), ("qwen3", "zb_h1")])
-def test_tp2_x_pp2_on_four_processes_equals_one_process(family, schedule, tmp_path):
-    rows = torchrun_pipeline(tmp_path, 4, family, schedule, 4, 2)
-    for r in rows:
+def test_tp2_x_pp2_on_four_processes_equals_one_process(tmp_path):
+    rows = torchrun(tmp_path, 4, "pipeline_check.py", 2, 4, "llama:1f1b", "qwen3:zb_h1")
+    assert len(rows) == 8
+    for (rank, run), r in rows.items():
         assert r["ok"], r
         assert r["sharded"] > 0 and len(r["stages"]) == 2     # TP shards inside pipeline stages
-    assert [r["loss"] is not None for r in rows] == [False, False, True, True]   # mesh (pp, dp, tp)
+        assert (r["loss"] is not None) == (rank in ("rank2", "rank3"))   # mesh (pp, dp, tp)
 
 
 def test_ulysses_slices_shift_labels_over_the_whole_sequence():
@@ -255,14 +255,9 @@ def test_ulysses_refuses_what_it_cannot_compute_exactly(kw, msg):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_ulysses_sp2_equals_one_process(family, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(HERE, "dist", "ulysses_check.py"), family]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TAILORFX_RESULTS": str(tmp_path)}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
-    assert out.returncode == 0 and len(rows) == 2, out.stdout[-3000:] + out.stderr[-3000:]
-    for r in rows:
+def test_ulysses_sp2_equals_one_process(tmp_path):
+    rows = torchrun(tmp_path, 2, "ulysses_check.py", "llama", "qwen3")
+    assert len(rows) == 4
+    for r in rows.values():
         assert r["ok"], r
         assert r["attention"] == "tailorfx_ulysses"      # the model's attention was swapped

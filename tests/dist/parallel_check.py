@@ -58,14 +58,15 @@ def main(family: str, tp: int, dp: int) -> int:
         errs[name] = float(((g - r).abs() / (r.abs() + 1e-6)).max()) if not torch.allclose(g, r, rtol=1e-4, atol=1e-6) else 0.0
     sharded = sum(1 for _, p in opt.named_parameters() if hasattr(p, "full_tensor"))
     ok = torch.allclose(full_loss, out.loss.detach(), rtol=1e-4) and not any(errs.values()) and len(errs) == len(names)
-    path = os.path.join(os.environ["TAILORFX_RESULTS"], f"rank{rank}.json")
+    path = os.path.join(os.environ["TAILORFX_RESULTS"], f"rank{rank}_{family}.json")
     with open(path, "w") as f:   # one file per rank: ranks share stdout and their lines interleave
         json.dump({"rank": rank, "family": family, "ok": bool(ok), "loss": float(full_loss),
                       "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": len(errs), "predicted": predicted, "measured": measured,
                       "bad": {k: v for k, v in errs.items() if v}, "styles": opt.session.parallel.styles}, f)
-    dist.destroy_process_group()
     return 0 if ok else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+if __name__ == "__main__":     # parallel_check.py TP DP FAMILY [FAMILY ...]: one launch, several models
+    failed = sum(main(f, int(sys.argv[1]), int(sys.argv[2])) for f in sys.argv[3:])
+    dist.destroy_process_group()
+    sys.exit(1 if failed else 0)

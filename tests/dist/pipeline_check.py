@@ -37,14 +37,16 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1) -> int:
     covered = sorted({n for c in counts for n in c})
     ok = (not bad and covered == sorted(names)
           and (loss is None or torch.allclose(loss, out.loss.detach(), rtol=1e-4)))
-    with open(os.path.join(os.environ["TAILORFX_RESULTS"], f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(os.environ["TAILORFX_RESULTS"], f"rank{rank}_{family}_{schedule}.json"), "w") as f:
         json.dump({"rank": rank, "family": family, "schedule": schedule, "ok": bool(ok),
                    "loss": None if loss is None else float(loss), "eager_loss": float(out.loss.detach()),
                    "num_params": len(mine), "bad": bad, "sharded": sum(hasattr(p, "full_tensor") for p in mine.values()), "stages": opt.session.parallel.stage_blocks,
                    "bubble": opt.session.parallel.bubble, "report": str(opt.report())}, f)
-    dist.destroy_process_group()
     return 0 if ok else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *map(int, sys.argv[4:])))
+if __name__ == "__main__":     # pipeline_check.py TP MICROBATCHES FAMILY:SCHEDULE [...]: one launch, several runs
+    tp, m = int(sys.argv[1]), int(sys.argv[2])
+    failed = sum(main(*pair.split(":"), m, tp) for pair in sys.argv[3:])
+    dist.destroy_process_group()
+    sys.exit(1 if failed else 0)

@@ -37,13 +37,14 @@ def main(family: str) -> int:
             bad[n] = float((g - names[n].grad).abs().max())
     ok = not bad and torch.allclose(loss.detach(), out.loss.detach(), rtol=1e-4)
     rank = dist.get_rank()
-    with open(os.path.join(os.environ["TAILORFX_RESULTS"], f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(os.environ["TAILORFX_RESULTS"], f"rank{rank}_{family}.json"), "w") as f:
         json.dump({"rank": rank, "family": family, "ok": bool(ok), "loss": float(loss.detach()),
                    "eager_loss": float(out.loss.detach()), "bad": bad,
                    "attention": model.config._attn_implementation}, f)
-    dist.destroy_process_group()
     return 0 if ok else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+if __name__ == "__main__":     # ulysses_check.py FAMILY [FAMILY ...]
+    failed = sum(main(f) for f in sys.argv[1:])
+    dist.destroy_process_group()
+    sys.exit(1 if failed else 0)
