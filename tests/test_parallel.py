@@ -110,7 +110,7 @@ def torchrun(tmp_path, nproc: int, script: str, *args) -> dict:
     return rows
 
 
-TP_FAMILIES = ["llama", "qwen3", "gemma2", "gemma3_text"]
+TP_FAMILIES = ["llama", "gemma2", "gemma3_text"]   # Qwen3 runs TP below, with FSDP2, with PP and with Ulysses
 
 
 @pytest.mark.multiprocess
@@ -222,8 +222,8 @@ def test_pipeline_schedules_equal_one_process(tmp_path):
 
 @pytest.mark.multiprocess
 def test_tp2_x_pp2_on_four_processes_equals_one_process(tmp_path):
-    rows = torchrun(tmp_path, 4, "pipeline_check.py", 2, 4, "llama:1f1b", "qwen3:zb_h1")
-    assert len(rows) == 8
+    rows = torchrun(tmp_path, 4, "pipeline_check.py", 2, 4, "qwen3:zb_h1")
+    assert len(rows) == 4
     for (rank, run), r in rows.items():
         assert r["ok"], r
         assert r["sharded"] > 0 and len(r["stages"]) == 2     # TP shards inside pipeline stages
