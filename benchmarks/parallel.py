@@ -45,7 +45,7 @@ def worker(tp: int, dp: int, pp: int, seq: int, batch: int) -> None:
                                 parallel=dict(pp=pp, schedule=SCHEDULE, microbatches=MICROBATCHES))
         rank, rows = dist.get_rank(), batch_all
     else:
-        opt = tailorfx.optimize(model, example_inputs={k: v[:1] for k, v in batch_all.items()},
+        opt = tailorfx.optimize(model, example_inputs=batch_all if dp == 1 else {k: v[:1] for k, v in batch_all.items()},
                                 parallel=dict(tp=tp, dp=dp))
         rank = dist.get_rank()
         rows = {k: v.chunk(dp)[rank // tp] for k, v in batch_all.items()}
@@ -77,11 +77,14 @@ def worker(tp: int, dp: int, pp: int, seq: int, batch: int) -> None:
         peak = measure_step(opt, params, rows)
     if pp > 1:      # the loss lives on the last stage's rank
         dist.broadcast(loss, src=dist.get_world_size() - 1)
+    predicted = None
+    if tp > 1 and dp == 1 and pp == 1:     # the memory model on the sharded graph, at the measured batch
+        predicted = opt.predict_memory().forward_backward_peak_bytes
     if dp > 1:
         dist.all_reduce(loss)
         loss /= dist.get_world_size()
     _emit({"rank": rank, "tp": tp, "dp": dp, "pp": pp, "param_bytes": local, "grad_bytes": local,
-                      "fwd_bwd_peak_bytes": peak, "step_s": statistics.median(times),
+                      "fwd_bwd_peak_bytes": peak, "predicted_fwd_bwd_peak_bytes": predicted, "step_s": statistics.median(times),
                       "loss": float(loss), "single_process_loss": ref_loss})
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -127,11 +130,13 @@ def main() -> None:
         base = results[0]["ranks"][0]
         total = lambda r: r["param_bytes"] + r["grad_bytes"] + r["fwd_bwd_peak_bytes"]
         name = f"pp={pp} ({SCHEDULE}, {MICROBATCHES} micro-batches)" if pp > 1 else f"tp={tp} dp={dp}"
+        pred = worst.get("predicted_fwd_bwd_peak_bytes")
         rows.append([name, str(tp * dp * pp), mib(worst["param_bytes"]), mib(worst["fwd_bwd_peak_bytes"]),
+                     f"{mib(pred)} ({(pred - worst['fwd_bwd_peak_bytes']) / worst['fwd_bwd_peak_bytes']:+.1%})" if pred else "-",
                      mib(total(worst)), f"{total(worst) / total(base):.2f}", f"{max(r['step_s'] for r in ranks):.3f}",
                      f"{abs(ranks[0]['loss'] - base['single_process_loss']) / base['single_process_loss']:.1e}"])
     print_table(f"Per rank, HF Llama (hidden 256, 4 layers, vocab 8000), global batch {a.batch} x {a.seq}, fp32, gloo",
-                ["layout", "processes", "params MiB", "fwd+bwd peak MiB", "params+grads+peak MiB",
+                ["layout", "processes", "params MiB", "fwd+bwd peak MiB", "predicted MiB", "params+grads+peak MiB",
                  "vs 1 process", "step s (slowest rank)", "loss rel. err"], rows)
     print("wrote", write_json("parallel.json", results))
 
