@@ -313,8 +313,9 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     of the precision pass's policy. `recompute="full"|"selective"` sets the recompute policy.
     Capture happens at the first call, or now when example inputs are given (their forward runs
     once). `parallel=dict(tp=2, dp=2)` (inside torchrun, example inputs required) shards the model
-    with DTensor tensor parallelism, planned from its graph, and FSDP2; `opt.report()` lists
-    each module's style and why the others stay replicated.
+    with DTensor tensor parallelism, planned from its graph, and FSDP2; `pp=2, schedule="1f1b",
+    microbatches=4` cuts its step graph into pipeline stages (train with `opt.step(**batch)`);
+    `sp="ulysses"` splits sequences over the dp ranks. `opt.report()` lists what went where.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")

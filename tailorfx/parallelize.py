@@ -87,7 +87,6 @@ class ParallelPlan:
         import contextlib
         from tailorfx import planner
         from tailorfx.api import PredictionError
-        from tailorfx.rewrite import memory
         from tailorfx.codegen.pipeline import capture_static
         from tailorfx.rewrite.capture import seq_info
         if self.dp > 1 or self.pp > 1 or self.sp:
@@ -112,8 +111,6 @@ class ParallelPlan:
         rows += [(", ".join(b) or "(no block)", f"pipeline stage {i} of {len(self.stage_blocks)}, rank "
                   f"{i % self.pp}, {self.schedule}, {self.microbatches} micro-batches, bubble {self.bubble:.1%}")
                  for i, b in enumerate(self.stage_blocks)]
-        if self.sp:
-            rows += [("(attention)", f"Ulysses: the sequence split over the {self.dp} dp ranks, heads swapped by all-to-all")]
         if self.sp:
             rows.append(("(attention)", f"Ulysses: the sequence split over the {self.dp} dp ranks, heads by all-to-all"))
         if self.dp > 1:
