@@ -183,9 +183,9 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
         raise ValueError("parallel= needs example_inputs: the tensor-parallel plan is read off the graph "
                          "of one forward pass")
     mesh = device_mesh(tp=spec["tp"], dp=spec["dp"], pp=spec["pp"])
-    tp_plan, blocks = plan_tensor_parallel(model, args, kwargs)
     if spec["pp"] > 1:
         if spec["tp"] > 1:   # the stages are cut from the sharded model's graph; its head gathers the logits
+            tp_plan, _ = plan_tensor_parallel(model, args, kwargs)
             tp_plan.check(spec["tp"])
             styles = {f: ("colwise_gather_output" if st == "colwise_vocab_parallel" else st)
                       for f, st in tp_plan.styles.items()}
@@ -194,6 +194,7 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
         if spec["tp"] > 1:
             out.tp, out.styles, out.replicated = spec["tp"], styles, dict(tp_plan.replicated)
         return out
+    tp_plan, blocks = plan_tensor_parallel(model, args, kwargs)
     out = ParallelPlan(spec["tp"], spec["dp"], blocks=blocks, example=dict(kwargs))
     if spec["tp"] > 1:
         tp_plan.check(spec["tp"])

@@ -68,7 +68,6 @@ def cut_stages(gm: fx.GraphModule, example_inputs: list, model: nn.Module, block
     """The graph cut into `num_stages` StageModules (see the module docstring); `kwargs` are the
     model's keyword inputs the graph was captured with (their names are the stages' keywords)."""
     kw_name = {id(t): k for k, t in kwargs.items() if isinstance(t, torch.Tensor)}
-    params = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     buffers = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     value = dict(zip(phs, example_inputs))
@@ -91,7 +90,7 @@ def cut_stages(gm: fx.GraphModule, example_inputs: list, model: nn.Module, block
             if not any(stage.get(u) == k for u in ph.users) or ph in env:
                 continue
             t = value[ph]
-            name = params.get(id(t)) or buffers.get(id(t))
+            name = aliases[id(t)][0] if id(t) in aliases else buffers.get(id(t))
             if name is not None:
                 attr = re.sub(r"\W", "_", name)
                 if isinstance(t, nn.Parameter):
@@ -140,13 +139,9 @@ def _check_shared_params(phs: list, value: dict, params: dict, stage: dict) -> N
 
 def _loss_node(gm: fx.GraphModule) -> fx.Node:
     """The graph output that is the loss (a 0-dim float tensor)."""
-    outs = [a for a in fx.graph.map_arg(next(n for n in gm.graph.nodes if n.op == "output").args, lambda a: a)
-            for a in (a if isinstance(a, (tuple, list)) else [a])]
-    flat = []
-    for a in outs:
-        flat += list(a) if isinstance(a, (tuple, list)) else [a]
-    for a in flat:
-        v = a.meta.get("example_value") if isinstance(a, fx.Node) else None
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for a in output.all_input_nodes:
+        v = a.meta.get("example_value")
         if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():
             return a
     raise ValueError("the captured step returns no loss: pass labels in example_inputs (pipeline stages "

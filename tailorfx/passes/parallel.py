@@ -72,25 +72,21 @@ class TPPlan:
         return lines + [f"{fqn}: replicated ({why})" for fqn, why in self.replicated.items()]
 
 
-def linear_modules(gm: fx.GraphModule, example_inputs: list, model: torch.nn.Module
+def linear_modules(gm: fx.GraphModule, values: dict, names: dict, model: torch.nn.Module
                    ) -> tuple[dict[fx.Node, Optional[str]], dict[fx.Node, str]]:
     """Weight-matmul node -> fqn of the nn.Linear that owns its weight (None if no nn.Linear does),
-    and node -> "fqn (Type)" of every weight's owner, for the report."""
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    holder = {id(p): n.rsplit(".", 1)[0] for n, p in model.named_parameters(remove_duplicate=False)}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    param_of = {ph: example_inputs[i] for i, ph in enumerate(placeholders) if i < len(example_inputs)}
+    and node -> "fqn (Type)" of every weight's owner, for the report. `values`: placeholder ->
+    example input; `names`: placeholder -> parameter name (`_param_names`)."""
     mods = dict(model.named_modules(remove_duplicate=False))
     out, owner = {}, {}
     for n in gm.graph.nodes:
         if n.op != "call_function" or not is_weight_matmul(n):
             continue
-        ws = [param_of[a] for a in n.all_input_nodes if a in param_of and id(param_of[a]) in names]
-        w = next((t for t in ws if t.dim() >= 2), None)
+        w = next((a for a in n.all_input_nodes if a in names and values[a].dim() >= 2), None)
         if w is None:
             continue
-        fqn = holder[id(w)]
-        linear = match.op_name(n) == "linear" and n.args[1] in param_of and param_of[n.args[1]] is w
+        fqn = names[w].rsplit(".", 1)[0]
+        linear = match.op_name(n) == "linear" and n.args[1] is w
         out[n] = fqn if linear and isinstance(mods.get(fqn), torch.nn.Linear) else None
         owner[n] = fqn if out[n] else f"{fqn} ({type(mods.get(fqn)).__name__})"
     return out, owner
@@ -285,8 +281,9 @@ def infer_tp_plan(gm: fx.GraphModule, example_inputs: list, model: torch.nn.Modu
     """The plan for one captured graph: groups found by following each linear's sharded output;
     the LM head (`head_fqn`, from the regions) is column-parallel, vocab-parallel into its loss
     when `head_loss` (the graph computes one), else with its logits gathered."""
-    linears, owner = linear_modules(gm, example_inputs, model)
-    names = _param_names(gm, example_inputs, model)
+    values = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs))
+    names = _param_names(values, model)
+    linears, owner = linear_modules(gm, values, names, model)
     head = next((n for n, f in owner.items() if f.split(" ")[0] == head_fqn), None)
     styles: dict[str, str] = {}
     replicated: dict[str, str] = {}
@@ -297,11 +294,9 @@ def infer_tp_plan(gm: fx.GraphModule, example_inputs: list, model: torch.nn.Modu
             continue
         group, members, why = _grow(lin, linears, head)
         done |= members
-        if why is not None:
-            for m in members:
-                replicated.setdefault(owner[m], why)
-            continue
-        inner, why = _inner_params(gm, group, names)
+        inner = {}
+        if why is None:
+            inner, why = _inner_params(gm, group, names)
         if why is not None:
             for m in members:
                 replicated.setdefault(owner[m], why)
@@ -319,11 +314,10 @@ def infer_tp_plan(gm: fx.GraphModule, example_inputs: list, model: torch.nn.Modu
     return TPPlan(styles, groups, {k: v for k, v in replicated.items() if k not in styles})
 
 
-def _param_names(gm: fx.GraphModule, example_inputs: list, model: torch.nn.Module) -> dict[fx.Node, str]:
+def _param_names(values: dict, model: torch.nn.Module) -> dict[fx.Node, str]:
     """Placeholder -> the parameter's name in `model` (Dynamo lifts parameters as graph inputs)."""
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return {ph: names[id(t)] for ph, t in zip(phs, example_inputs) if id(t) in names}
+    return {ph: names[id(t)] for ph, t in values.items() if id(t) in names}
 
 
 def _inner_params(gm: fx.GraphModule, group: Group, names: dict) -> tuple[dict[str, str], Optional[str]]:
@@ -355,10 +349,10 @@ def _tied(model: torch.nn.Module, fqn: str) -> Optional[str]:
 
 def _grow(start: fx.Node, linears: dict, head: Optional[fx.Node], max_rounds: int = 16):
     """Propagate from `start`, taking in linears the group pulls, until it is closed."""
+    if linears[start] is None:
+        return None, {start}, "its weight is not an nn.Linear's (DTensor shards nn.Linear only)"
     starts = [start]
     for _ in range(max_rounds):
-        if linears[start] is None:
-            return None, {start}, "its weight is not an nn.Linear's (DTensor shards nn.Linear only)"
         prop = _Propagation(linears)
         prop.run(starts)
         members = set(starts) | {n for n in linears if linears[n] in prop.group.rowwise}
