@@ -98,15 +98,24 @@ def test_parallel_outside_torchrun_says_how_to_launch(monkeypatch):
         tailorfx.optimize(model, example_inputs=dict(input_ids=ids, labels=ids), parallel=dict(tp=2))
 
 
-def torchrun(tmp_path, nproc: int, script: str, *args) -> dict:
-    """Run tests/dist/SCRIPT on `nproc` gloo processes (one launch, several models: each process
-    start costs seconds); {(rank, run): result} from the JSON file each rank writes per run."""
+def launch(nproc: int, script: str, *args, results=None, timeout: int = 400) -> subprocess.CompletedProcess:
+    """tests/dist/SCRIPT on `nproc` gloo processes under torchrun."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            os.path.join(HERE, "dist", script), *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TAILORFX_RESULTS": str(tmp_path)}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"TAILORFX_RESULTS": str(results)} if results else {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def torchrun(tmp_path, nproc: int, script: str, *args, runs: int = 1) -> dict:
+    """Run tests/dist/SCRIPT (one launch, several models: each process start costs seconds);
+    {(rank, run): result} from the JSON file each rank writes per run, all `runs` of every rank
+    there and each equal to one process."""
+    out = launch(nproc, script, *args, results=tmp_path)
     rows = {tuple(p.stem.split("_", 1)): json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))}
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert len(rows) == nproc * runs, sorted(rows)
+    for r in rows.values():
+        assert r["ok"], r
     return rows
 
 
@@ -115,10 +124,9 @@ TP_FAMILIES = ["llama", "gemma2", "gemma3_text"]   # Qwen3 runs TP below, with F
 
 @pytest.mark.multiprocess
 def test_tp2_equals_one_process(tmp_path):
-    rows = torchrun(tmp_path, 2, "parallel_check.py", 2, 1, *TP_FAMILIES)
+    rows = torchrun(tmp_path, 2, "parallel_check.py", 2, 1, *TP_FAMILIES, runs=len(TP_FAMILIES))
     assert sorted(rows) == sorted((f"rank{r}", f) for r in range(2) for f in TP_FAMILIES)
     for (_, family), r in rows.items():
-        assert r["ok"], r
         assert r["sharded_params"] > 0 and "colwise" in r["styles"].values() and "rowwise" in r["styles"].values()
         if family == "llama":     # untied head into the loss: logits split over the vocab, loss_parallel
             assert r["styles"]["lm_head"] == "colwise_vocab_parallel"
@@ -128,29 +136,21 @@ def test_tp2_equals_one_process(tmp_path):
 
 @pytest.mark.multiprocess
 def test_fsdp2_dp2_equals_one_process(tmp_path):
-    rows = torchrun(tmp_path, 2, "parallel_check.py", 1, 2, "llama")
-    assert len(rows) == 2
-    for r in rows.values():
-        assert r["ok"], r
+    for r in torchrun(tmp_path, 2, "parallel_check.py", 1, 2, "llama").values():
         assert r["sharded_params"] == r["num_params"]    # every parameter is a DTensor shard
 
 
 @pytest.mark.multiprocess
 def test_tp2_x_dp2_on_four_processes_equals_one_process(tmp_path):
-    rows = torchrun(tmp_path, 4, "parallel_check.py", 2, 2, "qwen3")
-    assert len(rows) == 4
-    for r in rows.values():
-        assert r["ok"], r
+    for r in torchrun(tmp_path, 4, "parallel_check.py", 2, 2, "qwen3").values():
         assert r["styles"]["model.layers.0.self_attn.q_norm"] == "sharded_input:2"   # per-head norm's grad summed
 
 
 @pytest.mark.multiprocess
 def test_a_killed_rank_ends_the_job_with_an_error_not_a_hang():
     import time
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(HERE, "dist", "killed_rank.py")]
     t = time.time()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = launch(2, "killed_rank.py", timeout=180)
     elapsed = time.time() - t
     assert out.returncode != 0
     assert "rank 0 step 0" in out.stdout and "rank 0 step 2" not in out.stdout
@@ -210,10 +210,8 @@ PIPELINES = [("llama", "gpipe"), ("llama", "1f1b"), ("llama", "interleaved_1f1b"
 @pytest.mark.multiprocess
 def test_pipeline_schedules_equal_one_process(tmp_path):
     from tailorfx import simulate_schedule
-    rows = torchrun(tmp_path, 2, "pipeline_check.py", 1, 4, *[f"{f}:{s}" for f, s in PIPELINES])
-    assert len(rows) == 2 * len(PIPELINES)
+    rows = torchrun(tmp_path, 2, "pipeline_check.py", 1, 4, *[f"{f}:{s}" for f, s in PIPELINES], runs=len(PIPELINES))
     for (rank, run), r in rows.items():
-        assert r["ok"], r
         stages = 4 if r["schedule"] == "interleaved_1f1b" else 2
         assert len(r["stages"]) == stages and all(r["stages"])       # the graph was cut, every stage has blocks
         assert r["bubble"] == pytest.approx(float(simulate_schedule(r["schedule"], 2, 4, virtual=stages // 2).bubble))
@@ -223,9 +221,7 @@ def test_pipeline_schedules_equal_one_process(tmp_path):
 @pytest.mark.multiprocess
 def test_tp2_x_pp2_on_four_processes_equals_one_process(tmp_path):
     rows = torchrun(tmp_path, 4, "pipeline_check.py", 2, 4, "qwen3:zb_h1")
-    assert len(rows) == 4
     for (rank, run), r in rows.items():
-        assert r["ok"], r
         assert r["sharded"] > 0 and len(r["stages"]) == 2     # TP shards inside pipeline stages
         assert (r["loss"] is not None) == (rank in ("rank2", "rank3"))   # mesh (pp, dp, tp)
 
@@ -256,8 +252,5 @@ def test_ulysses_refuses_what_it_cannot_compute_exactly(kw, msg):
 
 @pytest.mark.multiprocess
 def test_ulysses_sp2_equals_one_process(tmp_path):
-    rows = torchrun(tmp_path, 2, "ulysses_check.py", "llama", "qwen3")
-    assert len(rows) == 4
-    for r in rows.values():
-        assert r["ok"], r
+    for r in torchrun(tmp_path, 2, "ulysses_check.py", "llama", "qwen3", runs=2).values():
         assert r["attention"] == "tailorfx_ulysses"      # the model's attention was swapped

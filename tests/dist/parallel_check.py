@@ -1,9 +1,8 @@
 """Run under torchrun: optimize(parallel=...) on a tiny HF model equals one process.
 
 Every rank builds the same model (same seed), computes the single-process loss and gradients on
-the whole batch, then the parallel run; it writes one JSON file per rank to $TAILORFX_RESULTS with the largest
-relative errors, and exits 1 if loss or any gradient differs (fp32, rtol 1e-4)."""
-import json
+the whole batch, then the parallel run; it writes one JSON file per rank and model to
+$TAILORFX_RESULTS (results.write), and exits 1 if loss or any gradient differs (fp32, rtol 1e-4)."""
 import os
 import sys
 
@@ -13,6 +12,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tailorfx  # noqa: E402
 from models import hf_family  # noqa: E402
+from results import grad_mismatches, write  # noqa: E402
 
 
 def main(family: str, tp: int, dp: int) -> int:
@@ -25,8 +25,7 @@ def main(family: str, tp: int, dp: int) -> int:
     opt = tailorfx.optimize(model, example_inputs=dict(input_ids=ids, labels=ids), parallel=dict(tp=tp, dp=dp))
     rank = dist.get_rank()
     # data parallel: each dp rank takes its rows; FSDP averages the gradients over dp
-    dp_rank = opt.session.parallel and rank // tp
-    rows = ids.chunk(dp)[dp_rank] if dp > 1 else ids
+    rows = ids.chunk(dp)[rank // tp] if dp > 1 else ids
     for _ in range(2):     # twice: the second step must not see state the first one left
         for p in model.parameters():
             p.grad = None
@@ -51,18 +50,14 @@ def main(family: str, tp: int, dp: int) -> int:
         predicted = opt.predict_memory().forward_backward_peak_bytes
         for n, p in opt.named_parameters():
             p.grad = saved[n]
-    errs, names = {}, dict(ref.named_parameters())
-    for name, p in opt.named_parameters():
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        r = names[name].grad
-        errs[name] = float(((g - r).abs() / (r.abs() + 1e-6)).max()) if not torch.allclose(g, r, rtol=1e-4, atol=1e-6) else 0.0
+    bad = grad_mismatches(opt.named_parameters(), ref)
+    num_params = len(list(opt.named_parameters()))
     sharded = sum(1 for _, p in opt.named_parameters() if hasattr(p, "full_tensor"))
-    ok = torch.allclose(full_loss, out.loss.detach(), rtol=1e-4) and not any(errs.values()) and len(errs) == len(names)
-    path = os.path.join(os.environ["TAILORFX_RESULTS"], f"rank{rank}_{family}.json")
-    with open(path, "w") as f:   # one file per rank: ranks share stdout and their lines interleave
-        json.dump({"rank": rank, "family": family, "ok": bool(ok), "loss": float(full_loss),
-                      "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": len(errs), "predicted": predicted, "measured": measured,
-                      "bad": {k: v for k, v in errs.items() if v}, "styles": opt.session.parallel.styles}, f)
+    ok = (torch.allclose(full_loss, out.loss.detach(), rtol=1e-4) and not bad
+          and num_params == len(list(ref.parameters())))
+    write({"rank": rank, "family": family, "ok": bool(ok), "loss": float(full_loss),
+           "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": num_params,
+           "predicted": predicted, "measured": measured, "bad": bad, "styles": opt.session.parallel.styles}, family)
     return 0 if ok else 1
 
 

@@ -1,7 +1,6 @@
 """Run under torchrun: optimize(parallel=dict(pp=..., schedule=...)) on a tiny HF model equals one
 process: the loss and every gradient of the rank's stages (fp32, rtol 1e-4). Writes one JSON file
-per rank to $TAILORFX_RESULTS; exits 1 on a mismatch."""
-import json
+per rank and run to $TAILORFX_RESULTS (results.write); exits 1 on a mismatch."""
 import os
 import sys
 
@@ -11,6 +10,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tailorfx  # noqa: E402
 from models import hf_family  # noqa: E402
+from results import grad_mismatches, write  # noqa: E402
 
 
 def main(family: str, schedule: str, microbatches: int, tp: int = 1) -> int:
@@ -27,21 +27,18 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1) -> int:
             p.grad = None
         loss = opt.step(input_ids=ids, labels=ids)
     rank = dist.get_rank()
-    names = dict(ref.named_parameters())
     mine = dict(opt.named_parameters())
-    full = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in mine.items()}
-    bad = {n: (None if g is None else float((g - names[n].grad).abs().max())) for n, g in full.items()
-           if g is None or not torch.allclose(g, names[n].grad, rtol=1e-4, atol=1e-6)}
+    bad = grad_mismatches(mine.items(), ref)
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, sorted(mine))
     covered = sorted({n for c in counts for n in c})
-    ok = (not bad and covered == sorted(names)
+    ok = (not bad and covered == sorted(dict(ref.named_parameters()))
           and (loss is None or torch.allclose(loss, out.loss.detach(), rtol=1e-4)))
-    with open(os.path.join(os.environ["TAILORFX_RESULTS"], f"rank{rank}_{family}_{schedule}.json"), "w") as f:
-        json.dump({"rank": rank, "family": family, "schedule": schedule, "ok": bool(ok),
-                   "loss": None if loss is None else float(loss), "eager_loss": float(out.loss.detach()),
-                   "num_params": len(mine), "bad": bad, "sharded": sum(hasattr(p, "full_tensor") for p in mine.values()), "stages": opt.session.parallel.stage_blocks,
-                   "bubble": opt.session.parallel.bubble, "report": str(opt.report())}, f)
+    write({"rank": rank, "family": family, "schedule": schedule, "ok": bool(ok),
+           "loss": None if loss is None else float(loss), "eager_loss": float(out.loss.detach()),
+           "num_params": len(mine), "bad": bad, "sharded": sum(hasattr(p, "full_tensor") for p in mine.values()),
+           "stages": opt.session.parallel.stage_blocks, "bubble": opt.session.parallel.bubble,
+           "report": str(opt.report())}, family, schedule)
     return 0 if ok else 1
 
 

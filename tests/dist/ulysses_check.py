@@ -1,7 +1,6 @@
 """Run under torchrun: optimize(parallel=dict(dp=N, sp="ulysses")) on a tiny HF model equals one
 process on the whole batch (loss and every gradient, fp32, rtol 1e-4). One JSON file per rank
-in $TAILORFX_RESULTS; exits 1 on a mismatch."""
-import json
+and model in $TAILORFX_RESULTS (results.write); exits 1 on a mismatch."""
 import os
 import sys
 
@@ -11,6 +10,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tailorfx  # noqa: E402
 from models import hf_family  # noqa: E402
+from results import grad_mismatches, write  # noqa: E402
 
 
 def main(family: str) -> int:
@@ -29,18 +29,11 @@ def main(family: str) -> int:
             p.grad = None
         loss = opt(input_ids=ids, labels=labels).loss
         loss.backward()
-    names = dict(ref.named_parameters())
-    bad = {}
-    for n, p in opt.named_parameters():
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        if not torch.allclose(g, names[n].grad, rtol=1e-4, atol=1e-6):
-            bad[n] = float((g - names[n].grad).abs().max())
+    bad = grad_mismatches(opt.named_parameters(), ref)
     ok = not bad and torch.allclose(loss.detach(), out.loss.detach(), rtol=1e-4)
-    rank = dist.get_rank()
-    with open(os.path.join(os.environ["TAILORFX_RESULTS"], f"rank{rank}_{family}.json"), "w") as f:
-        json.dump({"rank": rank, "family": family, "ok": bool(ok), "loss": float(loss.detach()),
-                   "eager_loss": float(out.loss.detach()), "bad": bad,
-                   "attention": model.config._attn_implementation}, f)
+    write({"rank": dist.get_rank(), "family": family, "ok": bool(ok), "loss": float(loss.detach()),
+           "eager_loss": float(out.loss.detach()), "bad": bad, "attention": model.config._attn_implementation},
+          family)
     return 0 if ok else 1
 
 

@@ -1,0 +1,27 @@
+"""What the torchrun checks share: a rank's gradients against one process's, and its result file
+(one per rank and run: ranks share stdout, and their lines interleave)."""
+import json
+import os
+from typing import Iterable, Optional
+
+import torch
+
+
+def grad_mismatches(named_params: Iterable, ref: torch.nn.Module) -> dict[str, Optional[float]]:
+    """Name -> max |grad - reference| (None: no gradient) for each parameter whose gradient, whole
+    (a DTensor's full_tensor()), differs from the single process's (fp32, rtol 1e-4)."""
+    ref_params = dict(ref.named_parameters())
+    bad = {}
+    for name, p in named_params:
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        r = ref_params[name].grad
+        if g is None or not torch.allclose(g, r, rtol=1e-4, atol=1e-6):
+            bad[name] = None if g is None else float((g - r).abs().max())
+    return bad
+
+
+def write(row: dict, *tags: str) -> None:
+    """$TAILORFX_RESULTS/rank{R}_{tags}.json: what tests/test_parallel.py reads back."""
+    path = os.path.join(os.environ["TAILORFX_RESULTS"], "_".join([f"rank{row['rank']}", *tags]) + ".json")
+    with open(path, "w") as f:
+        json.dump(row, f)
