@@ -260,9 +260,19 @@ class OptimizedModule(nn.Module):
         return plot_timeline(path, self.predict_memory(seq_len, rewritten=False),
                              self.predict_memory(seq_len), measured)
 
-    def kernels(self) -> dict[str, str]:
-        """Generated kernel sources by name (none until a pass emits Triton kernels)."""
-        return {}
+    def kernels(self) -> dict:
+        """The Triton kernels this model runs (kernels="triton"), by spec name: each has `.source`
+        (the generated Triton text) and `.compile(arch)` (80 or 90: registers, spills, shared
+        memory and cubin, compiled here without a GPU). Empty when no Triton kernel runs."""
+        from tailorfx.codegen.triton import load
+        from tailorfx.passes.kernels import kernel_specs
+        specs = {}
+        for g in self.session.graphs:
+            gm = g.records[-1].gm if g.records else g.original
+            for n in gm.graph.nodes:
+                for spec in kernel_specs(n):
+                    specs.setdefault(spec.name, spec)
+        return {name: load(spec) for name, spec in sorted(specs.items())}
 
 
 class PredictionError(RuntimeError):
@@ -297,7 +307,7 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
              precision_policy: Optional[dict] = None, setup: Any = None,
              optimizer: Optional[str] = "adamw", recompute: Optional[str] = None,
              keep_logits: bool = False, strict: bool = False, lowering: str = "auto", verify: bool = True,
-             predict: bool = True, parallel: Optional[dict] = None) -> OptimizedModule:
+             predict: bool = True, parallel: Optional[dict] = None, kernels: Optional[str] = None) -> OptimizedModule:
     """Rewrite `model` for training under `budget`; returns a module that trains like the original.
 
     passes=None lets the planner choose (with a budget: the plan that fits with the least
@@ -315,14 +325,18 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     once). `parallel=dict(tp=2, dp=2)` (inside torchrun, example inputs required) shards the model
     with DTensor tensor parallelism, planned from its graph, and FSDP2; `pp=2, schedule="1f1b",
     microbatches=4` cuts its step graph into pipeline stages (train with `opt.step(**batch)`);
-    `sp="ulysses"` splits sequences over the dp ranks. `opt.report()` lists what went where.
+    `sp="ulysses"` splits sequences over the dp ranks. `kernels="triton"` runs norms, gated
+    activations, attention and the fused LM head as the runtime's Triton kernels (`opt.kernels()`
+    lists them). `opt.report()` lists what went where.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
     setup = _setup_for(model, setup, optimizer)
     b, opts = pass_options(budget=budget, minisequence_chunks=minisequence_chunks, attention=attention,
                            precision=precision, precision_policy=precision_policy, setup=setup,
-                           recompute=recompute, keep_logits=keep_logits, strict=strict)
+                           recompute=recompute, keep_logits=keep_logits, strict=strict, kernels=kernels)
+    if kernels == "triton":
+        check_triton(model)
     options = Options(passes=check_passes(passes), pass_options=tuple(sorted(opts.items())),
                       lowering=lowering, predict=check_flag("predict", predict), verify=check_flag("verify", verify))
     if parallel is not None:
@@ -332,6 +346,16 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
         args, kwargs = _split_examples(example_inputs, example_kwargs)
         opt(*args, **kwargs)
     return opt
+
+
+def check_triton(model: nn.Module) -> None:
+    """kernels="triton" needs a CUDA model, or Triton's CPU interpreter for a CPU one."""
+    from tailorfx.codegen.triton import interpreted
+    devices = {p.device.type for p in model.parameters()}
+    if devices - {"cuda"} and not interpreted():
+        raise ValueError(f"kernels='triton' on a {'/'.join(sorted(devices))} model needs Triton's CPU interpreter: "
+                         f"set TRITON_INTERPRET=1 before importing tailorfx (slow; for tests), or move the "
+                         f"model to a CUDA GPU, or drop kernels= to run torch's own ops")
 
 
 def _parallel_module(model: nn.Module, options: Options, budget: Optional[Budget], parallel: dict,

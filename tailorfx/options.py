@@ -13,7 +13,7 @@ RECOMPUTE_POLICIES = (None, "full", "selective")
 PRECISIONS = (None, "bf16", "fp16", "fp32")
 # what torch.compile(..., backend="tailorfx", options=...) accepts: optimize()'s keywords
 BACKEND_OPTIONS = ("passes", "budget", "minisequence_chunks", "attention", "precision", "precision_policy",
-                   "setup", "recompute", "keep_logits", "strict", "lowering")
+                   "setup", "recompute", "keep_logits", "strict", "lowering", "kernels")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def check_flag(name: str, value: Any) -> bool:
 
 def pass_options(*, budget=None, minisequence_chunks=None, attention=None, precision=None,
                  precision_policy=None, setup=None, recompute=None, keep_logits=False,
-                 strict=False) -> tuple[Optional[Budget], dict]:
+                 strict=False, kernels=None) -> tuple[Optional[Budget], dict]:
     """The checked options every pass may read (ctx.options), and the parsed budget."""
     if precision not in PRECISIONS:
         raise _bad("precision", precision, "'bf16', 'fp16', 'fp32' or None")
@@ -73,12 +73,15 @@ def pass_options(*, budget=None, minisequence_chunks=None, attention=None, preci
         raise _bad("recompute", recompute, "'full', 'selective' or None")
     positive_int("minisequence_chunks", minisequence_chunks)
     check_flag("keep_logits", keep_logits)
+    if kernels not in (None, "triton"):
+        raise _bad("kernels", kernels, "'triton' (the runtime's Triton kernels) or None (torch's own ops)")
     check_flag("strict", strict)
     b = Budget.parse(budget) if budget is not None else None
     return b, {"minisequence_chunks": minisequence_chunks, "budget_bytes": b.bytes if b else None,
                "budget_label": str(b) if b else None, "attention": attention, "precision": precision,
                "precision_policy": policy_items(precision, precision_policy),
-               "setup": setup, "recompute_policy": recompute, "keep_logits": keep_logits, "strict": strict}
+               "setup": setup, "recompute_policy": recompute, "keep_logits": keep_logits, "strict": strict,
+               "kernels": kernels}
 
 
 def policy_items(precision: Optional[str], policy: Optional[dict]) -> Optional[tuple]:

@@ -75,13 +75,17 @@ def _order(names: Sequence[str]) -> tuple[str, ...]:
 
 def choose(requested: Optional[Sequence[str]], regions: RegionMap, options: dict) -> Plan:
     """`requested=None`: the planner picks; a list: exactly those passes, in pipeline order."""
+    # kernels="triton" runs the kernels pass, and the exact attention pass that it lowers from
+    implied = ("attention", "kernels") if options.get("kernels") else ()
     if requested is not None:
+        requested = [*requested, *(p for p in implied if p not in requested)]
         for name in requested:
             pass_registry.make(name, options)   # fails early, naming the available passes
         return Plan(_order(requested), dict(options), "requested")
-    chosen = []
+    chosen = list(implied)
     for name in ("attention", "precision"):
-        if options.get(name) is not None:   # asked for by the user: approximate rewrites never run unasked
+        # asked for by the user: approximate rewrites never run unasked
+        if options.get(name) is not None and name not in chosen:
             pass_registry.make(name, options)   # fails, naming the available passes, if missing
             chosen.append(name)
     if options.get("recompute_policy") is not None:

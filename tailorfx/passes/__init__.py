@@ -25,7 +25,7 @@ def available() -> list[str]:
 def _load() -> None:
     """Import the pass modules so they register themselves."""
     import importlib
-    for mod in ("attention", "minisequence", "precision", "recompute"):
+    for mod in ("attention", "kernels", "minisequence", "precision", "recompute"):
         try:
             importlib.import_module(f"tailorfx.passes.{mod}")
         except ModuleNotFoundError as e:

@@ -60,7 +60,7 @@ def auto_chunks(intermediate_bytes: int, io_bytes: int) -> int:
 class MiniSequence:
     """Chunk MLP regions and fuse LM head + cross-entropy, choosing M per region unless given."""
     name = NAME
-    after = ("attention", "precision")
+    after = ("attention", "precision", "kernels")
 
     def __init__(self, options: dict):
         self.num_chunks: Optional[int] = options.get("minisequence_chunks")

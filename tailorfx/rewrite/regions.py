@@ -58,8 +58,13 @@ _PATH_PARTS = re.compile(r"\._modules\['([^']+)'\]|\['([^']+)'\]|\[(\d+)\]")
 
 
 def normalize_path(p: str) -> str:
-    """"L['self'].model.layers[0]._modules['mlp']" -> "model.layers.0.mlp"."""
-    p = p.replace("L['self']", "", 1) if p.startswith("L['self']") else p
+    """"L['self'].model.layers[0]._modules['mlp']" -> "model.layers.0.mlp". The root module is
+    `L['self']`, or `L['args'][0]` when Dynamo's frame is a decorator's wrapper around forward
+    (transformers 5.24 wraps some models' forward that way)."""
+    for root in ("L['self']", "L['args'][0]"):
+        if p.startswith(root):
+            p = p[len(root):]
+            break
     p = _PATH_PARTS.sub(lambda m: "." + (m.group(1) or m.group(2) or m.group(3)), p)
     return p.strip(".")
 

@@ -1,0 +1,251 @@
+"""Kernels: the regions the runtime has Triton kernels for become calls of those kernels
+(`optimize(..., kernels="triton")`).
+
+Invariant: each replaced region computes what it computed (fp32 math inside the kernels); a
+region is replaced only after its own nodes, run on random inputs, agree with the kernel's
+reference formula, so a norm spelled in an unexpected way is left as it was and reported.
+
+    before:  f = x.to(float32); v = f.pow(2).mean(-1, keepdim=True); h = f * rsqrt(v + 1e-06)
+             y = w * h.to(float32)
+    after:   y = triton_norm(x, w, None, eps=1e-06, kind='rms', offset=0.0)
+
+    before:  y = mul(silu(gate), up)                 after:  y = triton_glu(gate, up, act='silu')
+    before:  o = attention_call(q, k, v, kind='Exact', params=(), causal=True, scale=0.125)
+    after:   o = triton_attention(q, k, v, causal=True, scale=0.125, ...)
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from tailorfx.passes import register
+from tailorfx.rewrite import match
+from tailorfx.rewrite.capture import node_value
+from tailorfx.rewrite.passes import PassContext, PassResult, annotate
+from tailorfx.rewrite.regions import Region
+
+NAME = "kernels"
+KERNELS = (None, "triton")
+
+
+@dataclass(frozen=True)
+class Swap:
+    """A region to replace by one kernel call: `fn(*args, **kwargs)` in place of `out`."""
+    out: fx.Node
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    kernel: str          # the kernel family, for the report and opt.kernels()
+
+
+@dataclass(frozen=True)
+class Rule:
+    """`match(region, nodes, ctx)` -> Swaps, a reason the region is left as it was (str), or None."""
+    name: str
+    kind: str            # the region kind it reads
+    match: Callable[[Region, dict, PassContext], Union[list[Swap], str, None]]
+
+
+# ---- norms ----------------------------------------------------------------------------------
+
+def _eps(members: list[fx.Node]) -> Optional[float]:
+    """The epsilon of a norm: layer_norm's argument, or the float added before rsqrt."""
+    for n in members:
+        name = match.op_name(n)
+        if name == "layer_norm":
+            return float(n.args[4] if len(n.args) > 4 else n.kwargs.get("eps", 1e-5))
+        if name in ("add", "__add__", "iadd") and n.users and any(match.op_name(u) == "rsqrt" for u in n.users):
+            consts = [a for a in n.args if isinstance(a, (int, float))]
+            if consts:
+                return float(consts[0])
+    return None
+
+
+def _region_fn(members: list[fx.Node], inputs: list[fx.Node], out: fx.Node) -> Optional[fx.GraphModule]:
+    """The region as its own graph f(*inputs) -> out, or None when it reads anything else."""
+    g = fx.Graph()
+    env = {n: g.placeholder(f"in_{i}") for i, n in enumerate(inputs)}
+    member_set = set(members)
+
+    def arg(a: fx.Node) -> fx.Node:
+        if a not in env:
+            raise KeyError(a.name)
+        return env[a]
+    try:
+        for n in members:
+            if n in member_set and n not in env:
+                env[n] = g.node_copy(n, arg)
+    except KeyError:
+        return None
+    g.output(env[out])
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _norm_reference(x, w, b, eps: float, kind: str, offset: float):
+    if kind == "layer":
+        return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (w + offset)
+
+
+def _match_norm(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swap], str, None]:
+    from tailorfx.runtime.triton_ops import triton_norm
+    members = [nodes[n] for n in region.nodes if n in nodes]
+    if len(region.inputs) != 1 or len(region.outputs) != 1 or len(region.params) not in (1, 2):
+        return (f"a norm of {len(region.inputs)} inputs, {len(region.params)} parameters and "
+                f"{len(region.outputs)} outputs (the kernel takes x, weight and an optional bias)")
+    x, out = nodes[region.inputs[0]], nodes[region.outputs[0]]
+    params = [nodes[p] for p in region.params]
+    xv, ov = node_value(x), node_value(out)
+    if not isinstance(xv, torch.Tensor) or not isinstance(ov, torch.Tensor) or ov.shape != xv.shape:
+        return "its output is not shaped like its input"
+    if ov.dtype != xv.dtype:
+        return f"it returns {ov.dtype} from {xv.dtype} input (the kernel returns the input's dtype)"
+    if any(node_value(p).shape != (xv.shape[-1],) for p in params):
+        return "its parameters are not vectors over the last dim"
+    eps = _eps(members)
+    if eps is None:
+        return "no epsilon found (neither layer_norm's nor a constant added before rsqrt)"
+    fn = _region_fn(members, [x, *params], out)
+    if fn is None:
+        return "it reads values from outside the region"
+    width = xv.shape[-1] if isinstance(xv.shape[-1], int) else 8
+    gen = torch.Generator().manual_seed(0)
+    # fp32: the norms cast to it themselves; the candidates differ by O(1), not by rounding
+    probe = [torch.randn(3, width, generator=gen)] + [torch.randn(width, generator=gen) for _ in params]
+    try:
+        got = fn(*probe).float()
+    except Exception as e:  # a region that cannot run on its own: leave it
+        return f"its nodes do not run on their own ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+    bias = probe[2] if len(params) == 2 else None
+    candidates = [("layer", 0.0)] + ([("rms", 0.0), ("rms", 1.0)] if bias is None else [])
+    for kind, offset in candidates:
+        want = _norm_reference(probe[0], probe[1], bias, eps, kind, offset)
+        if torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            args = (x, params[0], params[1] if bias is not None else None)
+            return [Swap(out, triton_norm, args, {"eps": eps, "kind": kind, "offset": offset}, "norm")]
+    return "its values differ from LayerNorm and from RMSNorm (weight offset 0 or 1) at its epsilon"
+
+
+# ---- gated MLP activations -------------------------------------------------------------------
+
+_GLU_ACTS = {"silu": "silu", "gelu": "gelu_tanh"}
+
+
+def _act(n: fx.Node) -> Optional[str]:
+    name = match.op_name(n)
+    if name == "silu":
+        return "silu"
+    if name == "gelu" and (n.kwargs.get("approximate") or (n.args[1] if len(n.args) > 1 else "none")) == "tanh":
+        return "gelu_tanh"
+    return None
+
+
+def _match_glu(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swap], str, None]:
+    from tailorfx.runtime.triton_ops import triton_glu
+    swaps = []
+    for name in region.nodes:
+        n = nodes.get(name)
+        if n is None or n.target not in (operator.mul, torch.mul) or len(n.args) != 2:
+            continue
+        a, b = n.args
+        for act_node, up in ((a, b), (b, a)):
+            if isinstance(act_node, fx.Node) and isinstance(up, fx.Node) and (act := _act(act_node)):
+                gate = act_node.args[0]
+                gv, uv, ov = node_value(gate), node_value(up), node_value(n)
+                if len(act_node.users) == 1 and gv.shape == uv.shape == ov.shape and gv.dtype == uv.dtype == ov.dtype:
+                    swaps.append(Swap(n, triton_glu, (gate, up), {"act": act}, "glu"))
+                    break
+    return swaps or None
+
+
+# ---- attention ------------------------------------------------------------------------------
+
+def _match_attention(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swap], str, None]:
+    from tailorfx.attention import attention_call
+    from tailorfx.runtime.triton_ops import triton_attention, triton_attention_supports
+    swaps = []
+    for name in region.nodes:
+        n = nodes.get(name)
+        if n is None or n.target is not attention_call:
+            continue
+        why = triton_attention_supports(n.kwargs["kind"], dict(n.kwargs["params"]))
+        if why:
+            return why
+        swaps.append(Swap(n, triton_attention, n.args, dict(n.kwargs), "flash_attention"))
+    return swaps or ("no attention_call in the region: the attention pass did not rewrite it"
+                     if region.nodes else None)
+
+
+rules_kernels = (
+    Rule("norm", "norm", _match_norm),
+)
+
+
+def _erase_dead(gm: fx.GraphModule, start: fx.Node) -> None:
+    """Erase `start` and whatever feeds only it (the replaced region's nodes)."""
+    stack, erased = [start], set()
+    while stack:
+        n = stack.pop()
+        if n in erased or n.users or n.op in ("placeholder", "output") or n.is_impure():
+            continue
+        inputs = n.all_input_nodes
+        gm.graph.erase_node(n)
+        erased.add(n)
+        stack.extend(inputs)
+
+
+class KernelsPass:
+    """Replace norms, gated activations and attention by calls of the runtime's Triton kernels."""
+    name = NAME
+    after = ("attention", "precision")
+
+    def __init__(self, options: dict):
+        kernels = options.get("kernels")
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels={kernels!r} is not valid: 'triton' or None")
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        stats: dict = {}
+        touched, skipped = [], []
+        for rule in rules_kernels:
+            for region in ctx.regions.of_kind(rule.kind):
+                nodes = {n.name: n for n in gm.graph.nodes}
+                got = rule.match(region, nodes, ctx)
+                if got is None:
+                    continue
+                if isinstance(got, str):
+                    skipped.append(f"{region.path}: {got}")
+                    continue
+                for swap in got:
+                    with gm.graph.inserting_before(swap.out):
+                        new = gm.graph.call_function(swap.fn, swap.args, swap.kwargs)
+                    annotate(new, swap.out, pass_name=NAME)
+                    swap.out.replace_all_uses_with(new)
+                    _erase_dead(gm, swap.out)
+                    stats.setdefault(swap.kernel, []).append(region.path)
+                touched.append(region.path)
+        return PassResult(gm, bool(touched), {k: len(v) for k, v in stats.items()},
+                          tuple(dict.fromkeys(touched)), tuple(skipped))
+
+
+def kernel_specs(node: fx.Node) -> list:
+    """The Triton kernel specs a graph node launches (from its inputs' fake values); [] for
+    nodes that launch none."""
+    from tailorfx.codegen.triton import norm
+    from tailorfx.runtime.triton_ops import triton_norm
+    if node.op != "call_function":
+        return []
+    if node.target is triton_norm:
+        kw = node.kwargs
+        return [norm.spec_for(node_value(node.args[0]), kw["kind"], kw.get("offset", 0.0), node.args[2] is not None)]
+    return []
+
+
+@register(NAME)
+def _factory(options: dict) -> KernelsPass:
+    return KernelsPass(options)

@@ -1,0 +1,91 @@
+"""The runtime's ops with Triton implementations (`optimize(..., kernels="triton")`).
+
+    tailorfx::triton_norm(x, weight, bias, eps, kind, offset) -> (y, rstd, mean)   + _backward
+
+Each op launches kernels rendered by `codegen.triton` and has an autograd registration, so a
+rewritten graph keeps one node per op through AOTAutograd. On a GPU the ops are
+`torch.library.triton_op`s (Inductor sees the Triton kernels inside them); under Triton's CPU
+interpreter (TRITON_INTERPRET=1) they are opaque `custom_op`s with fake kernels, because the
+interpreter cannot run on the fake or functional tensors tracing passes. Which of the two is
+fixed when this module is imported.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from tailorfx.codegen.triton import interpreted
+from tailorfx.codegen.triton import norm as _norm
+
+INTERPRETED = interpreted()
+
+
+def _op(name: str):
+    """Define `tailorfx::name` as a triton_op on a GPU build, a custom_op under the interpreter."""
+    def deco(fn):
+        define = torch.library.custom_op if INTERPRETED else torch.library.triton_op
+        return define(f"tailorfx::{name}", mutates_args=())(fn)
+    return deco
+
+
+def _fake(op):
+    """Register a fake kernel where one is needed (custom_op); a triton_op traces its own."""
+    def deco(fn):
+        if INTERPRETED:
+            op.register_fake(fn)
+        return fn
+    return deco
+
+
+# ---- norms ---------------------------------------------------------------------------------
+
+@_op("triton_norm")
+def _norm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float, kind: str,
+              offset: float) -> tuple[Tensor, Tensor, Tensor]:
+    y, rstd, mean = _norm.forward(x, weight, bias, eps, kind, offset)
+    return y, rstd, (mean if mean is not None else rstd.new_empty(0))
+
+
+@_fake(_norm_fwd)
+def _norm_fwd_fake(x, weight, bias, eps, kind, offset):
+    rows = x.numel() // x.shape[-1]
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(rows, dtype=torch.float32),
+            x.new_empty(rows if kind == "layer" else 0, dtype=torch.float32))
+
+
+@_op("triton_norm_backward")
+def _norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, mean: Tensor, kind: str,
+              offset: float, has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dw, db = _norm.backward(dy, x, weight, rstd, mean if kind == "layer" else None, kind, offset, has_bias)
+    return dx, dw, (db if db is not None else dw.new_empty(0))
+
+
+@_fake(_norm_bwd)
+def _norm_bwd_fake(dy, x, weight, rstd, mean, kind, offset, has_bias):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
+            weight.new_empty(weight.shape if has_bias else 0))
+
+
+def _norm_setup(ctx, inputs, output):
+    x, weight, bias, eps, kind, offset = inputs
+    _, rstd, mean = output
+    ctx.save_for_backward(x, weight, rstd, mean)
+    ctx.kind, ctx.offset, ctx.has_bias = kind, offset, bias is not None
+
+
+def _norm_grad(ctx, dy, _drstd, _dmean):
+    x, weight, rstd, mean = ctx.saved_tensors
+    dx, dw, db = _norm_bwd(dy.contiguous(), x, weight, rstd, mean, ctx.kind, ctx.offset, ctx.has_bias)
+    return dx, dw, (db if ctx.has_bias else None), None, None, None
+
+
+_norm_fwd.register_autograd(_norm_grad, setup_context=_norm_setup)
+
+
+def triton_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], *, eps: float, kind: str, offset: float = 0.0) -> Tensor:
+    """RMSNorm (`kind="rms"`, `x * rsqrt(mean(x^2) + eps) * (offset + w)`) or LayerNorm over the
+    last dim, computed in fp32 and returned in x's dtype."""
+    return _norm_fwd(x, weight, bias, eps, kind, offset)[0]
+
