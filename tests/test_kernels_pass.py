@@ -54,6 +54,40 @@ def test_every_norm_becomes_a_triton_kernel(family):
     assert names and all(n.startswith("norm_") for n in names if "norm" in n)
 
 
+# every attention the attention pass rewrote runs the flash kernel; Gemma-2's soft-capped scores
+# are not rewritten by the attention pass (tests/test_hf_families.py names why), so not here either
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_every_attention_becomes_the_flash_kernel(family):
+    opt = run_triton(family)
+    rec = kernels_record(opt)
+    attn = sorted(r.path for r in opt.regions if r.kind == "attention")
+    assert attn and sorted(p for p in rec.touched if p in attn) == attn
+    calls = [n for n in rec.gm.graph.nodes if n.target is triton_ops.triton_attention]
+    assert len(calls) == len(attn) and all(n.kwargs["kind"] == "Exact" and n.kwargs["causal"] for n in calls)
+    assert any(name.startswith("flash_attention_") for name in opt.kernels())
+
+
+def test_sparse_attention_spec_runs_on_the_flash_kernel():
+    """A sliding window asked for by the user: the kernel's window mask, against the runtime's own
+    sparse kernel (tailorfx.attention.SlidingWindow without kernels=)."""
+    from tailorfx.attention import SlidingWindow
+    import copy
+    spec = SlidingWindow(4, global_tokens=1)
+    a = hf_family("llama", num_layers=1)
+    b = copy.deepcopy(a)
+    data = batch(S=12, pad=3)
+    ref = tailorfx.optimize(a, attention=spec, passes=["attention"], example_inputs=data)
+    opt = tailorfx.optimize(b, attention=spec, passes=["attention"], kernels="triton", example_inputs=data)
+    calls = [n for n in kernels_record(opt).gm.graph.nodes if n.target is triton_ops.triton_attention]
+    assert len(calls) == 1 and calls[0].kwargs["kind"] == "SlidingWindow"
+    loss_ref, loss = ref(**data).loss, opt(**data).loss
+    loss_ref.backward()
+    loss.backward()
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-6)
+    for (name, p), q in zip(b.named_parameters(), a.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def test_kernels_of_the_model_have_source_and_compile():
     opt = run_triton("llama")
     kernels = opt.kernels()

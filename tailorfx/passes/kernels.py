@@ -183,6 +183,7 @@ def _match_attention(region: Region, nodes: dict, ctx: PassContext) -> Union[lis
 
 rules_kernels = (
     Rule("norm", "norm", _match_norm),
+    Rule("attention", "attention", _match_attention),
 )
 
 
@@ -236,13 +237,18 @@ class KernelsPass:
 def kernel_specs(node: fx.Node) -> list:
     """The Triton kernel specs a graph node launches (from its inputs' fake values); [] for
     nodes that launch none."""
-    from tailorfx.codegen.triton import norm
-    from tailorfx.runtime.triton_ops import triton_norm
+    from tailorfx.codegen.triton import flash_attention, norm
+    from tailorfx.runtime.triton_ops import _attention_params, triton_attention, triton_norm
     if node.op != "call_function":
         return []
+    kw = node.kwargs
     if node.target is triton_norm:
-        kw = node.kwargs
         return [norm.spec_for(node_value(node.args[0]), kw["kind"], kw.get("offset", 0.0), node.args[2] is not None)]
+    if node.target is triton_attention:
+        mask, params = _attention_params(kw["kind"], dict(kw["params"]))
+        q, k = node_value(node.args[0]), node_value(node.args[1])
+        return [flash_attention.spec_for(q, k, mask=mask, params=params, causal=kw["causal"],
+                                         documents=kw.get("document_ids") is not None, softcap=kw.get("softcap"))]
     return []
 
 

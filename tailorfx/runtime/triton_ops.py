@@ -1,6 +1,8 @@
 """The runtime's ops with Triton implementations (`optimize(..., kernels="triton")`).
 
     tailorfx::triton_norm(x, weight, bias, eps, kind, offset) -> (y, rstd, mean)   + _backward
+    tailorfx::triton_attention(q, k, v, document_ids, mask, params, causal, scale, softcap)
+        -> (out, lse)                                                          + _backward
 
 Each op launches kernels rendered by `codegen.triton` and has an autograd registration, so a
 rewritten graph keeps one node per op through AOTAutograd. On a GPU the ops are
@@ -16,6 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from tailorfx.codegen.triton import flash_attention as _flash
 from tailorfx.codegen.triton import interpreted
 from tailorfx.codegen.triton import norm as _norm
 
@@ -89,3 +92,91 @@ def triton_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], *, eps: float
     last dim, computed in fp32 and returned in x's dtype."""
     return _norm_fwd(x, weight, bias, eps, kind, offset)[0]
 
+
+
+# ---- attention -----------------------------------------------------------------------------
+
+_MASKS = {"Exact": "full", "SlidingWindow": "window", "BigBird": "bigbird", "Dilated": "dilated"}
+
+
+def _attention_params(kind: str, params: dict) -> tuple[str, tuple]:
+    """An attention spec (tailorfx.attention: class name and fields) as the kernel's mask and params."""
+    if kind == "Exact":
+        return "full", ()
+    if kind == "SlidingWindow":
+        return "window", (params["window"], params.get("global_tokens", 0))
+    if kind == "BigBird":
+        return "bigbird", (params["block"], params["window"], params["num_global"], params["num_random"],
+                           params.get("seed", 0))
+    return "dilated", (tuple(params["segments"]), tuple(params["rates"]))
+
+
+def _flat(mask: str, params: tuple) -> list[int]:
+    """Mask params as the flat int list the op schema takes (dilated: count, segments, rates)."""
+    if mask == "dilated":
+        seg, rate = params
+        return [len(seg), *seg, *rate]
+    return [int(p) for p in params]
+
+
+def _unflat(mask: str, flat: list[int]) -> tuple:
+    if mask == "dilated":
+        n = flat[0]
+        return tuple(flat[1:1 + n]), tuple(flat[1 + n:1 + 2 * n])
+    return tuple(flat)
+
+
+@_op("triton_attention")
+def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor], mask: str, params: list[int],
+              causal: bool, scale: float, softcap: Optional[float]) -> tuple[Tensor, Tensor]:
+    return _flash.forward(q, k, v, mask=mask, params=_unflat(mask, params), causal=causal, scale=scale,
+                          document_ids=document_ids, softcap=softcap)
+
+
+@_fake(_attn_fwd)
+def _attn_fwd_fake(q, k, v, document_ids, mask, params, causal, scale, softcap):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@_op("triton_attention_backward")
+def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+              document_ids: Optional[Tensor], mask: str, params: list[int], causal: bool, scale: float,
+              softcap: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    return _flash.backward(dout, q, k, v, out, lse, mask=mask, params=_unflat(mask, params), causal=causal,
+                           scale=scale, document_ids=document_ids, softcap=softcap)
+
+
+@_fake(_attn_bwd)
+def _attn_bwd_fake(dout, q, k, v, out, lse, document_ids, mask, params, causal, scale, softcap):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _attn_setup(ctx, inputs, output):
+    q, k, v, document_ids, mask, params, causal, scale, softcap = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, document_ids)
+    ctx.args = (mask, params, causal, scale, softcap)
+
+
+def _attn_grad(ctx, dout, _dlse):
+    q, k, v, out, lse, document_ids = ctx.saved_tensors
+    dq, dk, dv = _attn_bwd(dout.contiguous(), q, k, v, out, lse, document_ids, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_attn_fwd.register_autograd(_attn_grad, setup_context=_attn_setup)
+
+
+def triton_attention(q: Tensor, k: Tensor, v: Tensor, *, kind: str, params: tuple, causal: bool, scale: float,
+                     document_ids: Optional[Tensor] = None, softcap: Optional[float] = None) -> Tensor:
+    """`tailorfx.attention.attention_call` on the flash-attention kernel: q (B, H, S, D), k/v
+    (B, H_kv, S, D), GQA without repeating k/v; the attention spec `kind(**params)` as its mask."""
+    mask, mparams = _attention_params(kind, dict(params))
+    return _attn_fwd(q, k, v, document_ids, mask, _flat(mask, mparams), causal, float(scale), softcap)[0]
+
+
+def triton_attention_supports(kind: str, params: dict) -> Optional[str]:
+    """None when the kernel runs this attention spec, else why not."""
+    if kind not in _MASKS:
+        return f"no Triton kernel for attention spec {kind!r}"
+    return None

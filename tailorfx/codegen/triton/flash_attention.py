@@ -1,0 +1,803 @@
+"""Flash attention, forward and backward, with the runtime's mask patterns baked in per spec.
+
+Shapes as in `tailorfx.runtime.attention_kernels`: q (B, H, S, D); k, v (B, H_kv, S, D) with
+H % H_kv == 0 (GQA/MQA: query head h reads kv head h // (H // H_kv), K/V are never repeated);
+document_ids (B, S) int, a query attends only keys of its own document. Outputs: out (B, H, S, D)
+in q's dtype and lse (B, H, S) fp32 (-inf for a row that may attend no key; its out is 0).
+
+Spec (every value a compile-time constant of the rendered source):
+    dtype       "fp32" | "fp16" | "bf16"
+    head_dim    D (the block is the next power of two >= 16, columns past D are masked)
+    mask        "full" | "window" | "bigbird" | "dilated"
+    causal      bool, combined with every mask
+    documents   bool: whether a document_ids argument is read
+    group       H // H_kv (1: MHA)
+    softcap     optional float: scores = softcap * tanh(scores / softcap) before masking
+    block_m, block_n   query and key tiles of attn_fwd and attn_bwd_dq
+    bwd_block_m, bwd_block_n   query and key tiles of attn_bwd_dkdv (default: block_m, block_n)
+    bigbird_block      BigBird's block size (mask "bigbird" only)
+    precision   optional, fp32/bf16 only: the fp32 dots' input_precision (default below)
+
+Mask semantics are exactly `Pattern(...).element_mask` of `tailorfx.runtime.attention_tiles`:
+    window (w, g): allowed if (causal: k > q - w, else |k - q| < w) or q < g or k < g
+    bigbird (block, window, num_global, num_random, seed): the Pattern's block rows (host-built
+        tables list the key tiles a query tile touches; the others are never loaded)
+    dilated (segments, rates): LongNet as `tailorfx::dilated_attention` computes it: per branch
+        (w, r), head h takes offset o = h % r and the positions start + o, start + o + r, ...
+        of each segment [start, start + w) attend each other; one launch per branch merges into
+        fp32 out/lse accumulators through the lse (the backward uses the merged out and lse).
+Causal and window loops skip fully masked key tiles by their bounds, BigBird by its tables,
+dilated attention by loading only the strided positions of a branch.
+
+Numerics: scores, softmax and accumulators are fp32. fp32 specs run their dots as IEEE fp32
+(FMAs: exact, and at the small tiles they need fewer registers than tf32x3's split operands);
+bf16 specs convert to fp32 right after loading (Triton's interpreter cannot compute on bf16) and
+use tf32 dots, exact on bf16 operands (tf32 keeps 10 mantissa bits; P and dS are rounded to
+tf32); fp16 specs feed fp16 operands to the dots (P and dS rounded to fp16, as FA2). Outputs are
+rounded to the input dtype once, on store.
+The backward is flash-style: a preprocess computes delta = rowsum(dout * out), one kernel
+recomputes P per query tile for dq, one per key tile for dk and dv, looping over the query heads
+that share the kv head, so GQA gradients are summed in fp32 inside the kernel.
+"""
+from __future__ import annotations
+
+import functools
+from string import Template
+from typing import Optional, Sequence
+
+MODES = ("full", "window", "bigbird", "dilated")
+_DTYPES = ("fp32", "fp16", "bf16")
+
+# ---------------------------------------------------------------------------------------------
+# Templates. `${...}` holes are filled per spec; lines a spec does not need are left out.
+
+_HEADER = '''"""tailorfx generated: ${name}"""
+import triton
+import triton.language as tl
+
+HEAD_DIM = tl.constexpr(${head_dim})
+BLOCK_D = tl.constexpr(${block_d})
+BLOCK_M = tl.constexpr(${block_m})
+BLOCK_N = tl.constexpr(${block_n})
+BWD_BLOCK_M = tl.constexpr(${bwd_block_m})
+BWD_BLOCK_N = tl.constexpr(${bwd_block_n})
+GROUP = tl.constexpr(${group})
+LOG2E = tl.constexpr(1.4426950408889634)
+${extra_constants}'''
+
+_PREPROCESS = '''
+
+@triton.jit
+def attn_bwd_preprocess(out_ptr, do_ptr, delta_ptr, n_rows):
+    # delta = rowsum(dout * out) over the rows of (B * H * S, D)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < n_rows
+    ptrs = offs_m.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
+    o = tl.load(out_ptr + ptrs, mask=row_ok[:, None]${dmask}, other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + ptrs, mask=row_ok[:, None]${dmask}, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + offs_m, tl.sum(o * do, axis=1), mask=row_ok)
+'''
+
+
+def _block(text: str, indent: int) -> str:
+    """Dedented lines of `text` re-indented by `indent` spaces (blank lines dropped)."""
+    lines = [ln for ln in text.strip("\n").splitlines() if ln.strip()]
+    pad = min(len(ln) - len(ln.lstrip()) for ln in lines)
+    return "\n".join(" " * indent + ln[pad:] for ln in lines)
+
+
+class _Cfg:
+    """A spec's values, validated, and the source fragments they select."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.dtype = spec.get("dtype", "fp32")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"flash_attention dtype {self.dtype!r}: one of {list(_DTYPES)}")
+        self.mode = spec.get("mask", "full")
+        if self.mode not in MODES:
+            raise ValueError(f"flash_attention mask {self.mode!r}: one of {list(MODES)}")
+        self.head_dim = int(spec["head_dim"])
+        self.block_d = max(16, 1 << (self.head_dim - 1).bit_length())
+        self.block_m, self.block_n = int(spec["block_m"]), int(spec["block_n"])
+        self.bwd_block_m = int(spec.get("bwd_block_m", self.block_m))
+        self.bwd_block_n = int(spec.get("bwd_block_n", self.block_n))
+        for name, b in (("block_m", self.block_m), ("block_n", self.block_n), ("bwd_block_m", self.bwd_block_m),
+                        ("bwd_block_n", self.bwd_block_n)):
+            if b < 16 or b & (b - 1):
+                raise ValueError(f"flash_attention {name}={b}: a power of two >= 16 (tl.dot)")
+        self.group = int(spec.get("group", 1))
+        if self.group < 1:
+            raise ValueError(f"flash_attention group={self.group}")
+        self.causal = bool(spec.get("causal", False))
+        self.documents = bool(spec.get("documents", False))
+        self.softcap = spec.get("softcap")
+        if self.softcap is not None and not float(self.softcap) > 0:
+            raise ValueError(f"flash_attention softcap={self.softcap}: a positive float (or leave it out)")
+        self.bb_block = spec.get("bigbird_block")
+        if self.mode == "bigbird":
+            if not self.bb_block or int(self.bb_block) < 1:
+                raise ValueError("flash_attention mask 'bigbird' needs bigbird_block >= 1")
+            self.bb_block = int(self.bb_block)
+        elif self.bb_block is not None:
+            raise ValueError("bigbird_block is only for mask 'bigbird'")
+        # BigBird blocks that are whole multiples of every tile: a listed tile is allowed in full
+        self.aligned = self.mode == "bigbird" and all(
+            self.bb_block % t == 0 for t in (self.block_m, self.block_n, self.bwd_block_m, self.bwd_block_n))
+        self.dilated = self.mode == "dilated"
+        # fp32 dots: IEEE for fp32 inputs (FMAs: exact and, at small tiles, fewer registers than
+        # tf32x3's split operands), tf32 MMAs for bf16 inputs (exact on bf16 operands)
+        self.precision = spec.get("precision", {"fp32": "ieee", "bf16": "tf32", "fp16": None}[self.dtype])
+        if self.dtype == "fp16" and self.precision is not None:
+            raise ValueError("fp16 specs feed fp16 operands to the dots: no precision to choose")
+        if self.precision not in (None, "tf32", "tf32x3", "ieee"):
+            raise ValueError(f"flash_attention precision {self.precision!r}: 'tf32', 'tf32x3' or 'ieee'")
+
+    # -- fragments --
+    @property
+    def load_cvt(self) -> str:   # bf16 is never computed on (the interpreter cannot): fp32 after the load
+        return ".to(tl.float32)" if self.dtype == "bf16" else ""
+
+    @property
+    def dot_cast(self) -> str:   # fp32 probabilities into the dot's operand type
+        return ".to(tl.float16)" if self.dtype == "fp16" else ""
+
+    @property
+    def prec(self) -> str:
+        return "" if self.dtype == "fp16" else ", input_precision=PRECISION"
+
+    @property
+    def dmask(self) -> str:
+        return "" if self.block_d == self.head_dim else " & (offs_d < HEAD_DIM)[None, :]"
+
+    def mode_args(self) -> list[str]:
+        if self.mode == "window":
+            return ["window", "num_global"]
+        if self.mode == "bigbird":
+            t = ["table_ptr", "count_ptr", "table_width"]
+            return t + ([] if self.aligned else ["bm_ptr", "num_blocks"])
+        if self.mode == "dilated":
+            return ["segment", "rate"]
+        return []
+
+    def doc_args(self) -> list[str]:
+        return ["doc_ptr"] if self.documents else []
+
+
+def _mask_lines(c: _Cfg, rows: str) -> str:
+    """The element mask of a (rows x cols) score tile: rows are queries ("q") or keys ("k")."""
+    if rows == "q":
+        Q, K, ok = "offs_m[:, None]", "offs_n[None, :]", "col_ok[None, :]"
+        dq, dk = "doc_m[:, None]", "doc_n[None, :]"
+    else:
+        Q, K, ok = "offs_m[None, :]", "offs_n[:, None]", "col_ok[:, None] & row_ok[None, :]"
+        dq, dk = "doc_m[None, :]", "doc_n[:, None]"
+    lines = [f"mask = {ok}"]
+    if c.causal:
+        lines.append(f"mask = mask & ({K} <= {Q})")
+    if c.mode == "window":
+        near = f"({K} > {Q} - window)" if c.causal else f"(tl.abs({K} - {Q}) < window)"
+        lines.append(f"mask = mask & ({near} | ({Q} < num_global) | ({K} < num_global))")
+    if c.mode == "bigbird" and not c.aligned:
+        lines.append(f"allowed = tl.load(bm_ptr + ({Q} // BB_BLOCK) * num_blocks + {K} // BB_BLOCK, mask=mask, other=0)")
+        lines.append("mask = mask & (allowed != 0)")
+    if c.documents:
+        lines.append(f"mask = mask & ({dq} == {dk})")
+    return "\n".join(lines)
+
+
+def _softcap_lines(c: _Cfg, s: str) -> str:
+    if c.softcap is None:
+        return ""
+    # tanh(x) = 1 - 2 / (exp(2x) + 1), exp through exp2 (no libdevice); saturates to +-1
+    return (f"t = 1.0 - 2.0 / (tl.math.exp2({s} * (2.0 * LOG2E / SOFTCAP)) + 1.0)\n"
+            f"{s} = SOFTCAP * t")
+
+
+def _row_prologue(c: _Cfg, fn: str) -> str:
+    """Program -> (batch, head, query rows) for attn_fwd and attn_bwd_dq."""
+    out = ["bh = tl.program_id(1)",
+           "b = bh // num_heads",
+           "h = bh % num_heads",
+           "kv_bh = b * (num_heads // GROUP) + h // GROUP"]
+    if c.dilated:
+        out += ["# one dilated branch: this head's offset o = h % rate within each segment",
+                "tiles_per_segment = tl.cdiv(tl.cdiv(segment, rate), BLOCK_M)",
+                "seg = tl.program_id(0) // tiles_per_segment",
+                "start_m = (tl.program_id(0) % tiles_per_segment) * BLOCK_M",
+                "base = seg * segment + h % rate",
+                "n_keys = (tl.minimum(segment, seq_len - seg * segment) - h % rate + rate - 1) // rate",
+                "offs_m = start_m + tl.arange(0, BLOCK_M)",
+                "pos_m = base + offs_m * rate"]
+    else:
+        out += ["start_m = tl.program_id(0) * BLOCK_M",
+                "n_keys = seq_len",
+                "offs_m = start_m + tl.arange(0, BLOCK_M)",
+                "pos_m = offs_m"]
+    out += ["offs_d = tl.arange(0, BLOCK_D)",
+            "row_ok = offs_m < n_keys",
+            "q_base = q_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM",
+            "k_base = k_ptr + kv_bh.to(tl.int64) * seq_len * HEAD_DIM",
+            "v_base = v_ptr + kv_bh.to(tl.int64) * seq_len * HEAD_DIM",
+            "row_ptrs = pos_m[:, None] * HEAD_DIM + offs_d[None, :]",
+            f"q = tl.load(q_base + row_ptrs, mask=row_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}"]
+    if fn == "dq":
+        out += ["do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, "
+                f"mask=row_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}",
+                "lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)",
+                "delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)"]
+    if c.documents:
+        out.append("doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)")
+    return "\n".join(out)
+
+
+def _key_loop(c: _Cfg) -> tuple[str, str]:
+    """(loop setup and header, first body lines) over the key tiles a query tile may touch."""
+    if c.mode in ("full", "dilated"):
+        if c.causal:
+            setup = "hi = tl.cdiv(tl.minimum(start_m + BLOCK_M, n_keys), BLOCK_N)  # causal: no tile past the last row"
+        else:
+            setup = "hi = tl.cdiv(n_keys, BLOCK_N)"
+        return setup + "\nfor kt in range(0, hi):", ""
+    if c.mode == "window":
+        last = "tl.minimum(start_m + BLOCK_M, seq_len) - 1"
+        if c.causal:
+            hi = "hi = tl.cdiv(last_m + 1, BLOCK_N)"
+            band_hi = "band_hi = hi"
+        else:
+            hi = "hi = tl.cdiv(seq_len, BLOCK_N)"
+            band_hi = "band_hi = tl.minimum(tl.cdiv(tl.minimum(last_m + window, seq_len), BLOCK_N), hi)"
+        setup = f"""
+# key tiles: those holding global keys (k < num_global), then the band around the rows;
+# a tile holding global queries (q < num_global) sees every key
+last_m = {last}
+{hi}
+n_glob = tl.minimum(tl.cdiv(num_global, BLOCK_N), hi)
+band_lo = tl.maximum(tl.maximum(start_m - window + 1, 0) // BLOCK_N, n_glob)
+{band_hi}
+everything = start_m < num_global
+n_glob = tl.where(everything, 0, n_glob)
+band_lo = tl.where(everything, 0, band_lo)
+band_hi = tl.where(everything, hi, band_hi)
+n_tiles = n_glob + tl.maximum(band_hi - band_lo, 0)
+for j in range(0, n_tiles):"""
+        return setup, "kt = j + (j >= n_glob).to(tl.int32) * (band_lo - n_glob)"
+    # bigbird: the host's table of key tiles per query tile
+    setup = """
+# key tiles: the host's table of those holding an allowed pair
+n_tiles = tl.load(count_ptr + tl.program_id(0))
+for j in range(0, n_tiles):"""
+    return setup, "kt = tl.load(table_ptr + tl.program_id(0) * table_width + j)"
+
+
+def _key_tile_loads(c: _Cfg) -> str:
+    pos = "base + offs_n * rate" if c.dilated else "offs_n"
+    out = ["offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)",
+           f"pos_n = {pos}",
+           "col_ok = offs_n < n_keys",
+           "col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]",
+           f"k = tl.load(k_base + col_ptrs, mask=col_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}",
+           f"v = tl.load(v_base + col_ptrs, mask=col_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}"]
+    if c.documents:
+        out.append("doc_n = tl.load(doc_ptr + b * seq_len + pos_n, mask=col_ok, other=-2)")
+    return "\n".join(out)
+
+
+def _fwd(c: _Cfg) -> str:
+    args = ["q_ptr", "k_ptr", "v_ptr", "out_ptr", "lse_ptr"] + c.doc_args() + c.mode_args() + ["scale", "seq_len", "num_heads"]
+    setup, first = _key_loop(c)
+    body = "\n".join(x for x in [
+        first,
+        _key_tile_loads(c),
+        f"s = tl.dot(q, tl.trans(k){c.prec}) * scale",
+        _softcap_lines(c, "s"),
+        _mask_lines(c, "q"),
+        "s = tl.where(mask, s, float(\"-inf\"))",
+        "m_new = tl.maximum(m_i, tl.max(s, axis=1))",
+        "m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)  # a row with nothing allowed yet stays 0",
+        "p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)",
+        "alpha = tl.math.exp2((m_i - m_safe) * LOG2E)",
+        "l_i = l_i * alpha + tl.sum(p, axis=1)",
+        f"acc = acc * alpha[:, None] + tl.dot(p{c.dot_cast}, v{c.prec})",
+        "m_i = m_new"] if x)
+    if c.dilated:   # merge this branch into the fp32 accumulators of the branches before it
+        epilogue = f"""
+out_ptrs = out_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs
+lse_ptrs = lse_ptr + bh * seq_len + pos_m
+lse_old = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
+o_old = tl.load(out_ptrs, mask=row_ok[:, None]{c.dmask}, other=0.0)
+top = tl.maximum(lse_old, lse)
+top_safe = tl.where(top == float("-inf"), 0.0, top)
+total = tl.math.exp2((lse_old - top_safe) * LOG2E) + tl.math.exp2((lse - top_safe) * LOG2E)
+new = tl.where(total == 0.0, float("-inf"), top_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
+new_safe = tl.where(new == float("-inf"), 0.0, new)
+o = o_old * tl.math.exp2((lse_old - new_safe) * LOG2E)[:, None] + out * tl.math.exp2((lse - new_safe) * LOG2E)[:, None]
+tl.store(out_ptrs, o, mask=row_ok[:, None]{c.dmask})
+tl.store(lse_ptrs, new, mask=row_ok)"""
+    else:
+        epilogue = f"""
+tl.store(out_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None]{c.dmask})
+tl.store(lse_ptr + bh * seq_len + pos_m, lse, mask=row_ok)"""
+    return f'''
+
+@triton.jit
+def attn_fwd({", ".join(args)}):
+{_block(_row_prologue(c, "fwd"), 4)}
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+{_block(setup, 4)}
+{_block(body, 8)}
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log(l_safe))
+{_block(epilogue, 4)}
+'''
+
+
+def _dq(c: _Cfg) -> str:
+    args = (["q_ptr", "k_ptr", "v_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dq_ptr"] + c.doc_args() + c.mode_args()
+            + ["scale", "seq_len", "num_heads"])
+    setup, first = _key_loop(c)
+    body = "\n".join(x for x in [
+        first,
+        _key_tile_loads(c),
+        f"s = tl.dot(q, tl.trans(k){c.prec}) * scale",
+        _softcap_lines(c, "s"),
+        _mask_lines(c, "q"),
+        "# lse is -inf only on rows with no allowed key, where the mask drops every p",
+        "p = tl.where(mask, tl.math.exp2((s - lse[:, None]) * LOG2E), 0.0)",
+        f"dp = tl.dot(do, tl.trans(v){c.prec})",
+        "ds = p * (dp - delta[:, None])",
+        "ds = ds * (1.0 - t * t)" if c.softcap is not None else "",
+        f"dq += tl.dot(ds{c.dot_cast}, k{c.prec})"] if x)
+    dq_ptrs = "dq_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs"
+    if c.dilated:   # branches add into one fp32 dq
+        store = f"""
+dq_ptrs = {dq_ptrs}
+dq = dq * scale + tl.load(dq_ptrs, mask=row_ok[:, None]{c.dmask}, other=0.0)
+tl.store(dq_ptrs, dq, mask=row_ok[:, None]{c.dmask})"""
+    else:
+        store = f"tl.store({dq_ptrs}, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None]{c.dmask})"
+    return f'''
+
+@triton.jit
+def attn_bwd_dq({", ".join(args)}):
+{_block(_row_prologue(c, "dq"), 4)}
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+{_block(setup, 4)}
+{_block(body, 8)}
+{_block(store, 4)}
+'''
+
+
+def _query_loop(c: _Cfg) -> tuple[str, str, str]:
+    """(setup, loop header, first body line) over the query tiles that may see a key tile (the
+    setup does not depend on the head, so it runs once before the head loop)."""
+    lo = "start_n // BLOCK_M" if c.causal else "0"
+    if c.mode == "full":
+        return "", f"for qt in range({lo}, tl.cdiv(n_keys, BLOCK_M)):", ""
+    if c.dilated:   # heads of another offset run no tile (a loop with a runtime step spills)
+        return "", f"for qt in range({lo}, tl.where(h % rate == offset, tl.cdiv(n_keys, BLOCK_M), 0)):", ""
+    if c.mode == "window":
+        hi = "band_hi = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1 + window, BLOCK_M), n_qt)"
+        if c.causal:   # no global query precedes a non-global key
+            setup = f"""
+# query tiles: the band after the keys; a tile holding global keys is seen by every later row
+n_qt = tl.cdiv(seq_len, BLOCK_M)
+band_lo = start_n // BLOCK_M
+{hi}
+band_hi = tl.where(start_n < num_global, n_qt, band_hi)"""
+            return setup, "for qt in range(band_lo, band_hi):", ""
+        setup = f"""
+# query tiles: those holding global queries (q < num_global), then the band around the keys;
+# a tile holding global keys is seen by every row
+n_qt = tl.cdiv(seq_len, BLOCK_M)
+n_glob = tl.minimum(tl.cdiv(num_global, BLOCK_M), n_qt)
+band_lo = tl.maximum(tl.maximum(start_n - window + 1, 0) // BLOCK_M, n_glob)
+{hi}
+everything = start_n < num_global
+n_glob = tl.where(everything, 0, n_glob)
+band_lo = tl.where(everything, 0, band_lo)
+band_hi = tl.where(everything, n_qt, band_hi)
+n_tiles = n_glob + tl.maximum(band_hi - band_lo, 0)"""
+        return setup, "for j in range(0, n_tiles):", "qt = j + (j >= n_glob).to(tl.int32) * (band_lo - n_glob)"
+    setup = """
+# query tiles: the host's table of those that see this key tile
+n_tiles = tl.load(count_ptr + tl.program_id(0))"""
+    return setup, "for j in range(0, n_tiles):", "qt = tl.load(table_ptr + tl.program_id(0) * table_width + j)"
+
+
+def _dkdv(c: _Cfg) -> str:
+    args = (["q_ptr", "k_ptr", "v_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dk_ptr", "dv_ptr"] + c.doc_args()
+            + c.mode_args() + ["scale", "seq_len", "num_heads"])
+    pre = ["num_kv = num_heads // GROUP"]
+    if c.dilated:
+        pre += ["# one dilated branch: this kv head's query heads with one offset (h % rate), at most",
+                "# min(GROUP, rate) offsets per kv head, one program each",
+                "n_off = tl.minimum(GROUP, rate)",
+                "bkv = tl.program_id(1) // n_off",
+                "offset = ((bkv % num_kv) * GROUP + tl.program_id(1) % n_off) % rate",
+                "tiles_per_segment = tl.cdiv(tl.cdiv(segment, rate), BLOCK_N)",
+                "seg = tl.program_id(0) // tiles_per_segment",
+                "start_n = (tl.program_id(0) % tiles_per_segment) * BLOCK_N",
+                "base = seg * segment + offset",
+                "n_keys = (tl.minimum(segment, seq_len - seg * segment) - offset + rate - 1) // rate",
+                "offs_n = start_n + tl.arange(0, BLOCK_N)",
+                "pos_n = base + offs_n * rate"]
+    else:
+        pre += ["bkv = tl.program_id(1)",
+                "start_n = tl.program_id(0) * BLOCK_N",
+                "n_keys = seq_len",
+                "offs_n = start_n + tl.arange(0, BLOCK_N)",
+                "pos_n = offs_n"]
+    heads = "range((bkv % num_kv) * GROUP, (bkv % num_kv) * GROUP + GROUP)"
+    pre += ["b = bkv // num_kv",
+            "offs_d = tl.arange(0, BLOCK_D)",
+            "col_ok = offs_n < n_keys",
+            "col_ptrs = bkv.to(tl.int64) * seq_len * HEAD_DIM + pos_n[:, None] * HEAD_DIM + offs_d[None, :]",
+            f"k = tl.load(k_ptr + col_ptrs, mask=col_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}",
+            f"v = tl.load(v_ptr + col_ptrs, mask=col_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}"]
+    if c.documents:
+        pre.append("doc_n = tl.load(doc_ptr + b * seq_len + pos_n, mask=col_ok, other=-2)")
+    pre += ["dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)",
+            "dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)"]
+    setup, header, first = _query_loop(c)
+    if setup:
+        pre += setup.strip("\n").splitlines()
+    pos = "base + offs_m * rate" if c.dilated else "offs_m"
+    body = "\n".join(x for x in [
+        first,
+        "offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)",
+        f"pos_m = {pos}",
+        "row_ok = offs_m < n_keys",
+        "row_ptrs = bh.to(tl.int64) * seq_len * HEAD_DIM + pos_m[:, None] * HEAD_DIM + offs_d[None, :]",
+        f"q = tl.load(q_ptr + row_ptrs, mask=row_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}",
+        f"do = tl.load(do_ptr + row_ptrs, mask=row_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}",
+        "lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)",
+        "delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)",
+        "doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)" if c.documents else "",
+        f"st = tl.dot(k, tl.trans(q){c.prec}) * scale",
+        _softcap_lines(c, "st"),
+        _mask_lines(c, "k"),
+        "pt = tl.where(mask, tl.math.exp2((st - lse[None, :]) * LOG2E), 0.0)",
+        f"dv += tl.dot(pt{c.dot_cast}, do{c.prec})",
+        f"dpt = tl.dot(v, tl.trans(do){c.prec})",
+        "dst = pt * (dpt - delta[None, :])",
+        "dst = dst * (1.0 - t * t)" if c.softcap is not None else "",
+        f"dk += tl.dot(dst{c.dot_cast}, q{c.prec})"] if x)
+    if c.dilated:   # branches add into fp32 dk, dv (each position of a kv head has one owner per launch)
+        store = f"""
+dk = dk * scale + tl.load(dk_ptr + col_ptrs, mask=col_ok[:, None]{c.dmask}, other=0.0)
+dv = dv + tl.load(dv_ptr + col_ptrs, mask=col_ok[:, None]{c.dmask}, other=0.0)
+tl.store(dk_ptr + col_ptrs, dk, mask=col_ok[:, None]{c.dmask})
+tl.store(dv_ptr + col_ptrs, dv, mask=col_ok[:, None]{c.dmask})"""
+    else:
+        store = f"""
+tl.store(dk_ptr + col_ptrs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None]{c.dmask})
+tl.store(dv_ptr + col_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None]{c.dmask})"""
+    src = f'''
+
+@triton.jit
+def attn_bwd_dkdv({", ".join(args)}):
+{_block(chr(10).join(pre), 4)}
+    for h in {heads}:
+        bh = b * num_heads + h
+        {header}
+{_block(body, 12)}
+{_block(store, 4)}
+'''
+    # the key-tile kernel has tiles of its own (it holds k, v, dk and dv: four BLOCK_N x D tiles)
+    return src.replace("BLOCK_M", "BWD_BLOCK_M").replace("BLOCK_N", "BWD_BLOCK_N")
+
+
+def render(spec) -> str:
+    c = _Cfg(spec)
+    extra = []
+    if c.dtype != "fp16":
+        extra.append(f'PRECISION = tl.constexpr("{c.precision}")')
+    if c.softcap is not None:
+        extra.append(f"SOFTCAP = tl.constexpr({float(c.softcap)!r})")
+    if c.mode == "bigbird" and not c.aligned:
+        extra.append(f"BB_BLOCK = tl.constexpr({c.bb_block})")
+    head = Template(_HEADER).substitute(
+        name=spec.name, head_dim=c.head_dim, block_d=c.block_d, block_m=c.block_m, block_n=c.block_n,
+        bwd_block_m=c.bwd_block_m, bwd_block_n=c.bwd_block_n,
+        group=c.group, extra_constants="".join(x + "\n" for x in extra))
+    return (head + "\n# mask: " + _describe(c) + "\n" + _fwd(c) + Template(_PREPROCESS).substitute(dmask=c.dmask)
+            + _dq(c) + _dkdv(c))
+
+
+def _describe(c: _Cfg) -> str:
+    parts = [c.mode + (" (BigBird blocks cover whole tiles)" if c.aligned else ""),
+             "causal" if c.causal else "non-causal"]
+    if c.documents:
+        parts.append("documents")
+    if c.softcap is not None:
+        parts.append(f"softcap {float(c.softcap)!r}")
+    return ", ".join(parts)
+
+
+def signatures(spec) -> dict[str, dict[str, str]]:
+    c = _Cfg(spec)
+    t = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}[c.dtype]
+    acc = "*fp32" if c.dilated else t   # dilated branches accumulate into fp32
+    mode = {"window": "i32", "num_global": "i32", "table_ptr": "*i32", "count_ptr": "*i32", "table_width": "i32",
+            "bm_ptr": "*i8", "num_blocks": "i32", "segment": "i32", "rate": "i32"}
+    tail = {a: mode[a] for a in c.mode_args()}
+    tail.update({"scale": "fp32", "seq_len": "i32", "num_heads": "i32"})
+    doc = {"doc_ptr": "*i32"} if c.documents else {}
+    fwd = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "out_ptr": acc, "lse_ptr": "*fp32", **doc, **tail}
+    pre = {"out_ptr": t, "do_ptr": t, "delta_ptr": "*fp32", "n_rows": "i32"}
+    dq = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "do_ptr": t, "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": acc,
+          **doc, **tail}
+    dkdv = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "do_ptr": t, "lse_ptr": "*fp32", "delta_ptr": "*fp32",
+            "dk_ptr": acc, "dv_ptr": acc, **doc, **tail}
+    return {"attn_fwd": fwd, "attn_bwd_preprocess": pre, "attn_bwd_dq": dq, "attn_bwd_dkdv": dkdv}
+
+
+def num_warps(spec) -> int:
+    return 4
+
+
+def default_blocks(dtype: str, head_dim: int, mask: str = "full") -> tuple[int, int, int, int]:
+    """(block_m, block_n, bwd_block_m, bwd_block_n): attn_fwd/attn_bwd_dq tiles, then the
+    attn_bwd_dkdv tiles (it holds four BLOCK_N x D tiles: k, v, dk, dv). Chosen to compile
+    without register spills for sm80 and sm90 at 4 warps over `examples()` (ptxas figures in
+    the tests' compile checks); dilated rows are strided gathers, whose addresses cost more."""
+    if dtype == "fp32":   # IEEE dots run on FMAs: small tiles
+        return (32, 32, 32, 16) if head_dim <= 64 else (16, 16, 16, 16)
+    if head_dim <= 64:
+        return (64, 32, 64, 16)
+    return (32, 16, 16, 16) if mask == "dilated" else (32, 32, 32, 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side.
+
+def _dtype_name(dtype) -> str:
+    import torch
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def normalize_params(mask: str, params) -> tuple:
+    """A mask's params as a hashable tuple: window (w, g); bigbird (block, window, num_global,
+    num_random, seed); dilated ((segments...), (rates...)) (a single (w, r) pair is accepted)."""
+    params = tuple(params or ())
+    if mask == "full":
+        if params:
+            raise ValueError(f"mask 'full' takes no params, got {params}")
+        return ()
+    if mask == "window":
+        if len(params) != 2 or min(params) < 0:
+            raise ValueError(f"mask 'window' takes (window, num_global) >= 0, got {params}")
+        return tuple(int(p) for p in params)
+    if mask == "bigbird":
+        if len(params) != 5 or params[0] < 1:
+            raise ValueError(f"mask 'bigbird' takes (block, window, num_global, num_random, seed), got {params}")
+        return tuple(int(p) for p in params)
+    if mask == "dilated":
+        if len(params) != 2:
+            raise ValueError(f"mask 'dilated' takes (segments, rates), got {params}")
+        seg, rate = params
+        seg = (int(seg),) if isinstance(seg, int) else tuple(int(s) for s in seg)
+        rate = (int(rate),) if isinstance(rate, int) else tuple(int(r) for r in rate)
+        if len(seg) != len(rate) or not seg or min(seg) < 1 or min(rate) < 1:
+            raise ValueError(f"mask 'dilated': segments {seg} and rates {rate} (equal lengths, >= 1)")
+        return seg, rate
+    raise ValueError(f"flash_attention mask {mask!r}: one of {list(MODES)}")
+
+
+def spec_for(q, k, *, mask: str = "full", params=(), causal: bool = False, documents: bool = False,
+             softcap: Optional[float] = None, blocks: Optional[Sequence[int]] = None):
+    """The spec that serves q (B, H, S, D), k (B, H_kv, S, D) with this mask. `blocks`:
+    (block_m, block_n) for every kernel, or (block_m, block_n, bwd_block_m, bwd_block_n);
+    default `default_blocks`."""
+    from tailorfx.codegen.triton import KernelSpec
+    params = normalize_params(mask, params)
+    dtype = _dtype_name(q.dtype)
+    head_dim = q.shape[-1]
+    if blocks is None:
+        blocks = default_blocks(dtype, head_dim, mask)
+    elif len(blocks) == 2:
+        blocks = (*blocks, *blocks)
+    bm, bn, bm2, bn2 = (int(b) for b in blocks)
+    extra = {"bigbird_block": params[0]} if mask == "bigbird" else {}
+    if softcap is not None:
+        extra["softcap"] = float(softcap)
+    return KernelSpec("flash_attention", dtype=dtype, head_dim=head_dim, mask=mask, causal=bool(causal),
+                      documents=bool(documents), group=q.shape[1] // k.shape[1], block_m=bm, block_n=bn,
+                      bwd_block_m=bm2, bwd_block_n=bn2, **extra)
+
+
+def examples() -> list:
+    """Representative specs: the goldens and the sm80/sm90 compile checks run over these
+    (every mask, causal or not, documents, GQA, softcap, fp32/fp16/bf16, head dims 64 and 128,
+    BigBird blocks covering whole tiles or not)."""
+    from tailorfx.codegen.triton import KernelSpec
+
+    def spec(dtype, d, mask, causal, documents=False, group=1, softcap=None, **extra):
+        bm, bn, bm2, bn2 = default_blocks(dtype, d, mask)
+        if softcap is not None:
+            extra["softcap"] = softcap
+        return KernelSpec("flash_attention", dtype=dtype, head_dim=d, mask=mask, causal=causal, documents=documents,
+                          group=group, block_m=bm, block_n=bn, bwd_block_m=bm2, bwd_block_n=bn2, **extra)
+    return [spec("bf16", 128, "full", True, group=4),
+            spec("fp16", 128, "full", True, documents=True),
+            spec("fp32", 64, "full", False),
+            spec("fp32", 128, "full", True, softcap=50.0),
+            spec("bf16", 64, "full", True, group=8, softcap=30.0),
+            spec("bf16", 128, "window", True, documents=True, group=2),
+            spec("fp16", 64, "window", False, softcap=50.0),
+            spec("fp32", 128, "window", False, documents=True, softcap=30.0),
+            spec("bf16", 64, "bigbird", False, bigbird_block=64),
+            spec("fp16", 128, "bigbird", True, group=4, bigbird_block=16),
+            spec("bf16", 128, "dilated", True, documents=True, group=2),
+            spec("fp16", 64, "dilated", True, group=4),
+            spec("fp32", 64, "dilated", False)]
+
+
+@functools.lru_cache(maxsize=64)
+def bigbird_tables(params: tuple, causal: bool, seq_len: int, block_m: int, block_n: int, by_keys: bool = False):
+    """CPU tensors for one BigBird pattern at tile sizes (block_m queries, block_n keys):
+    (table int32 (tiles, width), count int32 (tiles,), block_mask int8 (nb, nb)). The table lists,
+    per query tile, the key tiles holding a pair `Pattern("bigbird", params, causal,
+    seq_len).element_mask` allows (by_keys: per key tile, the query tiles), ascending; block_mask
+    is the Pattern's (query block, key block) rows."""
+    import torch
+    from tailorfx.runtime.attention_tiles import Pattern
+    b = params[0]
+    nb = _cdiv(seq_len, b)
+    blocks = Pattern("bigbird", tuple(params), causal, seq_len)._bigbird_rows(0, nb, nb)
+    nqt, nkt = _cdiv(seq_len, block_m), _cdiv(seq_len, block_n)
+    pos = torch.arange(seq_len)
+    qa = torch.zeros(nqt, nb)
+    qa[pos // block_m, pos // b] = 1.0
+    ka = torch.zeros(nkt, nb)
+    ka[pos // block_n, pos // b] = 1.0
+    tiles = (qa @ blocks.float() @ ka.T) > 0
+    if causal:   # a key tile wholly after the query tile's last row is masked
+        last = torch.clamp((torch.arange(nqt) + 1) * block_m, max=seq_len) - 1
+        tiles &= (torch.arange(nkt) * block_n)[None, :] <= last[:, None]
+    if by_keys:
+        tiles = tiles.T
+    count = tiles.sum(1).to(torch.int32)
+    width = max(1, int(count.max()))
+    table = torch.argsort((~tiles).to(torch.int8), dim=1, stable=True)[:, :width].to(torch.int32)
+    return table.contiguous(), count, blocks.to(torch.int8).contiguous()
+
+
+def _check(q, k, v, document_ids):
+    if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+        raise ValueError(f"flash_attention: q (B, H, S, D), k and v (B, H_kv, S, D); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"flash_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"flash_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    if document_ids is not None and tuple(document_ids.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(f"flash_attention: document_ids must be (B, S) = {(q.shape[0], q.shape[2])}")
+
+
+def _mode_args(spec, params, causal, seq_len, device, by_keys=False):
+    """attn_fwd/attn_bwd_dq's mode arguments (by_keys: attn_bwd_dkdv's); none for dilated, whose
+    (segment, rate) change per launch."""
+    mask = spec["mask"]
+    if mask == "window":
+        return list(params)
+    if mask == "bigbird":
+        tiles = (spec["bwd_block_m"], spec["bwd_block_n"]) if by_keys else (spec["block_m"], spec["block_n"])
+        table, count, block_mask = bigbird_tables(params, bool(causal), seq_len, *tiles, by_keys)
+        out = [table.to(device), count.to(device), table.shape[1]]
+        if not _Cfg(spec).aligned:
+            out += [block_mask.to(device), block_mask.shape[0]]
+        return out
+    return []
+
+
+def _setup(q, k, v, mask, params, causal, document_ids, softcap, blocks, scale):
+    import torch
+    from tailorfx.codegen.triton import load
+    _check(q, k, v, document_ids)
+    params = normalize_params(mask, params)
+    spec = spec_for(q, k, mask=mask, params=params, causal=causal, documents=document_ids is not None,
+                    softcap=softcap, blocks=blocks)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    doc = [] if document_ids is None else [document_ids.to(device=q.device, dtype=torch.int32).contiguous()]
+    return load(spec), spec, params, scale, doc
+
+
+def forward(q, k, v, *, mask: str = "full", params=(), causal: bool = False, scale: Optional[float] = None,
+            document_ids=None, softcap: Optional[float] = None, blocks: Optional[Sequence[int]] = None):
+    """(out (B, H, S, D) in q's dtype, lse (B, H, S) fp32; 0 and -inf on rows that see no key).
+    mask/params as `normalize_params`; scale defaults to D ** -0.5; blocks as `spec_for`."""
+    import torch
+    kern, spec, params, scale, doc = _setup(q, k, v, mask, params, causal, document_ids, softcap, blocks, scale)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    batch, heads, seq, _ = q.shape
+    bm, warps = spec["block_m"], num_warps(spec)
+    fn = kern.fn("attn_fwd")
+    if mask == "dilated":   # one launch per branch, merged into fp32 out/lse through the lse
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full((batch, heads, seq), float("-inf"), dtype=torch.float32, device=q.device)
+        for w, r in zip(*params):
+            grid = (_cdiv(seq, w) * _cdiv(_cdiv(w, r), bm), batch * heads)   # segments x tiles of a segment
+            fn[grid](q, k, v, out, lse, *doc, w, r, scale, seq, heads, num_warps=warps)
+        return out.to(q.dtype), lse
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
+    mode = _mode_args(spec, params, causal, seq, q.device)
+    fn[(_cdiv(seq, bm), batch * heads)](q, k, v, out, lse, *doc, *mode, scale, seq, heads, num_warps=warps)
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, *, mask: str = "full", params=(), causal: bool = False,
+             scale: Optional[float] = None, document_ids=None, softcap: Optional[float] = None,
+             blocks: Optional[Sequence[int]] = None):
+    """(dq, dk, dv) of `forward`'s out (same arguments), recomputing the scores from out and lse;
+    dk, dv of a kv head sum the query heads that share it (in fp32, inside the kernel)."""
+    import torch
+    kern, spec, params, scale, doc = _setup(q, k, v, mask, params, causal, document_ids, softcap, blocks, scale)
+    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
+    lse = lse.to(torch.float32).contiguous()
+    batch, heads, seq, _ = q.shape
+    num_kv = k.shape[1]
+    bm, bn2, warps = spec["block_m"], spec["bwd_block_n"], num_warps(spec)
+    delta = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
+    rows = batch * heads * seq
+    kern.fn("attn_bwd_preprocess")[(_cdiv(rows, bm),)](out, dout, delta, rows, num_warps=warps)
+    fdq, fdkdv = kern.fn("attn_bwd_dq"), kern.fn("attn_bwd_dkdv")
+    if mask == "dilated":   # branches add into fp32 gradients
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        group = heads // num_kv
+        for w, r in zip(*params):
+            nseg, per = _cdiv(seq, w), _cdiv(w, r)
+            fdq[(nseg * _cdiv(per, bm), batch * heads)](
+                q, k, v, dout, lse, delta, dq, *doc, w, r, scale, seq, heads, num_warps=warps)
+            # a kv head's query heads fall into min(group, r) offsets: one program each
+            fdkdv[(nseg * _cdiv(per, bn2), batch * num_kv * min(group, r))](
+                q, k, v, dout, lse, delta, dk, dv, *doc, w, r, scale, seq, heads, num_warps=warps)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    mode = _mode_args(spec, params, causal, seq, q.device)
+    fdq[(_cdiv(seq, bm), batch * heads)](q, k, v, dout, lse, delta, dq, *doc, *mode, scale, seq, heads,
+                                        num_warps=warps)
+    mode = _mode_args(spec, params, causal, seq, q.device, by_keys=True)
+    fdkdv[(_cdiv(seq, bn2), batch * num_kv)](q, k, v, dout, lse, delta, dk, dv, *doc, *mode, scale, seq, heads,
+                                            num_warps=warps)
+    return dq, dk, dv
+
+
+def attention(q, k, v, *, mask: str = "full", params=(), causal: bool = False, scale: Optional[float] = None,
+              document_ids=None, softcap: Optional[float] = None, blocks: Optional[Sequence[int]] = None):
+    """`forward` with autograd through `backward`: (out, lse), lse not differentiable."""
+    kw = dict(mask=mask, params=normalize_params(mask, params), causal=causal, scale=scale,
+              document_ids=document_ids, softcap=softcap, blocks=None if blocks is None else tuple(blocks))
+    return _autograd().apply(q, k, v, kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _autograd():
+    import torch
+
+    class FlashAttentionFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, kw):
+            out, lse = forward(q, k, v, **kw)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.kw = kw
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            q, k, v, out, lse = ctx.saved_tensors
+            return (*backward(dout, q, k, v, out, lse, **ctx.kw), None)
+    return FlashAttentionFn
