@@ -27,6 +27,7 @@ class OptimizedModule(nn.Module):
     Inspect what was done with `.regions`, `.plan`, `.graphs`, `.report()`, `.diff(name)`,
     `.memory_timeline(path)` and `.predict_memory()`.
     """
+    casts_own_precision = True   # its graph casts as the precision pass planned: callers add no autocast
 
     def __init__(self, model: nn.Module, options: Options, budget: Optional[Budget] = None):
         super().__init__()

@@ -9,13 +9,35 @@ inf/nan is skipped and the scale halved (torch.amp.GradScaler does all of it).
     trainer = Trainer(opt_model, torch.optim.AdamW(model.parameters()), precision="fp16")
     for batch in batches:
         result = trainer.step(batch)        # StepResult(loss, skipped, scale)
+
+`train()` is the whole loop around it: gradient accumulation with transformers'
+`num_items_in_batch` convention, AdamW, a warmup + cosine/linear LR schedule, clipping, fp16 loss
+scaling, checkpoints that resume bit for bit (model, optimizer, scheduler, scaler, data position,
+RNG states), a JSON-lines log, a tqdm bar and the "tailorfx" logger:
+
+    data = PackedBatches(docs, seq_len=2048, batch_size=8)   # tailorfx.runtime.packing
+    result = train(opt_model, data, steps=1000, grad_accum=4, lr=3e-4, warmup=100,
+                   checkpoint_dir="ckpt", save_every=200, resume=True, log_path="train.jsonl")
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+import contextlib
+import inspect
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
+
+from tailorfx.runtime.checkpoint import (
+    CHECKPOINT_PREFIX, Cursor, atomic_save, checkpoint_path, latest_checkpoint, rng_state, seed_everything, set_rng_state,
+)
 
 
 def make_scaler(precision: Optional[str], device: str = "cpu", **kwargs) -> Optional[torch.amp.GradScaler]:
@@ -94,3 +116,363 @@ class Trainer:
         if self.scheduler is not None and not skipped:
             self.scheduler.step()
         return StepResult(float(loss), skipped, after)
+
+
+# ---- the training loop: accumulation, schedule, clipping, checkpoints, logs ------------------
+
+LOG = logging.getLogger("tailorfx")
+IGNORE_INDEX = -100
+SCHEDULES = ("cosine", "linear", "constant")
+# batch keys that describe the data and are not model inputs (PackingCollator's document_ids)
+NOT_MODEL_INPUTS = ("document_ids",)
+
+
+def count_targets(batch: Mapping[str, Any]) -> Optional[int]:
+    """How many labels transformers' causal-LM loss counts in `batch`: it shifts labels left inside
+    the loss, so `labels[:, 0]` is never a target; a target is a label != -100 in `labels[:, 1:]`.
+    None when the batch has no labels."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not isinstance(labels, torch.Tensor):
+        return None
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def accepts_num_items(model: torch.nn.Module) -> bool:
+    """Whether `model.forward` takes `num_items_in_batch` (by name or through **kwargs), as
+    transformers' causal LMs do: it hands it to `loss_function`, which then sums the token losses
+    and divides by it instead of averaging."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "num_items_in_batch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _to_device(batch: Mapping[str, Any], device: torch.device, drop: Sequence[str]) -> dict:
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+            for k, v in batch.items() if k not in drop}
+
+
+def _autocast(device: torch.device, precision: Optional[str], enabled: bool):
+    if not enabled or precision not in ("fp16", "bf16"):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16)
+
+
+def accumulate(model: torch.nn.Module, micro_batches: Sequence[Mapping[str, Any]], *,
+               scaler: Optional[torch.amp.GradScaler] = None, precision: Optional[str] = None,
+               autocast: bool = False, pass_num_items: Optional[bool] = None,
+               drop_keys: Sequence[str] = NOT_MODEL_INPUTS) -> tuple[torch.Tensor, Optional[int]]:
+    """Forward and backward of k micro-batches into the parameters' .grad (not zeroed here), so
+    that the gradients equal those of one batch holding all k.
+
+    The loss of a causal LM is a mean over target tokens; averaging k micro-batch means would weigh
+    a token of a micro-batch with few targets (more padding) more. So the total target count N of
+    all k micro-batches is counted first (`count_targets`) and passed as `num_items_in_batch=N` to
+    each forward (transformers' convention: the model's loss is then sum(token losses) / N), and
+    the micro-batch losses add up to the token mean of the whole batch. A model whose forward does
+    not take it (`pass_num_items=None` detects it) gets its mean loss scaled by n_i / N instead.
+
+    Returns (the whole batch's loss, detached and unscaled; N, or None without labels). When N is
+    0, nothing runs and no gradients are made.
+    """
+    device = _model_device(model)
+    micro = [_to_device(mb, device, drop_keys) for mb in micro_batches]
+    counts = [count_targets(mb) for mb in micro]
+    total = None if any(c is None for c in counts) else sum(counts)
+    if pass_num_items is None:
+        pass_num_items = accepts_num_items(model)
+    loss_sum = torch.zeros((), device=device)
+    if total == 0:
+        return loss_sum, 0       # no targets at all: no gradients (rather than 0/0 = nan ones)
+    for mb, n in zip(micro, counts):
+        kwargs = dict(mb)
+        if total is not None and pass_num_items:
+            kwargs["num_items_in_batch"] = torch.tensor(total, device=device)
+        elif total is not None and n == 0:
+            continue                 # no targets: nothing to add (its mean loss would be nan)
+        with _autocast(device, precision, autocast):
+            loss = _loss(model(**kwargs))
+        if total is None:
+            loss = loss / len(micro)                  # no labels to count: mean of the k losses
+        elif not pass_num_items:
+            loss = loss * (n / total) if total else loss * 0.0
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        loss_sum += loss.detach().float()
+    return loss_sum, total
+
+
+def lr_lambda(schedule: str, total_steps: int, warmup: int = 0, min_lr_ratio: float = 0.0) -> Callable[[int], float]:
+    """The multiplier of the base learning rate at optimizer step `step` (0-based): linear warmup
+    step/warmup for step < warmup (transformers' convention; warmup=0 starts at the full rate), then
+    cosine or linear decay to `min_lr_ratio` at `total_steps`, or constant."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not valid: one of {SCHEDULES}")
+    decay_steps = max(1, total_steps - warmup)
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / decay_steps)
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+        return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+    return f
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
+                   betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; weight decay on matrices (dim >= 2) only, not on biases
+    and norm weights."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+def _peak_memory(device: torch.device) -> Optional[int]:
+    """Peak bytes: the device allocator's on CUDA, else the process's peak RSS (both cheap)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # KiB on Linux
+    except (ImportError, OSError):   # pragma: no cover - not on Linux
+        return None
+
+
+def _finite(x: float) -> Optional[float]:
+    return x if math.isfinite(x) else None
+
+
+@dataclass
+class TrainResult:
+    """What `train()` did in this call (steps restored from a checkpoint are not repeated here)."""
+    step: int                                     # the global optimizer step reached
+    losses: list[float] = field(default_factory=list)      # one per optimizer step of this call
+    records: list[dict] = field(default_factory=list)      # the JSON-lines records of this call
+    start_step: int = 0                           # the step this call started from (resume)
+    skipped: int = 0                              # steps without an update: fp16 inf/nan gradients, no labels
+    tokens: int = 0                               # input tokens of this call
+    elapsed: float = 0.0                          # seconds
+    checkpoints: list[str] = field(default_factory=list)   # files written by this call
+
+
+def train(model: torch.nn.Module, batches: Any, *, steps: int, total_steps: Optional[int] = None,
+          grad_accum: int = 1, lr: float = 3e-4, schedule: str = "cosine", warmup: int = 0,
+          min_lr_ratio: float = 0.0, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+          eps: float = 1e-8, clip_norm: Optional[float] = 1.0, precision: Optional[str] = None,
+          autocast: Optional[bool] = None, optimizer: Optional[torch.optim.Optimizer] = None,
+          checkpoint_dir: Union[str, os.PathLike, None] = None, save_every: Optional[int] = None,
+          keep_last: Optional[int] = None, resume: Union[bool, str, os.PathLike] = False,
+          log_path: Union[str, os.PathLike, None] = None, progress: bool = True, seed: Optional[int] = 0,
+          pass_num_items: Optional[bool] = None, drop_keys: Sequence[str] = NOT_MODEL_INPUTS) -> TrainResult:
+    """Train `model` (an nn.Module or a tailorfx OptimizedModule, called as `model(**batch)`,
+    returning a scalar loss or an output with `.loss`) until the optimizer has taken `steps` steps
+    in all, counting those restored by `resume`.
+
+    Data: `batches` yields micro-batches (dicts); each optimizer step consumes `grad_accum` of them
+    (see `accumulate`: with transformers models the step equals one batch `grad_accum` times the
+    size, through `num_items_in_batch`). It must be deterministic to resume: an indexable source
+    (a list of batches, `PackedBatches`; cycled by epochs), an object with state_dict() /
+    load_state_dict(), or an iterable that yields the same sequence each time (skipped ahead on
+    resume). Keys in `drop_keys` (document_ids) are not passed to the model.
+
+    Optimizer: AdamW (`make_optimizer`: `weight_decay` on matrices only) unless `optimizer` is
+    given; learning rate `lr` x `lr_lambda(schedule, total_steps or steps, warmup, min_lr_ratio)`
+    through LambdaLR; gradients clipped to `clip_norm` (None: measured, not clipped).
+
+    precision="fp16" adds dynamic loss scaling (`make_scaler`; a step with inf/nan gradients is
+    skipped, the scheduler not advanced); "bf16" needs none. `autocast` (default: on for a plain
+    module with a precision, off for a tailorfx OptimizedModule, whose precision pass casts inside
+    its graph) runs the forward under torch.autocast.
+
+    Checkpoints: with `checkpoint_dir`, every `save_every` steps and at the end, `step_XXXXXXXX.pt`
+    holds model, optimizer, scheduler and scaler states, the data position and the RNG states
+    (torch CPU and CUDA, python `random`, numpy); `keep_last` prunes older ones. `resume=True`
+    continues from the latest checkpoint in `checkpoint_dir` (from scratch when there is none), a
+    path resumes from that file; the run then continues bit for bit as if never stopped. A fresh
+    run seeds torch, random and numpy with `seed` (None: leaves them).
+
+    Logs: `log_path` gets one JSON line per optimizer step: step, loss, lr, grad_norm (None when
+    not finite), tokens (input tokens of the step), targets (label tokens the loss counted),
+    tokens_per_s, time (seconds of the step), elapsed (seconds since this call began), skipped,
+    scale (fp16 loss scale, else None), peak_mem (bytes: CUDA's peak allocation or the process's
+    peak RSS). A fresh run overwrites the file; on resume, lines past the restored step are dropped
+    first. Messages go to the
+    "tailorfx" logger (per step at DEBUG); `progress` shows a tqdm bar on stderr.
+    """
+    if steps < 0 or grad_accum < 1:
+        raise ValueError(f"steps={steps!r} and grad_accum={grad_accum!r}: steps >= 0, grad_accum >= 1")
+    if save_every is not None and save_every < 1:
+        raise ValueError(f"save_every={save_every!r} is not valid: a positive int or None")
+    if precision not in (None, "fp32", "fp16", "bf16"):
+        raise ValueError(f"precision={precision!r} is not valid: 'fp16', 'bf16', 'fp32' or None")
+    total_steps = steps if total_steps is None else total_steps
+    device = _model_device(model)
+    if autocast is None:
+        autocast = precision in ("fp16", "bf16") and not getattr(model, "casts_own_precision", False)
+    if pass_num_items is None:
+        pass_num_items = accepts_num_items(model)
+
+    opt = optimizer if optimizer is not None else make_optimizer(model, lr, weight_decay, betas, eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(schedule, total_steps, warmup, min_lr_ratio))
+    scaler = make_scaler(precision, device.type)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    cursor = Cursor(batches)
+    config = {"total_steps": total_steps, "grad_accum": grad_accum, "schedule": schedule, "warmup": warmup,
+              "min_lr_ratio": min_lr_ratio, "precision": precision}
+
+    start = 0
+    source = None
+    if resume:
+        if checkpoint_dir is None and resume is True:
+            raise ValueError("resume=True needs checkpoint_dir (or pass resume=<checkpoint file>)")
+        source = latest_checkpoint(checkpoint_dir) if resume is True else Path(resume)
+        if source is None:
+            LOG.info("no checkpoint in %s: training from scratch", checkpoint_dir)
+    if source is not None:
+        state = torch.load(source, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        cursor.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        start = int(state["step"])
+        changed = {k: (v, config[k]) for k, v in state.get("config", {}).items() if config.get(k) != v}
+        if changed:
+            LOG.warning("resuming %s with changed settings (saved, now): %s", source, changed)
+        LOG.info("resumed from %s at step %d (batch %d)", source, start, cursor.position)
+    elif seed is not None:
+        seed_everything(seed)
+
+    log_file = None
+    if log_path is not None:
+        log_path = Path(log_path)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if source is not None and log_path.exists():
+            for line in log_path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= start:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue
+        log_file = open(log_path, "w")
+        log_file.writelines(kept)
+        log_file.flush()
+
+    result = TrainResult(step=start, start_step=start)
+    LOG.info("training steps %d..%d: grad_accum=%d, lr=%g (%s, warmup %d), precision=%s",
+             start + 1, steps, grad_accum, lr, schedule, warmup, precision)
+    bar = _progress_bar(progress, steps, start)
+    t0 = time.perf_counter()
+
+    def save(step: int) -> None:
+        path = checkpoint_path(checkpoint_dir, step)
+        atomic_save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                      "scheduler": scheduler.state_dict(),
+                      "scaler": scaler.state_dict() if scaler is not None else None,
+                      "data": cursor.state_dict(), "rng": rng_state(), "config": config}, path)
+        result.checkpoints.append(str(path))
+        LOG.info("saved checkpoint %s", path)
+        if keep_last is not None:
+            old = sorted(Path(checkpoint_dir).glob(f"{CHECKPOINT_PREFIX}*.pt"))[:-keep_last]
+            for p in old:
+                p.unlink()
+
+    try:
+        model.train()
+        for step in range(start + 1, steps + 1):
+            t_step = time.perf_counter()
+            micro = [cursor.next() for _ in range(grad_accum)]
+            tokens = sum(int(mb["input_ids"].numel()) for mb in micro
+                         if isinstance(mb.get("input_ids"), torch.Tensor))
+            lr_now = opt.param_groups[0]["lr"]
+            opt.zero_grad(set_to_none=True)
+            loss, targets = accumulate(model, micro, scaler=scaler, precision=precision, autocast=autocast,
+                                       pass_num_items=pass_num_items, drop_keys=drop_keys)
+            grad_norm = torch.zeros(())
+            if targets == 0:       # nothing to learn from: no update (the step counts, as a skipped one)
+                LOG.warning("step %d: its batches hold no label to learn from (all -100): no update", step)
+                skipped = True
+            else:
+                if scaler is not None:
+                    scaler.unscale_(opt)     # clip (and measure) the true gradients, not the scaled ones
+                grads = [p.grad for p in params if p.grad is not None]
+                if clip_norm is not None:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_norm)
+                elif grads:
+                    grad_norm = torch.nn.utils.get_total_norm(grads)
+                skipped = False
+                if scaler is not None:
+                    before = scaler.get_scale()
+                    scaler.step(opt)
+                    scaler.update()
+                    skipped = scaler.get_scale() < before
+                    if skipped:
+                        LOG.warning("step %d skipped: inf/nan gradients, loss scale lowered to %g",
+                                    step, scaler.get_scale())
+                else:
+                    opt.step()
+            if not skipped:
+                scheduler.step()
+            loss_f = float(loss)
+            dt = time.perf_counter() - t_step
+            record = {"step": step, "loss": _finite(loss_f), "lr": lr_now, "grad_norm": _finite(float(grad_norm)),
+                      "tokens": tokens, "targets": targets, "tokens_per_s": tokens / dt if dt > 0 else None,
+                      "time": dt, "elapsed": time.perf_counter() - t0, "skipped": skipped,
+                      "scale": scaler.get_scale() if scaler is not None else None,
+                      "peak_mem": _peak_memory(device)}
+            result.step = step
+            result.losses.append(loss_f)
+            result.records.append(record)
+            result.skipped += int(skipped)
+            result.tokens += tokens
+            if log_file is not None:
+                log_file.write(json.dumps(record) + "\n")
+                log_file.flush()
+            LOG.debug("step %d: loss %.4f lr %.3g grad_norm %.3g %.0f tok/s%s", step, loss_f, lr_now,
+                      float(grad_norm), record["tokens_per_s"] or 0.0, " (skipped)" if skipped else "")
+            if bar is not None:
+                post = {"loss": f"{loss_f:.4f}", "tok/s": f"{record['tokens_per_s'] or 0:.0f}"}
+                if record["peak_mem"] is not None:
+                    post["peak"] = f"{record['peak_mem'] / 2**20:.0f}MiB"
+                bar.set_postfix(post, refresh=False)
+                bar.update(1)
+            if checkpoint_dir is not None and save_every is not None and step % save_every == 0:
+                save(step)
+        if checkpoint_dir is not None and result.step > start and \
+                not (save_every is not None and result.step % save_every == 0):
+            save(result.step)
+    finally:
+        if bar is not None:
+            bar.close()
+        if log_file is not None:
+            log_file.close()
+    result.elapsed = time.perf_counter() - t0
+    LOG.info("trained steps %d..%d in %.1fs (%d tokens, %d skipped)%s", start + 1, result.step, result.elapsed,
+             result.tokens, result.skipped, f", last loss {result.losses[-1]:.4f}" if result.losses else "")
+    return result
+
+
+def _progress_bar(enabled: bool, total: int, initial: int):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:   # tqdm comes with transformers; without it, no bar
+        LOG.info("tqdm is not installed: no progress bar")
+        return None
+    return tqdm(total=total, initial=initial, file=sys.stderr, unit="step", dynamic_ncols=True, desc="train")
