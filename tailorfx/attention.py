@@ -322,14 +322,21 @@ def build_spec(kind: str, params: tuple, causal: bool, scale: float) -> Attentio
     return SPECS[kind](**dict(params), causal=causal, scale=scale)
 
 
-def attention_call(q, k, v, *, kind: str, params: tuple, causal: bool, scale: float):
-    """`SPECS[kind](**dict(params), causal=causal, scale=scale)(q, k, v)`; k, v have H_kv heads."""
-    if kind != "Exact":
+def attention_call(q, k, v, *, kind: str, params: tuple, causal: bool, scale: float,
+                   document_ids: Optional[Tensor] = None):
+    """`SPECS[kind](**dict(params), causal=causal, scale=scale)(q, k, v, document_ids=...)`; k, v
+    have H_kv heads; `document_ids` (B, S) keeps each query to keys of its own document (packed
+    sequences; the attention pass passes it only for a mask it proved to be a document mask)."""
+    if kind != "Exact" or document_ids is not None:
         # The custom ops' fake kernels return empty_like(q/k/v) while the real ones return
         # contiguous tensors: with RoPE'd (transposed-layout) inputs AOTAutograd would plan a
-        # backward `view` on strides the real gradients do not have.
+        # backward `view` on strides the real gradients do not have. (Exact with documents runs
+        # the custom ops too.)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return build_spec(kind, params, causal, scale)(q, k, v)
+    spec = build_spec(kind, params, causal, scale)
+    if document_ids is None:
+        return spec(q, k, v)
+    return spec(q, k, v, document_ids=document_ids)
 
 
 def spec_params(spec: AttentionSpec) -> tuple[str, tuple]:

@@ -4,7 +4,16 @@ Invariant: with the exact spec (the default) the model computes the same values 
 reassociation inside the kernel) without an S x S tensor; a sparse spec changes which keys each
 query sees and runs only when the user passed one. An attention whose mask is not proved causal
 (padding from a real attention_mask, ALiBi, windows, custom masks) is left as it was, and the
-pass says why.
+pass says why. A mask proved causal within the documents of a packed batch (transformers builds
+one from restarting position_ids when there is no attention_mask and no cache) becomes the same
+call with document ids computed in the graph from that position_ids input, so every batch the
+graph serves gets its own documents:
+
+    before:  mask = <block-diagonal causal mask built from position_ids>          # B 1 S S
+             out = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+    after:   doc = (diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+             out = attention_call(q, k, v, kind='Exact', params=(), causal=True, scale=0.25,
+                                  document_ids=doc)
 
     before:  s = matmul(q, repeat_kv(k).transpose(2, 3)) * 0.25 + causal_mask     # B H S S
              out = matmul(softmax(s, dim=-1, dtype=float32).to(float32), repeat_kv(v))
@@ -16,6 +25,7 @@ pass says why.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -25,7 +35,7 @@ import torch.nn.functional as F
 
 from tailorfx.attention import SPECS, AttentionSpec, Exact, attention_call, spec_params
 from tailorfx.passes import register
-from tailorfx.passes.attention_mask import _prove_causal
+from tailorfx.passes.attention_mask import DOC_RULE_TEXT, DOC_RULES, MaskProof, prove_mask
 from tailorfx import compat
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
@@ -47,6 +57,8 @@ class Match:
     scale: float
     mask: str                    # how the mask was handled, for the report
     removes_dense: bool          # an S x S tensor (scores or mask) the graph no longer makes
+    positions: Optional[fx.Node] = None   # a document mask's position_ids input (packed batches)
+    doc_rule: Optional[str] = None        # how document ids follow from it (attention_mask.DOC_RULES)
 
 
 @dataclass(frozen=True)
@@ -143,11 +155,20 @@ def _match_sdpa(node: fx.Node, ctx: PassContext) -> Union[Match, str, None]:
             return "attn_mask together with is_causal"
         dtype = node_value(q).dtype
         as_scores = _sdpa_mask_fn(node_value(mask).dtype, dtype)
-        proof, why = _prove_causal(ctx, None, mask, 1.0, dtype, as_scores)
-        if why:
-            return why
-        causal, how = True, f"attn_mask proved causal at S={proof}"
-    return Match("sdpa", node, q, k, v, causal, float(scale), how, mask is not None)
+        proof = prove_mask(ctx, None, mask, 1.0, dtype, as_scores)
+        if isinstance(proof, str):
+            return proof
+        return Match("sdpa", node, q, k, v, True, float(scale), _described(proof, "attn_mask"), True,
+                     proof.positions, proof.rule)
+    return Match("sdpa", node, q, k, v, causal, float(scale), how, False)
+
+
+def _described(proof: MaskProof, what: str) -> str:
+    """How a proved mask is reported: causal, or a packed-document mask."""
+    if proof.positions is None:
+        return f"{what} proved causal at S={proof.text}"
+    return (f"packed: document ids from position_ids ({proof.positions.name}: "
+            f"{DOC_RULE_TEXT[proof.rule]}); {what} proved a document mask at S={proof.text}")
 
 
 def _sdpa_mask_fn(mask_dtype: torch.dtype, dtype: torch.dtype) -> Callable:
@@ -193,10 +214,11 @@ def _match_softmax_chain(node: fx.Node, ctx: PassContext) -> Union[Match, str, N
         return f"attention output dtype {node_value(out).dtype} differs from q's {dtype}"
     if not has_mask:   # softmax(q k^T * c) v: every query sees every key
         return Match("softmax_chain", out, q, k, v, False, float(scale), "none", True)
-    proof, why = _prove_causal(ctx, scores, x_in, scale, dtype, None)
-    if why:
-        return why
-    return Match("softmax_chain", out, q, k, v, True, float(scale), f"proved causal at S={proof}", True)
+    proof = prove_mask(ctx, scores, x_in, scale, dtype, None)
+    if isinstance(proof, str):
+        return proof
+    how = f"proved causal at S={proof.text}" if proof.positions is None else _described(proof, "mask")
+    return Match("softmax_chain", out, q, k, v, True, float(scale), how, True, proof.positions, proof.rule)
 
 
 def _probs_matmul(softmax: fx.Node) -> Union[fx.Node, str]:
@@ -285,10 +307,42 @@ def _erase_dead(gm: fx.GraphModule, start: fx.Node, erased: set[str]) -> None:
         stack.extend(inputs)
 
 
-def _rewrite(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased: set[str]) -> fx.Node:
+def _document_ids(gm: fx.GraphModule, positions: fx.Node, rule: str, made: dict) -> fx.Node:
+    """The node computing DOC_RULES[rule](positions) in the graph, right after the graph's inputs
+    (once per input and rule: every attention of the graph shares it), each new node annotated
+    with its fake value."""
+    key = (positions, rule)
+    if key in made:
+        return made[key]
+    g = gm.graph
+    last_input = [n for n in g.nodes if n.op == "placeholder"][-1]
+    traced = fx.symbolic_trace(DOC_RULES[rule])
+    fake = node_value(positions)
+    mode = getattr(fake, "fake_mode", None)
+    env: dict = {}
+    with g.inserting_before(last_input.next), (mode if mode is not None else contextlib.nullcontext()):
+        for n in traced.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = positions
+                continue
+            if n.op == "output":
+                doc = env[n.args[0]]
+                break
+            new = g.node_copy(n, lambda a: env[a])
+            args, kwargs = fx.node.map_arg((new.args, new.kwargs), node_value)
+            fn = new.target if new.op == "call_function" else getattr(type(args[0]), new.target)
+            annotate(new, val=fn(*args, **kwargs), pass_name=NAME)
+            env[n] = new
+    made[key] = doc
+    return doc
+
+
+def _rewrite(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased: set[str], made: dict) -> fx.Node:
+    kwargs = {"kind": kind, "params": params, "causal": m.causal, "scale": m.scale}
+    if m.positions is not None:
+        kwargs["document_ids"] = _document_ids(gm, m.positions, m.doc_rule, made)
     with gm.graph.inserting_before(m.out):
-        new = gm.graph.call_function(attention_call, (m.q, m.k, m.v),
-                                     {"kind": kind, "params": params, "causal": m.causal, "scale": m.scale})
+        new = gm.graph.call_function(attention_call, (m.q, m.k, m.v), kwargs)
     annotate(new, m.out, pass_name=NAME)
     m.out.replace_all_uses_with(new)
     _erase_dead(gm, m.out, erased)
@@ -322,7 +376,7 @@ class AttentionPass:
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         nodes = {n.name: n for n in gm.graph.nodes}
-        stats, touched, skipped, erased = {}, [], [], set()
+        stats, touched, skipped, erased, made = {}, [], [], set(), {}
         for region in ctx.regions.of_kind("attention"):
             found = []
             for name in region.nodes:
@@ -340,7 +394,7 @@ class AttentionPass:
                     skipped.append(f"{region.path}: {spec}")
                     continue
                 kind, params = spec_params(spec)
-                _rewrite(gm, got, kind, params, erased)
+                _rewrite(gm, got, kind, params, erased, made)
                 touched.append(region.path)
                 stats[region.path] = _stats(got, kind, params)
         return PassResult(gm, bool(touched), stats, tuple(dict.fromkeys(touched)), tuple(skipped))
@@ -350,7 +404,8 @@ def _stats(m: Match, kind: str, params: tuple) -> dict:
     qv, kv = node_value(m.q), node_value(m.k)
     return {"spelling": m.spelling, "spec": f"{kind}({', '.join(f'{a}={b}' for a, b in params)})",
             "causal": m.causal, "scale": m.scale, "mask": m.mask, "num_heads": int(qv.shape[1]),
-            "num_kv_heads": int(kv.shape[1]), "dense_removed": m.removes_dense}
+            "num_kv_heads": int(kv.shape[1]), "dense_removed": m.removes_dense,
+            **({"document_ids": f"{m.doc_rule} rule on {m.positions.name}"} if m.positions is not None else {})}
 
 
 @register(NAME)
