@@ -10,6 +10,7 @@ import torch
 import tailorfx
 from harness import compare_with_eager
 from models import batch, hf_family, tiny_llama
+from tailorfx.rewrite import match
 from tailorfx.runtime import triton_ops
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "goldens", "kernels_diff.txt")
@@ -86,6 +87,60 @@ def test_sparse_attention_spec_runs_on_the_flash_kernel():
     torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-6)
     for (name, p), q in zip(b.named_parameters(), a.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+# gated MLPs: SwiGLU (Llama; Phi-3 splits one fused gate_up projection), GeGLU with the tanh GELU
+# (Gemma-2) and with the exact erf GELU (a Llama config with hidden_act="gelu")
+@pytest.mark.parametrize("family,overrides,act", [("llama", {}, "silu"), ("phi3", {}, "silu"),
+                                                  ("gemma2", {}, "gelu_tanh"), ("llama", {"hidden_act": "gelu"}, "gelu")])
+def test_every_gated_mlp_becomes_the_glu_kernel(family, overrides, act):
+    holder = {}
+
+    def wrap(m):
+        holder["opt"] = tailorfx.optimize(m, passes=[], kernels="triton", example_inputs=batch(S=12, pad=3))
+        return holder["opt"]
+    compare_with_eager(hf_family(family, num_layers=1, **overrides), batch(S=12, pad=3), wrap, rtol=1e-4, atol=1e-6)
+    opt = holder["opt"]
+    rec = kernels_record(opt)
+    mlps = sorted(r.path for r in opt.regions if r.kind == "mlp")
+    assert mlps and sorted(p for p in rec.touched if p in mlps) == mlps
+    calls = [n for n in rec.gm.graph.nodes if n.target is triton_ops.triton_glu]
+    assert len(calls) == len(mlps) and {n.kwargs["act"] for n in calls} == {act}
+    assert not [n for n in rec.gm.graph.nodes if match.op_name(n) in ("silu", "gelu")]
+
+
+# everything at once on three families: norms, gated MLPs (chunked by the mini-sequence pass, the
+# kernel inside each chunk), flash attention and the fused LM head + loss on the Triton kernel,
+# with Gemma-2's soft-capped logits and Cohere's logit scale inside it
+@pytest.mark.parametrize("family,head", [("llama", {}), ("gemma2", {"logit_softcap": 30.0}),
+                                         ("cohere", {"logit_scale": 0.5})])
+def test_a_training_step_on_every_kernel_equals_eager(family, head):
+    opt = run_triton(family, passes=["attention", "minisequence"], minisequence_chunks=2)
+    graph = opt.graphs["minisequence"].graph
+    (lce,) = [n for n in graph.nodes if n.target is triton_ops.triton_linear_cross_entropy]
+    assert {k: lce.kwargs.get(k) for k in head} == head and lce.kwargs["num_chunks"] == 2
+    assert not [n for n in graph.nodes if match.op_name(n) in ("cross_entropy", "chunked_linear_cross_entropy")]
+    families = {k.spec.family for k in opt.kernels().values()}
+    want = {"norm", "glu", "linear_cross_entropy"} | ({"flash_attention"} if family != "gemma2" else set())
+    assert families == want, sorted(opt.kernels())
+
+
+def test_packed_documents_run_the_flash_kernel_with_document_ids():
+    """A packed batch (restarting position_ids): the attention pass proves the document mask, the
+    flash kernel takes the document ids, and the step equals eager on the packed batch."""
+    from tailorfx.runtime.packing import PackingCollator
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(1, 100, (n,), generator=g).tolist() for n in (7, 13, 5, 20, 9, 1, 11)]
+    packed = {k: v for k, v in PackingCollator(seq_len=24)(docs).items() if k != "document_ids"}
+    holder = {}
+
+    def wrap(m):
+        holder["opt"] = tailorfx.optimize(m, passes=["attention"], kernels="triton", example_inputs=packed)
+        return holder["opt"]
+    compare_with_eager(hf_family("llama", num_layers=1), packed, wrap, rtol=1e-4, atol=1e-6)
+    calls = [n for n in kernels_record(holder["opt"]).gm.graph.nodes if n.target is triton_ops.triton_attention]
+    assert calls and all(n.kwargs.get("document_ids") is not None for n in calls)
+    assert any("documents=True" in name for name in holder["opt"].kernels())
 
 
 def test_kernels_of_the_model_have_source_and_compile():

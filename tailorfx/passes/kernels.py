@@ -133,15 +133,13 @@ def _match_norm(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swa
 
 # ---- gated MLP activations -------------------------------------------------------------------
 
-_GLU_ACTS = {"silu": "silu", "gelu": "gelu_tanh"}
-
-
 def _act(n: fx.Node) -> Optional[str]:
     name = match.op_name(n)
     if name == "silu":
         return "silu"
-    if name == "gelu" and (n.kwargs.get("approximate") or (n.args[1] if len(n.args) > 1 else "none")) == "tanh":
-        return "gelu_tanh"
+    if name == "gelu":
+        approximate = n.kwargs.get("approximate") or (n.args[1] if len(n.args) > 1 else "none")
+        return {"tanh": "gelu_tanh", "none": "gelu"}.get(approximate)
     return None
 
 
@@ -183,6 +181,7 @@ def _match_attention(region: Region, nodes: dict, ctx: PassContext) -> Union[lis
 
 rules_kernels = (
     Rule("norm", "norm", _match_norm),
+    Rule("glu", "mlp", _match_glu),
     Rule("attention", "attention", _match_attention),
 )
 
@@ -237,13 +236,25 @@ class KernelsPass:
 def kernel_specs(node: fx.Node) -> list:
     """The Triton kernel specs a graph node launches (from its inputs' fake values); [] for
     nodes that launch none."""
-    from tailorfx.codegen.triton import flash_attention, norm
-    from tailorfx.runtime.triton_ops import _attention_params, triton_attention, triton_norm
+    from tailorfx.codegen.triton import flash_attention, glu, linear_cross_entropy, norm
+    from tailorfx.runtime.triton_ops import (_attention_params, triton_attention, triton_glu,
+                                             triton_linear_cross_entropy, triton_norm)
     if node.op != "call_function":
         return []
     kw = node.kwargs
+    if node.target is torch.ops.tailorfx.token_chunked.default:   # a chunked MLP: its own graph's kernels
+        from tailorfx.runtime.ops import chunked_region
+        fn = chunked_region(node.args[0]).fn
+        return [s for n in fn.graph.nodes for s in kernel_specs(n)] if isinstance(fn, fx.GraphModule) else []
     if node.target is triton_norm:
         return [norm.spec_for(node_value(node.args[0]), kw["kind"], kw.get("offset", 0.0), node.args[2] is not None)]
+    if node.target is triton_glu:
+        return [glu.spec_for(node_value(node.args[0]), kw["act"])]
+    if node.target is triton_linear_cross_entropy:
+        vocab = node_value(node.args[1]).shape[0]
+        grad = any(isinstance(a, fx.Node) and node_value(a).requires_grad for a in node.args[:3])
+        return [linear_cross_entropy.spec_for(int(vocab), softcap=kw.get("logit_softcap"),
+                                              logit_scale=kw.get("logit_scale"), grad=grad)]
     if node.target is triton_attention:
         mask, params = _attention_params(kw["kind"], dict(kw["params"]))
         q, k = node_value(node.args[0]), node_value(node.args[1])

@@ -237,7 +237,7 @@ class MiniSequence:
         options.update({k: v for k, v in (("logit_softcap", softcap), ("logit_scale", logit_scale)) if v is not None})
         with gm.graph.inserting_before(loss):
             flat = gm.graph.call_method("reshape", (h, -1, hidden))
-            new = gm.graph.call_function(ops.chunked_linear_cross_entropy, (flat, w, b, kw["target"]), options)
+            new = gm.graph.call_function(_lce_fn(ctx), (flat, w, b, kw["target"]), options)
         with hv.fake_mode:
             flat_val = hv.reshape(-1, hidden)
         annotate(flat, head, flat_val, pass_name=NAME)
@@ -251,6 +251,14 @@ class MiniSequence:
                 gm.graph.erase_node(n)
         done.append(_Rewrite(region, m, 3 * _hint_bytes(node_value(head), ctx), bool(returned)))
         return None
+
+
+def _lce_fn(ctx: PassContext):
+    """The fused head's implementation: the Triton kernel under kernels="triton", else torch's."""
+    if ctx.options.get("kernels") == "triton":
+        from tailorfx.runtime.triton_ops import triton_linear_cross_entropy
+        return triton_linear_cross_entropy
+    return ops.chunked_linear_cross_entropy
 
 
 # Between the LM head and the loss: a logit scale (Cohere) and a soft-cap c*tanh(z/c) (Gemma-2),

@@ -27,7 +27,8 @@ from tailorfx.rewrite.regions import module_paths
 
 NAME = "recompute"
 POLICIES = ("full", "selective")
-SAVE_OPS = match.MATMUL_OPS | match.ATTENTION_OPS | {"token_chunked", "chunked_linear_cross_entropy"}
+SAVE_OPS = match.MATMUL_OPS | match.ATTENTION_OPS | {"token_chunked", "chunked_linear_cross_entropy",
+                                                     "triton_linear_cross_entropy", "triton_attention"}
 
 
 def has_recompute_tags(gm: fx.GraphModule) -> bool:

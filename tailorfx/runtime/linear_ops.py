@@ -35,6 +35,19 @@ def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
                 return int(2 * w_up + max(0, extra - out))
             extra += w_up
         return int(extra)
+    if op_name == "triton_linear_cross_entropy":   # runtime/triton_ops.py, same arguments
+        hidden, weight = args[0], args[1]
+        n_rows, vocab, width = as_int(hidden.shape[0]), as_int(weight.shape[0]), as_int(hidden.shape[-1])
+        chunk = -(-n_rows // max(1, as_int(args[6])))
+        # the chunk's fp32 logits (the kernel turns them into their gradient in place), the
+        # per-row losses, the chunk of hidden in fp32 and, for a low-precision weight, its fp32
+        # copy and fp32 gradient accumulator
+        extra = chunk * vocab * 4 + n_rows * 4
+        if hidden.dtype != torch.float32:
+            extra += 2 * chunk * width * 4
+        if weight.dtype != torch.float32:
+            extra += as_int(weight.numel()) * 4 * (2 if args[10] else 1)
+        return int(extra)
     if op_name == "linear_fp32_out" and args[0].device.type != "cuda":
         # CPU upcasts the operands (see the op)
         return sum(as_int(t.numel()) * 4 for t in args[:3] if t is not None)

@@ -3,6 +3,9 @@
     tailorfx::triton_norm(x, weight, bias, eps, kind, offset) -> (y, rstd, mean)   + _backward
     tailorfx::triton_attention(q, k, v, document_ids, mask, params, causal, scale, softcap)
         -> (out, lse)                                                          + _backward
+    tailorfx::triton_glu(gate, up, act) -> act(gate) * up                     + _backward
+    tailorfx::triton_linear_cross_entropy(hidden, weight, bias, labels, ...)
+        -> (loss, grad_hidden, grad_weight, grad_bias)     gradient taken in the forward
 
 Each op launches kernels rendered by `codegen.triton` and has an autograd registration, so a
 rewritten graph keeps one node per op through AOTAutograd. On a GPU the ops are
@@ -19,7 +22,9 @@ import torch
 from torch import Tensor
 
 from tailorfx.codegen.triton import flash_attention as _flash
+from tailorfx.codegen.triton import glu as _glu
 from tailorfx.codegen.triton import interpreted
+from tailorfx.codegen.triton import linear_cross_entropy as _lce
 from tailorfx.codegen.triton import norm as _norm
 
 INTERPRETED = interpreted()
@@ -180,3 +185,103 @@ def triton_attention_supports(kind: str, params: dict) -> Optional[str]:
     if kind not in _MASKS:
         return f"no Triton kernel for attention spec {kind!r}"
     return None
+
+
+# ---- gated activations -----------------------------------------------------------------------
+
+@_op("triton_glu")
+def _glu_fwd(gate: Tensor, up: Tensor, act: str) -> Tensor:
+    return _glu.forward(gate, up, act)
+
+
+@_fake(_glu_fwd)
+def _glu_fwd_fake(gate, up, act):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@_op("triton_glu_backward")
+def _glu_bwd(dout: Tensor, gate: Tensor, up: Tensor, act: str) -> tuple[Tensor, Tensor]:
+    return _glu.backward(dout, gate, up, act)
+
+
+@_fake(_glu_bwd)
+def _glu_bwd_fake(dout, gate, up, act):
+    return (torch.empty_like(gate, memory_format=torch.contiguous_format),
+            torch.empty_like(up, memory_format=torch.contiguous_format))
+
+
+def _glu_setup(ctx, inputs, output):
+    gate, up, act = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.act = act
+
+
+def _glu_grad(ctx, dout):
+    gate, up = ctx.saved_tensors
+    dgate, dup = _glu_bwd(dout.contiguous(), gate, up, ctx.act)
+    return dgate, dup, None
+
+
+_glu_fwd.register_autograd(_glu_grad, setup_context=_glu_setup)
+
+
+def triton_glu(gate: Tensor, up: Tensor, *, act: str) -> Tensor:
+    """`act(gate) * up` (act "silu": SwiGLU; "gelu_tanh": GeGLU), computed in fp32; the backward
+    recomputes the activation from gate."""
+    return _glu_fwd(gate, up, act)
+
+
+# ---- LM head + cross-entropy -----------------------------------------------------------------
+
+@_op("triton_linear_cross_entropy")
+def _lce_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, ignore_index: int,
+             reduction: str, num_chunks: int, logit_softcap: Optional[float], logit_scale: Optional[float],
+             grad_hidden: bool, grad_weight: bool, grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    chunk = -(-hidden.shape[0] // max(1, num_chunks))
+    grads = grad_hidden or grad_weight or grad_bias
+    loss, gh, gw, gb = _lce.forward(hidden, weight, bias, labels, ignore_index, reduction, logit_softcap,
+                                    logit_scale, 0.0, chunk, grads=grads)
+    empty = weight.new_empty(0)
+    return (loss, gh if grad_hidden else hidden.new_empty(0), gw if grad_weight else empty,
+            gb if grad_bias and gb is not None else empty)
+
+
+@_fake(_lce_fwd)
+def _lce_fwd_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap, logit_scale,
+                  grad_hidden, grad_weight, grad_bias):
+    return (hidden.new_empty((), dtype=torch.promote_types(hidden.dtype, weight.dtype)),
+            torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if grad_weight else weight.new_empty(0),
+            torch.empty_like(bias) if grad_bias else weight.new_empty(0))
+
+
+def _lce_setup(ctx, inputs, output):
+    _, gh, gw, gb = output
+    ctx.mark_non_differentiable(gh, gw, gb)
+    ctx.save_for_backward(gh, gw, gb)
+    ctx.computed = inputs[9:12]
+
+
+def _lce_grad(ctx, grad_loss, *_):
+    needs = ctx.needs_input_grad[:3]
+    if any(need and not computed for need, computed in zip(needs, ctx.computed)):
+        raise RuntimeError("triton_linear_cross_entropy: an input needs a grad that was not computed "
+                           f"(needed {needs}, computed {ctx.computed})")
+    grads = [g * grad_loss if need else None for g, need in zip(ctx.saved_tensors, needs)]
+    return (*grads, *[None] * 9)
+
+
+_lce_fwd.register_autograd(_lce_grad, setup_context=_lce_setup)
+
+
+def triton_linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, *,
+                                ignore_index: int = -100, reduction: str = "mean", num_chunks: int = 8,
+                                logit_softcap: Optional[float] = None, logit_scale: Optional[float] = None) -> Tensor:
+    """`runtime.linear_ops.chunked_linear_cross_entropy` on the fused Triton kernel: the loss of
+    `cross_entropy(softcap(logit_scale * linear(hidden, weight, bias)), labels)` and, when grads
+    are needed, every gradient in the same pass (scaled in backward); no N x V logits."""
+    needs = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    if not torch.is_grad_enabled():
+        needs = [False, False, False]
+    return _lce_fwd(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap,
+                    logit_scale, *needs)[0]

@@ -1,0 +1,70 @@
+"""tailorfx generated: rope_block_h=4_dtype=fp32_head_dim=256_rotary_dim=64"""
+import triton
+import triton.language as tl
+
+HALF = tl.constexpr(32)
+BLOCK_HALF = tl.constexpr(32)
+BLOCK_H = tl.constexpr(4)
+HEAD_DIM = tl.constexpr(256)
+ROT_DIM = tl.constexpr(64)
+BLOCK_PASS = tl.constexpr(256)
+
+
+@triton.jit
+def rope_fwd(x_ptr, cos_ptr, sin_ptr, out_ptr, seq_len, n_heads, sxb, sxh, sxs, sob, soh, sos, scb, scs):
+    # out = x * cos + rotate_half(x) * sin
+    pid = tl.program_id(0)
+    b = (pid // seq_len).to(tl.int64)
+    s = (pid % seq_len).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
+    cs = b * scb + s * scs + d
+    c1 = tl.load(cos_ptr + cs, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + cs + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + cs, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + cs + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    hmask = heads < n_heads
+    hh = heads.to(tl.int64)[:, None]
+    x_row = x_ptr + b * sxb + s * sxs + hh * sxh
+    o_row = out_ptr + b * sob + s * sos + hh * soh
+    mask = hmask[:, None] & dmask[None, :]
+    x1 = tl.load(x_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_row + d[None, :], (x1 * c1 - x2 * s1).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_row + HALF + d[None, :], (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=mask)
+    # channels [ROT_DIM, HEAD_DIM) pass through
+    p = tl.arange(0, BLOCK_PASS)
+    pmask = hmask[:, None] & (p < HEAD_DIM - ROT_DIM)[None, :]
+    xp = tl.load(x_row + ROT_DIM + p[None, :], mask=pmask, other=0.0)
+    tl.store(o_row + ROT_DIM + p[None, :], xp.to(out_ptr.dtype.element_ty), mask=pmask)
+
+
+@triton.jit
+def rope_bwd(x_ptr, cos_ptr, sin_ptr, out_ptr, seq_len, n_heads, sxb, sxh, sxs, sob, soh, sos, scb, scs):
+    # dx = the transposed rotation of dout (x_ptr)
+    pid = tl.program_id(0)
+    b = (pid // seq_len).to(tl.int64)
+    s = (pid % seq_len).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
+    cs = b * scb + s * scs + d
+    c1 = tl.load(cos_ptr + cs, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + cs + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + cs, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + cs + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    hmask = heads < n_heads
+    hh = heads.to(tl.int64)[:, None]
+    x_row = x_ptr + b * sxb + s * sxs + hh * sxh
+    o_row = out_ptr + b * sob + s * sos + hh * soh
+    mask = hmask[:, None] & dmask[None, :]
+    x1 = tl.load(x_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_row + d[None, :], (x1 * c1 + x2 * s2).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_row + HALF + d[None, :], (x2 * c2 - x1 * s1).to(out_ptr.dtype.element_ty), mask=mask)
+    # channels [ROT_DIM, HEAD_DIM) pass through
+    p = tl.arange(0, BLOCK_PASS)
+    pmask = hmask[:, None] & (p < HEAD_DIM - ROT_DIM)[None, :]
+    xp = tl.load(x_row + ROT_DIM + p[None, :], mask=pmask, other=0.0)
+    tl.store(o_row + ROT_DIM + p[None, :], xp.to(out_ptr.dtype.element_ty), mask=pmask)

@@ -1,0 +1,301 @@
+"""Triton kernels of the fused LM head + cross-entropy, the gated MLP activations (SwiGLU/GeGLU)
+and rotary embeddings, forward and backward, against torch references (autograd for the
+backward) under Triton's CPU interpreter; what their rendered source leaves out; one sm90 compile
+per family (no spills, shared memory within the limit).
+
+Tolerances (max abs error over the reference's max abs value, or elementwise where stated):
+    linear_cross_entropy  fp32 1e-4 (loss and grads); fp16/bf16 inputs with fp32 compute against the
+                          fp32 reference on the same (rounded) values, to the rounding of the
+                          loss and grads to the inputs' dtype (fp16 2e-3, bf16 1e-2)
+    glu                   against fp64 autograd: fp32 elementwise rtol 1e-5, atol 1e-6; fp16/bf16 the
+                          outputs' rounding (rtol 2e-3 / 1.6e-2)
+    rope                  fp32 elementwise rtol 1e-5, atol 1e-5; fp16/bf16 the outputs' rounding
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"   # before triton or the kernel modules are imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from tailorfx.codegen import triton as tt  # noqa: E402
+from tailorfx.codegen.triton import glu, linear_cross_entropy as lce, rope  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+LP_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _close(got, ref, tol, name):
+    got, ref = got.float(), ref.float()
+    assert got.shape == ref.shape, name
+    err = (got - ref).abs().max().item() if ref.numel() else 0.0
+    assert err <= tol * max(ref.abs().max().item() if ref.numel() else 0.0, 1e-6), \
+        f"{name}: max error {err:.3g} over max |ref| {ref.abs().max().item():.3g}"
+
+
+# ---- linear + cross-entropy ------------------------------------------------------------------
+
+def _lce_ref(h, w, b, y, ignore_index, reduction, softcap, logit_scale, z_loss, normalizer):
+    """Materialised fp32 logits, F.cross_entropy, plus the z-loss of the non-ignored rows."""
+    z = F.linear(h, w, b)
+    if logit_scale is not None:
+        z = z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    total = F.cross_entropy(z, y, ignore_index=ignore_index, reduction="sum")
+    valid = y != ignore_index
+    if z_loss:
+        total = total + z_loss * (torch.logsumexp(z, -1).pow(2) * valid).sum()
+    if reduction == "sum":
+        return total
+    # torch: a mean over no valid row is nan and its grads zero; clamp here, check the nan apart
+    return total / (valid.sum().clamp(min=1) if normalizer is None else normalizer)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 19), hid=st.integers(1, 11), vocab=st.integers(1, 70), chunk=st.integers(1, 8),
+       bias=st.booleans(), softcap=st.sampled_from([None, 4.0]), logit_scale=st.sampled_from([None, 0.7]),
+       z_loss=st.sampled_from([0.0, 0.01]), reduction=st.sampled_from(["mean", "sum"]),
+       normalizer=st.sampled_from([None, 6.5]), ignore=st.sampled_from([-100, 0]),
+       first_chunk_ignored=st.booleans(), dtype=st.sampled_from(DTYPES), block=st.sampled_from([16, None]),
+       seed=st.integers(0, 2 ** 16))
+def test_linear_cross_entropy_matches_torch(n, hid, vocab, chunk, bias, softcap, logit_scale, z_loss, reduction,
+                                            normalizer, ignore, first_chunk_ignored, dtype, block, seed):
+    """Loss and grad_hidden/grad_weight/grad_bias for d(loss) = 1 against autograd through
+    F.cross_entropy on materialised fp32 logits; vocab blocks of 16 (V not a multiple), chunks
+    of rows with ignored labels (a whole chunk of them when first_chunk_ignored); block None: the
+    default, one block over the whole (small) vocabulary."""
+    if reduction == "sum":
+        normalizer = None
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(n, hid, generator=g) * 2).to(dtype)
+    w = torch.randn(vocab, hid, generator=g).to(dtype)
+    b = torch.randn(vocab, generator=g).to(dtype) if bias else None
+    y = torch.randint(0, vocab, (n,), generator=g)
+    y[torch.rand(n, generator=g) < 0.3] = ignore
+    if ignore == -100:
+        y[torch.rand(n, generator=g) < 0.2] = -100
+    if first_chunk_ignored:
+        y[:chunk] = ignore
+    hr, wr = h.float().clone().requires_grad_(), w.float().clone().requires_grad_()
+    br = b.float().clone().requires_grad_() if b is not None else None
+    ref = _lce_ref(hr, wr, br, y, ignore, reduction, softcap, logit_scale, z_loss, normalizer)
+    ref.backward()
+
+    loss, gh, gw, gb = lce.forward(h, w, b, y, ignore_index=ignore, reduction=reduction, softcap=softcap,
+                                   logit_scale=logit_scale, z_loss=z_loss, chunk=chunk, normalizer=normalizer,
+                                   block=block)
+    assert loss.dtype == dtype and gh.dtype == dtype and gw.dtype == dtype
+    if reduction == "mean" and normalizer is None and not (y != ignore).any():
+        assert loss.isnan()   # as F.cross_entropy's mean over no valid row; the grads are zero
+    else:
+        _close(loss, ref.detach(), LP_TOL[dtype], "loss")   # fp32, rounded to the inputs' dtype once
+    tol = LP_TOL[dtype]
+    _close(gh, hr.grad, tol, "grad_hidden")
+    _close(gw, wr.grad, tol, "grad_weight")
+    if b is not None:
+        assert gb.dtype == dtype
+        _close(gb, br.grad, tol, "grad_bias")
+    else:
+        assert gb is None
+
+
+def test_linear_cross_entropy_matches_the_runtime_op():
+    """The same numbers as the torch implementation it mirrors (linear_ops: logit_scale then the
+    soft-cap, mean over non-ignored rows), and a loss-only launch gives the same loss."""
+    from tailorfx.runtime.linear_ops import _lce_chunks
+    g = torch.Generator().manual_seed(3)
+    h, w, b = torch.randn(23, 12, generator=g), torch.randn(50, 12, generator=g), torch.randn(50, generator=g)
+    y = torch.randint(0, 50, (23,), generator=g)
+    y[::4] = -100
+    want = _lce_chunks(h, w, b, y, -100, "mean", 3, 3.0, 0.5, True, True, True)
+    got = lce.forward(h, w, b, y, softcap=3.0, logit_scale=0.5, chunk=8, block=16)
+    for a, r, name in zip(got, want, ["loss", "grad_hidden", "grad_weight", "grad_bias"]):
+        _close(a, r, 1e-5, name)
+    loss_only = lce.forward(h, w, b, y, softcap=3.0, logit_scale=0.5, chunk=8, block=16, grads=False)
+    assert loss_only[1:] == (None, None, None)
+    _close(loss_only[0], want[0], 1e-5, "loss-only")
+
+
+def test_linear_cross_entropy_refuses():
+    h, w, y = torch.randn(4, 3), torch.randn(5, 3), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="reduction 'none'"):
+        lce.forward(h, w, None, y, reduction="none")
+    with pytest.raises(ValueError, match="normalizer"):
+        lce.forward(h, w, None, y, reduction="sum", normalizer=2)
+
+
+# ---- SwiGLU / GeGLU --------------------------------------------------------------------------
+
+_ACT_REF = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 7), cols=st.integers(1, 45), act=st.sampled_from(list(_ACT_REF)),
+       dtype=st.sampled_from(DTYPES), block=st.sampled_from([16, 64, 1024]), seed=st.integers(0, 2 ** 16))
+def test_glu_matches_torch(rows, cols, act, dtype, block, seed):
+    """out, dgate, dup against torch autograd in fp64: fp32 to rtol 1e-5, atol 1e-6; fp16/bf16
+    inputs (fp32 compute) against the reference on the same values, to the outputs' rounding."""
+    g = torch.Generator().manual_seed(seed)
+    gate = (torch.randn(rows, cols, generator=g) * 3).to(dtype)
+    up = torch.randn(rows, cols, generator=g).to(dtype)
+    dout = torch.randn(rows, cols, generator=g).to(dtype)
+    # fp64 reference: torch's fp32 tanh-GELU backward loses 1 - tanh^2 to cancellation for g < -5
+    gr, ur = gate.double().requires_grad_(), up.double().requires_grad_()
+    ref = _ACT_REF[act](gr) * ur
+    ref.backward(dout.double())
+    out = glu.forward(gate, up, act, block=block)
+    dg, du = glu.backward(dout, gate, up, act, block=block)
+    assert out.dtype == dg.dtype == du.dtype == dtype
+    rtol, atol = {torch.float32: (1e-5, 1e-6), torch.float16: (2e-3, 1e-4), torch.bfloat16: (1.6e-2, 1e-3)}[dtype]
+    for a, r, name in [(out, ref.detach(), "out"), (dg, gr.grad, "dgate"), (du, ur.grad, "dup")]:
+        torch.testing.assert_close(a.double(), r, rtol=rtol, atol=atol, msg=lambda m: f"{act} {name}: {m}")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")   # numpy's exp in the interpreter: inf, as on a GPU
+def test_glu_extreme_gates():
+    """Large |gate| saturates without inf/nan (sigmoid and erfc built from exp)."""
+    gate = torch.tensor([-90.0, -30.0, -8.0, -1e-3, 0.0, 1e-3, 8.0, 30.0, 90.0])
+    up = torch.ones_like(gate)
+    for act, f in _ACT_REF.items():
+        gr = gate.double().requires_grad_()
+        ref = f(gr) * up.double()
+        ref.backward(torch.ones_like(gr))
+        out, dg = glu.forward(gate, up, act), glu.backward(torch.ones_like(gate), gate, up, act)[0]
+        assert out.isfinite().all() and dg.isfinite().all()
+        torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dg.double(), gr.grad, rtol=1e-5, atol=1e-6)
+
+
+# ---- rotary embedding ------------------------------------------------------------------------
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _hf_rope(q, k, cos, sin, rot):
+    """transformers' apply_rotary_pos_emb (unsqueeze_dim=1), with Phi/NeoX's partial rotary."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    out = []
+    for x in (q, k):
+        xr, xp = x[..., :rot], x[..., rot:]
+        out.append(torch.cat([xr * cos + _rotate_half(xr) * sin, xp], dim=-1))
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(bsz=st.integers(1, 2), heads=st.integers(1, 5), kv_div=st.sampled_from([1, 2, 5]), seq=st.integers(1, 6),
+       half=st.integers(1, 10), pass_dims=st.sampled_from([0, 0, 3, 8]), cos_batch=st.booleans(),
+       transposed=st.booleans(), dtype=st.sampled_from(DTYPES), block_h=st.sampled_from([1, 2, 4]),
+       hf_cos=st.booleans(), explicit_rot=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_rope_matches_hf(bsz, heads, kv_div, seq, half, pass_dims, cos_batch, transposed, dtype, block_h, hf_cos,
+                         explicit_rot, seed):
+    """q (B, H, S, D) and k (B, H_kv, S, D) (optionally HF's transposed (B, S, H, D) buffers),
+    cos/sin (B or 1, S, R) (HF's duplicated halves, or arbitrary: the backward must be the exact
+    transpose), partial rotary R < D (given, or read off cos as HF does); forward and backward
+    against autograd through HF's formula."""
+    rot = 2 * half
+    d = rot + pass_dims
+    kv = max(1, heads // kv_div)
+    g = torch.Generator().manual_seed(seed)
+
+    def make(h):
+        x = torch.randn(bsz, seq, h, d, generator=g) if transposed else torch.randn(bsz, h, seq, d, generator=g)
+        return (x.transpose(1, 2) if transposed else x).to(dtype)
+    q, k = make(heads), make(kv)
+    cb = bsz if cos_batch else 1
+    if hf_cos:
+        freqs = torch.rand(cb, seq, half, generator=g) * 5
+        emb = torch.cat([freqs, freqs], -1)
+        cos, sin = emb.cos(), emb.sin()
+    else:
+        cos, sin = torch.randn(cb, seq, rot, generator=g), torch.randn(cb, seq, rot, generator=g)
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    dq, dk = torch.randn(q.shape, generator=g).to(dtype), torch.randn(k.shape, generator=g).to(dtype)
+    qr, kr = q.float().clone().requires_grad_(), k.float().clone().requires_grad_()
+    ref_q, ref_k = _hf_rope(qr, kr, cos.float(), sin.float(), rot)
+    torch.autograd.backward([ref_q, ref_k], [dq.float(), dk.float()])
+
+    spec_dim = rot if explicit_rot else None   # None: cos's last dim, as HF
+    oq, ok = rope.forward(q, k, cos, sin, spec_dim) if block_h == 4 else \
+        (rope.apply(q, cos, sin, spec_dim, block_h=block_h), rope.apply(k, cos, sin, spec_dim, block_h=block_h))
+    gq, gk = rope.backward(dq, dk, cos, sin, spec_dim) if block_h == 4 else \
+        (rope.apply(dq, cos, sin, spec_dim, backward=True, block_h=block_h),
+         rope.apply(dk, cos, sin, spec_dim, backward=True, block_h=block_h))
+    rtol, atol = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}[dtype]
+    for a, r, name in [(oq, ref_q, "q"), (ok, ref_k, "k"), (gq, qr.grad, "dq"), (gk, kr.grad, "dk")]:
+        assert a.dtype == dtype and a.shape == r.shape
+        torch.testing.assert_close(a.float(), r.detach(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def test_rope_backward_is_the_transpose():
+    """<rope(x), y> == <x, rope_bwd(y)> for arbitrary cos/sin, partial rotary."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 3, 5, 12, generator=g), torch.randn(2, 3, 5, 12, generator=g)
+    cos, sin = torch.randn(1, 5, 8, generator=g), torch.randn(1, 5, 8, generator=g)
+    lhs = (rope.apply(x, cos, sin, 8) * y).sum()
+    rhs = (x * rope.apply(y, cos, sin, 8, backward=True)).sum()
+    torch.testing.assert_close(lhs, rhs, rtol=1e-5, atol=1e-5)
+
+
+# ---- rendered source: only what the spec asks for ------------------------------------------
+
+def test_render_leaves_out_what_is_not_asked_for():
+    plain = tt.render(lce.spec_for(32000))
+    assert "tanh" not in plain and "SOFTCAP" not in plain and "LOGIT_SCALE" not in plain and "Z_LOSS" not in plain
+    capped = tt.render(lce.spec_for(32000, softcap=30.0))
+    assert "_tanh(z / SOFTCAP)" in capped and "(1.0 - t * t)" in capped and "LOGIT_SCALE" not in capped
+    full = tt.render(lce.spec_for(32000, softcap=30.0, logit_scale=0.0625, z_loss=1e-4))
+    assert "Z_LOSS * lse * lse" in full and "2.0 * Z_LOSS * lse" in full and "* LOGIT_SCALE" in full
+    loss_only = tt.render(lce.spec_for(32000, softcap=30.0, grad=False))
+    assert "pass 2" not in loss_only and "1.0 - t * t" not in loss_only and "tl.zeros" not in loss_only
+    assert "\x00" not in full + plain + loss_only
+
+    def glu_src(act):
+        return tt.render(tt.KernelSpec("glu", act=act, block=1024, dtype="bf16"))
+    assert "_cdf2" not in glu_src("silu") and "0.044715" not in glu_src("silu")
+    assert "0.044715" in glu_src("gelu_tanh") and "_cdf2" not in glu_src("gelu_tanh")
+    assert "_cdf2" in glu_src("gelu") and "0.044715" not in glu_src("gelu")
+
+    def rope_src(rot):
+        return tt.render(tt.KernelSpec("rope", dtype="bf16", head_dim=128, rotary_dim=rot, block_h=4))
+    assert "ROT_DIM" not in rope_src(128) and "pass through" not in rope_src(128)
+    assert rope_src(64).count("pass through") == 2 and "ROT_DIM = tl.constexpr(64)" in rope_src(64)
+
+
+def test_specs_refuse_bad_values():
+    with pytest.raises(ValueError, match="power of two"):
+        tt.render(tt.KernelSpec("linear_cross_entropy", block=100, grad=True))
+    with pytest.raises(ValueError, match="softcap"):
+        tt.render(tt.KernelSpec("linear_cross_entropy", block=64, grad=True, softcap=-1.0))
+    with pytest.raises(ValueError, match="rotary_dim"):
+        tt.render(tt.KernelSpec("rope", dtype="fp32", head_dim=64, rotary_dim=33, block_h=4))
+    with pytest.raises(ValueError, match="glu act"):
+        tt.render(tt.KernelSpec("glu", act="relu", block=64, dtype="fp32"))
+
+
+# ---- ahead-of-time compile ---------------------------------------------------------------------
+
+COMPILED = {"linear_cross_entropy": lce.examples()[4],                        # every option, block 8192
+            "glu": tt.KernelSpec("glu", act="gelu", block=1024, dtype="bf16"),
+            "rope": tt.KernelSpec("rope", dtype="bf16", head_dim=80, rotary_dim=32, block_h=8)}
+
+
+@pytest.fixture(scope="module")
+def compiled_sm90():
+    """One compile process for the three families (the interpreter's process cannot compile)."""
+    specs = list(COMPILED.values())
+    return dict(zip(COMPILED, tt.compile_many([(s, 90) for s in specs])))
+
+
+@pytest.mark.parametrize("fam", list(COMPILED))
+def test_compiles_for_sm90(fam, compiled_sm90):
+    res = compiled_sm90[fam]
+    assert set(res["cubin"]) == set(tt.family(fam).signatures(COMPILED[fam]))
+    assert all(len(c) > 0 for c in res["cubin"].values())
+    assert 0 < res["n_regs"] <= 255 and res["n_spills"] == 0
+    assert res["shared_bytes"] <= tt.SHARED_LIMIT[90]
