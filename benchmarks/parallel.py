@@ -1,29 +1,43 @@
-"""Per-rank memory and step time of each parallel layout, on CPU processes (gloo, torchrun).
+"""Per-rank memory and step time of each parallel layout, on CPU processes (gloo, torchrun), against
+the per-rank memory predicted without running (tailorfx.parallel_memory); then Llama-3-8B's
+per-rank memory predicted for layouts of 8 and 64 GPUs.
 
 One HF Llama (vocab 8000, hidden 256, 8 heads / 4 KV heads, 4 layers, fp32), one global batch
-(4 x 512 tokens) for every layout; data parallel splits its rows, pipeline parallel (the step
-graph cut into stages, 1F1B, 4 micro-batches) its micro-batches. Per rank: the bytes its
-parameters and gradients hold (DTensor shards counted locally), the measured forward+backward
-peak above that (profiler allocator events, FSDP's gathered parameters included), and the median
-step time of 5 steps after 2 warm-up steps (slowest rank). Every layout is checked against the
-single-process loss.
+(4 x 512 tokens) for every layout; data parallel splits its rows, Ulysses (sp) the sequence over
+the dp ranks, pipeline parallel (the step graph cut into stages, 1F1B, 4 micro-batches) its
+micro-batches. Per rank: the bytes its parameters and gradients hold (DTensor shards counted
+locally), the measured forward+backward peak above that (profiler allocator events, FSDP's
+gathered parameters included), and the median step time of 5 steps after 2 warm-up steps
+(slowest rank). Every layout is checked against the single-process loss. "Predicted" is
+`predict_rank_memory` run here, in one process, from the model's config (fake tensors, a fake
+process group for tp), for the worst rank, in the same terms (parameters + gradients + the
+forward+backward peak above them); "in torchrun" is each rank's `opt.predict_memory()`.
 
-    python benchmarks/parallel.py            # launches each layout with torchrun, prints a table
+    python benchmarks/parallel.py                      # every layout, then the 8B table
+    python benchmarks/parallel.py --layouts tp2 pp4    # some layouts
+    python benchmarks/parallel.py --measured out/parallel.json   # re-predict saved measurements
+    python benchmarks/parallel.py --predict-8b         # only the 8B table (no launches)
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (4, 1, 1), (1, 4, 1), (2, 2, 1), (1, 1, 4)]   # (tp, dp, pp)
+# (tp, dp, pp, sp): sp=1 splits the sequence over the dp ranks (Ulysses) instead of the batch.
+# tp2xpp2 is not run by default: on gloo its ranks held a varying number of extra collective
+# buffers (its worst rank measured 82.9, 82.9, 85.4 and 99.4 MiB in four runs of the same step)
+LAYOUTS = {"1": (1, 1, 1, 0), "tp2": (2, 1, 1, 0), "dp2": (1, 2, 1, 0), "pp2": (1, 1, 2, 0), "tp4": (4, 1, 1, 0),
+           "dp4": (1, 4, 1, 0), "tp2xdp2": (2, 2, 1, 0), "pp4": (1, 1, 4, 0), "tp2xpp2": (2, 1, 2, 0),
+           "sp2": (1, 2, 1, 1), "sp4": (1, 4, 1, 1)}
 SCHEDULE, MICROBATCHES = "1f1b", 4
 
 
-def worker(tp: int, dp: int, pp: int, seq: int, batch: int) -> None:
+def worker(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int) -> None:
     import statistics
     import time
 
@@ -42,13 +56,15 @@ def worker(tp: int, dp: int, pp: int, seq: int, batch: int) -> None:
         opt, rank, rows = model, 0, batch_all
     elif pp > 1:
         opt = tailorfx.optimize(model, example_inputs=batch_all,
-                                parallel=dict(pp=pp, schedule=SCHEDULE, microbatches=MICROBATCHES))
+                                parallel=dict(tp=tp, pp=pp, schedule=SCHEDULE, microbatches=MICROBATCHES))
         rank, rows = dist.get_rank(), batch_all
-    else:
-        opt = tailorfx.optimize(model, example_inputs=batch_all if dp == 1 else {k: v[:1] for k, v in batch_all.items()},
-                                parallel=dict(tp=tp, dp=dp))
-        rank = dist.get_rank()
+    elif sp:        # every rank takes every row, and its slice of the sequence
+        opt = tailorfx.optimize(model, example_inputs=batch_all, parallel=dict(dp=dp, sp="ulysses"))
+        rank, rows = dist.get_rank(), batch_all
+    else:           # each dp rank's rows are its example (its predictions are at their shape)
+        rank = int(os.environ["RANK"])
         rows = {k: v.chunk(dp)[rank // tp] for k, v in batch_all.items()}
+        opt = tailorfx.optimize(model, example_inputs=rows, parallel=dict(tp=tp, dp=dp))
     params = [p for _, p in opt.named_parameters()]
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in params)
 
@@ -78,12 +94,12 @@ def worker(tp: int, dp: int, pp: int, seq: int, batch: int) -> None:
     if pp > 1:      # the loss lives on the last stage's rank
         dist.broadcast(loss, src=dist.get_world_size() - 1)
     predicted = None
-    if tp > 1 and dp == 1 and pp == 1:     # the memory model on the sharded graph, at the measured batch
+    if tp * dp * pp > 1:     # this rank's prediction, inside torchrun, at the measured batch
         predicted = opt.predict_memory().forward_backward_peak_bytes
     if dp > 1:
         dist.all_reduce(loss)
         loss /= dist.get_world_size()
-    _emit({"rank": rank, "tp": tp, "dp": dp, "pp": pp, "param_bytes": local, "grad_bytes": local,
+    _emit({"rank": rank, "tp": tp, "dp": dp, "pp": pp, "sp": sp, "param_bytes": local, "grad_bytes": local,
                       "fwd_bwd_peak_bytes": peak, "predicted_fwd_bwd_peak_bytes": predicted, "step_s": statistics.median(times),
                       "loss": float(loss), "single_process_loss": ref_loss})
     if dist.is_initialized():
@@ -96,49 +112,150 @@ def _emit(row: dict) -> None:
         json.dump(row, f)
 
 
-def launch(tp: int, dp: int, pp: int, seq: int, batch: int) -> list[dict]:
+def launch(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int) -> list[dict]:
     import tempfile
     n = tp * dp * pp
     results = tempfile.mkdtemp()
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
            if n > 1 else [sys.executable])
-    cmd += [os.path.abspath(__file__), "--worker", str(tp), str(dp), str(pp), "--seq", str(seq), "--batch", str(batch)]
+    cmd += [os.path.abspath(__file__), "--worker", str(tp), str(dp), str(pp), str(sp), "--seq", str(seq),
+            "--batch", str(batch)]
     out = subprocess.run(cmd, capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "TAILORFX_RESULTS": results})
     rows = [json.load(open(os.path.join(results, f))) for f in sorted(os.listdir(results))]
     if out.returncode != 0 or len(rows) != n:
-        raise RuntimeError(f"layout tp={tp} dp={dp} pp={pp} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"layout tp={tp} dp={dp} pp={pp} sp={sp} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
     return rows
+
+
+def small_config():
+    """The launched model's config (what hf_llama_model builds)."""
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=8000, hidden_size=256, intermediate_size=int(256 * 2.6875), num_hidden_layers=4,
+                       num_attention_heads=8, num_key_value_heads=4)
+
+
+def llama3_8b_config():
+    """Llama-3-8B's architecture (no download)."""
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, rope_theta=500000, max_position_embeddings=8192,
+                       tie_word_embeddings=False)
+
+
+def predict_layout(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int):
+    """The worst rank of a launched layout, predicted in this process: (its prediction, the
+    benchmark's measure of it: parameters + gradients + the forward+backward peak above them)."""
+    from tailorfx.parallel_memory import predict_rank_memory
+    rows = batch // MICROBATCHES if pp > 1 else batch if sp else batch // dp
+    rm = predict_rank_memory(small_config(), tp=tp, dp=dp, pp=pp, sp="ulysses" if sp else None, schedule=SCHEDULE,
+                             microbatches=MICROBATCHES if pp > 1 else None, seq_len=seq, batch_size=rows, setup="fp32")
+    if pp > 1:     # per pipeline rank, in the benchmark's terms
+        totals = [2 * params + fb for _, fb, params in rm.pipeline_ranks]
+        return rm, max(totals), totals
+    return rm, 2 * rm.param_bytes + rm.forward_backward_peak_bytes, None
+
+
+PLANS_8B = [(8, dict(dp=8)), (8, dict(dp=8, sp="ulysses")), (8, dict(tp=8)), (8, dict(tp=2, dp=4)),
+            (8, dict(tp=4, dp=2)), (8, dict(tp=4, pp=2)), (8, dict(pp=8)),
+            (64, dict(dp=64)), (64, dict(tp=8, dp=8)), (64, dict(tp=4, dp=16)), (64, dict(tp=8, pp=8)),
+            (64, dict(tp=4, pp=4, dp=4)), (64, dict(pp=64)), (64, dict(tp=16, dp=4))]
+
+
+def predict_8b(seq: int = 8192) -> tuple[list[list], list[dict]]:
+    """Llama-3-8B per rank under each plan: amp-bf16 (bf16 weights, fp32 master weights, fp32
+    AdamW state), seq `seq`, micro-batch 1 (pipelines: pp micro-batches of 1 row, 1F1B)."""
+    import time
+    from tailorfx import planner
+    from tailorfx.budget import Budget
+    from tailorfx.parallel_memory import describe_layout, predict_rank_memory
+    cfg = llama3_8b_config()
+    gib = lambda b: f"{b / 2**30:.1f}"
+    usable = planner.usable(Budget.parse("80GB").bytes)
+    rows, out = [], []
+    for world, plan in PLANS_8B:
+        tp, dp, pp, sp = plan.get("tp", 1), plan.get("dp", 1), plan.get("pp", 1), plan.get("sp")
+        name = describe_layout(tp, pp, dp, sp)
+        t = time.time()
+        try:
+            rm = predict_rank_memory(cfg, **plan, seq_len=seq, batch_size=1, setup="amp-bf16")
+        except ValueError as e:      # what optimize(parallel=...) would refuse, and why
+            reason = re.sub(r"^parallel=\{.*?\}: ", "", str(e).splitlines()[0]).split(" (read from")[0]
+            rows.append([str(world), name] + ["-"] * 7 + [f"refused: {reason}"])
+            out.append({"world": world, **plan, "refused": str(e)})
+            continue
+        b = rm.breakdown()
+        rows.append([str(world), name, gib(rm.peak_bytes), gib(b["parameters"]), gib(b["gradients"]),
+                     gib(b["optimizer state"]), gib(b["activations"]), gib(b["communication buffers"]),
+                     f"{rm.bubble:.0%}" if pp > 1 else "-", "yes" if rm.peak_bytes <= usable else "no"])
+        out.append({"world": world, **plan, "peak_bytes": rm.peak_bytes, "breakdown": b, "rank": rm.rank,
+                    "bubble": rm.bubble, "seconds": round(time.time() - t, 1),
+                    "stages": [{"stage": st.stage, "blocks": len(st.blocks), "peak_inflight": st.peak_inflight,
+                                "kept_bytes": st.kept_bytes} for st in rm.stages]})
+    return rows, out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", nargs=3, type=int, metavar=("TP", "DP", "PP"))
+    ap.add_argument("--worker", nargs=4, type=int, metavar=("TP", "DP", "PP", "SP"))
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--layouts", nargs="+", default=[k for k in LAYOUTS if k != "tp2xpp2"], choices=list(LAYOUTS))
+    ap.add_argument("--measured", default=None, help="a JSON this benchmark wrote: re-predict its measurements")
+    ap.add_argument("--predict-8b", action="store_true", help="only the Llama-3-8B table (no launches)")
+    ap.add_argument("--skip-8b", action="store_true", help="no Llama-3-8B table")
     a = ap.parse_args()
     if a.worker:
         return worker(*a.worker, a.seq, a.batch)
     sys.path.insert(0, HERE)
     from common import print_table, write_json
     mib = lambda b: f"{b / 2**20:.1f}"
-    results, rows = [], []
-    for tp, dp, pp in LAYOUTS:
-        ranks = launch(tp, dp, pp, a.seq, a.batch)
-        results.append({"tp": tp, "dp": dp, "pp": pp, "ranks": ranks})
-        worst = max(ranks, key=lambda r: r["param_bytes"] + r["grad_bytes"] + r["fwd_bwd_peak_bytes"])
-        base = results[0]["ranks"][0]
+    err = lambda p, m: f"{(p - m) / m:+.1%}"
+    results = []
+    if not a.predict_8b:
+        saved = json.load(open(a.measured)) if a.measured else []
+        saved = {r["layout"]: r for r in (saved["layouts"] if isinstance(saved, dict) else saved)}
+        rows = []
         total = lambda r: r["param_bytes"] + r["grad_bytes"] + r["fwd_bwd_peak_bytes"]
-        name = f"pp={pp} ({SCHEDULE}, {MICROBATCHES} micro-batches)" if pp > 1 else f"tp={tp} dp={dp}"
-        pred = worst.get("predicted_fwd_bwd_peak_bytes")
-        rows.append([name, str(tp * dp * pp), mib(worst["param_bytes"]), mib(worst["fwd_bwd_peak_bytes"]),
-                     f"{mib(pred)} ({(pred - worst['fwd_bwd_peak_bytes']) / worst['fwd_bwd_peak_bytes']:+.1%})" if pred else "-",
-                     mib(total(worst)), f"{total(worst) / total(base):.2f}", f"{max(r['step_s'] for r in ranks):.3f}",
-                     f"{abs(ranks[0]['loss'] - base['single_process_loss']) / base['single_process_loss']:.1e}"])
-    print_table(f"Per rank, HF Llama (hidden 256, 4 layers, vocab 8000), global batch {a.batch} x {a.seq}, fp32, gloo",
-                ["layout", "processes", "params MiB", "fwd+bwd peak MiB", "predicted MiB", "params+grads+peak MiB",
-                 "vs 1 process", "step s (slowest rank)", "loss rel. err"], rows)
-    print("wrote", write_json("parallel.json", results))
+        for name in a.layouts:
+            tp, dp, pp, sp = LAYOUTS[name]
+            ranks = saved[name]["ranks"] if name in saved else launch(tp, dp, pp, sp, a.seq, a.batch)
+            rm, predicted, per_rank = predict_layout(tp, dp, pp, sp, a.seq, a.batch)
+            worst = max(ranks, key=total)
+            inrun = [r["param_bytes"] + r["grad_bytes"] + r["predicted_fwd_bwd_peak_bytes"] for r in ranks
+                     if r.get("predicted_fwd_bwd_peak_bytes") is not None]
+            results.append({"layout": name, "tp": tp, "dp": dp, "pp": pp, "sp": sp, "ranks": ranks,
+                            "predicted_worst_bytes": predicted, "predicted_per_pipeline_rank": per_rank,
+                            "predicted_fwd_bwd_peak_bytes": rm.forward_backward_peak_bytes,
+                            "predicted_in_torchrun_worst_bytes": max(inrun) if inrun else None,
+                            "predicted_breakdown": rm.breakdown()})
+            base = next((r["ranks"][0] for r in results if r["layout"] == "1"), None)
+            if pp > 1:
+                label = (f"tp={tp} x " if tp > 1 else "") + f"pp={pp} ({SCHEDULE} x{MICROBATCHES})"
+            elif sp:
+                label = f"sp={dp} (Ulysses)"
+            else:
+                label = " x ".join(f"{k}={v}" for k, v in (("tp", tp), ("dp", dp)) if v > 1) or "1 process"
+            ref = ranks[0]["single_process_loss"]
+            rows.append([label, str(tp * dp * pp), mib(worst["param_bytes"]), mib(worst["fwd_bwd_peak_bytes"]),
+                         mib(total(worst)), f"{mib(predicted)} ({err(predicted, total(worst))})",
+                         f"{mib(max(inrun))} ({err(max(inrun), total(worst))})" if inrun else "-",
+                         f"{total(worst) / total(base):.2f}" if base else "-", f"{max(r['step_s'] for r in ranks):.3f}",
+                         f"{abs(ranks[0]['loss'] - ref) / ref:.1e}"])
+            print(f"{name}: measured {mib(total(worst))} MiB, predicted {mib(predicted)} MiB", file=sys.stderr,
+                  flush=True)
+        print_table(f"Per rank (the largest), HF Llama (hidden 256, 4 layers, vocab 8000), global batch {a.batch} x "
+                    f"{a.seq}, fp32, gloo", ["layout", "processes", "params MiB", "fwd+bwd peak MiB", "params+grads+peak MiB",
+                                    "predicted MiB (error)", "in torchrun MiB (error)", "vs 1 process",
+                                    "step s (slowest rank)", "loss rel. err"], rows)
+    llama = None
+    if not a.skip_8b:
+        rows, llama = predict_8b()
+        print_table("Llama-3-8B per rank, predicted: amp-bf16 (bf16 weights, fp32 master + AdamW state), seq 8192, "
+                    "micro-batch 1, pipelines 1F1B with pp micro-batches",
+                    ["world", "layout", "peak GiB", "params", "grads", "optimizer", "activations", "comm",
+                     "bubble", "fits 80GB (less 4% headroom)"], rows)
+    print("wrote", write_json("parallel.json", {"layouts": results, "llama3_8b": llama}))
 
 
 if __name__ == "__main__":

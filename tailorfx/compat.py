@@ -149,6 +149,13 @@ def isolated_tracing(example_inputs) -> Iterator[None]:
         yield
 
 
+def real_tensors():
+    """A context in which new tensors are real even under an active FakeTensorMode (a pass that
+    proves a region on small random inputs while a model built on fake tensors is captured)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    return unset_fake_temporarily()
+
+
 # ---- torch.distributed.pipelining schedule IR (checked on torch 2.13) ----------------------------
 # A pipeline schedule's `pipeline_order` maps rank -> [_Action | None]; _Action, _ComputationType
 # and the runtime's validation/lowering passes are private, so codegen/schedule.py and its tests
@@ -219,3 +226,15 @@ def pipelining_runtime(stages: list, num_microbatches: int, loss_fn, order: dict
     runtime = _PipelineScheduleRuntime(stages, num_microbatches, loss_fn=loss_fn)
     runtime._prepare_schedule_with_comms({r: list(actions) for r, actions in order.items()})
     return runtime
+
+
+# ---- torch.distributed's in-process fake backend (checked on torch 2.13) -------------------------
+def init_fake_process_group(world_size: int, rank: int = 0) -> None:
+    """Initialise the default process group on torch's fake backend: `world_size` ranks in this
+    one process, every collective a no-op. With a FakeTensorMode it lets DTensor shard a model
+    and Dynamo trace its collectives without devices, peers or memory (torchtitan's memory
+    estimation does the same). The fake backend lives in torch's testing package, which
+    registers it on import."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

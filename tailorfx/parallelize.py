@@ -5,6 +5,8 @@ a torchrun process.
              -> runtime.apply_tp (DTensor, tp mesh dim) -> runtime.apply_fsdp (FSDP2, dp mesh dim)
     pp:    capture (static shapes) -> regions -> passes.pipeline_split (block FLOPs, bytes)
              -> codegen.pipeline.cut_stages -> codegen.schedule -> torch.distributed.pipelining
+    predict_memory(): tp alone, the memory model on the sharded graph; with dp/pp/sp,
+             parallel_memory.predict_rank_memory on a fake copy of the model taken before sharding
 """
 from __future__ import annotations
 
@@ -41,6 +43,9 @@ class ParallelPlan:
     example: dict = field(default_factory=dict)   # the example batch (per-rank predictions trace it)
     dp_group: Any = None
     dp_rank: int = 0
+    source: Any = None            # a fake-tensor copy of the model before sharding (dp/pp/sp predictions)
+    tp_mesh: Any = None           # the tp mesh dimension the copy is sharded on for them
+    pp_rank: int = 0
 
     def step(self, kwargs: dict):
         """One pipelined training step (forward and backward of every micro-batch); the mean
@@ -81,21 +86,23 @@ class ParallelPlan:
         return out
 
     def predict(self, model: nn.Module, seq_len: Optional[int], setup):
-        """This rank's memory for one step, by the memory model on the sharded model's own graph
-        (DTensor shards, collectives and all; traced on fake tensors, nothing run), at the
-        example batch's shape. Tensor parallel only, for now."""
+        """This rank's memory for one step at the example batch's shape, nothing run. Tensor
+        parallel alone: the memory model on the sharded model's own graph (DTensor shards,
+        collectives and all; traced on fake tensors). With dp (FSDP2), pp or sp: the composition
+        of parallel_memory.predict_rank_memory on a fake copy of the model taken before it was
+        sharded (the example's rows are this rank's micro-batch; under pp the whole step's,
+        split into the micro-batches; under sp every rank's, split over the sequence)."""
         import contextlib
         from tailorfx import planner
         from tailorfx.api import PredictionError
         from tailorfx.codegen.pipeline import capture_static
         from tailorfx.rewrite.capture import seq_info
-        if self.dp > 1 or self.pp > 1 or self.sp:
-            raise PredictionError("per-rank memory predictions cover tensor parallel (tp=) only, for now: "
-                                  "dp (FSDP2), pp and sp are not modelled yet")
         length = self.example["input_ids"].shape[1] if "input_ids" in self.example else None
         if seq_len not in (None, length):
             raise PredictionError(f"under parallel= the prediction is at the example batch's length ({length}): "
                                   f"give example_inputs of length {seq_len}")
+        if self.dp > 1 or self.pp > 1 or self.sp:
+            return self._predict_composed(length, setup)
         if self.loss_scope is not None:
             from torch.distributed.tensor.parallel import loss_parallel
             scope = loss_parallel
@@ -104,6 +111,23 @@ class ParallelPlan:
         with scope():
             gm, _, _ = capture_static(model, self.example)
             return planner.predict_graphs([(gm, "dynamo", None)], [seq_info(gm, None)], None, setup)
+
+    def _predict_composed(self, length: Optional[int], setup):
+        from tailorfx.api import PredictionError
+        from tailorfx.parallel_memory import predict_rank_memory
+        if self.source is None or length is None:
+            raise PredictionError("per-rank prediction under dp/pp/sp needs the example batch's input_ids and the "
+                                  "model's copy taken before sharding (optimize(parallel=...) keeps both)")
+        rows = self.example["input_ids"].shape[0]
+        if self.pp > 1:
+            rows //= self.microbatches
+        pipelined = self.pp > 1
+        rm = predict_rank_memory(self.source, tp=self.tp, dp=self.dp, pp=self.pp, sp=self.sp,
+                                 schedule=self.schedule or "1f1b",
+                                 microbatches=self.microbatches if pipelined else None,
+                                 seq_len=length, batch_size=rows, setup=setup, rank=self.pp_rank if pipelined else None,
+                                 _mesh=self.tp_mesh if self.tp > 1 else None)
+        return rm.as_estimate()
 
     def describe(self) -> list[tuple[str, str]]:
         rows = [(fqn, style) for fqn, style in self.styles.items()]
@@ -183,6 +207,10 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
         raise ValueError("parallel= needs example_inputs: the tensor-parallel plan is read off the graph "
                          "of one forward pass")
     mesh = device_mesh(tp=spec["tp"], dp=spec["dp"], pp=spec["pp"])
+    source = None
+    if spec["dp"] > 1 or spec["pp"] > 1 or spec["sp"]:    # what per-rank predictions shard and capture
+        from tailorfx.parallel_memory import fake_copy
+        source = fake_copy(model)
     if spec["pp"] > 1:
         if spec["tp"] > 1:   # the stages are cut from the sharded model's graph; its head gathers the logits
             tp_plan, _ = plan_tensor_parallel(model, args, kwargs)
@@ -193,9 +221,11 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
         out = pipeline(model, spec, kwargs, mesh["pp"])
         if spec["tp"] > 1:
             out.tp, out.styles, out.replicated = spec["tp"], styles, dict(tp_plan.replicated)
+        out.example, out.source, out.tp_mesh = dict(kwargs), source, mesh["tp"]
+        out.pp_rank = mesh["pp"].get_local_rank()
         return out
     tp_plan, blocks = plan_tensor_parallel(model, args, kwargs)
-    out = ParallelPlan(spec["tp"], spec["dp"], blocks=blocks, example=dict(kwargs))
+    out = ParallelPlan(spec["tp"], spec["dp"], blocks=blocks, example=dict(kwargs), source=source, tp_mesh=mesh["tp"])
     if spec["tp"] > 1:
         tp_plan.check(spec["tp"])
         apply_tp(model, styles=tp_plan.styles, mesh=mesh["tp"])

@@ -1,0 +1,163 @@
+"""Per-rank memory of parallel layouts predicted by composition (tailorfx.parallel_memory), the
+world planner and its CLI: one process, fake tensors and a fake process group, no torchrun.
+The accuracy against torchrun measurements is benchmarks/parallel.py's; here, the invariants
+the composition must keep, and the one-process case against the allocator."""
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from tailorfx import planner
+from tailorfx.budget import Budget, BudgetError, format_bytes
+from tailorfx.parallel_memory import plan_world, predict_rank_memory, preference
+
+SEQ = 64
+
+
+def tiny(**kw):
+    # 4 query / 2 key-value heads, 4 layers; every parameter's first dim even (FSDP halves it exactly)
+    return LlamaConfig(**{**dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False), **kw})
+
+
+CFG = tiny()
+
+
+def predict(**kw):
+    return predict_rank_memory(CFG, seq_len=SEQ, batch_size=kw.pop("batch_size", 2), setup="fp32", **kw)
+
+
+def test_dp_halves_the_static_bytes_and_gathers_the_root():
+    one, two = predict(), predict(dp=2)
+    assert two.param_bytes * 2 == one.param_bytes
+    assert two.optimizer_bytes * 2 == one.optimizer_bytes and two.grad_bytes * 2 == one.grad_bytes
+    # FSDP2 holds the root's unsharded parameters (embedding, head) from forward to its post-backward
+    assert two.at_peak["gathered parameters"] > 0 and two.at_peak["communication buffers"] > 0
+    assert two.peak_bytes < one.peak_bytes
+    assert sum(two.breakdown().values()) == two.peak_bytes
+
+
+def test_pp_stages_hold_the_whole_model_once():
+    one, pp = predict(), predict(pp=4, microbatches=4, batch_size=1)
+    stages = pp.stages
+    assert [b for st in stages for b in st.blocks] == [f"model.layers.{i}" for i in range(4)]
+    assert sum(st.param_bytes for st in stages) == one.param_bytes
+    # 1F1B: the first stage keeps pp micro-batches, the last one
+    assert [st.peak_inflight for st in stages] == [4, 3, 2, 1]
+    assert len(pp.pipeline_ranks) == 4 and pp.peak_bytes == max(r[0] for r in pp.pipeline_ranks)
+    assert 0 < pp.bubble < 1
+
+
+def test_tp_shards_the_graph_on_a_fake_process_group():
+    import torch.distributed as dist
+    one, tp = predict(), predict(tp=2)
+    assert one.param_bytes / 2 < tp.param_bytes < one.param_bytes      # norms stay replicated
+    assert tp.forward_backward_peak_bytes < one.forward_backward_peak_bytes
+    assert not dist.is_initialized()        # the fake group was this prediction's own
+
+
+def test_ulysses_adds_all_to_all_buffers_to_fsdp():
+    dp, sp = predict(dp=2, batch_size=1), predict(dp=2, sp="ulysses", batch_size=2)
+    assert sp.at_peak["communication buffers"] > dp.at_peak["communication buffers"]
+
+
+def test_layouts_the_runtime_refuses_are_refused():
+    with pytest.raises(ValueError, match="combined with dp are not available"):
+        predict(pp=2, dp=2)
+    with pytest.raises(ValueError, match="tp=4 does not divide the 2 heads"):
+        predict(tp=4)
+
+
+def test_one_process_prediction_matches_the_allocator():
+    """The composition's base, against a real step (a cheap one-process measurement)."""
+    import tailorfx
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_config(tiny(vocab_size=4096))
+    ids = torch.randint(0, 4096, (2, 256))
+    rm = predict_rank_memory(model, seq_len=256, batch_size=2, setup="fp32")
+
+    def step():
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out
+    step()
+    model.zero_grad(set_to_none=True)
+    measured = tailorfx.measure_peak(step)
+    predicted = rm.forward_backward_peak_bytes
+    assert -0.02 <= (predicted - measured) / measured <= 0.05, (predicted, measured)
+
+
+def test_plan_world_chooses_the_preferred_layout_that_fits():
+    budget = Budget.parse("3MiB")
+    cands = plan_world(CFG, world=8, budget=budget, seq_len=SEQ, setup="fp32")
+    chosen = cands[0]
+    usable = planner.usable(budget.bytes)
+    assert chosen.chosen and chosen.status == "fits" and chosen.peak_bytes <= usable
+    fitting = [c for c in cands if c.status == "fits"]
+    assert chosen == min(fitting, key=preference)
+    assert all(c.peak_bytes > usable for c in cands if c.status == "over budget")
+    why = {c.layout(): c.reason for c in cands if c.status == "not available"}
+    assert "does not combine pipeline stages with dp" in why["pp2xdp4"]
+    assert "does not divide" in why["tp8"] and "cannot make 8 pipeline stages" in why["pp8"]
+    assert "must divide the 2 key/value heads" in why["dp8 (sp=ulysses)"]
+
+
+def test_an_impossible_budget_names_the_smallest_reachable_peak():
+    with pytest.raises(BudgetError) as e:
+        plan_world(CFG, world=8, budget="64KiB", seq_len=SEQ, setup="fp32")
+    peaks = [c.peak_bytes for c in e.value.candidates if c.peak_bytes is not None]
+    assert e.value.smallest_bytes == min(peaks)
+    assert format_bytes(min(peaks)) in str(e.value) and "cannot be met on 8 ranks" in str(e.value)
+
+
+def test_a_world_of_1024_is_planned_in_seconds_after_the_captures():
+    plan_world(CFG, world=8, budget="1GB", seq_len=SEQ, setup="fp32")     # captures (cached)
+    t = time.time()
+    cands = plan_world(CFG, world=1024, budget="1GB", seq_len=SEQ, setup="fp32")
+    assert time.time() - t < 10
+    assert cands[0].chosen and cands[0].tp * cands[0].pp * cands[0].dp == 1024
+    assert {(c.tp, c.pp, c.dp) for c in cands} >= {(1, 1, 1024), (2, 1, 512), (8, 1, 128)}
+
+
+CLI_CONFIG = ["llama", "vocab_size=512", "hidden_size=64", "intermediate_size=128", "num_hidden_layers=4",
+              "num_attention_heads=4", "num_key_value_heads=2", "tie_word_embeddings=false"]
+
+
+def test_cli_plans_a_world(capsys):
+    from tailorfx.cli import main
+    main(["plan", *CLI_CONFIG, "--world", "8", "--budget", "3MiB", "--seq", str(SEQ), "--setup", "fp32"])
+    out = capsys.readouterr().out
+    assert "chosen: tp=" in out and "pipeline bubble" in out and "activations" in out
+    assert "not available" in out and "fits" in out
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["lama", "--world", "8", "--budget", "1GB"], "unknown model type 'lama': did you mean llama"),
+    (["llama", "hiden_size=64", "--world", "8", "--budget", "1GB"], "no field 'hiden_size'; did you mean hidden_size"),
+    (["llama", "hidden_size", "--world", "8", "--budget", "1GB"], "is not KEY=VALUE"),
+    (["llama", "--world", "8", "--budget", "lots"], "cannot parse budget"),
+    (["llama", "--world", "8"], "plan --world needs --budget"),
+    (["no/such/config.json", "--world", "8", "--budget", "1GB"], "no config file"),
+])
+def test_cli_bad_arguments_exit_2_with_one_line(capsys, args, msg):
+    from tailorfx.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_config_from_a_local_json_and_from_a_factory(tmp_path):
+    import json
+    from tailorfx.configs import load_config
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CFG.to_dict(), "model_type": "llama"}))
+    for spec in (str(path), str(tmp_path)):
+        cfg = load_config(spec, ["num_hidden_layers=2"])
+        assert (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers) == ("llama", 64, 2)
+    make = load_config("models:hf_config", ["family=llama", "num_layers=3"])     # tests/models.py
+    assert make().num_hidden_layers == 3
+    with pytest.raises(ValueError, match="has no callable 'nope'"):
+        load_config("models:nope")
