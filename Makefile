@@ -24,7 +24,7 @@ test-long: $(STAMP)
 	TAILORFX_PROPERTY_EXAMPLES=200 $(BIN)/python -m pytest -q -n 2 --dist worksteal tests/test_property.py
 
 demo: $(STAMP)
-	$(BIN)/python -m tailorfx.cli demo --timeline demo_memory.png
+	$(BIN)/python -m tailorfx.cli demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -59,6 +59,21 @@ def capture_for_prediction(model_or_config: Any, passes: Sequence[str], seq_len:
         return _capture(model, passes, seq_len, batch_size, **optimize_kwargs)
 
 
+def plan_for_budget(model_or_config: Any, budget: Union[str, int, Budget], seq_len: int, setup: Any = None,
+                    batch_size: Optional[int] = None, **optimize_kwargs) -> OptimizedModule:
+    """The planner's choice for one training step of `seq_len` tokens under `budget`, by the memory
+    model alone: a config or factory is built and captured on fake tensors (an 8B model costs
+    nothing). BudgetError, naming the smallest budget that fits, when no plan does. The result's
+    `plan` lists each graph's chosen candidate and the runners-up with their predicted peaks."""
+    s = resolve_setup(setup)
+    positive_int("seq_len", seq_len, allow_none=False)
+    positive_int("batch_size", batch_size)
+    with _prediction_model(model_or_config, s.param_dtype) as model:
+        ids = torch.randint(0, 2, (batch_size or s.micro_batch_size, seq_len), device=next(model.parameters()).device)
+        return optimize(model, budget=budget, example_inputs={"input_ids": ids, "labels": ids}, setup=s,
+                        predict=False, verify=False, **optimize_kwargs)
+
+
 def _capture(model: nn.Module, passes: Sequence[str], seq_len: int, batch_size: int, **kw) -> OptimizedModule:
     ids = torch.randint(0, 2, (batch_size, seq_len), device=next(model.parameters()).device)
     return optimize(model, example_inputs={"input_ids": ids, "labels": ids}, passes=list(passes),

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from tailorfx import compat
 from tailorfx.passes import register
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
@@ -92,6 +93,26 @@ def _norm_reference(x, w, b, eps: float, kind: str, offset: float):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (w + offset)
 
 
+def _norm_kind(fn: fx.GraphModule, width: int, dtypes: list[torch.dtype], eps: float) -> Union[tuple[str, float], str, None]:
+    """(kind, offset) of the norm formula `fn` computes on random inputs of `dtypes` (x, weight,
+    bias); a reason string when it cannot run on its own; None when it is none of them. The
+    candidates differ by O(1), so a low-precision region is compared at its dtype's rounding."""
+    gen = torch.Generator().manual_seed(0)
+    probe = [torch.randn(3, width, generator=gen).to(dtypes[0])]
+    probe += [torch.randn(width, generator=gen).to(d) for d in dtypes[1:]]
+    try:
+        got = fn(*probe).float()
+    except Exception as e:  # a region that cannot run on its own: leave it
+        return f"its nodes do not run on their own ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
+    x, w = probe[0].float(), probe[1].float()
+    bias = probe[2].float() if len(probe) == 3 else None
+    tol = 1e-4 if all(d in (torch.float32, torch.float64) for d in dtypes) else 2e-2
+    for kind, offset in [("layer", 0.0)] + ([("rms", 0.0), ("rms", 1.0)] if bias is None else []):
+        if torch.allclose(got, _norm_reference(x, w, bias, eps, kind, offset), rtol=tol, atol=tol / 10):
+            return kind, offset
+    return None
+
+
 def _match_norm(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swap], str, None]:
     from tailorfx.runtime.triton_ops import triton_norm
     members = [nodes[n] for n in region.nodes if n in nodes]
@@ -114,20 +135,14 @@ def _match_norm(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swa
     if fn is None:
         return "it reads values from outside the region"
     width = xv.shape[-1] if isinstance(xv.shape[-1], int) else 8
-    gen = torch.Generator().manual_seed(0)
-    # fp32: the norms cast to it themselves; the candidates differ by O(1), not by rounding
-    probe = [torch.randn(3, width, generator=gen)] + [torch.randn(width, generator=gen) for _ in params]
-    try:
-        got = fn(*probe).float()
-    except Exception as e:  # a region that cannot run on its own: leave it
-        return f"its nodes do not run on their own ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
-    bias = probe[2] if len(params) == 2 else None
-    candidates = [("layer", 0.0)] + ([("rms", 0.0), ("rms", 1.0)] if bias is None else [])
-    for kind, offset in candidates:
-        want = _norm_reference(probe[0], probe[1], bias, eps, kind, offset)
-        if torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-            args = (x, params[0], params[1] if bias is not None else None)
-            return [Swap(out, triton_norm, args, {"eps": eps, "kind": kind, "offset": offset}, "norm")]
+    with compat.real_tensors():   # real probes also while a fake-tensor model is captured
+        found = _norm_kind(fn, width, [xv.dtype] + [node_value(p).dtype for p in params], eps)
+    if isinstance(found, tuple):
+        kind, offset = found
+        args = (x, params[0], params[1] if len(params) == 2 else None)
+        return [Swap(out, triton_norm, args, {"eps": eps, "kind": kind, "offset": offset}, "norm")]
+    if found is not None:
+        return found
     return "its values differ from LayerNorm and from RMSNorm (weight offset 0 or 1) at its epsilon"
 
 
@@ -236,6 +251,22 @@ class KernelsPass:
 def kernel_specs(node: fx.Node) -> list:
     """The Triton kernel specs a graph node launches (from its inputs' fake values); [] for
     nodes that launch none."""
+    return [spec for spec, _ in kernel_launches(node)]
+
+
+def _int(x) -> int:
+    """A size as an int: a graph node's value, a SymInt's hint, or the number itself."""
+    return int(node_value(x) if isinstance(x, fx.Node) else x)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def kernel_launches(node: fx.Node) -> list[tuple]:
+    """(spec, forward launch grid as text) for each Triton kernel a graph node launches, at the
+    shapes of its inputs' fake values (a symbolic length at its hint); [] for nodes that launch
+    none."""
     from tailorfx.codegen.triton import flash_attention, glu, linear_cross_entropy, norm
     from tailorfx.runtime.triton_ops import (_attention_params, triton_attention, triton_glu,
                                              triton_linear_cross_entropy, triton_norm)
@@ -245,21 +276,35 @@ def kernel_specs(node: fx.Node) -> list:
     if node.target is torch.ops.tailorfx.token_chunked.default:   # a chunked MLP: its own graph's kernels
         from tailorfx.runtime.ops import chunked_region
         fn = chunked_region(node.args[0]).fn
-        return [s for n in fn.graph.nodes for s in kernel_specs(n)] if isinstance(fn, fx.GraphModule) else []
+        inner = [got for n in fn.graph.nodes for got in kernel_launches(n)] if isinstance(fn, fx.GraphModule) else []
+        return [(spec, f"{grid} per chunk, {_int(node.args[4])} chunks") for spec, grid in inner]
     if node.target is triton_norm:
-        return [norm.spec_for(node_value(node.args[0]), kw["kind"], kw.get("offset", 0.0), node.args[2] is not None)]
+        x = node_value(node.args[0])
+        spec = norm.spec_for(x, kw["kind"], kw.get("offset", 0.0), node.args[2] is not None)
+        return [(spec, f"({_int(x.numel()) // _int(x.shape[-1])},)")]
     if node.target is triton_glu:
-        return [glu.spec_for(node_value(node.args[0]), kw["act"])]
+        gate = node_value(node.args[0])
+        spec = glu.spec_for(gate, kw["act"])
+        return [(spec, f"({_cdiv(_int(gate.numel()), spec['block'])},)")]
     if node.target is triton_linear_cross_entropy:
-        vocab = node_value(node.args[1]).shape[0]
+        rows, vocab = _int(node_value(node.args[0]).shape[0]), _int(node_value(node.args[1]).shape[0])
         grad = any(isinstance(a, fx.Node) and node_value(a).requires_grad for a in node.args[:3])
-        return [linear_cross_entropy.spec_for(int(vocab), softcap=kw.get("logit_softcap"),
-                                              logit_scale=kw.get("logit_scale"), grad=grad)]
+        spec = linear_cross_entropy.spec_for(vocab, softcap=kw.get("logit_softcap"),
+                                             logit_scale=kw.get("logit_scale"), grad=grad)
+        chunks = max(1, min(rows, _int(kw.get("num_chunks", 8))))
+        return [(spec, f"({_cdiv(rows, chunks)},) x {chunks} chunks")]
     if node.target is triton_attention:
         mask, params = _attention_params(kw["kind"], dict(kw["params"]))
         q, k = node_value(node.args[0]), node_value(node.args[1])
-        return [flash_attention.spec_for(q, k, mask=mask, params=params, causal=kw["causal"],
-                                         documents=kw.get("document_ids") is not None, softcap=kw.get("softcap"))]
+        spec = flash_attention.spec_for(q, k, mask=mask, params=params, causal=kw["causal"],
+                                        documents=kw.get("document_ids") is not None, softcap=kw.get("softcap"))
+        batch, heads, seq = (_int(d) for d in q.shape[:3])
+        if mask == "dilated":
+            segments, rates = params
+            grids = [f"({_cdiv(seq, w) * _cdiv(_cdiv(w, r), spec['block_m'])}, {batch * heads})"
+                     for w, r in zip(segments, rates)]
+            return [(spec, " + ".join(grids))]
+        return [(spec, f"({_cdiv(seq, spec['block_m'])}, {batch * heads})")]
     return []
 
 

@@ -1,0 +1,93 @@
+"""The command line: every subcommand on a tiny transformers config, and every kind of bad argument
+(one line on stderr, exit code 2). `plan --world` is tested with the parallel memory model
+(tests/test_parallel_memory.py), `demo` by tests/test_demo.py."""
+import json
+
+import pytest
+
+from tailorfx.cli import main
+
+TINY = ["llama", "vocab_size=512", "hidden_size=64", "intermediate_size=128", "num_hidden_layers=2",
+        "num_attention_heads=4", "num_key_value_heads=2"]
+
+
+def test_inspect_a_config_on_fake_tensors(capsys):
+    main(["inspect", *TINY, "--seq", "256", "--passes", "attention", "minisequence"])
+    out = capsys.readouterr().out
+    assert "llama (hidden_size 64, num_hidden_layers 2" in out and "passes ['attention', 'minisequence']" in out
+    for region in ("model.layers.0.self_attn", "model.layers.1.mlp", "lm_head"):
+        assert region in out
+    assert "logits=None" in out   # the fused head fired
+
+
+def test_plan_names_the_passes_and_the_longest_sequence(capsys):
+    main(["plan", *TINY, "--budget", "16MiB", "--seq", "1024", "--setup", "fp32"])
+    out = capsys.readouterr().out
+    chosen = [l for l in out.splitlines() if l.startswith("* ")]
+    assert len(chosen) == 1 and chosen[0].rstrip().endswith("yes"), out
+    no_rewrite = next(l for l in out.splitlines() if "no memory rewrite" in l)
+    assert no_rewrite.rstrip().endswith("no") and "chosen: passes ['minisequence'" in out
+    longest = int(out.split("longest sequence under 16MiB (16.00 MiB): ")[1].split(" tokens")[0].replace(",", ""))
+    assert longest >= 1024   # the plan chosen at 1024 fits, so 1024 tokens fit
+
+
+def test_plan_a_budget_no_plan_meets_exits_1_with_the_smallest(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *TINY, "--budget", "1MiB", "--seq", "1024", "--setup", "fp32"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "cannot be met" in err and "Use a budget of at least" in err
+
+
+def test_train_logs_checkpoints_and_resumes(tmp_path, capsys):
+    data = tmp_path / "text"
+    data.mkdir()
+    for i in range(12):
+        (data / f"doc{i}.txt").write_text(" ".join(f"word{(i * 7 + j) % 50}" for j in range(150)))
+    args = ["train", *TINY, "--data", str(data), "--seq", "32", "--batch", "2", "--out", str(tmp_path / "out"),
+            "--save-every", "3", "--passes", "minisequence"]
+    main([*args, "--steps", "3"])
+    out = capsys.readouterr().out
+    assert "steps 1-3: loss" in out and "checkpoint" in out
+    main([*args, "--steps", "5", "--resume"])
+    out = capsys.readouterr().out
+    assert "steps 4-5: loss" in out
+    log = [json.loads(l) for l in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r][-5:] == [1, 2, 3, 4, 5]
+
+
+def test_kernels_compile_for_sm80_at_the_configs_shapes(capsys):
+    main(["kernels", *TINY, "--seq", "128", "--arch", "80"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = {l.split()[0].split("_")[0]: l.split() for l in lines[2:]}
+    assert {"norm", "flash", "glu", "linear"} <= set(rows), lines
+    for name, row in rows.items():
+        assert int(row[1]) > 0 and int(row[2]) == 0, row   # registers, no spills
+    norm = rows["norm"]
+    assert norm[-1] == "(128,)"   # one program per token row
+    flash = rows["flash"]
+    assert flash[-1] == "4)" and flash[-2].startswith("(")   # (query tiles, batch x heads = 4)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["inspect", "lama"], "unknown model type 'lama': did you mean llama"),
+    (["inspect", "llama", "hiden_size=64"], "no field 'hiden_size'; did you mean hidden_size"),
+    (["inspect", "llama", "hidden_size"], "is not KEY=VALUE"),
+    (["inspect", "no/such/config.json"], "no config file"),
+    (["inspect", "--seq", "0"], "argument --seq: must be a positive integer, got '0'"),
+    (["inspect", "--passes", "minisequance"], "unknown pass 'minisequance'"),
+    (["plan", *TINY], "plan needs --budget SIZE"),
+    (["plan", *TINY, "--budget", "lots"], "cannot parse budget"),
+    (["plan", *TINY, "--budget", "1GB", "--setup", "fp8"], "fp8"),
+    (["train", *TINY, "--data", "/no/such/folder"], "--data '/no/such/folder': no such file or folder"),
+    (["train", *TINY, "--lr", "-1"], "argument --lr: must be a positive number, got '-1'"),
+    (["kernels", *TINY, "--arch", "70"], "argument --arch: invalid choice: 70"),
+    (["bench", "nosuch"], "no benchmark 'nosuch'; available:"),
+    (["nosuch"], "invalid choice: 'nosuch'"),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
