@@ -96,6 +96,15 @@ def sym_expr(x):
     return sympy.Integer(int(x))
 
 
+def size_hint(x) -> int:
+    """An int, or a SymInt's traced value, without adding a guard (int(symint) would specialize
+    the shape to it)."""
+    if isinstance(x, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+        return int(optimization_hint(x))
+    return int(x)
+
+
 def shape_env_hints(fake_mode) -> dict:
     """Symbol -> the value it had when traced (the 'hint')."""
     env = getattr(fake_mode, "shape_env", None)

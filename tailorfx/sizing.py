@@ -12,6 +12,7 @@ from tailorfx import compat, planner
 from tailorfx.api import OptimizedModule, PredictionError, optimize
 from tailorfx.budget import Budget, BudgetError, format_bytes
 from tailorfx.options import check_passes, positive_int
+from tailorfx.progress import progress
 from tailorfx.rewrite import memory
 from tailorfx.setup import TrainingSetup
 from tailorfx.setup import resolve as resolve_setup
@@ -66,11 +67,13 @@ def plan_for_budget(model_or_config: Any, budget: Union[str, int, Budget], seq_l
     nothing). BudgetError, naming the smallest budget that fits, when no plan does. The result's
     `plan` lists each graph's chosen candidate and the runners-up with their predicted peaks."""
     s = resolve_setup(setup)
+    b = Budget.parse(budget)
     positive_int("seq_len", seq_len, allow_none=False)
     positive_int("batch_size", batch_size)
     with _prediction_model(model_or_config, s.param_dtype) as model:
+        _check_static(model, s, b, planner.usable(b.bytes, s.headroom))   # before an 8B model's captures
         ids = torch.randint(0, 2, (batch_size or s.micro_batch_size, seq_len), device=next(model.parameters()).device)
-        return optimize(model, budget=budget, example_inputs={"input_ids": ids, "labels": ids}, setup=s,
+        return optimize(model, budget=b, example_inputs={"input_ids": ids, "labels": ids}, setup=s,
                         predict=False, verify=False, **optimize_kwargs)
 
 
@@ -112,8 +115,10 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
     usable = planner.usable(b.bytes, s.headroom)
     with _prediction_model(model_or_config, s.param_dtype) as model:
         _check_static(model, s, b, usable)   # before the capture: an 8B capture takes half a minute
-        opt = _capture(model, chosen, 256, batch_size or s.micro_batch_size, setup=s,
-                       recompute="full" if "recompute" in chosen else None)
+        with progress(total=1, desc="capturing the step on fake tensors", unit="graph") as bar:
+            opt = _capture(model, chosen, 256, batch_size or s.micro_batch_size, setup=s,
+                           recompute="full" if "recompute" in chosen else None)
+            bar.update(1)
     if opt.session.graphs and opt.session.graphs[0].seq.symbol is None:
         raise PredictionError("the capture did not keep the sequence length symbolic (a graph break before the "
                               "model's first layer?); max_seq_len cannot extrapolate from it")

@@ -20,9 +20,12 @@ def test_inspect_a_config_on_fake_tensors(capsys):
     assert "logits=None" in out   # the fused head fired
 
 
-def test_plan_names_the_passes_and_the_longest_sequence(capsys):
+def test_plan_names_the_passes_and_the_longest_sequence(monkeypatch, capsys):
+    monkeypatch.setenv("TAILORFX_PROGRESS", "1")   # the bars, also when stderr is not a terminal
     main(["plan", *TINY, "--budget", "16MiB", "--seq", "1024", "--setup", "fp32"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    for bar in ("planning", "capturing the step on fake tensors", "longest sequence that fits"):
+        assert f"tailorfx: {bar}" in err, err     # long calls show progress on stderr
     chosen = [l for l in out.splitlines() if l.startswith("* ")]
     assert len(chosen) == 1 and chosen[0].rstrip().endswith("yes"), out
     no_rewrite = next(l for l in out.splitlines() if "no memory rewrite" in l)
@@ -31,12 +34,13 @@ def test_plan_names_the_passes_and_the_longest_sequence(capsys):
     assert longest >= 1024   # the plan chosen at 1024 fits, so 1024 tokens fit
 
 
-def test_plan_a_budget_no_plan_meets_exits_1_with_the_smallest(capsys):
+def test_plan_a_budget_no_plan_meets_exits_1_and_says_what_fits(capsys):
+    # weights + AdamW state alone (fp32: 16 B/param, 1.6 MiB) overflow 1 MiB: said before any capture
     with pytest.raises(SystemExit) as e:
         main(["plan", *TINY, "--budget", "1MiB", "--seq", "1024", "--setup", "fp32"])
     assert e.value.code == 1
     err = capsys.readouterr().err
-    assert "cannot be met" in err and "Use a budget of at least" in err
+    assert "the static part alone does not fit 1MiB" in err and "Setups whose static part fits: pure-bf16" in err
 
 
 def test_train_logs_checkpoints_and_resumes(tmp_path, capsys):
@@ -91,3 +95,13 @@ def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_demo_and_bench_are_reached_through_the_cli(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--help"])                 # the demo's own options
+    assert e.value.code == 0 and "--quick" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "kernels"])               # benchmarks/kernels.py: needs a GPU, says so
+    assert e.value.code == 1
+

@@ -11,6 +11,7 @@ import tailorfx
 from harness import compare_with_eager
 from models import batch, hf_family, tiny_llama
 from tailorfx.rewrite import match
+from tailorfx.rewrite.capture import node_value
 from tailorfx.runtime import triton_ops
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "goldens", "kernels_diff.txt")
@@ -22,13 +23,13 @@ def kernels_record(opt):
     return recs[0]
 
 
-def run_triton(family, passes=(), S=12, **kw):
+def run_triton(family, passes=(), S=12, overrides=None, **kw):
     holder = {}
 
     def wrap(m):
         holder["opt"] = tailorfx.optimize(m, passes=list(passes), kernels="triton", example_inputs=batch(S=S, pad=3), **kw)
         return holder["opt"]
-    model = hf_family(family, num_layers=1)
+    model = hf_family(family, num_layers=1, **(overrides or {}))
     compare_with_eager(model, batch(S=S, pad=3), wrap, rtol=1e-4, atol=1e-6)
     return holder["opt"]
 
@@ -37,35 +38,64 @@ def norm_paths(opt):
     return sorted(r.path for r in opt.regions if r.kind == "norm")
 
 
-# every norm of these families is replaced: RMSNorm (Llama), RMSNorm with weight offset 1 (Gemma-2),
-# LayerNorm with bias (GPT-2's Conv1D model), LayerNorm without bias written by hand (Cohere)
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2", "cohere"])
-def test_every_norm_becomes_a_triton_kernel(family):
-    opt = run_triton(family)
-    rec = kernels_record(opt)
-    assert sorted(p for p in rec.touched if p in norm_paths(opt)) == norm_paths(opt) != []
-    gm = rec.gm
-    calls = [n for n in gm.graph.nodes if n.target is triton_ops.triton_norm]
-    assert len(calls) == len(norm_paths(opt))
-    kinds = {(n.kwargs["kind"], n.kwargs["offset"], n.args[2] is not None) for n in calls}
-    want = {"llama": {("rms", 0.0, False)}, "gemma2": {("rms", 1.0, False)}, "gpt2": {("layer", 0.0, True)},
-            "cohere": {("layer", 0.0, False)}}[family]
-    assert kinds == want
-    names = set(opt.kernels())
-    assert names and all(n.startswith("norm_") for n in names if "norm" in n)
+# Per family, what the kernels pass must replace (one run each: norms, gated MLPs, rotary embeddings
+# and attention together). Norms: RMSNorm (offset 1: Gemma's `1 + w`), LayerNorm with bias (GPT-2's
+# Conv1D model, GPT-NeoX), LayerNorm without bias written by hand (Cohere). Gated MLPs: SwiGLU
+# (Phi-3 splits one fused gate_up projection), GeGLU with the tanh GELU (Gemma-2) and with the
+# exact erf GELU (a Llama config with hidden_act="gelu"). Rotary: transformers' rotate_half (Qwen3
+# after its q/k norms, Phi-3 after a fused qkv, GPT-NeoX's partial rotary: a quarter of each head);
+# Cohere rotates interleaved pairs, another formula, left as it is. Attention: whatever the
+# attention pass rewrote (Gemma-2's soft-capped scores are not: tests/test_hf_families.py names why).
+RMS, LAYER_BIAS = ("rms", 0.0, False), ("layer", 0.0, True)
+EXPECTED = {
+    "llama": dict(norms={RMS}, act="silu", rope=1, attention=True),
+    "llama-gelu": dict(norms={RMS}, act="gelu", rope=1, attention=True),
+    "qwen3": dict(norms={RMS}, act="silu", rope=1, attention=True),
+    "phi3": dict(norms={RMS}, act="silu", rope=1, attention=True),
+    "gemma2": dict(norms={("rms", 1.0, False)}, act="gelu_tanh", rope=1, attention=False),
+    "gpt2": dict(norms={LAYER_BIAS}, act=None, rope=None, attention=True),
+    "gpt_neox": dict(norms={LAYER_BIAS}, act=None, rope=0.25, attention=True),
+    "cohere": dict(norms={("layer", 0.0, False)}, act="silu", rope=None, attention=True),
+}
 
 
-# every attention the attention pass rewrote runs the flash kernel; Gemma-2's soft-capped scores
-# are not rewritten by the attention pass (tests/test_hf_families.py names why), so not here either
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
-def test_every_attention_becomes_the_flash_kernel(family):
-    opt = run_triton(family)
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_every_region_of_a_family_becomes_its_kernel(name):
+    want = EXPECTED[name]
+    family, overrides = (name.split("-")[0], {"hidden_act": "gelu"}) if "-" in name else (name, {})
+    opt = run_triton(family, **({"overrides": overrides} if overrides else {}))
     rec = kernels_record(opt)
-    attn = sorted(r.path for r in opt.regions if r.kind == "attention")
-    assert attn and sorted(p for p in rec.touched if p in attn) == attn
-    calls = [n for n in rec.gm.graph.nodes if n.target is triton_ops.triton_attention]
-    assert len(calls) == len(attn) and all(n.kwargs["kind"] == "Exact" and n.kwargs["causal"] for n in calls)
-    assert any(name.startswith("flash_attention_") for name in opt.kernels())
+    nodes = list(rec.gm.graph.nodes)
+    calls = lambda op: [n for n in nodes if n.target is op]   # noqa: E731
+    regions = lambda kind: sorted(r.path for r in opt.regions if r.kind == kind)   # noqa: E731
+    norms, mlps, attn = regions("norm"), regions("mlp"), regions("attention")
+    assert norms and set(norms) <= set(rec.touched)
+    got = {(n.kwargs["kind"], n.kwargs["offset"], n.args[2] is not None) for n in calls(triton_ops.triton_norm)}
+    assert len(calls(triton_ops.triton_norm)) == len(norms) and got == want["norms"]
+    if want["act"]:
+        assert mlps and set(mlps) <= set(rec.touched)
+        assert {n.kwargs["act"] for n in calls(triton_ops.triton_glu)} == {want["act"]}
+        assert len(calls(triton_ops.triton_glu)) == len(mlps)
+        assert not [n for n in nodes if match.op_name(n) in ("silu", "gelu")]
+    else:
+        assert not calls(triton_ops.triton_glu)
+    ropes = calls(triton_ops.triton_rope)
+    if want["rope"]:
+        assert len(ropes) == 2 * len(attn)                     # q and k of each attention
+        assert not [n for n in nodes if match.op_name(n) == "neg"]   # no rotate_half left
+        head_dim = opt.model.config.hidden_size // opt.model.config.num_attention_heads
+        assert {int(node_value(n.args[0]).shape[-1]) for n in ropes} == {int(head_dim * want["rope"])}
+    else:
+        assert not ropes
+    flash = calls(triton_ops.triton_attention)
+    if want["attention"]:
+        assert attn and set(attn) <= set(rec.touched)
+        assert len(flash) == len(attn) and all(n.kwargs["kind"] == "Exact" and n.kwargs["causal"] for n in flash)
+    else:
+        assert not flash
+    families = {k.spec.family for k in opt.kernels().values()}
+    assert families == ({"norm"} | ({"glu"} if want["act"] else set()) | ({"rope"} if want["rope"] else set())
+                        | ({"flash_attention"} if want["attention"] else set()))
 
 
 def test_sparse_attention_spec_runs_on_the_flash_kernel():
@@ -89,26 +119,6 @@ def test_sparse_attention_spec_runs_on_the_flash_kernel():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-# gated MLPs: SwiGLU (Llama; Phi-3 splits one fused gate_up projection), GeGLU with the tanh GELU
-# (Gemma-2) and with the exact erf GELU (a Llama config with hidden_act="gelu")
-@pytest.mark.parametrize("family,overrides,act", [("llama", {}, "silu"), ("phi3", {}, "silu"),
-                                                  ("gemma2", {}, "gelu_tanh"), ("llama", {"hidden_act": "gelu"}, "gelu")])
-def test_every_gated_mlp_becomes_the_glu_kernel(family, overrides, act):
-    holder = {}
-
-    def wrap(m):
-        holder["opt"] = tailorfx.optimize(m, passes=[], kernels="triton", example_inputs=batch(S=12, pad=3))
-        return holder["opt"]
-    compare_with_eager(hf_family(family, num_layers=1, **overrides), batch(S=12, pad=3), wrap, rtol=1e-4, atol=1e-6)
-    opt = holder["opt"]
-    rec = kernels_record(opt)
-    mlps = sorted(r.path for r in opt.regions if r.kind == "mlp")
-    assert mlps and sorted(p for p in rec.touched if p in mlps) == mlps
-    calls = [n for n in rec.gm.graph.nodes if n.target is triton_ops.triton_glu]
-    assert len(calls) == len(mlps) and {n.kwargs["act"] for n in calls} == {act}
-    assert not [n for n in rec.gm.graph.nodes if match.op_name(n) in ("silu", "gelu")]
-
-
 # everything at once on three families: norms, gated MLPs (chunked by the mini-sequence pass, the
 # kernel inside each chunk), flash attention and the fused LM head + loss on the Triton kernel,
 # with Gemma-2's soft-capped logits and Cohere's logit scale inside it
@@ -122,6 +132,7 @@ def test_a_training_step_on_every_kernel_equals_eager(family, head):
     assert not [n for n in graph.nodes if match.op_name(n) in ("cross_entropy", "chunked_linear_cross_entropy")]
     families = {k.spec.family for k in opt.kernels().values()}
     want = {"norm", "glu", "linear_cross_entropy"} | ({"flash_attention"} if family != "gemma2" else set())
+    want |= {"rope"} if family != "cohere" else set()   # Cohere rotates interleaved pairs, not halves
     assert families == want, sorted(opt.kernels())
 
 

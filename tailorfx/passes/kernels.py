@@ -10,6 +10,8 @@ reference formula, so a norm spelled in an unexpected way is left as it was and 
     after:   y = triton_norm(x, w, None, eps=1e-06, kind='rms', offset=0.0)
 
     before:  y = mul(silu(gate), up)                 after:  y = triton_glu(gate, up, act='silu')
+    before:  q2 = q * cos + cat((-q[..., 8:], q[..., :8]), -1) * sin
+    after:   q2 = triton_rope(q, cos, sin)
     before:  o = attention_call(q, k, v, kind='Exact', params=(), causal=True, scale=0.125)
     after:   o = triton_attention(q, k, v, causal=True, scale=0.125, ...)
 """
@@ -176,6 +178,84 @@ def _match_glu(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swap
     return swaps or None
 
 
+# ---- rotary embedding -------------------------------------------------------------------------
+
+def _is_mul(n) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in (operator.mul, torch.mul) and len(n.args) == 2
+
+
+def _rotate_half_of(n: fx.Node) -> Optional[fx.Node]:
+    """x when n is `cat((-x[..., h:], x[..., :h]), -1)` (transformers' rotate_half), else None."""
+    if match.op_name(n) != "cat" or not n.args or len(n.args[0]) != 2:
+        return None
+    neg, first = n.args[0]
+    if not (isinstance(neg, fx.Node) and match.op_name(neg) == "neg" and isinstance(first, fx.Node)):
+        return None
+    second = neg.args[0]
+    srcs = {a.args[0] for a in (first, second) if isinstance(a, fx.Node) and a.op == "call_function"
+            and a.target is operator.getitem and isinstance(a.args[0], fx.Node)}
+    return srcs.pop() if len(srcs) == 1 else None
+
+
+def _rope_parts(n: fx.Node) -> Optional[tuple[fx.Node, fx.Node, fx.Node, list[fx.Node]]]:
+    """(x, cos, sin, the nodes computing n) when n is `x * cos + rotate_half(x) * sin`."""
+    if match.op_name(n) != "add" or len(n.args) != 2 or not all(_is_mul(a) for a in n.args):
+        return None
+    for lin, rot in (n.args, n.args[::-1]):
+        for cat, sin in (rot.args, rot.args[::-1]):
+            x = _rotate_half_of(cat) if isinstance(cat, fx.Node) else None
+            if x is None or x not in lin.args or not isinstance(sin, fx.Node):
+                continue
+            cos = lin.args[1] if lin.args[0] is x else lin.args[0]
+            neg = cat.args[0][0]
+            members = [a for a in (cat.args[0][1], neg.args[0])] + [neg, cat, lin, rot, n]
+            if isinstance(cos, fx.Node):
+                return x, cos, sin, members
+    return None
+
+
+def _rope_probe_shape(shape) -> tuple:
+    """Small sizes for a probe of `shape`, keeping its broadcast (size-1) dims and its last dim."""
+    return tuple(1 if isinstance(d, int) and d == 1 else (2, 3, 5)[i % 3]
+                 for i, d in enumerate(shape[:-1])) + (int(shape[-1]),)
+
+
+def _match_rope(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swap], str, None]:
+    from tailorfx.runtime.triton_ops import triton_rope
+    swaps, why = [], None
+    for name in region.nodes:
+        n = nodes.get(name)
+        parts = _rope_parts(n) if n is not None else None
+        if parts is None:
+            continue
+        x, cos, sin, members = parts
+        xv, cv, sv, ov = (node_value(a) for a in (x, cos, sin, n))
+        if not (xv.dim() == 4 and ov.shape == xv.shape and xv.dtype == cv.dtype == sv.dtype == ov.dtype):
+            why = f"{n.name}: not (B, H, S, D) with cos, sin and the result in x's dtype"
+            continue
+        if cv.requires_grad or sv.requires_grad or cv.shape != sv.shape or cv.shape[-1] != xv.shape[-1]:
+            why = f"{n.name}: cos/sin need a gradient or do not match x's last dim"
+            continue
+        fn = _region_fn(sorted(members, key=lambda m: list(n.graph.nodes).index(m)), [x, cos, sin], n)
+        if fn is None:
+            why = f"{n.name}: the rotation reads values from outside it"
+            continue
+        with compat.real_tensors():
+            gen = torch.Generator().manual_seed(0)
+            probe = [torch.randn(_rope_probe_shape(v.shape), generator=gen) for v in (xv, cv, sv)]
+            half = probe[0].shape[-1] // 2
+            rotated = torch.cat((-probe[0][..., half:], probe[0][..., :half]), -1)
+            try:
+                ok = torch.allclose(fn(*probe), probe[0] * probe[1] + rotated * probe[2], rtol=1e-5, atol=1e-6)
+            except Exception:   # a rotation that cannot run on its own: leave it
+                ok = False
+        if not ok:
+            why = f"{n.name}: its values differ from x * cos + rotate_half(x) * sin"
+            continue
+        swaps.append(Swap(n, triton_rope, (x, cos, sin), {}, "rope"))
+    return swaps or why
+
+
 # ---- attention ------------------------------------------------------------------------------
 
 def _match_attention(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swap], str, None]:
@@ -197,6 +277,7 @@ def _match_attention(region: Region, nodes: dict, ctx: PassContext) -> Union[lis
 rules_kernels = (
     Rule("norm", "norm", _match_norm),
     Rule("glu", "mlp", _match_glu),
+    Rule("rope", "attention", _match_rope),
     Rule("attention", "attention", _match_attention),
 )
 
@@ -255,8 +336,8 @@ def kernel_specs(node: fx.Node) -> list:
 
 
 def _int(x) -> int:
-    """A size as an int: a graph node's value, a SymInt's hint, or the number itself."""
-    return int(node_value(x) if isinstance(x, fx.Node) else x)
+    """A size as an int: a graph node's value, a SymInt's hint (no guard), or the number itself."""
+    return compat.size_hint(node_value(x) if isinstance(x, fx.Node) else x)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -267,9 +348,9 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
     """(spec, forward launch grid as text) for each Triton kernel a graph node launches, at the
     shapes of its inputs' fake values (a symbolic length at its hint); [] for nodes that launch
     none."""
-    from tailorfx.codegen.triton import flash_attention, glu, linear_cross_entropy, norm
+    from tailorfx.codegen.triton import flash_attention, glu, linear_cross_entropy, norm, rope
     from tailorfx.runtime.triton_ops import (_attention_params, triton_attention, triton_glu,
-                                             triton_linear_cross_entropy, triton_norm)
+                                             triton_linear_cross_entropy, triton_norm, triton_rope)
     if node.op != "call_function":
         return []
     kw = node.kwargs
@@ -286,6 +367,11 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
         gate = node_value(node.args[0])
         spec = glu.spec_for(gate, kw["act"])
         return [(spec, f"({_cdiv(_int(gate.numel()), spec['block'])},)")]
+    if node.target is triton_rope:
+        x = node_value(node.args[0])
+        spec = rope.spec_for(x)
+        batch, heads, seq = (_int(d) for d in x.shape[:3])
+        return [(spec, f"({batch * seq}, {_cdiv(heads, spec['block_h'])})")]
     if node.target is triton_linear_cross_entropy:
         rows, vocab = _int(node_value(node.args[0]).shape[0]), _int(node_value(node.args[1]).shape[0])
         grad = any(isinstance(a, fx.Node) and node_value(a).requires_grad for a in node.args[:3])

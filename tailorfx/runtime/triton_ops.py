@@ -6,6 +6,7 @@
     tailorfx::triton_glu(gate, up, act) -> act(gate) * up                     + _backward
     tailorfx::triton_linear_cross_entropy(hidden, weight, bias, labels, ...)
         -> (loss, grad_hidden, grad_weight, grad_bias)     gradient taken in the forward
+    tailorfx::triton_rope(x, cos, sin, backward) -> x * cos + rotate_half(x) * sin (or its transpose)
 
 Each op launches kernels rendered by `codegen.triton` and has an autograd registration, so a
 rewritten graph keeps one node per op through AOTAutograd. On a GPU the ops are
@@ -26,6 +27,7 @@ from tailorfx.codegen.triton import glu as _glu
 from tailorfx.codegen.triton import interpreted
 from tailorfx.codegen.triton import linear_cross_entropy as _lce
 from tailorfx.codegen.triton import norm as _norm
+from tailorfx.codegen.triton import rope as _rope
 
 INTERPRETED = interpreted()
 
@@ -285,3 +287,45 @@ def triton_linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[T
         needs = [False, False, False]
     return _lce_fwd(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap,
                     logit_scale, *needs)[0]
+
+
+# ---- rotary embedding ------------------------------------------------------------------------
+
+def _rope_like(x: Tensor) -> Tensor:
+    """The output `codegen.triton.rope.apply` allocates for x (its layout, when the last dim is
+    contiguous)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty_like(x)
+    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@_op("triton_rope")
+def _rope_fwd(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
+    return _rope.apply(x, cos, sin, backward=backward)
+
+
+@_fake(_rope_fwd)
+def _rope_fwd_fake(x, cos, sin, backward):
+    return _rope_like(x)
+
+
+def _rope_setup(ctx, inputs, output):
+    x, cos, sin, backward = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.backward = backward
+
+
+def _rope_grad(ctx, dout):
+    cos, sin = ctx.saved_tensors
+    return _rope_fwd(dout, cos, sin, not ctx.backward), None, None, None
+
+
+_rope_fwd.register_autograd(_rope_grad, setup_context=_rope_setup)
+
+
+def triton_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """transformers' `x * cos + rotate_half(x) * sin` for x (B, H, S, D), cos/sin (B or 1, 1, S, D)
+    or (B or 1, S, D), all of x's dtype; the backward is the transposed rotation (no gradient for
+    cos and sin, which HF builds from position ids without one)."""
+    return _rope_fwd(x, cos, sin, False)
