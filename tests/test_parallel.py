@@ -136,7 +136,7 @@ def test_tp2_equals_one_process(tmp_path):
 
 @pytest.mark.multiprocess
 def test_fsdp2_dp2_equals_one_process(tmp_path):
-    for r in torchrun(tmp_path, 2, "parallel_check.py", 1, 2, "llama").values():
+    for r in torchrun(tmp_path, 2, "parallel_check.py", 1, 2, "llama", "qwen3", "mistral", runs=3).values():
         assert r["sharded_params"] == r["num_params"]    # every parameter is a DTensor shard
 
 
@@ -204,7 +204,8 @@ def test_tied_weights_across_stages_are_refused_with_the_fix():
         cut_and_run("gemma2", 2, ids)
 
 
-PIPELINES = [("llama", "gpipe"), ("llama", "1f1b"), ("llama", "interleaved_1f1b"), ("llama", "zb_h1"), ("qwen3", "1f1b")]
+PIPELINES = [("llama", "gpipe"), ("llama", "1f1b"), ("llama", "interleaved_1f1b"), ("llama", "zb_h1"), ("qwen3", "1f1b"),
+             ("mistral", "zb_h1")]
 
 
 @pytest.mark.multiprocess
@@ -220,7 +221,7 @@ def test_pipeline_schedules_equal_one_process(tmp_path):
 
 @pytest.mark.multiprocess
 def test_tp2_x_pp2_on_four_processes_equals_one_process(tmp_path):
-    rows = torchrun(tmp_path, 4, "pipeline_check.py", 2, 4, "qwen3:zb_h1")
+    rows = torchrun(tmp_path, 4, "pipeline_check.py", 2, 4, "qwen3:zb_h1", "llama:1f1b", "mistral:gpipe", runs=3)
     for (rank, run), r in rows.items():
         assert r["sharded"] > 0 and len(r["stages"]) == 2     # TP shards inside pipeline stages
         assert (r["loss"] is not None) == (rank in ("rank2", "rank3"))   # mesh (pp, dp, tp)
@@ -252,5 +253,5 @@ def test_ulysses_refuses_what_it_cannot_compute_exactly(kw, msg):
 
 @pytest.mark.multiprocess
 def test_ulysses_sp2_equals_one_process(tmp_path):
-    for r in torchrun(tmp_path, 2, "ulysses_check.py", "llama", "qwen3", runs=2).values():
+    for r in torchrun(tmp_path, 2, "ulysses_check.py", "llama", "qwen3", "qwen2", runs=3).values():
         assert r["attention"] == "tailorfx_ulysses"      # the model's attention was swapped
