@@ -270,7 +270,7 @@ def cmd_bench(args):
     sys.exit(subprocess.call([sys.executable, script, *args.rest]))
 
 
-class _Parser(argparse.ArgumentParser):
+class ArgParser(argparse.ArgumentParser):
     """Bad arguments: one line on stderr, exit code 2."""
 
     def error(self, message):
@@ -278,7 +278,7 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _positive(text: str) -> int:
+def positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -288,7 +288,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -300,15 +300,15 @@ def _positive_float(text: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     from tailorfx.codegen.schedule import SCHEDULES
-    ap = _Parser(prog="tailorfx", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    ap = ArgParser(prog="tailorfx", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=ArgParser)
 
     def model_args(p, seq: int, batch: int = 1):
         p.add_argument("config", nargs="*", metavar="CONFIG",
                        help="a transformers model type and KEY=VALUE overrides (llama hidden_size=4096 ...), a path "
                             "to a config.json, or module:factory; default: a small Llama")
-        p.add_argument("--seq", type=_positive, default=seq, help=f"tokens per sequence (default {seq})")
-        p.add_argument("--batch", type=_positive, default=batch, help=f"sequences per micro-batch (default {batch})")
+        p.add_argument("--seq", type=positive, default=seq, help=f"tokens per sequence (default {seq})")
+        p.add_argument("--batch", type=positive, default=batch, help=f"sequences per micro-batch (default {batch})")
 
     p = sub.add_parser("inspect", help="regions, passes, predicted memory and graphs of a model")
     model_args(p, 512)
@@ -323,24 +323,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", default=None, help="memory per device: 80GB, 24GiB, H100-80GB")
     p.add_argument("--setup", default="amp-bf16", help="training setup preset: amp-bf16, pure-bf16, "
                                                         "pure-bf16-fused-optimizer, fp32")
-    p.add_argument("--world", type=_positive, default=None, help="ranks (devices) to lay the model out on")
+    p.add_argument("--world", type=positive, default=None, help="ranks (devices) to lay the model out on")
     p.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES), help="pipeline schedule (with --world)")
-    p.add_argument("--microbatches", type=_positive, default=None, help="micro-batches per pipeline step "
+    p.add_argument("--microbatches", type=positive, default=None, help="micro-batches per pipeline step "
                                                                         "(with --world; default pp)")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("train", help="train a model built from CONFIG (random init) on local text, packed")
     model_args(p, 256, 4)
-    p.add_argument("--steps", type=_positive, default=100, help="optimizer steps in all (default 100)")
+    p.add_argument("--steps", type=positive, default=100, help="optimizer steps in all (default 100)")
     p.add_argument("--data", nargs="+", default=None, help="text files or folders (.txt .md .rst .py), one document "
                                                           "per file; default: the Python standard library's source")
-    p.add_argument("--corpus-mb", type=_positive_float, default=4.0, help="megabytes of the default corpus")
+    p.add_argument("--corpus-mb", type=positive_float, default=4.0, help="megabytes of the default corpus")
     p.add_argument("--budget", default=None, help="memory budget the planner must meet (default: no budget)")
     p.add_argument("--passes", nargs="*", default=None, help="default: the planner's choice")
-    p.add_argument("--lr", type=_positive_float, default=1e-3)
+    p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--warmup", type=int, default=10, help="warmup steps of the cosine schedule")
-    p.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--save-every", type=_positive, default=None, help="checkpoint every N steps (in --out)")
+    p.add_argument("--grad-accum", type=positive, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--save-every", type=positive, default=None, help="checkpoint every N steps (in --out)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     p.add_argument("--out", default="train_out", help="folder for the log, tokenizer and checkpoints")
     p.add_argument("--seed", type=int, default=0)

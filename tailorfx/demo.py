@@ -51,6 +51,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from tailorfx import compat
+from tailorfx.cli import ArgParser, positive, positive_float
 
 # generated tables and test suites: not the prose-and-code a language model should learn from
 SKIP_PARTS = frozenset({"site-packages", "test", "tests", "idle_test", "encodings", "pydoc_data", "__phello__"})
@@ -309,53 +310,27 @@ def plot_losses(path: Path, records: List[dict], held: List[Tuple[int, float]], 
 
 
 # ---- the demo -----------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        sys.exit(2)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return v
-
-
 def parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="tailorfx demo", description="Train a small Llama on the Python standard library's "
+    ap = ArgParser(prog="tailorfx demo", description="Train a small Llama on the Python standard library's "
                  "source, on the CPU, inside a memory budget the planner meets.")
-    ap.add_argument("--minutes", type=_positive_float, default=5.0,
+    ap.add_argument("--minutes", type=positive_float, default=5.0,
                     help="wall-clock budget for training (default 5; data prep, compile and the eager "
                          "comparison come on top, about a minute)")
-    ap.add_argument("--steps", type=_positive_int, default=None,
+    ap.add_argument("--steps", type=positive, default=None,
                     help="train exactly this many optimizer steps (default: as many as fit --minutes)")
-    ap.add_argument("--seq", type=_positive_int, default=None, help="tokens per packed row (default 512)")
-    ap.add_argument("--batch", type=_positive_int, default=None, help="rows per batch (default 4)")
+    ap.add_argument("--seq", type=positive, default=None, help="tokens per packed row (default 512)")
+    ap.add_argument("--batch", type=positive, default=None, help="rows per batch (default 4)")
     ap.add_argument("--budget", default=None,
                     help=f"memory budget of one training step: a size ('200MiB') or a share of eager's "
                          f"measured peak ('50%%'); default {DEFAULT_BUDGET.replace('%', '%%')}")
     ap.add_argument("--out", default="demo_out", help="folder for the PNGs, logs and tokenizer (default demo_out/)")
-    ap.add_argument("--vocab", type=_positive_int, default=None, help="BPE vocabulary size (default 4096)")
-    ap.add_argument("--corpus-mb", type=_positive_float, default=None,
+    ap.add_argument("--vocab", type=positive, default=None, help="BPE vocabulary size (default 4096)")
+    ap.add_argument("--corpus-mb", type=positive_float, default=None,
                     help="cap on the corpus, in MB of source (default 6)")
-    ap.add_argument("--lr", type=_positive_float, default=None, help="peak learning rate (default 2e-3)")
-    ap.add_argument("--evals", type=_positive_int, default=None,
+    ap.add_argument("--lr", type=positive_float, default=None, help="peak learning rate (default 2e-3)")
+    ap.add_argument("--evals", type=positive, default=None,
                     help="held-out evaluations during training (default 8, plus one before)")
-    ap.add_argument("--eval-batches", type=_positive_int, default=None,
+    ap.add_argument("--eval-batches", type=positive, default=None,
                     help="held-out batches per evaluation (default 16)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the init, the shuffle and training (default 0)")
     ap.add_argument("--quick", action="store_true", help="tiny everything, 120 fixed steps: under a minute (for tests)")

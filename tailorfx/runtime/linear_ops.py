@@ -167,23 +167,26 @@ def _lce_with_grads_fake(hidden, weight, bias, labels, ignore_index, reduction, 
             torch.empty_like(bias) if grad_bias else weight.new_empty(0))
 
 
-def _lce_with_grads_setup(ctx, inputs, output):
+def grads_in_forward_setup(ctx, inputs, output):
+    """Autograd of an LM-head op `(hidden, weight, bias, labels, 5 options, grad_hidden,
+    grad_weight, grad_bias) -> (loss, grad_hidden, grad_weight, grad_bias)` whose gradients were
+    taken in the forward: keep them; the backward only scales them."""
     _, grad_h, grad_w, grad_b = output
     ctx.mark_non_differentiable(grad_h, grad_w, grad_b)
     ctx.save_for_backward(grad_h, grad_w, grad_b)
     ctx.computed = inputs[9:12]
 
 
-def _lce_with_grads_grad(ctx, grad_loss, *_):
+def grads_in_forward_backward(ctx, grad_loss, *_):
     needs = ctx.needs_input_grad[:3]
     if any(need and not computed for need, computed in zip(needs, ctx.computed)):
-        raise RuntimeError("chunked_linear_cross_entropy_with_grads: an input needs a grad that "
-                           f"was not computed (needed {needs}, computed {ctx.computed})")
+        raise RuntimeError("fused LM head: an input needs a grad that was not computed in the forward "
+                           f"(needed {needs}, computed {ctx.computed})")
     grads = [g * grad_loss if need else None for g, need in zip(ctx.saved_tensors, needs)]
     return (*grads, *[None] * 9)
 
 
-_lce_with_grads.register_autograd(_lce_with_grads_grad, setup_context=_lce_with_grads_setup)
+_lce_with_grads.register_autograd(grads_in_forward_backward, setup_context=grads_in_forward_setup)
 
 
 def _lce_loss_setup(ctx, inputs, output):

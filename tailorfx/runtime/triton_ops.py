@@ -28,6 +28,7 @@ from tailorfx.codegen.triton import interpreted
 from tailorfx.codegen.triton import linear_cross_entropy as _lce
 from tailorfx.codegen.triton import norm as _norm
 from tailorfx.codegen.triton import rope as _rope
+from tailorfx.runtime.linear_ops import grads_in_forward_backward, grads_in_forward_setup
 
 INTERPRETED = interpreted()
 
@@ -257,23 +258,7 @@ def _lce_fwd_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chu
             torch.empty_like(bias) if grad_bias else weight.new_empty(0))
 
 
-def _lce_setup(ctx, inputs, output):
-    _, gh, gw, gb = output
-    ctx.mark_non_differentiable(gh, gw, gb)
-    ctx.save_for_backward(gh, gw, gb)
-    ctx.computed = inputs[9:12]
-
-
-def _lce_grad(ctx, grad_loss, *_):
-    needs = ctx.needs_input_grad[:3]
-    if any(need and not computed for need, computed in zip(needs, ctx.computed)):
-        raise RuntimeError("triton_linear_cross_entropy: an input needs a grad that was not computed "
-                           f"(needed {needs}, computed {ctx.computed})")
-    grads = [g * grad_loss if need else None for g, need in zip(ctx.saved_tensors, needs)]
-    return (*grads, *[None] * 9)
-
-
-_lce_fwd.register_autograd(_lce_grad, setup_context=_lce_setup)
+_lce_fwd.register_autograd(grads_in_forward_backward, setup_context=grads_in_forward_setup)
 
 
 def triton_linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, *,
