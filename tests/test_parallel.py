@@ -204,8 +204,7 @@ def test_tied_weights_across_stages_are_refused_with_the_fix():
         cut_and_run("gemma2", 2, ids)
 
 
-PIPELINES = [("llama", "gpipe"), ("llama", "1f1b"), ("llama", "interleaved_1f1b"), ("llama", "zb_h1"), ("qwen3", "1f1b"),
-             ("mistral", "zb_h1")]
+PIPELINES = [(f, s) for f in ("llama", "qwen3", "mistral") for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")]
 
 
 @pytest.mark.multiprocess
