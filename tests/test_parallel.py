@@ -138,12 +138,16 @@ def test_tp2_equals_one_process(tmp_path):
 def test_fsdp2_dp2_equals_one_process(tmp_path):
     for r in torchrun(tmp_path, 2, "parallel_check.py", 1, 2, "llama", "qwen3", "mistral", runs=3).values():
         assert r["sharded_params"] == r["num_params"]    # every parameter is a DTensor shard
+        # the per-rank prediction (FSDP2's gathers, prefetch and reduce-scatter buffers composed on the
+        # memory model): within 5% of this rank's measured peak, never 2% under
+        assert -0.02 <= (r["predicted"] - r["measured"]) / r["measured"] <= 0.05, r
 
 
 @pytest.mark.multiprocess
 def test_tp2_x_dp2_on_four_processes_equals_one_process(tmp_path):
     for r in torchrun(tmp_path, 4, "parallel_check.py", 2, 2, "qwen3").values():
         assert r["styles"]["model.layers.0.self_attn.q_norm"] == "sharded_input:2"   # per-head norm's grad summed
+        assert -0.02 <= (r["predicted"] - r["measured"]) / r["measured"] <= 0.05, r
 
 
 @pytest.mark.multiprocess

@@ -22,10 +22,11 @@ def main(family: str, tp: int, dp: int) -> int:
     ids = torch.randint(0, 2048, (2 * dp, 128), generator=torch.Generator().manual_seed(1))
     out = ref(input_ids=ids, labels=ids)
     out.loss.backward()
-    opt = tailorfx.optimize(model, example_inputs=dict(input_ids=ids, labels=ids), parallel=dict(tp=tp, dp=dp))
-    rank = dist.get_rank()
-    # data parallel: each dp rank takes its rows; FSDP averages the gradients over dp
+    rank = int(os.environ["RANK"])
+    # data parallel: each dp rank takes its rows (its example: the per-rank prediction is at their
+    # shape); FSDP averages the gradients over dp
     rows = ids.chunk(dp)[rank // tp] if dp > 1 else ids
+    opt = tailorfx.optimize(model, example_inputs=dict(input_ids=rows, labels=rows), parallel=dict(tp=tp, dp=dp))
     for _ in range(2):     # twice: the second step must not see state the first one left
         for p in model.parameters():
             p.grad = None
@@ -36,20 +37,19 @@ def main(family: str, tp: int, dp: int) -> int:
     if dp > 1:
         dist.all_reduce(full_loss)     # tp ranks hold the same loss: the mean over the world is over dp
         full_loss /= dist.get_world_size()
-    predicted = measured = None
-    if dp == 1:      # this rank's forward+backward peak: the memory model against the allocator
-        saved = {n: p.grad for n, p in opt.named_parameters()}
-        for p in model.parameters():
-            p.grad = None
+    # this rank's forward+backward peak: the memory model against the allocator
+    saved = {n: p.grad for n, p in opt.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
 
-        def fwd_bwd():
-            out = opt(input_ids=rows, labels=rows)
-            out.loss.backward()
-            return out
-        measured = tailorfx.measure_peak(fwd_bwd)
-        predicted = opt.predict_memory().forward_backward_peak_bytes
-        for n, p in opt.named_parameters():
-            p.grad = saved[n]
+    def fwd_bwd():
+        out = opt(input_ids=rows, labels=rows)
+        out.loss.backward()
+        return out
+    measured = tailorfx.measure_peak(fwd_bwd)
+    predicted = opt.predict_memory().forward_backward_peak_bytes
+    for n, p in opt.named_parameters():
+        p.grad = saved[n]
     bad = grad_mismatches(opt.named_parameters(), ref)
     num_params = len(list(opt.named_parameters()))
     sharded = sum(1 for _, p in opt.named_parameters() if hasattr(p, "full_tensor"))
