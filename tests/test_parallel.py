@@ -220,6 +220,16 @@ def test_pipeline_schedules_equal_one_process(tmp_path):
         assert len(r["stages"]) == stages and all(r["stages"])       # the graph was cut, every stage has blocks
         assert r["bubble"] == pytest.approx(float(simulate_schedule(r["schedule"], 2, 4, virtual=stages // 2).bubble))
         assert (r["loss"] is not None) == (rank == "rank1")           # the loss lives on the last stage's rank
+        # each rank's memory predicted through the schedule's actions: within -2%/+5% of its measured
+        # peak for 1F1B and interleaved 1F1B; GPipe's last rank is over-predicted (up to +10%, the safe
+        # side); ZB-H1's last rank is under-predicted (the prediction warns; README, Per-rank memory)
+        err = (r["predicted"] - r["measured"]) / r["measured"]
+        if r["schedule"] in ("1f1b", "interleaved_1f1b") or rank == "rank0":
+            assert -0.02 <= err <= 0.05, r
+        elif r["schedule"] == "gpipe":
+            assert 0 <= err <= 0.10, r
+        else:
+            assert err < -0.02, r       # still wrong: when this fails, the model got it right, drop the warning
 
 
 @pytest.mark.multiprocess
@@ -258,3 +268,6 @@ def test_ulysses_refuses_what_it_cannot_compute_exactly(kw, msg):
 def test_ulysses_sp2_equals_one_process(tmp_path):
     for r in torchrun(tmp_path, 2, "ulysses_check.py", "llama", "qwen3", "qwen2", runs=3).values():
         assert r["attention"] == "tailorfx_ulysses"      # the model's attention was swapped
+        # each rank's predicted and measured peak are recorded, not asserted: at this size (1.6 MB
+        # per rank) the measured peak moves by up to 10% from run to run (README, Per-rank memory)
+        assert r["predicted"] > 0 and r["measured"] > 0, r

@@ -29,6 +29,14 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1) -> int:
     rank = dist.get_rank()
     mine = dict(opt.named_parameters())
     bad = grad_mismatches(mine.items(), ref)
+    # this rank's peak over one pipelined step: the memory model walked through the schedule
+    saved = {n: p.grad for n, p in mine.items()}
+    for p in model.parameters():
+        p.grad = None
+    measured = tailorfx.measure_peak(lambda: opt.step(input_ids=ids, labels=ids))
+    predicted = opt.predict_memory().forward_backward_peak_bytes
+    for n, p in mine.items():
+        p.grad = saved[n]
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, sorted(mine))
     covered = sorted({n for c in counts for n in c})
@@ -38,6 +46,7 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1) -> int:
            "loss": None if loss is None else float(loss), "eager_loss": float(out.loss.detach()),
            "num_params": len(mine), "bad": bad, "sharded": sum(hasattr(p, "full_tensor") for p in mine.values()),
            "stages": opt.session.parallel.stage_blocks, "bubble": opt.session.parallel.bubble,
+           "measured": measured, "predicted": predicted,
            "report": str(opt.report())}, family, schedule)
     return 0 if ok else 1
 

@@ -31,8 +31,22 @@ def main(family: str) -> int:
         loss.backward()
     bad = grad_mismatches(opt.named_parameters(), ref)
     ok = not bad and torch.allclose(loss.detach(), out.loss.detach(), rtol=1e-4)
+    # this rank's forward+backward peak (its slice of the sequence, all-to-alls included)
+    saved = {n: p.grad for n, p in opt.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+
+    def fwd_bwd():
+        o = opt(input_ids=ids, labels=labels)
+        o.loss.backward()
+        return o
+    measured = tailorfx.measure_peak(fwd_bwd)
+    predicted = opt.predict_memory().forward_backward_peak_bytes
+    for n, p in opt.named_parameters():
+        p.grad = saved[n]
     write({"rank": dist.get_rank(), "family": family, "ok": bool(ok), "loss": float(loss.detach()),
-           "eager_loss": float(out.loss.detach()), "bad": bad, "attention": model.config._attn_implementation},
+           "eager_loss": float(out.loss.detach()), "bad": bad, "attention": model.config._attn_implementation,
+           "measured": measured, "predicted": predicted},
           family)
     return 0 if ok else 1
 
