@@ -214,7 +214,9 @@ PIPELINES = [(f, s) for f in ("llama", "qwen3", "mistral") for s in ("gpipe", "1
 @pytest.mark.multiprocess
 def test_pipeline_schedules_equal_one_process(tmp_path):
     from tailorfx import simulate_schedule
-    rows = torchrun(tmp_path, 2, "pipeline_check.py", 1, 4, *[f"{f}:{s}" for f, s in PIPELINES], runs=len(PIPELINES))
+    # memory on Llama's runs (each rank's prediction captures the model again: seconds per run)
+    runs = [f"{f}:{s}" + (":mem" if f == "llama" else "") for f, s in PIPELINES]
+    rows = torchrun(tmp_path, 2, "pipeline_check.py", 1, 4, *runs, runs=len(PIPELINES))
     for (rank, run), r in rows.items():
         stages = 4 if r["schedule"] == "interleaved_1f1b" else 2
         assert len(r["stages"]) == stages and all(r["stages"])       # the graph was cut, every stage has blocks
@@ -223,6 +225,8 @@ def test_pipeline_schedules_equal_one_process(tmp_path):
         # each rank's memory predicted through the schedule's actions: within -2%/+5% of its measured
         # peak for 1F1B and interleaved 1F1B; GPipe's last rank is over-predicted (up to +10%, the safe
         # side); ZB-H1's last rank is under-predicted (the prediction warns; README, Per-rank memory)
+        if r["measured"] is None:
+            continue
         err = (r["predicted"] - r["measured"]) / r["measured"]
         if r["schedule"] in ("1f1b", "interleaved_1f1b") or rank == "rank0":
             assert -0.02 <= err <= 0.05, r

@@ -222,7 +222,7 @@ def _rope_probe_shape(shape) -> tuple:
 
 def _match_rope(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swap], str, None]:
     from tailorfx.runtime.triton_ops import triton_rope
-    swaps, why = [], None
+    swaps, why, order = [], None, None
     for name in region.nodes:
         n = nodes.get(name)
         parts = _rope_parts(n) if n is not None else None
@@ -236,7 +236,8 @@ def _match_rope(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swa
         if cv.requires_grad or sv.requires_grad or cv.shape != sv.shape or cv.shape[-1] != xv.shape[-1]:
             why = f"{n.name}: cos/sin need a gradient or do not match x's last dim"
             continue
-        fn = _region_fn(sorted(members, key=lambda m: list(n.graph.nodes).index(m)), [x, cos, sin], n)
+        order = order or {m: i for i, m in enumerate(n.graph.nodes)}
+        fn = _region_fn(sorted(members, key=order.__getitem__), [x, cos, sin], n)
         if fn is None:
             why = f"{n.name}: the rotation reads values from outside it"
             continue

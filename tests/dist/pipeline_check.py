@@ -13,7 +13,7 @@ from models import hf_family  # noqa: E402
 from results import grad_mismatches, write  # noqa: E402
 
 
-def main(family: str, schedule: str, microbatches: int, tp: int = 1) -> int:
+def main(family: str, schedule: str, microbatches: int, tp: int = 1, memory: bool = False) -> int:
     ref = hf_family(family, num_layers=4, vocab_size=512)
     model = hf_family(family, num_layers=4, vocab_size=512)
     ids = torch.randint(0, 512, (microbatches, 32), generator=torch.Generator().manual_seed(1))
@@ -29,14 +29,15 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1) -> int:
     rank = dist.get_rank()
     mine = dict(opt.named_parameters())
     bad = grad_mismatches(mine.items(), ref)
-    # this rank's peak over one pipelined step: the memory model walked through the schedule
-    saved = {n: p.grad for n, p in mine.items()}
-    for p in model.parameters():
-        p.grad = None
-    measured = tailorfx.measure_peak(lambda: opt.step(input_ids=ids, labels=ids))
-    predicted = opt.predict_memory().forward_backward_peak_bytes
-    for n, p in mine.items():
-        p.grad = saved[n]
+    measured = predicted = None
+    if memory:   # this rank's peak over one pipelined step: the memory model walked through the schedule
+        saved = {n: p.grad for n, p in mine.items()}
+        for p in model.parameters():
+            p.grad = None
+        measured = tailorfx.measure_peak(lambda: opt.step(input_ids=ids, labels=ids))
+        predicted = opt.predict_memory().forward_backward_peak_bytes
+        for n, p in mine.items():
+            p.grad = saved[n]
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, sorted(mine))
     covered = sorted({n for c in counts for n in c})
@@ -51,8 +52,9 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1) -> int:
     return 0 if ok else 1
 
 
-if __name__ == "__main__":     # pipeline_check.py TP MICROBATCHES FAMILY:SCHEDULE [...]: one launch, several runs
+if __name__ == "__main__":     # pipeline_check.py TP MICROBATCHES FAMILY:SCHEDULE[:mem] [...]: one launch, several runs
     tp, m = int(sys.argv[1]), int(sys.argv[2])
-    failed = sum(main(*pair.split(":"), m, tp) for pair in sys.argv[3:])
+    # FAMILY:SCHEDULE[:mem]: with ":mem", also this rank's measured and predicted peak
+    failed = sum(main(*run.split(":")[:2], m, tp, run.endswith(":mem")) for run in sys.argv[3:])
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
