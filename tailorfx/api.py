@@ -266,14 +266,19 @@ class OptimizedModule(nn.Module):
         (the generated Triton text) and `.compile(arch)` (80 or 90: registers, spills, shared
         memory and cubin, compiled here without a GPU). Empty when no Triton kernel runs."""
         from tailorfx.codegen.triton import load
-        from tailorfx.passes.kernels import kernel_specs
-        specs = {}
+        return {name: load(spec) for name, (spec, _) in sorted(self.kernel_launches().items())}
+
+    def kernel_launches(self) -> dict:
+        """Spec name -> (spec, forward launch grid as text) of each Triton kernel the rewritten
+        graphs launch, in graph order (the grid of its first launch, at the captured shapes)."""
+        from tailorfx.passes.kernels import kernel_launches
+        out: dict = {}
         for g in self.session.graphs:
             gm = g.records[-1].gm if g.records else g.original
             for n in gm.graph.nodes:
-                for spec in kernel_specs(n):
-                    specs.setdefault(spec.name, spec)
-        return {name: load(spec) for name, spec in sorted(specs.items())}
+                for spec, grid in kernel_launches(n):
+                    out.setdefault(spec.name, (spec, grid))
+        return out
 
 
 class PredictionError(RuntimeError):

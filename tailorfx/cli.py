@@ -237,17 +237,11 @@ def cmd_kernels(args):
     from tailorfx import sizing
     from tailorfx.budget import format_bytes
     from tailorfx.codegen.triton import compile_many
-    from tailorfx.passes.kernels import kernel_launches
     cfg, name = _config(args)
     note(f"capturing {name} at {args.batch} x {args.seq} tokens on fake tensors with kernels='triton' ...")
     opt = sizing.capture_for_prediction(cfg, ["attention", "minisequence"], seq_len=args.seq, batch_size=args.batch,
                                         dtype=torch.bfloat16 if args.dtype == "bf16" else None, kernels="triton")
-    launches: dict = {}
-    for g in opt.session.graphs:
-        gm = g.records[-1].gm if g.records else g.original
-        for n in gm.graph.nodes:
-            for spec, grid in kernel_launches(n):
-                launches.setdefault(spec.name, (spec, grid))
+    launches = opt.kernel_launches()
     if not launches:
         raise ValueError(f"{name}: no region became a Triton kernel (see `tailorfx inspect ... --kernels triton`)")
     note(f"compiling {len(launches)} kernels for sm{args.arch} (ptxas, no GPU needed) ...")

@@ -31,14 +31,11 @@ measured peak) and the tokenizer.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import functools
 import hashlib
 import json
 import math
-import os
-import re
 import sys
 import sysconfig
 import tempfile
@@ -139,38 +136,6 @@ def build_model(vocab: int, seq: int, size: Size, seed: int):
 
 
 # ---- 5. memory ----------------------------------------------------------------------------------
-_PROFILER_NOISE = re.compile(r"^(USDT|STAGE):.*\]\s*profiler_(start|stop)\s*$")
-
-
-@contextlib.contextmanager
-def quiet_profiler():
-    """Drops the "USDT: ... profiler_start / profiler_stop" lines torch's profiler (kineto, in C++)
-    writes straight to the process's stdout/stderr file descriptors each time a profile starts and
-    stops (KINETO_LOG_LEVEL=6 silences them too, but only when set before torch is imported).
-    Anything else written meanwhile is passed on to stderr."""
-    for s in (sys.stdout, sys.stderr):
-        s.flush()
-    with tempfile.TemporaryFile() as tmp:
-        saved = {}
-        try:
-            for fd in (1, 2):
-                saved[fd] = os.dup(fd)
-                os.dup2(tmp.fileno(), fd)
-            yield
-        finally:
-            for s in (sys.stdout, sys.stderr):
-                s.flush()
-            for fd, old in saved.items():
-                os.dup2(old, fd)
-                os.close(old)
-            tmp.seek(0)
-            rest = [line for line in tmp.read().decode("utf-8", "replace").splitlines(keepends=True)
-                    if not _PROFILER_NOISE.match(line.strip())]
-            if rest:
-                sys.stderr.write("".join(rest))
-                sys.stderr.flush()
-
-
 @dataclass
 class StepMemory:
     total: int          # weights + optimizer state + the measured peak of the step
@@ -204,8 +169,7 @@ def measure_step(module, model: torch.nn.Module, batch: dict, lr: float, clip: f
     step = _make_step(module, params, opt, batch, clip)
     step()                              # compiles (tailorfx) and creates the optimizer state
     opt.zero_grad(set_to_none=True)
-    with quiet_profiler():
-        peak = tailorfx.measure_peak(step)
+    peak = tailorfx.measure_peak(step)   # its profiler's start/stop lines are dropped
     t = time.perf_counter()
     for _ in range(timed_steps):
         step()

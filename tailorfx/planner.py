@@ -16,8 +16,8 @@ import torch.fx as fx
 
 from tailorfx import passes as pass_registry
 from tailorfx.budget import Budget, BudgetError, format_bytes
-from tailorfx.progress import progress
 from tailorfx.codegen.lower import partition_for
+from tailorfx.progress import progress
 from tailorfx.rewrite import cost, memory
 from tailorfx.rewrite.capture import SeqInfo
 from tailorfx.rewrite.passes import PassContext, PassManager
@@ -134,25 +134,22 @@ def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_
     """
     ks = [c for c in candidates if dict(c.options).get("recompute_policy") == "full"]
     head = [c for c in candidates if c not in ks]
-    bar = progress(total=len(head) + len(ks).bit_length(), desc="planning", unit="plan")
-
-    def tried(c: Candidate) -> tuple[Candidate, object]:
-        bar.set_postfix_str(c.label, refresh=False)
-        out = evaluate(c)
-        bar.update(1)
-        return out
-    seen: list[tuple[Candidate, object]] = [tried(c) for c in head]
-    lo, hi = 0, len(ks) - 1
-    best_k = None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        c, payload = tried(ks[mid])
-        seen.append((c, payload))
-        if c.fits:
-            best_k, hi = mid, mid - 1
-        else:
-            lo = mid + 1
-    bar.close()
+    with progress(total=len(head) + len(ks).bit_length(), desc="planning", unit="plan") as bar:
+        def tried(c: Candidate) -> tuple[Candidate, object]:
+            bar.set_postfix_str(c.label, refresh=False)
+            out = evaluate(c)
+            bar.update(1)
+            return out
+        seen: list[tuple[Candidate, object]] = [tried(c) for c in head]
+        lo, hi = 0, len(ks) - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            c, payload = tried(ks[mid])
+            seen.append((c, payload))
+            if c.fits:
+                hi = mid - 1
+            else:
+                lo = mid + 1
     fitting = [(c, p) for c, p in seen if c.fits]
     if not fitting:
         smallest, payload = min(seen, key=lambda cp: cp[0].peak)
@@ -255,23 +252,22 @@ def _search_setup(gm, ctx: PassContext, cands: list[Candidate], opts: dict, setu
 def longest_fitting(peak: Callable[[int], int], usable: float, limit: int, granularity: int) -> int:
     """The longest length whose predicted peak fits `usable` (peak grows with length): doubling
     from 1024, then bisection to `granularity` tokens; `limit` caps the search."""
-    bar = progress(desc="longest sequence that fits", unit="length")
-
-    def fits(n: int) -> bool:
-        bar.set_postfix_str(f"{n} tokens", refresh=False)
-        ok = peak(n) <= usable
-        bar.update(1)
-        return ok
-    lo, hi = 1, 1024
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    if hi <= limit:
+    with progress(desc="longest sequence that fits", unit="length") as bar:
+        def fits(n: int) -> bool:
+            bar.set_postfix_str(f"{n} tokens", refresh=False)
+            ok = peak(n) <= usable
+            bar.update(1)
+            return ok
+        lo, hi = 1, 1024
+        while hi <= limit and fits(hi):
+            lo, hi = hi, hi * 2
+        if hi > limit:
+            return lo
         while hi - lo > granularity:
             mid = (lo + hi) // 2 // granularity * granularity or granularity
             if mid <= lo:
                 break
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    bar.close()
     return lo
 
 

@@ -72,15 +72,16 @@ def plan_for_budget(model_or_config: Any, budget: Union[str, int, Budget], seq_l
     positive_int("batch_size", batch_size)
     with _prediction_model(model_or_config, s.param_dtype) as model:
         _check_static(model, s, b, planner.usable(b.bytes, s.headroom))   # before an 8B model's captures
-        ids = torch.randint(0, 2, (batch_size or s.micro_batch_size, seq_len), device=next(model.parameters()).device)
-        return optimize(model, budget=b, example_inputs={"input_ids": ids, "labels": ids}, setup=s,
-                        predict=False, verify=False, **optimize_kwargs)
+        return _capture(model, None, seq_len, batch_size or s.micro_batch_size, budget=b, setup=s, **optimize_kwargs)
 
 
-def _capture(model: nn.Module, passes: Sequence[str], seq_len: int, batch_size: int, **kw) -> OptimizedModule:
+def _capture(model: nn.Module, passes: Optional[Sequence[str]], seq_len: int, batch_size: int,
+             **kw) -> OptimizedModule:
+    """optimize() on a batch of `batch_size` x `seq_len` tokens, for prediction only (passes=None:
+    the planner's choice)."""
     ids = torch.randint(0, 2, (batch_size, seq_len), device=next(model.parameters()).device)
-    return optimize(model, example_inputs={"input_ids": ids, "labels": ids}, passes=list(passes),
-                    predict=False, verify=False, **kw)
+    return optimize(model, example_inputs={"input_ids": ids, "labels": ids},
+                    passes=None if passes is None else list(passes), predict=False, verify=False, **kw)
 
 
 def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_size: Optional[int] = None,

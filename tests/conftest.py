@@ -16,6 +16,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny models (as under `make test`'s workers): their ops
+    are thousands of small barriers, and two OpenMP threads on a shared 2-core machine spin-wait
+    against other processes, 10-100x slower. Restored after the module. Use it with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Each test compiles from scratch: Dynamo caches must not leak between tests."""

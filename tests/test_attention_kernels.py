@@ -20,14 +20,7 @@ from tailorfx.runtime.attention_tiles import bigbird_random_blocks
 SETTINGS = settings(max_examples=25, deadline=None)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These are thousands of tiny ops: with 2 OpenMP threads each one is a barrier, and when
-    another process holds a core the barriers stall (measured 10-50x slower); 1 thread is not."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TILES = st.sampled_from([(8, 8), (16, 24), (32, 40), (128, 1024)])  # (tile, kv_chunk)

@@ -25,13 +25,7 @@ DOCS = (7, 13, 5, 20, 9, 1, 11, 3)          # 3 rows of 32; a 1-token document; 
 OTHER_DOCS = (20, 3, 1, 15, 8, 12, 6, 2)     # the same 3 rows of 32, documents elsewhere
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread (two OpenMP threads on a shared 2-core machine spin)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _docs(lengths, seed=1):

@@ -29,14 +29,7 @@ from tailorfx.runtime.train import Trainer, make_scaler
 GOLDEN = os.path.join(os.path.dirname(__file__), "goldens", "precision_diff.txt")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are small: a second intra-op thread buys little, and on a shared 2-core
-    machine OpenMP's spin-waiting made steps 10x slower. Restored after the module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def lowered(model, precision="bf16", passes=("precision",), S=37, pad=5):

@@ -21,14 +21,7 @@ from tailorfx.runtime.packing import (PackedBatches, PackingCollator, collate_ro
 from tailorfx.runtime.train import accumulate, count_targets, lr_lambda, train
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread (as under `make test`'s workers). Two OpenMP threads on a
-    shared 2-core machine spin-wait against other processes, 10-100x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _docs(lengths, seed=1):

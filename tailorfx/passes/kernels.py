@@ -330,12 +330,6 @@ class KernelsPass:
                           tuple(dict.fromkeys(touched)), tuple(skipped))
 
 
-def kernel_specs(node: fx.Node) -> list:
-    """The Triton kernel specs a graph node launches (from its inputs' fake values); [] for
-    nodes that launch none."""
-    return [spec for spec, _ in kernel_launches(node)]
-
-
 def _int(x) -> int:
     """A size as an int: a graph node's value, a SymInt's hint (no guard), or the number itself."""
     return compat.size_hint(node_value(x) if isinstance(x, fx.Node) else x)

@@ -276,15 +276,6 @@ def triton_linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[T
 
 # ---- rotary embedding ------------------------------------------------------------------------
 
-def _rope_like(x: Tensor) -> Tensor:
-    """The output `codegen.triton.rope.apply` allocates for x (its layout, when the last dim is
-    contiguous)."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty_like(x)
-    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
 @_op("triton_rope")
 def _rope_fwd(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
     return _rope.apply(x, cos, sin, backward=backward)
@@ -292,7 +283,7 @@ def _rope_fwd(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
 
 @_fake(_rope_fwd)
 def _rope_fwd_fake(x, cos, sin, backward):
-    return _rope_like(x)
+    return _rope.output_like(x)
 
 
 def _rope_setup(ctx, inputs, output):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tailorfx  # noqa: E402
 from models import hf_family  # noqa: E402
-from results import grad_mismatches, write  # noqa: E402
+from results import grad_mismatches, measured_and_predicted, write  # noqa: E402
 
 
 def main(family: str, tp: int, dp: int) -> int:
@@ -37,19 +37,12 @@ def main(family: str, tp: int, dp: int) -> int:
     if dp > 1:
         dist.all_reduce(full_loss)     # tp ranks hold the same loss: the mean over the world is over dp
         full_loss /= dist.get_world_size()
-    # this rank's forward+backward peak: the memory model against the allocator
-    saved = {n: p.grad for n, p in opt.named_parameters()}
-    for p in model.parameters():
-        p.grad = None
-
     def fwd_bwd():
         out = opt(input_ids=rows, labels=rows)
         out.loss.backward()
         return out
-    measured = tailorfx.measure_peak(fwd_bwd)
-    predicted = opt.predict_memory().forward_backward_peak_bytes
-    for n, p in opt.named_parameters():
-        p.grad = saved[n]
+    # this rank's forward+backward peak: the memory model against the allocator
+    measured, predicted = measured_and_predicted(opt, model, fwd_bwd)
     bad = grad_mismatches(opt.named_parameters(), ref)
     num_params = len(list(opt.named_parameters()))
     sharded = sum(1 for _, p in opt.named_parameters() if hasattr(p, "full_tensor"))

@@ -10,7 +10,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tailorfx  # noqa: E402
 from models import hf_family  # noqa: E402
-from results import grad_mismatches, write  # noqa: E402
+from results import grad_mismatches, measured_and_predicted, write  # noqa: E402
 
 
 def main(family: str, schedule: str, microbatches: int, tp: int = 1, memory: bool = False) -> int:
@@ -31,13 +31,7 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1, memory: boo
     bad = grad_mismatches(mine.items(), ref)
     measured = predicted = None
     if memory:   # this rank's peak over one pipelined step: the memory model walked through the schedule
-        saved = {n: p.grad for n, p in mine.items()}
-        for p in model.parameters():
-            p.grad = None
-        measured = tailorfx.measure_peak(lambda: opt.step(input_ids=ids, labels=ids))
-        predicted = opt.predict_memory().forward_backward_peak_bytes
-        for n, p in mine.items():
-            p.grad = saved[n]
+        measured, predicted = measured_and_predicted(opt, model, lambda: opt.step(input_ids=ids, labels=ids))
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, sorted(mine))
     covered = sorted({n for c in counts for n in c})

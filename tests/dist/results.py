@@ -2,7 +2,7 @@
 (one per rank and run: ranks share stdout, and their lines interleave)."""
 import json
 import os
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -18,6 +18,20 @@ def grad_mismatches(named_params: Iterable, ref: torch.nn.Module) -> dict[str, O
         if g is None or not torch.allclose(g, r, rtol=1e-4, atol=1e-6):
             bad[name] = None if g is None else float((g - r).abs().max())
     return bad
+
+
+def measured_and_predicted(opt, model: torch.nn.Module, step: Callable[[], object]) -> tuple[int, int]:
+    """This rank's peak over `step()` (allocator events, its gradients cleared first) and the
+    forward+backward peak `opt.predict_memory()` predicts for it; the gradients are put back."""
+    import tailorfx
+    saved = {n: p.grad for n, p in opt.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+    measured = tailorfx.measure_peak(step)
+    predicted = opt.predict_memory().forward_backward_peak_bytes
+    for n, p in opt.named_parameters():
+        p.grad = saved[n]
+    return measured, predicted
 
 
 def write(row: dict, *tags: str) -> None:

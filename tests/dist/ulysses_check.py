@@ -10,7 +10,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tailorfx  # noqa: E402
 from models import hf_family  # noqa: E402
-from results import grad_mismatches, write  # noqa: E402
+from results import grad_mismatches, measured_and_predicted, write  # noqa: E402
 
 
 def main(family: str) -> int:
@@ -31,19 +31,12 @@ def main(family: str) -> int:
         loss.backward()
     bad = grad_mismatches(opt.named_parameters(), ref)
     ok = not bad and torch.allclose(loss.detach(), out.loss.detach(), rtol=1e-4)
-    # this rank's forward+backward peak (its slice of the sequence, all-to-alls included)
-    saved = {n: p.grad for n, p in opt.named_parameters()}
-    for p in model.parameters():
-        p.grad = None
-
     def fwd_bwd():
         o = opt(input_ids=ids, labels=labels)
         o.loss.backward()
         return o
-    measured = tailorfx.measure_peak(fwd_bwd)
-    predicted = opt.predict_memory().forward_backward_peak_bytes
-    for n, p in opt.named_parameters():
-        p.grad = saved[n]
+    # this rank's forward+backward peak (its slice of the sequence, all-to-alls included)
+    measured, predicted = measured_and_predicted(opt, model, fwd_bwd)
     write({"rank": dist.get_rank(), "family": family, "ok": bool(ok), "loss": float(loss.detach()),
            "eager_loss": float(out.loss.detach()), "bad": bad, "attention": model.config._attn_implementation,
            "measured": measured, "predicted": predicted},

@@ -152,11 +152,20 @@ def _cos_sin(t, batch: int, seq: int, rot: int, dtype, name: str):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def output_like(x):
+    """The tensor `apply` writes for x: x's layout when its last dim is contiguous, else a
+    contiguous one (the runtime op's fake kernel allocates the same)."""
+    import torch
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty_like(x)
+    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 def apply(x, cos, sin, rotary_dim: Optional[int] = None, *, backward: bool = False, block_h: int = 4):
     """The rotation of x (B, H, S, D) (its transpose with `backward`: x is then the incoming grad),
     a new tensor with x's dtype and layout. `rotary_dim` defaults to cos's last dim, as in HF (a
     partial rotary's cos/sin are (.., S, R))."""
-    import torch
     from tailorfx.codegen.triton import load
     if x.dim() != 4:
         raise ValueError(f"rope: x {tuple(x.shape)} is not (B, H, S, D)")
@@ -169,9 +178,7 @@ def apply(x, cos, sin, rotary_dim: Optional[int] = None, *, backward: bool = Fal
         c, s = c.expand(bsz, seq, rot).contiguous(), s.expand(bsz, seq, rot).contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty_like(x)
-    if out.stride(-1) != 1:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = output_like(x)
     if x.numel() == 0:
         return out
     scb = c.stride(0) if c.shape[0] > 1 else 0
