@@ -4,7 +4,8 @@ per-rank memory predicted for layouts of 8 and 64 GPUs.
 
 One HF Llama (vocab 8000, hidden 256, 8 heads / 4 KV heads, 4 layers, fp32), one global batch
 (4 x 512 tokens) for every layout; data parallel splits its rows, Ulysses (sp) the sequence over
-the dp ranks, pipeline parallel (the step graph cut into stages, 1F1B, 4 micro-batches) its
+the dp ranks, Megatron's sequence parallelism (tp+sp) the norms and residual stream over the tp
+ranks, pipeline parallel (the step graph cut into stages, 1F1B, 4 micro-batches) its
 micro-batches. Per rank: the bytes its parameters and gradients hold (DTensor shards counted
 locally), the measured forward+backward peak above that (profiler allocator events, FSDP's
 gathered parameters included), and the median step time of 5 steps after 2 warm-up steps
@@ -28,12 +29,14 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# (tp, dp, pp, sp): sp=1 splits the sequence over the dp ranks (Ulysses) instead of the batch.
+# (tp, dp, pp, sp): sp=1 splits the sequence over the dp ranks (Ulysses) instead of the batch;
+# sp=2 splits it over the tp ranks between the sharded layers (Megatron's sequence parallelism).
 # tp2xpp2 is not run by default: on gloo its ranks held a varying number of extra collective
 # buffers (its worst rank measured 82.9, 82.9, 85.4 and 99.4 MiB in four runs of the same step)
 LAYOUTS = {"1": (1, 1, 1, 0), "tp2": (2, 1, 1, 0), "dp2": (1, 2, 1, 0), "pp2": (1, 1, 2, 0), "tp4": (4, 1, 1, 0),
            "dp4": (1, 4, 1, 0), "tp2xdp2": (2, 2, 1, 0), "pp4": (1, 1, 4, 0), "tp2xpp2": (2, 1, 2, 0),
-           "sp2": (1, 2, 1, 1), "sp4": (1, 4, 1, 1)}
+           "sp2": (1, 2, 1, 1), "sp4": (1, 4, 1, 1), "tp2+sp": (2, 1, 1, 2), "tp4+sp": (4, 1, 1, 2)}
+SP = {0: None, 1: "ulysses", 2: "megatron"}
 SCHEDULE, MICROBATCHES = "1f1b", 4
 
 
@@ -58,13 +61,13 @@ def worker(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int) -> None:
         opt = tailorfx.optimize(model, example_inputs=batch_all,
                                 parallel=dict(tp=tp, pp=pp, schedule=SCHEDULE, microbatches=MICROBATCHES))
         rank, rows = dist.get_rank(), batch_all
-    elif sp:        # every rank takes every row, and its slice of the sequence
+    elif sp == 1:   # every rank takes every row, and its slice of the sequence
         opt = tailorfx.optimize(model, example_inputs=batch_all, parallel=dict(dp=dp, sp="ulysses"))
         rank, rows = dist.get_rank(), batch_all
     else:           # each dp rank's rows are its example (its predictions are at their shape)
         rank = int(os.environ["RANK"])
         rows = {k: v.chunk(dp)[rank // tp] for k, v in batch_all.items()}
-        opt = tailorfx.optimize(model, example_inputs=rows, parallel=dict(tp=tp, dp=dp))
+        opt = tailorfx.optimize(model, example_inputs=rows, parallel=dict(tp=tp, dp=dp, sp=SP[sp]))
     params = [p for _, p in opt.named_parameters()]
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in params)
 
@@ -147,8 +150,8 @@ def predict_layout(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int):
     """The worst rank of a launched layout, predicted in this process: (its prediction, the
     benchmark's measure of it: parameters + gradients + the forward+backward peak above them)."""
     from tailorfx.parallel_memory import predict_rank_memory
-    rows = batch // MICROBATCHES if pp > 1 else batch if sp else batch // dp
-    rm = predict_rank_memory(small_config(), tp=tp, dp=dp, pp=pp, sp="ulysses" if sp else None, schedule=SCHEDULE,
+    rows = batch // MICROBATCHES if pp > 1 else batch if sp == 1 else batch // dp
+    rm = predict_rank_memory(small_config(), tp=tp, dp=dp, pp=pp, sp=SP[sp], schedule=SCHEDULE,
                              microbatches=MICROBATCHES if pp > 1 else None, seq_len=seq, batch_size=rows, setup="fp32")
     if pp > 1:     # per pipeline rank, in the benchmark's terms
         totals = [2 * params + fb for _, fb, params in rm.pipeline_ranks]
@@ -156,9 +159,10 @@ def predict_layout(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int):
     return rm, 2 * rm.param_bytes + rm.forward_backward_peak_bytes, None
 
 
-PLANS_8B = [(8, dict(dp=8)), (8, dict(dp=8, sp="ulysses")), (8, dict(tp=8)), (8, dict(tp=2, dp=4)),
+PLANS_8B = [(8, dict(dp=8)), (8, dict(dp=8, sp="ulysses")), (8, dict(tp=8)), (8, dict(tp=8, sp="megatron")),
+            (8, dict(tp=2, dp=4)),
             (8, dict(tp=4, dp=2)), (8, dict(tp=4, pp=2)), (8, dict(pp=8)),
-            (64, dict(dp=64)), (64, dict(tp=8, dp=8)), (64, dict(tp=4, dp=16)), (64, dict(tp=8, pp=8)),
+            (64, dict(dp=64)), (64, dict(tp=8, dp=8)), (64, dict(tp=8, dp=8, sp="megatron")), (64, dict(tp=4, dp=16)), (64, dict(tp=8, pp=8)),
             (64, dict(tp=4, pp=4, dp=4)), (64, dict(pp=64)), (64, dict(tp=16, dp=4))]
 
 
@@ -232,8 +236,10 @@ def main() -> None:
             base = next((r["ranks"][0] for r in results if r["layout"] == "1"), None)
             if pp > 1:
                 label = (f"tp={tp} x " if tp > 1 else "") + f"pp={pp} ({SCHEDULE} x{MICROBATCHES})"
-            elif sp:
+            elif sp == 1:
                 label = f"sp={dp} (Ulysses)"
+            elif sp == 2:
+                label = f"tp={tp} + Megatron SP"
             else:
                 label = " x ".join(f"{k}={v}" for k, v in (("tp", tp), ("dp", dp)) if v > 1) or "1 process"
             ref = ranks[0]["single_process_loss"]

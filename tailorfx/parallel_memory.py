@@ -55,6 +55,10 @@ keeping q, k and v's all-to-all buffers that long too (3 MiB a layer at sp=2 on
 benchmarks/parallel.py's model; the predictions are within 2% at sp=2 and sp=4). Where the
 collective library frees them sooner this over-estimates, on the safe side.
 
+sp="megatron": the tp composition on the graph of the model sharded with the sequence-parallel
+styles too (passes.parallel.infer_sequence_parallel): the stream's norms, residual adds and
+all-gathered inputs are in the traced graph, collectives and all.
+
 The worst rank: the ranks of a tp, dp or sp group hold the same bytes (FSDP's rank 0 the
 largest shard); under pp the stages differ and the worst stage's rank is reported, every
 stage's figures with it.
@@ -70,6 +74,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import math
 import weakref
 from collections import defaultdict
@@ -84,7 +89,7 @@ from tailorfx import compat
 from tailorfx.budget import Budget, BudgetError, format_bytes
 from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import node_value, seq_info
-from tailorfx.rewrite.regions import find_regions, normalize_path
+from tailorfx.rewrite.regions import find_regions, is_param, normalize_path, param_source
 from tailorfx.setup import TrainingSetup
 from tailorfx.setup import resolve as resolve_setup
 
@@ -258,6 +263,9 @@ class _Capture:
     scope: Callable                 # the context the graph is traced under (loss_parallel)
     profiles: dict = field(default_factory=dict)
     owner: Any = None               # a weak reference to the module or factory captured (None: a config)
+    wgrad: list = field(default_factory=list)   # per group: output bytes of its ops that take a parameter
+
+
 
     @property
     def num_groups(self) -> int:
@@ -278,6 +286,9 @@ def clear_cache() -> None:
     _TP_PLANS.clear()
 
 
+_MESH_IDS = itertools.count()
+
+
 def _capture(src: Any, *, tp: int, rows: int, seq: int, head: str, dtype: torch.dtype, mesh=None) -> _Capture:
     key = (_source_key(src), tp, rows, seq, head if tp > 1 else "", dtype)
     hit = _CAPTURES.get(key)
@@ -296,8 +307,11 @@ def _capture(src: Any, *, tp: int, rows: int, seq: int, head: str, dtype: torch.
         if own_group:
             from torch.distributed.device_mesh import init_device_mesh
             on = _device(src).type if isinstance(src, nn.Module) else "cpu"
+            # a new name each time: DTensor caches sharding decisions by mesh equality, and a decision
+            # cached from an earlier capture's (destroyed) mesh leaks that mesh into this graph, where
+            # AOTAutograd then fails ("Node tangents_4 was invalid, but is output")
             mesh = init_device_mesh(on if on == "cpu" or torch.cuda.is_available() else "cpu", (tp,),
-                                    mesh_dim_names=("tp",))
+                                    mesh_dim_names=(f"tp_capture{next(_MESH_IDS)}",))
         cap = _capture_on(src, key, tp=tp, rows=rows, seq=seq, head=head, dtype=dtype, mesh=mesh)
     finally:
         if own_group:
@@ -323,7 +337,7 @@ def _capture_on(src, key, *, tp, rows, seq, head, dtype, mesh) -> _Capture:
         if tp > 1:
             styles = _tp_styles(model, src, dtype, tp, head)
             _apply_tp(model, styles, mesh)
-            if "colwise_vocab_parallel" in styles.values():
+            if any(st.startswith("colwise_vocab_parallel") for st in styles.values()):
                 from torch.distributed.tensor.parallel import loss_parallel
                 scope = loss_parallel
         with scope():
@@ -336,6 +350,29 @@ def _capture_on(src, key, *, tp, rows, seq, head, dtype, mesh) -> _Capture:
         steps = memory.trace_step(gm, None, partition_for("dynamo", gm), None)
     steps = replace(steps, eager_autograd=True)
     return _annotate(gm, steps, local, scope)
+
+
+def _local_outputs(gm: fx.GraphModule) -> None:
+    """The graph's DTensor outputs (a vocab-parallel loss and logits) returned as this rank's
+    local tensors (views: the same bytes held). AOTAutograd flattens a DTensor output together
+    with its device mesh, and after some earlier captures in the process it fails to partition
+    that mesh's tangent ("Node tangents_4 was invalid, but is output")."""
+    from torch.distributed.tensor import DTensor
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    vals = out.args[0]
+    if not isinstance(vals, (list, tuple)):
+        return
+    new = []
+    for v in vals:
+        ex = node_value(v) if isinstance(v, fx.Node) else None
+        if isinstance(ex, DTensor):
+            with gm.graph.inserting_before(out):
+                loc = gm.graph.call_method("to_local", (v,))
+            loc.meta["example_value"] = ex.to_local()
+            v = loc
+        new.append(v)
+    out.args = (type(vals)(new),)
+    gm.recompile()
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -364,9 +401,14 @@ def _tp_plan(src: Any, dtype: torch.dtype, model: Optional[nn.Module] = None):
 
 def _tp_styles(model: nn.Module, src: Any, dtype: torch.dtype, tp: int, head: str) -> dict[str, str]:
     """The plan's styles, checked against tp; `head` "gather": the LM head gathers its logits
-    (as the runtime shards it for pipeline stages)."""
+    (as the runtime shards it for pipeline stages); "sequence": with sp="megatron"'s styles."""
     plan = _tp_plan(src, dtype, model)
     plan.check(tp)
+    if head == "sequence":
+        if plan.sequence_error:
+            from tailorfx.passes.parallel import SequenceParallelError
+            raise SequenceParallelError(plan.sequence_error)
+        return {**plan.styles, **plan.sequence}
     if head == "gather":
         return {f: ("colwise_gather_output" if s == "colwise_vocab_parallel" else s) for f, s in plan.styles.items()}
     return dict(plan.styles)
@@ -439,7 +481,23 @@ def _annotate(gm: fx.GraphModule, steps: memory.StepGraphs, local: dict, scope) 
     attn_bytes, heads, kv_heads = _attention(gm)
     return _Capture(steps, seq, gm, regions, blocks, {n.name: v for n, v in fw.items()},
                     {n.name: v for n, v in bw.items()}, {**fw, **bw}, fw_attn, bw_attn, params,
-                    attn_bytes, (heads, kv_heads), scope)
+                    attn_bytes, (heads, kv_heads), scope, wgrad=_weight_grad_inputs(gm, index))
+
+
+def _weight_grad_inputs(gm: fx.GraphModule, index: dict[str, int]) -> list[int]:
+    """Per group, the bytes of the outputs of ops that combine a trained parameter with an
+    activation (linears, a norm's weight product): a zero-bubble input-gradient pass (torch's
+    `stage_backward_input`) keeps the gradient of each until the weight pass that reads it."""
+    out = [0] * (len(index) + 2)
+    for n, grp in _groups(gm, "nn_module_stack", index, False).items():
+        v = node_value(n)
+        if n.op not in ("call_function", "call_method") or not isinstance(v, torch.Tensor) or not v.requires_grad:
+            continue
+        ins = [a for a in n.all_input_nodes if isinstance(node_value(a), torch.Tensor)]
+        trained = [a for a in ins if is_param(a, through_casts=True) and node_value(param_source(a)).requires_grad]
+        if trained and any(a not in trained and node_value(a).requires_grad for a in ins):
+            out[grp] += v.numel() * v.element_size()
+    return out
 
 
 def _attention(gm: fx.GraphModule) -> tuple[int, int, int]:
@@ -643,6 +701,7 @@ class _Stage:
     kept: int
     grads: int
     largest_grad: int
+    wgrad: int = 0      # what a zero-bubble input-gradient pass keeps for the weight pass (beside `kept`)
 
 
 def _stage_profiles(cap: _Capture, points: list[_Point], stage_blocks: list[list[str]], setup) -> list[_Stage]:
@@ -671,7 +730,8 @@ def _stage_profiles(cap: _Capture, points: list[_Point], stage_blocks: list[list
         shapes = [s for g in gs for s in cap.params[g]]
         gbytes = int(sum(math.prod(s) * b for s, b in shapes) * ratio)
         largest = int(max((math.prod(s) * b for s, b in shapes), default=0) * ratio)
-        out.append(_Stage(gs, fwd, bwd, kept, gbytes, largest))
+        wgrad = sum(cap.wgrad[g] for g in gs) if cap.wgrad else 0     # activation gradients: their own dtype
+        out.append(_Stage(gs, fwd, bwd, kept, gbytes, largest, wgrad))
     return out
 
 
@@ -693,22 +753,34 @@ def _pipeline_walk(stages: list[_Stage], io: list, schedule, rank: int) -> tuple
             ng, g = max(st.fwd, key=sum, default=(0, 0))
             cands.append((kept + ng, grads + g, 0, sends))
             held[s] += 1
-        elif a.kind in ("B", "I"):
-            kept -= st.kept    # this micro-batch's own activations are inside the backward's profile
+        elif a.kind == "I" and s == 0:
+            # the first stage has no input to take a gradient for: torch's runtime defers its whole
+            # backward to the "W", the micro-batch's activations held until then
+            held[s] -= 1
+            pending_w[s].append(st.kept)
+            sends += io[s][2] + io[s][3]
+        elif a.kind in ("B", "I") or (a.kind == "W" and s == 0):
+            first_w = a.kind == "W"
+            if first_w:
+                kept -= pending_w[s].pop(0)
+            else:
+                kept -= st.kept    # this micro-batch's own activations are inside the backward's profile
             if s in done:      # a later micro-batch: each new gradient is added into the held one
                 ng, g = max(((ng, min(g, st.largest_grad)) for ng, g in st.bwd), key=sum, default=(0, 0))
             else:
                 ng, g = max(st.bwd, key=sum, default=(0, 0))
-            sends += io[s][2]              # this micro-batch's sent outputs: kept (above) until now
+            if not first_w:
+                sends += io[s][2]              # this micro-batch's sent outputs: kept (above) until now
             cands.append((kept + ng, grads + g, 0, sends))
-            sends += io[s][3]
-            held[s] -= 1
-            if a.kind == "B":
+            if not first_w:
+                sends += io[s][3]
+                held[s] -= 1
+            if a.kind != "I":
                 done.add(s)
             else:   # "I" (zero-bubble): the input gradient only; the stage keeps the micro-batch's
-                # autograd graph until its "W": its activations and the gradients of the linears'
-                # outputs, taken as the backward's own peak
-                pending_w[s].append(ng)
+                # autograd graph (its activations) and the gradient of each op's output that a
+                # parameter's gradient is computed from, until its "W"
+                pending_w[s].append(st.kept + st.wgrad)
         elif a.kind == "W":
             cands.append((kept, grads + st.grads if s not in done else grads, 0, sends))
             if pending_w[s]:
@@ -768,11 +840,12 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     positive_int("batch_size", batch_size, allow_none=False)
     m, v = spec["microbatches"], spec["virtual"]
     s = resolve_setup(setup, param_dtype=_param_dtype(model_or_config))
-    if sp and seq_len % dp:
+    ulysses = sp == "ulysses"
+    if ulysses and seq_len % dp:
         raise ValueError(f"sp='ulysses' over dp={dp} ranks needs a sequence length divisible by {dp}, got {seq_len}")
-    seq = seq_len // dp if sp else seq_len
-    cap = _capture(model_or_config, tp=tp, rows=batch_size, seq=seq, head="gather" if pp > 1 else "vocab",
-                   dtype=s.param_dtype, mesh=_mesh)
+    seq = seq_len // dp if ulysses else seq_len
+    head = "gather" if pp > 1 else "sequence" if sp == "megatron" else "vocab"
+    cap = _capture(model_or_config, tp=tp, rows=batch_size, seq=seq, head=head, dtype=s.param_dtype, mesh=_mesh)
     points = _profile(cap, s)
     L = len(cap.blocks)
     notes = []
@@ -798,9 +871,9 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
         sim = simulate_schedule(schedule, pp, m, v)
         if schedule == "zb_h1":
             import warnings
-            why = ("zb_h1: the last pipeline rank is under-predicted (measured about 30% more on 2 ranks: torch's "
-                   "runtime holds more between a micro-batch's input and weight gradients than this model "
-                   "counts); do not size a budget on it, or use 1f1b")
+            why = ("zb_h1: the last pipeline rank's measured peak moves from run to run under torch's zero-bubble "
+                   "runtime (on 2 gloo ranks from this prediction to 17% above it: up to one more micro-batch's "
+                   "activations held); leave that margin in a budget, or size it with 1f1b")
             notes.append(why)
             warnings.warn(why)
         bubble = float(sim.bubble)
@@ -827,8 +900,8 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
         numels = [math.prod(x) for x, _ in local]
         param_bytes = sum(math.prod(x) * b for x, b in local)
     elif dp > 1:
-        attn = cap.attn_bytes if sp else 0
-        if sp and not attn:
+        attn = cap.attn_bytes if ulysses else 0
+        if ulysses and not attn:
             notes.append("no scaled_dot_product_attention in the graph: Ulysses' all-to-all buffers not counted")
         fb_peak, parts = _fsdp_peak(cap, points, dp, attn)
         sharded = [(_sharded([sh], dp)[0], sh) for sh in shapes]
@@ -898,8 +971,10 @@ def preference(c: WorldCandidate) -> tuple:
     parallel alone (FSDP2: one all-gather and one reduce-scatter per block, overlapped), then
     tensor parallel inside a node (tp <= 8: per-layer all-reduces on NVLink; the smaller tp first),
     then pipeline stages (point-to-point, but a bubble: the smaller pipeline and bubble first),
-    then Ulysses sequence parallel (four all-to-alls per layer over the dp ranks)."""
-    return (c.sp is not None, c.pp > 1, c.tp, c.pp, c.bubble)
+    then Ulysses sequence parallel (four all-to-alls per layer over the dp ranks). At the same tp,
+    Megatron's sequence parallelism first: its all-gather and reduce-scatter move what tp's
+    all-reduce moves, and the norms and residual stream take 1/tp of the memory."""
+    return (c.sp == "ulysses", c.pp > 1, c.tp, c.pp, c.bubble, c.sp != "megatron")
 
 
 def _divisors(n: int) -> list[int]:
@@ -915,7 +990,8 @@ def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budg
     the budget (smallest first) and those not available, each with the reason.
 
     Enumerated: tp * pp * dp == world, tp <= max_tp (one node) and dividing the heads read off
-    the graph, pp at most the number of blocks, sp="ulysses" when dp >= 2 without tp and pp (as
+    the graph, pp at most the number of blocks, sp="megatron" beside every tp >= 2 without pp
+(unless the graph has a region the stream cannot be split around), sp="ulysses" when dp >= 2 without tp and pp (as
     the runtime supports it) and dp divides the heads and the sequence; pp combined with dp is
     listed as not available yet (the runtime refuses it). `batch_size`: rows of one rank's
     micro-batch; pipelines run `microbatches` of them (default pp). One capture per tp (and per
@@ -941,7 +1017,8 @@ def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budg
     for tp in _divisors(world):
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
-            layouts = [None] + (["ulysses"] if dp >= 2 and tp == pp == 1 else [])
+            layouts = (["megatron"] if tp >= 2 and pp == 1 else []) + [None] + (
+                ["ulysses"] if dp >= 2 and tp == pp == 1 else [])
             for sp in layouts:
                 if tp > max_tp:
                     unavailable(tp, pp, dp, sp, f"tp={tp} spans more than one node (tp <= {max_tp})")
@@ -958,7 +1035,10 @@ def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budg
                 if pp > 1 and dp > 1:
                     unavailable(tp, pp, dp, sp, "the runtime does not combine pipeline stages with dp yet")
                     continue
-                if sp:
+                if sp == "megatron" and _tp_plan(model_or_config, s.param_dtype).sequence_error:
+                    unavailable(tp, pp, dp, sp, _tp_plan(model_or_config, s.param_dtype).sequence_error)
+                    continue
+                if sp == "ulysses":
                     bad = [(h, what) for h, what in zip(base.heads, ("query", "key/value")) if h and h % dp]
                     if bad or seq_len % dp:
                         why = (f"Ulysses over {dp} ranks must divide the {bad[-1][0]} {bad[-1][1]} heads" if bad else

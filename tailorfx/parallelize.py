@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from tailorfx.passes.parallel import TPPlan, infer_tp_plan
+from tailorfx.passes.parallel import SequenceParallelError, TPPlan, infer_sequence_parallel, infer_tp_plan
 from tailorfx.rewrite.capture import capture_graphs
 from tailorfx.rewrite.regions import find_regions
 
@@ -63,7 +63,7 @@ class ParallelPlan:
             raise ValueError("under parallel=dict(pp=...) one call is a whole pipelined training step: use "
                              "opt.step(**batch), which runs forward and backward of every micro-batch and "
                              "returns the loss on the last stage's rank")
-        if self.sp:
+        if self.sp == "ulysses":
             return self._run_ulysses(model, args, kwargs)
         if self.loss_scope is None:
             return model(*args, **kwargs)
@@ -101,7 +101,7 @@ class ParallelPlan:
         if seq_len not in (None, length):
             raise PredictionError(f"under parallel= the prediction is at the example batch's length ({length}): "
                                   f"give example_inputs of length {seq_len}")
-        if self.dp > 1 or self.pp > 1 or self.sp:
+        if self.dp > 1 or self.pp > 1 or self.sp == "ulysses":
             return self._predict_composed(length, setup)
         if self.loss_scope is not None:
             from torch.distributed.tensor.parallel import loss_parallel
@@ -135,8 +135,11 @@ class ParallelPlan:
         rows += [(", ".join(b) or "(no block)", f"pipeline stage {i} of {len(self.stage_blocks)}, rank "
                   f"{i % self.pp}, {self.schedule}, {self.microbatches} micro-batches, bubble {self.bubble:.1%}")
                  for i, b in enumerate(self.stage_blocks)]
-        if self.sp:
+        if self.sp == "ulysses":
             rows.append(("(attention)", f"Ulysses: the sequence split over the {self.dp} dp ranks, heads by all-to-all"))
+        elif self.sp == "megatron":
+            rows.append(("(residual stream)", f"Megatron sequence parallel: norms and residual adds on 1/{self.tp} of "
+                                              f"the sequence per tp rank"))
         if self.dp > 1:
             rows += [(b, f"fully_shard over dp={self.dp}") for b in self.blocks] + [("(root)", f"fully_shard over dp={self.dp}")]
         return rows
@@ -165,10 +168,14 @@ def check_parallel(parallel: Any) -> dict:
     from tailorfx.codegen.schedule import SCHEDULES
     tp, dp, pp = (parallel.get(k, 1) for k in ("tp", "dp", "pp"))
     sp = parallel.get("sp")
-    if sp not in (None, "ulysses"):
+    if sp not in (None, "ulysses", "megatron"):
         raise ValueError(f"parallel={parallel!r}: sp={sp!r} is not valid: 'ulysses' (the dp ranks split the "
-                         f"sequence instead of the batch) or None")
-    if sp and (dp < 2 or tp * pp > 1):
+                         f"sequence instead of the batch), 'megatron' (the tp ranks split the sequence between "
+                         f"the sharded layers: norms, residual) or None")
+    if sp == "megatron" and (tp < 2 or pp > 1):
+        raise ValueError(f"parallel={parallel!r}: sp='megatron' splits the sequence over the tp ranks between the "
+                         f"sharded layers: give tp>=2, without pp (not combined yet)")
+    if sp == "ulysses" and (dp < 2 or tp * pp > 1):
         raise ValueError(f"parallel={parallel!r}: sp='ulysses' splits the sequence over the dp ranks: give dp>=2, "
                          f"without tp/pp (not combined yet)")
     if pp > 1 and dp > 1:
@@ -183,20 +190,29 @@ def check_parallel(parallel: Any) -> dict:
 
 def plan_tensor_parallel(model: nn.Module, args: tuple, kwargs: dict) -> tuple[TPPlan, list[str]]:
     """Capture `model` on the example inputs and read one plan off all its graphs; also the
-    paths of its repeated blocks (FSDP's units)."""
+    paths of its repeated blocks (FSDP's units). The plan carries Megatron's sequence
+    parallelism on top (passes.parallel.infer_sequence_parallel) as `sequence`, or why not."""
     graphs, _ = capture_graphs(model, args, kwargs)
     styles: dict[str, str] = {}
     replicated: dict[str, str] = {}
     groups, blocks = [], []
+    sequence: dict[str, str] = {}
+    sequence_error = None
     for g in graphs:
         regions = find_regions(g.gm, g.seq)
         head = next((r for r in regions.of_kind("lm_head_loss")), None)
         plan = infer_tp_plan(g.gm, g.example_inputs, model, head and head.path, bool(head and not head.note))
+        if sequence_error is None:
+            try:
+                sequence.update(infer_sequence_parallel(g.gm, g.example_inputs, model, plan, regions))
+            except SequenceParallelError as e:
+                sequence_error = str(e)
         styles.update(plan.styles)
         replicated.update(plan.replicated)
         groups += plan.groups
         blocks += [r.path for r in regions.of_kind("block") if r.path not in blocks]
-    return TPPlan(styles, groups, {k: v for k, v in replicated.items() if k not in styles}), blocks
+    return TPPlan(styles, groups, {k: v for k, v in replicated.items() if k not in styles},
+                  sequence={} if sequence_error else sequence, sequence_error=sequence_error), blocks
 
 
 def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> ParallelPlan:
@@ -226,14 +242,20 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
         return out
     tp_plan, blocks = plan_tensor_parallel(model, args, kwargs)
     out = ParallelPlan(spec["tp"], spec["dp"], blocks=blocks, example=dict(kwargs), source=source, tp_mesh=mesh["tp"])
+    if spec["sp"] == "megatron":
+        if tp_plan.sequence_error:
+            raise SequenceParallelError(tp_plan.sequence_error)
+        tp_plan.styles.update(tp_plan.sequence)
     if spec["tp"] > 1:
         tp_plan.check(spec["tp"])
         apply_tp(model, styles=tp_plan.styles, mesh=mesh["tp"])
         out.styles, out.replicated = dict(tp_plan.styles), dict(tp_plan.replicated)
-        head = next((f for f, st in tp_plan.styles.items() if st == "colwise_vocab_parallel"), None)
+        head = next((f for f, st in tp_plan.styles.items() if st.startswith("colwise_vocab_parallel")), None)
         if head is not None:
             out.loss_scope = apply_loss_parallel(model, head=head)
-    if spec["sp"]:
+    if spec["sp"] == "megatron":
+        out.sp = "megatron"
+    elif spec["sp"]:
         from tailorfx.runtime.ulysses import register
         model.set_attn_implementation(register(group=mesh["dp"].get_group(), size=spec["dp"]))
         out.sp, out.dp_group, out.dp_rank = spec["sp"], mesh["dp"].get_group(), mesh["dp"].get_local_rank()

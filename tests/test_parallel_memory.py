@@ -57,6 +57,13 @@ def test_tp_shards_the_graph_on_a_fake_process_group():
     assert not dist.is_initialized()        # the fake group was this prediction's own
 
 
+def test_megatron_sp_traces_the_stream_on_sequence_shards():
+    tp, sp = predict(tp=2), predict(tp=2, sp="megatron")
+    assert sp.param_bytes == tp.param_bytes          # the same shards: sequence parallelism moves activations
+    assert sp.forward_backward_peak_bytes < tp.forward_backward_peak_bytes
+    assert sp.layout() == "tp2 (sp=megatron)"
+
+
 def test_ulysses_adds_all_to_all_buffers_to_fsdp():
     dp, sp = predict(dp=2, batch_size=1), predict(dp=2, sp="ulysses", batch_size=2)
     assert sp.at_peak["communication buffers"] > dp.at_peak["communication buffers"]
@@ -101,6 +108,10 @@ def test_plan_world_chooses_the_preferred_layout_that_fits():
     assert "does not combine pipeline stages with dp" in why["pp2xdp4"]
     assert "does not divide" in why["tp8"] and "cannot make 8 pipeline stages" in why["pp8"]
     assert "must divide the 2 key/value heads" in why["dp8 (sp=ulysses)"]
+    # at the same tp, Megatron's sequence parallelism is preferred: the same traffic, less memory
+    by = {c.layout(): c for c in cands}
+    assert by["tp2xdp4 (sp=megatron)"].peak_bytes < by["tp2xdp4"].peak_bytes
+    assert preference(by["tp2xdp4 (sp=megatron)"]) < preference(by["tp2xdp4"])
 
 
 def test_an_impossible_budget_names_the_smallest_reachable_peak():

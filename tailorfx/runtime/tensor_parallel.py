@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 
 STYLES = {
     "colwise": lambda: ColwiseParallel(),
@@ -52,13 +53,57 @@ def apply_tp(model: nn.Module, *, styles: dict[str, str], mesh: DeviceMesh) -> n
     return model
 
 
+# Megatron sequence parallelism (sp="megatron"): the residual stream is split over the tp ranks
+# along dim D; "NAME:D" styles move between that and what the tensor-parallel groups compute on
+SEQUENCE_STYLES = {
+    # the norms on the stream: compute on the shard, parameters replicated (gradients summed)
+    "sequence_parallel": lambda d: SequenceParallel(sequence_dim=d),
+    # a row-parallel linear that returns the stream: reduce-scatter instead of all-reduce
+    "rowwise_to_sequence": lambda d: RowwiseParallel(output_layouts=Shard(d), use_local_output=False),
+    # the token embedding (replicated): its output split, each rank keeps its slice
+    "embedding_to_sequence": lambda d: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(d),
+                                                           use_local_output=False),
+    # the LM head: the sequence gathered on entry, then as without sp
+    "colwise_vocab_parallel_from_sequence": lambda d: ColwiseParallel(input_layouts=Shard(d), output_layouts=Shard(-1),
+                                                                      use_local_output=False),
+    "colwise_gather_output_from_sequence": lambda d: ColwiseParallel(input_layouts=Shard(d),
+                                                                     output_layouts=Replicate()),
+    # "sharded_input:D": the module's input is this rank's shard along D (a per-head norm inside
+    # the sharded heads) and its parameters are replicated, so their gradients are summed
+    "sharded_input": lambda d: SequenceParallel(sequence_dim=d, use_local_output=True),
+}
+
+
+class GatherSequence(ParallelStyle):
+    """A module that needs the whole sequence (a tensor-parallel group's attention or MLP, a
+    replicated head) under sp="megatron": each DTensor argument (the stream's sequence shards)
+    is all-gathered into a plain tensor on entry; in backward the gradient, whole on every
+    rank, is cut back to this rank's shard. PrepareModuleInput needs each argument's layout by
+    position or keyword; the graph only says which values are on the stream."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import DTensor
+
+        def whole(x):
+            return x.redistribute(device_mesh, [Replicate()]).to_local() if isinstance(x, DTensor) else x
+
+        def gather(mod, args, kwargs):
+            return tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
+        module.register_forward_pre_hook(gather, with_kwargs=True)
+        return module
+
+
 def _style(name: str):
-    """A ParallelStyle by name; "sharded_input:D": the module's input is this rank's shard along
-    dim D and its parameters are replicated, so their gradients are summed over the ranks."""
-    if name.startswith("sharded_input:"):
-        return SequenceParallel(sequence_dim=int(name.split(":")[1]), use_local_output=True)
+    """A ParallelStyle by name: STYLES, "gather_sequence", or a SEQUENCE_STYLES name with its dim
+    ("sequence_parallel:1")."""
+    base, _, dim = name.partition(":")
+    if base in SEQUENCE_STYLES and dim.lstrip("-").isdigit():
+        return SEQUENCE_STYLES[base](int(dim))
+    if name == "gather_sequence":
+        return GatherSequence()
     if name not in STYLES:
-        raise ValueError(f"unknown tensor-parallel style {name!r}; known: {sorted(STYLES)} and 'sharded_input:D'")
+        raise ValueError(f"unknown tensor-parallel style {name!r}; known: {sorted(STYLES)}, 'gather_sequence' and "
+                         f"{sorted(SEQUENCE_STYLES)} with ':DIM'")
     return STYLES[name]()
 
 

@@ -15,7 +15,8 @@ from models import hf_family  # noqa: E402
 from results import grad_mismatches, measured_and_predicted, write  # noqa: E402
 
 
-def main(family: str, tp: int, dp: int) -> int:
+def main(run: str, tp: int, dp: int) -> int:
+    family, _, sp = run.partition("+")
     torch.manual_seed(0)
     ref = hf_family(family, vocab_size=2048)
     model = hf_family(family, vocab_size=2048)
@@ -26,7 +27,7 @@ def main(family: str, tp: int, dp: int) -> int:
     # data parallel: each dp rank takes its rows (its example: the per-rank prediction is at their
     # shape); FSDP averages the gradients over dp
     rows = ids.chunk(dp)[rank // tp] if dp > 1 else ids
-    opt = tailorfx.optimize(model, example_inputs=dict(input_ids=rows, labels=rows), parallel=dict(tp=tp, dp=dp))
+    opt = tailorfx.optimize(model, example_inputs=dict(input_ids=rows, labels=rows), parallel=dict(tp=tp, dp=dp, sp=sp or None))
     for _ in range(2):     # twice: the second step must not see state the first one left
         for p in model.parameters():
             p.grad = None
@@ -50,11 +51,11 @@ def main(family: str, tp: int, dp: int) -> int:
           and num_params == len(list(ref.parameters())))
     write({"rank": rank, "family": family, "ok": bool(ok), "loss": float(full_loss),
            "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": num_params,
-           "predicted": predicted, "measured": measured, "bad": bad, "styles": opt.session.parallel.styles}, family)
+           "predicted": predicted, "measured": measured, "bad": bad, "styles": opt.session.parallel.styles, "sp": sp}, run)
     return 0 if ok else 1
 
 
-if __name__ == "__main__":     # parallel_check.py TP DP FAMILY [FAMILY ...]: one launch, several models
+if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[+SP] ...: one launch, several models
     failed = sum(main(f, int(sys.argv[1]), int(sys.argv[2])) for f in sys.argv[3:])
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
