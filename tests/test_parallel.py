@@ -181,8 +181,12 @@ def test_fsdp2_dp2_equals_one_process(tmp_path):
 
 @pytest.mark.multiprocess
 def test_tp2_x_dp2_on_four_processes_equals_one_process(tmp_path):
-    for r in torchrun(tmp_path, 4, "parallel_check.py", 2, 2, "qwen3").values():
+    # Qwen3 on a 2 x 2 mesh, then with Megatron's sequence parallelism on its tp dimension
+    rows = torchrun(tmp_path, 4, "parallel_check.py", 2, 2, "qwen3", "qwen3+megatron", runs=2)
+    for (_, run), r in rows.items():
         assert r["styles"]["model.layers.0.self_attn.q_norm"] == "sharded_input:2"   # per-head norm's grad summed
+        if r["sp"]:
+            assert r["styles"]["model.layers.0.input_layernorm"] == "sequence_parallel:1"
         assert -0.02 <= (r["predicted"] - r["measured"]) / r["measured"] <= 0.05, r
 
 
