@@ -35,9 +35,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # buffers (its worst rank measured 82.9, 82.9, 85.4 and 99.4 MiB in four runs of the same step)
 LAYOUTS = {"1": (1, 1, 1, 0), "tp2": (2, 1, 1, 0), "dp2": (1, 2, 1, 0), "pp2": (1, 1, 2, 0), "tp4": (4, 1, 1, 0),
            "dp4": (1, 4, 1, 0), "tp2xdp2": (2, 2, 1, 0), "pp4": (1, 1, 4, 0), "tp2xpp2": (2, 1, 2, 0),
-           "sp2": (1, 2, 1, 1), "sp4": (1, 4, 1, 1), "tp2+sp": (2, 1, 1, 2), "tp4+sp": (4, 1, 1, 2)}
+           "sp2": (1, 2, 1, 1), "sp4": (1, 4, 1, 1), "tp2+sp": (2, 1, 1, 2), "tp4+sp": (4, 1, 1, 2),
+           "pp2xdp2": (1, 2, 2, 0)}
 SP = {0: None, 1: "ulysses", 2: "megatron"}
-SCHEDULE, MICROBATCHES = "1f1b", 4
+SCHEDULE = "1f1b"
+
+
+def microbatches(batch: int, dp: int) -> int:
+    """A pipeline's micro-batches: one row each of the dp rank's rows (4 under pp alone)."""
+    return batch // dp
 
 
 def worker(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int) -> None:
@@ -57,10 +63,11 @@ def worker(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int) -> None:
         ref_loss = float(model(**batch_all).loss)
     if tp * dp * pp == 1:
         opt, rank, rows = model, 0, batch_all
-    elif pp > 1:
-        opt = tailorfx.optimize(model, example_inputs=batch_all,
-                                parallel=dict(tp=tp, pp=pp, schedule=SCHEDULE, microbatches=MICROBATCHES))
-        rank, rows = dist.get_rank(), batch_all
+    elif pp > 1:    # mesh (pp, dp, tp): each dp rank's rows go through its pipeline
+        rank = int(os.environ["RANK"])
+        rows = {k: v.chunk(dp)[(rank // tp) % dp] for k, v in batch_all.items()}
+        opt = tailorfx.optimize(model, example_inputs=rows, parallel=dict(
+            tp=tp, pp=pp, dp=dp, schedule=SCHEDULE, microbatches=microbatches(batch, dp)))
     elif sp == 1:   # every rank takes every row, and its slice of the sequence
         opt = tailorfx.optimize(model, example_inputs=batch_all, parallel=dict(dp=dp, sp="ulysses"))
         rank, rows = dist.get_rank(), batch_all
@@ -94,12 +101,13 @@ def worker(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int) -> None:
         peak = measure_peak(lambda: opt.step(**rows))
     else:
         peak = measure_step(opt, params, rows)
-    if pp > 1:      # the loss lives on the last stage's rank
-        dist.broadcast(loss, src=dist.get_world_size() - 1)
+    if pp > 1:      # the loss lives on the last stage's ranks (one per dp rank): their mean
+        dist.all_reduce(loss)
+        loss /= dp * tp
     predicted = None
     if tp * dp * pp > 1:     # this rank's prediction, inside torchrun, at the measured batch
         predicted = opt.predict_memory().forward_backward_peak_bytes
-    if dp > 1:
+    if dp > 1 and pp == 1:
         dist.all_reduce(loss)
         loss /= dist.get_world_size()
     _emit({"rank": rank, "tp": tp, "dp": dp, "pp": pp, "sp": sp, "param_bytes": local, "grad_bytes": local,
@@ -150,9 +158,10 @@ def predict_layout(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int):
     """The worst rank of a launched layout, predicted in this process: (its prediction, the
     benchmark's measure of it: parameters + gradients + the forward+backward peak above them)."""
     from tailorfx.parallel_memory import predict_rank_memory
-    rows = batch // MICROBATCHES if pp > 1 else batch if sp == 1 else batch // dp
+    rows = 1 if pp > 1 else batch if sp == 1 else batch // dp
     rm = predict_rank_memory(small_config(), tp=tp, dp=dp, pp=pp, sp=SP[sp], schedule=SCHEDULE,
-                             microbatches=MICROBATCHES if pp > 1 else None, seq_len=seq, batch_size=rows, setup="fp32")
+                             microbatches=microbatches(batch, dp) if pp > 1 else None, seq_len=seq, batch_size=rows,
+                             setup="fp32")
     if pp > 1:     # per pipeline rank, in the benchmark's terms
         totals = [2 * params + fb for _, fb, params in rm.pipeline_ranks]
         return rm, max(totals), totals
@@ -161,9 +170,9 @@ def predict_layout(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int):
 
 PLANS_8B = [(8, dict(dp=8)), (8, dict(dp=8, sp="ulysses")), (8, dict(tp=8)), (8, dict(tp=8, sp="megatron")),
             (8, dict(tp=2, dp=4)),
-            (8, dict(tp=4, dp=2)), (8, dict(tp=4, pp=2)), (8, dict(pp=8)),
+            (8, dict(tp=4, dp=2)), (8, dict(tp=4, pp=2)), (8, dict(pp=2, dp=4)), (8, dict(pp=8)),
             (64, dict(dp=64)), (64, dict(tp=8, dp=8)), (64, dict(tp=8, dp=8, sp="megatron")), (64, dict(tp=4, dp=16)), (64, dict(tp=8, pp=8)),
-            (64, dict(tp=4, pp=4, dp=4)), (64, dict(pp=64)), (64, dict(tp=16, dp=4))]
+            (64, dict(tp=8, pp=2, dp=4)), (64, dict(tp=4, pp=4, dp=4)), (64, dict(pp=64)), (64, dict(tp=16, dp=4))]
 
 
 def predict_8b(seq: int = 8192) -> tuple[list[list], list[dict]]:
@@ -235,7 +244,8 @@ def main() -> None:
                             "predicted_breakdown": rm.breakdown()})
             base = next((r["ranks"][0] for r in results if r["layout"] == "1"), None)
             if pp > 1:
-                label = (f"tp={tp} x " if tp > 1 else "") + f"pp={pp} ({SCHEDULE} x{MICROBATCHES})"
+                label = (f"tp={tp} x " if tp > 1 else "") + f"pp={pp} ({SCHEDULE} x{microbatches(a.batch, dp)})" + (
+                    f" x dp={dp}" if dp > 1 else "")
             elif sp == 1:
                 label = f"sp={dp} (Ulysses)"
             elif sp == 2:

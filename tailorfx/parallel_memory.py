@@ -59,6 +59,14 @@ sp="megatron": the tp composition on the graph of the model sharded with the seq
 styles too (passes.parallel.infer_sequence_parallel): the stream's norms, residual adds and
 all-gathered inputs are in the traced graph, collectives and all.
 
+pp with dp (runtime.apply_fsdp_stages: each stage one fully_shard unit over the dp ranks):
+the pipeline walk with the rank's parameters, master weights, optimizer state and finished
+gradients as dp shards, plus each stage's whole parameters from its first action to its last
+(gathered once, reshard_after_forward=False), and at the reduce-scatter after a stage's last
+backward its whole gradients and the reduce-scatter input (FSDP2 frees the gradients before
+allocating the output). gloo sometimes frees a stage's all-gather output late (one more copy of
+its parameters for part of the step, in about one step in ten on 2-core CPU runs): not counted.
+
 The worst rank: the ranks of a tp, dp or sp group hold the same bytes (FSDP's rank 0 the
 largest shard); under pp the stages differ and the worst stage's rank is reported, every
 stage's figures with it.
@@ -265,8 +273,6 @@ class _Capture:
     owner: Any = None               # a weak reference to the module or factory captured (None: a config)
     wgrad: list = field(default_factory=list)   # per group: output bytes of its ops that take a parameter
 
-
-
     @property
     def num_groups(self) -> int:
         return len(self.blocks) + 2
@@ -350,29 +356,6 @@ def _capture_on(src, key, *, tp, rows, seq, head, dtype, mesh) -> _Capture:
         steps = memory.trace_step(gm, None, partition_for("dynamo", gm), None)
     steps = replace(steps, eager_autograd=True)
     return _annotate(gm, steps, local, scope)
-
-
-def _local_outputs(gm: fx.GraphModule) -> None:
-    """The graph's DTensor outputs (a vocab-parallel loss and logits) returned as this rank's
-    local tensors (views: the same bytes held). AOTAutograd flattens a DTensor output together
-    with its device mesh, and after some earlier captures in the process it fails to partition
-    that mesh's tangent ("Node tangents_4 was invalid, but is output")."""
-    from torch.distributed.tensor import DTensor
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    vals = out.args[0]
-    if not isinstance(vals, (list, tuple)):
-        return
-    new = []
-    for v in vals:
-        ex = node_value(v) if isinstance(v, fx.Node) else None
-        if isinstance(ex, DTensor):
-            with gm.graph.inserting_before(out):
-                loc = gm.graph.call_method("to_local", (v,))
-            loc.meta["example_value"] = ex.to_local()
-            v = loc
-        new.append(v)
-    out.args = (type(vals)(new),)
-    gm.recompile()
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -496,7 +479,8 @@ def _weight_grad_inputs(gm: fx.GraphModule, index: dict[str, int]) -> list[int]:
         ins = [a for a in n.all_input_nodes if isinstance(node_value(a), torch.Tensor)]
         trained = [a for a in ins if is_param(a, through_casts=True) and node_value(param_source(a)).requires_grad]
         if trained and any(a not in trained and node_value(a).requires_grad for a in ins):
-            out[grp] += v.numel() * v.element_size()
+            t = v.to_local() if hasattr(v, "to_local") else v     # a DTensor: this rank's shard
+            out[grp] += t.numel() * t.element_size()
     return out
 
 
@@ -735,23 +719,35 @@ def _stage_profiles(cap: _Capture, points: list[_Point], stage_blocks: list[list
     return out
 
 
-def _pipeline_walk(stages: list[_Stage], io: list, schedule, rank: int) -> tuple[int, dict]:
-    """The rank's actions in order; the largest (kept + running + gradients + sends held) total.
-    What a stage sends (its outputs after a forward, its input gradients after a backward) stays
-    until the step ends: torch's runtime waits on every send there."""
+def _pipeline_walk(stages: list[_Stage], io: list, schedule, rank: int,
+                   fsdp: Optional[dict] = None) -> tuple[int, dict]:
+    """The rank's actions in order; the largest (kept + running + gradients + gathered
+    parameters + sends held) total. What a stage sends (its outputs after a forward, its input
+    gradients after a backward) stays until the step ends: torch's runtime waits on every send
+    there. `fsdp` (pp with dp: each stage one fully_shard unit), stage -> (padded whole
+    parameters, padded whole gradients, gradient shard): the runtime gathers a stage's
+    parameters before its first action and keeps them to its last (reshard_after_forward=False);
+    its gradients stay whole until the reduce-scatter after its last backward: FSDP2 copies them
+    into the reduce-scatter input, frees them, then allocates the output (the shard it keeps)."""
     held: dict[int, int] = defaultdict(int)
     pending_w: dict[int, list] = defaultdict(list)   # zero-bubble: what each micro-batch holds from I to W
     done: set = set()
+    fsdp = fsdp or {}
+    gathered = sum(fsdp[t][0] for t in {a.stage for a in schedule.actions[rank]} if t in fsdp)
+    left = defaultdict(int)     # backward actions (B, or W) each stage has still to run
+    for a in schedule.actions[rank]:
+        left[a.stage] += a.kind in ("B", "W")
+    reduced: set = set()
     sends = 0
     cands = []
     for a in schedule.actions[rank]:
         s = a.stage
         st = stages[s]
         kept = sum(held[t] * stages[t].kept for t in held) + sum(sum(v) for v in pending_w.values())
-        grads = sum(stages[t].grads for t in done)
+        grads = sum(fsdp[t][2] if t in reduced else stages[t].grads for t in done)
         if a.kind == "F":
             ng, g = max(st.fwd, key=sum, default=(0, 0))
-            cands.append((kept + ng, grads + g, 0, sends))
+            cands.append((kept + ng, grads + g, gathered, sends))
             held[s] += 1
         elif a.kind == "I" and s == 0:
             # the first stage has no input to take a gradient for: torch's runtime defers its whole
@@ -771,7 +767,7 @@ def _pipeline_walk(stages: list[_Stage], io: list, schedule, rank: int) -> tuple
                 ng, g = max(st.bwd, key=sum, default=(0, 0))
             if not first_w:
                 sends += io[s][2]              # this micro-batch's sent outputs: kept (above) until now
-            cands.append((kept + ng, grads + g, 0, sends))
+            cands.append((kept + ng, grads + g, gathered, sends))
             if not first_w:
                 sends += io[s][3]
                 held[s] -= 1
@@ -782,10 +778,17 @@ def _pipeline_walk(stages: list[_Stage], io: list, schedule, rank: int) -> tuple
                 # parameter's gradient is computed from, until its "W"
                 pending_w[s].append(st.kept + st.wgrad)
         elif a.kind == "W":
-            cands.append((kept, grads + st.grads if s not in done else grads, 0, sends))
+            cands.append((kept, grads + st.grads if s not in done else grads, gathered, sends))
             if pending_w[s]:
                 pending_w[s].pop(0)
             done.add(s)
+        left[s] -= a.kind in ("B", "W")
+        if s in fsdp and a.kind in ("B", "W") and left[s] == 0:    # REDUCE_GRAD, then RESHARD
+            kept = sum(held[t] * stages[t].kept for t in held) + sum(sum(v) for v in pending_w.values())
+            grads = sum(fsdp[t][2] if t in reduced else stages[t].grads for t in done)
+            cands.append((kept, grads, gathered, sends + fsdp[s][1]))
+            reduced.add(s)
+            gathered -= fsdp[s][0]
     return _best(cands)
 
 
@@ -829,7 +832,7 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     takes every row and seq_len/dp of its tokens). `setup`: a TrainingSetup or preset name
     (default: the model's dtype with AdamW). `rank`: under pp, that pipeline rank's memory
     instead of the worst's. The layout is checked as optimize(parallel=...) checks it (ValueError
-    for one the runtime refuses, such as pp with dp).
+    for one the runtime refuses, such as sp="ulysses" with tp).
     """
     from tailorfx.codegen.schedule import build_schedule, simulate_schedule
     from tailorfx.options import positive_int
@@ -878,17 +881,25 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
             warnings.warn(why)
         bubble = float(sim.bubble)
         io = _stage_io(cap, stage_blocks)
+        fsdp = {}
+        if dp > 1:      # each stage one FSDP2 unit over the dp ranks (runtime.apply_fsdp_stages)
+            ratio = s.grads.itemsize / s.param_dtype.itemsize
+            for k, st in enumerate(profs):
+                shard, padded = _sharded([sh for g in st.groups for sh in cap.params[g]], dp)
+                fsdp[k] = (padded, int(padded * ratio), int(shard * ratio))
         per_rank = []
         for r in range(pp):
             mine = list(range(r, pp * v, pp))
-            peak, parts = _pipeline_walk(profs, io, sched, r)
+            peak, parts = _pipeline_walk(profs, io, sched, r, fsdp)
             local = [sh for k in mine for g in profs[k].groups for sh in cap.params[g]]
+            if dp > 1:
+                local = [((_sharded([sh], dp)[0] // sh[1],), sh[1]) for sh in local]
             recv = m * sum(io[k][0] + io[k][1] for k in mine)
             numels = [math.prod(x) for x, _ in local]
             total = _rank_total(s, numels, sum(math.prod(x) * b for x, b in local), peak, parts, recv)
             per_rank.append((total, r, peak, parts, local, recv))
         stages = tuple(StageMemory(k, k % pp, tuple(stage_blocks[k]),
-                                   sum(math.prod(x) * b for g in profs[k].groups for x, b in cap.params[g]),
+                                   _sharded([sh for g in profs[k].groups for sh in cap.params[g]], dp)[0],
                                    profs[k].kept, sim.peak_inflight[k], m * (io[k][0] + io[k][1]))
                        for k in range(pp * v))
         pipeline_ranks = tuple((t[0][0], t[2], sum(math.prod(x) * b for x, b in t[4])) for t in per_rank)
@@ -992,8 +1003,8 @@ def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budg
     Enumerated: tp * pp * dp == world, tp <= max_tp (one node) and dividing the heads read off
     the graph, pp at most the number of blocks, sp="megatron" beside every tp >= 2 without pp
 (unless the graph has a region the stream cannot be split around), sp="ulysses" when dp >= 2 without tp and pp (as
-    the runtime supports it) and dp divides the heads and the sequence; pp combined with dp is
-    listed as not available yet (the runtime refuses it). `batch_size`: rows of one rank's
+    the runtime supports it) and dp divides the heads and the sequence; pp with dp shards each
+    stage over the dp ranks (FSDP2). `batch_size`: rows of one rank's
     micro-batch; pipelines run `microbatches` of them (default pp). One capture per tp (and per
     head style and sequence slice) serves every dp, so a world of 1,024 costs a few captures.
     Raises BudgetError, naming the smallest peak any layout reaches, when none fits (its
@@ -1031,9 +1042,6 @@ def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budg
                         continue
                 if pp > blocks:
                     unavailable(tp, pp, dp, sp, f"{blocks} blocks cannot make {pp} pipeline stages")
-                    continue
-                if pp > 1 and dp > 1:
-                    unavailable(tp, pp, dp, sp, "the runtime does not combine pipeline stages with dp yet")
                     continue
                 if sp == "megatron" and _tp_plan(model_or_config, s.param_dtype).sequence_error:
                     unavailable(tp, pp, dp, sp, _tp_plan(model_or_config, s.param_dtype).sequence_error)

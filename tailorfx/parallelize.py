@@ -1,8 +1,9 @@
 """optimize(..., parallel=dict(tp=2, dp=2) | dict(pp=2, schedule="1f1b", microbatches=4)), inside
 a torchrun process.
 
-    tp/dp: capture -> regions -> passes.parallel.infer_tp_plan -> check(tp)
-             -> runtime.apply_tp (DTensor, tp mesh dim) -> runtime.apply_fsdp (FSDP2, dp mesh dim)
+    tp/dp: capture -> regions -> passes.parallel.infer_tp_plan (+ infer_sequence_parallel for
+             sp="megatron") -> check(tp) -> runtime.apply_tp (DTensor, tp mesh dim)
+             -> runtime.apply_fsdp (FSDP2, dp mesh dim)
     pp:    capture (static shapes) -> regions -> passes.pipeline_split (block FLOPs, bytes)
              -> codegen.pipeline.cut_stages -> codegen.schedule -> torch.distributed.pipelining
     predict_memory(): tp alone, the memory model on the sharded graph; with dp/pp/sp,
@@ -39,7 +40,8 @@ class ParallelPlan:
     runtime: Any = None           # torch's pipeline schedule runtime, this rank's stages
     rank_params: Optional[set] = None   # ids of the parameters this rank's stages hold
     is_last: bool = False
-    sp: Optional[str] = None      # "ulysses": the dp ranks hold slices of the sequence
+    sp: Optional[str] = None      # "ulysses": the dp ranks hold slices of the sequence; "megatron": the tp
+                                  # ranks, between the sharded layers
     example: dict = field(default_factory=dict)   # the example batch (per-rank predictions trace it)
     dp_group: Any = None
     dp_rank: int = 0
@@ -132,15 +134,16 @@ class ParallelPlan:
     def describe(self) -> list[tuple[str, str]]:
         rows = [(fqn, style) for fqn, style in self.styles.items()]
         rows += [(fqn, f"replicated: {why}") for fqn, why in self.replicated.items()]
+        sharded = f", fully_shard over dp={self.dp} (the stage one unit)" if self.dp > 1 else ""
         rows += [(", ".join(b) or "(no block)", f"pipeline stage {i} of {len(self.stage_blocks)}, rank "
-                  f"{i % self.pp}, {self.schedule}, {self.microbatches} micro-batches, bubble {self.bubble:.1%}")
-                 for i, b in enumerate(self.stage_blocks)]
+                  f"{i % self.pp}, {self.schedule}, {self.microbatches} micro-batches, bubble {self.bubble:.1%}"
+                  + sharded) for i, b in enumerate(self.stage_blocks)]
         if self.sp == "ulysses":
             rows.append(("(attention)", f"Ulysses: the sequence split over the {self.dp} dp ranks, heads by all-to-all"))
         elif self.sp == "megatron":
             rows.append(("(residual stream)", f"Megatron sequence parallel: norms and residual adds on 1/{self.tp} of "
                                               f"the sequence per tp rank"))
-        if self.dp > 1:
+        if self.dp > 1 and self.pp == 1:
             rows += [(b, f"fully_shard over dp={self.dp}") for b in self.blocks] + [("(root)", f"fully_shard over dp={self.dp}")]
         return rows
 
@@ -178,9 +181,6 @@ def check_parallel(parallel: Any) -> dict:
     if sp == "ulysses" and (dp < 2 or tp * pp > 1):
         raise ValueError(f"parallel={parallel!r}: sp='ulysses' splits the sequence over the dp ranks: give dp>=2, "
                          f"without tp/pp (not combined yet)")
-    if pp > 1 and dp > 1:
-        raise ValueError(f"parallel={parallel!r}: pipeline stages (pp>1) combined with dp are not available "
-                         f"yet; use pp= with tp=, or tp= with dp=")
     schedule = parallel.get("schedule", "1f1b")
     if schedule not in SCHEDULES:
         raise ValueError(f"parallel={parallel!r}: schedule={schedule!r} is not valid: one of {list(SCHEDULES)}")
@@ -234,7 +234,7 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
             styles = {f: ("colwise_gather_output" if st == "colwise_vocab_parallel" else st)
                       for f, st in tp_plan.styles.items()}
             apply_tp(model, styles=styles, mesh=mesh["tp"])
-        out = pipeline(model, spec, kwargs, mesh["pp"])
+        out = pipeline(model, spec, kwargs, mesh["pp"], dp_mesh=mesh["dp"])
         if spec["tp"] > 1:
             out.tp, out.styles, out.replicated = spec["tp"], styles, dict(tp_plan.replicated)
         out.example, out.source, out.tp_mesh = dict(kwargs), source, mesh["tp"]
@@ -264,9 +264,10 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
     return out
 
 
-def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh) -> ParallelPlan:
-    """Cut the model's step graph into pp * virtual stages balanced by the cost model, and load
-    this rank's stages into torch's pipeline runtime with the tailorfx schedule."""
+def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh, *, dp_mesh=None) -> ParallelPlan:
+    """Cut the model's step graph into pp * virtual stages balanced by the cost model, shard this
+    rank's stages over the dp ranks (FSDP2, one unit per stage) and load them into torch's
+    pipeline runtime with the tailorfx schedule."""
     from tailorfx.codegen.pipeline import capture_static, cut_stages, pipeline_runtime
     from tailorfx.codegen.schedule import simulate_schedule
     from tailorfx.passes.pipeline_split import block_costs, split_points
@@ -288,10 +289,13 @@ def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh) -> ParallelPlan:
                    if b.path in blocks for name in b.nodes}
     stages = cut_stages(gm, example, model, block_stage, num_stages, micro)
     rank = mesh.get_local_rank()
+    if dp_mesh is not None and spec["dp"] > 1:
+        from tailorfx.runtime.tensor_parallel import apply_fsdp_stages
+        apply_fsdp_stages([stages[s] for s in range(rank, num_stages, pp)], model=model, mesh=dp_mesh)
     runtime = pipeline_runtime(stages, rank=rank, num_ranks=pp, name=spec["schedule"], microbatches=m, virtual=v,
                                group=mesh.get_group())
     mine = {id(p) for s in range(rank, num_stages, pp) for p in stages[s].parameters()}
     bubble = float(simulate_schedule(spec["schedule"], pp, m, virtual=v).bubble)
-    return ParallelPlan(pp=pp, schedule=spec["schedule"], microbatches=m, stage_blocks=stage_blocks, bubble=bubble,
+    return ParallelPlan(pp=pp, dp=spec["dp"], schedule=spec["schedule"], microbatches=m, stage_blocks=stage_blocks, bubble=bubble,
                         runtime=runtime, rank_params=mine, is_last=(num_stages - 1) % pp == rank,
                         blocks=list(costs.blocks))

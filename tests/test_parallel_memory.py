@@ -49,6 +49,21 @@ def test_pp_stages_hold_the_whole_model_once():
     assert 0 < pp.bubble < 1
 
 
+def test_pp_with_dp_shards_each_stage_and_gathers_it_for_the_step():
+    for rank in (0, 1):
+        pp = predict(pp=2, microbatches=4, batch_size=1, rank=rank)
+        both = predict(pp=2, dp=2, microbatches=4, batch_size=1, rank=rank)
+        whole = pp.stages[rank].param_bytes
+        # resident: the rank's stage as dp shards (parameters, optimizer state, gradients kept)
+        assert both.param_bytes * 2 == pp.param_bytes == whole
+        assert both.optimizer_bytes * 2 == pp.optimizer_bytes and both.grad_bytes * 2 == pp.grad_bytes
+        assert [st.param_bytes * 2 for st in both.stages] == [st.param_bytes for st in pp.stages]
+        # the step: the pipeline's, with the stage gathered whole from its first action to its last
+        assert both.at_peak["gathered parameters"] == whole
+        assert both.forward_backward_peak_bytes == pp.forward_backward_peak_bytes + whole
+        assert both.layout() == "pp2xdp2"
+
+
 def test_tp_shards_the_graph_on_a_fake_process_group():
     import torch.distributed as dist
     one, tp = predict(), predict(tp=2)
@@ -70,8 +85,8 @@ def test_ulysses_adds_all_to_all_buffers_to_fsdp():
 
 
 def test_layouts_the_runtime_refuses_are_refused():
-    with pytest.raises(ValueError, match="combined with dp are not available"):
-        predict(pp=2, dp=2)
+    with pytest.raises(ValueError, match="without tp/pp"):
+        predict(pp=2, dp=2, sp="ulysses")
     with pytest.raises(ValueError, match="tp=4 does not divide the 2 heads"):
         predict(tp=4)
 
@@ -95,6 +110,10 @@ def test_one_process_prediction_matches_the_allocator():
     assert -0.02 <= (predicted - measured) / measured <= 0.05, (predicted, measured)
 
 
+def by_layout(cands) -> dict:
+    return {c.layout(): c for c in cands}
+
+
 def test_plan_world_chooses_the_preferred_layout_that_fits():
     budget = Budget.parse("3MiB")
     cands = plan_world(CFG, world=8, budget=budget, seq_len=SEQ, setup="fp32")
@@ -105,7 +124,7 @@ def test_plan_world_chooses_the_preferred_layout_that_fits():
     assert chosen == min(fitting, key=preference)
     assert all(c.peak_bytes > usable for c in cands if c.status == "over budget")
     why = {c.layout(): c.reason for c in cands if c.status == "not available"}
-    assert "does not combine pipeline stages with dp" in why["pp2xdp4"]
+    assert by_layout(cands)["pp2xdp4"].status in ("fits", "over budget")    # FSDP2 over each stage
     assert "does not divide" in why["tp8"] and "cannot make 8 pipeline stages" in why["pp8"]
     assert "must divide the 2 key/value heads" in why["dp8 (sp=ulysses)"]
     # at the same tp, Megatron's sequence parallelism is preferred: the same traffic, less memory

@@ -120,6 +120,29 @@ def apply_fsdp(model: nn.Module, *, blocks: list[str], mesh: DeviceMesh) -> nn.M
     return model
 
 
+def apply_fsdp_stages(stages: list[nn.Module], *, model: nn.Module, mesh: DeviceMesh) -> None:
+    """FSDP2 over the dp ranks of a pipeline: each of this rank's stages is one `fully_shard`
+    unit, gathered once per step and resharded after its last backward (torch's pipeline runtime
+    adds the UNSHARD, RESHARD and REDUCE_GRAD actions for FSDP modules). The stages hold the
+    model's own Parameters; the sharded ones FSDP registers in their place are put back on the
+    model's modules under every name the model gives them, so `model.named_parameters()` is
+    the rank's shards and `p.grad.full_tensor()` the whole gradient (as under dp alone)."""
+    from torch.distributed.fsdp import fully_shard
+    if mesh.size() == 1:
+        return
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        for leaf, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((mod, leaf))
+    for stage in stages:
+        before = dict(stage.named_parameters())
+        # resharding after each micro-batch's forward would gather the stage again for every one
+        fully_shard(stage, mesh=mesh, reshard_after_forward=False)
+        for name, sharded in stage.named_parameters():
+            for mod, leaf in owners.get(id(before[name]), ()):
+                mod._parameters[leaf] = sharded
+
+
 class LossParallelScope:
     """DTensor's `loss_parallel()` around the loss of a vocab-parallel head, in forward and in the
     caller's backward: the model's output enters it when its gradient starts flowing back
