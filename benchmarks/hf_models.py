@@ -16,6 +16,7 @@ Peak = tailorfx.measure_peak (the allocator's events) of `out = model(**batch); 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import json
 import statistics
@@ -130,13 +131,45 @@ def part2(families, seqs) -> list:
     return out
 
 
-def part3(families, S: int, reps: int) -> list:
+# ops that only relabel a tensor's metadata (no kernel, no bytes), and dropout with p=0 (an
+# identity in eager; optimize() removes it before capture)
+NO_KERNEL = {"aten::view", "aten::reshape", "aten::_unsafe_view", "aten::transpose", "aten::t", "aten::expand",
+             "aten::permute", "aten::unsqueeze", "aten::squeeze", "aten::slice", "aten::select", "aten::alias",
+             "aten::as_strided", "aten::detach", "aten::lift_fresh", "aten::_reshape_alias", "aten::dropout",
+             "aten::contiguous", "aten::split", "aten::chunk", "aten::unbind", "aten::narrow", "aten::view_as",
+             "aten::expand_as", "aten::flatten", "aten::unflatten", "aten::transpose_", "aten::resolve_conj",
+             "aten::resolve_neg", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense"}
+
+
+def kernel_ops(step) -> collections.Counter:
+    """The ATen ops one training step runs, by name and count (profiler), those that compute or
+    allocate: what the step's kernel time is made of."""
+    from torch.profiler import ProfilerActivity, profile
+    from tailorfx.runtime.measure import quiet_profiler
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::") and e.name not in NO_KERNEL)
+
+
+def interleaved_ratios(steps: dict, reps: int) -> dict:
+    """Per round, each step once, in alternating order (ABC, CBA, ...); the median over rounds of
+    (step / eager's step in the same round), so slow drifts of the machine cancel."""
+    samples = {k: [] for k in steps}
+    keys = list(steps)
+    for r in range(reps):
+        for k in (keys if r % 2 == 0 else keys[::-1]):
+            samples[k].append(time_it(steps[k], 1))
+    return {k: statistics.median(a / b for a, b in zip(samples[k], samples["eager"])) for k in keys}, samples
+
+
+def part3(families, S: int, reps: int, overhead_seq: int = 16, overhead_reps: int = 201) -> list:
     """Capture alone (passes=[]) against eager on every family: peak and step time, one process.
 
-    Time: per round, each variant runs one step, in alternating order (ABC, CBA, ...); the ratio
-    is the median over rounds of (variant's step / eager's step in the same round), so slow
-    drifts of the machine cancel. A second copy of the eager model is timed the same way: its
-    ratio is the noise floor of the measurement."""
+    Time at S (interleaved_ratios); a second copy of the eager model is timed the same way: its
+    ratio is the noise floor of the measurement. What a step's time is made of, measured apart:
+    its kernels (the ATen ops it runs, compared op by op: equal means the same work) and its
+    fixed per-step overhead (the step at `overhead_seq` tokens, where kernels take little,
+    `overhead_reps` rounds)."""
     from models import hf_family
     rows, out = [], []
     for family in families:
@@ -151,21 +184,28 @@ def part3(families, S: int, reps: int) -> list:
             f()
             f()
         peaks = {k: measure_step(m, list(m.parameters()), inputs) for k, m in mods.items()}
-        samples = {k: [] for k in mods}
-        keys = list(mods)
-        for r in range(reps):
-            for k in (keys if r % 2 == 0 else keys[::-1]):
-                samples[k].append(time_it(steps[k], 1))
-        ratio = {k: statistics.median(a / b for a, b in zip(samples[k], samples["eager"])) for k in keys}
+        ratio, samples = interleaved_ratios(steps, reps)
+        ops = {k: kernel_ops(steps[k]) for k in ("eager", "passes=[]")}
+        diff = {n: ops["passes=[]"][n] - ops["eager"][n] for n in set(ops["eager"]) | set(ops["passes=[]"])
+                if ops["passes=[]"][n] != ops["eager"][n]}
+        small = lm_batch(overhead_seq, vocab=8000)
+        small_steps = {k: train_step(m, list(m.parameters()), small) for k, m in mods.items()}
+        for f in small_steps.values():
+            f()
+            f()
+        overhead, _ = interleaved_ratios(small_steps, overhead_reps)
         graphs = [g.lowering for g in opt.session.graphs]
         out.append({"family": family, "seq": S, "peak_bytes": peaks, "seconds": samples, "time_ratio": ratio,
-                    "lowerings": graphs})
+                    "lowerings": graphs, "kernel_ops": sum(ops["eager"].values()), "kernel_ops_differ": diff,
+                    "overhead_seq": overhead_seq, "overhead_ratio": overhead})
         rows.append([family, "+".join(graphs), mib(peaks["eager"]), mib(peaks["passes=[]"]),
                      f"{peaks['passes=[]'] / peaks['eager']:.3f}", f"{ratio['passes=[]']:.2f}",
-                     f"{ratio['eager (a second copy)']:.2f}"])
+                     f"{ratio['eager (a second copy)']:.2f}",
+                     "same" if not diff else "; ".join(f"{n} {d:+d}" for n, d in sorted(diff.items())),
+                     f"{overhead['passes=[]']:.3f} ({overhead['eager (a second copy)']:.3f})"])
     print_table(f"Capture alone (passes=[]) vs eager, S={S}, vocab 8000, hidden 128, 2 layers, fp32, batch 1",
                 ["family", "lowering", "eager MiB", "passes=[] MiB", "peak / eager", "time / eager",
-                 "eager copy / eager (noise)"], rows)
+                 "eager copy / eager (noise)", "ATen ops vs eager", f"S={overhead_seq} step / eager (copy)"], rows)
     return out
 
 

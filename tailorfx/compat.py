@@ -50,6 +50,14 @@ def tailorfx_op_name(t) -> Optional[str]:
     return None
 
 
+def op_qualified_name(t) -> Optional[str]:
+    """'transformers::grouped_mm_fallback' for a custom op (packet or overload) in a graph; None
+    for other targets."""
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return t._qualified_op_name
+    return None
+
+
 # ---- Dynamo (checked on torch 2.13) --------------------------------------------------------------
 def dynamo_backend_failed() -> type:
     """The error Dynamo raises when a backend's compile fails (the backend's own error inside)."""

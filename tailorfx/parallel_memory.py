@@ -505,6 +505,7 @@ class _Point:
     attn: bool
     live: tuple          # bytes live per part (transient of the running op in its part)
     grads: tuple         # gradient bytes live per part
+    saved_freed: tuple = ()   # bytes per part of the forward's saved tensors backward has freed so far
 
 
 class _TaggedPool(memory._Pool):
@@ -518,6 +519,8 @@ class _TaggedPool(memory._Pool):
         self.sid_group: dict[int, int] = {}
         self.current = n - 1
         self.points: list[_Point] = []
+        self.saved_sids: set[int] = set()
+        self.saved_freed = [0] * n
 
     def alloc(self, nbytes: int, holder, grad: bool = False) -> int:
         sid = super().alloc(nbytes, holder, grad)
@@ -528,6 +531,11 @@ class _TaggedPool(memory._Pool):
             self.glive[g] += nbytes
         return sid
 
+    def hold(self, sid: int, holder) -> None:
+        super().hold(sid, holder)
+        if isinstance(holder, tuple) and holder[0] == "saved" and sid in self.bytes:
+            self.saved_sids.add(sid)
+
     def release(self, sid: int, holder) -> None:
         nbytes, was_grad = self.bytes.get(sid), sid in self.grad_sids
         super().release(sid, holder)
@@ -536,6 +544,9 @@ class _TaggedPool(memory._Pool):
             self.live[g] -= nbytes
             if was_grad:
                 self.glive[g] -= nbytes
+            if sid in self.saved_sids:
+                self.saved_sids.discard(sid)
+                self.saved_freed[g] += nbytes
 
     def mark(self, phase: str, node: str, extra: int = 0) -> None:
         kind = "f" if phase.startswith("forward") else "b" if phase.startswith("backward") else "o"
@@ -545,7 +556,8 @@ class _TaggedPool(memory._Pool):
             attn = node in (self.cap.fw_attn if kind == "f" else self.cap.bw_attn)
             live = list(self.live)
             live[self.current] += extra
-            self.points.append(_Point(kind, self.current, attn, tuple(live), tuple(self.glive)))
+            self.points.append(_Point(kind, self.current, attn, tuple(live), tuple(self.glive),
+                                      tuple(self.saved_freed)))
 
 
 def _profile(cap: _Capture, setup: TrainingSetup, keep_outputs: bool = True) -> list[_Point]:
@@ -686,6 +698,9 @@ class _Stage:
     grads: int
     largest_grad: int
     wgrad: int = 0      # what a zero-bubble input-gradient pass keeps for the weight pass (beside `kept`)
+    # a zero-bubble input-gradient pass runs with retain_graph (torch's stage_backward_input):
+    # the saved tensors a plain backward frees as it goes stay held, at each backward point
+    bwd_retained: list = field(default_factory=list)
 
 
 def _stage_profiles(cap: _Capture, points: list[_Point], stage_blocks: list[list[str]], setup) -> list[_Stage]:
@@ -707,6 +722,8 @@ def _stage_profiles(cap: _Capture, points: list[_Point], stage_blocks: list[list
         own = lambda p: (sum(p.live[g] - p.grads[g] for g in gs), sum(p.grads[g] for g in gs))
         fwd = [own(p) for p in fw_points if p.group in gs]
         bwd = [own(p) for p in points if p.kind == "b" and p.group in gs]
+        retained = [(ng + sum(p.saved_freed[g] for g in gs), g_) for (ng, g_), p in
+                    zip(bwd, [p for p in points if p.kind == "b" and p.group in gs])]
         nxt = next((p for p in fw_points if stage_of.get(p.group, -1) > k), None)
         end = nxt if nxt is not None else (fw_points[-1] if fw_points else None)
         kept = sum(own(end)) if end is not None else 0
@@ -715,7 +732,7 @@ def _stage_profiles(cap: _Capture, points: list[_Point], stage_blocks: list[list
         gbytes = int(sum(math.prod(s) * b for s, b in shapes) * ratio)
         largest = int(max((math.prod(s) * b for s, b in shapes), default=0) * ratio)
         wgrad = sum(cap.wgrad[g] for g in gs) if cap.wgrad else 0     # activation gradients: their own dtype
-        out.append(_Stage(gs, fwd, bwd, kept, gbytes, largest, wgrad))
+        out.append(_Stage(gs, fwd, bwd, kept, gbytes, largest, wgrad, retained))
     return out
 
 
@@ -761,10 +778,11 @@ def _pipeline_walk(stages: list[_Stage], io: list, schedule, rank: int,
                 kept -= pending_w[s].pop(0)
             else:
                 kept -= st.kept    # this micro-batch's own activations are inside the backward's profile
+            profile = st.bwd_retained if a.kind == "I" and st.bwd_retained else st.bwd
             if s in done:      # a later micro-batch: each new gradient is added into the held one
-                ng, g = max(((ng, min(g, st.largest_grad)) for ng, g in st.bwd), key=sum, default=(0, 0))
+                ng, g = max(((ng, min(g, st.largest_grad)) for ng, g in profile), key=sum, default=(0, 0))
             else:
-                ng, g = max(st.bwd, key=sum, default=(0, 0))
+                ng, g = max(profile, key=sum, default=(0, 0))
             if not first_w:
                 sends += io[s][2]              # this micro-batch's sent outputs: kept (above) until now
             cands.append((kept + ng, grads + g, gathered, sends))
@@ -773,9 +791,11 @@ def _pipeline_walk(stages: list[_Stage], io: list, schedule, rank: int,
                 held[s] -= 1
             if a.kind != "I":
                 done.add(s)
-            else:   # "I" (zero-bubble): the input gradient only; the stage keeps the micro-batch's
-                # autograd graph (its activations) and the gradient of each op's output that a
-                # parameter's gradient is computed from, until its "W"
+            else:   # "I" (zero-bubble): the input gradient only; until its "W" the stage keeps the
+                # gradient of each op output a parameter's gradient is computed from, and the
+                # micro-batch's autograd graph below those ops with its saved activations (counted
+                # whole: torch frees the part above the last weight op, the loss's on the last
+                # stage, once it detaches the stage's output: over by that, the safe side)
                 pending_w[s].append(st.kept + st.wgrad)
         elif a.kind == "W":
             cands.append((kept, grads + st.grads if s not in done else grads, gathered, sends))
@@ -872,13 +892,6 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
         profs = _stage_profiles(cap, _profile(cap, s, keep_outputs=False), stage_blocks, s)
         sched = build_schedule(schedule, pp, m, v)
         sim = simulate_schedule(schedule, pp, m, v)
-        if schedule == "zb_h1":
-            import warnings
-            why = ("zb_h1: the last pipeline rank's measured peak moves from run to run under torch's zero-bubble "
-                   "runtime (on 2 gloo ranks from this prediction to 17% above it: up to one more micro-batch's "
-                   "activations held); leave that margin in a budget, or size it with 1f1b")
-            notes.append(why)
-            warnings.warn(why)
         bubble = float(sim.bubble)
         io = _stage_io(cap, stage_blocks)
         fsdp = {}

@@ -129,6 +129,53 @@ def test_capture_costs_nothing_and_logits_keep_their_gradient(family, kw):
         torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def _aten_ops(step) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    from tailorfx.runtime.measure import quiet_profiler
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    out = {}
+    for e in prof.events():
+        if e.name.startswith("aten::") and e.name not in ("aten::dropout", "aten::view", "aten::reshape"):
+            out[e.name] = out.get(e.name, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe"])
+def test_moe_capture_runs_eagers_expert_kernel(family):
+    """Traced by Dynamo with fp32 weights, transformers swaps grouped_mm for a per-expert loop
+    (an opaque op made for Inductor); a graph run as captured gets eager's grouped_mm back: the
+    step runs eager's ATen ops, one for one, and the loss is eager's to the bit. A rewritten graph
+    keeps the loop (AOTAutograd cannot trace fp32 grouped_mm) and is still rewritten and exact."""
+    torch.manual_seed(0)
+    model = hf_family(family, vocab_size=512)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 512, (2, 64))
+    opt = tailorfx.optimize(model, passes=[])
+
+    def step(m):
+        def run():
+            for p in m.parameters():
+                p.grad = None
+            m(input_ids=ids, labels=ids).loss.backward()
+        return run
+    step(opt)()
+    assert [g.lowering for g in opt.session.graphs] == ["dynamo"]
+    captured = opt.graphs["capture"]
+    assert any("grouped_mm_fallback" in str(n.target) for n in captured.graph.nodes)   # what Dynamo made
+    ops_eager, ops_opt = _aten_ops(step(ref)), _aten_ops(step(opt))
+    assert ops_opt.get("aten::_grouped_mm", 0) > 0 and ops_opt == ops_eager
+    assert torch.equal(opt(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # with a rewrite the graph goes through AOTAutograd: it keeps transformers' loop, and is rewritten
+    torch._dynamo.reset()
+    ms = tailorfx.optimize(copy.deepcopy(ref), passes=["minisequence"])
+    step(ms)()
+    assert not any(g.failed for g in ms.session.graphs)
+    assert any(r.changed for g in ms.session.graphs for r in g.records)
+
+
 def test_dynamic_true_backend_keeps_every_gradient():
     """torch.compile(..., dynamic=True) turns module floats into tensors read with .item(): the
     passes fail, and the graph must then run exactly as captured (was: embedding grad None)."""

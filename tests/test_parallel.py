@@ -263,18 +263,15 @@ def test_pipeline_schedules_equal_one_process(tmp_path):
         assert r["bubble"] == pytest.approx(float(simulate_schedule(r["schedule"], 2, 4, virtual=stages // 2).bubble))
         assert (r["loss"] is not None) == (rank == "rank1")           # the loss lives on the last stage's rank
         # each rank's memory predicted through the schedule's actions: within -2%/+5% of its measured
-        # peak for 1F1B and interleaved 1F1B; GPipe's last rank is over-predicted (up to +10%, the safe
-        # side); ZB-H1's last rank measures from the prediction to 17% above it, run to run (the
-        # prediction warns; README, Per-rank memory)
+        # peak for 1F1B and interleaved 1F1B; the last rank of GPipe and ZB-H1 is over-predicted
+        # (up to +15%, the safe side: README, Per-rank memory)
         if r["measured"] is None:
             continue
         err = (r["predicted"] - r["measured"]) / r["measured"]
         if r["schedule"] in ("1f1b", "interleaved_1f1b") or rank == "rank0":
             assert -0.02 <= err <= 0.05, r
-        elif r["schedule"] == "gpipe":
-            assert 0 <= err <= 0.10, r
         else:
-            assert -0.20 <= err <= 0.05, r
+            assert 0 <= err <= 0.15, r
 
 
 @pytest.mark.multiprocess

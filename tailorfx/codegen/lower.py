@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from tailorfx import compat
+from tailorfx.rewrite.capture import with_eager_grouped_mm
 from tailorfx.rewrite.lazy_outputs import Split, split_lazy_outputs
 from tailorfx.rewrite.trace import trainable_inputs
 from tailorfx.rewrite.optimizer_step import fuse_into_backward
@@ -60,7 +61,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     (rewrite/lazy_outputs.py), so no zero gradient of them is materialised.
     """
     if lowering == "dynamo":
-        return _dynamo_graph(gm)
+        return _dynamo_graph(with_eager_grouped_mm(gm))
     needs = owned(gm)   # what the graph's code reaches by name at run time (chunked regions)
     split = split_lazy_outputs(gm)
     gm = split.gm

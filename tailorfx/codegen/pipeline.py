@@ -112,7 +112,10 @@ def cut_stages(gm: fx.GraphModule, example_inputs: list, model: nn.Module, block
         for n in mine:
             env[n] = g.node_copy(n, lambda a: env[a])
         if k == num_stages - 1:
-            g.output(g.call_method("reshape", (env[loss], 1)))   # (1,): torch merges micro-batch outputs
+            # (1,): torch merges micro-batch outputs. A new tensor, not a view: torch's runtime
+            # detaches the last stage's output after its backward to free the micro-batch's autograd
+            # graph, which it cannot do to a view (zero-bubble kept every graph to the step's end)
+            g.output(g.call_function(torch.stack, ([env[loss]],)))
             sends = []
         else:
             sends = [n for n in [*carried, *mine] if users_stage.get(n, -1) > k]

@@ -6,6 +6,7 @@ one capture.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -87,6 +88,29 @@ def strip_identity_dropout(gm: fx.GraphModule) -> int:
     if removed:
         gm.recompile()
     return removed
+
+
+def with_eager_grouped_mm(gm: fx.GraphModule) -> fx.GraphModule:
+    """The graph with eager's MoE kernel back (a copy; `gm` itself if there is nothing to swap).
+
+    transformers runs a MoE layer's experts with torch's grouped_mm in eager, but while Dynamo
+    traces it with weights other than bf16 it calls its own fallback (an opaque custom op looping
+    over the experts, a .tolist() sync first), written for Inductor, which cannot compile
+    grouped_mm in fp32 (neither can AOTAutograd trace it: its meta kernel wants bf16). A graph
+    run as captured, under eager autograd, can run eager's op with the same arguments: the same
+    kernel and numbers as eager, 10% less time than the fallback on a small Mixtral step. Only
+    that lowering gets it; the memory model traces the fallback, which holds the same bytes."""
+    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None)
+    hits = [n.name for n in gm.graph.nodes if n.op == "call_function"
+            and compat.op_qualified_name(n.target) == "transformers::grouped_mm_fallback"]
+    if grouped_mm is None or not hits:
+        return gm
+    out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    for n in out.graph.nodes:
+        if n.name in hits:
+            n.target = grouped_mm
+    out.recompile()
+    return out
 
 
 def seq_info(gm: fx.GraphModule, seq_len: Optional[int]) -> SeqInfo:
