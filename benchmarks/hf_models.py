@@ -16,7 +16,6 @@ Peak = tailorfx.measure_peak (the allocator's events) of `out = model(**batch); 
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
 import json
 import statistics
@@ -28,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import tailorfx  # noqa: E402
+from tailorfx.runtime import measure  # noqa: E402
 from common import OUT_DIR, hf_llama_model, lm_batch, measure_step, mib, print_table, time_it, train_step, write_json  # noqa: E402
 
 
@@ -131,26 +131,6 @@ def part2(families, seqs) -> list:
     return out
 
 
-# ops that only relabel a tensor's metadata (no kernel, no bytes), and dropout with p=0 (an
-# identity in eager; optimize() removes it before capture)
-NO_KERNEL = {"aten::view", "aten::reshape", "aten::_unsafe_view", "aten::transpose", "aten::t", "aten::expand",
-             "aten::permute", "aten::unsqueeze", "aten::squeeze", "aten::slice", "aten::select", "aten::alias",
-             "aten::as_strided", "aten::detach", "aten::lift_fresh", "aten::_reshape_alias", "aten::dropout",
-             "aten::contiguous", "aten::split", "aten::chunk", "aten::unbind", "aten::narrow", "aten::view_as",
-             "aten::expand_as", "aten::flatten", "aten::unflatten", "aten::transpose_", "aten::resolve_conj",
-             "aten::resolve_neg", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense"}
-
-
-def kernel_ops(step) -> collections.Counter:
-    """The ATen ops one training step runs, by name and count (profiler), those that compute or
-    allocate: what the step's kernel time is made of."""
-    from torch.profiler import ProfilerActivity, profile
-    from tailorfx.runtime.measure import quiet_profiler
-    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::") and e.name not in NO_KERNEL)
-
-
 def interleaved_ratios(steps: dict, reps: int) -> dict:
     """Per round, each step once, in alternating order (ABC, CBA, ...); the median over rounds of
     (step / eager's step in the same round), so slow drifts of the machine cancel."""
@@ -185,7 +165,7 @@ def part3(families, S: int, reps: int, overhead_seq: int = 16, overhead_reps: in
             f()
         peaks = {k: measure_step(m, list(m.parameters()), inputs) for k, m in mods.items()}
         ratio, samples = interleaved_ratios(steps, reps)
-        ops = {k: kernel_ops(steps[k]) for k in ("eager", "passes=[]")}
+        ops = {k: measure.kernel_ops(steps[k]) for k in ("eager", "passes=[]")}
         diff = {n: ops["passes=[]"][n] - ops["eager"][n] for n in set(ops["eager"]) | set(ops["passes=[]"])
                 if ops["passes=[]"][n] != ops["eager"][n]}
         small = lm_batch(overhead_seq, vocab=8000)

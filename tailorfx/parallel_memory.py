@@ -625,6 +625,11 @@ def _sharded(shapes, n: int) -> tuple[int, int]:
     return shard, padded
 
 
+def _shard_shapes(shapes, n: int) -> list[tuple[tuple[int], int]]:
+    """Each parameter as rank 0's FSDP2 shard over n ranks: ((elements,), itemsize)."""
+    return [((_sharded([sh], n)[0] // sh[1],), sh[1]) for sh in shapes]
+
+
 def _tp_peak(points: list[_Point]) -> tuple[int, dict]:
     return _best((sum(p.live) - sum(p.grads), sum(p.grads), 0, 0) for p in points if p.kind != "o")
 
@@ -757,11 +762,15 @@ def _pipeline_walk(stages: list[_Stage], io: list, schedule, rank: int,
     reduced: set = set()
     sends = 0
     cands = []
+    def held_now() -> tuple[int, int]:
+        """(activations kept, gradients held) between actions."""
+        kept = sum(held[t] * stages[t].kept for t in held) + sum(sum(v) for v in pending_w.values())
+        return kept, sum(fsdp[t][2] if t in reduced else stages[t].grads for t in done)
+
     for a in schedule.actions[rank]:
         s = a.stage
         st = stages[s]
-        kept = sum(held[t] * stages[t].kept for t in held) + sum(sum(v) for v in pending_w.values())
-        grads = sum(fsdp[t][2] if t in reduced else stages[t].grads for t in done)
+        kept, grads = held_now()
         if a.kind == "F":
             ng, g = max(st.fwd, key=sum, default=(0, 0))
             cands.append((kept + ng, grads + g, gathered, sends))
@@ -804,8 +813,7 @@ def _pipeline_walk(stages: list[_Stage], io: list, schedule, rank: int,
             done.add(s)
         left[s] -= a.kind in ("B", "W")
         if s in fsdp and a.kind in ("B", "W") and left[s] == 0:    # REDUCE_GRAD, then RESHARD
-            kept = sum(held[t] * stages[t].kept for t in held) + sum(sum(v) for v in pending_w.values())
-            grads = sum(fsdp[t][2] if t in reduced else stages[t].grads for t in done)
+            kept, grads = held_now()
             cands.append((kept, grads, gathered, sends + fsdp[s][1]))
             reduced.add(s)
             gathered -= fsdp[s][0]
@@ -906,7 +914,7 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
             peak, parts = _pipeline_walk(profs, io, sched, r, fsdp)
             local = [sh for k in mine for g in profs[k].groups for sh in cap.params[g]]
             if dp > 1:
-                local = [((_sharded([sh], dp)[0] // sh[1],), sh[1]) for sh in local]
+                local = _shard_shapes(local, dp)
             recv = m * sum(io[k][0] + io[k][1] for k in mine)
             numels = [math.prod(x) for x, _ in local]
             total = _rank_total(s, numels, sum(math.prod(x) * b for x, b in local), peak, parts, recv)
@@ -928,9 +936,9 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
         if ulysses and not attn:
             notes.append("no scaled_dot_product_attention in the graph: Ulysses' all-to-all buffers not counted")
         fb_peak, parts = _fsdp_peak(cap, points, dp, attn)
-        sharded = [(_sharded([sh], dp)[0], sh) for sh in shapes]
-        numels = [sb // sh[1] for sb, sh in sharded]
-        param_bytes = sum(sb for sb, _ in sharded)
+        sharded = _shard_shapes(shapes, dp)
+        numels = [math.prod(x) for x, _ in sharded]
+        param_bytes = sum(math.prod(x) * b for x, b in sharded)
         rank_label = "FSDP rank 0 (the largest shards)"
     else:
         fb_peak, parts = _tp_peak(points)

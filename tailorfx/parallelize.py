@@ -289,7 +289,7 @@ def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh, *, dp_mesh=None) 
                    if b.path in blocks for name in b.nodes}
     stages = cut_stages(gm, example, model, block_stage, num_stages, micro)
     rank = mesh.get_local_rank()
-    if dp_mesh is not None and spec["dp"] > 1:
+    if dp_mesh is not None:     # a dp mesh of one rank shards nothing
         from tailorfx.runtime.tensor_parallel import apply_fsdp_stages
         apply_fsdp_stages([stages[s] for s in range(rank, num_stages, pp)], model=model, mesh=dp_mesh)
     runtime = pipeline_runtime(stages, rank=rank, num_ranks=pp, name=spec["schedule"], microbatches=m, virtual=v,

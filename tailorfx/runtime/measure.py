@@ -7,6 +7,7 @@ import os
 import re
 import sys
 import tempfile
+from collections import Counter
 from typing import Any, Callable
 
 from torch.profiler import ProfilerActivity, profile
@@ -45,6 +46,26 @@ def quiet_profiler():
                 if rest:
                     streams[fd].write("".join(rest))
                     streams[fd].flush()
+
+
+# ops that only relabel a tensor's metadata (no kernel, no bytes), and dropout with p=0 (an
+# identity in eager; optimize() removes it before capture)
+NO_KERNEL = frozenset({
+    "aten::view", "aten::reshape", "aten::_unsafe_view", "aten::transpose", "aten::t", "aten::expand",
+    "aten::permute", "aten::unsqueeze", "aten::squeeze", "aten::slice", "aten::select", "aten::alias",
+    "aten::as_strided", "aten::detach", "aten::lift_fresh", "aten::_reshape_alias", "aten::dropout",
+    "aten::contiguous", "aten::split", "aten::chunk", "aten::unbind", "aten::narrow", "aten::view_as",
+    "aten::expand_as", "aten::flatten", "aten::unflatten", "aten::transpose_", "aten::resolve_conj",
+    "aten::resolve_neg", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense"})
+
+
+def kernel_ops(fn: Callable[[], Any], exclude: frozenset = NO_KERNEL) -> Counter:
+    """The ATen ops `fn()` runs (the profiler's, by name and count) but those in `exclude` (by
+    default the ones that neither compute nor allocate): what its kernel time is made of. Equal
+    counts for two steps mean the same work."""
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return Counter(e.name for e in prof.events() if e.name.startswith("aten::") and e.name not in exclude)
 
 
 def measure_peak(fn: Callable[[], Any], return_result: bool = False):
