@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import graphlib
 import math
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
@@ -188,10 +189,25 @@ def predict_graphs(graphs: Sequence[tuple[fx.GraphModule, str, Optional[memory.S
     """The memory model's estimate of one training step made of `graphs`, each (graph, its
     lowering, its lowered forward/backward if already known), at `seq_len` (default: the
     captured length). Each graph is traced with the partition its lowering runs."""
-    steps = [replace(step if step is not None else memory.trace_step(gm, None, partition_for(lowering, gm), setup),
+    steps = [replace(step if step is not None else traced_step(gm, partition_for(lowering, gm), setup),
                      eager_autograd=lowering == "dynamo")
              for gm, lowering, step in graphs]
     return memory.simulate_step(steps, list(seqs), seq_len or seqs[0].length or None, setup=setup)
+
+
+def traced_step(gm: fx.GraphModule, partition: str, setup: Optional[TrainingSetup]) -> memory.StepGraphs:
+    """memory.trace_step, kept on the graph module: its sizes are symbolic in the sequence length,
+    so one AOTAutograd trace serves every length (max_seq_len bisects on it). Keyed by the code
+    the module runs, so a graph rewritten in place is traced again."""
+    key = (partition, bool(setup is not None and setup.optimizer_in_backward), gm.code)
+    cache = _TRACED.setdefault(gm, {})
+    if key not in cache:
+        cache.clear()
+        cache[key] = memory.trace_step(gm, None, partition, setup)
+    return cache[key]
+
+
+_TRACED: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
 
 
 def predict_peak(gm: fx.GraphModule, seq: SeqInfo, lowering: str, setup: Optional[TrainingSetup] = None) -> int:
