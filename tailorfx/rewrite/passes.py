@@ -166,11 +166,16 @@ class PassManager:
         ctx = dataclasses.replace(ctx, pipeline=tuple(p.name for p in self.passes))
         for p in self.passes:
             before = gm.code
-            t0 = time.perf_counter()
-            res = run_pass(p, gm, ctx)
-            if self.run_verify:
-                verify(res.gm)
-            seconds = time.perf_counter() - t0
+            key = ("pass result", id(gm), p.name, ctx.pipeline, repr(sorted(ctx.options.items(), key=repr)))
+            if key in ctx.memo:    # the planner ran this plan already: the same graphs, traced once
+                res, seconds = ctx.memo[key][1:]
+            else:
+                t0 = time.perf_counter()
+                res = run_pass(p, gm, ctx)
+                if self.run_verify:
+                    verify(res.gm)
+                seconds = time.perf_counter() - t0
+                ctx.memo[key] = (gm, res, seconds)    # gm kept alive: its id stays its own
             peak_after = self.predict(res.gm) if (self.predict and res.changed) else peak
             records.append(PassRecord(p.name, ctx.graph_index, before, res.gm.code, res.changed,
                                       res.touched, res.skipped, dict(res.stats), peak, peak_after,
