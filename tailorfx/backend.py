@@ -18,7 +18,7 @@ from tailorfx.options import Options, backend_options
 from tailorfx.codegen import lower as lowering_mod
 from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import SeqInfo, seq_info, strip_identity_dropout
-from tailorfx.rewrite.passes import PassContext, PassRecord
+from tailorfx.rewrite.passes import LazyPeak, PassContext, PassRecord
 from tailorfx.rewrite.regions import RegionMap, find_regions
 from tailorfx.runtime.optim import GraphInputs
 
@@ -35,10 +35,18 @@ class GraphRecord:
     records: list[PassRecord]
     lowering: str
     warnings: list[str] = field(default_factory=list)
-    peak_captured: Optional[int] = None     # predicted peak of the graph as captured
-    peak_final: Optional[int] = None        # ... after every pass
+    captured_peak: Optional[LazyPeak] = None   # predicted peak of the graph as captured
+    final_peak: Optional[LazyPeak] = None      # ... after every pass
     step: Optional[memory.StepGraphs] = None   # forward/backward graphs as lowered (eager lowering)
     failed: bool = False                       # passes failed: the graph runs as captured
+
+    @property
+    def peak_captured(self) -> Optional[int]:
+        return self.captured_peak.get() if self.captured_peak is not None else None
+
+    @property
+    def peak_final(self) -> Optional[int]:
+        return self.final_peak.get() if self.final_peak is not None else None
 
 
 @dataclass
@@ -101,10 +109,10 @@ class TailorBackend:
             plan = self._plan(gm, ctx, lowering)
             rewritten, records, pm = planner.run_plan(plan, gm, replace(ctx, options=plan.options),
                                                       self.options.verify, self._predictor(seq, lowering, plan))
-            peaks = (pm.initial_peak, records[-1].peak_after if records else pm.initial_peak)
+            peaks = (pm.initial, records[-1].after_peak if records else pm.initial)
             asked = self.options.options_dict()   # the user's own, not what the planner added
             _check_requested(_requested(self.options.passes, asked), records, idx, bool(asked.get("strict")), notes)
-            _check_budget(self.options.passes, plan.options, peaks[1], seq)
+            _check_budget(self.options.passes, plan.options, peaks[1], seq)   # reads it only under a budget
         except ValueError:
             raise   # bad user options or an unreachable budget: say so, do not hide it behind a fallback
         except Exception as e:   # an unsupported graph: run it as captured, and say why
@@ -114,7 +122,14 @@ class TailorBackend:
                                        setup is not None and setup.optimizer_in_backward)
         rec = GraphRecord(idx, gm, rewritten, regions, seq, plan, records, lowering, notes, *peaks)
         self.session.graphs.append(rec)
-        return self._observed(idx, self._lower(rec, example_inputs))
+        try:
+            lowered = self._lower(rec, example_inputs)
+        except ValueError:
+            raise
+        except Exception as e:   # the rewritten graph cannot be traced or compiled: run it as captured
+            self.session.graphs.pop()
+            return self._run_as_captured(gm, regions, seq, idx, e)
+        return self._observed(idx, lowered)
 
     def _plan(self, gm: fx.GraphModule, ctx: PassContext, lowering: str) -> planner.Plan:
         """The passes the user named, else the planner's default, searched against the budget
@@ -181,11 +196,14 @@ class TailorBackend:
         return run
 
 
-def _check_budget(requested, opts: dict, peak: Optional[int], seq: SeqInfo) -> None:
+def _check_budget(requested, opts: dict, lazy: Optional[LazyPeak], seq: SeqInfo) -> None:
     """Passes the user named under a budget: the predicted peak must fit (the planner's plans
     are checked by the planner)."""
     budget = opts.get("budget_bytes")
-    if requested is None or not budget or peak is None or peak <= budget:
+    if requested is None or not budget or lazy is None:
+        return
+    peak = lazy.get()
+    if peak is None or peak <= budget:
         return
     raise BudgetError(f"passes {list(requested)} predict a peak of {format_bytes(peak)} at sequence length "
                       f"{seq.length}, over the budget {opts.get('budget_label')}: drop passes= to let the "

@@ -48,6 +48,7 @@ class ParallelPlan:
     source: Any = None            # a fake-tensor copy of the model before sharding (dp/pp/sp predictions)
     tp_mesh: Any = None           # the tp mesh dimension the copy is sharded on for them
     pp_rank: int = 0
+    predictions: dict = field(default_factory=dict)   # setup -> this rank's prediction (a capture each)
 
     def step(self, kwargs: dict):
         """One pipelined training step (forward and backward of every micro-batch); the mean
@@ -93,16 +94,23 @@ class ParallelPlan:
         collectives and all; traced on fake tensors). With dp (FSDP2), pp or sp: the composition
         of parallel_memory.predict_rank_memory on a fake copy of the model taken before it was
         sharded (the example's rows are this rank's micro-batch; under pp the whole step's,
-        split into the micro-batches; under sp every rank's, split over the sequence)."""
-        import contextlib
-        from tailorfx import planner
+        split into the micro-batches; under sp every rank's, split over the sequence). Kept per
+        setup: the model's shapes do not change."""
         from tailorfx.api import PredictionError
-        from tailorfx.codegen.pipeline import capture_static
-        from tailorfx.rewrite.capture import seq_info
         length = self.example["input_ids"].shape[1] if "input_ids" in self.example else None
         if seq_len not in (None, length):
             raise PredictionError(f"under parallel= the prediction is at the example batch's length ({length}): "
                                   f"give example_inputs of length {seq_len}")
+        key = repr(setup)
+        if key not in self.predictions:
+            self.predictions[key] = self._predict(model, length, setup)
+        return self.predictions[key]
+
+    def _predict(self, model: nn.Module, length: Optional[int], setup):
+        import contextlib
+        from tailorfx import planner
+        from tailorfx.codegen.pipeline import capture_static
+        from tailorfx.rewrite.capture import seq_info
         if self.dp > 1 or self.pp > 1 or self.sp == "ulysses":
             return self._predict_composed(length, setup)
         if self.loss_scope is not None:

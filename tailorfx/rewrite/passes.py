@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -48,6 +49,26 @@ class Pass(Protocol):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult: ...
 
 
+class LazyPeak:
+    """A graph's predicted peak, computed when first read: a prediction traces the step with
+    AOTAutograd (seconds), and only the report and a budget check read it."""
+
+    def __init__(self, predict: Callable[[fx.GraphModule], int], gm: fx.GraphModule):
+        self._predict, self._gm = predict, gm
+        self._value: Optional[int] = None
+        self._done = False
+
+    def get(self) -> Optional[int]:
+        """The peak; None, with a warning, when the graph cannot be predicted."""
+        if not self._done:
+            self._done = True
+            try:
+                self._value = self._predict(self._gm)
+            except Exception as e:   # the report shows "-" for it; predict_memory() raises its own error
+                warnings.warn(f"cannot predict the peak of a rewritten graph: {type(e).__name__}: {e}")
+        return self._value
+
+
 @dataclass
 class PassRecord:
     """One pass over one graph, kept for opt.report(), opt.graphs and opt.diff()."""
@@ -59,10 +80,20 @@ class PassRecord:
     touched: tuple[str, ...]
     skipped: tuple[str, ...]
     stats: dict
-    peak_before: Optional[int]
-    peak_after: Optional[int]
+    before_peak: Optional[LazyPeak]
+    after_peak: Optional[LazyPeak]
     seconds: float
     gm: Optional[fx.GraphModule] = None
+
+    @property
+    def peak_before(self) -> Optional[int]:
+        """Predicted peak of the graph this pass was given (None: predictions off)."""
+        return self.before_peak.get() if self.before_peak is not None else None
+
+    @property
+    def peak_after(self) -> Optional[int]:
+        """... of the graph it left."""
+        return self.after_peak.get() if self.after_peak is not None else None
 
     def diff(self) -> str:
         lines = difflib.unified_diff(self.before.splitlines(), self.after.splitlines(),
@@ -155,14 +186,14 @@ class PassManager:
         self.passes = list(passes)
         self.predict = predict
         self.run_verify = run_verify
-        self.initial_peak: Optional[int] = None
+        self.initial: Optional[LazyPeak] = None     # the given graph's predicted peak
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, list[PassRecord]]:
         """The graph after every pass, and a record per pass. `gm` is left as it is: each pass
         rewrites the manager's copy of the graph before it (run_pass), so each record keeps the
         graph as its pass left it."""
         records = []
-        peak = self.initial_peak = self.predict(gm) if self.predict else None
+        peak = self.initial = LazyPeak(self.predict, gm) if self.predict else None
         ctx = dataclasses.replace(ctx, pipeline=tuple(p.name for p in self.passes))
         for p in self.passes:
             before = gm.code
@@ -176,7 +207,7 @@ class PassManager:
                     verify(res.gm)
                 seconds = time.perf_counter() - t0
                 ctx.memo[key] = (gm, res, seconds)    # gm kept alive: its id stays its own
-            peak_after = self.predict(res.gm) if (self.predict and res.changed) else peak
+            peak_after = LazyPeak(self.predict, res.gm) if (self.predict and res.changed) else peak
             records.append(PassRecord(p.name, ctx.graph_index, before, res.gm.code, res.changed,
                                       res.touched, res.skipped, dict(res.stats), peak, peak_after,
                                       seconds, res.gm))

@@ -42,10 +42,10 @@ def main(run: str, tp: int, dp: int) -> int:
         out = opt(input_ids=rows, labels=rows)
         out.loss.backward()
         return out
-    # this rank's forward+backward peak: the memory model against the allocator; under dp the
-    # smallest of three steps (on gloo a rank sometimes holds collective buffers more: README)
-    steps = [measured_and_predicted(opt, model, fwd_bwd) for _ in range(3 if dp > 1 else 1)]
-    measured, predicted = min(m for m, _ in steps), steps[0][1]
+    # this rank's forward+backward peak: the memory model against the allocator, the smallest of
+    # three steps (on gloo a rank sometimes holds collective buffers longer: README)
+    steps, predicted = measured_and_predicted(opt, model, fwd_bwd, repeats=3)
+    measured = min(steps)
     bad = grad_mismatches(opt.named_parameters(), ref)
     num_params = len(list(opt.named_parameters()))
     sharded = sum(1 for _, p in opt.named_parameters() if hasattr(p, "full_tensor"))
@@ -53,7 +53,7 @@ def main(run: str, tp: int, dp: int) -> int:
           and num_params == len(list(ref.parameters())))
     write({"rank": rank, "family": family, "ok": bool(ok), "loss": float(full_loss),
            "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": num_params,
-           "predicted": predicted, "measured": measured, "measured_steps": [m for m, _ in steps], "bad": bad, "styles": opt.session.parallel.styles, "sp": sp}, run)
+           "predicted": predicted, "measured": measured, "measured_steps": steps, "bad": bad, "styles": opt.session.parallel.styles, "sp": sp}, run)
     return 0 if ok else 1
 
 

@@ -37,9 +37,8 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1
     steps = []
     if memory:   # this rank's peak over one pipelined step: the memory model walked through the schedule
         # under dp, three steps: gloo sometimes frees a stage's all-gather output late (README)
-        for _ in range(3 if dp > 1 else 1):
-            measured, predicted = measured_and_predicted(opt, model, lambda: opt.step(input_ids=rows, labels=rows))
-            steps.append(measured)
+        steps, predicted = measured_and_predicted(opt, model, lambda: opt.step(input_ids=rows, labels=rows),
+                                                  repeats=3 if dp > 1 else 1)
         measured = min(steps)
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, sorted(mine))

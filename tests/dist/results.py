@@ -20,14 +20,18 @@ def grad_mismatches(named_params: Iterable, ref: torch.nn.Module) -> dict[str, O
     return bad
 
 
-def measured_and_predicted(opt, model: torch.nn.Module, step: Callable[[], object]) -> tuple[int, int]:
-    """This rank's peak over `step()` (allocator events, its gradients cleared first) and the
-    forward+backward peak `opt.predict_memory()` predicts for it; the gradients are put back."""
+def measured_and_predicted(opt, model: torch.nn.Module, step: Callable[[], object], repeats: int = 1
+                           ) -> tuple[list[int], int]:
+    """This rank's peak over each of `repeats` calls of `step()` (allocator events, its gradients
+    cleared first) and the forward+backward peak `opt.predict_memory()` predicts for it; the
+    gradients are put back."""
     import tailorfx
     saved = {n: p.grad for n, p in opt.named_parameters()}
-    for p in model.parameters():
-        p.grad = None
-    measured = tailorfx.measure_peak(step)
+    measured = []
+    for _ in range(repeats):
+        for p in model.parameters():
+            p.grad = None
+        measured.append(tailorfx.measure_peak(step))
     predicted = opt.predict_memory().forward_backward_peak_bytes
     for n, p in opt.named_parameters():
         p.grad = saved[n]

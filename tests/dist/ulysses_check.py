@@ -36,7 +36,7 @@ def main(family: str) -> int:
         o.loss.backward()
         return o
     # this rank's forward+backward peak (its slice of the sequence, all-to-alls included)
-    measured, predicted = measured_and_predicted(opt, model, fwd_bwd)
+    (measured,), predicted = measured_and_predicted(opt, model, fwd_bwd)
     write({"rank": dist.get_rank(), "family": family, "ok": bool(ok), "loss": float(loss.detach()),
            "eager_loss": float(out.loss.detach()), "bad": bad, "attention": model.config._attn_implementation,
            "measured": measured, "predicted": predicted},
