@@ -171,6 +171,8 @@ class TailorBackend:
         for the memory model, and the optimizer step goes into backward if the setup says so."""
         def keep(fw, bw, n):
             rec.step = memory.make_step(rec.rewritten, fw, bw, n)
+            planner.remember_trace(rec.rewritten, lowering_mod.partition_for(rec.lowering, rec.rewritten),
+                                   steps_in_backward is not None, rec.step)
         setup = rec.plan.options.get("setup")
         steps_in_backward = None
         if setup is not None and setup.optimizer_in_backward:

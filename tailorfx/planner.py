@@ -207,6 +207,11 @@ def traced_step(gm: fx.GraphModule, partition: str, setup: Optional[TrainingSetu
     return cache[key]
 
 
+def remember_trace(gm: fx.GraphModule, partition: str, steps_in_backward: bool, step: memory.StepGraphs) -> None:
+    """The forward/backward the lowering made of `gm` (the graphs that run), kept as its trace."""
+    _TRACED.setdefault(gm, {})[(partition, steps_in_backward, gm.code)] = step
+
+
 _TRACED: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
 
 
