@@ -500,7 +500,7 @@ def _attention(gm: fx.GraphModule) -> tuple[int, int, int]:
 # ---- the tagged simulation ----------------------------------------------------------------------
 @dataclass
 class _Point:
-    kind: str            # "f" forward, "b" backward
+    kind: str            # "f" forward, "b" backward, "e" the forward ended (its outputs released)
     group: int
     attn: bool
     live: tuple          # bytes live per part (transient of the running op in its part)
@@ -596,6 +596,8 @@ def _forward(pool: _TaggedPool, st: memory.StepGraphs, sizer, setup: TrainingSet
     for sids in outs:
         for sid in sids:
             pool.release(sid, "__out__")
+    # what the forward leaves: a last stage keeps this per micro-batch (its logits are gone)
+    pool.points.append(_Point("e", pool.current, False, tuple(pool.live), tuple(pool.glive), tuple(pool.saved_freed)))
     return saved
 
 
@@ -631,7 +633,7 @@ def _shard_shapes(shapes, n: int) -> list[tuple[tuple[int], int]]:
 
 
 def _tp_peak(points: list[_Point]) -> tuple[int, dict]:
-    return _best((sum(p.live) - sum(p.grads), sum(p.grads), 0, 0) for p in points if p.kind != "o")
+    return _best((sum(p.live) - sum(p.grads), sum(p.grads), 0, 0) for p in points if p.kind in ("f", "b"))
 
 
 def _summary(cap: _Capture, points: list[_Point]) -> list[tuple]:
@@ -645,7 +647,7 @@ def _summary(cap: _Capture, points: list[_Point]) -> list[tuple]:
     out = []
     passed, in_attn, prev_group = False, False, None
     for p in points:
-        if p.kind == "o":
+        if p.kind not in ("f", "b"):
             continue
         g = p.group
         block = 1 <= g <= L
@@ -730,7 +732,7 @@ def _stage_profiles(cap: _Capture, points: list[_Point], stage_blocks: list[list
         retained = [(ng + sum(p.saved_freed[g] for g in gs), g_) for (ng, g_), p in
                     zip(bwd, [p for p in points if p.kind == "b" and p.group in gs])]
         nxt = next((p for p in fw_points if stage_of.get(p.group, -1) > k), None)
-        end = nxt if nxt is not None else (fw_points[-1] if fw_points else None)
+        end = nxt if nxt is not None else next((p for p in points if p.kind == "e"), None)
         kept = sum(own(end)) if end is not None else 0
         ratio = setup.grads.itemsize / setup.param_dtype.itemsize
         shapes = [s for g in gs for s in cap.params[g]]
