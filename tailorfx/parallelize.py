@@ -233,7 +233,7 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
     mesh = device_mesh(tp=spec["tp"], dp=spec["dp"], pp=spec["pp"])
     source = None
     if spec["dp"] > 1 or spec["pp"] > 1 or spec["sp"]:    # what per-rank predictions shard and capture
-        from tailorfx.parallel_memory import fake_copy
+        from tailorfx.parallel_trace import fake_copy
         source = fake_copy(model)
     if spec["pp"] > 1:
         if spec["tp"] > 1:   # the stages are cut from the sharded model's graph; its head gathers the logits

@@ -16,7 +16,7 @@ LAYERS = (
     ("codegen",),
     ("planner", "options", "report"),
     ("backend",),
-    ("api", "sizing", "parallelize", "parallel_memory", "configs", "demo", "cli", ""),   # "" is the package itself (tailorfx/__init__.py)
+    ("api", "sizing", "parallelize", "parallel_memory", "parallel_compose", "parallel_trace", "configs", "demo", "cli", ""),   # "" is the package itself (tailorfx/__init__.py)
 )
 PRIVATE = re.compile(r"torch\._|(?<![A-Za-z0-9])_dynamo\b|_functorch|_inductor|_subclasses|_guards|\._schema|\._opname|"
                      r"torch\.utils\._|fx\.experimental")

@@ -1,0 +1,433 @@
+"""The graph one rank of a parallel layout runs, and the memory model's simulation of its step
+with every storage tagged by the part of the model that made it (the root before the first block,
+each block, the root after the last): what parallel_memory composes (see its docstring).
+Captures are cached per (model, tp, rows, sequence slice, head style)."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import math
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from tailorfx import compat
+from tailorfx.rewrite import memory
+from tailorfx.rewrite.capture import node_value, seq_info
+from tailorfx.rewrite.regions import find_regions, is_param, normalize_path, param_source
+from tailorfx.setup import TrainingSetup
+
+# ---- the model, built or copied under a FakeTensorMode ----------------------------------------------
+def fake_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are fake tensors (no memory): what the
+    predictions shard and capture. Other tensor attributes are copied as they are (small)."""
+    mode = _mode_of(model) or compat.FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if isinstance(t, compat.FakeTensor):
+            memo[id(t)] = t
+            continue
+        f = mode.from_tensor(t)
+        memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+    return copy.deepcopy(model, memo)
+
+
+def _mode_of(model: nn.Module):
+    return compat.detect_fake_mode([*model.parameters(), *model.buffers()])
+
+
+def _source_key(src: Any) -> tuple:
+    """The cache key of a model source: a config by its contents, a module or factory by identity
+    (checked against a weak reference, so a new object at a recycled id is not mistaken for it)."""
+    if isinstance(src, nn.Module) or callable(src) and not hasattr(src, "to_dict"):
+        return ("object", id(src))
+    if hasattr(src, "to_json_string"):
+        return ("hf", src.to_json_string(use_diff=False))
+    return ("config", repr(src))
+
+
+def param_dtype(src: Any) -> Optional[torch.dtype]:
+    """The dtype a module's parameters have, or a Hugging Face config asks for (its `dtype`)."""
+    if isinstance(src, nn.Module):
+        p = next(src.parameters(), None)
+        return p.dtype if p is not None else None
+    dtype = getattr(src, "dtype", None) if hasattr(src, "to_dict") else None
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else None
+
+
+@contextlib.contextmanager
+def _fake_model(src: Any, dtype: torch.dtype):
+    """A fresh module to shard and capture, and the FakeTensorMode it lives in (entered). A
+    config is built in `dtype` (the setup's), whatever dtype it names itself."""
+    from tailorfx.sizing import _build
+    if isinstance(src, nn.Module):
+        model = fake_copy(src)
+        mode = _mode_of(model)
+        if any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
+            with mode:
+                model = model.to(dtype)       # the setup's weights
+    else:
+        if hasattr(src, "to_dict") and getattr(src, "dtype", None) is not None:
+            src = copy.deepcopy(src)
+            src.dtype = dtype
+        mode = compat.FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            model = _build(src, dtype)
+    with mode:
+        yield model
+
+
+# ---- one capture: the rank's step graph, its parts and their parameters ------------------------------
+@dataclass
+class RankCapture:
+    steps: memory.StepGraphs
+    seq: Any
+    gm: fx.GraphModule
+    regions: Any
+    blocks: list[str]
+    fw_group: dict[str, int]
+    bw_group: dict[str, int]
+    node_group: dict
+    fw_attn: frozenset
+    bw_attn: frozenset
+    params: list[list[tuple[tuple[int, ...], int]]]   # per group: (tp-local shape, itemsize) of each parameter
+    attn_bytes: int                 # q, k, v and output of one attention
+    heads: tuple[int, int]          # its query and key/value heads (this tp rank's)
+    scope: Callable                 # the context the graph is traced under (loss_parallel)
+    profiles: dict = field(default_factory=dict)
+    owner: Any = None               # a weak reference to the module or factory captured (None: a config)
+    wgrad: list = field(default_factory=list)   # per group: output bytes of its ops that take a parameter
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.blocks) + 2
+
+    def group_bytes(self, g: int) -> int:
+        return sum(math.prod(s) * b for s, b in self.params[g])
+
+
+_CAPTURES: dict[tuple, RankCapture] = {}
+_TP_PLANS: dict[tuple, Any] = {}
+_CACHE_SIZE = 16
+
+
+def clear_cache() -> None:
+    """Forget cached captures (each holds a traced graph of the model)."""
+    _CAPTURES.clear()
+    _TP_PLANS.clear()
+
+
+_MESH_IDS = itertools.count()
+
+
+def capture_rank(src: Any, *, tp: int, rows: int, seq: int, head: str, dtype: torch.dtype, mesh=None) -> RankCapture:
+    key = (_source_key(src), tp, rows, seq, head if tp > 1 else "", dtype)
+    hit = _CAPTURES.get(key)
+    if hit is not None and (hit.owner is None or hit.owner() is src):
+        return hit
+    import torch.distributed as dist
+    own_group = False
+    if tp > 1 and mesh is None:
+        if dist.is_initialized():
+            raise RuntimeError(f"predicting tp={tp} needs a process group of {tp} ranks to shard a fake copy "
+                               f"on, and this process already has one (world {dist.get_world_size()}): call it "
+                               f"outside torchrun, or through opt.predict_memory() of the sharded model")
+        compat.init_fake_process_group(tp)
+        own_group = True
+    try:
+        if own_group:
+            from torch.distributed.device_mesh import init_device_mesh
+            on = _device(src).type if isinstance(src, nn.Module) else "cpu"
+            # a new name each time: DTensor caches sharding decisions by mesh equality, and a decision
+            # cached from an earlier capture's (destroyed) mesh leaks that mesh into this graph, where
+            # AOTAutograd then fails ("Node tangents_4 was invalid, but is output")
+            mesh = init_device_mesh(on if on == "cpu" or torch.cuda.is_available() else "cpu", (tp,),
+                                    mesh_dim_names=(f"tp_capture{next(_MESH_IDS)}",))
+        cap = _capture_on(src, key, tp=tp, rows=rows, seq=seq, head=head, dtype=dtype, mesh=mesh)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    if key[0][0] == "object":
+        try:
+            cap.owner = weakref.ref(src)
+        except TypeError:     # not weakly referenceable: not cached
+            return cap
+    while len(_CAPTURES) >= _CACHE_SIZE:
+        _CAPTURES.pop(next(iter(_CAPTURES)))
+    _CAPTURES[key] = cap
+    return cap
+
+
+def _capture_on(src, key, *, tp, rows, seq, head, dtype, mesh) -> RankCapture:
+    from tailorfx.codegen.lower import partition_for
+    from tailorfx.codegen.pipeline import capture_static
+    scope = contextlib.nullcontext
+    with _fake_model(src, dtype) as model:
+        ids = torch.zeros(rows, seq, dtype=torch.long, device=_device(model))
+        batch = {"input_ids": ids, "labels": ids}
+        if tp > 1:
+            styles = _tp_styles(model, src, dtype, tp, head)
+            _apply_tp(model, styles, mesh)
+            if any(st.startswith("colwise_vocab_parallel") for st in styles.values()):
+                from torch.distributed.tensor.parallel import loss_parallel
+                scope = loss_parallel
+        with scope():
+            gm, _, _ = capture_static(model, batch)
+        local = {}
+        for name, p in model.named_parameters():
+            t = p.to_local() if hasattr(p, "to_local") else p
+            local[name] = (tuple(t.shape), t.element_size(), p.requires_grad)
+    with scope():     # AOTAutograd outside the model's fake mode (it makes its own), collectives still known
+        steps = memory.trace_step(gm, None, partition_for("dynamo", gm), None)
+    steps = replace(steps, eager_autograd=True)
+    return _annotate(gm, steps, local, scope)
+
+
+def _device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def tp_plan(src: Any, dtype: torch.dtype, model: Optional[nn.Module] = None):
+    """The TP plan read off the model's graph (passes/parallel.py), once per model: it does not
+    depend on tp. `model`: an already built fake copy to read it from."""
+    from tailorfx.parallelize import plan_tensor_parallel
+    key = _source_key(src)
+    hit = _TP_PLANS.get(key)
+    if hit is not None and (hit[1] is None or hit[1]() is src):
+        return hit[0]
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    with (contextlib.nullcontext(model) if model is not None else _fake_model(src, dtype)) as m:
+        plan, _ = plan_tensor_parallel(m, (), {"input_ids": ids.to(_device(m)), "labels": ids.to(_device(m))})
+    try:
+        owner = weakref.ref(src) if key[0] == "object" else None
+    except TypeError:
+        return plan
+    _TP_PLANS[key] = (plan, owner)
+    return plan
+
+
+def _tp_styles(model: nn.Module, src: Any, dtype: torch.dtype, tp: int, head: str) -> dict[str, str]:
+    """The plan's styles, checked against tp; `head` "gather": the LM head gathers its logits
+    (as the runtime shards it for pipeline stages); "sequence": with sp="megatron"'s styles."""
+    plan = tp_plan(src, dtype, model)
+    plan.check(tp)
+    if head == "sequence":
+        if plan.sequence_error:
+            from tailorfx.passes.parallel import SequenceParallelError
+            raise SequenceParallelError(plan.sequence_error)
+        return {**plan.styles, **plan.sequence}
+    if head == "gather":
+        return {f: ("colwise_gather_output" if s == "colwise_vocab_parallel" else s) for f, s in plan.styles.items()}
+    return dict(plan.styles)
+
+
+def _apply_tp(model: nn.Module, styles: dict[str, str], mesh) -> None:
+    """runtime.apply_tp's styles, without the scatter from rank 0 that distribute_tensor does by
+    default (a real mesh inside torchrun must not see collectives on fake tensors)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    from tailorfx.runtime.tensor_parallel import _style
+    plan = {}
+    for fqn, s in styles.items():
+        style = _style(s)
+        if hasattr(style, "src_data_rank"):
+            style.src_data_rank = None
+        plan[fqn] = style
+    parallelize_module(model, mesh, plan)
+
+
+def _stack_paths(meta: Optional[dict]) -> list[str]:
+    paths = [normalize_path(v[0] if isinstance(v, tuple) else str(v)) for v in (meta or {}).values()]
+    return [p for p in paths if p]
+
+
+def _groups(g: fx.GraphModule, key: str, block_index: dict[str, int], backward: bool) -> dict[fx.Node, int]:
+    """Node -> part: 1 + block index inside a block; outside blocks, the root before the first
+    block (0) or after the last one (L+1), in forward order (backward runs the head's first)."""
+    L = len(block_index)
+    nodes = [n for n in g.graph.nodes if n.op not in ("placeholder", "output")]
+    found: dict[fx.Node, Optional[int]] = {}
+    for n in nodes:
+        found[n] = next((block_index[p] for p in _stack_paths(n.meta.get(key)) if p in block_index), None)
+    inside = [i for i, n in enumerate(nodes) if found[n] is not None]
+    out: dict[fx.Node, int] = {}
+    first, last = (inside[0], inside[-1]) if inside else (len(nodes), len(nodes))
+    before, after = (L + 1, 0) if backward else (0, L + 1)
+    prev = before
+    for i, n in enumerate(nodes):
+        if found[n] is not None:
+            prev = out[n] = 1 + found[n]
+        else:
+            out[n] = before if i < first else after if i > last else prev
+    return out
+
+
+def _annotate(gm: fx.GraphModule, steps: memory.StepGraphs, local: dict, scope) -> RankCapture:
+    seq = seq_info(gm, None)
+    regions = find_regions(gm, seq)
+    blocks = [r.path for r in regions.of_kind("block")]
+    index = {b: i for i, b in enumerate(blocks)}
+    fw = _groups(steps.fw, "nn_module_stack", index, False)
+    bw = _groups(steps.bw, "fwd_nn_module_stack", index, True) if steps.bw is not None else {}
+    attn_paths = {r.path for r in regions.of_kind("attention")}
+    fw_attn = frozenset(n.name for n in fw if attn_paths & set(_stack_paths(n.meta.get("nn_module_stack"))))
+    bw_attn = frozenset(n.name for n in bw if attn_paths & set(_stack_paths(n.meta.get("fwd_nn_module_stack"))))
+    # each module's part: the part of the first forward node inside it
+    module_group: dict[str, int] = {}
+    for n, grp in fw.items():
+        for p in _stack_paths(n.meta.get("nn_module_stack")):
+            module_group.setdefault(p, grp)
+    L = len(blocks)
+    params: list[list] = [[] for _ in range(L + 2)]
+    for name, (shape, itemsize, trained) in local.items():
+        if not trained:
+            continue
+        mod = name.rsplit(".", 1)[0] if "." in name else ""
+        blk = next((i for i, b in enumerate(blocks) if name.startswith(b + ".")), None)
+        grp = 1 + blk if blk is not None else module_group.get(mod, 0)
+        params[grp].append((shape, itemsize))
+    attn_bytes, heads, kv_heads = _attention(gm)
+    return RankCapture(steps, seq, gm, regions, blocks, {n.name: v for n, v in fw.items()},
+                    {n.name: v for n, v in bw.items()}, {**fw, **bw}, fw_attn, bw_attn, params,
+                    attn_bytes, (heads, kv_heads), scope, wgrad=_weight_grad_inputs(gm, index))
+
+
+def _weight_grad_inputs(gm: fx.GraphModule, index: dict[str, int]) -> list[int]:
+    """Per group, the bytes of the outputs of ops that combine a trained parameter with an
+    activation (linears, a norm's weight product): a zero-bubble input-gradient pass (torch's
+    `stage_backward_input`) keeps the gradient of each until the weight pass that reads it."""
+    out = [0] * (len(index) + 2)
+    for n, grp in _groups(gm, "nn_module_stack", index, False).items():
+        v = node_value(n)
+        if n.op not in ("call_function", "call_method") or not isinstance(v, torch.Tensor) or not v.requires_grad:
+            continue
+        ins = [a for a in n.all_input_nodes if isinstance(node_value(a), torch.Tensor)]
+        trained = [a for a in ins if is_param(a, through_casts=True) and node_value(param_source(a)).requires_grad]
+        if trained and any(a not in trained and node_value(a).requires_grad for a in ins):
+            t = v.to_local() if hasattr(v, "to_local") else v     # a DTensor: this rank's shard
+            out[grp] += t.numel() * t.element_size()
+    return out
+
+
+def _attention(gm: fx.GraphModule) -> tuple[int, int, int]:
+    """Bytes of q, k, v and the output of the first scaled-dot-product attention in the graph,
+    and its query and key/value head counts (zeros if there is none)."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and "scaled_dot_product" in getattr(n.target, "__name__", ""):
+            vals = [node_value(a) for a in n.args[:3] if isinstance(a, fx.Node)] + [node_value(n)]
+            vals = [v[0] if isinstance(v, (tuple, list)) else v for v in vals]
+            nbytes = sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+            heads = [v.shape[1] if isinstance(v, torch.Tensor) and v.dim() == 4 else 0 for v in vals[:2]]
+            return nbytes, *heads
+    return 0, 0, 0
+
+
+# ---- the tagged simulation ----------------------------------------------------------------------
+@dataclass
+class Point:
+    kind: str            # "f" forward, "b" backward, "e" the forward ended (its outputs released)
+    group: int
+    attn: bool
+    live: tuple          # bytes live per part (transient of the running op in its part)
+    grads: tuple         # gradient bytes live per part
+    saved_freed: tuple = ()   # bytes per part of the forward's saved tensors backward has freed so far
+
+
+class _TaggedPool(memory._Pool):
+    """The memory model's pool, also counting live bytes per part of the model."""
+
+    def __init__(self, cap: RankCapture):
+        super().__init__(memory.Timeline())
+        self.cap = cap
+        n = cap.num_groups
+        self.live, self.glive = [0] * n, [0] * n
+        self.sid_group: dict[int, int] = {}
+        self.current = n - 1
+        self.points: list[Point] = []
+        self.saved_sids: set[int] = set()
+        self.saved_freed = [0] * n
+
+    def alloc(self, nbytes: int, holder, grad: bool = False) -> int:
+        sid = super().alloc(nbytes, holder, grad)
+        g = self.cap.node_group.get(holder, self.current) if isinstance(holder, fx.Node) else self.current
+        self.sid_group[sid] = g
+        self.live[g] += nbytes
+        if grad:
+            self.glive[g] += nbytes
+        return sid
+
+    def hold(self, sid: int, holder) -> None:
+        super().hold(sid, holder)
+        if isinstance(holder, tuple) and holder[0] == "saved" and sid in self.bytes:
+            self.saved_sids.add(sid)
+
+    def release(self, sid: int, holder) -> None:
+        nbytes, was_grad = self.bytes.get(sid), sid in self.grad_sids
+        super().release(sid, holder)
+        if nbytes is not None and sid not in self.bytes:
+            g = self.sid_group.pop(sid)
+            self.live[g] -= nbytes
+            if was_grad:
+                self.glive[g] -= nbytes
+            if sid in self.saved_sids:
+                self.saved_sids.discard(sid)
+                self.saved_freed[g] += nbytes
+
+    def mark(self, phase: str, node: str, extra: int = 0) -> None:
+        kind = "f" if phase.startswith("forward") else "b" if phase.startswith("backward") else "o"
+        if kind != "o":
+            names = self.cap.fw_group if kind == "f" else self.cap.bw_group
+            self.current = names.get(node, self.current)
+            attn = node in (self.cap.fw_attn if kind == "f" else self.cap.bw_attn)
+            live = list(self.live)
+            live[self.current] += extra
+            self.points.append(Point(kind, self.current, attn, tuple(live), tuple(self.glive),
+                                      tuple(self.saved_freed)))
+
+
+def profile(cap: RankCapture, setup: TrainingSetup, keep_outputs: bool = True) -> list[Point]:
+    """The step simulated under `setup`, each point's live bytes split by part (cached).
+    `keep_outputs`: the caller holds the model's outputs (logits) through backward, as a training
+    loop does; a pipeline's last stage returns only the loss."""
+    key = (setup.param_dtype, setup.grads, setup.optimizer, setup.optimizer_in_backward, setup.master_weights,
+           keep_outputs)
+    if key not in cap.profiles:
+        s = setup.with_(grad_accum_steps=1)
+        pool = _TaggedPool(cap)
+        sizer = memory.Sizer(cap.seq, None)
+        saved = _forward(pool, cap.steps, sizer, s, keep_outputs)
+        if cap.steps.bw is not None:
+            memory._backward(pool, cap.steps, 0, saved, sizer, s)
+        cap.profiles[key] = pool.points
+    return cap.profiles[key]
+
+
+def _forward(pool: _TaggedPool, st: memory.StepGraphs, sizer, setup: TrainingSetup, keep_outputs: bool) -> dict:
+    """memory._forward, except that without `keep_outputs` only a scalar output (the loss) is held."""
+    from tailorfx.rewrite.trace import _outputs
+    outs = memory._run_graph(st.fw, pool, {}, sizer, "forward[0]", setup)
+    nodes = _outputs(st.fw)
+    saved = {}
+    for o, sids in zip(nodes[st.num_user_outputs:], outs[st.num_user_outputs:]):
+        if isinstance(o, fx.Node):
+            saved[o.name] = sids
+            for sid in sids:
+                pool.hold(sid, ("saved", 0, o.name))
+    for o, sids in zip(nodes[:st.num_user_outputs], outs[:st.num_user_outputs]):
+        v = node_value(o) if isinstance(o, fx.Node) else None
+        if keep_outputs or (isinstance(v, torch.Tensor) and v.dim() == 0):
+            for sid in sids:
+                pool.hold(sid, ("user", 0))
+    for sids in outs:
+        for sid in sids:
+            pool.release(sid, "__out__")
+    # what the forward leaves: a last stage keeps this per micro-batch (its logits are gone)
+    pool.points.append(Point("e", pool.current, False, tuple(pool.live), tuple(pool.glive), tuple(pool.saved_freed)))
+    return saved
