@@ -196,9 +196,9 @@ def predict_graphs(graphs: Sequence[tuple[fx.GraphModule, str, Optional[memory.S
 
 
 def traced_step(gm: fx.GraphModule, partition: str, setup: Optional[TrainingSetup]) -> memory.StepGraphs:
-    """memory.trace_step, kept on the graph module: its sizes are symbolic in the sequence length,
-    so one AOTAutograd trace serves every length (max_seq_len bisects on it). Keyed by the code
-    the module runs, so a graph rewritten in place is traced again."""
+    """memory.trace_step, kept while the graph module lives (a weak key): its sizes are symbolic in
+    the sequence length, so one AOTAutograd trace serves every length (max_seq_len bisects on it).
+    Keyed also by the code the module runs, so a graph rewritten in place is traced again."""
     key = (partition, bool(setup is not None and setup.optimizer_in_backward), gm.code)
     cache = _TRACED.setdefault(gm, {})
     if key not in cache:
