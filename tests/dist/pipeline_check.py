@@ -51,14 +51,19 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1
            "stages": opt.session.parallel.stage_blocks, "bubble": opt.session.parallel.bubble,
            "measured": measured, "predicted": predicted, "measured_steps": steps,
            "stage_param_bytes": sum(p.numel() * p.element_size() for p in mine.values()),
-           "report": str(opt.report())}, family, schedule)
+           "report": str(opt.report())}, family, schedule, f"{tp}x{dp}")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":     # pipeline_check.py TP[xDP] MICROBATCHES FAMILY:SCHEDULE[:mem] [...]: one launch, several runs
     tp, _, dp = sys.argv[1].partition("x")
     m = int(sys.argv[2])
-    # FAMILY:SCHEDULE[:mem]: with ":mem", also this rank's measured and predicted peak
-    failed = sum(main(*run.split(":")[:2], m, int(tp), int(dp or 1), run.endswith(":mem")) for run in sys.argv[3:])
+    # FAMILY:SCHEDULE[:mem][@TPxDP]: with ":mem", also this rank's measured and predicted peak;
+    # "@TPxDP", a layout other than the launch's (one launch, several layouts: a start costs seconds)
+    failed = 0
+    for run in sys.argv[3:]:
+        spec, _, layout = run.partition("@")
+        rtp, _, rdp = (layout or f"{tp}x{dp or 1}").partition("x")
+        failed += main(*spec.split(":")[:2], m, int(rtp), int(rdp or 1), spec.endswith(":mem"))
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
