@@ -159,7 +159,7 @@ def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
             assert styles["model.embed_tokens"] == "embedding_to_sequence:1"
             assert styles["model.norm"] == "sequence_parallel:1"
             assert styles["lm_head"] == "colwise_vocab_parallel_from_sequence:1"
-            # within 5% of the smallest of five measured steps (the memory model on the sharded graph);
+            # within 5% of the smallest of three measured steps (the memory model on the sharded graph);
             # gloo's collective buffers put a step up to 5.2% above it at random (more collectives than
             # tp alone: gathers, reduce-scatters)
             assert -0.05 <= err <= 0.05, r
@@ -168,7 +168,7 @@ def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
         if run == "llama":     # untied head into the loss: logits split over the vocab, loss_parallel
             assert styles["lm_head"] == "colwise_vocab_parallel"
         # the memory model on the sharded graph: within 5% of this rank's measured peak (the smallest
-        # of five steps), never 2% under
+        # of three steps), never 2% under
         assert -0.02 <= err <= 0.05, r
 
 
