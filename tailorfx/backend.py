@@ -18,7 +18,7 @@ from tailorfx.options import Options, backend_options
 from tailorfx.codegen import lower as lowering_mod
 from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import SeqInfo, seq_info, strip_identity_dropout
-from tailorfx.rewrite.passes import LazyPeak, PassContext, PassRecord
+from tailorfx.rewrite.passes import LazyPeak, PassContext, PassRecord, peak_of
 from tailorfx.rewrite.regions import RegionMap, find_regions
 from tailorfx.runtime.optim import GraphInputs
 
@@ -42,11 +42,11 @@ class GraphRecord:
 
     @property
     def peak_captured(self) -> Optional[int]:
-        return self.captured_peak.get() if self.captured_peak is not None else None
+        return peak_of(self.captured_peak)
 
     @property
     def peak_final(self) -> Optional[int]:
-        return self.final_peak.get() if self.final_peak is not None else None
+        return peak_of(self.final_peak)
 
 
 @dataclass
@@ -202,9 +202,9 @@ def _check_budget(requested, opts: dict, lazy: Optional[LazyPeak], seq: SeqInfo)
     """Passes the user named under a budget: the predicted peak must fit (the planner's plans
     are checked by the planner)."""
     budget = opts.get("budget_bytes")
-    if requested is None or not budget or lazy is None:
+    if requested is None or not budget:
         return
-    peak = lazy.get()
+    peak = peak_of(lazy)
     if peak is None or peak <= budget:
         return
     raise BudgetError(f"passes {list(requested)} predict a peak of {format_bytes(peak)} at sequence length "

@@ -386,10 +386,13 @@ class _TaggedPool(memory._Pool):
             names = self.cap.fw_group if kind == "f" else self.cap.bw_group
             self.current = names.get(node, self.current)
             attn = node in (self.cap.fw_attn if kind == "f" else self.cap.bw_attn)
-            live = list(self.live)
-            live[self.current] += extra
-            self.points.append(Point(kind, self.current, attn, tuple(live), tuple(self.glive),
-                                      tuple(self.saved_freed)))
+            self.snapshot(kind, attn, extra)
+
+    def snapshot(self, kind: str, attn: bool = False, extra: int = 0) -> None:
+        """A point of the profile: what is live now, per part (`extra` more in the running one)."""
+        live = list(self.live)
+        live[self.current] += extra
+        self.points.append(Point(kind, self.current, attn, tuple(live), tuple(self.glive), tuple(self.saved_freed)))
 
 
 def profile(cap: RankCapture, setup: TrainingSetup, keep_outputs: bool = True) -> list[Point]:
@@ -429,5 +432,5 @@ def _forward(pool: _TaggedPool, st: memory.StepGraphs, sizer, setup: TrainingSet
         for sid in sids:
             pool.release(sid, "__out__")
     # what the forward leaves: a last stage keeps this per micro-batch (its logits are gone)
-    pool.points.append(Point("e", pool.current, False, tuple(pool.live), tuple(pool.glive), tuple(pool.saved_freed)))
+    pool.snapshot("e")
     return saved

@@ -202,7 +202,8 @@ def traced_step(gm: fx.GraphModule, partition: str, setup: Optional[TrainingSetu
     key = (partition, bool(setup is not None and setup.optimizer_in_backward), gm.code)
     cache = _TRACED.setdefault(gm, {})
     if key not in cache:
-        cache.clear()
+        for stale in [k for k in cache if k[2] != gm.code]:   # traces of code the module no longer runs
+            del cache[stale]
         cache[key] = memory.trace_step(gm, None, partition, setup)
     return cache[key]
 

@@ -69,6 +69,11 @@ class LazyPeak:
         return self._value
 
 
+def peak_of(lazy: Optional[LazyPeak]) -> Optional[int]:
+    """A lazy peak's value; None without one (predictions off)."""
+    return lazy.get() if lazy is not None else None
+
+
 @dataclass
 class PassRecord:
     """One pass over one graph, kept for opt.report(), opt.graphs and opt.diff()."""
@@ -88,12 +93,12 @@ class PassRecord:
     @property
     def peak_before(self) -> Optional[int]:
         """Predicted peak of the graph this pass was given (None: predictions off)."""
-        return self.before_peak.get() if self.before_peak is not None else None
+        return peak_of(self.before_peak)
 
     @property
     def peak_after(self) -> Optional[int]:
         """... of the graph it left."""
-        return self.after_peak.get() if self.after_peak is not None else None
+        return peak_of(self.after_peak)
 
     def diff(self) -> str:
         lines = difflib.unified_diff(self.before.splitlines(), self.after.splitlines(),
