@@ -12,7 +12,9 @@ gathered parameters included), and the median step time of 5 steps after 2 warm-
 (slowest rank). Every layout is checked against the single-process loss. "Predicted" is
 `predict_rank_memory` run here, in one process, from the model's config (fake tensors, a fake
 process group for tp), for the worst rank, in the same terms (parameters + gradients + the
-forward+backward peak above them); "in torchrun" is each rank's `opt.predict_memory()`.
+forward+backward peak above them); "in torchrun" is each rank's `opt.predict_memory()`. Tensor
+parallel layouts run tailorfx's fused vocab-parallel loss (the default); "tp2:lp" and "tp4:lp" the
+same layouts with the head's loss under DTensor's `loss_parallel`, as torchtitan runs it.
 
     python benchmarks/parallel.py                      # every layout, then the 8B table
     python benchmarks/parallel.py --layouts tp2 pp4    # some layouts
@@ -36,7 +38,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = {"1": (1, 1, 1, 0), "tp2": (2, 1, 1, 0), "dp2": (1, 2, 1, 0), "pp2": (1, 1, 2, 0), "tp4": (4, 1, 1, 0),
            "dp4": (1, 4, 1, 0), "tp2xdp2": (2, 2, 1, 0), "pp4": (1, 1, 4, 0), "tp2xpp2": (2, 1, 2, 0),
            "sp2": (1, 2, 1, 1), "sp4": (1, 4, 1, 1), "tp2+sp": (2, 1, 1, 2), "tp4+sp": (4, 1, 1, 2),
-           "pp2xdp2": (1, 2, 2, 0)}
+           "pp2xdp2": (1, 2, 2, 0), "tp2:lp": (2, 1, 1, 0), "tp4:lp": (4, 1, 1, 0)}
+# ":lp": the vocab-parallel head's loss under DTensor's loss_parallel (as torchtitan runs it) instead
+# of tailorfx's fused vocab-parallel loss (runtime/vocab_parallel.py), the default
+
+
+def vocab_loss(name: str) -> str:
+    return "loss_parallel" if name.endswith(":lp") else "fused"
 SP = {0: None, 1: "ulysses", 2: "megatron"}
 SCHEDULE = "1f1b"
 
@@ -46,7 +54,7 @@ def microbatches(batch: int, dp: int) -> int:
     return batch // dp
 
 
-def worker(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int) -> None:
+def worker(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int, loss: str = "fused") -> None:
     import statistics
     import time
 
@@ -74,7 +82,7 @@ def worker(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int) -> None:
     else:           # each dp rank's rows are its example (its predictions are at their shape)
         rank = int(os.environ["RANK"])
         rows = {k: v.chunk(dp)[rank // tp] for k, v in batch_all.items()}
-        opt = tailorfx.optimize(model, example_inputs=rows, parallel=dict(tp=tp, dp=dp, sp=SP[sp]))
+        opt = tailorfx.optimize(model, example_inputs=rows, parallel=dict(tp=tp, dp=dp, sp=SP[sp], vocab_loss=loss))
     params = [p for _, p in opt.named_parameters()]
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in params)
 
@@ -123,14 +131,14 @@ def _emit(row: dict) -> None:
         json.dump(row, f)
 
 
-def launch(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int) -> list[dict]:
+def launch(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int, loss: str = "fused") -> list[dict]:
     import tempfile
     n = tp * dp * pp
     results = tempfile.mkdtemp()
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
            if n > 1 else [sys.executable])
     cmd += [os.path.abspath(__file__), "--worker", str(tp), str(dp), str(pp), str(sp), "--seq", str(seq),
-            "--batch", str(batch)]
+            "--batch", str(batch), "--vocab-loss", loss]
     out = subprocess.run(cmd, capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "TAILORFX_RESULTS": results})
     rows = [json.load(open(os.path.join(results, f))) for f in sorted(os.listdir(results))]
@@ -154,21 +162,22 @@ def llama3_8b_config():
                        tie_word_embeddings=False)
 
 
-def predict_layout(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int):
+def predict_layout(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int, loss: str = "fused"):
     """The worst rank of a launched layout, predicted in this process: (its prediction, the
     benchmark's measure of it: parameters + gradients + the forward+backward peak above them)."""
     from tailorfx.parallel_memory import predict_rank_memory
     rows = 1 if pp > 1 else batch if sp == 1 else batch // dp
     rm = predict_rank_memory(small_config(), tp=tp, dp=dp, pp=pp, sp=SP[sp], schedule=SCHEDULE,
                              microbatches=microbatches(batch, dp) if pp > 1 else None, seq_len=seq, batch_size=rows,
-                             setup="fp32")
+                             setup="fp32", vocab_loss=loss)
     if pp > 1:     # per pipeline rank, in the benchmark's terms
         totals = [2 * params + fb for _, fb, params in rm.pipeline_ranks]
         return rm, max(totals), totals
     return rm, 2 * rm.param_bytes + rm.forward_backward_peak_bytes, None
 
 
-PLANS_8B = [(8, dict(dp=8)), (8, dict(dp=8, sp="ulysses")), (8, dict(tp=8)), (8, dict(tp=8, sp="megatron")),
+PLANS_8B = [(8, dict(dp=8)), (8, dict(dp=8, sp="ulysses")), (8, dict(tp=8)), (8, dict(tp=8, vocab_loss="loss_parallel")),
+            (8, dict(tp=8, sp="megatron")),
             (8, dict(tp=2, dp=4)),
             (8, dict(tp=4, dp=2)), (8, dict(tp=4, pp=2)), (8, dict(pp=2, dp=4)), (8, dict(pp=8)),
             (64, dict(dp=64)), (64, dict(tp=8, dp=8)), (64, dict(tp=8, dp=8, sp="megatron")), (64, dict(tp=4, dp=16)), (64, dict(tp=8, pp=8)),
@@ -188,7 +197,7 @@ def predict_8b(seq: int = 8192) -> tuple[list[list], list[dict]]:
     rows, out = [], []
     for world, plan in PLANS_8B:
         tp, dp, pp, sp = plan.get("tp", 1), plan.get("dp", 1), plan.get("pp", 1), plan.get("sp")
-        name = describe_layout(tp, pp, dp, sp)
+        name = describe_layout(tp, pp, dp, sp) + (" (loss_parallel)" if plan.get("vocab_loss") == "loss_parallel" else "")
         t = time.time()
         try:
             rm = predict_rank_memory(cfg, **plan, seq_len=seq, batch_size=1, setup="amp-bf16")
@@ -213,13 +222,14 @@ def main() -> None:
     ap.add_argument("--worker", nargs=4, type=int, metavar=("TP", "DP", "PP", "SP"))
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--vocab-loss", default="fused", choices=["fused", "loss_parallel"])
     ap.add_argument("--layouts", nargs="+", default=[k for k in LAYOUTS if k != "tp2xpp2"], choices=list(LAYOUTS))
     ap.add_argument("--measured", default=None, help="a JSON this benchmark wrote: re-predict its measurements")
     ap.add_argument("--predict-8b", action="store_true", help="only the Llama-3-8B table (no launches)")
     ap.add_argument("--skip-8b", action="store_true", help="no Llama-3-8B table")
     a = ap.parse_args()
     if a.worker:
-        return worker(*a.worker, a.seq, a.batch)
+        return worker(*a.worker, a.seq, a.batch, a.vocab_loss)
     sys.path.insert(0, HERE)
     from common import print_table, write_json
     mib = lambda b: f"{b / 2**20:.1f}"
@@ -232,8 +242,8 @@ def main() -> None:
         total = lambda r: r["param_bytes"] + r["grad_bytes"] + r["fwd_bwd_peak_bytes"]
         for name in a.layouts:
             tp, dp, pp, sp = LAYOUTS[name]
-            ranks = saved[name]["ranks"] if name in saved else launch(tp, dp, pp, sp, a.seq, a.batch)
-            rm, predicted, per_rank = predict_layout(tp, dp, pp, sp, a.seq, a.batch)
+            ranks = saved[name]["ranks"] if name in saved else launch(tp, dp, pp, sp, a.seq, a.batch, vocab_loss(name))
+            rm, predicted, per_rank = predict_layout(tp, dp, pp, sp, a.seq, a.batch, vocab_loss(name))
             worst = max(ranks, key=total)
             inrun = [r["param_bytes"] + r["grad_bytes"] + r["predicted_fwd_bwd_peak_bytes"] for r in ranks
                      if r.get("predicted_fwd_bwd_peak_bytes") is not None]
@@ -252,6 +262,7 @@ def main() -> None:
                 label = f"tp={tp} + Megatron SP"
             else:
                 label = " x ".join(f"{k}={v}" for k, v in (("tp", tp), ("dp", dp)) if v > 1) or "1 process"
+                label += " (loss_parallel)" if vocab_loss(name) == "loss_parallel" else ""
             ref = ranks[0]["single_process_loss"]
             rows.append([label, str(tp * dp * pp), mib(worst["param_bytes"]), mib(worst["fwd_bwd_peak_bytes"]),
                          mib(total(worst)), f"{mib(predicted)} ({err(predicted, total(worst))})",

@@ -184,7 +184,8 @@ def describe_layout(tp: int, pp: int, dp: int, sp: Optional[str]) -> str:
 # ---- predict_rank_memory -------------------------------------------------------------------------------
 def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: int = 1, sp: Optional[str] = None,
                         schedule: str = "1f1b", microbatches: Optional[int] = None, seq_len: int,
-                        batch_size: int = 1, setup: Any = None, rank: Optional[int] = None, _mesh=None) -> RankMemory:
+                        batch_size: int = 1, setup: Any = None, rank: Optional[int] = None, vocab_loss: str = "fused",
+                        _mesh=None) -> RankMemory:
     """Memory of the worst rank of a parallel layout for one training step, predicted by
     composition on the memory model (see the module docstring); nothing is allocated.
 
@@ -193,14 +194,15 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     of the `microbatches` micro-batches, default pp, has that many rows; under sp every rank
     takes every row and seq_len/dp of its tokens). `setup`: a TrainingSetup or preset name
     (default: the model's dtype with AdamW). `rank`: under pp, that pipeline rank's memory
-    instead of the worst's. The layout is checked as optimize(parallel=...) checks it (ValueError
-    for one the runtime refuses, such as sp="ulysses" with tp).
+    instead of the worst's. `vocab_loss`: a vocab-parallel head's loss "fused" with it or under
+    DTensor's "loss_parallel". The layout is checked as optimize(parallel=...) checks it
+    (ValueError for one the runtime refuses, such as sp="ulysses" with tp).
     """
     from tailorfx.codegen.schedule import build_schedule, simulate_schedule
     from tailorfx.options import positive_int
     from tailorfx.parallelize import check_parallel
     spec = check_parallel({"tp": tp, "dp": dp, "pp": pp, "sp": sp, "schedule": schedule,
-                           "microbatches": microbatches or pp})
+                           "microbatches": microbatches or pp, "vocab_loss": vocab_loss})
     positive_int("seq_len", seq_len, allow_none=False)
     positive_int("batch_size", batch_size, allow_none=False)
     m, v = spec["microbatches"], spec["virtual"]
@@ -209,7 +211,8 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     if ulysses and seq_len % dp:
         raise ValueError(f"sp='ulysses' over dp={dp} ranks needs a sequence length divisible by {dp}, got {seq_len}")
     seq = seq_len // dp if ulysses else seq_len
-    head = "gather" if pp > 1 else "sequence" if sp == "megatron" else "vocab"
+    head = ("gather" if pp > 1 else "sequence" if sp == "megatron" else "vocab") + (
+        "+loss_parallel" if vocab_loss == "loss_parallel" else "")
     cap = capture_rank(model_or_config, tp=tp, rows=batch_size, seq=seq, head=head, dtype=s.param_dtype, mesh=_mesh)
     points = profile(cap, s)
     L = len(cap.blocks)

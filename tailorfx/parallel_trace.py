@@ -173,11 +173,15 @@ def _capture_on(src, key, *, tp, rows, seq, head, dtype, mesh) -> RankCapture:
         ids = torch.zeros(rows, seq, dtype=torch.long, device=_device(model))
         batch = {"input_ids": ids, "labels": ids}
         if tp > 1:
-            styles = _tp_styles(model, src, dtype, tp, head)
+            styles = _tp_styles(model, src, dtype, tp, head.split("+")[0])
             _apply_tp(model, styles, mesh)
-            if any(st.startswith("colwise_vocab_parallel") for st in styles.values()):
+            vocab = next((f for f, st in styles.items() if st.startswith("colwise_vocab_parallel")), None)
+            if vocab is not None:
                 from torch.distributed.tensor.parallel import loss_parallel
+                from tailorfx.parallelize import fuse_head_loss
                 scope = loss_parallel
+                fuse_head_loss(model, vocab, tp_plan(src, dtype, model).head_loss,
+                               "loss_parallel" if head.endswith("+loss_parallel") else "fused")
         with scope():
             gm, _, _ = capture_static(model, batch)
         local = {}

@@ -3,6 +3,7 @@ a torchrun process.
 
     tp/dp: capture -> regions -> passes.parallel.infer_tp_plan (+ infer_sequence_parallel for
              sp="megatron") -> check(tp) -> runtime.apply_tp (DTensor, tp mesh dim)
+             -> the vocab-parallel head's loss fused (runtime.vocab_parallel)
              -> runtime.apply_fsdp (FSDP2, dp mesh dim)
     pp:    capture (static shapes) -> regions -> passes.pipeline_split (block FLOPs, bytes)
              -> codegen.pipeline.cut_stages -> codegen.schedule -> torch.distributed.pipelining
@@ -17,10 +18,11 @@ from typing import Any, Optional
 import torch.nn as nn
 
 from tailorfx.passes.parallel import SequenceParallelError, TPPlan, infer_sequence_parallel, infer_tp_plan
+from tailorfx.passes.minisequence import head_loss_transform
 from tailorfx.rewrite.capture import capture_graphs
 from tailorfx.rewrite.regions import find_regions
 
-KEYS = ("tp", "dp", "pp", "sp", "schedule", "microbatches")
+KEYS = ("tp", "dp", "pp", "sp", "schedule", "microbatches", "vocab_loss")
 
 
 @dataclass
@@ -32,6 +34,8 @@ class ParallelPlan:
     replicated: dict[str, str] = field(default_factory=dict)
     blocks: list[str] = field(default_factory=list)
     loss_scope: Any = None      # runtime.tensor_parallel.LossParallelScope for a vocab-parallel head
+    fused_loss: Any = None      # runtime.vocab_parallel.FusedVocabParallelLoss: the head's loss fused with it
+    head_note: str = ""         # how the vocab-parallel head's loss runs, and why
     pp: int = 1
     schedule: str = ""
     microbatches: int = 1
@@ -71,10 +75,15 @@ class ParallelPlan:
         if self.loss_scope is None:
             return model(*args, **kwargs)
         from torch.distributed.tensor.parallel import loss_parallel
-        with loss_parallel():
-            out = model(*args, **kwargs)
+        try:
+            with loss_parallel():
+                out = model(*args, **kwargs)
+        finally:
+            fused = self.fused_loss is not None and self.fused_loss.last_fused
+            if self.fused_loss is not None:
+                self.fused_loss.clear()
         loss = getattr(out, "loss", None)
-        if loss is not None and loss.requires_grad:
+        if loss is not None and loss.requires_grad and not fused:
             out["loss"] = self.loss_scope.enter_on_backward(loss)
         return out
 
@@ -118,9 +127,13 @@ class ParallelPlan:
             scope = loss_parallel
         else:
             scope = contextlib.nullcontext
-        with scope():
-            gm, _, _ = capture_static(model, self.example)
-            return planner.predict_graphs([(gm, "dynamo", None)], [seq_info(gm, None)], None, setup)
+        try:
+            with scope():
+                gm, _, _ = capture_static(model, self.example)
+                return planner.predict_graphs([(gm, "dynamo", None)], [seq_info(gm, None)], None, setup)
+        finally:
+            if self.fused_loss is not None:    # the capture's run left the head's tensors in the hook
+                self.fused_loss.clear()
 
     def _predict_composed(self, length: Optional[int], setup):
         from tailorfx.api import PredictionError
@@ -136,11 +149,13 @@ class ParallelPlan:
                                  schedule=self.schedule or "1f1b",
                                  microbatches=self.microbatches if pipelined else None,
                                  seq_len=length, batch_size=rows, setup=setup, rank=self.pp_rank if pipelined else None,
+                                 vocab_loss="fused" if self.fused_loss is not None else "loss_parallel",
                                  _mesh=self.tp_mesh if self.tp > 1 else None)
         return rm.as_estimate()
 
     def describe(self) -> list[tuple[str, str]]:
-        rows = [(fqn, style) for fqn, style in self.styles.items()]
+        rows = [(fqn, style + (f"; {self.head_note}" if style.startswith("colwise_vocab_parallel") and self.head_note
+                               else "")) for fqn, style in self.styles.items()]
         rows += [(fqn, f"replicated: {why}") for fqn, why in self.replicated.items()]
         sharded = f", fully_shard over dp={self.dp} (the stage one unit)" if self.dp > 1 else ""
         rows += [(", ".join(b) or "(no block)", f"pipeline stage {i} of {len(self.stage_blocks)}, rank "
@@ -189,11 +204,15 @@ def check_parallel(parallel: Any) -> dict:
     if sp == "ulysses" and (dp < 2 or tp * pp > 1):
         raise ValueError(f"parallel={parallel!r}: sp='ulysses' splits the sequence over the dp ranks: give dp>=2, "
                          f"without tp/pp (not combined yet)")
+    if parallel.get("vocab_loss", "fused") not in ("fused", "loss_parallel"):
+        raise ValueError(f"parallel={parallel!r}: vocab_loss={parallel['vocab_loss']!r} is not valid: 'fused' (the "
+                         f"vocab-parallel head's cross-entropy in row chunks, no logits-sized tensor kept) or "
+                         f"'loss_parallel' (DTensor's, on the logits shard)")
     schedule = parallel.get("schedule", "1f1b")
     if schedule not in SCHEDULES:
         raise ValueError(f"parallel={parallel!r}: schedule={schedule!r} is not valid: one of {list(SCHEDULES)}")
     return {"tp": tp, "dp": dp, "pp": pp, "sp": sp, "schedule": schedule, "microbatches": parallel.get("microbatches", pp),
-            "virtual": 2 if schedule == "interleaved_1f1b" else 1}
+            "virtual": 2 if schedule == "interleaved_1f1b" else 1, "vocab_loss": parallel.get("vocab_loss", "fused")}
 
 
 def plan_tensor_parallel(model: nn.Module, args: tuple, kwargs: dict) -> tuple[TPPlan, list[str]]:
@@ -206,10 +225,13 @@ def plan_tensor_parallel(model: nn.Module, args: tuple, kwargs: dict) -> tuple[T
     groups, blocks = [], []
     sequence: dict[str, str] = {}
     sequence_error = None
+    head_loss: Any = "no LM head feeding a loss"
     for g in graphs:
         regions = find_regions(g.gm, g.seq)
         head = next((r for r in regions.of_kind("lm_head_loss")), None)
         plan = infer_tp_plan(g.gm, g.example_inputs, model, head and head.path, bool(head and not head.note))
+        if head is not None and plan.styles.get(head.path) == "colwise_vocab_parallel":
+            head_loss = head_loss_transform(g.gm, head)
         if sequence_error is None:
             try:
                 sequence.update(infer_sequence_parallel(g.gm, g.example_inputs, model, plan, regions))
@@ -220,7 +242,28 @@ def plan_tensor_parallel(model: nn.Module, args: tuple, kwargs: dict) -> tuple[T
         groups += plan.groups
         blocks += [r.path for r in regions.of_kind("block") if r.path not in blocks]
     return TPPlan(styles, groups, {k: v for k, v in replicated.items() if k not in styles},
-                  sequence={} if sequence_error else sequence, sequence_error=sequence_error), blocks
+                  sequence={} if sequence_error else sequence, sequence_error=sequence_error,
+                  head_loss=head_loss), blocks
+
+
+def fuse_head_loss(model: nn.Module, head: str, transform: Any, choice: str = "fused"):
+    """Give the vocab-parallel `head`'s loss the fused form (runtime/vocab_parallel.py) when the
+    graph shows it computes one (`transform`: the plan's (softcap, scale), else why not); returns
+    it (or None) and a line for the report."""
+    from tailorfx.passes.minisequence import MAX_CHUNKS
+    from tailorfx.runtime.vocab_parallel import install_fused_loss
+    if choice != "fused":
+        return None, "loss under DTensor's loss_parallel (vocab_loss='loss_parallel')"
+    if isinstance(transform, str):
+        return None, f"loss under DTensor's loss_parallel: {transform}"
+    mod = dict(model.named_modules())[head]
+    rows = mod.weight.to_local().shape[0] if hasattr(mod.weight, "to_local") else mod.weight.shape[0]
+    chunks = max(1, min(MAX_CHUNKS, -(-rows // mod.weight.shape[1])))   # a chunk's logits <= its hidden states
+    softcap, scale = transform
+    fused = install_fused_loss(model, head=head, num_chunks=chunks, logit_softcap=softcap, logit_scale=scale)
+    if fused is None:
+        return None, "loss under DTensor's loss_parallel: the model's loss is not transformers' ForCausalLMLoss"
+    return fused, f"loss fused with it ({chunks} row chunks, no logits-sized tensor kept for backward)"
 
 
 def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> ParallelPlan:
@@ -261,6 +304,7 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
         head = next((f for f, st in tp_plan.styles.items() if st.startswith("colwise_vocab_parallel")), None)
         if head is not None:
             out.loss_scope = apply_loss_parallel(model, head=head)
+            out.fused_loss, out.head_note = fuse_head_loss(model, head, tp_plan.head_loss, spec["vocab_loss"])
     if spec["sp"] == "megatron":
         out.sp = "megatron"
     elif spec["sp"]:

@@ -61,6 +61,49 @@ def test_head_is_vocab_parallel_unless_tied():
     assert "tied to model.embed_tokens.weight" in plan.replicated["lm_head"]
 
 
+def test_head_loss_fusion_reads_the_logit_transform_off_the_graph():
+    # what the vocab-parallel head's fused loss must apply between the head and cross_entropy
+    assert plan_of("llama")[1].head_loss == (None, None)
+    assert plan_of("gemma2", tie_word_embeddings=False)[1].head_loss == (30.0, None)   # c * tanh(z / c)
+    assert plan_of("cohere", tie_word_embeddings=False)[1].head_loss == (None, 0.5)   # logit_scale * z
+    # a tied head is not vocab-parallel: nothing to fuse, and the plan says so
+    assert isinstance(plan_of("gemma3_text")[1].head_loss, str)
+
+
+def test_vocab_parallel_cross_entropy_equals_torch_on_one_rank():
+    # the op's math (chunks, ignored labels, sum/mean, soft-cap, scale, gradients) on a one-rank
+    # group; the torchrun tests below split the vocabulary over two ranks
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from tailorfx.runtime.vocab_parallel import register_group, vocab_parallel_cross_entropy
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        name = register_group(dist.group.WORLD)
+        for softcap, scale, reduction in [(None, None, "mean"), (3.0, None, "sum"), (None, 0.5, "mean")]:
+            g = torch.Generator().manual_seed(0)
+            h = torch.randn(40, 16, generator=g, requires_grad=True)
+            w = torch.randn(64, 16, generator=g, requires_grad=True)
+            y = torch.randint(0, 64, (40,), generator=g)
+            y[::7] = -100
+            loss = vocab_parallel_cross_entropy(h, w, y, vocab_start=0, group_name=name, reduction=reduction,
+                                                num_chunks=3, logit_softcap=softcap, logit_scale=scale)
+            got = [loss.detach(), *torch.autograd.grad(loss, (h, w))]
+            z = F.linear(h, w) * (scale or 1.0)
+            if softcap:
+                z = softcap * torch.tanh(z / softcap)
+            ref = F.cross_entropy(z, y, ignore_index=-100, reduction=reduction)
+            want = [ref.detach(), *torch.autograd.grad(ref, (h, w))]
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bad_vocab_loss_names_the_choices():
+    with pytest.raises(ValueError, match="'fused'.*'loss_parallel'"):
+        check_parallel(dict(tp=2, vocab_loss="chunked"))
+
+
 @pytest.mark.parametrize("family, module, reason", [
     # qkv in one projection, split after it: its column shards would mix q, k and v
     ("phi3", "model.layers.0.self_attn.qkv_proj", "fused projection"),
@@ -135,8 +178,10 @@ def torchrun(tmp_path, nproc: int, script: str, *args, runs: int = 1) -> dict:
     return rows
 
 
-TP_FAMILIES = ["llama", "gemma2", "gemma3_text"]   # Qwen3 runs TP below, with FSDP2, with PP and with Ulysses
-SP_FAMILIES = ["llama", "qwen3", "mistral"]        # sp="megatron": the same launch
+# Gemma-2 and Cohere with their own heads (soft-capped, scaled logits: the fused vocab-parallel loss
+# takes both); Gemma-3's head is tied (replicated); Llama once more with DTensor's loss_parallel
+TP_FAMILIES = ["llama", "gemma2-untied", "gemma3_text", "cohere-untied", "llama:loss_parallel"]
+SP_FAMILIES = ["llama", "qwen3"]        # sp="megatron": the same launch (Qwen3 also runs TP with FSDP2, PP, Ulysses)
 
 
 @pytest.mark.multiprocess
@@ -148,6 +193,13 @@ def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
         styles = r["styles"]
         assert r["sharded_params"] > 0 and "colwise" in styles.values()
         err = (r["predicted"] - r["measured"]) / r["measured"]
+        if styles.get("lm_head", "").startswith("colwise_vocab_parallel"):
+            if run.endswith(":loss_parallel"):
+                assert r["fused_calls"] == 0 and "loss_parallel" in r["head"], r
+            else:   # proof the fused vocab-parallel loss ran, every call, not the model's own on the logits
+                assert r["fused_calls"] >= 3 and r["unfused_calls"] == 0 and "fused" in r["head"], r
+        else:
+            assert run == "gemma3_text" and "lm_head" not in styles   # tied to the embedding: replicated
         if r["sp"]:
             # proof the stream is split: every norm computes on sequence shards, every group's module
             # gathers on entry and its row-parallel linears reduce-scatter back, the head reads shards
@@ -165,11 +217,12 @@ def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
             assert -0.05 <= err <= 0.05, r
             continue
         assert "rowwise" in styles.values()
-        if run == "llama":     # untied head into the loss: logits split over the vocab, loss_parallel
-            assert styles["lm_head"] == "colwise_vocab_parallel"
         # the memory model on the sharded graph: within 5% of this rank's measured peak (the smallest
         # of three steps), never 2% under
         assert -0.02 <= err <= 0.05, r
+    for rank in range(2):     # the fused loss keeps no logits-sized tensor: below loss_parallel's peak
+        fused, lp = rows[(f"rank{rank}", "llama")], rows[(f"rank{rank}", "llama:loss_parallel")]
+        assert fused["measured"] < 0.8 * lp["measured"], (fused, lp)
 
 
 @pytest.mark.multiprocess

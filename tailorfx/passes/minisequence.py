@@ -253,6 +253,19 @@ class MiniSequence:
         return None
 
 
+def head_loss_transform(gm: fx.GraphModule, region: Region):
+    """(softcap, logit_scale) when the LM head region's linear feeds cross_entropy through casts,
+    reshapes, a scale and a soft-cap only (what a fused head computes), else the reason not."""
+    head = {n.name: n for n in gm.graph.nodes}[region.nodes[0]]
+    if match.op_name(head) not in match.LINEAR_OPS:
+        return f"the LM head is a {match.op_name(head)}, only F.linear heads are fused"
+    chain, _ = _head_chain(head)
+    if match.op_name(chain[-1]) != "cross_entropy":
+        return f"the logits feed {match.op_name(chain[-1])!r}, not cross_entropy"
+    kw = _loss_kwargs(chain[-1])
+    return kw if isinstance(kw, str) else _logit_transform(chain[1:-1])
+
+
 def _lce_fn(ctx: PassContext):
     """The fused head's implementation: the Triton kernel under kernels="triton", else torch's."""
     if ctx.options.get("kernels") == "triton":

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -57,6 +57,9 @@ class TPPlan:
     replicated: dict[str, str]    # linear fqn -> why it is not sharded
     sequence: dict[str, str] = field(default_factory=dict)   # sp="megatron": styles replacing or adding to styles
     sequence_error: Optional[str] = None                     # why sp="megatron" cannot split this model's stream
+    # a vocab-parallel head's loss fused with it (runtime/vocab_parallel.py): the (softcap, logit
+    # scale) between them, or why the loss runs on the logits shard under loss_parallel instead
+    head_loss: Any = None
 
     def check(self, tp: int) -> None:
         """ValueError naming the first count `tp` does not divide, and the tp values that work."""

@@ -18,6 +18,7 @@ whole point, and recomputing its chain would only cost time.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,7 +34,7 @@ from tailorfx.rewrite.regions import is_param, param_source
 # Ops a head chain may contain after its linear: each has exactly one tensor input that needs a
 # gradient (scalars and parameters aside) and is cheap to recompute.
 _CHAIN_OPS = frozenset({"float", "to", "type", "contiguous", "view", "reshape", "mul", "truediv", "div",
-                        "tanh", "getitem"})
+                        "tanh", "getitem", "redistribute", "to_local"})
 _MAX_CHAIN = 12
 META = "tailorfx_lazy_output"
 
@@ -95,6 +96,13 @@ def _head_chain(out: fx.Node) -> Optional[tuple[fx.Node, list[fx.Node]]]:
         members.append(cur)
         cur = grad_inputs[0]
     return None
+
+
+def _unread(out: fx.Node) -> bool:
+    """Whether the nodes of `out`'s head chain are read only by each other and the output."""
+    chain = _head_chain(out)
+    members = set(chain[1]) if chain else set()
+    return bool(members) and all(u in members or u.op == "output" for n in members for u in n.users)
 
 
 def _prefix_chain(out: fx.Node) -> Optional[list[fx.Node]]:
@@ -161,8 +169,10 @@ def split_lazy_outputs(gm: fx.GraphModule) -> Split:
             found.append((i, o, chain[0], *extracted))
         elif (prefix := _prefix_chain(o)) is not None and (extracted := _extract(gm, None, prefix, o)):
             found.append((i, o, None, *extracted))
-    # a tensor subclass output (a DTensor's logits) is not a FakeTensor the split can detach: kept
-    found = [f for f in found if hasattr(node_value(f[1]), "fake_mode")]
+    # a tensor subclass output (a DTensor's logits in a tensor-parallel graph traced for the memory
+    # model) only when nothing else reads its chain (a loss fused from the head's input): eager
+    # autograd then never computes its gradient; logits that feed DTensor's loss_parallel are kept
+    found = [f for f in found if hasattr(node_value(f[1]), "fake_mode") or _unread(f[1])]
     if not found:
         return Split(gm, (), len(outs))
     new = clone(gm)
@@ -170,21 +180,33 @@ def split_lazy_outputs(gm: fx.GraphModule) -> Split:
     new_out = next(n for n in reversed(new.graph.nodes) if n.op == "output")
     values = list(new_out.args[0])
     anchors: list[str] = []
+    held: list[str] = []
     lazy = []
     for i, o, anchor, chain, param_idx in found:
         node = by_name[o.name]
         with new.graph.inserting_before(new_out):
             det = new.graph.call_method("detach", (node,))
         v = node_value(node)
-        with v.fake_mode:
+        # a DTensor's logits (a tensor-parallel graph traced for the memory model) detach through
+        # their fake local tensor's own mode
+        with getattr(v, "fake_mode", None) or contextlib.nullcontext():
             det.meta["val"] = det.meta["example_value"] = v.detach()
         det.meta[META] = True
         values[i] = det
         if anchor is not None and anchor.name not in anchors:
             anchors.append(anchor.name)
+        if not hasattr(v, "fake_mode"):
+            # eager autograd keeps what the chain's ops save (tanh its output) while the caller
+            # holds the logits: returned too, so the memory model holds them as long
+            held += [n.name for n in _head_chain(o)[1] if match.op_name(n) == "tanh" and n.name not in held]
         anchor_index = len(outs) + anchors.index(anchor.name) if anchor is not None else None
         lazy.append(LazyOutput(i, anchor_index, chain, param_idx))
     values += [by_name[a] for a in anchors]
+    for name in held:    # detached: no gradient flows into them
+        with new.graph.inserting_before(new_out):
+            det = new.graph.call_method("detach", (by_name[name],))
+        det.meta["val"] = det.meta["example_value"] = node_value(by_name[name]).detach()
+        values.append(det)
     new_out.args = (tuple(values),)
     new.recompile()
     return Split(new, tuple(lazy), len(outs))

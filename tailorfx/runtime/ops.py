@@ -136,6 +136,9 @@ def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
         if op_name == "token_chunked":
             return int(fwd * -(-tokens // n))
         return int(bwd * -(-tokens // n) + bwd_const)
+    if op_name.startswith("vocab_parallel_cross_entropy"):
+        from tailorfx.runtime import vocab_parallel
+        return vocab_parallel.transient_bytes(op_name, args, as_int)
     return linear_ops.transient_bytes(op_name, args, as_int)
 
 

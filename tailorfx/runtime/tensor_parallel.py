@@ -22,8 +22,9 @@ STYLES = {
     "rowwise": lambda: RowwiseParallel(),
     # the LM head: vocab split over the ranks, logits gathered so any loss runs unchanged
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-    # the LM head feeding a loss: logits stay split over the vocab (DTensor), the loss runs
-    # under loss_parallel (LossParallelScope), no rank ever holds the whole logits
+    # the LM head feeding a loss: logits stay split over the vocab (DTensor); the loss is fused
+    # with the head (runtime/vocab_parallel.py) or runs under loss_parallel (LossParallelScope):
+    # no rank ever holds the whole logits
     "colwise_vocab_parallel": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
 }
 
@@ -162,6 +163,8 @@ class LossParallelScope:
         self.depth += 1
 
     def exit(self) -> None:
+        if self.depth == 0:     # logits backpropagated after a fused loss: no scope was entered
+            return
         self.depth -= 1
         if self.depth == 0 and self._cm is not None:
             cm, self._cm = self._cm, None

@@ -16,10 +16,13 @@ from results import grad_mismatches, measured_and_predicted, write  # noqa: E402
 
 
 def main(run: str, tp: int, dp: int) -> int:
-    family, _, sp = run.partition("+")
+    spec, _, vocab_loss = run.partition(":")     # "llama:loss_parallel": DTensor's loss on the logits shard
+    family, _, sp = spec.partition("+")
+    family, untied = family.removesuffix("-untied"), family.endswith("-untied")   # "gemma2-untied": its own head
+    kw = dict(vocab_size=2048, **({"tie_word_embeddings": False} if untied else {}))
     torch.manual_seed(0)
-    ref = hf_family(family, vocab_size=2048)
-    model = hf_family(family, vocab_size=2048)
+    ref = hf_family(family, **kw)
+    model = hf_family(family, **kw)
     ids = torch.randint(0, 2048, (2 * dp, 128), generator=torch.Generator().manual_seed(1))
     out = ref(input_ids=ids, labels=ids)
     out.loss.backward()
@@ -27,7 +30,8 @@ def main(run: str, tp: int, dp: int) -> int:
     # data parallel: each dp rank takes its rows (its example: the per-rank prediction is at their
     # shape); FSDP averages the gradients over dp
     rows = ids.chunk(dp)[rank // tp] if dp > 1 else ids
-    opt = tailorfx.optimize(model, example_inputs=dict(input_ids=rows, labels=rows), parallel=dict(tp=tp, dp=dp, sp=sp or None))
+    opt = tailorfx.optimize(model, example_inputs=dict(input_ids=rows, labels=rows), parallel=dict(tp=tp, dp=dp, sp=sp or None,
+                                                                                       vocab_loss=vocab_loss or "fused"))
     for _ in range(2):     # twice: the second step must not see state the first one left
         for p in model.parameters():
             p.grad = None
@@ -50,15 +54,17 @@ def main(run: str, tp: int, dp: int) -> int:
     bad = grad_mismatches(opt.named_parameters(), ref)
     num_params = len(list(opt.named_parameters()))
     sharded = sum(1 for _, p in opt.named_parameters() if hasattr(p, "full_tensor"))
+    fused = opt.session.parallel.fused_loss
     ok = (torch.allclose(full_loss, out.loss.detach(), rtol=1e-4) and not bad
           and num_params == len(list(ref.parameters())))
     write({"rank": rank, "family": family, "ok": bool(ok), "loss": float(full_loss),
            "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": num_params,
-           "predicted": predicted, "measured": measured, "measured_steps": steps, "bad": bad, "styles": opt.session.parallel.styles, "sp": sp}, run)
+           "predicted": predicted, "measured": measured, "measured_steps": steps, "bad": bad, "styles": opt.session.parallel.styles, "sp": sp, "head": opt.session.parallel.head_note,
+           "fused_calls": fused.fused if fused else 0, "unfused_calls": fused.unfused if fused else 0}, run)
     return 0 if ok else 1
 
 
-if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[+SP] ...: one launch, several models
+if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[-untied][+SP][:loss_parallel] ...: one launch, several models
     failed = sum(main(f, int(sys.argv[1]), int(sys.argv[2])) for f in sys.argv[3:])
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)

@@ -1,0 +1,278 @@
+"""The vocab-parallel LM head fused with its cross-entropy, for tensor parallelism.
+
+Each tensor-parallel rank holds V/tp rows of the head. The loss runs over row chunks of the
+hidden states: a chunk's logits against this rank's rows (chunk x V/tp, the only logits-sized
+buffer), then per token the max, the sum of exponentials and the target's logit, exchanged by
+two all-reduces; the gradients are taken in the same pass (as in `linear_ops`). No rank holds
+logits over the whole vocabulary, and nothing logits-sized is kept for backward (DTensor's
+`loss_parallel`, which Megatron and torchtitan use, keeps the log-softmax of the logits shard).
+
+    HF forward:  logits = lm_head(h)        (vocab-parallel DTensor)
+                 loss = model.loss_function(logits=logits, labels=labels, ...)
+    installed:   model.loss_function = FusedVocabParallelLoss: the loss from (h, this rank's W rows)
+
+The loss function is the one Hugging Face lets a model instance replace (its `loss_function`
+setter); the head's input is taken by a forward hook. A logits tensor that is not the head's
+output (through the soft-cap or scale the plan read off the graph) goes to the model's own loss
+under `loss_parallel`, unchanged.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+_GROUPS: dict[str, "dist.ProcessGroup"] = {}
+
+
+def register_group(group) -> str:
+    """The name the ops find `group` under (custom ops take strings, not process groups)."""
+    _GROUPS[group.group_name] = group
+    return group.group_name
+
+
+def _chunk(h, y, w, start, group, ignore_index, softcap, logit_scale, scale, grad_h, grad_w):
+    """Summed loss of one row chunk over the whole vocabulary (this rank's rows plus two
+    all-reduces); writes this rank's part of grad_h and accumulates grad_w when given."""
+    z = F.linear(h, w)
+    if logit_scale is not None:
+        z.mul_(logit_scale)
+    t = None
+    if softcap is not None:
+        t = torch.tanh(z.div_(softcap))
+        z = t * softcap
+    valid = y != ignore_index
+    mine = valid & (y >= start) & (y < start + w.shape[0])
+    target = torch.where(mine, y - start, 0).unsqueeze(1)
+    picked = torch.where(mine.unsqueeze(1), z.gather(1, target), 0)
+    z_max = z.amax(dim=1, keepdim=True)
+    dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+    g = z.sub_(z_max).exp_()
+    stats = torch.cat([g.sum(dim=1, keepdim=True), picked], dim=1)
+    dist.all_reduce(stats, group=group)
+    sum_exp, picked = stats[:, :1], stats[:, 1:]
+    loss = torch.where(valid, (z_max + sum_exp.log() - picked).squeeze(1), 0).sum()
+    if grad_h is None and grad_w is None:
+        return loss
+    g.div_(sum_exp)
+    g.scatter_add_(1, target, -mine.to(g.dtype).unsqueeze(1))
+    row_scale = valid.to(g.dtype) if scale is None else valid.to(g.dtype) * scale
+    g.mul_(row_scale.unsqueeze(1))
+    if t is not None:
+        g.mul_(t.mul_(t).neg_().add_(1))
+    if logit_scale is not None:
+        g.mul_(logit_scale)
+    if grad_h is not None:
+        grad_h.copy_(g @ w)     # this rank's vocabulary's share; the caller's DTensor sums the ranks'
+    if grad_w is not None:
+        grad_w.addmm_(g.t(), h)
+    return loss
+
+
+def _run(hidden, weight, labels, vocab_start, group_name, ignore_index, reduction, num_chunks, softcap,
+         logit_scale, need_hidden, need_weight):
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"vocab_parallel_cross_entropy: reduction {reduction!r} not in mean/sum")
+    group = _GROUPS[group_name]
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    n = max(1, min(num_chunks, hidden.size(0)))
+    w = weight.to(dtype)
+    count = (labels != ignore_index).sum()
+    scale = 1.0 / count.clamp(min=1).to(dtype) if reduction == "mean" else None
+    total = torch.zeros((), dtype=dtype, device=hidden.device)
+    grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_hidden else None
+    grad_w = torch.zeros_like(w) if need_weight else None
+    parts = grad_h.tensor_split(n) if need_hidden else [None] * n
+    for h, y, gh in zip(hidden.tensor_split(n), labels.tensor_split(n), parts):
+        total += _chunk(h.to(dtype), y, w, vocab_start, group, ignore_index, softcap, logit_scale, scale, gh, grad_w)
+    loss = (total / count if reduction == "mean" else total).to(torch.promote_types(hidden.dtype, weight.dtype))
+    grad_h = grad_h.to(hidden.dtype) if need_hidden else hidden.new_empty(0)
+    grad_w = grad_w.to(weight.dtype) if need_weight else weight.new_empty(0)
+    return loss, grad_h, grad_w
+
+
+@torch.library.custom_op("tailorfx::vocab_parallel_cross_entropy", mutates_args=())
+def _loss_only(hidden: Tensor, weight: Tensor, labels: Tensor, vocab_start: int, group_name: str,
+               ignore_index: int, reduction: str, num_chunks: int, logit_softcap: Optional[float],
+               logit_scale: Optional[float]) -> Tensor:
+    """The loss of the vocab-parallel head, no gradients (eval, no_grad)."""
+    return _run(hidden, weight, labels, vocab_start, group_name, ignore_index, reduction, num_chunks,
+                logit_softcap, logit_scale, False, False)[0]
+
+
+@_loss_only.register_fake
+def _loss_only_fake(hidden, weight, labels, vocab_start, group_name, ignore_index, reduction, num_chunks,
+                    logit_softcap, logit_scale):
+    return hidden.new_empty((), dtype=torch.promote_types(hidden.dtype, weight.dtype))
+
+
+@torch.library.custom_op("tailorfx::vocab_parallel_cross_entropy_with_grads", mutates_args=())
+def _with_grads(hidden: Tensor, weight: Tensor, labels: Tensor, vocab_start: int, group_name: str,
+                ignore_index: int, reduction: str, num_chunks: int, logit_softcap: Optional[float],
+                logit_scale: Optional[float], grad_hidden: bool, grad_weight: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, this rank's part of grad_hidden, grad of this rank's weight rows) in one pass."""
+    return _run(hidden, weight, labels, vocab_start, group_name, ignore_index, reduction, num_chunks,
+                logit_softcap, logit_scale, grad_hidden, grad_weight)
+
+
+@_with_grads.register_fake
+def _with_grads_fake(hidden, weight, labels, vocab_start, group_name, ignore_index, reduction, num_chunks,
+                     logit_softcap, logit_scale, grad_hidden, grad_weight):
+    return (hidden.new_empty((), dtype=torch.promote_types(hidden.dtype, weight.dtype)),
+            torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if grad_weight else weight.new_empty(0))
+
+
+def _setup(ctx, inputs, output):
+    _, grad_h, grad_w = output
+    ctx.mark_non_differentiable(grad_h, grad_w)
+    ctx.save_for_backward(grad_h, grad_w)
+    ctx.computed = inputs[10:12]
+
+
+def _backward(ctx, grad_loss, *_):
+    needs = ctx.needs_input_grad[:2]
+    if any(need and not done for need, done in zip(needs, ctx.computed)):
+        raise RuntimeError(f"vocab-parallel LM head: an input needs a grad that was not computed in the forward "
+                           f"(needed {needs}, computed {ctx.computed})")
+    grads = [g * grad_loss if need else None for g, need in zip(ctx.saved_tensors, needs)]
+    return (*grads, *[None] * 10)
+
+
+_with_grads.register_autograd(_backward, setup_context=_setup)
+
+
+def transient_bytes(op_name: str, args: list, as_int) -> int:
+    """Bytes the op allocates and frees inside itself: a chunk's logits against this rank's rows,
+    the fp32 gradient of a low-precision hidden and, for a low-precision weight, its fp32 copy and
+    gradient accumulator (see ops.transient_bytes)."""
+    if not op_name.startswith("vocab_parallel_cross_entropy"):
+        return 0
+    hidden, weight = args[0], args[1]
+    rows, vocab = as_int(hidden.shape[0]), as_int(weight.shape[0])
+    chunk = -(-rows // max(1, min(as_int(args[7]), rows)))
+    extra = chunk * vocab * 4 * (3 if args[8] is not None else 1) + rows * 4
+    grads = op_name.endswith("_with_grads")
+    if grads and args[10] and hidden.dtype != torch.float32:
+        extra += as_int(hidden.numel()) * 4
+    if weight.dtype != torch.float32:
+        extra += as_int(weight.numel()) * 4 * (2 if grads and args[11] else 1)
+    return int(extra)
+
+
+def vocab_parallel_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, vocab_start: int, group_name: str,
+                                 ignore_index: int = -100, reduction: str = "mean", num_chunks: int = 8,
+                                 logit_softcap: Optional[float] = None, logit_scale: Optional[float] = None) -> Tensor:
+    """``cross_entropy(softcap(scale * hidden @ W.T), labels)`` where each rank of `group` holds
+    rows `vocab_start:vocab_start + len(weight)` of W (the group registered by `register_group`):
+    plain (local) tensors in, the loss (the same on every rank) out; `hidden`'s gradient is this
+    rank's share, to be summed over the group."""
+    needs = (hidden.requires_grad, weight.requires_grad)
+    args = (hidden, weight, labels, vocab_start, group_name, ignore_index, reduction, num_chunks,
+            logit_softcap, logit_scale)
+    if not (torch.is_grad_enabled() and any(needs)):
+        return torch.ops.tailorfx.vocab_parallel_cross_entropy(*args)
+    return torch.ops.tailorfx.vocab_parallel_cross_entropy_with_grads(*args, *needs)[0]
+
+
+class FusedVocabParallelLoss:
+    """A Hugging Face `loss_function` for a causal LM whose head is vocab-parallel: the loss from the
+    head's input and this rank's rows of its weight (`vocab_parallel_cross_entropy`), with
+    ForCausalLMLoss's label shift, `ignore_index` and `num_items_in_batch`. Logits that are not
+    the head's last output (through `steps` ops of the soft-cap or scale) go to `original`."""
+
+    def __init__(self, head: nn.Module, original, *, num_chunks: int, logit_softcap: Optional[float] = None,
+                 logit_scale: Optional[float] = None):
+        from torch.distributed.tensor import DTensor, Shard
+        weight = head.weight
+        if not isinstance(weight, DTensor) or getattr(head, "bias", None) is not None:
+            raise ValueError("FusedVocabParallelLoss: the head must be a bias-free linear with its weight "
+                             "split over the vocabulary (a DTensor sharded on dim 0)")
+        dim = next(i for i, p in enumerate(weight.placements) if isinstance(p, Shard) and p.dim == 0)
+        mesh, ranks, vocab = weight.device_mesh, weight.device_mesh.size(dim), weight.shape[0]
+        per = -(-vocab // ranks)      # torch.chunk's split, as DTensor's Shard(0)
+        self.vocab_start = min(vocab, per * mesh.get_local_rank(dim))
+        self.group_name = register_group(mesh.get_group(dim))
+        self.head, self.original, self.num_chunks = head, original, num_chunks
+        self.logit_softcap, self.logit_scale = logit_softcap, logit_scale
+        self.steps = (3 if logit_softcap is not None else 0) + (1 if logit_scale is not None else 0)
+        self.fused = 0          # calls that ran fused (the tests' proof that it fired)
+        self.unfused = 0
+        self.last_fused = False
+        self._hidden = self._out = None
+        head.register_forward_hook(self._remember)
+
+    def _remember(self, mod, args, out):
+        self._hidden, self._out = args[0], out
+
+    def clear(self) -> None:
+        """Drop the references the hook took (called after each forward)."""
+        self._hidden = self._out = None
+
+    def _from_head(self, logits) -> bool:
+        if self._out is None or self._hidden is None:
+            return False
+        if torch.compiler.is_compiling():       # a trace for the memory model: the plan's graph says so
+            return True
+        if logits is self._out:
+            return True
+        fn, want = getattr(logits, "grad_fn", None), getattr(self._out, "grad_fn", None)
+        if fn is None or want is None:
+            return False
+        for _ in range(self.steps + 2):     # + the dtype casts a precision policy may add
+            if fn is want:
+                return True
+            if not fn.next_functions:
+                return False
+            fn = fn.next_functions[0][0]
+            if fn is None:
+                return False
+        return fn is want
+
+    def __call__(self, logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
+                 shift_labels=None, **kwargs):
+        from torch.distributed.tensor import DTensor, Partial
+        hidden, weight = self._hidden, self.head.weight
+        fused = self._from_head(logits) and isinstance(hidden, DTensor) and isinstance(weight, DTensor)
+        self.last_fused = fused
+        if not fused:
+            self.unfused += 1
+            return self.original(logits=logits, labels=labels, vocab_size=vocab_size,
+                                 num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
+                                 shift_labels=shift_labels, **kwargs)
+        self.fused += 1
+        self._hidden = self._out = None
+        if shift_labels is None:
+            labels = F.pad(labels, (0, 1), value=ignore_index)
+            shift_labels = labels[..., 1:]
+        # the hidden state's gradient from this rank's rows is partial: DTensor sums it over the ranks
+        h = hidden.to_local(grad_placements=[Partial()] * len(hidden.placements))
+        loss = vocab_parallel_cross_entropy(
+            h.reshape(-1, h.shape[-1]), weight.to_local(), shift_labels.reshape(-1).to(h.device),
+            vocab_start=self.vocab_start, group_name=self.group_name, ignore_index=ignore_index,
+            reduction="sum" if num_items_in_batch is not None else "mean", num_chunks=self.num_chunks,
+            logit_softcap=self.logit_softcap, logit_scale=self.logit_scale)
+        if num_items_in_batch is not None:
+            loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
+                           else num_items_in_batch)
+        return loss
+
+
+def install_fused_loss(model: nn.Module, *, head: str, num_chunks: int, logit_softcap: Optional[float] = None,
+                       logit_scale: Optional[float] = None) -> Optional[FusedVocabParallelLoss]:
+    """Give `model` (a Hugging Face causal LM whose `head` is vocab-parallel) the fused loss; None
+    when its loss is not the default causal-LM cross-entropy (then loss_parallel stays)."""
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:
+        return None
+    if getattr(model, "loss_function", None) is not ForCausalLMLoss:
+        return None
+    loss = FusedVocabParallelLoss(dict(model.named_modules())[head], model.loss_function, num_chunks=num_chunks,
+                                  logit_softcap=logit_softcap, logit_scale=logit_scale)
+    model.loss_function = loss
+    return loss
