@@ -130,6 +130,9 @@ def _with_grads_fake(hidden, weight, labels, vocab_start, group_name, ignore_ind
 def _setup(ctx, inputs, output):
     _, grad_h, grad_w = output
     ctx.mark_non_differentiable(grad_h, grad_w)
+    # eager autograd would hand the backward zero-filled gradients for those two outputs
+    # (hidden- and weight-sized) unless told not to
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(grad_h, grad_w)
     ctx.computed = inputs[10:12]
 

@@ -59,7 +59,7 @@ def main(run: str, tp: int, dp: int) -> int:
           and num_params == len(list(ref.parameters())))
     write({"rank": rank, "family": family, "ok": bool(ok), "loss": float(full_loss),
            "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": num_params,
-           "predicted": predicted, "measured": measured, "measured_steps": steps, "bad": bad, "styles": opt.session.parallel.styles, "sp": sp, "head": opt.session.parallel.head_note,
+           "predicted": predicted, "measured": measured, "measured_steps": steps, "bad": bad, "styles": opt.session.parallel.styles, "sp": sp, "head": dict(opt.session.parallel.describe()).get("lm_head", ""),
            "fused_calls": fused.fused if fused else 0, "unfused_calls": fused.unfused if fused else 0}, run)
     return 0 if ok else 1
 
