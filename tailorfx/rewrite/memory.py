@@ -153,7 +153,6 @@ def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: s
     `grads_consumed`: each gradient is consumed as it is made (eager autograd adding it into an
     accumulated .grad), not returned with the others."""
     nodes = list(g.graph.nodes)
-    forward = phase.startswith("forward")
     index = {n: i for i, n in enumerate(nodes)}
     last = {n: max((index[u] for u in n.users), default=index[n]) for n in nodes}
     out_node = nodes[-1]
@@ -174,11 +173,7 @@ def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: s
             parent = held.get(n.args[0], [])
             k = n.args[1]
             held[n] = [parent[k]] if isinstance(k, int) and k < len(parent) else list(parent)
-        elif aliases_input(n) or (forward and n.target is torch.ops.aten._unsafe_view.default):
-            # _unsafe_view (a linear's matmul reshaped back) returns a view in eager, though its
-            # schema says a new tensor. Only the forward counts it so: in the backward, counting it
-            # as a copy matches the measured eager peaks (tensor parallel within 2%; as a view they
-            # fall 3-9% under, from eager storages not identified yet)
+        elif aliases_input(n):
             base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
             held[n] = list(held.get(base, [])) if base is not None else []
         else:
