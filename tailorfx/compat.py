@@ -39,11 +39,8 @@ def op_is_mutable(t) -> bool:
 
 
 def op_returns_alias(t) -> bool:
-    """An overload whose output shares an input's storage (a view or an in-place op). The
-    schema of `_unsafe_view` (a linear's matmul reshaped back) says it returns a new tensor, but
-    it returns a view of its input's storage."""
-    return isinstance(t, torch._ops.OpOverload) and (
-        any(r.alias_info is not None for r in t._schema.returns) or t is torch.ops.aten._unsafe_view.default)
+    """An overload whose output shares an input's storage (a view or an in-place op)."""
+    return isinstance(t, torch._ops.OpOverload) and any(r.alias_info is not None for r in t._schema.returns)
 
 
 def tailorfx_op_name(t) -> Optional[str]:
