@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -59,8 +60,13 @@ def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _lce_chunk(h, y, w, b, ignore_index, softcap, logit_scale, scale, grad_h, grad_w, grad_b):
-    """Summed loss of one row chunk; writes grad_h and accumulates grad_w/grad_b if not None."""
+def _lce_chunk(h, y, w, b, ignore_index, softcap, logit_scale, scale, grad_h, grad_w, grad_b,
+               vocab_start=0, group=None):
+    """Summed loss of one row chunk; writes grad_h and accumulates grad_w/grad_b if not None.
+
+    With a process `group`, `w` is rows `vocab_start:` of a vocabulary split over its ranks: the
+    rows' max, sum of exponentials and target logit are all-reduced (runtime/vocab_parallel.py),
+    and grad_h is this rank's share."""
     z = F.linear(h, w, b)  # the only chunk x V buffer (plus tanh's under softcap)
     if logit_scale is not None:
         z.mul_(logit_scale)
@@ -68,17 +74,25 @@ def _lce_chunk(h, y, w, b, ignore_index, softcap, logit_scale, scale, grad_h, gr
         t = torch.tanh(z.div_(softcap))
         z = t * softcap
     valid = y != ignore_index
-    target = torch.where(valid, y, 0).unsqueeze(1)
+    # the labels in this rank's rows (all of them on one device)
+    mine = valid if group is None else valid & (y >= vocab_start) & (y < vocab_start + w.shape[0])
+    target = torch.where(mine, y - vocab_start, 0).unsqueeze(1)
     picked = z.gather(1, target)
     # logsumexp and softmax in place over z: torch.logsumexp would allocate another chunk x V.
     z_max = z.amax(dim=1, keepdim=True)
+    if group is not None:
+        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
     g = z.sub_(z_max).exp_()
     sum_exp = g.sum(dim=1, keepdim=True)
+    if group is not None:
+        stats = torch.cat([sum_exp, torch.where(mine.unsqueeze(1), picked, 0)], dim=1)
+        dist.all_reduce(stats, group=group)
+        sum_exp, picked = stats[:, :1], stats[:, 1:]
     loss = torch.where(valid, (z_max + sum_exp.log() - picked).squeeze(1), 0).sum()
     if grad_h is None and grad_w is None and grad_b is None:
         return loss
     g.div_(sum_exp)
-    g.scatter_add_(1, target, torch.full_like(picked, -1))
+    g.scatter_add_(1, target, -mine.to(g.dtype).unsqueeze(1))
     row_scale = valid.to(g.dtype) if scale is None else valid.to(g.dtype) * scale
     g.mul_(row_scale.unsqueeze(1))
     if softcap is not None:
@@ -98,7 +112,7 @@ def _lce_chunk(h, y, w, b, ignore_index, softcap, logit_scale, scale, grad_h, gr
 
 
 def _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, softcap, logit_scale,
-                need_hidden, need_weight, need_bias):
+                need_hidden, need_weight, need_bias, vocab_start=0, group=None):
     """Loss and (if asked) grads for d(loss)/d(inputs) with grad_output 1, one row chunk at a time.
 
     Math runs in fp32 (fp64 stays fp64). The weight is upcast once, which costs V*H*4 bytes for a
@@ -122,7 +136,8 @@ def _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunk
     grad_h_chunks = grad_h.tensor_split(n) if need_hidden else [None] * n
     for h, y, gh in zip(hidden.tensor_split(n), labels.tensor_split(n), grad_h_chunks):
         # One call per chunk, so the chunk x V buffers are freed before the next chunk allocates.
-        total += _lce_chunk(h.to(dtype), y, w, b, ignore_index, softcap, logit_scale, scale, gh, grad_w, grad_b)
+        total += _lce_chunk(h.to(dtype), y, w, b, ignore_index, softcap, logit_scale, scale, gh, grad_w, grad_b,
+                            vocab_start, group)
     loss = total / count if reduction == "mean" else total
     grad_w = grad_w.to(weight.dtype) if need_weight else weight.new_empty(0)
     grad_b = grad_b.to(bias.dtype) if need_bias else weight.new_empty(0)

@@ -26,6 +26,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from tailorfx.runtime import linear_ops
+from tailorfx.runtime.linear_ops import _lce_chunks
+
 _GROUPS: dict[str, "dist.ProcessGroup"] = {}
 
 
@@ -35,63 +38,12 @@ def register_group(group) -> str:
     return group.group_name
 
 
-def _chunk(h, y, w, start, group, ignore_index, softcap, logit_scale, scale, grad_h, grad_w):
-    """Summed loss of one row chunk over the whole vocabulary (this rank's rows plus two
-    all-reduces); writes this rank's part of grad_h and accumulates grad_w when given."""
-    z = F.linear(h, w)
-    if logit_scale is not None:
-        z.mul_(logit_scale)
-    t = None
-    if softcap is not None:
-        t = torch.tanh(z.div_(softcap))
-        z = t * softcap
-    valid = y != ignore_index
-    mine = valid & (y >= start) & (y < start + w.shape[0])
-    target = torch.where(mine, y - start, 0).unsqueeze(1)
-    picked = torch.where(mine.unsqueeze(1), z.gather(1, target), 0)
-    z_max = z.amax(dim=1, keepdim=True)
-    dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
-    g = z.sub_(z_max).exp_()
-    stats = torch.cat([g.sum(dim=1, keepdim=True), picked], dim=1)
-    dist.all_reduce(stats, group=group)
-    sum_exp, picked = stats[:, :1], stats[:, 1:]
-    loss = torch.where(valid, (z_max + sum_exp.log() - picked).squeeze(1), 0).sum()
-    if grad_h is None and grad_w is None:
-        return loss
-    g.div_(sum_exp)
-    g.scatter_add_(1, target, -mine.to(g.dtype).unsqueeze(1))
-    row_scale = valid.to(g.dtype) if scale is None else valid.to(g.dtype) * scale
-    g.mul_(row_scale.unsqueeze(1))
-    if t is not None:
-        g.mul_(t.mul_(t).neg_().add_(1))
-    if logit_scale is not None:
-        g.mul_(logit_scale)
-    if grad_h is not None:
-        grad_h.copy_(g @ w)     # this rank's vocabulary's share; the caller's DTensor sums the ranks'
-    if grad_w is not None:
-        grad_w.addmm_(g.t(), h)
-    return loss
-
-
 def _run(hidden, weight, labels, vocab_start, group_name, ignore_index, reduction, num_chunks, softcap,
          logit_scale, need_hidden, need_weight):
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"vocab_parallel_cross_entropy: reduction {reduction!r} not in mean/sum")
-    group = _GROUPS[group_name]
-    dtype = torch.promote_types(hidden.dtype, torch.float32)
-    n = max(1, min(num_chunks, hidden.size(0)))
-    w = weight.to(dtype)
-    count = (labels != ignore_index).sum()
-    scale = 1.0 / count.clamp(min=1).to(dtype) if reduction == "mean" else None
-    total = torch.zeros((), dtype=dtype, device=hidden.device)
-    grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_hidden else None
-    grad_w = torch.zeros_like(w) if need_weight else None
-    parts = grad_h.tensor_split(n) if need_hidden else [None] * n
-    for h, y, gh in zip(hidden.tensor_split(n), labels.tensor_split(n), parts):
-        total += _chunk(h.to(dtype), y, w, vocab_start, group, ignore_index, softcap, logit_scale, scale, gh, grad_w)
-    loss = (total / count if reduction == "mean" else total).to(torch.promote_types(hidden.dtype, weight.dtype))
-    grad_h = grad_h.to(hidden.dtype) if need_hidden else hidden.new_empty(0)
-    grad_w = grad_w.to(weight.dtype) if need_weight else weight.new_empty(0)
+    """linear_ops' chunked loss over this rank's rows, the row statistics all-reduced over the group."""
+    loss, grad_h, grad_w, _ = _lce_chunks(hidden, weight, None, labels, ignore_index, reduction, num_chunks, softcap,
+                                          logit_scale, need_hidden, need_weight, False, vocab_start=vocab_start,
+                                          group=_GROUPS[group_name])
     return loss, grad_h, grad_w
 
 
@@ -150,21 +102,17 @@ _with_grads.register_autograd(_backward, setup_context=_setup)
 
 
 def transient_bytes(op_name: str, args: list, as_int) -> int:
-    """Bytes the op allocates and frees inside itself: a chunk's logits against this rank's rows,
-    the fp32 gradient of a low-precision hidden and, for a low-precision weight, its fp32 copy and
-    gradient accumulator (see ops.transient_bytes)."""
+    """Bytes the op allocates and frees inside itself: linear_ops' chunked loss on this rank's
+    rows (see ops.transient_bytes); the all-reduced row statistics are a few floats a row."""
     if not op_name.startswith("vocab_parallel_cross_entropy"):
         return 0
-    hidden, weight = args[0], args[1]
-    rows, vocab = as_int(hidden.shape[0]), as_int(weight.shape[0])
-    chunk = -(-rows // max(1, min(as_int(args[7]), rows)))
-    extra = chunk * vocab * 4 * (3 if args[8] is not None else 1) + rows * 4
-    grads = op_name.endswith("_with_grads")
-    if grads and args[10] and hidden.dtype != torch.float32:
-        extra += as_int(hidden.numel()) * 4
-    if weight.dtype != torch.float32:
-        extra += as_int(weight.numel()) * 4 * (2 if grads and args[11] else 1)
-    return int(extra)
+    hidden, weight, labels, _, _, ignore_index, reduction, num_chunks, softcap, scale = args[:10]
+    if op_name.endswith("_with_grads"):
+        return linear_ops.transient_bytes("chunked_linear_cross_entropy_with_grads", [
+            hidden, weight, None, labels, ignore_index, reduction, num_chunks, softcap, scale, *args[10:12], False],
+            as_int)
+    return linear_ops.transient_bytes("chunked_linear_cross_entropy", [
+        hidden, weight, None, labels, ignore_index, reduction, num_chunks, softcap, scale], as_int)
 
 
 def vocab_parallel_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, vocab_start: int, group_name: str,
