@@ -38,13 +38,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = {"1": (1, 1, 1, 0), "tp2": (2, 1, 1, 0), "dp2": (1, 2, 1, 0), "pp2": (1, 1, 2, 0), "tp4": (4, 1, 1, 0),
            "dp4": (1, 4, 1, 0), "tp2xdp2": (2, 2, 1, 0), "pp4": (1, 1, 4, 0), "tp2xpp2": (2, 1, 2, 0),
            "sp2": (1, 2, 1, 1), "sp4": (1, 4, 1, 1), "tp2+sp": (2, 1, 1, 2), "tp4+sp": (4, 1, 1, 2),
-           "pp2xdp2": (1, 2, 2, 0), "tp2:lp": (2, 1, 1, 0), "tp4:lp": (4, 1, 1, 0)}
+           "pp2xdp2": (1, 2, 2, 0), "tp2:lp": (2, 1, 1, 0), "tp4:lp": (4, 1, 1, 0),
+           "pp2:raw": (1, 1, 2, 0), "pp4:raw": (1, 1, 4, 0)}
 # ":lp": the vocab-parallel head's loss under DTensor's loss_parallel (as torchtitan runs it) instead
-# of tailorfx's fused vocab-parallel loss (runtime/vocab_parallel.py), the default
+# of tailorfx's fused vocab-parallel loss (runtime/vocab_parallel.py), the default; ":raw": pipeline
+# stages cut from the step graph as captured (passes=[]), without the default rewrites (the LM head
+# fused with its loss, the MLPs in mini-sequence chunks)
 
 
 def vocab_loss(name: str) -> str:
-    return "loss_parallel" if name.endswith(":lp") else "fused"
+    return "loss_parallel" if name.endswith(":lp") else "raw" if name.endswith(":raw") else "fused"
+
+
+def vocab_loss_of(variant: str) -> str:
+    return "loss_parallel" if variant == "loss_parallel" else "fused"
+
+
+def stage_passes(loss: str):
+    """optimize()'s passes= for a pipeline layout: the default (None), or none (":raw")."""
+    return [] if loss == "raw" else None
 SP = {0: None, 1: "ulysses", 2: "megatron"}
 SCHEDULE = "1f1b"
 
@@ -74,7 +86,7 @@ def worker(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int, loss: str =
     elif pp > 1:    # mesh (pp, dp, tp): each dp rank's rows go through its pipeline
         rank = int(os.environ["RANK"])
         rows = {k: v.chunk(dp)[(rank // tp) % dp] for k, v in batch_all.items()}
-        opt = tailorfx.optimize(model, example_inputs=rows, parallel=dict(
+        opt = tailorfx.optimize(model, example_inputs=rows, passes=stage_passes(loss), parallel=dict(
             tp=tp, pp=pp, dp=dp, schedule=SCHEDULE, microbatches=microbatches(batch, dp)))
     elif sp == 1:   # every rank takes every row, and its slice of the sequence
         opt = tailorfx.optimize(model, example_inputs=batch_all, parallel=dict(dp=dp, sp="ulysses"))
@@ -82,7 +94,8 @@ def worker(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int, loss: str =
     else:           # each dp rank's rows are its example (its predictions are at their shape)
         rank = int(os.environ["RANK"])
         rows = {k: v.chunk(dp)[rank // tp] for k, v in batch_all.items()}
-        opt = tailorfx.optimize(model, example_inputs=rows, parallel=dict(tp=tp, dp=dp, sp=SP[sp], vocab_loss=loss))
+        opt = tailorfx.optimize(model, example_inputs=rows, parallel=dict(tp=tp, dp=dp, sp=SP[sp],
+                                                                          vocab_loss=vocab_loss_of(loss)))
     params = [p for _, p in opt.named_parameters()]
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in params)
 
@@ -174,7 +187,8 @@ def predict_layout(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int, los
     rows = 1 if pp > 1 else batch if sp == 1 else batch // dp
     rm = predict_rank_memory(small_config(), tp=tp, dp=dp, pp=pp, sp=SP[sp], schedule=SCHEDULE,
                              microbatches=microbatches(batch, dp) if pp > 1 else None, seq_len=seq, batch_size=rows,
-                             setup="fp32", vocab_loss=loss)
+                             setup="fp32", vocab_loss=vocab_loss_of(loss),
+                             passes=stage_passes(loss))
     if pp > 1:     # per pipeline rank, in the benchmark's terms
         totals = [2 * params + fb for _, fb, params in rm.pipeline_ranks]
         return rm, max(totals), totals
@@ -227,7 +241,7 @@ def main() -> None:
     ap.add_argument("--worker", nargs=4, type=int, metavar=("TP", "DP", "PP", "SP"))
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--vocab-loss", default="fused", choices=["fused", "loss_parallel"])
+    ap.add_argument("--vocab-loss", default="fused", choices=["fused", "loss_parallel", "raw"])
     ap.add_argument("--layouts", nargs="+", default=[k for k in LAYOUTS if k != "tp2xpp2"], choices=list(LAYOUTS))
     ap.add_argument("--measured", default=None, help="a JSON this benchmark wrote: re-predict its measurements")
     ap.add_argument("--predict-8b", action="store_true", help="only the Llama-3-8B table (no launches)")
@@ -260,7 +274,7 @@ def main() -> None:
             base = next((r["ranks"][0] for r in results if r["layout"] == "1"), None)
             if pp > 1:
                 label = (f"tp={tp} x " if tp > 1 else "") + f"pp={pp} ({SCHEDULE} x{microbatches(a.batch, dp)})" + (
-                    f" x dp={dp}" if dp > 1 else "")
+                    f" x dp={dp}" if dp > 1 else "") + (", passes=[]" if vocab_loss(name) == "raw" else "")
             elif sp == 1:
                 label = f"sp={dp} (Ulysses)"
             elif sp == 2:

@@ -367,13 +367,15 @@ def check_triton(model: nn.Module) -> None:
 def _parallel_module(model: nn.Module, options: Options, budget: Optional[Budget], parallel: dict,
                      example_inputs: Any, example_kwargs: Optional[dict]) -> OptimizedModule:
     """optimize(parallel=...): the plan read off the graph, applied with torch.distributed."""
-    from tailorfx.parallelize import check_parallel, parallelize
-    check_parallel(parallel)
-    if options.passes or budget is not None:
-        raise ValueError("parallel= shards the model without single-device rewrites in this version: drop "
-                         "passes= and budget=, or run them without parallel=")
+    from tailorfx.parallelize import check_parallel, parallelize, stage_passes
+    spec = check_parallel(parallel)
+    if budget is not None:
+        raise ValueError("parallel= does not plan against a budget in this version: drop budget= (see "
+                         "opt.predict_memory() and `tailorfx plan --world` for each rank's memory), or run "
+                         "without parallel=")
+    passes = stage_passes(spec, options.passes)     # checked before anything is captured
     args, kwargs = _split_examples(example_inputs, example_kwargs)
-    plan = parallelize(model, parallel, args, kwargs)
+    plan = parallelize(model, parallel, args, kwargs, passes=passes, options=options.options_dict())
     opt = OptimizedModule(model, options, budget)
     opt.session.parallel = plan
     return opt

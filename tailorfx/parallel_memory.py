@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from tailorfx.budget import Budget, BudgetError, format_bytes
 from tailorfx.parallel_compose import fsdp_peak, pipeline_walk, shard_bytes, shard_shapes, stage_io, stage_profiles, tp_peak
@@ -185,7 +185,7 @@ def describe_layout(tp: int, pp: int, dp: int, sp: Optional[str]) -> str:
 def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: int = 1, sp: Optional[str] = None,
                         schedule: str = "1f1b", microbatches: Optional[int] = None, seq_len: int,
                         batch_size: int = 1, setup: Any = None, rank: Optional[int] = None, vocab_loss: str = "fused",
-                        _mesh=None) -> RankMemory:
+                        passes: Optional[Sequence[str]] = None, _mesh=None) -> RankMemory:
     """Memory of the worst rank of a parallel layout for one training step, predicted by
     composition on the memory model (see the module docstring); nothing is allocated.
 
@@ -195,12 +195,15 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     takes every row and seq_len/dp of its tokens). `setup`: a TrainingSetup or preset name
     (default: the model's dtype with AdamW). `rank`: under pp, that pipeline rank's memory
     instead of the worst's. `vocab_loss`: a vocab-parallel head's loss "fused" with it or under
-    DTensor's "loss_parallel". The layout is checked as optimize(parallel=...) checks it
-    (ValueError for one the runtime refuses, such as sp="ulysses" with tp).
+    DTensor's "loss_parallel". `passes`: the rewrites of a pipeline's step graph, as
+    optimize(parallel=..., passes=) takes them (None: the default, the LM head fused with its loss
+    and the MLPs in mini-sequence chunks under pp without tp). The layout is checked as
+    optimize(parallel=...) checks it (ValueError for one the runtime refuses, such as
+    sp="ulysses" with tp).
     """
     from tailorfx.codegen.schedule import build_schedule, simulate_schedule
     from tailorfx.options import positive_int
-    from tailorfx.parallelize import check_parallel
+    from tailorfx.parallelize import check_parallel, stage_passes
     spec = check_parallel({"tp": tp, "dp": dp, "pp": pp, "sp": sp, "schedule": schedule,
                            "microbatches": microbatches or pp, "vocab_loss": vocab_loss})
     positive_int("seq_len", seq_len, allow_none=False)
@@ -213,7 +216,8 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     seq = seq_len // dp if ulysses else seq_len
     head = ("gather" if pp > 1 else "sequence" if sp == "megatron" else "vocab") + (
         "+loss_parallel" if vocab_loss == "loss_parallel" else "")
-    cap = capture_rank(model_or_config, tp=tp, rows=batch_size, seq=seq, head=head, dtype=s.param_dtype, mesh=_mesh)
+    cap = capture_rank(model_or_config, tp=tp, rows=batch_size, seq=seq, head=head, dtype=s.param_dtype, mesh=_mesh,
+                       passes=stage_passes(spec, passes))
     points = profile(cap, s)
     L = len(cap.blocks)
     notes = []
@@ -230,7 +234,7 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     rank_label = "every rank"
     if pp > 1:
         from tailorfx.passes.pipeline_split import block_costs, split_points
-        costs = block_costs(cap.gm, cap.regions)
+        costs = cap.stage_costs or block_costs(cap.gm, cap.regions)
         starts = split_points(costs.flops, pp * v, costs.bytes, costs.first_flops, costs.last_flops)
         bounds = [*starts, len(costs.blocks)]
         stage_blocks = [costs.blocks[a:b] for a, b in zip(bounds, bounds[1:])]

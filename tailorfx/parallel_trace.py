@@ -104,6 +104,7 @@ class RankCapture:
     profiles: dict = field(default_factory=dict)
     owner: Any = None               # a weak reference to the module or factory captured (None: a config)
     wgrad: list = field(default_factory=list)   # per group: output bytes of its ops that take a parameter
+    stage_costs: Any = None         # pipeline_split.block_costs of the graph as captured, before any pass
 
     @property
     def num_groups(self) -> int:
@@ -127,8 +128,11 @@ def clear_cache() -> None:
 _MESH_IDS = itertools.count()
 
 
-def capture_rank(src: Any, *, tp: int, rows: int, seq: int, head: str, dtype: torch.dtype, mesh=None) -> RankCapture:
-    key = (_source_key(src), tp, rows, seq, head if tp > 1 else "", dtype)
+def capture_rank(src: Any, *, tp: int, rows: int, seq: int, head: str, dtype: torch.dtype, mesh=None,
+                 passes: tuple = ()) -> RankCapture:
+    """The rank's step graph (sharded for `tp` on a fake process group), rewritten by `passes` as
+    a pipeline's step graph is (parallelize.rewrite_step), traced and tagged by part; cached."""
+    key = (_source_key(src), tp, rows, seq, head if tp > 1 else "", dtype, tuple(passes))
     hit = _CAPTURES.get(key)
     if hit is not None and (hit.owner is None or hit.owner() is src):
         return hit
@@ -150,7 +154,7 @@ def capture_rank(src: Any, *, tp: int, rows: int, seq: int, head: str, dtype: to
             # AOTAutograd then fails ("Node tangents_4 was invalid, but is output")
             mesh = init_device_mesh(on if on == "cpu" or torch.cuda.is_available() else "cpu", (tp,),
                                     mesh_dim_names=(f"tp_capture{next(_MESH_IDS)}",))
-        cap = _capture_on(src, key, tp=tp, rows=rows, seq=seq, head=head, dtype=dtype, mesh=mesh)
+        cap = _capture_on(src, key, tp=tp, rows=rows, seq=seq, head=head, dtype=dtype, mesh=mesh, passes=passes)
     finally:
         if own_group:
             dist.destroy_process_group()
@@ -165,9 +169,11 @@ def capture_rank(src: Any, *, tp: int, rows: int, seq: int, head: str, dtype: to
     return cap
 
 
-def _capture_on(src, key, *, tp, rows, seq, head, dtype, mesh) -> RankCapture:
+def _capture_on(src, key, *, tp, rows, seq, head, dtype, mesh, passes) -> RankCapture:
     from tailorfx.codegen.lower import partition_for
     from tailorfx.codegen.pipeline import capture_static
+    from tailorfx.parallelize import rewrite_step
+    from tailorfx.passes.pipeline_split import block_costs
     scope = contextlib.nullcontext
     with _fake_model(src, dtype) as model:
         ids = torch.zeros(rows, seq, dtype=torch.long, device=_device(model))
@@ -188,10 +194,13 @@ def _capture_on(src, key, *, tp, rows, seq, head, dtype, mesh) -> RankCapture:
         for name, p in model.named_parameters():
             t = p.to_local() if hasattr(p, "to_local") else p
             local[name] = (tuple(t.shape), t.element_size(), p.requires_grad)
+    # outside the model's fake mode, as AOTAutograd: the graph's values are Dynamo's fake tensors
+    costs = block_costs(gm, find_regions(gm, seq_info(gm, None)))   # stages are cut by the graph as captured
+    gm, _ = rewrite_step(gm, passes)
     with scope():     # AOTAutograd outside the model's fake mode (it makes its own), collectives still known
         steps = memory.trace_step(gm, None, partition_for("dynamo", gm), None)
     steps = replace(steps, eager_autograd=True)
-    return _annotate(gm, steps, local, scope)
+    return replace(_annotate(gm, steps, local, scope), stage_costs=costs)
 
 
 def _device(model: nn.Module) -> torch.device:

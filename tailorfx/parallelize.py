@@ -6,7 +6,9 @@ a torchrun process.
              -> the vocab-parallel head's loss fused (runtime.vocab_parallel)
              -> runtime.apply_fsdp (FSDP2, dp mesh dim)
     pp:    capture (static shapes) -> regions -> passes.pipeline_split (block FLOPs, bytes)
-             -> codegen.pipeline.cut_stages -> codegen.schedule -> torch.distributed.pipelining
+             -> the exact structural rewrites (rewrite_step: minisequence, the LM head fused with
+                its loss) -> codegen.pipeline.cut_stages -> codegen.schedule
+             -> torch.distributed.pipelining
     predict_memory(): tp alone, the memory model on the sharded graph; with dp/pp/sp,
              parallel_memory.predict_rank_memory on a fake copy of the model taken before sharding
 """
@@ -23,6 +25,9 @@ from tailorfx.rewrite.capture import capture_graphs
 from tailorfx.rewrite.regions import find_regions
 
 KEYS = ("tp", "dp", "pp", "sp", "schedule", "microbatches", "vocab_loss")
+# The single-device rewrites a pipeline's step graph takes before it is cut: exact, structural
+# (custom ops that stages run under eager autograd); the others need AOTAutograd's joint graph
+STAGE_PASSES = ("minisequence",)
 
 
 @dataclass
@@ -53,6 +58,8 @@ class ParallelPlan:
     tp_mesh: Any = None           # the tp mesh dimension the copy is sharded on for them
     pp_rank: int = 0
     predictions: dict = field(default_factory=dict)   # setup -> this rank's prediction (a capture each)
+    passes: tuple = ()            # the rewrites the pipeline's step graph took before it was cut
+    rewrites: list = field(default_factory=list)   # (region, what was done to it) for the report
 
     def step(self, kwargs: dict):
         """One pipelined training step (forward and backward of every micro-batch); the mean
@@ -150,13 +157,14 @@ class ParallelPlan:
                                  microbatches=self.microbatches if pipelined else None,
                                  seq_len=length, batch_size=rows, setup=setup, rank=self.pp_rank if pipelined else None,
                                  vocab_loss="fused" if self.fused_loss is not None else "loss_parallel",
-                                 _mesh=self.tp_mesh if self.tp > 1 else None)
+                                 passes=self.passes, _mesh=self.tp_mesh if self.tp > 1 else None)
         return rm.as_estimate()
 
     def describe(self) -> list[tuple[str, str]]:
         rows = [(fqn, style + (f"; {self.head_note}" if style.startswith("colwise_vocab_parallel") and self.head_note
                                else "")) for fqn, style in self.styles.items()]
         rows += [(fqn, f"replicated: {why}") for fqn, why in self.replicated.items()]
+        rows += list(self.rewrites)
         sharded = f", fully_shard over dp={self.dp} (the stage one unit)" if self.dp > 1 else ""
         rows += [(", ".join(b) or "(no block)", f"pipeline stage {i} of {len(self.stage_blocks)}, rank "
                   f"{i % self.pp}, {self.schedule}, {self.microbatches} micro-batches, bubble {self.bubble:.1%}"
@@ -215,6 +223,60 @@ def check_parallel(parallel: Any) -> dict:
             "virtual": 2 if schedule == "interleaved_1f1b" else 1, "vocab_loss": parallel.get("vocab_loss", "fused")}
 
 
+def stage_passes(spec: dict, passes: Optional[tuple]) -> tuple[str, ...]:
+    """The rewrites a pipeline's step graph takes (`passes`, as optimize() got it): None, the
+    default, is STAGE_PASSES under pp without tp; [] none. Any other request says what runs."""
+    pipelined = spec["pp"] > 1 and spec["tp"] == 1
+    if passes is None:
+        return STAGE_PASSES if pipelined else ()
+    if not passes:
+        return ()
+    if not pipelined:
+        raise ValueError(f"parallel={_layout(spec)} runs without single-device rewrites in this version: drop "
+                         f"passes= (only pipeline stages without tp take {list(STAGE_PASSES)}), or run the "
+                         f"passes without parallel=")
+    other = [p for p in passes if p not in STAGE_PASSES]
+    if other:
+        raise ValueError(f"passes={list(passes)}: pipeline stages take {list(STAGE_PASSES)} only in this version, "
+                         f"not {other} (they rewrite AOTAutograd's joint graph, which a stage run by torch's "
+                         f"pipeline runtime does not have); drop them")
+    return tuple(passes)
+
+
+def _layout(spec: dict) -> str:
+    return "dict(" + ", ".join(f"{k}={spec[k]!r}" for k in ("tp", "dp", "pp", "sp") if spec[k] not in (1, None)) + ")"
+
+
+def rewrite_step(gm, passes: tuple[str, ...], options: Optional[dict] = None):
+    """`gm` (a static training-step graph) after `passes`, as optimize() runs them on one device;
+    also the pass records (empty when nothing ran)."""
+    if not passes:
+        return gm, []
+    from tailorfx import planner
+    from tailorfx.rewrite.capture import seq_info
+    from tailorfx.rewrite.passes import PassContext
+    seq = seq_info(gm, None)
+    regions = find_regions(gm, seq)
+    # the pass's own options only: kernels= would add the Triton kernel passes, a budget the planner
+    mine = {k: v for k, v in (options or {}).items() if k.startswith("minisequence") or k == "keep_logits"}
+    plan = planner.choose(list(passes), regions, {**mine, "training": True})
+    rewritten, records, _ = planner.run_plan(plan, gm, PassContext(regions, seq, plan.options))
+    return rewritten, records
+
+
+def describe_rewrites(records) -> list[tuple[str, str]]:
+    """Report rows: each region a pass rewrote, and each it left with the reason."""
+    what = {"mlp": "{} chunk(s) along the sequence, intermediates recomputed per chunk in backward",
+            "lm_head_loss": "fused with its loss, {} chunk(s), no logits kept for backward"}
+    rows = []
+    for r in records:
+        for path, st in r.stats.items():
+            if isinstance(st, dict) and "num_chunks" in st:
+                rows.append((path, f"{r.name}: " + what.get(st.get("kind"), "rewritten, {} chunk(s)").format(st["num_chunks"])))
+        rows += [(sk.split(": ", 1)[0], f"{r.name}: left as it was: {sk.split(': ', 1)[-1]}") for sk in r.skipped]
+    return rows
+
+
 def plan_tensor_parallel(model: nn.Module, args: tuple, kwargs: dict) -> tuple[TPPlan, list[str]]:
     """Capture `model` on the example inputs and read one plan off all its graphs; also the
     paths of its repeated blocks (FSDP's units). The plan carries Megatron's sequence
@@ -266,10 +328,13 @@ def fuse_head_loss(model: nn.Module, head: str, transform: Any, choice: str = "f
     return fused, f"loss fused with it ({chunks} row chunks, no logits-sized tensor kept for backward)"
 
 
-def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> ParallelPlan:
-    """Shard `model` in place as `parallel` asks; returns what was done (for the report)."""
+def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict, *, passes: Optional[tuple] = None,
+                options: Optional[dict] = None) -> ParallelPlan:
+    """Shard `model` in place as `parallel` asks; returns what was done (for the report).
+    `passes`, `options`: optimize()'s (pipeline stages take STAGE_PASSES, see stage_passes)."""
     from tailorfx.runtime.tensor_parallel import apply_fsdp, apply_loss_parallel, apply_tp, device_mesh
     spec = check_parallel(parallel)
+    rewrites = stage_passes(spec, passes)
     if not args and not kwargs:
         raise ValueError("parallel= needs example_inputs: the tensor-parallel plan is read off the graph "
                          "of one forward pass")
@@ -285,7 +350,7 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
             styles = {f: ("colwise_gather_output" if st == "colwise_vocab_parallel" else st)
                       for f, st in tp_plan.styles.items()}
             apply_tp(model, styles=styles, mesh=mesh["tp"])
-        out = pipeline(model, spec, kwargs, mesh["pp"], dp_mesh=mesh["dp"])
+        out = pipeline(model, spec, kwargs, mesh["pp"], dp_mesh=mesh["dp"], passes=rewrites, options=options)
         if spec["tp"] > 1:
             out.tp, out.styles, out.replicated = spec["tp"], styles, dict(tp_plan.replicated)
         out.example, out.source, out.tp_mesh = dict(kwargs), source, mesh["tp"]
@@ -316,10 +381,12 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict) -> 
     return out
 
 
-def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh, *, dp_mesh=None) -> ParallelPlan:
-    """Cut the model's step graph into pp * virtual stages balanced by the cost model, shard this
-    rank's stages over the dp ranks (FSDP2, one unit per stage) and load them into torch's
-    pipeline runtime with the tailorfx schedule."""
+def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh, *, dp_mesh=None, passes: tuple = (),
+             options: Optional[dict] = None) -> ParallelPlan:
+    """Cut the model's step graph into pp * virtual stages balanced by the cost model (on the
+    graph as captured), after `passes` rewrote it, shard this rank's stages over the dp ranks
+    (FSDP2, one unit per stage) and load them into torch's pipeline runtime with the tailorfx
+    schedule."""
     from tailorfx.codegen.pipeline import capture_static, cut_stages, pipeline_runtime
     from tailorfx.codegen.schedule import simulate_schedule
     from tailorfx.passes.pipeline_split import block_costs, split_points
@@ -337,6 +404,9 @@ def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh, *, dp_mesh=None) 
     starts = split_points(costs.flops, num_stages, costs.bytes, costs.first_flops, costs.last_flops)
     bounds = [*starts, len(costs.blocks)]
     stage_blocks = [costs.blocks[a:b] for a, b in zip(bounds, bounds[1:])]
+    gm, records = rewrite_step(gm, passes, options)
+    if records:
+        regions = find_regions(gm, seq_info(gm, None))
     block_stage = {name: i for i, blocks in enumerate(stage_blocks) for b in regions.of_kind("block")
                    if b.path in blocks for name in b.nodes}
     stages = cut_stages(gm, example, model, block_stage, num_stages, micro)
@@ -350,4 +420,4 @@ def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh, *, dp_mesh=None) 
     bubble = float(simulate_schedule(spec["schedule"], pp, m, virtual=v).bubble)
     return ParallelPlan(pp=pp, dp=spec["dp"], schedule=spec["schedule"], microbatches=m, stage_blocks=stage_blocks, bubble=bubble,
                         runtime=runtime, rank_params=mine, is_last=(num_stages - 1) % pp == rank,
-                        blocks=list(costs.blocks))
+                        blocks=list(costs.blocks), passes=tuple(passes), rewrites=describe_rewrites(records))

@@ -257,18 +257,22 @@ def test_a_killed_rank_ends_the_job_with_an_error_not_a_hang():
     assert elapsed < 60, elapsed      # the whole run, start-up included, inside the 60 s the survivors get
 
 
-def cut_and_run(family, num_stages, ids):
-    """The step graph cut into stages and run one stage after the other, in one process."""
+def cut_and_run(family, num_stages, ids, passes=(), options=None, **overrides):
+    """The step graph, rewritten by `passes` as optimize(parallel=dict(pp=...)) does, cut into
+    stages and run one stage after the other, in one process."""
     from tailorfx.codegen.pipeline import capture_static, cut_stages
+    from tailorfx.parallelize import rewrite_step
     from tailorfx.passes.pipeline_split import block_costs, split_points
     from tailorfx.rewrite.capture import seq_info
     from tailorfx.rewrite.regions import find_regions
-    model = hf_family(family, num_layers=4, vocab_size=512)
+    model = hf_family(family, num_layers=4, vocab_size=512, **overrides)
     gm, example, kw = capture_static(model, dict(input_ids=ids, labels=ids))
     regions = find_regions(gm, seq_info(gm, None))
     c = block_costs(gm, regions)
     starts = split_points(c.flops, num_stages, c.bytes, c.first_flops, c.last_flops)
     stage_of = {b.path: max(i for i, s in enumerate(starts) if s <= k) for k, b in enumerate(regions.of_kind("block"))}
+    gm, _ = rewrite_step(gm, passes, options)
+    regions = find_regions(gm, seq_info(gm, None))
     block_stage = {n: stage_of[b.path] for b in regions.of_kind("block") for n in b.nodes}
     stages = cut_stages(gm, example, model, block_stage, num_stages, kw)
     sent = ()
@@ -278,12 +282,26 @@ def cut_and_run(family, num_stages, ids):
     return model, stages, sent[0]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_the_step_graph_cut_into_stages_computes_the_step(family):
+def stage_ops(stage) -> set[str]:
+    return {getattr(n.target, "__name__", str(n.target)) for n in stage.gm.graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize("family,passes", [("llama", ()), ("qwen3", ()), ("llama", ("minisequence",)),
+                                           ("gemma2", ("minisequence",))])
+def test_the_step_graph_cut_into_stages_computes_the_step(family, passes):
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
-    model, stages, loss = cut_and_run(family, 4, ids)
+    # two chunks: 64 tokens, so the chunks are real (the default takes one per 1,024 tokens)
+    untied = {"tie_word_embeddings": False} if family == "gemma2" else {}
+    model, stages, loss = cut_and_run(family, 4, ids, passes, {"minisequence_chunks": 2}, **untied)
+    # the rewrite happened where it should: the last stage's head is fused with its loss (Gemma-2's
+    # soft-cap inside it), no stage computes logits, and every stage's MLPs run in chunks
+    fused = [i for i, st in enumerate(stages) if "chunked_linear_cross_entropy" in stage_ops(st)]
+    assert fused == ([len(stages) - 1] if passes else [])
+    for st in stages:
+        ops = stage_ops(st)
+        assert ("token_chunked" in str(ops)) == bool(passes), ops
     loss.sum().backward()
-    ref = hf_family(family, num_layers=4, vocab_size=512)
+    ref = hf_family(family, num_layers=4, vocab_size=512, **untied)
     out = ref(input_ids=ids, labels=ids)
     out.loss.backward()
     assert torch.allclose(loss.sum(), out.loss, rtol=1e-5)
@@ -317,6 +335,8 @@ def test_pipeline_schedules_equal_one_process(tmp_path):
         assert len(r["stages"]) == stages and all(r["stages"])       # the graph was cut, every stage has blocks
         assert r["bubble"] == pytest.approx(float(simulate_schedule(r["schedule"], 2, 4, virtual=stages // 2).bubble))
         assert (r["loss"] is not None) == (rank == "rank1")           # the loss lives on the last stage's rank
+        # the default rewrites ran on the step graph before it was cut (the report says where)
+        assert "fused with its loss" in r["report"] and "1 chunk(s) along the sequence" in r["report"], r["report"]
         # each rank's memory predicted through the schedule's actions: within -2%/+5% of its measured
         # peak, every schedule and rank (the last stage keeps what its forward leaves, not its logits)
         if r["measured"] is None:

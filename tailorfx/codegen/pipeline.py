@@ -17,6 +17,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from tailorfx.rewrite.passes import own, owned
+
 
 class StageModule(nn.Module):
     """One stage: `forward(*received, **graph_inputs)` runs its slice of the graph and returns the
@@ -123,7 +125,10 @@ def cut_stages(gm: fx.GraphModule, example_inputs: list, model: nn.Module, block
             if bad:
                 raise ValueError(f"cannot cut the graph before stage {k + 1}: {bad} cross it and are not tensors")
             g.output(tuple(env[n] for n in sends))
-        out.append(StageModule(fx.GraphModule(holder, g), [kw_name[id(value[ph])] for ph in kw]))
+        stage_gm = fx.GraphModule(holder, g)
+        for key, obj in owned(gm).items():    # regions a rewritten graph's ops run by key
+            own(stage_gm, key, obj)
+        out.append(StageModule(stage_gm, [kw_name[id(value[ph])] for ph in kw]))
         carried = sends
     return out
 

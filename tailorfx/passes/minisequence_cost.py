@@ -77,12 +77,13 @@ def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
     phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
     vals = [node_value(n) for n in phs]
     length = ctx.seq.length
-    if ctx.seq.symbol is None or not length or not all(isinstance(v, torch.Tensor) for v in vals) \
-            or len(ctx.seq.dims(vals[0])) != 1:
+    if not length or not all(isinstance(v, torch.Tensor) for v in vals) or len(ctx.seq.dims(vals[0])) != 1:
         return None
     seq_dim = ctx.seq.dims(vals[0])[0]
 
     def shape(v, seq_len):
+        if ctx.seq.symbol is None:   # a static capture (pipeline stages): only the chunked input has the length
+            return [int(d) * seq_len // length if v is vals[0] and i == seq_dim else int(d) for i, d in enumerate(v.shape)]
         subs = {**ctx.seq.hints, ctx.seq.symbol: seq_len}
         return [int(compat.sym_expr(d).xreplace(subs)) for d in v.shape]
 

@@ -183,8 +183,12 @@ def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: s
             held[n] = list(held.get(base, [])) if base is not None else []
         else:
             vals = val if isinstance(val, (list, tuple)) else [val]
-            grad = n in grad_nodes
-            held[n] = [pool.alloc(sizer(v), n, grad) if isinstance(v, torch.Tensor) else -1 for v in vals]
+            # an op returning several values (a custom op's gradients): each counts as a gradient
+            # when the getitem taking it out is one
+            picked = {u.args[1] for u in n.users if u in grad_nodes and u.op == "call_function"
+                      and u.target.__name__ == "getitem"}
+            held[n] = [pool.alloc(sizer(v), n, n in grad_nodes or k in picked) if isinstance(v, torch.Tensor) else -1
+                       for k, v in enumerate(vals)]
             held[n] = [s for s in held[n] if s >= 0] if not isinstance(val, (list, tuple)) else held[n]
         for sid in held[n]:
             pool.hold(sid, n)

@@ -188,12 +188,17 @@ def grads_in_forward_setup(ctx, inputs, output):
     taken in the forward: keep them; the backward only scales them."""
     _, grad_h, grad_w, grad_b = output
     ctx.mark_non_differentiable(grad_h, grad_w, grad_b)
+    # eager autograd (a pipeline stage) would hand the backward zero-filled hidden- and
+    # weight-sized gradients for those three outputs unless told not to
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(grad_h, grad_w, grad_b)
     ctx.computed = inputs[9:12]
 
 
 def grads_in_forward_backward(ctx, grad_loss, *_):
     needs = ctx.needs_input_grad[:3]
+    if grad_loss is None:      # the loss itself took no part in what was differentiated
+        return (None,) * 12
     if any(need and not computed for need, computed in zip(needs, ctx.computed)):
         raise RuntimeError("fused LM head: an input needs a grad that was not computed in the forward "
                            f"(needed {needs}, computed {ctx.computed})")
