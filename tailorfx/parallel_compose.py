@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from tailorfx.parallel_trace import Point, RankCapture
+from tailorfx.parallel_trace import Point, RankCapture, grad_burst
 from tailorfx.rewrite.capture import node_value
 
 _PARTS = ("activations", "gradients", "gathered parameters", "communication buffers")
@@ -135,6 +135,7 @@ def stage_profiles(cap: RankCapture, points: list[Point], stage_blocks: list[lis
             gs.add(L + 1)
         groups.append(gs)
     stage_of = {g: k for k, gs in enumerate(groups) for g in gs}
+    burst = grad_burst(cap, setup)
     fw_points = [p for p in points if p.kind == "f"]
     out = []
     for k, gs in enumerate(groups):
@@ -150,6 +151,7 @@ def stage_profiles(cap: RankCapture, points: list[Point], stage_blocks: list[lis
         shapes = [s for g in gs for s in cap.params[g]]
         gbytes = int(sum(math.prod(s) * b for s, b in shapes) * ratio)
         largest = int(max((math.prod(s) * b for s, b in shapes), default=0) * ratio)
+        largest = max(largest, max((burst[g] for g in gs), default=0))
         wgrad = sum(cap.wgrad[g] for g in gs) if cap.wgrad else 0     # activation gradients: their own dtype
         out.append(_Stage(gs, fwd, bwd, kept, gbytes, largest, wgrad, retained))
     return out

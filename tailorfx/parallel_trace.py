@@ -366,6 +366,10 @@ class _TaggedPool(memory._Pool):
         self.points: list[Point] = []
         self.saved_sids: set[int] = set()
         self.saved_freed = [0] * n
+        # per part, the most gradient bytes one op makes at once (a chunked region's backward makes
+        # all its weights' gradients together): what a later micro-batch adds beside the held ones
+        self.grad_burst = [0] * n
+        self._burst_of: tuple = (None, 0)
 
     def alloc(self, nbytes: int, holder, grad: bool = False) -> int:
         sid = super().alloc(nbytes, holder, grad)
@@ -374,6 +378,10 @@ class _TaggedPool(memory._Pool):
         self.live[g] += nbytes
         if grad:
             self.glive[g] += nbytes
+            node, run = self._burst_of
+            run = (run if node is holder else 0) + nbytes
+            self._burst_of = (holder, run)
+            self.grad_burst[g] = max(self.grad_burst[g], run)
         return sid
 
     def hold(self, sid: int, holder) -> None:
@@ -422,7 +430,14 @@ def profile(cap: RankCapture, setup: TrainingSetup, keep_outputs: bool = True) -
         if cap.steps.bw is not None:
             memory._backward(pool, cap.steps, 0, saved, sizer, s)
         cap.profiles[key] = pool.points
+        cap.profiles[("grad_burst", *key)] = pool.grad_burst
     return cap.profiles[key]
+
+
+def grad_burst(cap: RankCapture, setup: TrainingSetup) -> list[int]:
+    """Per part, the most gradient bytes one backward op makes at once (after profile())."""
+    key = (setup.param_dtype, setup.grads, setup.optimizer, setup.optimizer_in_backward, setup.master_weights)
+    return next((v for k, v in cap.profiles.items() if k[0] == "grad_burst" and k[1:6] == key), [0] * cap.num_groups)
 
 
 def _forward(pool: _TaggedPool, st: memory.StepGraphs, sizer, setup: TrainingSetup, keep_outputs: bool) -> dict:

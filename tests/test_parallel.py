@@ -348,9 +348,16 @@ def test_pipeline_schedules_equal_one_process(tmp_path):
 def test_tp2_x_pp2_and_pp2_x_fsdp2_on_four_processes_equal_one_process(tmp_path):
     # one launch, two layouts on the mesh (pp, dp, tp): tp=2 inside each pipeline stage, then
     # dp=2 with each stage one fully_shard unit (each dp rank runs its own rows through the pipeline)
-    runs = ["qwen3:zb_h1", "llama:1f1b", "mistral:gpipe", "llama:1f1b:mem@1x2", "qwen3:zb_h1@1x2"]
+    # then pp=4 alone: the middle stages receive and send, each rank's memory predicted
+    runs = ["qwen3:zb_h1", "llama:1f1b", "mistral:gpipe", "llama:1f1b:mem@1x2", "qwen3:zb_h1@1x2", "llama:1f1b:mem@1x1"]
     rows = torchrun(tmp_path, 4, "pipeline_check.py", 2, 4, *runs, runs=len(runs))
     for (rank, run), r in rows.items():
+        if run.endswith("1x1"):
+            assert len(r["stages"]) == 4 and (r["loss"] is not None) == (rank == "rank3")
+            # a middle stage's chunked MLP makes its three weight gradients at once beside the held
+            # ones (were 10-12% under before the walk counted that)
+            assert -0.02 <= (r["predicted"] - r["measured"]) / r["measured"] <= 0.05, r
+            continue
         assert len(r["stages"]) == 2 and (r["loss"] is not None) == (rank in ("rank2", "rank3"))
         if run.endswith("2x1"):
             assert r["sharded"] > 0                               # TP shards inside pipeline stages
