@@ -130,18 +130,24 @@ def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_
            ) -> tuple[Candidate, object, list[Candidate]]:
     """The fitting candidate with the least recompute; raises BudgetError if none fits.
 
-    The 'full recompute of k blocks' candidates, whose peak falls as k grows, are bisected for
-    the smallest k that fits, so large models cost log(blocks) traces; the others are all tried.
+    Candidates that recompute nothing are tried first: when one fits, no plan that recomputes
+    can beat it, and none is traced. The 'full recompute of k blocks' candidates, whose peak falls
+    as k grows, are bisected for the smallest k that fits, so large models cost log(blocks)
+    traces; the others are all tried.
     """
     ks = [c for c in candidates if dict(c.options).get("recompute_policy") == "full"]
-    head = [c for c in candidates if c not in ks]
-    with progress(total=len(head) + len(ks).bit_length(), desc="planning", unit="plan") as bar:
+    free = [c for c in candidates if c not in ks and recomputes_nothing(c)]
+    head = [c for c in candidates if c not in ks and c not in free]
+    with progress(total=len(free) + len(head) + len(ks).bit_length(), desc="planning", unit="plan") as bar:
         def tried(c: Candidate) -> tuple[Candidate, object]:
             bar.set_postfix_str(c.label, refresh=False)
             out = evaluate(c)
             bar.update(1)
             return out
-        seen: list[tuple[Candidate, object]] = [tried(c) for c in head]
+        seen: list[tuple[Candidate, object]] = [tried(c) for c in free]
+        if any(c.fits for c, _ in seen):
+            head, ks = [], []
+        seen += [tried(c) for c in head]
         lo, hi = 0, len(ks) - 1
         while lo <= hi:
             mid = (lo + hi) // 2
@@ -171,6 +177,13 @@ def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_
     chosen, payload = fitting[0]
     others = sorted((c for c, _ in seen if c is not chosen), key=lambda c: (not c.fits, c.added_flops))
     return chosen, payload, others
+
+
+def recomputes_nothing(c: Candidate) -> bool:
+    """No pass of the candidate reruns forward work in backward: no recompute, and mini-sequence
+    (if any) fuses the LM head only (its gradient is taken in forward)."""
+    return "recompute" not in c.passes and ("minisequence" not in c.passes
+                                           or dict(c.options).get("minisequence_mlps") is False)
 
 
 def usable(budget: int, allocator_headroom: float = 0.0) -> float:
