@@ -146,6 +146,19 @@ def test_bad_parallel_options_name_the_problem(bad, msg):
         check_parallel(bad)
 
 
+@pytest.mark.parametrize("kw, msg", [
+    (dict(parallel=dict(tp=2), passes=["minisequence"]), r"parallel=dict\(tp=2\) runs without single-device rewrites"),
+    (dict(parallel=dict(pp=2), passes=["minisequence", "recompute"]),
+     r"pipeline stages take \['minisequence'\] only.*not \['recompute'\].*joint graph"),
+    (dict(parallel=dict(pp=2), budget="1GB"), "does not plan against a budget"),
+])
+def test_passes_and_budgets_under_parallel_say_what_runs(kw, msg):
+    # refused before anything is captured or launched
+    import tailorfx
+    with pytest.raises(ValueError, match=msg):
+        tailorfx.optimize(hf_family("llama", vocab_size=512), **kw)
+
+
 def test_parallel_outside_torchrun_says_how_to_launch(monkeypatch):
     import tailorfx
     monkeypatch.delenv("RANK", raising=False)
