@@ -246,7 +246,7 @@ def stage_io(cap: RankCapture, stage_blocks: list[list[str]]) -> list[tuple[int,
     stage_of_block = {b: k for k, bs in enumerate(stage_blocks) for b in bs}
     block_stage = {name: stage_of_block[r.path] for r in cap.regions.of_kind("block") for name in r.nodes}
     stage = stage_of_nodes(cap.gm, block_stage)
-    users = {nd: max((stage.get(u, n - 1) for u in nd.users), default=-1) for nd in stage}
+    users = {nd: max((stage[u] for u in nd.users if u in stage), default=-1) for nd in stage}   # as cut_stages
     recv, grad_recv, sent, grad_sent = [0] * n, [0] * n, [0] * n, [0] * n
     for nd, k in stage.items():
         v = node_value(nd)

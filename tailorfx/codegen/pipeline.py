@@ -74,7 +74,9 @@ def cut_stages(gm: fx.GraphModule, example_inputs: list, model: nn.Module, block
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     value = dict(zip(phs, example_inputs))
     stage = stage_of_nodes(gm, block_stage)
-    users_stage = {n: max((stage.get(u, num_stages - 1) for u in n.users), default=-1) for n in gm.graph.nodes}
+    # the stages that read a value; the graph's other outputs (logits, a KV cache the model returns
+    # in training) are not among them: the last stage returns the loss alone, so they never travel
+    users_stage = {n: max((stage[u] for u in n.users if u in stage), default=-1) for n in gm.graph.nodes}
     aliases: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(n)
