@@ -195,7 +195,8 @@ def _capture_on(src, key, *, tp, rows, seq, head, dtype, mesh, passes) -> RankCa
             t = p.to_local() if hasattr(p, "to_local") else p
             local[name] = (tuple(t.shape), t.element_size(), p.requires_grad)
     # outside the model's fake mode, as AOTAutograd: the graph's values are Dynamo's fake tensors
-    costs = block_costs(gm, find_regions(gm, seq_info(gm, None)))   # stages are cut by the graph as captured
+    # stages are cut by the graph as captured (without passes, predict_rank_memory reads the capture's own)
+    costs = block_costs(gm, find_regions(gm, seq_info(gm, None))) if passes else None
     gm, _ = rewrite_step(gm, passes)
     with scope():     # AOTAutograd outside the model's fake mode (it makes its own), collectives still known
         steps = memory.trace_step(gm, None, partition_for("dynamo", gm), None)
@@ -420,8 +421,7 @@ def profile(cap: RankCapture, setup: TrainingSetup, keep_outputs: bool = True) -
     """The step simulated under `setup`, each point's live bytes split by part (cached).
     `keep_outputs`: the caller holds the model's outputs (logits) through backward, as a training
     loop does; a pipeline's last stage returns only the loss."""
-    key = (setup.param_dtype, setup.grads, setup.optimizer, setup.optimizer_in_backward, setup.master_weights,
-           keep_outputs)
+    key = (*_setup_key(setup), keep_outputs)
     if key not in cap.profiles:
         s = setup.with_(grad_accum_steps=1)
         pool = _TaggedPool(cap)
@@ -430,14 +430,18 @@ def profile(cap: RankCapture, setup: TrainingSetup, keep_outputs: bool = True) -
         if cap.steps.bw is not None:
             memory._backward(pool, cap.steps, 0, saved, sizer, s)
         cap.profiles[key] = pool.points
-        cap.profiles[("grad_burst", *key)] = pool.grad_burst
+        cap.profiles[("grad_burst", *_setup_key(setup))] = pool.grad_burst
     return cap.profiles[key]
+
+
+def _setup_key(setup: TrainingSetup) -> tuple:
+    """What of a setup the simulated step depends on."""
+    return setup.param_dtype, setup.grads, setup.optimizer, setup.optimizer_in_backward, setup.master_weights
 
 
 def grad_burst(cap: RankCapture, setup: TrainingSetup) -> list[int]:
     """Per part, the most gradient bytes one backward op makes at once (after profile())."""
-    key = (setup.param_dtype, setup.grads, setup.optimizer, setup.optimizer_in_backward, setup.master_weights)
-    return next((v for k, v in cap.profiles.items() if k[0] == "grad_burst" and k[1:6] == key), [0] * cap.num_groups)
+    return cap.profiles.get(("grad_burst", *_setup_key(setup)), [0] * cap.num_groups)
 
 
 def _forward(pool: _TaggedPool, st: memory.StepGraphs, sizer, setup: TrainingSetup, keep_outputs: bool) -> dict:
