@@ -19,7 +19,7 @@ from tailorfx import passes as pass_registry
 from tailorfx.budget import Budget, BudgetError, format_bytes
 from tailorfx.codegen.lower import partition_for
 from tailorfx.progress import progress
-from tailorfx.rewrite import cost, memory
+from tailorfx.rewrite import cost, memory, trace
 from tailorfx.rewrite.capture import SeqInfo
 from tailorfx.rewrite.passes import PassContext, PassManager
 from tailorfx.rewrite.regions import RegionMap
@@ -198,32 +198,47 @@ def with_result(c: Candidate, peak: int, flops: int, budget: int, allocator_head
 # ---- prediction: the one place that runs the memory model on a graph --------------------------
 def predict_graphs(graphs: Sequence[tuple[fx.GraphModule, str, Optional[memory.StepGraphs]]],
                    seqs: Sequence[SeqInfo], seq_len: Optional[int] = None,
-                   setup: Optional[TrainingSetup] = None) -> memory.MemoryEstimate:
+                   setup: Optional[TrainingSetup] = None, captured: bool = False) -> memory.MemoryEstimate:
     """The memory model's estimate of one training step made of `graphs`, each (graph, its
     lowering, its lowered forward/backward if already known), at `seq_len` (default: the
-    captured length). Each graph is traced with the partition its lowering runs."""
-    steps = [replace(step if step is not None else traced_step(gm, partition_for(lowering, gm), setup),
+    captured length). Each graph is traced with the partition its lowering runs; `captured`:
+    at the captured length only, so a graph not traced yet is traced on static shapes (faster)."""
+    static = captured and seq_len is None
+    steps = [replace(step if step is not None else traced_step(gm, partition_for(lowering, gm), setup, static),
                      eager_autograd=lowering == "dynamo")
              for gm, lowering, step in graphs]
     return memory.simulate_step(steps, list(seqs), seq_len or seqs[0].length or None, setup=setup)
 
 
-def traced_step(gm: fx.GraphModule, partition: str, setup: Optional[TrainingSetup]) -> memory.StepGraphs:
+def traced_step(gm: fx.GraphModule, partition: str, setup: Optional[TrainingSetup],
+                static: bool = False) -> memory.StepGraphs:
     """memory.trace_step, kept while the graph module lives (a weak key): its sizes are symbolic in
     the sequence length, so one AOTAutograd trace serves every length (max_seq_len bisects on it).
-    Keyed also by the code the module runs, so a graph rewritten in place is traced again."""
-    key = (partition, bool(setup is not None and setup.optimizer_in_backward), gm.code)
+    `static`: one at the captured length serves (a symbolic trace, if kept, is used; else one on
+    static shapes, trace.captured_inputs). Keyed also by the code the module runs, so a graph
+    rewritten in place is traced again."""
+    in_backward = bool(setup is not None and setup.optimizer_in_backward)
     cache = _TRACED.setdefault(gm, {})
-    if key not in cache:
-        for stale in [k for k in cache if k[2] != gm.code]:   # traces of code the module no longer runs
-            del cache[stale]
-        cache[key] = memory.trace_step(gm, None, partition, setup)
+    for stale in [k for k in cache if k[2] != gm.code]:   # traces of code the module no longer runs
+        del cache[stale]
+    order = [(partition, in_backward, gm.code, False)] + ([(partition, in_backward, gm.code, True)] if static else [])
+    hit = next((k for k in order if k in cache), None)
+    if hit is not None:
+        return cache[hit]
+    plain = next((p for p in [(partition, False) + k[2:] for k in order] if p in cache), None)
+    if in_backward and plain is not None:    # the same trace, the optimizer steps put in its backward
+        key = (partition, True) + plain[2:]
+        cache[key] = trace.with_steps_in_backward(cache[plain], gm)
+        return cache[key]
+    inputs = trace.captured_inputs(gm) if static else None
+    key = order[-1] if inputs is not None else order[0]
+    cache[key] = memory.trace_step(gm, inputs, partition, setup)
     return cache[key]
 
 
 def remember_trace(gm: fx.GraphModule, partition: str, steps_in_backward: bool, step: memory.StepGraphs) -> None:
     """The forward/backward the lowering made of `gm` (the graphs that run), kept as its trace."""
-    _TRACED.setdefault(gm, {})[(partition, steps_in_backward, gm.code)] = step
+    _TRACED.setdefault(gm, {})[(partition, steps_in_backward, gm.code, False)] = step
 
 
 _TRACED: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
@@ -231,7 +246,7 @@ _TRACED: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKeyDict
 
 def predict_peak(gm: fx.GraphModule, seq: SeqInfo, lowering: str, setup: Optional[TrainingSetup] = None) -> int:
     """Predicted peak of a step that is this one graph, at its captured length."""
-    return predict_graphs([(gm, lowering, None)], [seq], setup=setup).peak_bytes
+    return predict_graphs([(gm, lowering, None)], [seq], setup=setup, captured=True).peak_bytes
 
 
 def run_plan(plan: Plan, gm: fx.GraphModule, ctx: PassContext, verify: bool = True,
@@ -252,30 +267,36 @@ def plan_for_budget(gm: fx.GraphModule, ctx: PassContext, base: Plan, lowering: 
     setup = opts.get("setup")
     label = opts.get("budget_label", "")
     cands = budget_candidates(base, len(ctx.regions.of_kind("block")), bool(ctx.regions.of_kind("lm_head_loss")))
+    rewritten: dict = {}      # candidate -> its rewritten graph: the second search predicts the same graphs
     try:
-        chosen, o, others = _search_setup(gm, ctx, cands, opts, setup, lowering, verify)
+        chosen, o, others = _search_setup(gm, ctx, cands, opts, setup, lowering, verify, rewritten)
         return Plan(chosen.passes, o, f"fits budget {label}", chosen, tuple(others)), None
     except BudgetError:
         if setup is None or setup.optimizer is None or setup.optimizer_in_backward or setup.grad_accum_steps > 1:
             raise
     fused = setup.with_(optimizer_in_backward=True, name=f"{setup.name} + optimizer in backward")
-    chosen, o, others = _search_setup(gm, ctx, cands, opts, fused, lowering, verify)   # raises if this does not fit
+    chosen, o, others = _search_setup(gm, ctx, cands, opts, fused, lowering, verify, rewritten)   # raises if none fits
     reason = (f"fits budget {label} only with the optimizer step in backward: train with "
               f"tailorfx.SetupOptimizer(model.parameters(), opt.setup)")
     return Plan(chosen.passes, o, reason, chosen, tuple(others)), f"graph {ctx.graph_index}: {reason}"
 
 
-def _search_setup(gm, ctx: PassContext, cands: list[Candidate], opts: dict, setup, lowering: str, verify: bool):
+def _search_setup(gm, ctx: PassContext, cands: list[Candidate], opts: dict, setup, lowering: str, verify: bool,
+                  rewritten: dict):
     """search() over `cands` with each plan's peak predicted under `setup`; the candidates share
-    ctx (and its memo), so a region costed for one plan is not costed again for the next."""
+    ctx (and its memo), so a region costed for one plan is not costed again for the next, and a
+    candidate rewritten for an earlier setup (`rewritten`; no pass reads the setup) is not
+    rewritten again, so its trace is kept (traced_step)."""
     budget = opts["budget_bytes"]
     headroom = setup.headroom if setup else 0.0
     as_int = memory.Sizer(ctx.seq, ctx.seq.length or None).as_int
 
     def evaluate(c: Candidate):
         o = {**opts, **dict(c.options), "setup": setup}
-        g, _, _ = run_plan(Plan(c.passes, o), gm, replace(ctx, options=o), verify)
-        est = predict_graphs([(g, lowering, None)], [ctx.seq], setup=setup)
+        if (c.passes, c.options) not in rewritten:
+            rewritten[(c.passes, c.options)] = run_plan(Plan(c.passes, o), gm, replace(ctx, options=o), verify)[0]
+        g = rewritten[(c.passes, c.options)]
+        est = predict_graphs([(g, lowering, None)], [ctx.seq], setup=setup, captured=True)
         return with_result(c, est.peak_bytes, cost.recompute_flops(g, as_int), budget, headroom), (est, o)
 
     chosen, (_, o), others = search(cands, evaluate, budget, opts.get("budget_label", ""),

@@ -6,7 +6,8 @@ expressions in the sequence length, so one trace serves every length.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import sympy
@@ -37,6 +38,39 @@ class StepGraphs:
 def fake_inputs(gm: fx.GraphModule) -> list:
     """The fake (possibly symbolic) example inputs Dynamo recorded on the placeholders."""
     return [node_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def captured_inputs(gm: fx.GraphModule) -> Optional[list]:
+    """Dynamo's example inputs at the sizes it captured (each symbol at its hint), as fake tensors
+    of a static FakeTensorMode; None when a size has no hint or an input is a view at an offset.
+    A trace on them serves only the captured length, and is about 3x faster than one on the
+    symbolic inputs (no sympy per op): the planner's candidates are compared at that length."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def hint(x):
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            h = x.node.hint
+            if h is None:
+                raise LookupError(x)
+            return h
+        return x
+    mode = FakeTensorMode()
+    out = []
+    try:
+        for v in fake_inputs(gm):
+            if isinstance(v, torch.Tensor):
+                if type(v) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(
+                        v, torch._subclasses.fake_tensor.FakeTensor) or hint(v.storage_offset()) != 0:
+                    return None
+                with mode:
+                    t = torch.empty_strided([hint(d) for d in v.shape], [hint(d) for d in v.stride()],
+                                            dtype=v.dtype, device=v.device)
+                out.append(t.requires_grad_(v.requires_grad))
+            else:
+                out.append(hint(v))
+    except LookupError:
+        return None
+    return out
 
 
 def trace_step(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None,
@@ -73,6 +107,17 @@ def trace_step(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None,
         compat.aot_module_simplified(gm, list(example_inputs), fw_compiler=fw_compiler,
                                      bw_compiler=bw_compiler, partition_fn=part)
     return make_step(gm, rec["fw"], rec.get("bw"), rec.get("n"))
+
+
+def with_steps_in_backward(step: StepGraphs, gm: fx.GraphModule) -> StepGraphs:
+    """`step` (gm traced by trace_step without the optimizer in backward) with the in-graph
+    optimizer steps trace_step(setup=optimizer_in_backward) puts in its backward, on a copy of
+    that backward: one AOTAutograd trace serves both (the planner's second search)."""
+    if step.bw is None:
+        return step
+    bw = fx.GraphModule(step.bw, copy.deepcopy(step.bw.graph))
+    fuse_into_backward(step.fw, bw, step.num_user_outputs, trainable_inputs(split_lazy_outputs(gm).gm), handle=-1)
+    return replace(step, bw=bw)
 
 
 def trainable_inputs(gm: fx.GraphModule) -> list[bool]:

@@ -16,7 +16,9 @@ from results import grad_mismatches, measured_and_predicted, write  # noqa: E402
 
 
 def main(run: str, tp: int, dp: int) -> int:
-    spec, _, vocab_loss = run.partition(":")     # "llama:loss_parallel": DTensor's loss on the logits shard
+    spec, *flags = run.split(":")     # "llama:loss_parallel": DTensor's loss on the logits shard
+    vocab_loss = "loss_parallel" if "loss_parallel" in flags else ""
+    memory = "nomem" not in flags     # ":nomem": no memory measured and predicted (a prediction is a capture)
     family, _, sp = spec.partition("+")
     family, untied = family.removesuffix("-untied"), family.endswith("-untied")   # "gemma2-untied": its own head
     kw = dict(vocab_size=2048, **({"tie_word_embeddings": False} if untied else {}))
@@ -49,8 +51,9 @@ def main(run: str, tp: int, dp: int) -> int:
     # this rank's forward+backward peak: the memory model against the allocator, the smallest of
     # three steps, five on a 2 x 2 mesh (on gloo a rank sometimes holds collective buffers longer:
     # README; with three, a tp x FSDP2 rank once held 2.5% more on each, on a loaded machine)
-    steps, predicted = measured_and_predicted(opt, model, fwd_bwd, repeats=5 if tp > 1 and dp > 1 else 3)
-    measured = min(steps)
+    steps, predicted = (measured_and_predicted(opt, model, fwd_bwd, repeats=5 if tp > 1 and dp > 1 else 3)
+                        if memory else ([], None))
+    measured = min(steps) if steps else None
     bad = grad_mismatches(opt.named_parameters(), ref)
     num_params = len(list(opt.named_parameters()))
     sharded = sum(1 for _, p in opt.named_parameters() if hasattr(p, "full_tensor"))
@@ -64,7 +67,7 @@ def main(run: str, tp: int, dp: int) -> int:
     return 0 if ok else 1
 
 
-if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[-untied][+SP][:loss_parallel] ...: one launch, several models
+if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[-untied][+SP][:loss_parallel][:nomem] ...: one launch, several models
     failed = sum(main(f, int(sys.argv[1]), int(sys.argv[2])) for f in sys.argv[3:])
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
