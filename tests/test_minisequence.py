@@ -73,7 +73,7 @@ def test_reference_model_tied_head_exact():
                        rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("M,pad", [(2, 0), (3, 5), (8, 5)])
+@pytest.mark.parametrize("M,pad", [(3, 5), (8, 5)])   # uneven chunks, padded (two chunks: the reference model's)
 def test_hf_llama_exact(M, pad):
     opt = exact_ms(hf_llama(), M, pad=pad)
     rec = opt.graph_records[0].records[0]
@@ -84,7 +84,7 @@ def test_hf_llama_exact(M, pad):
     assert opt(**batch(S=37, pad=pad)).logits is None
 
 
-@pytest.mark.parametrize("M,pad", [(2, 0), (3, 5), (8, 5)])
+@pytest.mark.parametrize("M,pad", [(3, 5), (8, 5)])
 def test_hf_gpt2_exact(M, pad):
     """GPT-2's Conv1D MLPs, tied head; one graph (transformers' warning_once no longer breaks it)."""
     opt = exact_ms(hf_gpt2(), M, pad=pad)
@@ -217,17 +217,18 @@ def _peak(module, params, inputs):
 
 
 def test_measured_peak_drops_and_prediction_holds():
-    """Reference-style model at S=4096 (fp32): eager vs mini-sequence, measured in one run."""
+    """Reference-style model at S=2048 (fp32): eager vs mini-sequence, measured in one run (HF
+    Llama at 2048 and 8192 tokens: benchmarks/minisequence.py)."""
     import copy
     eager = _mem_model()
     model = copy.deepcopy(eager)
     opt = tailorfx.optimize(model, passes=["minisequence"], example_inputs=batch(B=1, S=64))
-    inputs = {"input_ids": torch.randint(0, 32000, (1, 4096))}
+    inputs = {"input_ids": torch.randint(0, 32000, (1, 2048))}
     inputs["labels"] = inputs["input_ids"].clone()
     opt(**inputs).loss.backward()   # warm-up
     peak_eager = _peak(eager, list(eager.parameters()), inputs)
     peak_ms = _peak(opt, list(model.parameters()), inputs)
-    predicted = opt.predict_memory(seq_len=4096).forward_backward_peak_bytes
+    predicted = opt.predict_memory(seq_len=2048).forward_backward_peak_bytes
     assert peak_ms < 0.6 * peak_eager, (peak_ms, peak_eager)
     assert -0.02 <= (predicted - peak_ms) / peak_ms <= 0.03, (predicted, peak_ms)
 
