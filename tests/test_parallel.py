@@ -210,9 +210,9 @@ def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
         if styles.get("lm_head", "").startswith("colwise_vocab_parallel"):
             if run.startswith("llama:loss_parallel"):
                 assert r["fused_calls"] == 0 and "loss_parallel" in r["head"], r
-            else:   # proof the fused vocab-parallel loss ran, every call, not the model's own on the logits
-                # and the report's row for the head says so
-                assert r["fused_calls"] >= 3 and r["unfused_calls"] == 0 and "loss fused with it" in r["head"], r
+            else:   # proof the fused vocab-parallel loss ran, every call (two training steps, more with
+                # memory measured), not the model's own on the logits, and the report's row for the head says so
+                assert r["fused_calls"] >= 2 and r["unfused_calls"] == 0 and "loss fused with it" in r["head"], r
         else:
             assert run.startswith("gemma3_text") and "lm_head" not in styles   # tied to the embedding: replicated
         if r["sp"]:

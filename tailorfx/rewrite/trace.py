@@ -45,8 +45,6 @@ def captured_inputs(gm: fx.GraphModule) -> Optional[list]:
     of a static FakeTensorMode; None when a size has no hint or an input is a view at an offset.
     A trace on them serves only the captured length, and is about 3x faster than one on the
     symbolic inputs (no sympy per op): the planner's candidates are compared at that length."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     def hint(x):
         if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             h = x.node.hint
@@ -54,13 +52,12 @@ def captured_inputs(gm: fx.GraphModule) -> Optional[list]:
                 raise LookupError(x)
             return h
         return x
-    mode = FakeTensorMode()
+    mode = compat.FakeTensorMode()
     out = []
     try:
         for v in fake_inputs(gm):
             if isinstance(v, torch.Tensor):
-                if type(v) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(
-                        v, torch._subclasses.fake_tensor.FakeTensor) or hint(v.storage_offset()) != 0:
+                if not isinstance(v, compat.FakeTensor) or hint(v.storage_offset()) != 0:   # DTensor: not itself fake
                     return None
                 with mode:
                     t = torch.empty_strided([hint(d) for d in v.shape], [hint(d) for d in v.stride()],
