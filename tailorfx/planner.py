@@ -221,19 +221,19 @@ def traced_step(gm: fx.GraphModule, partition: str, setup: Optional[TrainingSetu
     cache = _TRACED.setdefault(gm, {})
     for stale in [k for k in cache if k[2] != gm.code]:   # traces of code the module no longer runs
         del cache[stale]
-    order = [(partition, in_backward, gm.code, False)] + ([(partition, in_backward, gm.code, True)] if static else [])
-    hit = next((k for k in order if k in cache), None)
-    if hit is not None:
-        return cache[hit]
-    plain = next((p for p in [(partition, False) + k[2:] for k in order] if p in cache), None)
-    if in_backward and plain is not None:    # the same trace, the optimizer steps put in its backward
-        key = (partition, True) + plain[2:]
-        cache[key] = trace.with_steps_in_backward(cache[plain], gm)
-        return cache[key]
+    kinds = (False, True) if static else (False,)   # (static shapes?): a symbolic trace serves every length
+    for kind in kinds:
+        if (partition, in_backward, gm.code, kind) in cache:
+            return cache[(partition, in_backward, gm.code, kind)]
+    for kind in kinds if in_backward else ():   # the same trace, the optimizer steps put in its backward
+        if (partition, False, gm.code, kind) in cache:
+            step = trace.with_steps_in_backward(cache[(partition, False, gm.code, kind)], gm)
+            cache[(partition, True, gm.code, kind)] = step
+            return step
     inputs = trace.captured_inputs(gm) if static else None
-    key = order[-1] if inputs is not None else order[0]
-    cache[key] = memory.trace_step(gm, inputs, partition, setup)
-    return cache[key]
+    step = memory.trace_step(gm, inputs, partition, setup)
+    cache[(partition, in_backward, gm.code, inputs is not None)] = step
+    return step
 
 
 def remember_trace(gm: fx.GraphModule, partition: str, steps_in_backward: bool, step: memory.StepGraphs) -> None:

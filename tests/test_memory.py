@@ -6,7 +6,7 @@ import torch
 import tailorfx
 from models import batch
 from tailorfx.models import LlamaConfig, LlamaLM
-from tailorfx.rewrite.memory import simulate_step, trace_step
+from tailorfx.rewrite.memory import trace_step
 
 
 def mid_llama():
@@ -65,9 +65,9 @@ def test_a_static_trace_predicts_the_captured_length_as_the_symbolic_one(family)
     trace.captured_inputs: about 3x faster): they predict what the symbolic trace predicts there,
     to the byte on a dense family; on an MoE one (its routing's data-dependent sizes taken at
     their hints) within 0.1%."""
-    from dataclasses import replace
     from models import hf_family
     from tailorfx.codegen.lower import partition_for
+    from tailorfx.planner import predict_graphs
     from tailorfx.rewrite.trace import captured_inputs
     model = hf_family(family)
     ids = torch.randint(0, 512, (2, 48))
@@ -79,8 +79,7 @@ def test_a_static_trace_predicts_the_captured_length_as_the_symbolic_one(family)
     static = trace_step(g.rewritten, inputs, partition_for(g.lowering, g.rewritten), opt.setup)
     assert g.step is not None       # the lowering's symbolic trace, what predict_memory() walks
     peaks = [opt.predict_memory().peak_bytes,
-             simulate_step([replace(static, eager_autograd=g.lowering == "dynamo")], [g.seq], g.seq.length,
-                           setup=opt.setup).peak_bytes]
+             predict_graphs([(g.rewritten, g.lowering, static)], [g.seq], setup=opt.setup).peak_bytes]
     if family == "mixtral":
         assert abs(peaks[1] - peaks[0]) <= 0.001 * peaks[0], peaks
     else:

@@ -239,8 +239,8 @@ def test_planner_moves_the_step_into_backward_when_nothing_else_fits():
     assert held + tailorfx.measure_peak(step) <= tailorfx.Budget.parse("12.6MiB").bytes
     # the second search predicted each plan from the first search's trace, its backward given the
     # optimizer steps: the same graph and prediction as a trace made with the step in backward
-    from dataclasses import replace
     from tailorfx.codegen.lower import partition_for
+    from tailorfx.planner import predict_graphs
     from tailorfx.rewrite import memory
     from tailorfx.rewrite.trace import with_steps_in_backward
     g = opt.session.graphs[0]
@@ -248,9 +248,8 @@ def test_planner_moves_the_step_into_backward_when_nothing_else_fits():
     derived = with_steps_in_backward(memory.trace_step(g.rewritten, None, part, plain), g.rewritten)
     traced = memory.trace_step(g.rewritten, None, part, opt.setup)
     assert "grad_ready" in derived.bw.code and derived.bw.code == traced.bw.code
-    predict = lambda st: memory.simulate_step([replace(st, eager_autograd=g.lowering == "dynamo")], [g.seq],  # noqa: E731
-                                              g.seq.length, setup=opt.setup).peak_bytes
-    assert predict(derived) == predict(traced)
+    peaks = [predict_graphs([(g.rewritten, g.lowering, st)], [g.seq], setup=opt.setup).peak_bytes for st in (derived, traced)]
+    assert peaks[0] == peaks[1]
 
 
 def test_headroom_and_micro_batch_shorten_max_seq_len():

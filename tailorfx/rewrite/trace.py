@@ -113,7 +113,7 @@ def with_steps_in_backward(step: StepGraphs, gm: fx.GraphModule) -> StepGraphs:
     if step.bw is None:
         return step
     bw = fx.GraphModule(step.bw, copy.deepcopy(step.bw.graph))
-    fuse_into_backward(step.fw, bw, step.num_user_outputs, trainable_inputs(split_lazy_outputs(gm).gm), handle=-1)
+    fuse_into_backward(step.fw, bw, step.num_user_outputs, trainable_inputs(gm), handle=-1)   # placeholders as split's
     return replace(step, bw=bw)
 
 
