@@ -185,7 +185,7 @@ def describe_layout(tp: int, pp: int, dp: int, sp: Optional[str]) -> str:
 def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: int = 1, sp: Optional[str] = None,
                         schedule: str = "1f1b", microbatches: Optional[int] = None, seq_len: int,
                         batch_size: int = 1, setup: Any = None, rank: Optional[int] = None, vocab_loss: str = "fused",
-                        passes: Optional[Sequence[str]] = None, _mesh=None) -> RankMemory:
+                        passes: Optional[Sequence[str]] = None, _mesh=None, _graph=None) -> RankMemory:
     """Memory of the worst rank of a parallel layout for one training step, predicted by
     composition on the memory model (see the module docstring); nothing is allocated.
 
@@ -217,7 +217,7 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     head = ("gather" if pp > 1 else "sequence" if sp == "megatron" else "vocab") + (
         "+loss_parallel" if vocab_loss == "loss_parallel" else "")
     cap = capture_rank(model_or_config, tp=tp, rows=batch_size, seq=seq, head=head, dtype=s.param_dtype, mesh=_mesh,
-                       passes=stage_passes(spec, passes))
+                       passes=stage_passes(spec, passes), graph=_graph)
     points = profile(cap, s)
     L = len(cap.blocks)
     notes = []

@@ -129,13 +129,18 @@ _MESH_IDS = itertools.count()
 
 
 def capture_rank(src: Any, *, tp: int, rows: int, seq: int, head: str, dtype: torch.dtype, mesh=None,
-                 passes: tuple = ()) -> RankCapture:
+                 passes: tuple = (), graph: Optional[fx.GraphModule] = None) -> RankCapture:
     """The rank's step graph (sharded for `tp` on a fake process group), rewritten by `passes` as
-    a pipeline's step graph is (parallelize.rewrite_step), traced and tagged by part; cached."""
+    a pipeline's step graph is (parallelize.rewrite_step), traced and tagged by part; cached.
+    `graph`: that step graph already captured at this shape (a pipeline runtime's, tp=1), used
+    instead of a capture of a fake copy when `src` is a module in `dtype`."""
     key = (_source_key(src), tp, rows, seq, head if tp > 1 else "", dtype, tuple(passes))
     hit = _CAPTURES.get(key)
     if hit is not None and (hit.owner is None or hit.owner() is src):
         return hit
+    if graph is not None and tp == 1 and isinstance(src, nn.Module) and param_dtype(src) == dtype:
+        cap = _trace_captured(graph, src, passes)
+        return _remember(key, src, cap)
     import torch.distributed as dist
     own_group = False
     if tp > 1 and mesh is None:
@@ -158,6 +163,10 @@ def capture_rank(src: Any, *, tp: int, rows: int, seq: int, head: str, dtype: to
     finally:
         if own_group:
             dist.destroy_process_group()
+    return _remember(key, src, cap)
+
+
+def _remember(key: tuple, src: Any, cap: RankCapture) -> RankCapture:
     if key[0][0] == "object":
         try:
             cap.owner = weakref.ref(src)
@@ -170,10 +179,7 @@ def capture_rank(src: Any, *, tp: int, rows: int, seq: int, head: str, dtype: to
 
 
 def _capture_on(src, key, *, tp, rows, seq, head, dtype, mesh, passes) -> RankCapture:
-    from tailorfx.codegen.lower import partition_for
     from tailorfx.codegen.pipeline import capture_static
-    from tailorfx.parallelize import rewrite_step
-    from tailorfx.passes.pipeline_split import block_costs
     scope = contextlib.nullcontext
     with _fake_model(src, dtype) as model:
         ids = torch.zeros(rows, seq, dtype=torch.long, device=_device(model))
@@ -195,7 +201,21 @@ def _capture_on(src, key, *, tp, rows, seq, head, dtype, mesh, passes) -> RankCa
             t = p.to_local() if hasattr(p, "to_local") else p
             local[name] = (tuple(t.shape), t.element_size(), p.requires_grad)
     # outside the model's fake mode, as AOTAutograd: the graph's values are Dynamo's fake tensors
-    # stages are cut by the graph as captured (without passes, predict_rank_memory reads the capture's own)
+    return _traced(gm, local, passes, scope)
+
+
+def _trace_captured(gm: fx.GraphModule, model: nn.Module, passes: tuple) -> RankCapture:
+    """A RankCapture of a step graph captured already (tp=1: the parameters are whole)."""
+    local = {name: (tuple(p.shape), p.element_size(), p.requires_grad) for name, p in model.named_parameters()}
+    return _traced(gm, local, passes, contextlib.nullcontext)
+
+
+def _traced(gm: fx.GraphModule, local: dict, passes: tuple, scope: Callable) -> RankCapture:
+    """`gm` rewritten by `passes`, traced and tagged by part; the stages are cut by the graph as
+    captured (without passes, predict_rank_memory reads the capture's own)."""
+    from tailorfx.codegen.lower import partition_for
+    from tailorfx.parallelize import rewrite_step
+    from tailorfx.passes.pipeline_split import block_costs
     costs = block_costs(gm, find_regions(gm, seq_info(gm, None))) if passes else None
     gm, _ = rewrite_step(gm, passes)
     with scope():     # AOTAutograd outside the model's fake mode (it makes its own), collectives still known
@@ -217,7 +237,7 @@ def tp_plan(src: Any, dtype: torch.dtype, model: Optional[nn.Module] = None):
     hit = _TP_PLANS.get(key)
     if hit is not None and (hit[1] is None or hit[1]() is src):
         return hit[0]
-    ids = torch.zeros(1, 16, dtype=torch.long)
+    ids = torch.zeros(1, 64, dtype=torch.long)    # long enough for a static capture (capture_graphs)
     with (contextlib.nullcontext(model) if model is not None else _fake_model(src, dtype)) as m:
         plan, _ = plan_tensor_parallel(m, (), {"input_ids": ids.to(_device(m)), "labels": ids.to(_device(m))})
     try:

@@ -59,6 +59,7 @@ class ParallelPlan:
     pp_rank: int = 0
     predictions: dict = field(default_factory=dict)   # setup -> this rank's prediction (a capture each)
     passes: tuple = ()            # the rewrites the pipeline's step graph took before it was cut
+    captured: Any = None          # that graph as captured (tp=1): the prediction traces it, not a new capture
     rewrites: list = field(default_factory=list)   # (region, what was done to it) for the report
 
     def step(self, kwargs: dict):
@@ -157,7 +158,8 @@ class ParallelPlan:
                                  microbatches=self.microbatches if pipelined else None,
                                  seq_len=length, batch_size=rows, setup=setup, rank=self.pp_rank if pipelined else None,
                                  vocab_loss="fused" if self.fused_loss is not None else "loss_parallel",
-                                 passes=self.passes, _mesh=self.tp_mesh if self.tp > 1 else None)
+                                 passes=self.passes, _mesh=self.tp_mesh if self.tp > 1 else None,
+                                 _graph=self.captured)
         return rm.as_estimate()
 
     def describe(self) -> list[tuple[str, str]]:
@@ -281,7 +283,7 @@ def plan_tensor_parallel(model: nn.Module, args: tuple, kwargs: dict) -> tuple[T
     """Capture `model` on the example inputs and read one plan off all its graphs; also the
     paths of its repeated blocks (FSDP's units). The plan carries Megatron's sequence
     parallelism on top (passes.parallel.infer_sequence_parallel) as `sequence`, or why not."""
-    graphs, _ = capture_graphs(model, args, kwargs)
+    graphs, _ = capture_graphs(model, args, kwargs, static=True)
     styles: dict[str, str] = {}
     replicated: dict[str, str] = {}
     groups, blocks = [], []
@@ -398,6 +400,7 @@ def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh, *, dp_mesh=None, 
                          f"divide: give a batch of a multiple of {m} rows (every step must have that shape)")
     micro = {k: (t[: t.shape[0] // m] if k in rows else t) for k, t in kwargs.items()}
     gm, example, micro = capture_static(model, micro)
+    captured = gm     # the passes rewrite a copy, and the stages are cut from theirs
     regions = find_regions(gm, seq_info(gm, None))
     costs = block_costs(gm, regions)
     num_stages = pp * v
@@ -420,4 +423,5 @@ def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh, *, dp_mesh=None, 
     bubble = float(simulate_schedule(spec["schedule"], pp, m, virtual=v).bubble)
     return ParallelPlan(pp=pp, dp=spec["dp"], schedule=spec["schedule"], microbatches=m, stage_blocks=stage_blocks, bubble=bubble,
                         runtime=runtime, rank_params=mine, is_last=(num_stages - 1) % pp == rank,
-                        blocks=list(costs.blocks), passes=tuple(passes), rewrites=describe_rewrites(records))
+                        blocks=list(costs.blocks), passes=tuple(passes), rewrites=describe_rewrites(records),
+                        captured=captured if spec["tp"] == 1 else None)
