@@ -232,8 +232,8 @@ class OptimizedModule(nn.Module):
             raise PredictionError("cannot predict memory: " + "; ".join(failed))
         gs = self._step_graphs(seq_len)
         lowered = setup.optimizer_in_backward == self.setup.optimizer_in_backward   # g.step is what runs
-        graphs = [(g.rewritten, g.lowering, g.step if lowered else None) if rewritten else (g.original, g.lowering, None)
-                  for g in gs]
+        graphs = [(g.rewritten, g.lowering, g.step if lowered and (not g.step_static or seq_len in (None, g.seq.length))
+                   else None) if rewritten else (g.original, g.lowering, None) for g in gs]
         return planner.predict_graphs(graphs, [g.seq for g in gs], seq_len, setup)
 
     def _step_graphs(self, seq_len: Optional[int]) -> list[GraphRecord]:

@@ -38,6 +38,7 @@ class GraphRecord:
     captured_peak: Optional[LazyPeak] = None   # predicted peak of the graph as captured
     final_peak: Optional[LazyPeak] = None      # ... after every pass
     step: Optional[memory.StepGraphs] = None   # forward/backward graphs as lowered (eager lowering)
+    step_static: bool = False                  # ... at the captured sizes only (lower.lower)
     failed: bool = False                       # passes failed: the graph runs as captured
 
     @property
@@ -169,10 +170,10 @@ class TailorBackend:
     def _lower(self, rec: GraphRecord, example_inputs: list) -> Callable:
         """The rewritten graph compiled for its lowering; the forward/backward it runs are kept
         for the memory model, and the optimizer step goes into backward if the setup says so."""
-        def keep(fw, bw, n):
-            rec.step = memory.make_step(rec.rewritten, fw, bw, n)
+        def keep(fw, bw, n, static):
+            rec.step, rec.step_static = memory.make_step(rec.rewritten, fw, bw, n), static
             planner.remember_trace(rec.rewritten, lowering_mod.partition_for(rec.lowering, rec.rewritten),
-                                   steps_in_backward is not None, rec.step)
+                                   steps_in_backward is not None, rec.step, static)
         setup = rec.plan.options.get("setup")
         steps_in_backward = None
         if setup is not None and setup.optimizer_in_backward:

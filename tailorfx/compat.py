@@ -113,6 +113,19 @@ def size_hint(x) -> int:
     return int(x)
 
 
+def shape_guard_count(fake_mode) -> int:
+    """How many shape guards the fake mode's ShapeEnv holds (0 without one)."""
+    env = getattr(fake_mode, "shape_env", None)
+    return len(env.guards) if env is not None else 0
+
+
+def guards_hold(fake_mode, placeholders: list, args: list) -> bool:
+    """Whether the ShapeEnv's guards hold for `args` bound to the symbolic `placeholders`
+    (ShapeEnv.evaluate_guards_for_args, checked on torch 2.13)."""
+    env = getattr(fake_mode, "shape_env", None)
+    return env is None or bool(env.evaluate_guards_for_args(placeholders, args))
+
+
 def shape_env_hints(fake_mode) -> dict:
     """Symbol -> the value it had when traced (the 'hint')."""
     env = getattr(fake_mode, "shape_env", None)
@@ -162,7 +175,11 @@ def isolated_tracing(example_inputs) -> Iterator[None]:
     """A TracingContext of our own for AOTAutograd traces made only to predict memory, so they
     cannot leave state (parameters, forward metadata) in the one Dynamo is compiling with."""
     from torch._guards import TracingContext, tracing
-    with tracing(TracingContext(detect_fake_mode(list(example_inputs)))):
+    # the inputs' own fake mode: detect_fake_mode prefers the active TracingContext's (Dynamo's, while it
+    # compiles), whose ShapeEnv would take the trace's guards and make a static trace's ints symbols
+    inputs = list(example_inputs)
+    mode = next((t.fake_mode for t in inputs if isinstance(t, FakeTensor)), None) or detect_fake_mode(inputs)
+    with tracing(TracingContext(mode)):
         yield
 
 

@@ -236,9 +236,11 @@ def traced_step(gm: fx.GraphModule, partition: str, setup: Optional[TrainingSetu
     return step
 
 
-def remember_trace(gm: fx.GraphModule, partition: str, steps_in_backward: bool, step: memory.StepGraphs) -> None:
-    """The forward/backward the lowering made of `gm` (the graphs that run), kept as its trace."""
-    _TRACED.setdefault(gm, {})[(partition, steps_in_backward, gm.code, False)] = step
+def remember_trace(gm: fx.GraphModule, partition: str, steps_in_backward: bool, step: memory.StepGraphs,
+                   static: bool = False) -> None:
+    """The forward/backward the lowering made of `gm` (the graphs that run), kept as its trace
+    (`static`: at the captured sizes)."""
+    _TRACED.setdefault(gm, {})[(partition, steps_in_backward, gm.code, static)] = step
 
 
 _TRACED: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKeyDictionary()

@@ -42,6 +42,34 @@ def test_new_sequence_length_reuses_the_symbolic_graph():
     assert opt.session.graphs[0].seq.symbol is not None
 
 
+def test_a_rewritten_graph_runs_static_at_its_length_and_symbolic_at_others():
+    """The eager lowering compiles at the captured sizes first; another length compiles the
+    symbolic sizes once (no Dynamo recompile) and the captured length keeps its own: the loss and
+    every gradient equal eager's at each, and the memory model follows the symbolic step."""
+    import copy
+    model = hf_llama()
+    ref = copy.deepcopy(model)
+    opt = tailorfx.optimize(model, passes=["minisequence"], minisequence_chunks=2, example_inputs=batch(S=40))
+    (g,) = opt.session.graphs
+    assert g.lowering == "eager" and g.step_static        # the rewrite ran, compiled on static shapes
+    static_peak = opt.predict_memory().forward_backward_peak_bytes
+    for S in (40, 64, 17, 40):
+        inputs = batch(S=S, pad=3)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        out = opt(**inputs)
+        out.loss.backward()
+        want = ref(**inputs)
+        want.loss.backward()
+        torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert len(opt.session.graphs) == 1 and not g.step_static    # one capture; the symbolic step kept
+    assert opt.predict_memory().forward_backward_peak_bytes == static_peak    # the same step at S=40
+    assert opt.predict_memory(64).forward_backward_peak_bytes > static_peak
+
+
 def test_parameters_are_shared_with_the_model():
     m = tiny_llama()
     opt = tailorfx.optimize(m, passes=[])

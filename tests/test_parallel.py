@@ -53,6 +53,24 @@ def test_plan_matches_transformers_own(family):
     assert sp["lm_head"] == ("gather_sequence" if tied else "colwise_vocab_parallel_from_sequence:1")
 
 
+def test_the_plan_is_read_at_a_length_no_size_of_the_model_shares():
+    """plan_tensor_parallel captures with static shapes at a prime length that divides no
+    parameter, buffer or batch size (the sequence dim is then told apart by its size alone), the
+    inputs cut to it; symbolic when there is none."""
+    from tailorfx.rewrite.capture import distinct_length_inputs
+    ids = torch.zeros(2, 64, dtype=torch.long)
+    mask = torch.ones(2, 64, dtype=torch.long)
+    length, args, kw = distinct_length_inputs(hf_family("llama", vocab_size=512), (), dict(input_ids=ids, attention_mask=mask))
+    assert length == 17 and args == () and kw["input_ids"].shape == kw["attention_mask"].shape == (2, 17)
+    # hidden 136 = 8 x 17: 17 divides a size of the model, 19 does not; 19 rows rule out 19 too
+    wide = hf_family("llama", vocab_size=512, hidden_size=136, intermediate_size=272)
+    assert distinct_length_inputs(wide, (), dict(input_ids=ids))[0] == 19
+    assert distinct_length_inputs(wide, (), dict(input_ids=torch.zeros(19, 64, dtype=torch.long)))[0] == 23
+    assert distinct_length_inputs(wide, (), dict(input_ids=torch.zeros(2, 16, dtype=torch.long))) is None
+    # the length also sizes another dim of an input (a 64 x 64 batch): no cut
+    assert distinct_length_inputs(wide, (), dict(input_ids=torch.zeros(64, 64, dtype=torch.long))) is None
+
+
 def test_head_is_vocab_parallel_unless_tied():
     _, plan, _ = plan_of("llama")
     assert plan.styles["lm_head"] == "colwise_vocab_parallel"     # it feeds the loss: logits stay split

@@ -2,6 +2,7 @@
 A graph no pass changed runs as Dynamo captured it ("dynamo"): eager autograd, no AOTAutograd."""
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -10,7 +11,7 @@ import torch.fx as fx
 from tailorfx import compat
 from tailorfx.rewrite.capture import with_eager_grouped_mm
 from tailorfx.rewrite.lazy_outputs import Split, split_lazy_outputs
-from tailorfx.rewrite.trace import trainable_inputs
+from tailorfx.rewrite.trace import captured_inputs, fake_inputs, trainable_inputs
 from tailorfx.rewrite.optimizer_step import fuse_into_backward
 from tailorfx.rewrite.passes import own, owned
 from tailorfx.rewrite.saved_dtype import store_saved_low
@@ -53,15 +54,22 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
           on_partition: Optional[Callable] = None, steps_in_backward: Optional[GraphInputs] = None) -> Callable:
     """Compile a (rewritten) Dynamo graph for training; returns Dynamo's boxed callable.
 
-    `on_partition(fw, bw, num_fwd_outputs)` sees the graphs that will run (eager lowering), so the
-    memory model can reuse them instead of tracing again. `steps_in_backward`: put the optimizer
-    step of each parameter inside the backward graph (see rewrite/optimizer_step.py); the forward
-    records its inputs there, so the backward can find the parameters to update. Logits-like
-    outputs leave the compiled graph detached and get their gradient path back outside it
-    (rewrite/lazy_outputs.py), so no zero gradient of them is materialised.
+    `on_partition(fw, bw, num_fwd_outputs, static)` sees the graphs that will run (eager
+    lowering), so the memory model can reuse them instead of tracing again. `steps_in_backward`:
+    put the optimizer step of each parameter inside the backward graph (see
+    rewrite/optimizer_step.py); the forward records its inputs there, so the backward can find the
+    parameters to update. Logits-like outputs leave the compiled graph detached and get their
+    gradient path back outside it (rewrite/lazy_outputs.py), so no zero gradient of them is
+    materialised. The eager lowering compiles a graph with a symbolic sequence length first at the
+    captured sizes (static shapes: 2-4x faster to trace, and what a training loop at one length
+    runs), and for the symbolic sizes the first time a call has other sizes.
     """
     if lowering == "dynamo":
         return _dynamo_graph(with_eager_grouped_mm(gm))
+    if lowering == "eager" and any(isinstance(t, compat.FakeTensor) for t in example_inputs):
+        # a model on fake tensors (sizing.py builds them) is predicted, never trained: nothing to
+        # compile, the memory model traces the graph itself
+        return gm.forward
     needs = owned(gm)   # what the graph's code reaches by name at run time (chunked regions)
     split = split_lazy_outputs(gm)
     gm = split.gm
@@ -83,22 +91,65 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     partition_fn = (compat.min_cut_rematerialization_partition if partition_for(lowering, gm) == "min_cut"
                     else compat.default_partition)
 
-    def partition(joint, joint_inputs, *, num_fwd_outputs, **kw):
-        fw, bw = partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
-        store_saved_low(fw, bw, num_fwd_outputs)
-        if steps_in_backward is not None and bw is not None:
-            fuse_into_backward(fw, bw, num_fwd_outputs, trainable_inputs(gm), steps_in_backward.handle)
-        if on_partition is not None:
-            on_partition(fw, bw, num_fwd_outputs)
-        # a pending backward may outlive the rewritten graph: the graphs that run own what it owns
-        for name, obj in needs.items():
-            for g in (fw, bw) if bw is not None else (fw,):
-                own(g, name, obj)
-        return fw, bw
+    def compile_on(inputs: list, static: bool) -> Callable:
+        def partition(joint, joint_inputs, *, num_fwd_outputs, **kw):
+            fw, bw = partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+            store_saved_low(fw, bw, num_fwd_outputs)
+            if steps_in_backward is not None and bw is not None:
+                fuse_into_backward(fw, bw, num_fwd_outputs, trainable_inputs(gm), steps_in_backward.handle)
+            if on_partition is not None:
+                on_partition(fw, bw, num_fwd_outputs, static)
+            # a pending backward may outlive the rewritten graph: the graphs that run own what it owns
+            for name, obj in needs.items():
+                for g in (fw, bw) if bw is not None else (fw,):
+                    own(g, name, obj)
+            return fw, bw
+        return compat.aot_module_simplified(
+            gm, inputs, fw_compiler=recording if steps_in_backward is not None else eager,
+            bw_compiler=eager, partition_fn=partition)
 
-    return _with_lazy_outputs(compat.aot_module_simplified(
-        gm, list(example_inputs), fw_compiler=recording if steps_in_backward is not None else eager,
-        bw_compiler=eager, partition_fn=partition), split)
+    fake = fake_inputs(gm)     # Dynamo's, with the symbolic sizes (example_inputs may be real)
+    symbolic = [i for i, v in enumerate(fake) if _symbolic(v)]
+    static = captured_inputs(gm) if symbolic else None
+    if static is None:
+        return _with_lazy_outputs(compile_on(list(example_inputs), False), split)
+    with compat.isolated_tracing(static):
+        at_captured = compile_on(static, True)
+    sizes = [_sizes(static[i]) for i in symbolic]
+    mode = compat.detect_fake_mode(fake)
+    lazy: dict = {}
+
+    def run(*args):
+        if all(_sizes(args[i]) == s for i, s in zip(symbolic, sizes)):
+            return at_captured(*args)
+        if "compiled" not in lazy:     # a new length: the symbolic sizes, compiled once
+            before = compat.shape_guard_count(mode)
+            try:
+                with compat.isolated_tracing(fake):
+                    lazy["compiled"] = compile_on(fake, False)
+            except Exception as e:     # the rewritten graph's own ops under eager autograd: exact, as traced
+                warnings.warn(f"tailorfx: compiling the graph for symbolic sizes failed ({type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); calls at sizes other "
+                              f"than the captured ones run it under eager autograd")
+                lazy["compiled"] = gm.forward
+            lazy["guarded"] = compat.shape_guard_count(mode) > before
+        if lazy["guarded"] and not compat.guards_hold(mode, fake, list(args)):
+            raise RuntimeError("tailorfx: the graph compiled for symbolic sizes assumed something about them that "
+                               f"this call's sizes ({[_sizes(args[i]) for i in symbolic]}) break: call the model at "
+                               f"its captured sizes ({sizes}), or optimize() it again on an example of these")
+        return lazy["compiled"](*args)
+    return _with_lazy_outputs(run, split)
+
+
+def _symbolic(v) -> bool:
+    """A SymInt, or a tensor with a symbolic size."""
+    if isinstance(v, torch.SymInt):
+        return True
+    return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
+
+
+def _sizes(v):
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else v
 
 
 def _dynamo_graph(gm: fx.GraphModule) -> Callable:
