@@ -70,6 +70,41 @@ def test_a_rewritten_graph_runs_static_at_its_length_and_symbolic_at_others():
     assert opt.predict_memory(64).forward_backward_peak_bytes > static_peak
 
 
+def test_a_symbolic_compile_that_fails_runs_the_new_length_under_eager_autograd(monkeypatch):
+    """Should the compile for symbolic sizes fail at a new length, that length runs the rewritten
+    graph's own ops under eager autograd, with a warning that says so: the loss and every gradient
+    still equal eager's, and the captured length keeps its compiled graph."""
+    import copy
+    from tailorfx import compat
+    model = hf_llama()
+    ref = copy.deepcopy(model)
+    opt = tailorfx.optimize(model, passes=["minisequence"], minisequence_chunks=2, example_inputs=batch(S=40))
+    real = compat.aot_module_simplified
+
+    def fail_symbolic(gm, inputs, **kw):
+        if any(isinstance(d, torch.SymInt) for t in inputs if isinstance(t, torch.Tensor) for d in t.shape):
+            raise RuntimeError("planted")
+        return real(gm, inputs, **kw)
+    monkeypatch.setattr(compat, "aot_module_simplified", fail_symbolic)
+    for S in (64, 40):
+        inputs = batch(S=S, pad=3)
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        if S == 64:
+            with pytest.warns(UserWarning, match="symbolic sizes failed .*planted.*eager autograd"):
+                out = opt(**inputs)
+        else:
+            out = opt(**inputs)
+        out.loss.backward()
+        want = ref(**inputs)
+        want.loss.backward()
+        torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert opt.session.graphs[0].step_static      # the failed compile replaced nothing
+
+
 def test_parameters_are_shared_with_the_model():
     m = tiny_llama()
     opt = tailorfx.optimize(m, passes=[])
