@@ -400,7 +400,7 @@ def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh, *, dp_mesh=None, 
                          f"divide: give a batch of a multiple of {m} rows (every step must have that shape)")
     micro = {k: (t[: t.shape[0] // m] if k in rows else t) for k, t in kwargs.items()}
     gm, example, micro = capture_static(model, micro)
-    captured = gm     # the passes rewrite a copy, and the stages are cut from theirs
+    captured = gm     # unchanged below: the passes rewrite a copy, and cutting the stages reads it
     regions = find_regions(gm, seq_info(gm, None))
     costs = block_costs(gm, regions)
     num_stages = pp * v
