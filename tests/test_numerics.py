@@ -42,29 +42,42 @@ def test_new_sequence_length_reuses_the_symbolic_graph():
     assert opt.session.graphs[0].seq.symbol is not None
 
 
+def _chunked_llama():
+    """HF Llama and an eager copy, the first optimized with its MLPs and head in two chunks at S=40."""
+    import copy
+    model = hf_llama()
+    ref = copy.deepcopy(model)
+    return model, ref, tailorfx.optimize(model, passes=["minisequence"], minisequence_chunks=2, example_inputs=batch(S=40))
+
+
+def _step_equals_eager(opt, model, ref, S, warns=None):
+    """One training step of `opt` at length S against the eager copy's: the loss and every gradient
+    (fp32); `warns`: the step must warn with that message."""
+    import contextlib
+    inputs = batch(S=S, pad=3)
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match=warns) if warns else contextlib.nullcontext():
+        out = opt(**inputs)
+    out.loss.backward()
+    want = ref(**inputs)
+    want.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_a_rewritten_graph_runs_static_at_its_length_and_symbolic_at_others():
     """The eager lowering compiles at the captured sizes first; another length compiles the
     symbolic sizes once (no Dynamo recompile) and the captured length keeps its own: the loss and
     every gradient equal eager's at each, and the memory model follows the symbolic step."""
-    import copy
-    model = hf_llama()
-    ref = copy.deepcopy(model)
-    opt = tailorfx.optimize(model, passes=["minisequence"], minisequence_chunks=2, example_inputs=batch(S=40))
+    model, ref, opt = _chunked_llama()
     (g,) = opt.session.graphs
     assert g.lowering == "eager" and g.step_static        # the rewrite ran, compiled on static shapes
     static_peak = opt.predict_memory().forward_backward_peak_bytes
     for S in (40, 64, 17, 40):
-        inputs = batch(S=S, pad=3)
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
-        out = opt(**inputs)
-        out.loss.backward()
-        want = ref(**inputs)
-        want.loss.backward()
-        torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
-        ref_params = dict(ref.named_parameters())
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+        _step_equals_eager(opt, model, ref, S)
     assert len(opt.session.graphs) == 1 and not g.step_static    # one capture; the symbolic step kept
     assert opt.predict_memory().forward_backward_peak_bytes == static_peak    # the same step at S=40
     assert opt.predict_memory(64).forward_backward_peak_bytes > static_peak
@@ -74,11 +87,8 @@ def test_a_symbolic_compile_that_fails_runs_the_new_length_under_eager_autograd(
     """Should the compile for symbolic sizes fail at a new length, that length runs the rewritten
     graph's own ops under eager autograd, with a warning that says so: the loss and every gradient
     still equal eager's, and the captured length keeps its compiled graph."""
-    import copy
     from tailorfx import compat
-    model = hf_llama()
-    ref = copy.deepcopy(model)
-    opt = tailorfx.optimize(model, passes=["minisequence"], minisequence_chunks=2, example_inputs=batch(S=40))
+    model, ref, opt = _chunked_llama()
     real = compat.aot_module_simplified
 
     def fail_symbolic(gm, inputs, **kw):
@@ -86,22 +96,8 @@ def test_a_symbolic_compile_that_fails_runs_the_new_length_under_eager_autograd(
             raise RuntimeError("planted")
         return real(gm, inputs, **kw)
     monkeypatch.setattr(compat, "aot_module_simplified", fail_symbolic)
-    for S in (64, 40):
-        inputs = batch(S=S, pad=3)
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
-        if S == 64:
-            with pytest.warns(UserWarning, match="symbolic sizes failed .*planted.*eager autograd"):
-                out = opt(**inputs)
-        else:
-            out = opt(**inputs)
-        out.loss.backward()
-        want = ref(**inputs)
-        want.loss.backward()
-        torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
-        ref_params = dict(ref.named_parameters())
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    _step_equals_eager(opt, model, ref, 64, warns="symbolic sizes failed .*planted.*eager autograd")
+    _step_equals_eager(opt, model, ref, 40)
     assert opt.session.graphs[0].step_static      # the failed compile replaced nothing
 
 
