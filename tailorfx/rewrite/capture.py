@@ -52,11 +52,10 @@ def distinct_length_inputs(model: torch.nn.Module, args: tuple, kwargs: dict,
         return None
     S = int(seqs[0].shape[seq_dim])
     tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
-    if any(int(t.shape[seq_dim]) != S for t in seqs) or any(
-            d == S for t in tensors for i, d in enumerate(t.shape) if not (i == seq_dim and any(t is x for x in seqs))):
+    other = {int(d) for t in tensors for i, d in enumerate(t.shape) if not (i == seq_dim and any(t is x for x in seqs))}
+    if any(int(t.shape[seq_dim]) != S for t in seqs) or S in other:
         return None
-    sizes = {int(d) for t in [*model.parameters(), *model.buffers()] for d in t.shape}
-    sizes |= {int(d) for t in tensors for i, d in enumerate(t.shape) if not (i == seq_dim and any(t is x for x in seqs))}
+    sizes = other | {int(d) for t in [*model.parameters(), *model.buffers()] for d in t.shape}
     length = next((p for p in _PRIMES if p <= S and all(d % p for d in sizes if d > 1)), None)
     if length is None:
         return None
