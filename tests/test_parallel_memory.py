@@ -16,8 +16,9 @@ SEQ = 64
 
 
 def tiny(**kw):
-    # 4 query / 2 key-value heads, 4 layers; every parameter's first dim even (FSDP halves it exactly)
-    return LlamaConfig(**{**dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    # 4 query / 2 key-value heads, 2 layers (each layout is a capture of its own); every parameter's
+    # first dim even (FSDP halves it exactly)
+    return LlamaConfig(**{**dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False), **kw})
 
 
@@ -39,13 +40,13 @@ def test_dp_halves_the_static_bytes_and_gathers_the_root():
 
 
 def test_pp_stages_hold_the_whole_model_once():
-    one, pp = predict(), predict(pp=4, microbatches=4, batch_size=1)
+    one, pp = predict(), predict(pp=2, microbatches=4, batch_size=1)
     stages = pp.stages
-    assert [b for st in stages for b in st.blocks] == [f"model.layers.{i}" for i in range(4)]
+    assert [b for st in stages for b in st.blocks] == [f"model.layers.{i}" for i in range(2)]
     assert sum(st.param_bytes for st in stages) == one.param_bytes
     # 1F1B: the first stage keeps pp micro-batches, the last one
-    assert [st.peak_inflight for st in stages] == [4, 3, 2, 1]
-    assert len(pp.pipeline_ranks) == 4 and pp.peak_bytes == max(r[0] for r in pp.pipeline_ranks)
+    assert [st.peak_inflight for st in stages] == [2, 1]
+    assert len(pp.pipeline_ranks) == 2 and pp.peak_bytes == max(r[0] for r in pp.pipeline_ranks)
     assert 0 < pp.bubble < 1
 
 
@@ -150,7 +151,7 @@ def test_a_world_of_1024_is_planned_in_seconds_after_the_captures():
     assert {(c.tp, c.pp, c.dp) for c in cands} >= {(1, 1, 1024), (2, 1, 512), (8, 1, 128)}
 
 
-CLI_CONFIG = ["llama", "vocab_size=512", "hidden_size=64", "intermediate_size=128", "num_hidden_layers=4",
+CLI_CONFIG = ["llama", "vocab_size=512", "hidden_size=64", "intermediate_size=128", "num_hidden_layers=2",
               "num_attention_heads=4", "num_key_value_heads=2", "tie_word_embeddings=false"]
 
 
