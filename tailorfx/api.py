@@ -373,7 +373,7 @@ def _parallel_module(model: nn.Module, options: Options, budget: Optional[Budget
         raise ValueError("parallel= does not plan against a budget in this version: drop budget= (see "
                          "opt.predict_memory() and `tailorfx plan --world` for each rank's memory), or run "
                          "without parallel=")
-    passes = stage_passes(spec, options.passes)     # checked before anything is captured
+    passes = stage_passes(spec, options.passes, options.options_dict().get("recompute_policy"))   # before any capture
     args, kwargs = _split_examples(example_inputs, example_kwargs)
     plan = parallelize(model, parallel, args, kwargs, passes=passes, options=options.options_dict())
     opt = OptimizedModule(model, options, budget)

@@ -195,9 +195,10 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     takes every row and seq_len/dp of its tokens). `setup`: a TrainingSetup or preset name
     (default: the model's dtype with AdamW). `rank`: under pp, that pipeline rank's memory
     instead of the worst's. `vocab_loss`: a vocab-parallel head's loss "fused" with it or under
-    DTensor's "loss_parallel". `passes`: the rewrites of a pipeline's step graph, as
-    optimize(parallel=..., passes=) takes them (None: the default, the LM head fused with its loss
-    and the MLPs in mini-sequence chunks under pp without tp). The layout is checked as
+    DTensor's "loss_parallel". `passes`: the rewrites, as optimize(parallel=..., passes=) takes
+    them: of a pipeline's step graph (None: the default, the LM head fused with its loss and the
+    MLPs in mini-sequence chunks under pp without tp), or ["recompute"] under dp alone (each block
+    checkpointed: its ops recomputed in the traced step). The layout is checked as
     optimize(parallel=...) checks it (ValueError for one the runtime refuses, such as
     sp="ulysses" with tp).
     """

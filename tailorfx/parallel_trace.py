@@ -180,10 +180,13 @@ def _remember(key: tuple, src: Any, cap: RankCapture) -> RankCapture:
 
 def _capture_on(src, key, *, tp, rows, seq, head, dtype, mesh, passes) -> RankCapture:
     from tailorfx.codegen.pipeline import capture_static
+    from tailorfx.parallelize import accepts_use_cache
     scope = contextlib.nullcontext
     with _fake_model(src, dtype) as model:
         ids = torch.zeros(rows, seq, dtype=torch.long, device=_device(model))
         batch = {"input_ids": ids, "labels": ids}
+        if "recompute" in passes and accepts_use_cache(model):    # as the runtime calls it (parallelize.run)
+            batch["use_cache"] = False
         if tp > 1:
             styles = _tp_styles(model, src, dtype, tp, head.split("+")[0])
             _apply_tp(model, styles, mesh)

@@ -4,6 +4,7 @@ a torchrun process.
     tp/dp: capture -> regions -> passes.parallel.infer_tp_plan (+ infer_sequence_parallel for
              sp="megatron") -> check(tp) -> runtime.apply_tp (DTensor, tp mesh dim)
              -> the vocab-parallel head's loss fused (runtime.vocab_parallel)
+             -> runtime.apply_checkpoint (passes=["recompute"], dp alone)
              -> runtime.apply_fsdp (FSDP2, dp mesh dim)
     pp:    capture (static shapes) -> regions -> passes.pipeline_split (block FLOPs, bytes)
              -> the exact structural rewrites (rewrite_step: minisequence, the LM head fused with
@@ -28,6 +29,9 @@ KEYS = ("tp", "dp", "pp", "sp", "schedule", "microbatches", "vocab_loss")
 # The single-device rewrites a pipeline's step graph takes before it is cut: exact, structural
 # (custom ops that stages run under eager autograd); the others need AOTAutograd's joint graph
 STAGE_PASSES = ("minisequence",)
+# What the sharded model takes under dp (FSDP2) alone: "recompute", each repeated block one
+# activation-checkpointing unit (torch's composable checkpoint), which saves only its input
+SHARDED_PASSES = ("recompute",)
 
 
 @dataclass
@@ -58,7 +62,8 @@ class ParallelPlan:
     tp_mesh: Any = None           # the tp mesh dimension the copy is sharded on for them
     pp_rank: int = 0
     predictions: dict = field(default_factory=dict)   # setup -> this rank's prediction (a capture each)
-    passes: tuple = ()            # the rewrites the pipeline's step graph took before it was cut
+    passes: tuple = ()            # the rewrites: the pipeline's step graph's before it was cut, or
+                                  # "recompute" (the sharded model's blocks checkpointed)
     captured: Any = None          # that graph as captured (tp=1): the prediction traces it, not a new capture
     rewrites: list = field(default_factory=list)   # (region, what was done to it) for the report
 
@@ -78,6 +83,7 @@ class ParallelPlan:
             raise ValueError("under parallel=dict(pp=...) one call is a whole pipelined training step: use "
                              "opt.step(**batch), which runs forward and backward of every micro-batch and "
                              "returns the loss on the last stage's rank")
+        kwargs = self._without_cache(model, kwargs)
         if self.sp == "ulysses":
             return self._run_ulysses(model, args, kwargs)
         if self.loss_scope is None:
@@ -94,6 +100,17 @@ class ParallelPlan:
         if loss is not None and loss.requires_grad and not fused:
             out["loss"] = self.loss_scope.enter_on_backward(loss)
         return out
+
+    def _without_cache(self, model: nn.Module, kwargs: dict) -> dict:
+        """Checkpointed blocks run their forward twice, so in training a KV cache would take each
+        block's keys twice: the call gets use_cache=False (as transformers' own gradient
+        checkpointing sets), and use_cache=True is refused."""
+        if "recompute" not in self.passes or not model.training or not accepts_use_cache(model):
+            return kwargs
+        if kwargs.get("use_cache"):
+            raise ValueError("use_cache=True in training with recompute: each checkpointed block would add its "
+                             "keys and values to the cache again when backward runs it; drop use_cache")
+        return {**kwargs, "use_cache": False}
 
     def _run_ulysses(self, model: nn.Module, args: tuple, kwargs: dict):
         from tailorfx.runtime.ulysses import shard_batch
@@ -128,7 +145,7 @@ class ParallelPlan:
         from tailorfx import planner
         from tailorfx.codegen.pipeline import capture_static
         from tailorfx.rewrite.capture import seq_info
-        if self.dp > 1 or self.pp > 1 or self.sp == "ulysses":
+        if self.dp > 1 or self.pp > 1 or self.sp == "ulysses" or self.passes:
             return self._predict_composed(length, setup)
         if self.loss_scope is not None:
             from torch.distributed.tensor.parallel import loss_parallel
@@ -178,7 +195,17 @@ class ParallelPlan:
                                               f"the sequence per tp rank"))
         if self.dp > 1 and self.pp == 1:
             rows += [(b, f"fully_shard over dp={self.dp}") for b in self.blocks] + [("(root)", f"fully_shard over dp={self.dp}")]
+        if "recompute" in self.passes and self.pp == 1:
+            rows += [(b, "recompute: activation checkpointing (torch's composable checkpoint), the block saves "
+                         "only its input and runs its forward again in backward") for b in self.blocks]
         return rows
+
+
+def accepts_use_cache(model: nn.Module) -> bool:
+    """Whether `model` is a transformers model whose forward takes use_cache."""
+    import inspect
+    return (getattr(getattr(model, "config", None), "use_cache", None) is not None
+            and "use_cache" in inspect.signature(model.forward).parameters)
 
 
 def _ulysses_loss(loss, size: int, group):
@@ -225,18 +252,32 @@ def check_parallel(parallel: Any) -> dict:
             "virtual": 2 if schedule == "interleaved_1f1b" else 1, "vocab_loss": parallel.get("vocab_loss", "fused")}
 
 
-def stage_passes(spec: dict, passes: Optional[tuple]) -> tuple[str, ...]:
-    """The rewrites a pipeline's step graph takes (`passes`, as optimize() got it): None, the
-    default, is STAGE_PASSES under pp without tp; [] none. Any other request says what runs."""
+def stage_passes(spec: dict, passes: Optional[tuple], recompute_policy: Optional[str] = None) -> tuple[str, ...]:
+    """The rewrites a parallel layout takes (`passes`, as optimize() got it): None, the default,
+    is STAGE_PASSES under pp without tp, none otherwise; [] none. Under dp alone the sharded
+    model takes SHARDED_PASSES. Any other request says what runs."""
     pipelined = spec["pp"] > 1 and spec["tp"] == 1
     if passes is None:
         return STAGE_PASSES if pipelined else ()
     if not passes:
         return ()
+    if spec["pp"] == 1:
+        other = [p for p in passes if p not in SHARDED_PASSES]
+        if spec["tp"] > 1 or spec["sp"]:
+            raise ValueError(f"parallel={_layout(spec)} runs without single-device rewrites in this version: "
+                             f"recompute is combined with dp (FSDP2) alone so far (under tp its per-rank "
+                             f"prediction is 5-11% over the measured peak); drop passes=")
+        if other:
+            raise ValueError(f"parallel={_layout(spec)} takes {list(SHARDED_PASSES)} only in this version, not "
+                             f"{other}: drop them, or run the passes without parallel=")
+        if recompute_policy not in (None, "full"):
+            raise ValueError(f"recompute={recompute_policy!r} under parallel={_layout(spec)}: the sharded model's "
+                             f"blocks are checkpointed whole (recompute='full'); drop recompute= or give 'full'")
+        return tuple(passes)
     if not pipelined:
         raise ValueError(f"parallel={_layout(spec)} runs without single-device rewrites in this version: drop "
-                         f"passes= (only pipeline stages without tp take {list(STAGE_PASSES)}), or run the "
-                         f"passes without parallel=")
+                         f"passes= (pipeline stages without tp take {list(STAGE_PASSES)}, tp/dp/sp without pp "
+                         f"{list(SHARDED_PASSES)}), or run the passes without parallel=")
     other = [p for p in passes if p not in STAGE_PASSES]
     if other:
         raise ValueError(f"passes={list(passes)}: pipeline stages take {list(STAGE_PASSES)} only in this version, "
@@ -334,15 +375,15 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict, *, 
                 options: Optional[dict] = None) -> ParallelPlan:
     """Shard `model` in place as `parallel` asks; returns what was done (for the report).
     `passes`, `options`: optimize()'s (pipeline stages take STAGE_PASSES, see stage_passes)."""
-    from tailorfx.runtime.tensor_parallel import apply_fsdp, apply_loss_parallel, apply_tp, device_mesh
+    from tailorfx.runtime.tensor_parallel import apply_checkpoint, apply_fsdp, apply_loss_parallel, apply_tp, device_mesh
     spec = check_parallel(parallel)
-    rewrites = stage_passes(spec, passes)
+    rewrites = stage_passes(spec, passes, (options or {}).get("recompute_policy"))
     if not args and not kwargs:
         raise ValueError("parallel= needs example_inputs: the tensor-parallel plan is read off the graph "
                          "of one forward pass")
     mesh = device_mesh(tp=spec["tp"], dp=spec["dp"], pp=spec["pp"])
     source = None
-    if spec["dp"] > 1 or spec["pp"] > 1 or spec["sp"]:    # what per-rank predictions shard and capture
+    if spec["dp"] > 1 or spec["pp"] > 1 or spec["sp"] or rewrites:    # what per-rank predictions shard and capture
         from tailorfx.parallel_trace import fake_copy
         source = fake_copy(model)
     if spec["pp"] > 1:
@@ -359,7 +400,8 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict, *, 
         out.pp_rank = mesh["pp"].get_local_rank()
         return out
     tp_plan, blocks = plan_tensor_parallel(model, args, kwargs)
-    out = ParallelPlan(spec["tp"], spec["dp"], blocks=blocks, example=dict(kwargs), source=source, tp_mesh=mesh["tp"])
+    out = ParallelPlan(spec["tp"], spec["dp"], blocks=blocks, example=dict(kwargs), source=source, tp_mesh=mesh["tp"],
+                       passes=rewrites)
     if spec["sp"] == "megatron":
         if tp_plan.sequence_error:
             raise SequenceParallelError(tp_plan.sequence_error)
@@ -378,6 +420,8 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict, *, 
         from tailorfx.runtime.ulysses import register
         model.set_attn_implementation(register(group=mesh["dp"].get_group(), size=spec["dp"]))
         out.sp, out.dp_group, out.dp_rank = spec["sp"], mesh["dp"].get_group(), mesh["dp"].get_local_rank()
+    if "recompute" in rewrites:     # inside FSDP's units, as torchtitan composes them
+        apply_checkpoint(model, blocks=blocks)
     if spec["dp"] > 1:
         apply_fsdp(model, blocks=blocks, mesh=mesh["dp"])
     return out

@@ -80,6 +80,13 @@ def test_megatron_sp_traces_the_stream_on_sequence_shards():
     assert sp.layout() == "tp2 (sp=megatron)"
 
 
+def test_recompute_under_fsdp_keeps_only_the_blocks_inputs():
+    dp, rc = predict(dp=2), predict(dp=2, passes=["recompute"])
+    assert rc.param_bytes == dp.param_bytes      # the same shards: recompute moves activations
+    assert rc.at_peak["activations"] < dp.at_peak["activations"]
+    assert rc.forward_backward_peak_bytes < dp.forward_backward_peak_bytes
+
+
 def test_ulysses_adds_all_to_all_buffers_to_fsdp():
     dp, sp = predict(dp=2, batch_size=1), predict(dp=2, sp="ulysses", batch_size=2)
     assert sp.at_peak["communication buffers"] > dp.at_peak["communication buffers"]

@@ -108,6 +108,19 @@ def _style(name: str):
     return STYLES[name]()
 
 
+def apply_checkpoint(model: nn.Module, *, blocks: list[str]) -> nn.Module:
+    """Each repeated block one activation-checkpointing unit (torch's composable `checkpoint`:
+    hooks on the block, no wrapper, so parameter names stay the model's): it saves only its
+    input, and backward runs its forward again. Exact: the same ops on the same values."""
+    if not blocks:
+        raise ValueError("recompute under parallel= checkpoints the repeated blocks, and the graph has none")
+    from torch.distributed._composable import checkpoint
+    mods = dict(model.named_modules())
+    for path in blocks:
+        checkpoint(mods[path])
+    return model
+
+
 def apply_fsdp(model: nn.Module, *, blocks: list[str], mesh: DeviceMesh) -> nn.Module:
     """FSDP2: each repeated block is one `fully_shard` unit (its parameters gathered only while it
     runs), then the root takes what is left (embeddings, final norm, head)."""

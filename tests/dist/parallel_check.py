@@ -19,6 +19,7 @@ def main(run: str, tp: int, dp: int) -> int:
     spec, *flags = run.split(":")     # "llama:loss_parallel": DTensor's loss on the logits shard
     vocab_loss = "loss_parallel" if "loss_parallel" in flags else ""
     memory = "nomem" not in flags     # ":nomem": no memory measured and predicted (a prediction is a capture)
+    passes = ["recompute"] if "recompute" in flags else None     # ":recompute": each block checkpointed
     family, _, sp = spec.partition("+")
     family, untied = family.removesuffix("-untied"), family.endswith("-untied")   # "gemma2-untied": its own head
     kw = dict(vocab_size=2048, **({"tie_word_embeddings": False} if untied else {}))
@@ -32,8 +33,8 @@ def main(run: str, tp: int, dp: int) -> int:
     # data parallel: each dp rank takes its rows (its example: the per-rank prediction is at their
     # shape); FSDP averages the gradients over dp
     rows = ids.chunk(dp)[rank // tp] if dp > 1 else ids
-    opt = tailorfx.optimize(model, example_inputs=dict(input_ids=rows, labels=rows), parallel=dict(tp=tp, dp=dp, sp=sp or None,
-                                                                                       vocab_loss=vocab_loss or "fused"))
+    opt = tailorfx.optimize(model, example_inputs=dict(input_ids=rows, labels=rows), passes=passes,
+                            parallel=dict(tp=tp, dp=dp, sp=sp or None, vocab_loss=vocab_loss or "fused"))
     for _ in range(2):     # twice: the second step must not see state the first one left
         for p in model.parameters():
             p.grad = None
@@ -63,11 +64,12 @@ def main(run: str, tp: int, dp: int) -> int:
     write({"rank": rank, "family": family, "ok": bool(ok), "loss": float(full_loss),
            "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": num_params,
            "predicted": predicted, "measured": measured, "measured_steps": steps, "bad": bad, "styles": opt.session.parallel.styles, "sp": sp, "head": dict(opt.session.parallel.describe()).get("lm_head", ""),
-           "fused_calls": fused.fused if fused else 0, "unfused_calls": fused.unfused if fused else 0}, run)
+           "fused_calls": fused.fused if fused else 0, "unfused_calls": fused.unfused if fused else 0,
+           "checkpointed": [b for b, what in opt.session.parallel.describe() if what.startswith("recompute:")]}, run)
     return 0 if ok else 1
 
 
-if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[-untied][+SP][:loss_parallel][:nomem] ...: one launch, several models
+if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[-untied][+SP][:loss_parallel][:nomem][:recompute] ...: one launch, several models
     failed = sum(main(f, int(sys.argv[1]), int(sys.argv[2])) for f in sys.argv[3:])
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
