@@ -60,3 +60,28 @@ def test_hf_llama_blocks_cost_alike_and_the_head_shortens_the_last_stage():
     assert split_points(c.flops, 2, c.bytes) == [0, 3]
     starts = split_points(c.flops, 2, c.bytes, c.first_flops, c.last_flops)
     assert starts[1] > 3     # the last stage carries the head: it takes fewer blocks
+
+
+def test_a_static_capture_is_reused_for_a_model_dynamos_guards_find_the_same(monkeypatch):
+    """capture_static: another instance of one config (another schedule's run) gets the same graph
+    without tracing again, with its own parameters as the inputs; a model that differs in what
+    the trace read is traced afresh, and so is one past Dynamo's recompile limit."""
+    from tailorfx.codegen.pipeline import capture_static
+    ids = torch.randint(0, 512, (2, 24))
+    batch = dict(input_ids=ids, labels=ids)
+    a, b = hf_family("llama", vocab_size=512), hf_family("llama", vocab_size=512)
+    gm_a, ex_a, _ = capture_static(a, batch)
+    gm_b, ex_b, _ = capture_static(b, batch)
+    assert gm_b is gm_a
+    ids_of = lambda ex: {id(t) for t in ex if isinstance(t, torch.Tensor)}
+    assert {id(p) for p in b.parameters()} <= ids_of(ex_b) and not ids_of(ex_b) & {id(p) for p in a.parameters()}
+    other = hf_family("llama", vocab_size=512, rms_norm_eps=1e-3)      # a value the forward reads
+    assert capture_static(other, batch)[0] is not gm_a
+    assert capture_static(a, dict(input_ids=ids[:, :16], labels=ids[:, :16]))[0] is not gm_a
+    from tailorfx import compat
+    resets = []
+    reset = compat.reset_dynamo
+    monkeypatch.setattr(compat, "reset_dynamo", lambda: (resets.append(1), reset()))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    gm_c, ex_c, _ = capture_static(hf_family("llama", vocab_size=512, rms_norm_eps=1e-4), batch)
+    assert resets == [1] and gm_c is not gm_a and len(ex_c) == len(ex_a)
