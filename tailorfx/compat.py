@@ -6,6 +6,7 @@ from typing import Iterator, Optional
 
 import torch
 from torch._dynamo import maybe_mark_dynamic  # noqa: F401
+from torch._dynamo.exc import FailOnRecompileLimitHit  # noqa: F401  (checked on torch 2.13)
 from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401
 from torch._functorch.aot_autograd import make_boxed_func  # noqa: F401
 from torch._functorch._aot_autograd.runtime_wrappers import (  # noqa: F401  (checked on torch 2.13)

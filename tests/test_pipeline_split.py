@@ -79,9 +79,11 @@ def test_a_static_capture_is_reused_for_a_model_dynamos_guards_find_the_same(mon
     assert capture_static(other, batch)[0] is not gm_a
     assert capture_static(a, dict(input_ids=ids[:, :16], labels=ids[:, :16]))[0] is not gm_a
     from tailorfx import compat
+    limit = torch._dynamo.config.recompile_limit
     resets = []
     reset = compat.reset_dynamo
     monkeypatch.setattr(compat, "reset_dynamo", lambda: (resets.append(1), reset()))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    gm_c, ex_c, _ = capture_static(hf_family("llama", vocab_size=512, rms_norm_eps=1e-4), batch)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        gm_c, ex_c, _ = capture_static(hf_family("llama", vocab_size=512, rms_norm_eps=1e-4), batch)
     assert resets == [1] and gm_c is not gm_a and len(ex_c) == len(ex_a)
+    assert torch._dynamo.config.recompile_limit == limit

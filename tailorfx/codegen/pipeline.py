@@ -168,7 +168,7 @@ def capture_static(model: nn.Module, kwargs: dict) -> tuple[fx.GraphModule, list
     _RAN.clear()
     try:
         torch.compile(model, backend=_record_static, dynamic=False, fullgraph=True)(**kwargs)
-    except torch._dynamo.exc.FailOnRecompileLimitHit:     # this code was compiled too often: afresh
+    except compat.FailOnRecompileLimitHit:     # this code was compiled too often (fullgraph): afresh
         compat.reset_dynamo()
         torch.compile(model, backend=_record_static, dynamic=False, fullgraph=True)(**kwargs)
     gm, example = _RAN[-1]
