@@ -195,7 +195,7 @@ class ParallelPlan:
                                               f"the sequence per tp rank"))
         if self.dp > 1 and self.pp == 1:
             rows += [(b, f"fully_shard over dp={self.dp}") for b in self.blocks] + [("(root)", f"fully_shard over dp={self.dp}")]
-        if "recompute" in self.passes and self.pp == 1:
+        if "recompute" in self.passes:    # pipeline stages never take it (stage_passes)
             rows += [(b, "recompute: activation checkpointing (torch's composable checkpoint), the block saves "
                          "only its input and runs its forward again in backward") for b in self.blocks]
         return rows
@@ -262,11 +262,11 @@ def stage_passes(spec: dict, passes: Optional[tuple], recompute_policy: Optional
     if not passes:
         return ()
     if spec["pp"] == 1:
-        other = [p for p in passes if p not in SHARDED_PASSES]
         if spec["tp"] > 1 or spec["sp"]:
             raise ValueError(f"parallel={_layout(spec)} runs without single-device rewrites in this version: "
                              f"recompute is combined with dp (FSDP2) alone so far (under tp its per-rank "
                              f"prediction is 5-11% over the measured peak); drop passes=")
+        other = [p for p in passes if p not in SHARDED_PASSES]
         if other:
             raise ValueError(f"parallel={_layout(spec)} takes {list(SHARDED_PASSES)} only in this version, not "
                              f"{other}: drop them, or run the passes without parallel=")
@@ -276,7 +276,7 @@ def stage_passes(spec: dict, passes: Optional[tuple], recompute_policy: Optional
         return tuple(passes)
     if not pipelined:
         raise ValueError(f"parallel={_layout(spec)} runs without single-device rewrites in this version: drop "
-                         f"passes= (pipeline stages without tp take {list(STAGE_PASSES)}, tp/dp/sp without pp "
+                         f"passes= (pipeline stages without tp take {list(STAGE_PASSES)}, dp alone "
                          f"{list(SHARDED_PASSES)}), or run the passes without parallel=")
     other = [p for p in passes if p not in STAGE_PASSES]
     if other:
