@@ -17,7 +17,7 @@ parallel layouts run tailorfx's fused vocab-parallel loss (the default); "tp2:lp
 same layouts with the head's loss under DTensor's `loss_parallel`, as torchtitan runs it.
 
     python benchmarks/parallel.py                      # every layout, then the 8B table
-    python benchmarks/parallel.py --layouts tp2 pp4    # some layouts
+    python benchmarks/parallel.py --layouts tp2 pp4    # some layouts (dp2:rc: FSDP2 with recompute)
     python benchmarks/parallel.py --measured out/parallel.json   # re-predict saved measurements
     python benchmarks/parallel.py --predict-8b         # only the 8B table (no launches)
 """
@@ -39,15 +39,17 @@ LAYOUTS = {"1": (1, 1, 1, 0), "tp2": (2, 1, 1, 0), "dp2": (1, 2, 1, 0), "pp2": (
            "dp4": (1, 4, 1, 0), "tp2xdp2": (2, 2, 1, 0), "pp4": (1, 1, 4, 0), "tp2xpp2": (2, 1, 2, 0),
            "sp2": (1, 2, 1, 1), "sp4": (1, 4, 1, 1), "tp2+sp": (2, 1, 1, 2), "tp4+sp": (4, 1, 1, 2),
            "pp2xdp2": (1, 2, 2, 0), "tp2:lp": (2, 1, 1, 0), "tp4:lp": (4, 1, 1, 0),
-           "pp2:raw": (1, 1, 2, 0), "pp4:raw": (1, 1, 4, 0)}
+           "pp2:raw": (1, 1, 2, 0), "pp4:raw": (1, 1, 4, 0), "dp2:rc": (1, 2, 1, 0), "dp4:rc": (1, 4, 1, 0)}
 # ":lp": the vocab-parallel head's loss under DTensor's loss_parallel (as torchtitan runs it) instead
 # of tailorfx's fused vocab-parallel loss (runtime/vocab_parallel.py), the default; ":raw": pipeline
 # stages cut from the step graph as captured (passes=[]), without the default rewrites (the LM head
-# fused with its loss, the MLPs in mini-sequence chunks)
+# fused with its loss, the MLPs in mini-sequence chunks); ":rc": passes=["recompute"] under FSDP2 (each
+# block checkpointed inside its fully_shard unit)
 
 
 def vocab_loss(name: str) -> str:
-    return "loss_parallel" if name.endswith(":lp") else "raw" if name.endswith(":raw") else "fused"
+    """The layout's variant: the head's loss ("fused", "loss_parallel"), or the passes ("raw", "recompute")."""
+    return {"lp": "loss_parallel", "raw": "raw", "rc": "recompute"}.get(name.rpartition(":")[2], "fused")
 
 
 def vocab_loss_of(variant: str) -> str:
@@ -55,8 +57,8 @@ def vocab_loss_of(variant: str) -> str:
 
 
 def stage_passes(loss: str):
-    """optimize()'s passes= for a pipeline layout: the default (None), or none (":raw")."""
-    return [] if loss == "raw" else None
+    """optimize()'s passes=: the default (None), none (":raw") or recompute (":rc")."""
+    return [] if loss == "raw" else ["recompute"] if loss == "recompute" else None
 SP = {0: None, 1: "ulysses", 2: "megatron"}
 SCHEDULE = "1f1b"
 
@@ -94,8 +96,8 @@ def worker(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int, loss: str =
     else:           # each dp rank's rows are its example (its predictions are at their shape)
         rank = int(os.environ["RANK"])
         rows = {k: v.chunk(dp)[rank // tp] for k, v in batch_all.items()}
-        opt = tailorfx.optimize(model, example_inputs=rows, parallel=dict(tp=tp, dp=dp, sp=SP[sp],
-                                                                          vocab_loss=vocab_loss_of(loss)))
+        opt = tailorfx.optimize(model, example_inputs=rows, passes=stage_passes(loss), parallel=dict(
+            tp=tp, dp=dp, sp=SP[sp], vocab_loss=vocab_loss_of(loss)))
     params = [p for _, p in opt.named_parameters()]
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in params)
 
@@ -195,11 +197,11 @@ def predict_layout(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int, los
     return rm, 2 * rm.param_bytes + rm.forward_backward_peak_bytes, None
 
 
-PLANS_8B = [(8, dict(dp=8)), (8, dict(dp=8, sp="ulysses")), (8, dict(tp=8)), (8, dict(tp=8, vocab_loss="loss_parallel")),
+PLANS_8B = [(8, dict(dp=8)), (8, dict(dp=8, passes=["recompute"])), (8, dict(dp=8, sp="ulysses")), (8, dict(tp=8)), (8, dict(tp=8, vocab_loss="loss_parallel")),
             (8, dict(tp=8, sp="megatron")),
             (8, dict(tp=2, dp=4)),
             (8, dict(tp=4, dp=2)), (8, dict(tp=4, pp=2)), (8, dict(pp=2, dp=4)), (8, dict(pp=8)),
-            (64, dict(dp=64)), (64, dict(tp=8, dp=8)), (64, dict(tp=8, dp=8, sp="megatron")), (64, dict(tp=4, dp=16)), (64, dict(tp=8, pp=8)),
+            (64, dict(dp=64)), (64, dict(dp=64, passes=["recompute"])), (64, dict(tp=8, dp=8)), (64, dict(tp=8, dp=8, sp="megatron")), (64, dict(tp=4, dp=16)), (64, dict(tp=8, pp=8)),
             (64, dict(tp=8, pp=2, dp=4)), (64, dict(tp=4, pp=4, dp=4)), (64, dict(pp=64)), (64, dict(tp=16, dp=4))]
 
 
@@ -216,7 +218,8 @@ def predict_8b(seq: int = 8192) -> tuple[list[list], list[dict]]:
     rows, out = [], []
     for world, plan in PLANS_8B:
         tp, dp, pp, sp = plan.get("tp", 1), plan.get("dp", 1), plan.get("pp", 1), plan.get("sp")
-        name = describe_layout(tp, pp, dp, sp) + (" (loss_parallel)" if plan.get("vocab_loss") == "loss_parallel" else "")
+        name = describe_layout(tp, pp, dp, sp) + (" (loss_parallel)" if plan.get("vocab_loss") == "loss_parallel" else "") + (
+            ", recompute" if plan.get("passes") else "")
         t = time.time()
         try:
             rm = predict_rank_memory(cfg, **plan, seq_len=seq, batch_size=1, setup="amp-bf16")
@@ -241,7 +244,7 @@ def main() -> None:
     ap.add_argument("--worker", nargs=4, type=int, metavar=("TP", "DP", "PP", "SP"))
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--vocab-loss", default="fused", choices=["fused", "loss_parallel", "raw"])
+    ap.add_argument("--vocab-loss", default="fused", choices=["fused", "loss_parallel", "raw", "recompute"])
     ap.add_argument("--layouts", nargs="+", default=[k for k in LAYOUTS if k != "tp2xpp2"], choices=list(LAYOUTS))
     ap.add_argument("--measured", default=None, help="a JSON this benchmark wrote: re-predict its measurements")
     ap.add_argument("--predict-8b", action="store_true", help="only the Llama-3-8B table (no launches)")
@@ -281,7 +284,7 @@ def main() -> None:
                 label = f"tp={tp} + Megatron SP"
             else:
                 label = " x ".join(f"{k}={v}" for k, v in (("tp", tp), ("dp", dp)) if v > 1) or "1 process"
-                label += " (loss_parallel)" if vocab_loss(name) == "loss_parallel" else ""
+                label += {"loss_parallel": " (loss_parallel)", "recompute": ", recompute"}.get(vocab_loss(name), "")
             ref = ranks[0]["single_process_loss"]
             rows.append([label, str(tp * dp * pp), mib(worst["param_bytes"]), mib(worst["fwd_bwd_peak_bytes"]),
                          mib(total(worst)), f"{mib(predicted)} ({err(predicted, total(worst))})",

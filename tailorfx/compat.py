@@ -75,6 +75,12 @@ def reset_dynamo() -> None:
     torch._dynamo.reset()
 
 
+def fail_on_recompile_limit():
+    """A context in which a frame past Dynamo's recompile limit raises FailOnRecompileLimitHit
+    instead of running eagerly unseen (a recording capture then has no graph to return)."""
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+
+
 def compile_fx():
     """Inductor's whole-graph compiler (imported lazily: importing Inductor costs seconds)."""
     from torch._inductor.compile_fx import compile_fx as fx_compile
@@ -178,10 +184,16 @@ def isolated_tracing(example_inputs) -> Iterator[None]:
     from torch._guards import TracingContext, tracing
     # the inputs' own fake mode: detect_fake_mode prefers the active TracingContext's (Dynamo's, while it
     # compiles), whose ShapeEnv would take the trace's guards and make a static trace's ints symbols
-    inputs = list(example_inputs)
-    mode = next((t.fake_mode for t in inputs if isinstance(t, FakeTensor)), None) or detect_fake_mode(inputs)
-    with tracing(TracingContext(mode)):
+    with tracing(TracingContext(own_fake_mode(example_inputs))):
         yield
+
+
+def own_fake_mode(values):
+    """The fake mode the values' fake tensors belong to, not the active one (detect_fake_mode
+    asserts they are the same; a graph Dynamo reused carries the mode it was traced in); None
+    for real tensors and no active mode."""
+    values = list(values)
+    return next((t.fake_mode for t in values if isinstance(t, FakeTensor)), None) or detect_fake_mode(values)
 
 
 def real_tensors():

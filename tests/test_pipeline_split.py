@@ -87,3 +87,28 @@ def test_a_static_capture_is_reused_for_a_model_dynamos_guards_find_the_same(mon
         gm_c, ex_c, _ = capture_static(hf_family("llama", vocab_size=512, rms_norm_eps=1e-4), batch)
     assert resets == [1] and gm_c is not gm_a and len(ex_c) == len(ex_a)
     assert torch._dynamo.config.recompile_limit == limit
+
+
+def test_the_tensor_parallel_plans_static_capture_keeps_the_users_compiled_frames():
+    """capture_graphs(static=True), the tensor-parallel plan's capture, resets nothing: a frame the
+    user compiled before still runs without a new compile, and another instance of one config
+    gets the same graphs, with its own parameters as their inputs."""
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    users = torch.compile(lambda x: x.sin() + 1, backend=counting)
+    x = torch.randn(8)
+    users(x)
+    ids = torch.randint(0, 512, (2, 64))
+    a, b = hf_family("llama", vocab_size=512), hf_family("llama", vocab_size=512)
+    (ca,), _ = capture_graphs(a, (), dict(input_ids=ids, labels=ids), static=True)
+    (cb,), _ = capture_graphs(b, (), dict(input_ids=ids, labels=ids), static=True)
+    assert cb.gm is ca.gm and ca.seq.length == cb.seq.length < 64      # the cut length, found again
+    ids_of = lambda ex: {id(t) for t in ex if isinstance(t, torch.Tensor)}
+    assert {id(p) for p in b.parameters()} <= ids_of(cb.example_inputs)
+    assert not ids_of(cb.example_inputs) & {id(p) for p in a.parameters()}
+    torch.testing.assert_close(users(x), x.sin() + 1)
+    assert len(compiles) == 1          # the user's frame was not dropped

@@ -162,33 +162,13 @@ def capture_static(model: nn.Module, kwargs: dict) -> tuple[fx.GraphModule, list
     """The model's step as one Dynamo graph with static shapes (pipeline stages exchange fixed
     shapes; gloo aborts on a change); returns the graph, its example inputs, and the keyword
     inputs it was captured with: copies, since a tensor optimize() captured before carries
-    Dynamo's mark of a dynamic sequence dim, which would make this graph symbolic."""
-    from tailorfx import compat
+    Dynamo's mark of a dynamic sequence dim, which would make this graph symbolic. A model
+    captured before at the same shapes (another schedule, another instance of one config) reuses
+    its graph (rewrite.capture.run_recorded)."""
+    from tailorfx.rewrite.capture import run_recorded
     kwargs = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
-    _RAN.clear()
-    try:
-        torch.compile(model, backend=_record_static, dynamic=False, fullgraph=True)(**kwargs)
-    except compat.FailOnRecompileLimitHit:     # this code was compiled too often (fullgraph): afresh
-        compat.reset_dynamo()
-        torch.compile(model, backend=_record_static, dynamic=False, fullgraph=True)(**kwargs)
-    gm, example = _RAN[-1]
-    _RAN.clear()
+    ((gm, example),), _ = run_recorded(model, (), kwargs, fullgraph=True)
     return gm, example, kwargs
-
-
-_RAN: list = []
-
-
-def _record_static(gm: fx.GraphModule, example_inputs: list):
-    """capture_static's Dynamo backend: the graph runs as it is, and each run records it with
-    that call's inputs. A later capture of a model Dynamo's guards find the same (its class, the
-    attributes the trace read, its parameters' shapes and dtypes: another schedule, another
-    instance of one config) reuses the graph without tracing again; the inputs recorded are then
-    that model's own parameters."""
-    def run(*args):
-        _RAN.append((gm, list(args)))
-        return gm.forward(*args)
-    return run
 
 
 def pipeline_runtime(stages: list[StageModule], *, rank: int, num_ranks: int, name: str, microbatches: int,

@@ -149,7 +149,7 @@ def with_eager_grouped_mm(gm: fx.GraphModule) -> fx.GraphModule:
 
 def seq_info(gm: fx.GraphModule, seq_len: Optional[int]) -> SeqInfo:
     """Find the sequence symbol: the SymInt placeholder whose hint equals the example length."""
-    fake_mode = compat.detect_fake_mode([node_value(n) for n in gm.graph.nodes if n.op == "placeholder"])
+    fake_mode = compat.own_fake_mode(node_value(n) for n in gm.graph.nodes if n.op == "placeholder")
     hints = compat.shape_env_hints(fake_mode) if fake_mode is not None else {}
     # The symbol most of the graph's tensors are sized by: inputs of the same length (ids, labels,
     # a padding mask) may each get a symbol of their own.
@@ -198,14 +198,60 @@ def capture_graphs(model: torch.nn.Module, args: tuple = (), kwargs: Optional[di
     short = distinct_length_inputs(model, args, kwargs, seq_dim) if static else None
     if short is not None:
         seq_len, args, kwargs = short
-    else:
-        seq_len = mark_sequence_dims(args, kwargs, seq_dim)
+        ran, out = run_recorded(model, args, kwargs)
+        return [Captured(gm, inputs, seq_info(gm, seq_len)) for gm, inputs in ran], out
+    seq_len = mark_sequence_dims(args, kwargs, seq_dim)
     graphs: list[Captured] = []
 
     def record(gm: fx.GraphModule, example_inputs: list) -> Callable:
         graphs.append(Captured(gm, list(example_inputs), seq_info(gm, seq_len)))
         return gm.forward
 
-    compat.reset_dynamo()
-    out = torch.compile(model, backend=record, dynamic=False if short is not None else None)(*args, **kwargs)
+    compat.reset_dynamo()    # symbolic: a cached graph's symbols would carry another call's lengths
+    out = torch.compile(model, backend=record, dynamic=None)(*args, **kwargs)
     return graphs, out
+
+
+def run_recorded(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict] = None,
+                 fullgraph: bool = False) -> tuple[list[tuple[fx.GraphModule, list]], Any]:
+    """Run `model` once through Dynamo with static shapes and a recording backend; return the
+    graphs that ran (each once, in order, with this call's inputs) and the output.
+
+    No Dynamo reset (it would drop the user's compiled frames too): a model Dynamo's guards find
+    the same as one run before (another instance of a config, at the same shapes) reuses its
+    graph without tracing again, and its own parameters are the inputs recorded. Past Dynamo's
+    recompile limit, or (fullgraph) when the cached frames are not one graph, it traces afresh.
+    """
+    kwargs = dict(kwargs or {})
+
+    def run() -> Any:
+        _RAN.clear()
+        with compat.fail_on_recompile_limit():
+            return torch.compile(model, backend=_record_runs, dynamic=False, fullgraph=fullgraph)(*args, **kwargs)
+    try:
+        out = run()
+    except compat.FailOnRecompileLimitHit:
+        compat.reset_dynamo()
+        out = run()
+    if fullgraph and len({id(gm) for gm, _ in _RAN}) != 1:   # cached frames of a capture with graph breaks
+        compat.reset_dynamo()
+        out = run()
+    seen, ran = set(), []
+    for gm, inputs in _RAN:
+        if id(gm) not in seen:
+            seen.add(id(gm))
+            ran.append((gm, inputs))
+    _RAN.clear()
+    return ran, out
+
+
+_RAN: list = []
+
+
+def _record_runs(gm: fx.GraphModule, example_inputs: list) -> Callable:
+    """run_recorded's Dynamo backend, one for every capture (a new one per call would never match
+    Dynamo's cache): the graph runs as it is and each run records it with that call's inputs."""
+    def run(*args):
+        _RAN.append((gm, list(args)))
+        return gm.forward(*args)
+    return run
