@@ -205,9 +205,10 @@ PLANS_8B = [(8, dict(dp=8)), (8, dict(dp=8, passes=["recompute"])), (8, dict(dp=
             (64, dict(tp=8, pp=2, dp=4)), (64, dict(tp=4, pp=4, dp=4)), (64, dict(pp=64)), (64, dict(tp=16, dp=4))]
 
 
-def predict_8b(seq: int = 8192) -> tuple[list[list], list[dict]]:
-    """Llama-3-8B per rank under each plan: amp-bf16 (bf16 weights, fp32 master weights, fp32
-    AdamW state), seq `seq`, micro-batch 1 (pipelines: pp micro-batches of 1 row, 1F1B)."""
+def predict_8b(seq: int = 8192, match: str = "") -> tuple[list[list], list[dict]]:
+    """Llama-3-8B per rank under each plan (those whose row names `match`): amp-bf16 (bf16 weights,
+    fp32 master weights, fp32 AdamW state), seq `seq`, micro-batch 1 (pipelines: pp micro-batches
+    of 1 row, 1F1B)."""
     import time
     from tailorfx import planner
     from tailorfx.budget import Budget
@@ -220,6 +221,8 @@ def predict_8b(seq: int = 8192) -> tuple[list[list], list[dict]]:
         tp, dp, pp, sp = plan.get("tp", 1), plan.get("dp", 1), plan.get("pp", 1), plan.get("sp")
         name = describe_layout(tp, pp, dp, sp) + (" (loss_parallel)" if plan.get("vocab_loss") == "loss_parallel" else "") + (
             ", recompute" if plan.get("passes") else "")
+        if match not in name:
+            continue
         t = time.time()
         try:
             rm = predict_rank_memory(cfg, **plan, seq_len=seq, batch_size=1, setup="amp-bf16")
@@ -249,6 +252,7 @@ def main() -> None:
     ap.add_argument("--measured", default=None, help="a JSON this benchmark wrote: re-predict its measurements")
     ap.add_argument("--predict-8b", action="store_true", help="only the Llama-3-8B table (no launches)")
     ap.add_argument("--skip-8b", action="store_true", help="no Llama-3-8B table")
+    ap.add_argument("--match-8b", default="", help="only the Llama-3-8B rows whose layout names this")
     a = ap.parse_args()
     if a.worker:
         return worker(*a.worker, a.seq, a.batch, a.vocab_loss)
@@ -299,7 +303,7 @@ def main() -> None:
                                     "step s (slowest rank)", "loss rel. err"], rows)
     llama = None
     if not a.skip_8b:
-        rows, llama = predict_8b()
+        rows, llama = predict_8b(match=a.match_8b)
         print_table("Llama-3-8B per rank, predicted: amp-bf16 (bf16 weights, fp32 master + AdamW state), seq 8192, "
                     "micro-batch 1, pipelines 1F1B with pp micro-batches",
                     ["world", "layout", "peak GiB", "params", "grads", "optimizer", "activations", "comm",

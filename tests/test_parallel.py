@@ -225,8 +225,10 @@ def torchrun(tmp_path, nproc: int, script: str, *args, runs: int = 1) -> dict:
 
 # Gemma-2 and Cohere with their own heads (soft-capped, scaled logits: the fused vocab-parallel loss
 # takes both); Gemma-3's head is tied (replicated); Llama once more with DTensor's loss_parallel.
-# Memory (a capture of the sharded model per run) on Llama, Gemma-2 and loss_parallel
-TP_FAMILIES = ["llama", "gemma2-untied", "gemma3_text:nomem", "cohere-untied:nomem", "llama:loss_parallel"]
+# Memory (a capture of the sharded model per run) on Llama, Gemma-2 and loss_parallel; Gemma-2 at a
+# vocabulary of 8192, where its head is most of the peak (its prediction holds 512 KiB more than
+# the run at any vocabulary: +3.7% here, +8.5% at 2048; README, Per-rank memory)
+TP_FAMILIES = ["llama", "gemma2-untied:v8192", "gemma3_text:nomem", "cohere-untied:nomem", "llama:loss_parallel"]
 SP_FAMILIES = ["llama"]     # sp="megatron": the same launch (Qwen3 runs it on the 2 x 2 mesh below)
 
 
@@ -246,6 +248,9 @@ def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
             else:   # proof the fused vocab-parallel loss ran, every call (two training steps, more with
                 # memory measured), not the model's own on the logits, and the report's row for the head says so
                 assert r["fused_calls"] >= 2 and r["unfused_calls"] == 0 and "loss fused with it" in r["head"], r
+            if run.startswith(("gemma2", "cohere")):   # the head's output before its soft-cap or scale is
+                # not kept to the loss (one logits shard more per rank)
+                assert r["head_output_held_at_loss"] == [False, False], r
         else:
             assert run.startswith("gemma3_text") and "lm_head" not in styles   # tied to the embedding: replicated
         if r["sp"]:

@@ -18,6 +18,7 @@ under `loss_parallel`, unchanged.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -154,24 +155,31 @@ class FusedVocabParallelLoss:
         self.fused = 0          # calls that ran fused (the tests' proof that it fired)
         self.unfused = 0
         self.last_fused = False
-        self._hidden = self._out = None
+        self._hidden = self._out_ref = self._out_fn = None
         head.register_forward_hook(self._remember)
 
     def _remember(self, mod, args, out):
-        self._hidden, self._out = args[0], out
+        self._hidden = args[0]
+        if torch.compiler.is_compiling():       # a trace for the memory model: _from_head reads no more
+            return
+        # the output's identity and autograd node, not the output: holding it would keep the head's
+        # logits alive through a soft-cap or scale until the loss (one logits shard more at the peak)
+        self._out_ref, self._out_fn = weakref.ref(out), out.grad_fn
 
     def clear(self) -> None:
         """Drop the references the hook took (called after each forward)."""
-        self._hidden = self._out = None
+        self._hidden = self._out_ref = self._out_fn = None
 
     def _from_head(self, logits) -> bool:
-        if self._out is None or self._hidden is None:
+        if self._hidden is None:
             return False
         if torch.compiler.is_compiling():       # a trace for the memory model: the plan's graph says so
             return True
-        if logits is self._out:
+        if self._out_ref is None:
+            return False
+        if logits is self._out_ref():
             return True
-        fn, want = getattr(logits, "grad_fn", None), getattr(self._out, "grad_fn", None)
+        fn, want = getattr(logits, "grad_fn", None), self._out_fn
         if fn is None or want is None:
             return False
         for _ in range(self.steps + 2):     # + the dtype casts a precision policy may add
@@ -196,7 +204,7 @@ class FusedVocabParallelLoss:
                                  num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
                                  shift_labels=shift_labels, **kwargs)
         self.fused += 1
-        self._hidden = self._out = None
+        self.clear()
         if shift_labels is None:
             labels = F.pad(labels, (0, 1), value=ignore_index)
             shift_labels = labels[..., 1:]

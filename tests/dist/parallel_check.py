@@ -5,6 +5,7 @@ the whole batch, then the parallel run; it writes one JSON file per rank and mod
 $TAILORFX_RESULTS (results.write), and exits 1 if loss or any gradient differs (fp32, rtol 1e-4)."""
 import os
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -20,13 +21,14 @@ def main(run: str, tp: int, dp: int) -> int:
     vocab_loss = "loss_parallel" if "loss_parallel" in flags else ""
     memory = "nomem" not in flags     # ":nomem": no memory measured and predicted (a prediction is a capture)
     passes = ["recompute"] if "recompute" in flags else None     # ":recompute": each block checkpointed
+    vocab = next((int(f[1:]) for f in flags if f[:1] == "v" and f[1:].isdigit()), 2048)   # ":v8192": that vocabulary
     family, _, sp = spec.partition("+")
     family, untied = family.removesuffix("-untied"), family.endswith("-untied")   # "gemma2-untied": its own head
-    kw = dict(vocab_size=2048, **({"tie_word_embeddings": False} if untied else {}))
+    kw = dict(vocab_size=vocab, **({"tie_word_embeddings": False} if untied else {}))
     torch.manual_seed(0)
     ref = hf_family(family, **kw)
     model = hf_family(family, **kw)
-    ids = torch.randint(0, 2048, (2 * dp, 128), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, vocab, (2 * dp, 128), generator=torch.Generator().manual_seed(1))
     out = ref(input_ids=ids, labels=ids)
     out.loss.backward()
     rank = int(os.environ["RANK"])
@@ -35,11 +37,23 @@ def main(run: str, tp: int, dp: int) -> int:
     rows = ids.chunk(dp)[rank // tp] if dp > 1 else ids
     opt = tailorfx.optimize(model, example_inputs=dict(input_ids=rows, labels=rows), passes=passes,
                             parallel=dict(tp=tp, dp=dp, sp=sp or None, vocab_loss=vocab_loss or "fused"))
+    # whether the head's own output (before a soft-cap or scale) is still held when the loss runs
+    head_out, held_at_loss = [], []
+    hook = model.lm_head.register_forward_hook(lambda m, a, o: head_out.append(weakref.ref(o)))
+    fused = opt.session.parallel.fused_loss
+    if fused is not None:
+        def checked(*args, **kwargs):
+            held_at_loss.append(head_out[-1]() is not None)
+            return fused(*args, **kwargs)
+        model.loss_function = checked
     for _ in range(2):     # twice: the second step must not see state the first one left
         for p in model.parameters():
             p.grad = None
         loss = opt(input_ids=rows, labels=rows).loss
         loss.backward()
+    hook.remove()
+    if fused is not None:
+        model.loss_function = fused
     full_loss = loss.detach()
     full_loss = full_loss.full_tensor() if hasattr(full_loss, "full_tensor") else full_loss.clone()
     if dp > 1:
@@ -58,18 +72,17 @@ def main(run: str, tp: int, dp: int) -> int:
     bad = grad_mismatches(opt.named_parameters(), ref)
     num_params = len(list(opt.named_parameters()))
     sharded = sum(1 for _, p in opt.named_parameters() if hasattr(p, "full_tensor"))
-    fused = opt.session.parallel.fused_loss
     ok = (torch.allclose(full_loss, out.loss.detach(), rtol=1e-4) and not bad
           and num_params == len(list(ref.parameters())))
     write({"rank": rank, "family": family, "ok": bool(ok), "loss": float(full_loss),
            "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": num_params,
            "predicted": predicted, "measured": measured, "measured_steps": steps, "bad": bad, "styles": opt.session.parallel.styles, "sp": sp, "head": dict(opt.session.parallel.describe()).get("lm_head", ""),
-           "fused_calls": fused.fused if fused else 0, "unfused_calls": fused.unfused if fused else 0,
+           "head_output_held_at_loss": held_at_loss, "fused_calls": fused.fused if fused else 0, "unfused_calls": fused.unfused if fused else 0,
            "checkpointed": [b for b, what in opt.session.parallel.describe() if what.startswith("recompute:")]}, run)
     return 0 if ok else 1
 
 
-if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[-untied][+SP][:loss_parallel][:nomem][:recompute] ...: one launch, several models
+if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[-untied][+SP][:loss_parallel][:nomem][:recompute][:vN] ...: one launch, several models
     failed = sum(main(f, int(sys.argv[1]), int(sys.argv[2])) for f in sys.argv[3:])
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
