@@ -105,6 +105,18 @@ def dropout_is_identity(n: fx.Node) -> bool:
     return p == 0 or train is False
 
 
+def without_identity_dropout(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm`, or a copy of it without the dropouts that return their input, for the memory model
+    of a graph that runs eagerly (sharded runtimes): eager dropout(p=0) is its input, traced it is
+    a copy and a mask. A copy, since `gm` may be Dynamo's cached graph, which runs as it is."""
+    if not any(n.op == "call_function" and n.target in _DROPOUTS and dropout_is_identity(n) for n in gm.graph.nodes):
+        return gm
+    from tailorfx.rewrite.passes import clone
+    gm = clone(gm)
+    strip_identity_dropout(gm)
+    return gm
+
+
 def strip_identity_dropout(gm: fx.GraphModule) -> int:
     """Remove dropouts that return their input (p=0, or training=False), in place; returns how many.
 
