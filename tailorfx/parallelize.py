@@ -265,7 +265,7 @@ def stage_passes(spec: dict, passes: Optional[tuple], recompute_policy: Optional
         if spec["tp"] > 1 or spec["sp"]:
             raise ValueError(f"parallel={_layout(spec)} runs without single-device rewrites in this version: "
                              f"recompute is combined with dp (FSDP2) alone so far (under tp its per-rank "
-                             f"prediction is 5-11% over the measured peak); drop passes=")
+                             f"prediction is off by -4% to +11% of the measured peak); drop passes=")
         other = [p for p in passes if p not in SHARDED_PASSES]
         if other:
             raise ValueError(f"parallel={_layout(spec)} takes {list(SHARDED_PASSES)} only in this version, not "
