@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from tailorfx import compat
 from tailorfx.rewrite import memory
-from tailorfx.rewrite.capture import node_value, seq_info, without_identity_dropout
+from tailorfx.rewrite.capture import node_value, seq_info
 from tailorfx.rewrite.regions import find_regions, is_param, normalize_path, param_source
 from tailorfx.setup import TrainingSetup
 
@@ -220,7 +220,7 @@ def _traced(gm: fx.GraphModule, local: dict, passes: tuple, scope: Callable) -> 
     from tailorfx.parallelize import rewrite_step
     from tailorfx.passes.pipeline_split import block_costs
     costs = block_costs(gm, find_regions(gm, seq_info(gm, None))) if passes else None
-    gm, _ = rewrite_step(without_identity_dropout(gm), passes)
+    gm, _ = rewrite_step(gm, passes)
     with scope():     # AOTAutograd outside the model's fake mode (it makes its own), collectives still known
         steps = memory.trace_step(gm, None, partition_for("dynamo", gm), None)
     steps = replace(steps, eager_autograd=True)

@@ -144,7 +144,7 @@ class ParallelPlan:
         import contextlib
         from tailorfx import planner
         from tailorfx.codegen.pipeline import capture_static
-        from tailorfx.rewrite.capture import seq_info, without_identity_dropout
+        from tailorfx.rewrite.capture import seq_info
         if self.dp > 1 or self.pp > 1 or self.sp == "ulysses" or self.passes:
             return self._predict_composed(length, setup)
         if self.loss_scope is not None:
@@ -154,7 +154,7 @@ class ParallelPlan:
             scope = contextlib.nullcontext
         try:
             with scope():
-                gm = without_identity_dropout(capture_static(model, self.example)[0])
+                gm, _, _ = capture_static(model, self.example)
                 return planner.predict_graphs([(gm, "dynamo", None)], [seq_info(gm, None)], None, setup)
         finally:
             if self.fused_loss is not None:    # the capture's run left the head's tensors in the hook

@@ -62,6 +62,12 @@ def test_hf_llama_blocks_cost_alike_and_the_head_shortens_the_last_stage():
     assert starts[1] > 3     # the last stage carries the head: it takes fewer blocks
 
 
+def takes_own_parameters(inputs: list, model, other) -> bool:
+    """A reused graph's recorded inputs hold every parameter of `model` and none of `other`'s."""
+    ids = {id(t) for t in inputs if isinstance(t, torch.Tensor)}
+    return {id(p) for p in model.parameters()} <= ids and not ids & {id(p) for p in other.parameters()}
+
+
 def test_a_static_capture_is_reused_for_a_model_dynamos_guards_find_the_same(monkeypatch):
     """capture_static: another instance of one config (another schedule's run) gets the same graph
     without tracing again, with its own parameters as the inputs; a model that differs in what
@@ -72,9 +78,7 @@ def test_a_static_capture_is_reused_for_a_model_dynamos_guards_find_the_same(mon
     a, b = hf_family("llama", vocab_size=512), hf_family("llama", vocab_size=512)
     gm_a, ex_a, _ = capture_static(a, batch)
     gm_b, ex_b, _ = capture_static(b, batch)
-    assert gm_b is gm_a
-    ids_of = lambda ex: {id(t) for t in ex if isinstance(t, torch.Tensor)}
-    assert {id(p) for p in b.parameters()} <= ids_of(ex_b) and not ids_of(ex_b) & {id(p) for p in a.parameters()}
+    assert gm_b is gm_a and takes_own_parameters(ex_b, b, a)
     other = hf_family("llama", vocab_size=512, rms_norm_eps=1e-3)      # a value the forward reads
     assert capture_static(other, batch)[0] is not gm_a
     assert capture_static(a, dict(input_ids=ids[:, :16], labels=ids[:, :16]))[0] is not gm_a
@@ -107,8 +111,6 @@ def test_the_tensor_parallel_plans_static_capture_keeps_the_users_compiled_frame
     (ca,), _ = capture_graphs(a, (), dict(input_ids=ids, labels=ids), static=True)
     (cb,), _ = capture_graphs(b, (), dict(input_ids=ids, labels=ids), static=True)
     assert cb.gm is ca.gm and ca.seq.length == cb.seq.length < 64      # the cut length, found again
-    ids_of = lambda ex: {id(t) for t in ex if isinstance(t, torch.Tensor)}
-    assert {id(p) for p in b.parameters()} <= ids_of(cb.example_inputs)
-    assert not ids_of(cb.example_inputs) & {id(p) for p in a.parameters()}
+    assert takes_own_parameters(cb.example_inputs, b, a)
     torch.testing.assert_close(users(x), x.sin() + 1)
     assert len(compiles) == 1          # the user's frame was not dropped

@@ -105,11 +105,19 @@ def dropout_is_identity(n: fx.Node) -> bool:
     return p == 0 or train is False
 
 
+def _strippable(n: fx.Node) -> bool:
+    """An out-of-place dropout call that returns its input (strip_identity_dropout removes it)."""
+    if n.op != "call_function" or n.target not in _DROPOUTS:
+        return False
+    inplace = n.args[3] if len(n.args) > 3 else n.kwargs.get("inplace", False)
+    return dropout_is_identity(n) and inplace is False and isinstance(n.args[0], fx.Node)
+
+
 def without_identity_dropout(gm: fx.GraphModule) -> fx.GraphModule:
     """`gm`, or a copy of it without the dropouts that return their input, for the memory model
-    of a graph that runs eagerly (sharded runtimes): eager dropout(p=0) is its input, traced it is
-    a copy and a mask. A copy, since `gm` may be Dynamo's cached graph, which runs as it is."""
-    if not any(n.op == "call_function" and n.target in _DROPOUTS and dropout_is_identity(n) for n in gm.graph.nodes):
+    (memory.trace_step): eager dropout(p=0) is its input, traced it is a copy and a mask. A copy,
+    since `gm` may be Dynamo's cached graph, which runs as it is."""
+    if not any(_strippable(n) for n in gm.graph.nodes):
         return gm
     from tailorfx.rewrite.passes import clone
     gm = clone(gm)
@@ -124,10 +132,7 @@ def strip_identity_dropout(gm: fx.GraphModule) -> int:
     output copy and a mask saved for backward (Gemma-2's eager attention: S x S per layer)."""
     removed = 0
     for n in list(gm.graph.nodes):
-        if n.op != "call_function" or n.target not in _DROPOUTS:
-            continue
-        inplace = n.args[3] if len(n.args) > 3 else n.kwargs.get("inplace", False)
-        if dropout_is_identity(n) and inplace is False and isinstance(n.args[0], fx.Node):
+        if _strippable(n):
             n.replace_all_uses_with(n.args[0])
             gm.graph.erase_node(n)
             removed += 1

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from tailorfx import compat
-from tailorfx.rewrite.capture import node_value
+from tailorfx.rewrite.capture import node_value, without_identity_dropout
 from tailorfx.rewrite.lazy_outputs import split_lazy_outputs
 from tailorfx.rewrite.optimizer_step import fuse_into_backward
 from tailorfx.rewrite.saved_dtype import store_saved_low
@@ -77,9 +77,10 @@ def trace_step(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None,
     By default it traces on the fake inputs Dynamo recorded, so sizes stay symbolic in the
     sequence length. With `setup.optimizer_in_backward` the backward graph gets the same
     in-graph optimizer steps the lowering puts there. Logits-like outputs are split off as the
-    lowering does (rewrite/lazy_outputs.py).
+    lowering does (rewrite/lazy_outputs.py). Dropouts that return their input are left out: eager
+    runs them as no-ops and the single-device backend strips them before lowering.
     """
-    gm = split_lazy_outputs(gm).gm
+    gm = split_lazy_outputs(without_identity_dropout(gm)).gm
     example_inputs = fake_inputs(gm) if example_inputs is None else example_inputs
     rec: dict = {}
     partition_fn = (compat.default_partition if partition == "default"
