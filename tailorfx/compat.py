@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator, Optional
 
 import torch
@@ -9,8 +10,12 @@ from torch._dynamo import maybe_mark_dynamic  # noqa: F401
 from torch._dynamo.exc import FailOnRecompileLimitHit  # noqa: F401  (checked on torch 2.13)
 from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401
 from torch._functorch.aot_autograd import make_boxed_func  # noqa: F401
-from torch._functorch._aot_autograd.runtime_wrappers import (  # noqa: F401  (checked on torch 2.13)
-    mark_dynamo_propagated_dynamic_indices)
+try:  # torch >= 2.13: a guardless attribute that only carries dynamism across graph breaks
+    from torch._functorch._aot_autograd.runtime_wrappers import (  # noqa: F401
+        mark_dynamo_propagated_dynamic_indices)
+except ImportError:  # torch 2.11: AOTAutograd's own output stamp, `_dynamo_weak_dynamic_indices`
+    from torch._functorch._aot_autograd.runtime_wrappers import (  # noqa: F401
+        maybe_mark_dynamic_helper as mark_dynamo_propagated_dynamic_indices)
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition  # noqa: F401
 from torch._guards import detect_fake_mode  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401
@@ -115,8 +120,10 @@ def size_hint(x) -> int:
     """An int, or a SymInt's traced value, without adding a guard (int(symint) would specialize
     the shape to it)."""
     if isinstance(x, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-        return int(optimization_hint(x))
+        from torch.fx.experimental import symbolic_shapes
+        # torch 2.11 has no optimization_hint; its size_hint reads the same backed hint
+        hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.size_hint
+        return int(hint(x))
     return int(x)
 
 
@@ -173,8 +180,49 @@ def capture_config() -> Iterator[None]:
     if hasattr(logging.Logger, "warning_once"):
         ignored.add(logging.Logger.warning_once)
     limit = max(torch._dynamo.config.recompile_limit, 64)
-    with torch._dynamo.config.patch(recompile_limit=limit, ignore_logging_functions=ignored):
+    with torch._dynamo.config.patch(recompile_limit=limit, ignore_logging_functions=ignored), \
+            _quiet_metrics_logging(frozenset(id(f) for f in ignored)):
         yield
+
+
+_METRICS_LOGGER = "torch._dynamo.metrics_context"
+
+
+@functools.lru_cache(maxsize=None)
+def _metrics_logging_fails(ignored_ids: frozenset) -> bool:
+    """torch 2.11's compile-metrics record JSON-encodes Dynamo's config, ignore_logging_functions
+    included (2.13 leaves it out): with warning_once in it, every compiled frame logs an ERROR
+    and a traceback (torch catches the TypeError; nothing else changes). Cached per set of
+    ignored functions (`ignored_ids`), which is what decides it."""
+    try:
+        torch._dynamo.utils._get_dynamo_config_for_logging()
+    except TypeError:
+        return True
+    except Exception:   # noqa: BLE001  (a torch without this helper: nothing to silence)
+        return False
+    return False
+
+
+class _DropMetricsFailure:
+    """A logging filter dropping only torch's 'Unexpected exception logging compilation metrics'."""
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith("Unexpected exception logging compilation metrics")
+
+
+@contextlib.contextmanager
+def _quiet_metrics_logging(ignored_ids: frozenset) -> Iterator[None]:
+    """Inside capture_config (its config patch active): silence torch 2.11's failed metrics record."""
+    import logging
+    if not _metrics_logging_fails(ignored_ids):
+        yield
+        return
+    logger, drop = logging.getLogger(_METRICS_LOGGER), _DropMetricsFailure()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 @contextlib.contextmanager
