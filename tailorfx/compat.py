@@ -251,6 +251,22 @@ def real_tensors():
     return unset_fake_temporarily()
 
 
+# ---- the CUDA caching allocator's history (checked on torch 2.11 and 2.13) -----------------------
+@contextlib.contextmanager
+def cuda_memory_history(max_entries: int = 200_000) -> Iterator[dict]:
+    """Record the CUDA allocator's alloc/free events, each with its Python stack, inside the block;
+    the dict it yields then holds torch's snapshot under "snapshot" ("segments", "device_traces")."""
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                             max_entries=max_entries)
+    out: dict = {}
+    try:
+        yield out
+        torch.cuda.synchronize()
+        out["snapshot"] = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
 # ---- torch.distributed.pipelining schedule IR (checked on torch 2.13) ----------------------------
 # A pipeline schedule's `pipeline_order` maps rank -> [_Action | None]; _Action, _ComputationType
 # and the runtime's validation/lowering passes are private, so codegen/schedule.py and its tests
