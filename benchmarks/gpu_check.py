@@ -391,8 +391,8 @@ def trained(run: Run, key: str, dtype_name: str = "bfloat16", seq: int = 2048, *
 
 
 def agreement(run: Run, entry: dict) -> dict:
-    """Loss and gradients of one step against eager on a copy with the same weights (the first
-    training call also compiles the backward: its time is reported)."""
+    """Loss and gradients of one step against eager on a copy with the same weights (its time
+    includes compiling the backward when no earlier section trained this model)."""
     import torch
     model, opt, batch, eager = entry["model"], entry["opt"], entry["batch"], entry["eager"]
     eager.load_state_dict(model.state_dict())
@@ -420,9 +420,48 @@ def agreement(run: Run, entry: dict) -> dict:
         res.update(grad_rel=num / den, worst_param=worst, worst_param_rel=per[worst])
     for m in (model, eager):
         m.zero_grad(set_to_none=True)
-    entry["eager"] = None   # its memory must not count in the measured step
-    eager.to("meta")
     return res
+
+
+def eager_baseline(run: Run, entry: dict, reps: int) -> dict:
+    """The same steady-state step run by the unmodified model (its copy), for the peak and time
+    to compare against: its peak above what was allocated before the step, and the median time."""
+    import torch
+    import tailorfx
+    eager, batch = entry["eager"], entry["batch"]
+    o = tailorfx.SetupOptimizer(eager.parameters(), entry["opt"].setup.with_(optimizer_in_backward=False))
+
+    def step():
+        out = eager(**batch)
+        out.loss.backward()
+        o.step()
+        o.zero_grad()
+    step()
+    res = {}
+    if run.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        res["dynamic_peak"] = torch.cuda.max_memory_allocated() - before
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        if run.cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    res["step_ms"] = 1e3 * statistics.median(times)
+    o.close()
+    return res
+
+
+def discard_eager(entry: dict) -> None:
+    """Free the reference copy: its memory must not count in the measured steps."""
+    if entry["eager"] is not None:
+        entry["eager"].to("meta")
+        entry["eager"] = None
 
 
 def noise_floor(run: Run, entry: dict) -> dict:
@@ -505,7 +544,13 @@ def variant(run: Run, key: str, dtype_name: str, seq: int, reps: int, floor: boo
         if floor and dtype_name != "float32":
             res["noise_floor"] = noise_floor(run, entry)
             res["report"] = str(entry["opt"].report())[:4000]
+        if not kw:   # the plain optimize() of this dtype and length: the eager model beside it
+            res["eager"] = eager_baseline(run, entry, reps)
+        discard_eager(entry)
     res.update(measure(run, entry, reps))
+    if "dynamic_peak" in res.get("eager", {}) and isinstance(res.get("measured"), dict):
+        res["vs_eager"] = {"dynamic_peak": res["measured"]["dynamic_peak"] / res["eager"]["dynamic_peak"],
+                           "step_time": res["step_ms"] / res["eager"]["step_ms"]}
     floor_of = res.get("noise_floor", {})
     if dtype_name == "float32":
         loss_tol, grad_tol = 1e-4, 1e-3
@@ -756,6 +801,8 @@ def table(data: dict) -> str:
                 parts.append(f"peak {c['measured']['max_allocated'] / 2**20:.0f} MiB (predicted {pred})")
             if "step_ms" in c:
                 parts.append(f"step {c['step_ms']:.1f} ms")
+            if "vs_eager" in c:
+                parts.append(f"vs eager: peak x{c['vs_eager']['dynamic_peak']:.2f}, time x{c['vs_eager']['step_time']:.2f}")
             if "error" in c:
                 parts.append(f"{c['error']['type']}: {c['error']['message'][:100]}")
             if "reason" in c:
