@@ -1,0 +1,1 @@
+"""The sections of benchmarks/gpu_check.py: one module each, sharing the recorder in record.py."""
