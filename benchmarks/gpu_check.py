@@ -37,7 +37,7 @@ import time
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH_DIR)
-sys.path[:0] = [REPO, BENCH_DIR]   # tailorfx from this checkout; common.py, kernels.py, gpucheck/
+sys.path[:0] = [REPO, BENCH_DIR]   # tailorfx from this checkout; gpucheck/
 
 from gpucheck.record import SECTIONS, Run, describe, finish, new_section  # noqa: E402
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import time
 
-from gpucheck.record import Run
+from gpucheck.record import Run, bench_module
 
 
 def llama_shape(run: Run, seq: int) -> dict:
@@ -16,7 +16,8 @@ def llama_shape(run: Run, seq: int) -> dict:
 
 def make_llama(run: Run, dtype_name: str, seq: int):
     import torch
-    from common import hf_llama_model, lm_batch   # benchmarks/common.py
+    common = bench_module("common")
+    hf_llama_model, lm_batch = common.hf_llama_model, common.lm_batch
     shape = llama_shape(run, seq)
     model = hf_llama_model(vocab=shape["vocab"], hidden=shape["hidden"], layers=shape["layers"],
                            heads=shape["heads"], kv_heads=shape["kv_heads"])

@@ -11,6 +11,19 @@ import traceback
 from typing import Callable, Optional
 
 SECTIONS = ("kernels", "memory", "nccl", "hf")
+BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench_module(name: str):
+    """benchmarks/NAME.py, loaded by its path (an installed package may be called `kernels`)."""
+    import importlib.util
+    mod_name = f"tailorfx_benchmarks_{name}"
+    if mod_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(mod_name, os.path.join(BENCH_DIR, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[mod_name] = module
+    return sys.modules[mod_name]
 
 
 class Skip(Exception):
