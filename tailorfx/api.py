@@ -36,8 +36,8 @@ class OptimizedModule(nn.Module):
         self.options = options
         self.session = Session()
         # kept out of the module tree: the compiled wrapper holds the same parameters
-        self.__dict__["_compiled"] = torch.compile(model, backend=TailorBackend(options, self.session),
-                                                   dynamic=None)
+        self.__dict__["_compiled"] = torch.compile(model, backend=TailorBackend(options, self.session, owner_holds_session=True),
+                                                   dynamic=None, **compat.compile_isolation())
         self.__dict__["_eager_reason"] = None
         # look like the model to the ecosystem (Trainer and accelerate read forward's signature)
         run = self._forward

@@ -6,6 +6,7 @@ the same thing. A graph the pipeline cannot handle runs as captured and the reas
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
@@ -17,7 +18,7 @@ from tailorfx.budget import BudgetError, format_bytes
 from tailorfx.options import Options, backend_options
 from tailorfx.codegen import lower as lowering_mod
 from tailorfx.rewrite import memory
-from tailorfx.rewrite.capture import SeqInfo, seq_info, strip_identity_dropout
+from tailorfx.rewrite.capture import SeqInfo, pin_to_model, seq_info, strip_identity_dropout
 from tailorfx.rewrite.passes import LazyPeak, PassContext, PassRecord, peak_of
 from tailorfx.rewrite.regions import RegionMap, find_regions
 from tailorfx.runtime.optim import GraphInputs
@@ -89,16 +90,33 @@ class Session:
     param_readers: dict = field(default_factory=dict)      # id(param) -> graphs reading it
     graph_inputs: list = field(default_factory=list)       # runtime.optim.GraphInputs per graph
     parallel: Any = None        # parallelize.ParallelPlan under optimize(parallel=...)
+    compiled: dict = field(default_factory=dict)   # graph index -> the callable that runs it
 
 
 class TailorBackend:
-    """A Dynamo backend: (GraphModule, example_inputs) -> compiled callable."""
+    """A Dynamo backend: (GraphModule, example_inputs) -> compiled callable.
 
-    def __init__(self, options: Options = Options(), session: Optional[Session] = None):
+    Dynamo keeps every backend and compiled callable for the life of the process (its backend
+    registry and the cache entries on the model class's shared forward code). With
+    `owner_holds_session=True` (an OptimizedModule, which holds the session) they keep only a
+    weak reference to it, so a module's graphs, traces and kernels go when the module goes.
+    """
+
+    def __init__(self, options: Options = Options(), session: Optional[Session] = None,
+                 owner_holds_session: bool = False):
         self.options = options
-        self.session = session if session is not None else Session()
+        session = session if session is not None else Session()
+        self._session_ref = weakref.ref(session) if owner_holds_session else (lambda: session)
+
+    @property
+    def session(self) -> Session:
+        session = self._session_ref()
+        if session is None:
+            raise RuntimeError("this graph's tailorfx.OptimizedModule was deleted; optimize the model again")
+        return session
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        pin_to_model(gm, example_inputs)   # may ask Dynamo to trace again (symbolic length, constant floats)
         idx = len(self.session.graphs)
         strip_identity_dropout(gm)
         seq = seq_info(gm, self.session.seq_len)
@@ -117,7 +135,7 @@ class TailorBackend:
         except ValueError:
             raise   # bad user options or an unreachable budget: say so, do not hide it behind a fallback
         except Exception as e:   # an unsupported graph: run it as captured, and say why
-            return self._run_as_captured(gm, regions, seq, idx, e)
+            return self._run_as_captured(gm, regions, seq, idx, e, lowering)
         setup = plan.options.get("setup")
         lowering = lowering_mod.settle(lowering, any(r.changed for r in records),
                                        setup is not None and setup.optimizer_in_backward)
@@ -129,7 +147,7 @@ class TailorBackend:
             raise
         except Exception as e:   # the rewritten graph cannot be traced or compiled: run it as captured
             self.session.graphs.pop()
-            return self._run_as_captured(gm, regions, seq, idx, e)
+            return self._run_as_captured(gm, regions, seq, idx, e, lowering)
         return self._observed(idx, lowered)
 
     def _plan(self, gm: fx.GraphModule, ctx: PassContext, lowering: str) -> planner.Plan:
@@ -155,11 +173,13 @@ class TailorBackend:
         return lambda g: planner.predict_peak(g, seq, lowering, setup)
 
     def _run_as_captured(self, gm: fx.GraphModule, regions: RegionMap, seq: SeqInfo, idx: int,
-                         e: Exception) -> Callable:
-        """The graph as Dynamo captured it, with the reason the passes failed in the report."""
+                         e: Exception, lowering: str) -> Callable:
+        """The graph as Dynamo captured it, with the reason the passes failed in the report; under
+        a budget only if the graph as captured is predicted to fit it (else BudgetError)."""
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        note = (f"graph {idx}: passes failed, graph runs as captured (eager autograd, nothing "
-                f"rewritten): {type(e).__name__}: {first}")
+        why = f"{type(e).__name__}: {first}"
+        self._check_captured_fits(gm, seq, idx, why, lowering)
+        note = f"graph {idx}: passes failed, graph runs as captured (eager autograd, nothing rewritten): {why}"
         warnings.warn(note)
         plan = planner.Plan((), {}, "not planned")
         self.session.graphs.append(GraphRecord(idx, gm, gm, regions, seq, plan, [], "eager", [note], failed=True))
@@ -186,14 +206,40 @@ class TailorBackend:
         return lowering_mod.lower(rec.rewritten, example_inputs, rec.lowering, on_partition=keep,
                                   steps_in_backward=steps_in_backward)
 
+    def _check_captured_fits(self, gm: fx.GraphModule, seq: SeqInfo, idx: int, why: str, lowering: str) -> None:
+        """Under a budget, the passes of graph idx failed (`why`): running it as captured keeps
+        the budget only if its predicted peak fits; else, or when that cannot be predicted,
+        BudgetError (a budget is kept or refused, never run past)."""
+        opts = self.options.options_dict()
+        budget = opts.get("budget_bytes")
+        if not budget:
+            return
+        head = (f"graph {idx}: the rewrites for the budget {opts.get('budget_label')} failed ({why}), "
+                f"and the graph as captured")
+        try:
+            peak = planner.predict_peak(gm, seq, lowering, opts.get("setup"))
+        except Exception as e:
+            raise BudgetError(f"{head} cannot be predicted ({type(e).__name__}: {str(e).strip()[:200]}), so the "
+                              f"budget cannot be kept: drop budget= to run it unbudgeted", 0, "activations") from e
+        if peak > budget:
+            raise BudgetError(f"{head} predicts a peak of {format_bytes(peak)} at sequence length {seq.length}, "
+                              f"over the budget: drop budget= to run it unbudgeted, or raise the budget to "
+                              f"{format_bytes(peak)}", peak, "activations")
+
     def _observed(self, idx: int, compiled: Callable) -> Callable:
-        """`compiled`, telling the session's current StepObservation (if any) that graph idx ran."""
-        session = self.session
+        """A callable that runs graph idx, telling the session's current StepObservation (if
+        any) that it ran. It reaches the session and `compiled` through the backend's reference:
+        with owner_holds_session, Dynamo's cache entry does not keep them alive."""
+        ref = self._session_ref
+        ref().compiled[idx] = compiled
 
         def run(*args):
+            session = ref()
+            if session is None:
+                raise RuntimeError("this graph's tailorfx.OptimizedModule was deleted; optimize the model again")
             if session.observing is not None:
                 session.observing.run(idx, args)
-            return compiled(*args)
+            return session.compiled[idx](*args)
         if getattr(compiled, "_boxed_call", False):
             run._boxed_call = True
         return run

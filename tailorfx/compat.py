@@ -20,7 +20,7 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch._guards import detect_fake_mode  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (checked on torch 2.13)
-from torch.utils._pytree import tree_leaves  # noqa: F401  (checked on torch 2.13)
+from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401  (checked on torch 2.13)
 
 
 # ---- operator overloads (checked on torch 2.13) --------------------------------------------------
@@ -75,9 +75,86 @@ def dynamo_unsupported() -> tuple[type, ...]:
     return torch._dynamo.exc.Unsupported, torch._dynamo.exc.TorchRuntimeError
 
 
-def reset_dynamo() -> None:
-    """Forget every compiled frame (a capture of our own that must not reuse another's)."""
-    torch._dynamo.reset()
+def tensorified_float_names(placeholders) -> list[str]:
+    """Names of the SymFloats behind graph inputs that Dynamo made of Python floats (a module's
+    `rms_norm_eps`, a scale): a Python scalar passed as a 0-d float64 tensor (its GraphArg says so)
+    whose `.item()` the graph calls. Dynamo does so when the same code object (transformers'
+    shared forward wrappers) saw another value before, or under dynamic=True."""
+    names = []
+    for node in placeholders:
+        arg = node.meta.get("grapharg")
+        v = node.meta.get("example_value", node.meta.get("val"))
+        memo = getattr(v, "item_memo", None) if isinstance(v, FakeTensor) else None
+        if (arg is not None and arg.pass_arg_as_tensor and not arg.is_tensor and memo is not None
+                and hasattr(memo.node._expr, "name")):
+            names.append(memo.node._expr.name)
+    return names
+
+
+def _source(node):
+    """Where Dynamo read a graph input from (recorded on its placeholder), or None."""
+    source = getattr(node, "_dynamo_source", None)
+    if source is None and node.meta.get("grapharg") is not None:
+        source = node.meta["grapharg"].source
+    return source
+
+
+def is_size_input(node) -> bool:
+    """A SymInt graph input that is a size or stride of another input (Dynamo passes those apart),
+    not an int passed in the call."""
+    source = _source(node)
+    name = "" if source is None else source.name() if callable(source.name) else source.name
+    return ".size()" in name or ".stride()" in name
+
+
+def marked_dynamic(t) -> set:
+    """The dims of a tensor marked dynamic with (maybe_)mark_dynamic."""
+    return set(getattr(t, "_dynamo_weak_dynamic_indices", ())) | set(getattr(t, "_dynamo_dynamic_indices", ()))
+
+
+def restart_tracing() -> None:
+    """Make Dynamo trace the frame being compiled again (from a backend: the one restart Dynamo
+    lets through its backend call), e.g. after marking one of its input tensors dynamic."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    raise TensorifyScalarRestartAnalysis
+
+
+def is_model_state_input(node) -> bool:
+    """A Dynamo graph input read off the model (a parameter, buffer or module attribute), not
+    passed in the call: its source (recorded on the placeholder) goes through a module."""
+    source = _source(node)
+    if source is None:
+        return False
+    name = source.name() if callable(source.name) else source.name
+    return "._modules[" in name or "._parameters[" in name or "._buffers[" in name or name.startswith("L['self']")
+
+
+def restart_with_floats_specialized(names: list[str]) -> None:
+    """Ask Dynamo to trace the frame again with these SymFloats as constants (guarded), as its own
+    tensorify pass does when it cannot keep a float symbolic (checked on torch 2.11 and 2.13).
+    Returns without asking when every name was asked for before (Dynamo kept them anyway: a
+    second restart would trace the frame again for nothing)."""
+    from torch._dynamo.symbolic_convert import TensorifyState
+    new = [name for name in names if not TensorifyState.should_specialize(name)]
+    if not new:
+        return
+    for name in new:
+        TensorifyState.specialize(name)
+    restart_tracing()
+
+
+def specialize_symint(x) -> int:
+    """A backed SymInt pinned to its traced value with a guard in Dynamo's ShapeEnv (as Inductor
+    specializes a size): the compiled graph then serves that size only, and its sizes simplify."""
+    from torch.fx.experimental.symbolic_shapes import guard_int
+    return guard_int(x)
+
+
+def compile_isolation() -> dict:
+    """torch.compile keywords that keep one compiled module's recompiles apart from every other
+    compile of the same code (torch 2.13's `isolate_recompiles`; nothing on torch 2.11)."""
+    import inspect
+    return {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
 
 
 def fail_on_recompile_limit():
@@ -168,19 +245,29 @@ def autograd_enabled() -> Iterator[None]:
 
 @contextlib.contextmanager
 def capture_config() -> Iterator[None]:
-    """Dynamo settings for one optimize()d call (checked on torch 2.13).
+    """Dynamo settings for every call of ours that can trace (checked on torch 2.11 and 2.13).
 
-    Every optimize() is a new backend, and Dynamo caches them all on the model class's forward,
-    compiling no more past recompile_limit (8): raise it. `transformers`' `logger.warning_once`
-    (an lru_cache) breaks the graph, which splits GPT-2's LM head from its loss: trace through it
-    as a no-op (the warning is not printed under compile).
+    Dynamo reads its config while it traces, so this wraps each such call, not the
+    torch.compile(...) that made the wrapper; nothing stays changed after it.
+    - transformers wraps every model's forward in the same decorators, so all models share one code
+      object and its automatic-dynamic state: after a model with another `rms_norm_eps` Dynamo
+      would turn the float into a tensor read with `.item()`. Floats stay constant
+      (`specialize_float=True`, as in a process that compiled nothing before); sizes are pinned by
+      the backend (rewrite.capture.pin_to_model).
+    - Every optimize() is a new backend, and Dynamo caches them all on that shared code,
+      compiling no more past recompile_limit (8) or accumulated_recompile_limit (256): raise both
+      (compile_isolation() also counts each module's recompiles apart where torch can).
+    - `transformers`' `logger.warning_once` (an lru_cache) breaks the graph, which splits GPT-2's
+      LM head from its loss: trace through it as a no-op (the warning is not printed under compile).
     """
     import logging
-    ignored = set(torch._dynamo.config.ignore_logging_functions)
+    cfg = torch._dynamo.config
+    ignored = set(cfg.ignore_logging_functions)
     if hasattr(logging.Logger, "warning_once"):
         ignored.add(logging.Logger.warning_once)
-    limit = max(torch._dynamo.config.recompile_limit, 64)
-    with torch._dynamo.config.patch(recompile_limit=limit, ignore_logging_functions=ignored), \
+    with cfg.patch(recompile_limit=max(cfg.recompile_limit, 64),
+                   accumulated_recompile_limit=max(cfg.accumulated_recompile_limit, 4096),
+                   ignore_logging_functions=ignored, specialize_float=True), \
             _quiet_metrics_logging(frozenset(id(f) for f in ignored)):
         yield
 
@@ -204,10 +291,11 @@ def _metrics_logging_fails(ignored_ids: frozenset) -> bool:
 
 
 class _DropMetricsFailure:
-    """A logging filter dropping only torch's 'Unexpected exception logging compilation metrics'."""
+    """A logging filter dropping only torch's 'Unexpected exception logging compilation (or
+    runtime) metrics'."""
 
     def filter(self, record) -> bool:
-        return not str(record.msg).startswith("Unexpected exception logging compilation metrics")
+        return not str(record.msg).startswith("Unexpected exception logging")
 
 
 @contextlib.contextmanager

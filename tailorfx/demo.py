@@ -47,7 +47,6 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from tailorfx import compat
 from tailorfx.cli import ArgParser, positive, positive_float
 
 # generated tables and test suites: not the prose-and-code a language model should learn from
@@ -203,7 +202,6 @@ def plan(model, example: dict, budget: int, label: str, eager_total: int, tries:
             say(f"    {_fmt(budget)} is met only with the AdamW step moved into backward, which this demo's "
                 f"training loop (tailorfx.runtime.train.train) does not run: trying {_fmt(raised)}")
             budget, label = raised, "raised until a normal AdamW step fits"
-        compat.reset_dynamo()
     raise SystemExit(f"tailorfx demo: error: no budget tried fits a normal AdamW step; pass a larger --budget "
                      f"(eager measured {_fmt(eager_total)})")
 

@@ -190,7 +190,7 @@ def test_optimized_modules_leave_no_regions_behind():
     assert len(keys) >= 3 and all(registered(k) for k in keys)
     pending = opts[1](**batch(S=24)).loss
     del opts, opt
-    torch._dynamo.reset()
+    torch._dynamo.reset()   # as a user's reset drops every compiled frame: the pending backward must not need them
     gc.collect()
     pending.backward()
     del pending

@@ -72,7 +72,6 @@ def test_planner_meets_a_loose_budget_and_the_one_budget_error_suggests():
     eager = copy.deepcopy(base)
     suggested = e.value.suggested_bytes
     assert e.value.smallest_bytes < suggested < steady_state_total(eager, eager, lm(S))
-    torch._dynamo.reset()
     m = copy.deepcopy(base)
     opt = tailorfx.optimize(m, budget=suggested, example_inputs=lm(S))
     assert opt.plan[0].passes
@@ -94,7 +93,6 @@ def test_max_seq_len_is_what_fits_when_measured():
     base = model()
     S = tailorfx.max_seq_len(copy.deepcopy(base), "300MiB", passes=[])
     assert 256 < S
-    torch._dynamo.reset()
     m = copy.deepcopy(base)
     opt = tailorfx.optimize(m, passes=[], example_inputs=lm(64))
     assert steady_state_total(opt, m, lm(S)) <= 300 * 2**20

@@ -266,7 +266,6 @@ def runs_4096():
                      "bf16+ms": dict(passes=["precision", "minisequence"], precision="bf16"),
                      "bf16 fp32 out": dict(passes=["precision"], precision="bf16",
                                            precision_policy={"matmul_output": "fp32"})}.items():
-        torch._dynamo.reset()
         model = copy.deepcopy(base)
         # captured at 4096: compiled at the sizes it runs (a capture at another length would add
         # a symbolic compile per variant; test_numerics covers that path)
@@ -415,7 +414,6 @@ def test_acceptance_lm_head_grad_at_4096_reference_model():
     inputs = {"input_ids": ids, "labels": ids}
 
     def head_grad(passes=(), policy=None, autocast=False):
-        torch._dynamo.reset()
         model = copy.deepcopy(base)
         if autocast:
             with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -156,7 +156,6 @@ def test_optimizer_in_backward_trains_to_the_same_weights(dtype):
     results = {}
     for label, compiled, setup in [("compiled fused", True, fused_setup), ("compiled normal", True, plain_setup),
                                    ("eager hooks", False, fused_setup), ("eager normal", False, plain_setup)]:
-        torch._dynamo.reset()
         m = copy.deepcopy(base)
         run = tailorfx.optimize(m, setup=setup, passes=[]) if compiled else m
         if "normal" in label:

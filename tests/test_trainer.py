@@ -50,7 +50,6 @@ def test_trainer_logs_the_losses_of_the_unoptimized_model():
         "torch.compile": lambda m: torch.compile(m, backend="tailorfx"),
     }
     for name, wrap in runs.items():
-        torch._dynamo.reset()
         model = copy.deepcopy(base)
         wrapped = wrap(model)
         extra = {"remove_unused_columns": False} if name == "torch.compile" else {}

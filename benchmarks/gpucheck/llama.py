@@ -32,10 +32,8 @@ def trained(run: Run, key: str, dtype_name: str = "bfloat16", seq: int = 2048, *
         return run.shared[key]
     import torch
     import tailorfx
-    from tailorfx import compat
     model, batch, shape = make_llama(run, dtype_name, seq)
     eager = copy.deepcopy(model)   # the reference, with the same weights
-    compat.reset_dynamo()
     t0 = time.time()
     opt = tailorfx.optimize(model, example_inputs=batch, **optimize_kw)
     entry = {"model": model, "opt": opt, "batch": batch, "eager": eager, "shape": shape, "dtype": dtype_name,

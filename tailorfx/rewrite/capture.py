@@ -17,16 +17,17 @@ import torch.fx as fx
 from tailorfx import compat
 
 
+def _is_sequence_input(t: Any, seq_dim: int = 1) -> bool:
+    """An integer (B, S) or float (B, S, H) tensor: one whose `seq_dim` is the sequence."""
+    if not isinstance(t, torch.Tensor) or t.dim() <= seq_dim:
+        return False
+    integer = not t.is_floating_point()
+    return ((integer and t.dim() == 2) or (not integer and t.dim() == 3)) and t.shape[seq_dim] >= 2
+
+
 def _sequence_inputs(args: tuple, kwargs: dict, seq_dim: int = 1) -> list[torch.Tensor]:
     """The integer (B, S) and float (B, S, H) inputs: those whose `seq_dim` is the sequence."""
-    out = []
-    for t in list(args) + list(kwargs.values()):
-        if not isinstance(t, torch.Tensor) or t.dim() <= seq_dim:
-            continue
-        integer = not t.is_floating_point()
-        if ((integer and t.dim() == 2) or (not integer and t.dim() == 3)) and t.shape[seq_dim] >= 2:
-            out.append(t)
-    return out
+    return [t for t in list(args) + list(kwargs.values()) if _is_sequence_input(t, seq_dim)]
 
 
 def mark_sequence_dims(args: tuple, kwargs: dict, seq_dim: int = 1) -> Optional[int]:
@@ -164,6 +165,60 @@ def with_eager_grouped_mm(gm: fx.GraphModule) -> fx.GraphModule:
     return out
 
 
+def pin_to_model(gm: fx.GraphModule, example_inputs: list, seq_dim: int = 1) -> list[str]:
+    """Make a Dynamo graph what optimize() would capture for this model, whatever was compiled
+    before it: symbolic in the sequence length, the model's own values constant.
+
+    transformers' models share one forward code object, so after a model of another size or
+    `rms_norm_eps` Dynamo's automatic dynamic turns that model's float attributes into tensors
+    (whose `.item()` no pass can see through) and its buffers' sizes into symbols; a first
+    torch.compile call is static, and a static graph tells the sequence dim from a hidden dim of
+    the same size by nothing. So: tensorified floats make Dynamo trace the frame again with them
+    constant, and (B, S) / (B, S, H) inputs with a static S are marked dynamic there and traced
+    again (both raise Dynamo's restart, as its own tensorify pass does; asked once each). Every
+    other size symbol (the model's own sizes, a batch size that changed) is pinned to its value
+    with a guard, as in a process that compiled nothing before; an int passed in the call (e.g.
+    `num_items_in_batch`) stays as Dynamo made it (pinned, every new value would compile again).
+    Returns the pinned symbols' names.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    floats = compat.tensorified_float_names(placeholders)
+    if floats:
+        compat.restart_with_floats_specialized(floats)
+    user = [(n, t) for n, t in zip(placeholders, example_inputs) if not compat.is_model_state_input(n)]
+    static_seq = [t for n, t in user if _is_sequence_input(t, seq_dim)
+                  and isinstance(node_value(n).shape[seq_dim], int) and seq_dim not in compat.marked_dynamic(t)]
+    if static_seq:
+        for t in static_seq:
+            compat.maybe_mark_dynamic(t, seq_dim)
+        compat.restart_tracing()
+    keep = {compat.sym_expr(node_value(n).shape[seq_dim]) for n, t in user if _is_sequence_input(t, seq_dim)}
+    keep |= {compat.sym_expr(node_value(n)) for n, _ in user
+             if isinstance(node_value(n), torch.SymInt) and not compat.is_size_input(n)}
+    pinned = []
+    for n in placeholders:
+        v = node_value(n)
+        for size in [v] if isinstance(v, torch.SymInt) else list(v.shape) if isinstance(v, torch.Tensor) else []:
+            e = compat.sym_expr(size)
+            if isinstance(e, sympy.Symbol) and e not in keep and size.node.hint is not None:
+                compat.specialize_symint(size)
+                pinned.append(str(e))
+        if isinstance(v, torch.SymInt) and compat.sym_expr(v).is_Integer:   # a pinned size input: its value
+            _replace_uses(n, int(compat.sym_expr(v)))
+    if pinned:
+        gm.recompile()
+    return pinned
+
+
+def _replace_uses(node: fx.Node, value: Any) -> None:
+    """Every use of `node` in its users' arguments replaced by the constant `value`."""
+    def swap(a):
+        return value if a is node else a
+    for user in list(node.users):
+        user.args = compat.tree_map(swap, user.args)
+        user.kwargs = compat.tree_map(swap, user.kwargs)
+
+
 def seq_info(gm: fx.GraphModule, seq_len: Optional[int]) -> SeqInfo:
     """Find the sequence symbol: the SymInt placeholder whose hint equals the example length."""
     fake_mode = compat.own_fake_mode(node_value(n) for n in gm.graph.nodes if n.op == "placeholder")
@@ -224,8 +279,9 @@ def capture_graphs(model: torch.nn.Module, args: tuple = (), kwargs: Optional[di
         graphs.append(Captured(gm, list(example_inputs), seq_info(gm, seq_len)))
         return gm.forward
 
-    compat.reset_dynamo()    # symbolic: a cached graph's symbols would carry another call's lengths
-    out = torch.compile(model, backend=record, dynamic=None)(*args, **kwargs)
+    # a backend of its own: no cached graph (whose symbols would carry another call's lengths) matches it
+    with compat.capture_config():
+        out = torch.compile(model, backend=record, dynamic=None, **compat.compile_isolation())(*args, **kwargs)
     return graphs, out
 
 
@@ -234,25 +290,26 @@ def run_recorded(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict
     """Run `model` once through Dynamo with static shapes and a recording backend; return the
     graphs that ran (each once, in order, with this call's inputs) and the output.
 
-    No Dynamo reset (it would drop the user's compiled frames too): a model Dynamo's guards find
-    the same as one run before (another instance of a config, at the same shapes) reuses its
+    Nothing is reset (that would drop the user's compiled frames too): a model Dynamo's guards
+    find the same as one run before (another instance of a config, at the same shapes) reuses its
     graph without tracing again, and its own parameters are the inputs recorded. Past Dynamo's
-    recompile limit, or (fullgraph) when the cached frames are not one graph, it traces afresh.
+    recompile limit, or (fullgraph) when the cached frames are not one graph, it traces afresh
+    with a backend no cached frame was compiled for.
     """
     kwargs = dict(kwargs or {})
 
-    def run() -> Any:
+    def run(backend: Callable, **isolation) -> Any:
         _RAN.clear()
-        with compat.fail_on_recompile_limit():
-            return torch.compile(model, backend=_record_runs, dynamic=False, fullgraph=fullgraph)(*args, **kwargs)
+        with compat.capture_config(), compat.fail_on_recompile_limit():
+            return torch.compile(model, backend=backend, dynamic=False, fullgraph=fullgraph,
+                                 **isolation)(*args, **kwargs)
     try:
-        out = run()
+        out = run(_record_runs)
+        afresh = fullgraph and len({id(gm) for gm, _ in _RAN}) != 1   # cached frames of a capture with graph breaks
     except compat.FailOnRecompileLimitHit:
-        compat.reset_dynamo()
-        out = run()
-    if fullgraph and len({id(gm) for gm, _ in _RAN}) != 1:   # cached frames of a capture with graph breaks
-        compat.reset_dynamo()
-        out = run()
+        afresh = True
+    if afresh:
+        out = run(lambda gm, example_inputs: _record_runs(gm, example_inputs), **compat.compile_isolation())
     seen, ran = set(), []
     for gm, inputs in _RAN:
         if id(gm) not in seen:
