@@ -317,6 +317,27 @@ def test_lce_bf16_close_to_fp32():
         assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_lce_in_the_weights_dtype_is_eagers_bf16_head(softcap):
+    """The CUDA path (GEMMs in bf16, logits upcast chunk by chunk, the weight's gradient summed in
+    bf16), forced on CPU: eager's bf16 head (`cross_entropy(linear(h, w).float())`) to bf16's own
+    rounding. (Its memory is measured on a GPU: benchmarks/gpu_check.py; CPU's bf16 GEMMs add
+    scratch of their own.)"""
+    from tailorfx.runtime.linear_ops import _lce_chunks
+    hidden, weight, bias, labels = _lce_inputs(n=300, h=64, v=500, dtype=torch.bfloat16)
+    loss, gh, gw, gb = _lce_chunks(hidden.detach(), weight.detach(), bias.detach(), labels, -100, "mean", 3,
+                                   softcap, None, True, True, True, in_weight_dtype=True)
+    assert (gh.dtype, gw.dtype, gb.dtype) == (torch.bfloat16,) * 3
+    logits = F.linear(hidden, weight, bias).float()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    ref = F.cross_entropy(logits, labels)
+    torch.testing.assert_close(loss, ref.to(loss.dtype), rtol=2 ** -8, atol=0)   # the loss in the inputs' dtype
+    for got, want in zip((gh, gw, gb), torch.autograd.grad(ref, [hidden, weight, bias])):
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+
+
+
 def test_lce_inference_computes_no_grads():
     hidden, weight, bias, labels = _lce_inputs()
     called = []

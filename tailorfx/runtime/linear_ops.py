@@ -21,6 +21,10 @@ def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
         hidden, weight = args[0], args[1]
         n_rows, vocab = as_int(hidden.shape[0]), as_int(weight.shape[0])
         n = max(1, min(as_int(args[6]), n_rows))
+        if _in_weight_dtype(hidden, weight):
+            # the chunk's fp32 logits (x3 under a soft-cap: tanh's output and the capped logits)
+            # and, beside them, the chunk's logits or their gradient in the weight's dtype
+            return int(-(-n_rows // n) * vocab * (4 * (3 if args[7] is not None else 1) + weight.element_size()))
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         item = torch.empty((), dtype=dtype).element_size()
         # the chunk's logits; under a soft-cap also tanh's output and the capped logits
@@ -68,6 +72,8 @@ def _lce_chunk(h, y, w, b, ignore_index, softcap, logit_scale, scale, grad_h, gr
     rows' max, sum of exponentials and target logit are all-reduced (runtime/vocab_parallel.py),
     and grad_h is this rank's share."""
     z = F.linear(h, w, b)  # the only chunk x V buffer (plus tanh's under softcap)
+    if z.dtype != torch.float64:
+        z = z.float()      # low-precision logits upcast one chunk at a time, as eager's logits.float()
     if logit_scale is not None:
         z.mul_(logit_scale)
     if softcap is not None:
@@ -99,49 +105,67 @@ def _lce_chunk(h, y, w, b, ignore_index, softcap, logit_scale, scale, grad_h, gr
         g.mul_(t.mul_(t).neg_().add_(1))  # d(c*tanh(z/c))/dz = 1 - tanh^2
     if logit_scale is not None:
         g.mul_(logit_scale)
+    if w.dtype != g.dtype:    # the backward GEMMs in the weight's dtype too, as eager's autograd runs them
+        g_w = g.to(w.dtype)
+        del g
+    else:
+        g_w = g
     if grad_h is not None:
-        if grad_h.dtype == g.dtype:
-            torch.mm(g, w, out=grad_h)   # straight into the chunk of grad_hidden: no chunk x H temporary
+        if grad_h.dtype == g_w.dtype:
+            torch.mm(g_w, w, out=grad_h)   # straight into the chunk of grad_hidden: no chunk x H temporary
         else:
-            grad_h.copy_(g @ w)
+            grad_h.copy_(g_w @ w)
     if grad_w is not None:
-        grad_w.addmm_(g.t(), h)
+        grad_w.addmm_(g_w.t(), h)
     if grad_b is not None:
-        grad_b.add_(g.sum(0))
+        grad_b.add_(g_w.sum(0, dtype=grad_b.dtype))
     return loss
 
 
 def _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, softcap, logit_scale,
-                need_hidden, need_weight, need_bias, vocab_start=0, group=None):
+                need_hidden, need_weight, need_bias, vocab_start=0, group=None, in_weight_dtype=None):
     """Loss and (if asked) grads for d(loss)/d(inputs) with grad_output 1, one row chunk at a time.
 
-    Math runs in fp32 (fp64 stays fp64). The weight is upcast once, which costs V*H*4 bytes for a
-    bf16 weight; CPU has no mixed-dtype matmul (``mm(..., out_dtype=)``) to avoid that copy. A bf16
-    `hidden` with an fp32 (master) weight is upcast one chunk at a time; the loss then is fp32, as
-    the unfused `cross_entropy(logits.float())` it replaces.
+    The loss math runs in fp32 (fp64 stays fp64). On CUDA, with `hidden` and weight both
+    bf16/fp16, the GEMMs run in that dtype (tensor cores; fp32 accumulation inside each), as
+    eager's bf16 head does: each chunk's logits are upcast to fp32 as `cross_entropy(logits.float())`
+    upcasts them, their gradient cast back for the backward GEMMs, and the weight's gradient summed
+    over the chunks in its own dtype (as Liger-Kernel's fused head does); no fp32 copy of the
+    weight. Elsewhere the weight is upcast once (V*H*4 bytes) and the GEMMs run in fp32
+    (`in_weight_dtype` forces either). A bf16 `hidden` with an fp32 (master) weight is upcast one
+    chunk at a time.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"chunked_linear_cross_entropy: reduction {reduction!r} not in mean/sum")
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     n = max(1, min(num_chunks, hidden.size(0)))
-    w = weight.to(dtype)
-    b = bias.to(dtype) if bias is not None else None
+    if in_weight_dtype if in_weight_dtype is not None else _in_weight_dtype(hidden, weight):
+        w, b, h_dtype = weight, bias, hidden.dtype
+    else:
+        w, b, h_dtype = weight.to(dtype), bias.to(dtype) if bias is not None else None, dtype
     count = (labels != ignore_index).sum()
     # torch: mean over zero valid labels is nan, but its grads are zero (not nan).
     scale = 1.0 / count.clamp(min=1).to(dtype) if reduction == "mean" else None
     total = torch.zeros((), dtype=dtype, device=hidden.device)
     grad_h = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
     grad_w = torch.zeros_like(w) if need_weight else None
-    grad_b = torch.zeros_like(b) if need_bias else None
+    grad_b = torch.zeros(b.shape, dtype=dtype, device=b.device) if need_bias else None
     grad_h_chunks = grad_h.tensor_split(n) if need_hidden else [None] * n
     for h, y, gh in zip(hidden.tensor_split(n), labels.tensor_split(n), grad_h_chunks):
         # One call per chunk, so the chunk x V buffers are freed before the next chunk allocates.
-        total += _lce_chunk(h.to(dtype), y, w, b, ignore_index, softcap, logit_scale, scale, gh, grad_w, grad_b,
+        total += _lce_chunk(h.to(h_dtype), y, w, b, ignore_index, softcap, logit_scale, scale, gh, grad_w, grad_b,
                             vocab_start, group)
     loss = total / count if reduction == "mean" else total
     grad_w = grad_w.to(weight.dtype) if need_weight else weight.new_empty(0)
     grad_b = grad_b.to(bias.dtype) if need_bias else weight.new_empty(0)
     return loss.to(_loss_dtype(hidden, weight)), grad_h, grad_w, grad_b
+
+
+def _in_weight_dtype(hidden: Tensor, weight: Tensor) -> bool:
+    """The head's GEMMs run in the weight's own low precision (see _lce_chunks): on CUDA (tensor
+    cores). CPU upcasts: its bf16 GEMMs allocate fp32 scratch of their own, and run no faster."""
+    return (hidden.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)
+            and weight.device.type == "cuda")
 
 
 def _loss_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
