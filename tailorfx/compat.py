@@ -150,11 +150,26 @@ def specialize_symint(x) -> int:
     return guard_int(x)
 
 
+def specialize_equal(sizes: list) -> None:
+    """Guard backed sizes with equal values equal (Dynamo's ShapeEnv then replaces one symbol by
+    the other everywhere), as duck sizing does for dims of equal size."""
+    from torch.fx.experimental.symbolic_shapes import guard_bool
+    syms = [x for x in sizes if isinstance(x, torch.SymInt) and x.node.hint is not None]
+    for a, b in zip(syms, syms[1:]):
+        if a.node.hint == b.node.hint and a.node.expr != b.node.expr:
+            guard_bool(a == b)
+
+
 def compile_isolation() -> dict:
     """torch.compile keywords that keep one compiled module's recompiles apart from every other
     compile of the same code (torch 2.13's `isolate_recompiles`; nothing on torch 2.11)."""
+    return {"isolate_recompiles": True} if _compile_isolates() else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_isolates() -> bool:
     import inspect
-    return {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+    return "isolate_recompiles" in inspect.signature(torch.compile).parameters
 
 
 def fail_on_recompile_limit():
@@ -255,8 +270,9 @@ def capture_config() -> Iterator[None]:
       (`specialize_float=True`, as in a process that compiled nothing before); sizes are pinned by
       the backend (rewrite.capture.pin_to_model).
     - Every optimize() is a new backend, and Dynamo caches them all on that shared code,
-      compiling no more past recompile_limit (8) or accumulated_recompile_limit (256): raise both
-      (compile_isolation() also counts each module's recompiles apart where torch can).
+      compiling no more past recompile_limit (8) or accumulated_recompile_limit (256): raise both.
+      Where torch counts each module's recompiles apart (compile_isolation()), 64 a module; where
+      it cannot (torch 2.11), every optimize() of the process counts against one limit: 1024.
     - `transformers`' `logger.warning_once` (an lru_cache) breaks the graph, which splits GPT-2's
       LM head from its loss: trace through it as a no-op (the warning is not printed under compile).
     """
@@ -265,7 +281,7 @@ def capture_config() -> Iterator[None]:
     ignored = set(cfg.ignore_logging_functions)
     if hasattr(logging.Logger, "warning_once"):
         ignored.add(logging.Logger.warning_once)
-    with cfg.patch(recompile_limit=max(cfg.recompile_limit, 64),
+    with cfg.patch(recompile_limit=max(cfg.recompile_limit, 64 if compile_isolation() else 1024),
                    accumulated_recompile_limit=max(cfg.accumulated_recompile_limit, 4096),
                    ignore_logging_functions=ignored, specialize_float=True), \
             _quiet_metrics_logging(frozenset(id(f) for f in ignored)):

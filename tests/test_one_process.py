@@ -137,8 +137,8 @@ def _step_total(module, model, inputs) -> int:
 
 def test_a_budget_after_another_family_is_kept_when_measured():
     """Qwen3, then a Mistral-like model (vocab 32000, 2048 tokens) under 45% of eager's measured
-    step: planned, rewritten and measured within the budget (it ran at eager's peak, with a
-    warning, when the second model's passes failed)."""
+    step, through optimize() and through torch.compile(backend="tailorfx", options={"budget":
+    ...}): planned, rewritten and measured within the budget."""
     ids = torch.randint(0, 2048, (1, 256))
     tailorfx.optimize(hf_family("qwen3", vocab_size=2048), example_inputs={"input_ids": ids, "labels": ids})
     ids = torch.randint(0, 32000, (1, 2048), generator=torch.Generator().manual_seed(3))
@@ -154,6 +154,11 @@ def test_a_budget_after_another_family_is_kept_when_measured():
     assert not any(g.failed for g in opt.session.graphs)
     assert opt(**inputs).logits is None
     assert _step_total(opt, model, inputs) <= budget
+    # the same budget through the backend, on another copy (Dynamo's cache holds the first)
+    model = copy.deepcopy(base)
+    compiled = torch.compile(model, backend="tailorfx", options={"budget": budget})
+    assert compiled(**inputs).logits is None
+    assert _step_total(compiled, model, inputs) <= budget
 
 
 def test_under_a_budget_a_graph_whose_passes_fail_is_refused(monkeypatch):

@@ -10,6 +10,7 @@ Tolerances (bf16 has an 8-bit mantissa: one rounding is up to 0.4%, relative):
 """
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -74,6 +75,7 @@ def test_golden_graph_diff():
     opt = lowered(tiny_llama(num_layers=1))
     diff = opt.diff(NAME)
     got = "\n".join(l for l in diff.splitlines() if not l.lstrip("+- ").startswith("#")) + "\n"
+    got = re.sub(r"\bs\d+\b", "s<n>", got)   # symbol numbers depend on what the process compiled before
     if os.environ.get("TAILORFX_UPDATE_GOLDENS"):
         with open(GOLDEN, "w") as f:
             f.write(got)

@@ -175,8 +175,9 @@ def pin_to_model(gm: fx.GraphModule, example_inputs: list, seq_dim: int = 1) -> 
     torch.compile call is static, and a static graph tells the sequence dim from a hidden dim of
     the same size by nothing. So: tensorified floats make Dynamo trace the frame again with them
     constant, and (B, S) / (B, S, H) inputs with a static S are marked dynamic there and traced
-    again (both raise Dynamo's restart, as its own tensorify pass does; asked once each). Every
-    other size symbol (the model's own sizes, a batch size that changed) is pinned to its value
+    again (both raise Dynamo's restart, as its own tensorify pass does; asked once each). Their
+    lengths, where Dynamo gave each input a symbol of its own, are guarded equal (one sequence
+    symbol, as Dynamo's duck sizing gives a fresh process). Every other size symbol (the model's own sizes, a batch size that changed) is pinned to its value
     with a guard, as in a process that compiled nothing before; an int passed in the call (e.g.
     `num_items_in_batch`) stays as Dynamo made it (pinned, every new value would compile again).
     Returns the pinned symbols' names.
@@ -192,7 +193,9 @@ def pin_to_model(gm: fx.GraphModule, example_inputs: list, seq_dim: int = 1) -> 
         for t in static_seq:
             compat.maybe_mark_dynamic(t, seq_dim)
         compat.restart_tracing()
-    keep = {compat.sym_expr(node_value(n).shape[seq_dim]) for n, t in user if _is_sequence_input(t, seq_dim)}
+    lengths = [node_value(n).shape[seq_dim] for n, t in user if _is_sequence_input(t, seq_dim)]
+    compat.specialize_equal(lengths)
+    keep = {compat.sym_expr(length) for length in lengths}
     keep |= {compat.sym_expr(node_value(n)) for n, _ in user
              if isinstance(node_value(n), torch.SymInt) and not compat.is_size_input(n)}
     pinned = []
@@ -276,6 +279,7 @@ def capture_graphs(model: torch.nn.Module, args: tuple = (), kwargs: Optional[di
     graphs: list[Captured] = []
 
     def record(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        pin_to_model(gm, example_inputs, seq_dim)
         graphs.append(Captured(gm, list(example_inputs), seq_info(gm, seq_len)))
         return gm.forward
 
