@@ -24,6 +24,7 @@ from tailorfx.passes.parallel import SequenceParallelError, TPPlan, infer_sequen
 from tailorfx.passes.minisequence import head_loss_transform
 from tailorfx.rewrite.capture import capture_graphs
 from tailorfx.rewrite.regions import find_regions
+from tailorfx.runtime.tensor_parallel import on_device, rank_device
 
 KEYS = ("tp", "dp", "pp", "sp", "schedule", "microbatches", "vocab_loss")
 # The single-device rewrites a pipeline's step graph takes before it is cut: exact, structural
@@ -66,15 +67,21 @@ class ParallelPlan:
                                   # "recompute" (the sharded model's blocks checkpointed)
     captured: Any = None          # that graph as captured (tp=1): the prediction traces it, not a new capture
     rewrites: list = field(default_factory=list)   # (region, what was done to it) for the report
+    device: Any = None            # this rank's device: batches are moved to it
 
     def step(self, kwargs: dict):
         """One pipelined training step (forward and backward of every micro-batch); the mean
         micro-batch loss on the rank holding the last stage, None elsewhere."""
         import torch
         losses: list = []
+        kwargs = self._on_device(kwargs)
         target = next(iter(kwargs.values())) if self.is_last else None
         self.runtime.step(**kwargs, target=target, losses=losses)
         return torch.stack([x.detach() for x in losses]).mean() if self.is_last else None
+
+    def _on_device(self, batch):
+        """A batch on this rank's device (as it came where it is already there)."""
+        return on_device(batch, self.device) if self.device is not None else batch
 
     def run(self, model: nn.Module, args: tuple, kwargs: dict):
         """One call of the sharded model; a vocab-parallel head's loss runs under loss_parallel,
@@ -83,7 +90,7 @@ class ParallelPlan:
             raise ValueError("under parallel=dict(pp=...) one call is a whole pipelined training step: use "
                              "opt.step(**batch), which runs forward and backward of every micro-batch and "
                              "returns the loss on the last stage's rank")
-        kwargs = self._without_cache(model, kwargs)
+        args, kwargs = self._on_device((args, self._without_cache(model, kwargs)))
         if self.sp == "ulysses":
             return self._run_ulysses(model, args, kwargs)
         if self.loss_scope is None:
@@ -381,7 +388,11 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict, *, 
     if not args and not kwargs:
         raise ValueError("parallel= needs example_inputs: the tensor-parallel plan is read off the graph "
                          "of one forward pass")
-    mesh = device_mesh(tp=spec["tp"], dp=spec["dp"], pp=spec["pp"])
+    device = rank_device()
+    mesh = device_mesh(tp=spec["tp"], dp=spec["dp"], pp=spec["pp"], device=device)
+    if device.type == "cuda":   # each rank on its own GPU (a model moved to "cuda" before is on GPU 0 everywhere)
+        model.to(device)
+        args, kwargs = on_device((args, kwargs), device)
     source = None
     if spec["dp"] > 1 or spec["pp"] > 1 or spec["sp"] or rewrites:    # what per-rank predictions shard and capture
         from tailorfx.parallel_trace import fake_copy
@@ -393,15 +404,16 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict, *, 
             styles = {f: ("colwise_gather_output" if st == "colwise_vocab_parallel" else st)
                       for f, st in tp_plan.styles.items()}
             apply_tp(model, styles=styles, mesh=mesh["tp"])
-        out = pipeline(model, spec, kwargs, mesh["pp"], dp_mesh=mesh["dp"], passes=rewrites, options=options)
+        out = pipeline(model, spec, kwargs, mesh["pp"], dp_mesh=mesh["dp"], passes=rewrites, options=options,
+                       device=device)
         if spec["tp"] > 1:
             out.tp, out.styles, out.replicated = spec["tp"], styles, dict(tp_plan.replicated)
         out.example, out.source, out.tp_mesh = dict(kwargs), source, mesh["tp"]
-        out.pp_rank = mesh["pp"].get_local_rank()
+        out.pp_rank, out.device = mesh["pp"].get_local_rank(), device
         return out
     tp_plan, blocks = plan_tensor_parallel(model, args, kwargs)
     out = ParallelPlan(spec["tp"], spec["dp"], blocks=blocks, example=dict(kwargs), source=source, tp_mesh=mesh["tp"],
-                       passes=rewrites)
+                       passes=rewrites, device=device)
     if spec["sp"] == "megatron":
         if tp_plan.sequence_error:
             raise SequenceParallelError(tp_plan.sequence_error)
@@ -428,7 +440,7 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict, *, 
 
 
 def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh, *, dp_mesh=None, passes: tuple = (),
-             options: Optional[dict] = None) -> ParallelPlan:
+             options: Optional[dict] = None, device=None) -> ParallelPlan:
     """Cut the model's step graph into pp * virtual stages balanced by the cost model (on the
     graph as captured), after `passes` rewrote it, shard this rank's stages over the dp ranks
     (FSDP2, one unit per stage) and load them into torch's pipeline runtime with the tailorfx
@@ -462,7 +474,7 @@ def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh, *, dp_mesh=None, 
         from tailorfx.runtime.tensor_parallel import apply_fsdp_stages
         apply_fsdp_stages([stages[s] for s in range(rank, num_stages, pp)], model=model, mesh=dp_mesh)
     runtime = pipeline_runtime(stages, rank=rank, num_ranks=pp, name=spec["schedule"], microbatches=m, virtual=v,
-                               group=mesh.get_group())
+                               group=mesh.get_group(), device=device)
     mine = {id(p) for s in range(rank, num_stages, pp) for p in stages[s].parameters()}
     bubble = float(simulate_schedule(spec["schedule"], pp, m, virtual=v).bubble)
     return ParallelPlan(pp=pp, dp=spec["dp"], schedule=spec["schedule"], microbatches=m, stage_blocks=stage_blocks, bubble=bubble,

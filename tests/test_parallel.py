@@ -202,6 +202,22 @@ def test_parallel_outside_torchrun_says_how_to_launch(monkeypatch):
         tailorfx.optimize(model, example_inputs=dict(input_ids=ids, labels=ids), parallel=dict(tp=2))
 
 
+def test_each_rank_takes_its_own_device():
+    """On CUDA, rank r of a node runs on cuda:LOCAL_RANK (not GPU 0), and every batch given to the
+    sharded model is moved there; without CUDA, the CPU. (CUDA itself: benchmarks/gpu_check.py.)"""
+    from tailorfx.parallelize import ParallelPlan
+    from tailorfx.runtime.tensor_parallel import on_device, rank_device
+    assert rank_device({"LOCAL_RANK": "3"}, cuda_available=True) == torch.device("cuda", 3)
+    assert rank_device({}, cuda_available=True) == torch.device("cuda", 0)
+    assert rank_device({"LOCAL_RANK": "3"}, cuda_available=False) == torch.device("cpu")
+    batch = {"input_ids": torch.ones(1, 4, dtype=torch.long), "n": 2}
+    moved = on_device(((), batch), torch.device("meta"))     # any other device does: this one needs none
+    assert moved[1]["input_ids"].device.type == "meta" and moved[1]["n"] == 2
+    seen = {}
+    ParallelPlan(device=torch.device("meta")).run(lambda *a, **kw: seen.update(kw), (), batch)
+    assert seen["input_ids"].device.type == "meta"
+
+
 def launch(nproc: int, script: str, *args, results=None, timeout: int = 400) -> subprocess.CompletedProcess:
     """tests/dist/SCRIPT on `nproc` gloo processes under torchrun."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),

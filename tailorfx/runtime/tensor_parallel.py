@@ -17,6 +17,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
+from tailorfx.compat import tree_map
+
 STYLES = {
     "colwise": lambda: ColwiseParallel(),
     "rowwise": lambda: RowwiseParallel(),
@@ -29,22 +31,39 @@ STYLES = {
 }
 
 
-def device_mesh(*, tp: int = 1, dp: int = 1, pp: int = 1, device: Optional[str] = None) -> DeviceMesh:
-    """A ("pp", "dp", "tp") mesh over the torchrun world; initializes the process group if
-    torchrun started us and nobody has yet (gloo on CPU, NCCL on CUDA)."""
+def rank_device(env: Optional[dict] = None, cuda_available: Optional[bool] = None) -> torch.device:
+    """This process's device: `cuda:LOCAL_RANK` (torchrun's local rank, 0 without one) when CUDA
+    is available, else the CPU."""
+    env = os.environ if env is None else env
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    return torch.device("cuda", int(env.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+
+
+def device_mesh(*, tp: int = 1, dp: int = 1, pp: int = 1, device: Optional[torch.device] = None) -> DeviceMesh:
+    """A ("pp", "dp", "tp") mesh over the torchrun world on this rank's device (rank_device: the
+    current CUDA device is set to it first, so NCCL and every `.cuda()` use it, not GPU 0);
+    initializes the process group if torchrun started us and nobody has yet (gloo on CPU, NCCL on
+    CUDA)."""
     want = tp * dp * pp
+    device = device or rank_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise RuntimeError(f"parallel=dict(tp={tp}, dp={dp}, pp={pp}) needs {want} processes: launch with "
                                f"`torchrun --nproc-per-node {want} your_script.py`")
         # a dead peer must end the job: collectives give up after 60 s instead of torch's 10-30 min
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=60))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=60))
     world = dist.get_world_size()
     if want != world:
         raise ValueError(f"parallel=dict(tp={tp}, dp={dp}, pp={pp}) needs tp*dp*pp = {want} processes, but the "
                          f"world has {world}: launch with --nproc-per-node {want} or change tp/dp/pp")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    return init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def on_device(tree, device: torch.device):
+    """Tensors of a (nested) batch or args tuple moved to `device` (those already there as they are)."""
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t, tree)
 
 
 def apply_tp(model: nn.Module, *, styles: dict[str, str], mesh: DeviceMesh) -> nn.Module:
