@@ -18,6 +18,7 @@ from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import mark_sequence_dims
 from tailorfx.rewrite.regions import Region
 from tailorfx.setup import OPTIMIZERS, TrainingSetup
+from tailorfx.setup import on_device
 from tailorfx.setup import resolve as resolve_setup
 
 
@@ -338,6 +339,8 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
     setup = _setup_for(model, setup, optimizer)
+    if budget is not None:   # a device preset: CUDA's workspaces at the example inputs' batch (1 without them)
+        setup = on_device(setup, Budget.parse(budget), model, _batch_of(example_inputs, example_kwargs))
     b, opts = pass_options(budget=budget, minisequence_chunks=minisequence_chunks, attention=attention,
                            precision=precision, precision_policy=precision_policy, setup=setup,
                            recompute=recompute, keep_logits=keep_logits, strict=strict, kernels=kernels)
@@ -352,6 +355,14 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
         args, kwargs = _split_examples(example_inputs, example_kwargs)
         opt(*args, **kwargs)
     return opt
+
+
+def _batch_of(example_inputs: Any, example_kwargs: Optional[dict]) -> int:
+    """The batch size of the example inputs (the first tensor's first dim), 1 without them."""
+    tensors = [t for t in (*(example_inputs.values() if isinstance(example_inputs, dict) else
+                             example_inputs if isinstance(example_inputs, (list, tuple)) else [example_inputs]),
+                           *(example_kwargs or {}).values()) if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    return tensors[0].shape[0] if tensors else 1
 
 
 def check_triton(model: nn.Module) -> None:

@@ -109,6 +109,8 @@ def cmd_plan(args):
             print(f"{'*' if c is chosen else ' '} {c.label:<48} {format_bytes(c.peak):>15} {flops:>12}  "
                   f"{'yes' if c.fits else 'no'}")
         print(f"\nchosen: passes {list(graph_plan.passes)} ({graph_plan.reason})")
+    if opt.setup.device is not None:
+        print(f"predictions {opt.setup.device.describe(args.seq)}")
     print(f"longest sequence under {budget}: {longest:,} tokens at batch {args.batch} "
           f"(mini-sequence + full recompute, the plan that saves the most)")
 

@@ -14,9 +14,12 @@ its gradient is complete and the gradient is freed, so full gradients never coex
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
+
+if TYPE_CHECKING:
+    from tailorfx.budget import CudaCosts
 
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd", None)
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -45,6 +48,8 @@ class TrainingSetup:
     `grad_dtype`/`state_dtype` None: derived (gradients in the parameter dtype; optimizer state in
     fp32 with master weights, else in the parameter dtype, as torch.optim keeps it). `headroom`:
     fraction of the budget left to the allocator (fragmentation, CUDA context), never planned on.
+    `device`: a CUDA device's costs the graphs do not show (tailorfx.budget.CudaCosts; set by
+    optimize() and the sizing functions for a device preset budget such as "H100-80GB").
     """
     param_dtype: torch.dtype = torch.float32
     grad_dtype: Optional[torch.dtype] = None
@@ -56,6 +61,7 @@ class TrainingSetup:
     grad_accum_steps: int = 1
     headroom: float = 0.0
     name: str = "custom"
+    device: Optional["CudaCosts"] = None
 
     def __post_init__(self):
         for f in ("param_dtype", "grad_dtype", "state_dtype"):
@@ -138,6 +144,8 @@ class TrainingSetup:
         parts.append(opt + (f" ({short(self.state)} state)" if self.state is not None else ""))
         if self.optimizer_in_backward:
             parts.append("optimizer step in backward")
+        if self.device is not None:
+            parts.append(f"modelled for CUDA ({self.device.arch})")
         if self.grad_accum_steps > 1:
             parts.append(f"{self.grad_accum_steps} micro-batches of {self.micro_batch_size}")
         return f"{self.name}: " + ", ".join(parts) + f" ({self.bytes_per_param():g} B/param held)"
@@ -171,3 +179,14 @@ def resolve(setup: Union[str, TrainingSetup, None], *, param_dtype: Optional[tor
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         dtype = torch.float32
     return TrainingSetup(param_dtype=dtype, optimizer=optimizer, name=f"{short(dtype)} weights, {optimizer}")
+
+
+def on_device(s: TrainingSetup, budget, model, batch: int) -> TrainingSetup:
+    """`s` for a budget that names a CUDA device (a preset: budget.arch set): its costs that the
+    graphs do not show (budget.CudaCosts, at `batch` sequences a step) and the allocator's
+    headroom, unless the setup keeps a headroom of its own. Other budgets: `s` unchanged."""
+    if budget is None or getattr(budget, "arch", None) is None:
+        return s
+    from tailorfx.budget import CudaCosts
+    costs = CudaCosts.for_model(budget.arch, model, batch)
+    return s.with_(device=costs, headroom=s.headroom or costs.allocator_headroom)

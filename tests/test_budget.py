@@ -27,3 +27,42 @@ def test_bad_budget_names_the_fix(bad):
 def test_format_bytes():
     assert format_bytes(3 * 2**29) == "1.50 GiB"
     assert format_bytes(512) == "512 B"
+
+
+def test_cuda_workspace_formulas_follow_torchs_defaults():
+    """cuBLAS: CUBLAS_WORKSPACE_CONFIG's default, ':4096:8' KiB on sm90 and ':4096:2:16:8' before,
+    per handle (forward thread and autograd's); FlashAttention-2's backward: the fp32 dq
+    accumulator and softmax_d at the rounded length and head dim, plus dk/dv expanded to every
+    head under grouped KV heads."""
+    from tailorfx.budget import cublas_workspace_bytes, flash_backward_scratch_bytes
+    assert cublas_workspace_bytes("sm90") == 2 * 4096 * 8 * 1024
+    assert cublas_workspace_bytes("sm80") == 2 * (2 * 4096 + 8 * 16) * 1024
+    # batch 2, 8 heads, length 1000 -> 1024 rows, head dim 80 -> 96; no GQA
+    assert flash_backward_scratch_bytes(2, 8, 8, 1000, 80, 2) == 4 * 2 * 1024 * 8 * 96 + 4 * 2 * 8 * 1024
+    # 2 KV heads for 8: dk and dv of every head in bf16 (2 bytes) as well
+    assert (flash_backward_scratch_bytes(2, 8, 2, 1000, 80, 2) - flash_backward_scratch_bytes(2, 8, 8, 1000, 80, 2)
+            == 2 * 2 * 1000 * 8 * 80 * 2)
+
+
+def test_a_device_preset_plans_with_cuda_costs_and_a_byte_budget_does_not():
+    """A budget named for a CUDA device predicts with its workspaces (the peak grows by exactly
+    CudaCosts.bytes at the length) and keeps the allocator's headroom; the same bytes as a number
+    are not modelled for a device."""
+    from tailorfx import sizing
+    from tailorfx.budget import CudaCosts
+    from models import hf_family
+    model = hf_family("llama", vocab_size=512)
+    preset = sizing.plan_for_budget(model, "A100-40GB", 256, setup="fp32")
+    plain = sizing.plan_for_budget(model, PRESETS["A100-40GB"], 256, setup="fp32")
+    costs = preset.setup.device
+    assert plain.setup.device is None and isinstance(costs, CudaCosts) and costs.arch == "sm80"
+    cfg = model.config
+    assert costs.attention == (1, cfg.num_attention_heads, cfg.num_key_value_heads,
+                               cfg.hidden_size // cfg.num_attention_heads, 4)
+    assert preset.setup.headroom == costs.allocator_headroom > 0 and plain.setup.headroom == 0
+    for n in (256, 1000):
+        with_costs, without = preset.predict_memory(n), plain.predict_memory(n)
+        assert with_costs.device_bytes == costs.bytes(n) > 0 and without.device_bytes == 0
+        assert with_costs.peak_bytes - without.peak_bytes == costs.bytes(n)
+        assert with_costs.breakdown()["CUDA workspaces"] == costs.bytes(n)
+    assert "modelled for CUDA (sm80)" in preset.setup.describe()

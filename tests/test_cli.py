@@ -105,3 +105,11 @@ def test_demo_and_bench_are_reached_through_the_cli(capsys):
         main(["bench", "kernels"])               # benchmarks/kernels.py: needs a GPU, says so
     assert e.value.code == 1
 
+
+
+def test_plan_for_a_cuda_preset_says_its_prediction_is_modelled_for_cuda(capsys):
+    main(["plan", *TINY, "--budget", "H100-80GB", "--seq", "2048", "--setup", "pure-bf16"])
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("predictions modelled for CUDA (sm90)"))
+    for formula in ("cublas_workspace 64.00 MiB", "flash_backward_scratch", "allocator_headroom 5%"):
+        assert formula in line, line

@@ -112,6 +112,24 @@ def noise_floor(run: Run, entry: dict) -> dict:
     return {"bf16_vs_fp32_loss_rel": abs(vals[1] - vals[0]) / abs(vals[0]), "bf16_vs_fp32_grad_rel": num / den}
 
 
+def device_preset() -> "str | None":
+    """The budget preset of this GPU (H100 -> 'H100-80GB'), None for one without."""
+    import torch
+    from tailorfx.budget import PRESETS
+    name = torch.cuda.get_device_name().upper()
+    return next((p for p in PRESETS if p.split("-")[0] in name), None)
+
+
+def cuda_modelled(opt, entry: dict, preset: "str | None"):
+    """opt.predict_memory() with the preset's CUDA costs (what a budget of that preset plans with)."""
+    if preset is None:
+        return None
+    from tailorfx.budget import Budget
+    from tailorfx.setup import on_device
+    batch = entry["shape"].get("batch", 1)
+    return opt.predict_memory(setup=on_device(opt.setup, Budget.parse(preset), opt.model, batch))
+
+
 def measure(run: Run, entry: dict, reps: int) -> dict:
     """One steady-state step (optimizer state exists): peak allocated/reserved vs the prediction, and
     the median step time over `reps` more."""
@@ -130,8 +148,18 @@ def measure(run: Run, entry: dict, reps: int) -> dict:
                    predicted_peak_at=f"{est.peak_phase}: {est.peak_node}")
     except Exception as e:   # noqa: BLE001  (the measurement below still counts)
         res["prediction_error"] = describe(e)
+    est_cuda = None
+    try:   # the same step modelled for CUDA (budget.CudaCosts), as a device preset budget plans it
+        est_cuda = cuda_modelled(opt, entry, "H100-80GB" if not run.cuda else device_preset())
+        if est_cuda is not None:
+            res["predicted_cuda_modelled"] = {"peak": est_cuda.peak_bytes, "cuda_workspaces": est_cuda.device_bytes,
+                                              "terms": est_cuda.setup.device.terms(entry["shape"]["seq"]),
+                                              "allocator_headroom": est_cuda.setup.device.allocator_headroom}
+    except Exception as e:   # noqa: BLE001
+        res["cuda_modelled_error"] = describe(e)
     if run.cuda:
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()   # max_memory_reserved then shows this step's own fragmentation
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         step()
@@ -142,6 +170,9 @@ def measure(run: Run, entry: dict, reps: int) -> dict:
         if est is not None:
             res["predicted_over_measured"] = {"peak": est.peak_bytes / peak, "static": est.static_bytes / before,
                                               "dynamic_peak": est.dynamic_peak_bytes / max(peak - before, 1)}
+        if est_cuda is not None:
+            res.setdefault("predicted_over_measured", {})["peak_cuda_modelled"] = est_cuda.peak_bytes / peak
+        res["measured"]["reserved_over_allocated"] = reserved / max(peak, 1)   # vs allocator_headroom
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()

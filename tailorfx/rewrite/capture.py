@@ -297,8 +297,8 @@ def run_recorded(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict
     Nothing is reset (that would drop the user's compiled frames too): a model Dynamo's guards
     find the same as one run before (another instance of a config, at the same shapes) reuses its
     graph without tracing again, and its own parameters are the inputs recorded. Past Dynamo's
-    recompile limit, or (fullgraph) when the cached frames are not one graph, it traces afresh
-    with a backend no cached frame was compiled for.
+    recompile limit, when no graph ran, or (fullgraph) when the cached frames are not one graph,
+    it traces afresh with a backend no cached frame was compiled for (in a region of its own).
     """
     kwargs = dict(kwargs or {})
 
@@ -309,7 +309,9 @@ def run_recorded(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict
                                  **isolation)(*args, **kwargs)
     try:
         out = run(_record_runs)
-        afresh = fullgraph and len({id(gm) for gm, _ in _RAN}) != 1   # cached frames of a capture with graph breaks
+        # cached frames of a capture with graph breaks; or none ran: Dynamo runs the frame eagerly
+        # in the default region once a compile there (the user's) has hit its recompile limit
+        afresh = not _RAN or (fullgraph and len({id(gm) for gm, _ in _RAN}) != 1)
     except compat.FailOnRecompileLimitHit:
         afresh = True
     if afresh:

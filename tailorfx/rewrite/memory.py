@@ -62,6 +62,7 @@ class MemoryEstimate:
     master_bytes: int = 0      # fp32 master weights
     grads_at_peak: int = 0     # gradient bytes live at the peak (part of the dynamic peak)
     setup: Optional[TrainingSetup] = None
+    device_bytes: int = 0      # a CUDA device's workspaces the graphs do not show (setup.device; part of peak)
 
     @property
     def forward_backward_peak_bytes(self) -> int:
@@ -74,13 +75,15 @@ class MemoryEstimate:
         return {"peak": self.peak_bytes, "static": self.static_bytes, "params": self.param_bytes,
                 "master_weights": self.master_bytes, "grads": self.grad_bytes,
                 "optimizer_state": self.optimizer_bytes, "dynamic_peak": self.dynamic_peak_bytes,
-                "grads_at_peak": self.grads_at_peak, "saved_activations": self.saved_bytes}
+                "grads_at_peak": self.grads_at_peak, "saved_activations": self.saved_bytes,
+                "cuda_workspaces": self.device_bytes}
 
     def breakdown(self) -> dict[str, int]:
         """The peak split into what it is made of (sums to peak_bytes)."""
         return {"weights": self.param_bytes, "master weights": self.master_bytes,
                 "optimizer state": self.optimizer_bytes, "gradients": self.grads_at_peak,
-                "activations and transients": self.dynamic_peak_bytes - self.grads_at_peak}
+                "activations and transients": self.dynamic_peak_bytes - self.grads_at_peak,
+                "CUDA workspaces": self.device_bytes}
 
 
 class _Pool:
@@ -274,7 +277,9 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
                   max((setup.update_temp_bytes(n) for n, _ in trained), default=0))
     dyn_peak, phase, node = timeline.peak()
     static = param_bytes + master + state
-    return MemoryEstimate(peak_bytes=static + dyn_peak, static_bytes=static,
+    length = seq_len or next((s.length for s in (seq if isinstance(seq, (list, tuple)) else [seq]) if s), 0)
+    device = setup.device.bytes(length) if setup.device is not None else 0
+    return MemoryEstimate(peak_bytes=static + dyn_peak + device, static_bytes=static, device_bytes=device,
                           param_bytes=param_bytes, grad_bytes=grad_bytes,
                           optimizer_bytes=state, dynamic_peak_bytes=dyn_peak,
                           saved_bytes=saved_total, peak_phase=phase, peak_node=node,
