@@ -43,3 +43,18 @@ def compare_with_eager(model: nn.Module, inputs: dict, wrap: Callable[[nn.Module
         if err >= worst:
             worst, worst_name = err, name
     return Comparison(loss_ref.item(), loss.item(), worst, worst_name)
+
+
+def peak_of_step(module: nn.Module, model: nn.Module, inputs: dict) -> int:
+    """The measured peak of forward + backward through `module`, the output held through backward
+    as a training loop holds it; a first step runs unmeasured (compiles), gradients dropped before each."""
+    import tailorfx
+
+    def step():
+        out = module(**inputs)
+        out.loss.backward()
+        return out
+    model.zero_grad(set_to_none=True)
+    step()
+    model.zero_grad(set_to_none=True)
+    return tailorfx.measure_peak(step)

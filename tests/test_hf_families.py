@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import tailorfx
-from harness import compare_with_eager
+from harness import compare_with_eager, peak_of_step
 from tailorfx.runtime.measure import kernel_ops
 from models import batch, hf_config, hf_family, hf_llama
 
@@ -73,18 +73,6 @@ def test_strict_turns_a_skipped_request_into_an_error():
         tailorfx.optimize(hf_family("mixtral"), passes=["minisequence"], strict=True, example_inputs=batch())
 
 
-def _peak_of_step(module, model, inputs) -> int:
-    """Forward + backward with the output held through backward, as a training loop holds it."""
-    def step():
-        out = module(**inputs)
-        out.loss.backward()
-        return out
-    model.zero_grad(set_to_none=True)
-    step()
-    model.zero_grad(set_to_none=True)
-    return tailorfx.measure_peak(step)
-
-
 @pytest.mark.parametrize("family", ["llama", "gemma2"])   # gemma2: soft-capped logits, dropout(p=0) in the cache's chain
 @pytest.mark.parametrize("kw", [{"passes": []}, {"passes": ["minisequence"], "keep_logits": True}], ids=["none", "ms"])
 def test_capture_costs_nothing_and_logits_keep_their_gradient(family, kw):
@@ -107,7 +95,7 @@ def test_capture_costs_nothing_and_logits_keep_their_gradient(family, kw):
     else:
         assert [g.lowering for g in opt.session.graphs] == ["dynamo"], opt.report()
         assert out.logits.grad_fn.name() != lazy
-    eager, captured = _peak_of_step(model, model, inputs), _peak_of_step(opt, model, inputs)
+    eager, captured = peak_of_step(model, model, inputs), peak_of_step(opt, model, inputs)
     assert captured <= 1.01 * eager, (captured, eager)
     predicted = opt.predict_memory(1024).forward_backward_peak_bytes
     assert -0.02 * captured <= predicted - captured <= 0.03 * captured, (predicted, captured)
@@ -258,7 +246,7 @@ def test_memory_model_on_hf_families(family):
         opt = tailorfx.optimize(model, passes=passes)
         for S in (256, 1024, 2048):
             ids = torch.randint(0, 8000, (1, S))
-            measured = _peak_of_step(opt, model, {"input_ids": ids, "labels": ids.clone()})
+            measured = peak_of_step(opt, model, {"input_ids": ids, "labels": ids.clone()})
             predicted = opt.predict_memory(S).forward_backward_peak_bytes
             errors[(name, S)] = (predicted - measured) / measured
     bad = {k: f"{e:+.2%}" for k, e in errors.items() if abs(e) > 0.03 or e < -0.02}

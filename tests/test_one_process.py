@@ -16,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import tailorfx
 from tailorfx.runtime.measure import quiet_profiler
+from harness import peak_of_step
 from models import hf_family
 
 pytestmark = pytest.mark.slow
@@ -74,17 +75,6 @@ def _tailorfx_ops(fn) -> Counter:
     return Counter(e.name for e in prof.events() if e.name.startswith("tailorfx::"))
 
 
-def _peak_of_step(module, model, inputs) -> int:
-    def step():
-        out = module(**inputs)      # held through backward, as a training loop holds it
-        out.loss.backward()
-        return out
-    model.zero_grad(set_to_none=True)
-    step()
-    model.zero_grad(set_to_none=True)
-    return tailorfx.measure_peak(step)
-
-
 def test_many_models_in_one_process_are_each_rewritten_exact_and_predicted():
     """Each model, whatever was compiled before it: head fused with the loss (logits None), every
     MLP chunked (the models here are dense: every MLP is token-wise), loss and every gradient
@@ -121,7 +111,7 @@ def test_many_models_in_one_process_are_each_rewritten_exact_and_predicted():
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-4, atol=1e-6, msg=f"{tag}: {name}")
         if how == "optimize":
-            measured = _peak_of_step(wrapped, model, inputs)
+            measured = peak_of_step(wrapped, model, inputs)
             predicted = wrapped.predict_memory(S).forward_backward_peak_bytes
             errors[tag] = (predicted - measured) / measured
         del model, eager, wrapped, out, out_ref
