@@ -97,7 +97,10 @@ def table(data: dict) -> str:
                 parts.append(f"grad rel {c['grad_rel']:.1e}")
             if isinstance(c.get("measured"), dict):
                 pred = f"{c['predicted']['peak'] / 2**20:.0f}" if "predicted" in c else "failed"
-                parts.append(f"peak {c['measured']['max_allocated'] / 2**20:.0f} MiB (predicted {pred})")
+                cuda = (f", CUDA-modelled {c['predicted_cuda_modelled']['peak'] / 2**20:.0f}"
+                        if "predicted_cuda_modelled" in c else "")
+                parts.append(f"peak {c['measured']['max_allocated'] / 2**20:.0f} MiB (predicted {pred}{cuda}), "
+                             f"reserved/allocated {c['measured']['reserved_over_allocated']:.2f}")
             if "step_ms" in c:
                 parts.append(f"step {c['step_ms']:.1f} ms")
             if "vs_eager" in c:
