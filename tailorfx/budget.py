@@ -13,9 +13,9 @@ from typing import Optional, Union
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
-# Usable memory of common devices: the marketed size in GiB minus the CUDA context (CUDA_CONTEXT:
-# driver, kernels' modules, NCCL's and cuDNN's handles; outside torch's allocator, about 1.5 GiB
-# on 80 GB parts), so a plan that fits here fits the device.
+# Usable memory of common devices: the marketed size in GiB minus the CUDA context (driver,
+# kernels' modules, NCCL's and cuDNN's handles; outside torch's allocator, about 1.5 GiB on
+# 80 GB parts), so a plan that fits here fits the device.
 PRESETS = {
     "A100-80GB": 80 * 2**30 - 3 * 2**29,
     "A100-40GB": 40 * 2**30 - 3 * 2**29,
@@ -26,8 +26,6 @@ PRESETS = {
 }
 ARCH = {"A100-80GB": "sm80", "A100-40GB": "sm80", "H100-80GB": "sm90", "H200-141GB": "sm90",
         "RTX4090-24GB": "sm89", "L4-24GB": "sm89"}
-
-MiB = 2**20
 
 
 def cublas_workspace_bytes(arch: str, handles: int = 2) -> int:
