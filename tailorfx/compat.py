@@ -172,6 +172,12 @@ def _compile_isolates() -> bool:
     return "isolate_recompiles" in inspect.signature(torch.compile).parameters
 
 
+def compiled_no_frames(e: BaseException) -> bool:
+    """Dynamo's error for a fullgraph=True call that ran without compiling or finding a frame (the
+    default region runs a frame eagerly once a compile there hit its recompile limit)."""
+    return "found no compiled frames" in str(e)
+
+
 def fail_on_recompile_limit():
     """A context in which a frame past Dynamo's recompile limit raises FailOnRecompileLimitHit
     instead of running eagerly unseen (a recording capture then has no graph to return)."""

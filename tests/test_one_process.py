@@ -222,6 +222,7 @@ def test_captures_after_a_users_compile_hit_its_recompile_limit():
     region (the user's torch.compile), Dynamo runs that frame eagerly there: tailorfx's static
     captures (the tensor-parallel plan, pipeline stages) then trace in a region of their own
     instead of reading an empty capture, and optimize() still rewrites."""
+    from tailorfx.codegen.pipeline import capture_static
     from tailorfx.parallelize import plan_tensor_parallel
     compiled = []
 
@@ -236,6 +237,8 @@ def test_captures_after_a_users_compile_hit_its_recompile_limit():
     assert len(compiled) <= 1            # the limit was hit: the second model ran eagerly
     model = hf_family("llama", vocab_size=512)
     ids = torch.randint(0, 512, (1, 32))
+    gm, _, _ = capture_static(model, {"input_ids": ids, "labels": ids})    # fullgraph: Dynamo would raise
+    assert sum(n.op == "placeholder" for n in gm.graph.nodes) > len(list(model.parameters()))   # weights and inputs
     plan, blocks = plan_tensor_parallel(model, (), dict(input_ids=ids, labels=ids))
     assert blocks == ["model.layers.0", "model.layers.1"]
     assert plan.styles["model.layers.0.mlp.down_proj"].startswith("rowwise")

@@ -314,6 +314,10 @@ def run_recorded(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict
         afresh = not _RAN or (fullgraph and len({id(gm) for gm, _ in _RAN}) != 1)
     except compat.FailOnRecompileLimitHit:
         afresh = True
+    except RuntimeError as e:   # fullgraph, the frame run eagerly there: Dynamo says it compiled nothing
+        if not compat.compiled_no_frames(e):
+            raise
+        afresh = True
     if afresh:
         out = run(lambda gm, example_inputs: _record_runs(gm, example_inputs), **compat.compile_isolation())
     seen, ran = set(), []
