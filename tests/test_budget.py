@@ -66,3 +66,19 @@ def test_a_device_preset_plans_with_cuda_costs_and_a_byte_budget_does_not():
         assert with_costs.peak_bytes - without.peak_bytes == costs.bytes(n)
         assert with_costs.breakdown()["CUDA workspaces"] == costs.bytes(n)
     assert "modelled for CUDA (sm80)" in preset.setup.describe()
+
+
+def test_optimize_under_a_device_preset_counts_the_example_batch():
+    """optimize(budget="A100-80GB") plans with the CUDA costs at its example inputs' batch (the
+    flash scratch grows with it); a byte budget plans with none."""
+    import torch
+    import tailorfx
+    from models import hf_family
+    ids = torch.randint(0, 512, (3, 32))
+    example = {"input_ids": ids, "labels": ids}
+    opt = tailorfx.optimize(hf_family("llama", vocab_size=512), budget="A100-80GB", example_inputs=example)
+    costs = opt.setup.device
+    assert costs.arch == "sm80" and costs.attention[0] == 3
+    assert opt.predict_memory(32).device_bytes == costs.bytes(32) > costs.terms(32)["cublas_workspace"]
+    plain = tailorfx.optimize(hf_family("llama", vocab_size=512), budget="1GB", example_inputs=example)
+    assert plain.setup.device is None and plain.predict_memory(32).device_bytes == 0
