@@ -147,19 +147,6 @@ def test_on_cuda_a_sparse_spec_and_packed_documents_take_the_flash_kernel(monkey
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
     exact = tailorfx.optimize(c, passes=["attention"], example_inputs=data).graphs["attention"].graph
     assert [n.kwargs["kind"] for n in exact.nodes if n.target is attention_call] == ["Exact"]
-    # a packed batch: the document mask goes to the kernel as document ids, exact against eager
-    from tailorfx.runtime.packing import PackingCollator
-    g = torch.Generator().manual_seed(1)
-    docs = [torch.randint(1, 100, (n,), generator=g).tolist() for n in (7, 13, 5, 20, 9, 1, 11)]
-    packed = {k: v for k, v in PackingCollator(seq_len=24)(docs).items() if k != "document_ids"}
-    holder = {}
-
-    def wrap(m):
-        holder["opt"] = tailorfx.optimize(m, passes=["attention"], example_inputs=packed)
-        return holder["opt"]
-    compare_with_eager(hf_family("llama", num_layers=1), packed, wrap, rtol=1e-4, atol=1e-6)
-    calls = [n for n in holder["opt"].graphs["attention"].graph.nodes if n.target is triton_ops.triton_attention]
-    assert calls and all(n.kwargs.get("document_ids") is not None for n in calls)
 
 # everything at once on three families: norms, gated MLPs (chunked by the mini-sequence pass, the
 # kernel inside each chunk), flash attention and the fused LM head + loss on the Triton kernel,
