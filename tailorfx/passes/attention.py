@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -337,26 +337,12 @@ def _document_ids(gm: fx.GraphModule, positions: fx.Node, rule: str, made: dict)
     return doc
 
 
-def _on_cuda(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.device.type == "cuda"
-
-
-def _kernel_for(m: Match, kind: str, params: tuple, documents: bool) -> Callable:
-    """attention_call, or on CUDA the Triton flash kernel for a mask torch's SDPA has no kernel
-    for (a sparse spec, packed documents): the runtime's tile engine is for CPU (a Python loop
-    per tile, host copies of the document ids)."""
-    if (kind == "Exact" and not documents) or not _on_cuda(node_value(m.q)):
-        return attention_call
-    from tailorfx.runtime.triton_ops import triton_attention, triton_attention_supports
-    return triton_attention if triton_attention_supports(kind, dict(params)) is None else attention_call
-
-
 def _rewrite(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased: set[str], made: dict) -> fx.Node:
     kwargs = {"kind": kind, "params": params, "causal": m.causal, "scale": m.scale}
     if m.positions is not None:
         kwargs["document_ids"] = _document_ids(gm, m.positions, m.doc_rule, made)
     with gm.graph.inserting_before(m.out):
-        new = gm.graph.call_function(_kernel_for(m, kind, params, m.positions is not None), (m.q, m.k, m.v), kwargs)
+        new = gm.graph.call_function(attention_call, (m.q, m.k, m.v), kwargs)
     annotate(new, m.out, pass_name=NAME)
     m.out.replace_all_uses_with(new)
     _erase_dead(gm, m.out, erased)
