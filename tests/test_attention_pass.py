@@ -333,3 +333,24 @@ def test_kernel_transients_match_the_allocator(kind, params):
             assert 0.9 * measured <= predicted <= 1.5 * measured, (op_name, measured, predicted)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_cuda_models_mask_is_evaluated_on_the_cpu():
+    """The causal and document proofs run the mask's nodes on small CPU tensors; a CUDA model's
+    mask carries device=cuda in its aranges (found on an H100: every proof failed with 'Expected
+    all tensors to be on the same device'), so the evaluator moves them to the CPU."""
+    import torch.fx as fx
+    from tailorfx.passes.attention_mask import _evaluator, _Subgraph
+
+    def mask(L, x):
+        i = torch.arange(L, device=torch.device("cuda"))
+        return x.masked_fill(i[None, :] > i[:, None], float("-inf"))
+    gm = fx.symbolic_trace(mask)
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    L, x = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert any(n.kwargs.get("device") == torch.device("cuda") for n in nodes)
+    fn = _evaluator(_Subgraph(nodes, [L], {}, [], None), x, nodes[-1])
+    xs = torch.randn(4, 4)
+    got = fn(4, xs)
+    assert got.device.type == "cpu"
+    torch.testing.assert_close(got, xs.masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), float("-inf")))

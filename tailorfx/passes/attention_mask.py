@@ -150,10 +150,25 @@ def _masked_floor(dtype: torch.dtype) -> float:
     return fi.min * (1e-4 if fi.max > 1e30 else 0.45)
 
 
+def _to_cpu(v: Any) -> Any:
+    """A device (or device string) as the CPU, a tensor on it; anything else as it is."""
+    if isinstance(v, torch.device) or (isinstance(v, str) and v.split(":")[0] in ("cuda", "xpu", "mps")):
+        return torch.device("cpu")
+    if isinstance(v, torch.Tensor):
+        return v.cpu()
+    if isinstance(v, (tuple, list)):
+        return type(v)(_to_cpu(a) for a in v)
+    if isinstance(v, dict):
+        return {k: _to_cpu(a) for k, a in v.items()}
+    return v
+
+
 def _evaluator(sub: _Subgraph, x: Optional[fx.Node], out: fx.Node) -> fx.GraphModule:
-    """The mask's nodes on their own: (*size leaves, *graph inputs, scores) -> masked scores."""
+    """The mask's nodes on their own: (*size leaves, *graph inputs, scores) -> masked scores, on
+    the CPU whatever device the model is on (the proof evaluates it on small CPU tensors; the
+    `device=` of a CUDA model's aranges and `.to(device)` calls would mix the two)."""
     g = fx.Graph()
-    env: dict[fx.Node, Any] = dict(sub.consts)
+    env: dict[fx.Node, Any] = {k: _to_cpu(v) for k, v in sub.consts.items()}
     for leaf in sub.leaves:
         env[leaf] = g.placeholder(leaf.name)
     for inp in sub.inputs:
@@ -162,7 +177,9 @@ def _evaluator(sub: _Subgraph, x: Optional[fx.Node], out: fx.Node) -> fx.GraphMo
     if x is not None:
         env[x] = x_in
     for n in sub.nodes:
-        env[n] = g.node_copy(n, lambda a: env[a])
+        new = g.node_copy(n, lambda a: env[a])
+        new.args, new.kwargs = _to_cpu(new.args), _to_cpu(new.kwargs)
+        env[n] = new
     g.output(env[out])
     return fx.GraphModule(torch.nn.Module(), g)
 
