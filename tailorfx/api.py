@@ -17,8 +17,7 @@ from tailorfx import compat
 from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import mark_sequence_dims
 from tailorfx.rewrite.regions import Region
-from tailorfx.setup import OPTIMIZERS, TrainingSetup
-from tailorfx.setup import on_device
+from tailorfx.setup import OPTIMIZERS, TrainingSetup, with_device_costs
 from tailorfx.setup import resolve as resolve_setup
 
 
@@ -339,8 +338,10 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
     setup = _setup_for(model, setup, optimizer)
+    examples = _split_examples(example_inputs, example_kwargs)
     if budget is not None:   # a device preset: CUDA's workspaces at the example inputs' batch (1 without them)
-        setup = on_device(setup, Budget.parse(budget), model, _batch_of(example_inputs, example_kwargs))
+        budget = Budget.parse(budget)
+        setup = with_device_costs(setup, budget, model, _batch_of(*examples))
     b, opts = pass_options(budget=budget, minisequence_chunks=minisequence_chunks, attention=attention,
                            precision=precision, precision_policy=precision_policy, setup=setup,
                            recompute=recompute, keep_logits=keep_logits, strict=strict, kernels=kernels)
@@ -349,19 +350,16 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     options = Options(passes=check_passes(passes), pass_options=tuple(sorted(opts.items())),
                       lowering=lowering, predict=check_flag("predict", predict), verify=check_flag("verify", verify))
     if parallel is not None:
-        return _parallel_module(model, options, b, parallel, example_inputs, example_kwargs)
+        return _parallel_module(model, options, b, parallel, *examples)
     opt = OptimizedModule(model, options, b)
     if example_inputs is not None or example_kwargs is not None:
-        args, kwargs = _split_examples(example_inputs, example_kwargs)
-        opt(*args, **kwargs)
+        opt(*examples[0], **examples[1])
     return opt
 
 
-def _batch_of(example_inputs: Any, example_kwargs: Optional[dict]) -> int:
+def _batch_of(args: tuple, kwargs: dict) -> int:
     """The batch size of the example inputs (the first tensor's first dim), 1 without them."""
-    tensors = [t for t in (*(example_inputs.values() if isinstance(example_inputs, dict) else
-                             example_inputs if isinstance(example_inputs, (list, tuple)) else [example_inputs]),
-                           *(example_kwargs or {}).values()) if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() >= 2]
     return tensors[0].shape[0] if tensors else 1
 
 
@@ -376,7 +374,7 @@ def check_triton(model: nn.Module) -> None:
 
 
 def _parallel_module(model: nn.Module, options: Options, budget: Optional[Budget], parallel: dict,
-                     example_inputs: Any, example_kwargs: Optional[dict]) -> OptimizedModule:
+                     args: tuple, kwargs: dict) -> OptimizedModule:
     """optimize(parallel=...): the plan read off the graph, applied with torch.distributed."""
     from tailorfx.parallelize import check_parallel, parallelize, stage_passes
     spec = check_parallel(parallel)
@@ -385,7 +383,6 @@ def _parallel_module(model: nn.Module, options: Options, budget: Optional[Budget
                          "opt.predict_memory() and `tailorfx plan --world` for each rank's memory), or run "
                          "without parallel=")
     passes = stage_passes(spec, options.passes, options.options_dict().get("recompute_policy"))   # before any capture
-    args, kwargs = _split_examples(example_inputs, example_kwargs)
     plan = parallelize(model, parallel, args, kwargs, passes=passes, options=options.options_dict())
     opt = OptimizedModule(model, options, budget)
     opt.session.parallel = plan

@@ -110,10 +110,7 @@ class TailorBackend:
 
     @property
     def session(self) -> Session:
-        session = self._session_ref()
-        if session is None:
-            raise RuntimeError("this graph's tailorfx.OptimizedModule was deleted; optimize the model again")
-        return session
+        return _live(self._session_ref)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         pin_to_model(gm, example_inputs)   # may ask Dynamo to trace again (symbolic length, constant floats)
@@ -234,15 +231,21 @@ class TailorBackend:
         ref().compiled[idx] = compiled
 
         def run(*args):
-            session = ref()
-            if session is None:
-                raise RuntimeError("this graph's tailorfx.OptimizedModule was deleted; optimize the model again")
+            session = _live(ref)
             if session.observing is not None:
                 session.observing.run(idx, args)
             return session.compiled[idx](*args)
         if getattr(compiled, "_boxed_call", False):
             run._boxed_call = True
         return run
+
+
+def _live(ref: Callable[[], Optional[Session]]) -> Session:
+    """The session behind a backend's reference, or the error a deleted OptimizedModule's graph gives."""
+    session = ref()
+    if session is None:
+        raise RuntimeError("this graph's tailorfx.OptimizedModule was deleted; optimize the model again")
+    return session
 
 
 def _check_budget(requested, opts: dict, lazy: Optional[LazyPeak], seq: SeqInfo) -> None:

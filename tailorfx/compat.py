@@ -91,19 +91,21 @@ def tensorified_float_names(placeholders) -> list[str]:
     return names
 
 
-def _source(node):
-    """Where Dynamo read a graph input from (recorded on its placeholder), or None."""
+def _source_name(node) -> Optional[str]:
+    """Where Dynamo read a graph input from (its source recorded on the placeholder), as
+    Dynamo names it ("L['self']._modules['lm_head']._parameters['weight']"), or None."""
     source = getattr(node, "_dynamo_source", None)
     if source is None and node.meta.get("grapharg") is not None:
         source = node.meta["grapharg"].source
-    return source
+    if source is None:
+        return None
+    return source.name() if callable(source.name) else source.name
 
 
 def is_size_input(node) -> bool:
     """A SymInt graph input that is a size or stride of another input (Dynamo passes those apart),
     not an int passed in the call."""
-    source = _source(node)
-    name = "" if source is None else source.name() if callable(source.name) else source.name
+    name = _source_name(node) or ""
     return ".size()" in name or ".stride()" in name
 
 
@@ -122,10 +124,9 @@ def restart_tracing() -> None:
 def is_model_state_input(node) -> bool:
     """A Dynamo graph input read off the model (a parameter, buffer or module attribute), not
     passed in the call: its source (recorded on the placeholder) goes through a module."""
-    source = _source(node)
-    if source is None:
+    name = _source_name(node)
+    if name is None:
         return False
-    name = source.name() if callable(source.name) else source.name
     return "._modules[" in name or "._parameters[" in name or "._buffers[" in name or name.startswith("L['self']")
 
 

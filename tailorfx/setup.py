@@ -181,7 +181,7 @@ def resolve(setup: Union[str, TrainingSetup, None], *, param_dtype: Optional[tor
     return TrainingSetup(param_dtype=dtype, optimizer=optimizer, name=f"{short(dtype)} weights, {optimizer}")
 
 
-def on_device(s: TrainingSetup, budget, model, batch: int) -> TrainingSetup:
+def with_device_costs(s: TrainingSetup, budget, model, batch: int) -> TrainingSetup:
     """`s` for a budget that names a CUDA device (a preset: budget.arch set): its costs that the
     graphs do not show (budget.CudaCosts, at `batch` sequences a step) and the allocator's
     headroom, unless the setup keeps a headroom of its own. Other budgets: `s` unchanged."""

@@ -14,7 +14,7 @@ from tailorfx.budget import Budget, BudgetError, format_bytes
 from tailorfx.options import check_passes, positive_int
 from tailorfx.progress import progress
 from tailorfx.rewrite import memory
-from tailorfx.setup import TrainingSetup, on_device
+from tailorfx.setup import TrainingSetup, with_device_costs
 from tailorfx.setup import resolve as resolve_setup
 
 
@@ -71,7 +71,7 @@ def plan_for_budget(model_or_config: Any, budget: Union[str, int, Budget], seq_l
     positive_int("seq_len", seq_len, allow_none=False)
     positive_int("batch_size", batch_size)
     with _prediction_model(model_or_config, s.param_dtype) as model:
-        s = on_device(s, b, model, batch_size or s.micro_batch_size)
+        s = with_device_costs(s, b, model, batch_size or s.micro_batch_size)
         _check_static(model, s, b, planner.usable(b.bytes, s.headroom))   # before an 8B model's captures
         return _capture(model, None, seq_len, batch_size or s.micro_batch_size, budget=b, setup=s, **optimize_kwargs)
 
@@ -115,7 +115,7 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
         s = resolve_setup(None, param_dtype=dtype, optimizer=optimizer)
     chosen = list(passes) if passes is not None else ["minisequence", "recompute"]
     with _prediction_model(model_or_config, s.param_dtype) as model:
-        s = on_device(s, b, model, batch_size or s.micro_batch_size)
+        s = with_device_costs(s, b, model, batch_size or s.micro_batch_size)
         usable = planner.usable(b.bytes, s.headroom)
         _check_static(model, s, b, usable)   # before the capture: an 8B capture takes half a minute
         with progress(total=1, desc="capturing the step on fake tensors", unit="graph") as bar:

@@ -58,3 +58,22 @@ def peak_of_step(module: nn.Module, model: nn.Module, inputs: dict) -> int:
     step()
     model.zero_grad(set_to_none=True)
     return tailorfx.measure_peak(step)
+
+
+def step_total(module: nn.Module, model: nn.Module, inputs: dict, optimizer) -> int:
+    """Weights + the optimizer state that exists + the measured peak of a later training step
+    (forward, backward, update): what a budget covers. `optimizer`: a torch.optim optimizer or a
+    tailorfx.SetupOptimizer (its state_bytes(), master weights included)."""
+    import tailorfx
+
+    def step():
+        out = module(**inputs)
+        out.loss.backward()
+        optimizer.step()
+    step()   # the optimizer state is allocated here
+    for p in model.parameters():
+        p.grad = None
+    peak = tailorfx.measure_peak(step)
+    state = (optimizer.state_bytes() if hasattr(optimizer, "state_bytes") else
+             sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim() > 0))
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + state + peak

@@ -9,7 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import tailorfx
-from harness import compare_with_eager, peak_of_step
+from harness import compare_with_eager, peak_of_step, step_total
 from models import hf_family
 from tailorfx.runtime.measure import quiet_profiler
 
@@ -55,20 +55,6 @@ def test_every_rewrite_holds_under_inductor(family):
     assert peaks["minisequence+recompute"] < peaks["minisequence"], peaks
 
 
-def _step_total(module, model, inputs, optimizer) -> int:
-    """Weights + AdamW state + the measured peak of a later step (forward, backward, update)."""
-    def step():
-        out = module(**inputs)
-        out.loss.backward()
-        optimizer.step()
-    step()
-    for p in model.parameters():
-        p.grad = None
-    peak = tailorfx.measure_peak(step)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return params + 2 * params + peak     # fp32 AdamW: exp_avg and exp_avg_sq
-
-
 def test_the_planner_keeps_a_budget_under_inductor():
     """HF Llama (vocab 32000, hidden 256, 2 layers) at 2048 tokens under 45% of eager's measured
     step, lowering="inductor": planned, rewritten and measured within the budget, with AdamW after
@@ -79,11 +65,11 @@ def test_the_planner_keeps_a_budget_under_inductor():
     ids = torch.randint(0, 32000, (1, 2048), generator=torch.Generator().manual_seed(1))
     inputs = {"input_ids": ids, "labels": ids.clone()}
     eager = copy.deepcopy(base)
-    budget = int(0.45 * _step_total(eager, eager, inputs, torch.optim.AdamW(eager.parameters(), lr=1e-4)))
+    budget = int(0.45 * step_total(eager, eager, inputs, torch.optim.AdamW(eager.parameters(), lr=1e-4)))
     for setup in (TrainingSetup(), TrainingSetup(optimizer_in_backward=True)):
         model = copy.deepcopy(base)
         opt = tailorfx.optimize(model, budget=budget, lowering="inductor", setup=setup, example_inputs=inputs)
         assert [g.lowering for g in opt.session.graphs] == ["inductor"] and opt(**inputs).logits is None
         optimizer = tailorfx.SetupOptimizer(model.parameters(), opt.setup, lr=1e-4)
-        measured = _step_total(opt, model, inputs, optimizer)
+        measured = step_total(opt, model, inputs, optimizer)
         assert measured <= budget, (setup.optimizer_in_backward, measured, budget)

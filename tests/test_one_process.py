@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import tailorfx
 from tailorfx.runtime.measure import quiet_profiler
-from harness import peak_of_step
+from harness import peak_of_step, step_total
 from models import hf_family
 
 pytestmark = pytest.mark.slow
@@ -123,22 +123,6 @@ def _mistral_like(seed: int):
     return hf_family("mistral", vocab_size=32000, hidden_size=64, intermediate_size=160, seed=seed)
 
 
-def _step_total(module, model, inputs) -> int:
-    """Weights + AdamW state + the measured peak of a second training step (forward, backward, step)."""
-    o = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step():
-        out = module(**inputs)
-        out.loss.backward()
-        o.step()
-    step()
-    for p in model.parameters():
-        p.grad = None
-    peak = tailorfx.measure_peak(step)
-    state = sum(t.numel() * t.element_size() for s in o.state.values() for t in s.values() if t.dim() > 0)
-    return sum(p.numel() * p.element_size() for p in model.parameters()) + state + peak
-
-
 def test_a_budget_after_another_family_is_kept_when_measured():
     """Qwen3, then a Mistral-like model (vocab 32000, 2048 tokens) under 45% of eager's measured
     step, through optimize() and through torch.compile(backend="tailorfx", options={"budget":
@@ -149,7 +133,7 @@ def test_a_budget_after_another_family_is_kept_when_measured():
     inputs = {"input_ids": ids, "labels": ids.clone()}
     base = _mistral_like(0)
     eager_model = copy.deepcopy(base)
-    eager_total = _step_total(eager_model, eager_model, inputs)
+    eager_total = step_total(eager_model, eager_model, inputs, torch.optim.AdamW(eager_model.parameters(), lr=1e-4))
     budget = int(0.45 * eager_total)
     model = copy.deepcopy(base)
     with warnings.catch_warnings():
@@ -157,13 +141,13 @@ def test_a_budget_after_another_family_is_kept_when_measured():
         opt = tailorfx.optimize(model, budget=budget, example_inputs=inputs)
     assert not any(g.failed for g in opt.session.graphs)
     assert opt(**inputs).logits is None
-    assert _step_total(opt, model, inputs) <= budget
+    assert step_total(opt, model, inputs, torch.optim.AdamW(model.parameters(), lr=1e-4)) <= budget
     # the same budget through the backend, on another copy (Dynamo's cache holds the first)
     model = copy.deepcopy(base)
     compiled = torch.compile(model, backend="tailorfx", options={"budget": budget})
     with _as_a_sweep_sets_dynamo("torch.compile"):
         assert compiled(**inputs).logits is None
-        assert _step_total(compiled, model, inputs) <= budget
+        assert step_total(compiled, model, inputs, torch.optim.AdamW(model.parameters(), lr=1e-4)) <= budget
 
 
 def test_under_a_budget_a_graph_whose_passes_fail_is_refused(monkeypatch):

@@ -125,9 +125,9 @@ def cuda_modelled(opt, entry: dict, preset: "str | None"):
     if preset is None:
         return None
     from tailorfx.budget import Budget
-    from tailorfx.setup import on_device
+    from tailorfx.setup import with_device_costs
     batch = entry["shape"].get("batch", 1)
-    return opt.predict_memory(setup=on_device(opt.setup, Budget.parse(preset), opt.model, batch))
+    return opt.predict_memory(setup=with_device_costs(opt.setup, Budget.parse(preset), opt.model, batch))
 
 
 def measure(run: Run, entry: dict, reps: int) -> dict:

@@ -177,9 +177,10 @@ def pin_to_model(gm: fx.GraphModule, example_inputs: list, seq_dim: int = 1) -> 
     constant, and (B, S) / (B, S, H) inputs with a static S are marked dynamic there and traced
     again (both raise Dynamo's restart, as its own tensorify pass does; asked once each). Their
     lengths, where Dynamo gave each input a symbol of its own, are guarded equal (one sequence
-    symbol, as Dynamo's duck sizing gives a fresh process). Every other size symbol (the model's own sizes, a batch size that changed) is pinned to its value
-    with a guard, as in a process that compiled nothing before; an int passed in the call (e.g.
-    `num_items_in_batch`) stays as Dynamo made it (pinned, every new value would compile again).
+    symbol, as Dynamo's duck sizing gives a fresh process). Every other size symbol (the model's
+    own sizes, a batch size that changed) is pinned to its value with a guard, as in a process
+    that compiled nothing before; an int passed in the call (e.g. `num_items_in_batch`) stays as
+    Dynamo made it (pinned, every new value would compile again).
     Returns the pinned symbols' names.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
