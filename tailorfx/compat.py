@@ -337,6 +337,58 @@ def _quiet_metrics_logging(ignored_ids: frozenset) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def inductor_generated(g, example_inputs, is_backward: bool, is_inference: bool) -> Iterator:
+    """What compile_fx_inner does to one AOTAutograd graph, up to its generated wrapper code, with
+    nothing compiled (checked on torch 2.11 and 2.13): post-grad passes, lowering, scheduling and
+    code generation. Yields the GraphLowering (`wrapper_code.lines`, `scheduler`) while Inductor's
+    handlers for it are active. Lowering an RNG-state op runs it for its real CPU tensor, as a
+    compile does, so the fake mode admits that one real tensor meanwhile."""
+    from torch._inductor.compile_fx import (_recursive_post_grad_passes, _recursive_record_original_output_strides,
+                                            fake_tensor_prop, view_to_reshape)
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.virtualized import V
+    view_to_reshape(g)
+    with torch.no_grad():
+        mode = fake_tensor_prop(g, list(example_inputs))
+    _recursive_record_original_output_strides(g)
+    allowed = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True
+    try:
+        with V.set_fake_mode(mode), DebugContext():
+            _recursive_post_grad_passes(g, is_inference=is_inference)
+            graph = GraphLowering(g, example_inputs=list(example_inputs), shape_env=mode.shape_env,
+                                  is_inference=is_inference, is_backward=is_backward)
+            with V.set_graph_handler(graph), V.set_extern_kernel_nodes([]):
+                graph.run(*example_inputs)
+                graph.codegen()   # sources only: in-place reuse and CPU kernel groups are decided here
+                yield graph
+    finally:
+        mode.allow_non_fake_inputs = allowed
+
+
+def inductor_modules():
+    """Inductor's IR and wrapper-codegen modules (their buffer layouts and wrapper line classes)."""
+    from torch._inductor import ir
+    from torch._inductor.codegen import wrapper
+    return ir, wrapper
+
+
+def backward_compiled_with_forward():
+    """AOTAutograd compiles the backward when it compiles the forward, not at the first backward."""
+    import torch._functorch.config as functorch_config
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
+
+
+def autograd_cache_off():
+    """AOTAutograd's cache left out of a compile: its key is the graph's code, which does not show
+    the recompute tags the partitioner follows (measured: a tagged graph loaded the untagged one's
+    artifact, saving everything). Inductor's FX graph cache still serves the partitioned graphs."""
+    import torch._functorch.config as functorch_config
+    return functorch_config.patch(enable_autograd_cache=False)
+
+
+@contextlib.contextmanager
 def isolated_tracing(example_inputs) -> Iterator[None]:
     """A TracingContext of our own for AOTAutograd traces made only to predict memory, so they
     cannot leave state (parameters, forward metadata) in the one Dynamo is compiling with."""

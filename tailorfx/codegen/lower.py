@@ -2,6 +2,7 @@
 A graph no pass changed runs as Dynamo captured it ("dynamo"): eager autograd, no AOTAutograd."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -43,9 +44,12 @@ def settle(lowering: str, changed: bool, optimizer_in_backward: bool) -> str:
 
 def partition_for(lowering: str, gm: Optional[fx.GraphModule] = None) -> str:
     """The partitioner a graph is lowered with, so the memory model traces the same split:
-    min-cut for Inductor and for graphs carrying recompute tags (it honours them), else the
-    default partitioner, which saves what eager autograd would."""
-    if lowering == "inductor" or (gm is not None and any("recompute" in n.meta for n in gm.graph.nodes)):
+    Inductor's own ("inductor": its partition and kernel schedule, rewrite/inductor_schedule.py),
+    min-cut for graphs carrying recompute tags (it honours them), else the default partitioner,
+    which saves what eager autograd would."""
+    if lowering == "inductor":
+        return "inductor"
+    if gm is not None and any("recompute" in n.meta for n in gm.graph.nodes):
         return "min_cut"
     return "default"
 
@@ -74,7 +78,9 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     split = split_lazy_outputs(gm)
     gm = split.gm
     if lowering == "inductor":
-        return _with_lazy_outputs(compat.compile_fx()(gm, list(example_inputs)), split)
+        tagged = any("recompute" in n.meta for n in gm.graph.nodes)
+        with compat.autograd_cache_off() if tagged else contextlib.nullcontext():
+            return _with_lazy_outputs(compat.compile_fx()(gm, list(example_inputs)), split)
 
     def eager(g: fx.GraphModule, _):
         return compat.make_boxed_func(g.forward)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import sympy
 import torch
@@ -22,6 +22,9 @@ from tailorfx.rewrite.saved_dtype import store_saved_low
 from tailorfx.rewrite.regions import is_param
 from tailorfx.setup import TrainingSetup
 
+if TYPE_CHECKING:
+    from tailorfx.rewrite.inductor_schedule import Schedule  # noqa: F401
+
 @dataclass
 class StepGraphs:
     """The forward and backward graphs of one captured subgraph, as AOTAutograd partitions them."""
@@ -33,6 +36,9 @@ class StepGraphs:
     # run under eager autograd (the "dynamo" lowering), not as AOTAutograd's backward: each saved
     # tensor is freed once the backward no longer needs it, not when the whole backward returns
     eager_autograd: bool = False
+    # lowered by Inductor: each graph's kernel order and buffers (rewrite/inductor_schedule.py)
+    fw_schedule: Optional["Schedule"] = None
+    bw_schedule: Optional["Schedule"] = None
 
 
 def fake_inputs(gm: fx.GraphModule) -> list:
@@ -82,6 +88,10 @@ def trace_step(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None,
     """
     gm = split_lazy_outputs(without_identity_dropout(gm)).gm
     example_inputs = fake_inputs(gm) if example_inputs is None else example_inputs
+    if partition == "inductor":   # Inductor's partition and schedules (its optimizer steps run from hooks)
+        from tailorfx.rewrite import inductor_schedule
+        fw, bw, n, fw_s, bw_s = inductor_schedule.trace(gm, example_inputs)
+        return replace(make_step(gm, fw, bw, n), fw_schedule=fw_s, bw_schedule=bw_s)
     rec: dict = {}
     partition_fn = (compat.default_partition if partition == "default"
                     else compat.min_cut_rematerialization_partition)
@@ -171,13 +181,16 @@ class Sizer:
         return int(e.xreplace({k: sympy.Integer(v) for k, v in self.subs.items() if k in e.free_symbols}))
 
     def __call__(self, t: torch.Tensor) -> int:
-        e = compat.sym_expr(t.numel())
+        return self.bytes(compat.sym_expr(t.numel()), t.element_size())
+
+    def bytes(self, e, itemsize: int = 1) -> int:
+        """`e` (a sympy count of elements) times `itemsize`, at the predicted length."""
         if e.is_Integer:
-            return int(e) * t.element_size()
+            return int(e) * itemsize
         key = e
         if key not in self._cache:
             val = e.xreplace({k: sympy.Integer(v) for k, v in self.subs.items() if k in e.free_symbols})
             if not val.is_number:
                 raise ValueError(f"tensor size {e} depends on symbols with no known value: {val.free_symbols}")
             self._cache[key] = int(val)
-        return self._cache[key] * t.element_size()
+        return self._cache[key] * itemsize

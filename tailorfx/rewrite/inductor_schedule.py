@@ -1,0 +1,190 @@
+"""The memory model under lowering="inductor": the forward and backward graphs Inductor compiles and
+the memory events of the code it generates for them, on fake tensors, with nothing compiled.
+
+A Dynamo graph goes through Inductor's own `compile_fx` (its decompositions, joint-graph passes and
+min-cut partition) with an inner compiler that stops once the wrapper code is generated: post-grad
+passes, lowering, the Scheduler (fusion, `reorder_for_peak_memory`'s order) and code generation,
+which decides in-place reuse and, on CPU, which scheduler nodes share one C++ kernel. The
+wrapper's lines are then read in order as allocations, reuses and frees between kernel calls,
+with sizes kept as expressions in the sequence length, so one schedule serves every length. The
+tensors a graph receives (weights, saved activations, tangents) and returns (saved tensors,
+gradients) stay the memory model's to hold (rewrite/memory.py), told when the code drops each.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import sympy
+import torch
+import torch.fx as fx
+
+from tailorfx import compat
+
+
+@dataclass
+class Schedule:
+    """One graph as Inductor's generated code runs it: per kernel call, the bytes allocated before
+    it and freed after it (sympy, in the graph's size symbols), and what each output is."""
+    gm: Optional[fx.GraphModule]                         # the post-grad graph Inductor lowered
+    names: list[str] = field(default_factory=list)       # per step: the kernel's name
+    allocs: list[sympy.Expr] = field(default_factory=list)
+    frees: list[sympy.Expr] = field(default_factory=list)
+    origins: list[list[fx.Node]] = field(default_factory=list)   # per step: the fx nodes it runs
+    # per output: ("input", placeholder index), ("buffer", bytes), or None (not a tensor)
+    outputs: list[Optional[tuple[str, object]]] = field(default_factory=list)
+    output_keys: list[Optional[str]] = field(default_factory=list)   # the buffer behind each output
+    # per step: the inputs (placeholder indices) the generated code drops after it (it clears its
+    # boxed argument list; a saved activation then lives only as long as the backward needs it)
+    inputs_done: list[list[int]] = field(default_factory=list)
+    inputs_reused: list[list[int]] = field(default_factory=list)   # per step: inputs a kernel overwrites in place
+
+
+def _schedule(g: fx.GraphModule, example_inputs: Sequence, is_backward: bool, is_inference: bool) -> Schedule:
+    """Generate `g`'s code as compile_fx_inner would (an AOTAutograd forward or backward graph,
+    given to Inductor's inner compiler) and read its memory events."""
+    placeholders = {n.target: i for i, n in enumerate(n for n in g.graph.nodes if n.op == "placeholder")}
+    with compat.inductor_generated(g, example_inputs, is_backward, is_inference) as graph:
+        out = _walk(graph, placeholders)
+    out.gm = g
+    return out
+
+
+class _Walk:
+    """The generated wrapper's lines, read as memory events (see _walk)."""
+
+    def __init__(self, graph, placeholders: dict[str, int]):
+        self.graph, self.placeholders = graph, placeholders
+        self.out = Schedule(gm=None)
+        self.live: dict[str, sympy.Expr] = {}     # the graph's own storages, by the name holding each
+        self.pending = sympy.Integer(0)            # allocated since the last kernel
+        self.reused: list[int] = []                # inputs a kernel will overwrite in place
+
+    def kernel(self, name: str, origins: list) -> None:
+        o = self.out
+        o.names.append(name)
+        o.allocs.append(self.pending)
+        o.frees.append(sympy.Integer(0))
+        o.origins.append(origins)
+        o.inputs_done.append([])
+        o.inputs_reused.append(self.reused)
+        self.pending, self.reused = sympy.Integer(0), []
+
+    def alloc(self, name: str, nbytes) -> None:
+        self.live[name] = self.live.get(name, sympy.Integer(0)) + nbytes
+        self.pending += nbytes
+
+    def free(self, name: str) -> None:
+        if name in self.live:
+            if not self.out.names:
+                self.kernel("start", [])
+            self.out.frees[-1] += self.live.pop(name)
+        elif name in self.placeholders:
+            if not self.out.names:
+                self.kernel("start", [])
+            self.out.inputs_done[-1].append(self.placeholders[name])
+
+
+def _storage_bytes(node) -> sympy.Expr:
+    """Bytes an allocation of this IR buffer takes (0 for a view into another's storage)."""
+    ir, _ = compat.inductor_modules()
+    layout = node.get_output_spec() if hasattr(node, "get_output_spec") else node.get_layout()
+    if isinstance(layout, (ir.NoneLayout, ir.NonOwningLayout, ir.MultiOutputLayout)):
+        return sympy.Integer(0)
+    if getattr(node, "get_inputs_that_alias_output", None) and node.get_inputs_that_alias_output():
+        return sympy.Integer(0)
+    return sympy.sympify(layout.storage_size()) * layout.dtype.itemsize
+
+
+def _walk(graph, placeholders: dict[str, int]) -> Schedule:
+    """The memory events of the code Inductor generated for `graph`, in its order: each buffer's
+    allocation, reuse (a freed buffer or an input taken over in place) and free, and when the
+    code drops each input, between its kernel calls (on CPU several scheduler nodes run in one
+    C++ kernel, their buffers allocated before it and freed after)."""
+    ir, w = compat.inductor_modules()
+    walk = _Walk(graph, placeholders)
+    kernels = tuple(getattr(w, c) for c in ("KernelCallLine", "ExternKernelOutLine", "ExternKernelAllocLine",
+                                             "ExternKernelMultiOutLine", "IndexPutFallbackLine", "ScatterFallbackLine")
+                    if hasattr(w, c))
+    for line in graph.wrapper_code.lines:
+        if isinstance(line, w.AllocateLine):
+            if line.node.get_name() not in graph.removed_buffers:
+                walk.alloc(line.node.get_name(), _storage_bytes(line.node))
+        elif isinstance(line, w.ReuseLine):
+            old, new = line.node.get_name(), line.reused_as.get_name()
+            if old in walk.live:
+                walk.live[new] = walk.live.pop(old)
+            elif old in placeholders:       # an input overwritten in place: its storage is now the output's
+                walk.reused.append(placeholders[old])
+                walk.alloc(new, _storage_bytes(line.reused_as))
+        elif isinstance(line, w.FreeIfNotReusedLine):
+            if not line.is_reused:
+                walk.free(line.node.get_name())
+        elif isinstance(line, w.FreeLine):
+            walk.free(line.node.get_name())
+        elif isinstance(line, w.MultiOutputLine):
+            if line.arg_name in walk.live:
+                part = _storage_bytes(graph.get_buffer(line.result_name))
+                walk.live[line.arg_name] -= part
+                walk.live[line.result_name] = part
+        elif isinstance(line, kernels):
+            node = getattr(line, "node", None)
+            if isinstance(line, w.ExternKernelAllocLine) or type(line).__name__ == "ExternKernelMultiOutLine":
+                name = node.get_name()
+                if isinstance(node.get_output_spec(), ir.MultiOutputLayout):
+                    total = sum((_storage_bytes(o) for o in getattr(node, "outputs", ()) or ()
+                                 if isinstance(o, ir.IRNode)), sympy.Integer(0))
+                    walk.alloc(name, total)
+                else:
+                    walk.alloc(name, _storage_bytes(node))
+            origins = [o for o in getattr(node, "origins", ()) if isinstance(o, fx.Node)] if node is not None else []
+            walk.kernel(getattr(line, "kernel_name", None) or (node.get_name() if node is not None else "kernel"), origins)
+    if walk.pending != 0 or walk.reused:
+        walk.kernel("end", [])
+    out = walk.out
+    real = graph.scheduler.mutation_real_name
+    for name in graph.get_output_names():
+        name = _real(name, real)
+        if name in placeholders:
+            out.outputs.append(("input", placeholders[name]))
+            out.output_keys.append(name)
+        elif name in walk.live:
+            out.outputs.append(("buffer", walk.live[name]))
+            out.output_keys.append(name)
+        else:
+            out.outputs.append(None)
+            out.output_keys.append(None)
+    # an output's bytes leave the graph's own count when the caller takes it (memory.py)
+    return out
+
+
+def _real(name: str, real: dict) -> str:
+    """The buffer an in-place mutation's new name stands for."""
+    while name in real:
+        name = real[name]
+    return name
+
+
+def trace(gm: fx.GraphModule, example_inputs: Sequence) -> tuple[fx.GraphModule, Optional[fx.GraphModule], int,
+                                                                   Schedule, Optional[Schedule]]:
+    """(forward, backward, number of user outputs, their schedules) of `gm` as Inductor compiles
+    it for training, on `example_inputs` (fake, possibly symbolic); compiles no code."""
+    rec: dict = {}
+
+    def inner(g: fx.GraphModule, inputs, **kw):
+        backward = bool(kw.get("is_backward", False))
+        as_traced = fx.GraphModule(g, copy.deepcopy(g.graph))   # before post-grad passes: AOTAutograd's names
+        rec["bw" if backward else "fw"] = (as_traced, _schedule(g, inputs, backward, bool(kw.get("is_inference"))))
+        return compat.make_boxed_func(as_traced.forward)
+
+    own = fx.GraphModule(gm, copy.deepcopy(gm.graph))   # compile_fx takes ownership of what it gets
+    with compat.isolated_tracing(example_inputs), compat.backward_compiled_with_forward():
+        compat.compile_fx()(own, list(example_inputs), inner_compile=inner)
+    fw, fw_sched = rec["fw"]
+    bw, bw_sched = rec.get("bw", (None, None))
+    n_user = len(fw_sched.outputs)
+    if bw is not None:
+        bw_inputs = [n for n in bw.graph.nodes if n.op == "placeholder"]
+        n_user -= sum(1 for n in bw_inputs if not n.name.startswith("tangents"))
+    return fw, bw, n_user, fw_sched, bw_sched
