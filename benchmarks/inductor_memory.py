@@ -1,8 +1,9 @@
 """The memory model under lowering="inductor" (CPU): predicted vs measured forward + backward peak
 (output held through backward), HF families x pass sets x lengths, and exactness against eager.
 
-    python benchmarks/inductor_memory.py                       # 6 families x 5 pass sets x 3 lengths
+    python benchmarks/inductor_memory.py                       # 6 families x 5 pass sets x 3 lengths, the planner
     python benchmarks/inductor_memory.py --families llama --seqs 512
+    python benchmarks/inductor_memory.py --families --planner-seq 4096   # only the planner's budget rows
 
 Each model (vocab 8192, 2 layers, the families' tiny configs of tests/models.py) is optimize()d
 once per pass set at the first length with lowering="inductor"; the other lengths run the same
@@ -68,14 +69,55 @@ def rows_for(family: str, seqs: list[int], vocab: int) -> list[dict]:
     return rows
 
 
+def planner_rows(seq: int) -> list[dict]:
+    """The planner under Inductor on HF Llama (vocab 32000, hidden 256, 2 layers) at `seq` tokens,
+    budget 45% of eager's measured step (weights + AdamW state + the peak of forward, backward and
+    step): AdamW after backward, and the step in backward (fp32)."""
+    import tailorfx
+    from harness import step_total
+    from models import hf_family
+    from tailorfx.setup import TrainingSetup
+    base = hf_family("llama", vocab_size=32000, hidden_size=256, intermediate_size=688)
+    ids = torch.randint(0, 32000, (1, seq), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    eager = copy.deepcopy(base)
+    eager_step = step_total(eager, eager, inputs, torch.optim.AdamW(eager.parameters(), lr=1e-4))
+    budget = int(0.45 * eager_step)
+    rows = []
+    for label, setup in (("AdamW after backward", TrainingSetup()),
+                         ("AdamW in backward", TrainingSetup(optimizer_in_backward=True))):
+        model = copy.deepcopy(base)
+        opt = tailorfx.optimize(model, budget=budget, lowering="inductor", setup=setup, example_inputs=inputs)
+        optimizer = tailorfx.SetupOptimizer(model.parameters(), opt.setup, lr=1e-4)
+        measured = step_total(opt, model, inputs, optimizer)
+        predicted = opt.predict_memory(seq).peak_bytes
+        rows.append({"setup": label, "seq": seq, "eager_step": eager_step, "budget": budget, "measured": measured,
+                     "predicted": predicted, "plan": str(opt.session.graphs[0].plan.passes),
+                     "lowering": [g.lowering for g in opt.session.graphs]})
+        print(f"{label}: eager step {eager_step / 2**20:.1f} MiB, budget {budget / 2**20:.1f} MiB, measured "
+              f"{measured / 2**20:.1f} MiB, predicted {predicted / 2**20:.1f} MiB, plan {rows[-1]['plan']}", flush=True)
+    return rows
+
+
 def main():
     from common import print_table, write_json
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--families", nargs="+", default=["llama", "qwen2", "mistral", "gemma2", "phi3", "gpt_neox"])
+    ap.add_argument("--families", nargs="*", default=["llama", "qwen2", "mistral", "gemma2", "phi3", "gpt_neox"])
     ap.add_argument("--seqs", type=int, nargs="+", default=[256, 512, 1024])
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--planner-seq", type=int, default=4096, help="the planner's budget rows (0: skip)")
     a = ap.parse_args()
+    if a.planner_seq:
+        from common import print_table, write_json
+        prows = planner_rows(a.planner_seq)
+        print_table(f"the planner under lowering='inductor', HF Llama vocab 32000, {a.planner_seq} tokens, budget 45% of eager's step",
+                    ["setup", "budget MiB", "measured MiB", "predicted MiB", "plan"],
+                    [[r["setup"], f"{r['budget'] / 2**20:.1f}", f"{r['measured'] / 2**20:.1f}",
+                      f"{r['predicted'] / 2**20:.1f}", r["plan"]] for r in prows])
+        print("wrote", write_json("inductor_planner.json", {"rows": prows}))
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    if not a.families:
+        return
     rows = [r for f in a.families for r in rows_for(f, a.seqs, a.vocab)]
     within = [r for r in rows if -0.02 <= r["error"] <= 0.03]
     print_table(f"lowering='inductor' on CPU: predicted vs measured forward+backward peak (vocab {a.vocab})",
