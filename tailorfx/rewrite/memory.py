@@ -214,15 +214,16 @@ def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: s
 
 def _run_schedule(g: fx.GraphModule, sched, pool: _Pool, env: dict, sizer: Sizer, phase: str,
                   setup: TrainingSetup, grads: bool = False, dropped: Optional[Callable[[str], None]] = None) -> list:
-    """Simulate one graph as Inductor runs it (rewrite/inductor_schedule.py): its kernels in the
-    scheduler's order, each allocating its buffers and freeing those it used last, by Inductor's
-    own lifetimes. `env` as for _run_graph; `dropped(name)` runs when the generated code drops
+    """Simulate one graph as Inductor's generated code runs it (rewrite/inductor_schedule.py): its
+    kernel calls in order, with what the code allocates before each and frees after. `env` as for
+    _run_graph; `dropped(name)` runs when the generated code drops
     its reference to that input (what else holds it decides whether it is freed); `grads`: the
     outputs are gradients."""
     inputs = _placeholders(g)
     for n in inputs:
         for sid in env.get(n.name, []):
             pool.hold(sid, ("input", phase, n.name))
+
     def drop(i: int) -> None:
         for sid in env.get(inputs[i].name, []):
             pool.release(sid, ("input", phase, inputs[i].name))
