@@ -374,6 +374,21 @@ def inductor_modules():
     return ir, wrapper
 
 
+def inductor_joint_pass(fn, version: str):
+    """A config patch giving Inductor `fn(graph)` as its joint-graph custom post pass (run on the
+    joint forward+backward graph before it partitions); `version` keys Inductor's caches."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _Pass(CustomGraphPass):
+        def __call__(self, graph):
+            fn(graph)
+
+        def uuid(self):
+            return version
+    return inductor_config.patch(joint_custom_post_pass=_Pass())
+
+
 def backward_compiled_with_forward():
     """AOTAutograd compiles the backward when it compiles the forward, not at the first backward."""
     import torch._functorch.config as functorch_config

@@ -2,7 +2,6 @@
 A graph no pass changed runs as Dynamo captured it ("dynamo"): eager autograd, no AOTAutograd."""
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -11,6 +10,7 @@ import torch.fx as fx
 
 from tailorfx import compat
 from tailorfx.rewrite.capture import with_eager_grouped_mm
+from tailorfx.rewrite.inductor_schedule import compile_context
 from tailorfx.rewrite.lazy_outputs import Split, split_lazy_outputs
 from tailorfx.rewrite.trace import captured_inputs, fake_inputs, trainable_inputs
 from tailorfx.rewrite.optimizer_step import fuse_into_backward
@@ -78,8 +78,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     split = split_lazy_outputs(gm)
     gm = split.gm
     if lowering == "inductor":
-        tagged = any("recompute" in n.meta for n in gm.graph.nodes)
-        with compat.autograd_cache_off() if tagged else contextlib.nullcontext():
+        with compile_context(gm):
             return _with_lazy_outputs(compat.compile_fx()(gm, list(example_inputs)), split)
 
     def eager(g: fx.GraphModule, _):

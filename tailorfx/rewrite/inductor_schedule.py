@@ -12,6 +12,7 @@ gradients) stay the memory model's to hold (rewrite/memory.py), told when the co
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -21,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from tailorfx import compat
+from tailorfx.rewrite import saved_dtype
 
 
 @dataclass
@@ -166,6 +168,21 @@ def _real(name: str, real: dict) -> str:
     return name
 
 
+def compile_context(gm: fx.GraphModule) -> contextlib.AbstractContextManager:
+    """What compiling `gm` with Inductor needs of tailorfx's decisions that the graph's code does
+    not show: values tagged to be saved in bf16 cross to the backward in bf16 (a joint-graph pass,
+    rewrite/saved_dtype.py), and a graph with recompute or save tags compiles with AOTAutograd's
+    cache off (its key is the code, blind to the tags: a tagged graph compiled after the same
+    graph untagged loaded the untagged artifact). Used alike by the lowering and the prediction."""
+    stack = contextlib.ExitStack()
+    low = saved_dtype.tagged(gm)
+    if low or any("recompute" in n.meta for n in gm.graph.nodes):
+        stack.enter_context(compat.autograd_cache_off())
+    if low:
+        stack.enter_context(compat.inductor_joint_pass(saved_dtype.round_trip_backward_reads, "tailorfx-saved-low-1"))
+    return stack
+
+
 def trace(gm: fx.GraphModule, example_inputs: Sequence) -> tuple[fx.GraphModule, Optional[fx.GraphModule], int,
                                                                    Schedule, Optional[Schedule]]:
     """(forward, backward, number of user outputs, their schedules) of `gm` as Inductor compiles
@@ -179,7 +196,7 @@ def trace(gm: fx.GraphModule, example_inputs: Sequence) -> tuple[fx.GraphModule,
         return compat.make_boxed_func(as_traced.forward)
 
     own = fx.GraphModule(gm, copy.deepcopy(gm.graph))   # compile_fx takes ownership of what it gets
-    with compat.isolated_tracing(example_inputs), compat.backward_compiled_with_forward():
+    with compat.isolated_tracing(example_inputs), compat.backward_compiled_with_forward(), compile_context(own):
         compat.compile_fx()(own, list(example_inputs), inner_compile=inner)
     fw, fw_sched = rec["fw"]
     bw, bw_sched = rec.get("bw", (None, None))
