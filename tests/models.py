@@ -61,6 +61,8 @@ FAMILIES = {
                "query_pre_attn_scalar": 16},
     "gemma3_text": {"head_dim": 16, "query_pre_attn_scalar": 16},
     "cohere": {"logit_scale": 0.5},
+    "granite": {"logits_scaling": 8.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                "attention_multiplier": 0.015625},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                   "shared_expert_intermediate_size": 64},

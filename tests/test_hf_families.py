@@ -27,10 +27,10 @@ CANNOT = {
 }
 
 
-# Ten of the families in tests/models.py (dense, GQA, MoE, soft-capping, logit scale, tied
-# embeddings, parallel blocks, GPT-2's Conv1D); the others (mistral, qwen3, olmo2, falcon,
+# Eleven of the families in tests/models.py (dense, GQA, MoE, soft-capping, logits scaled by a
+# product or a quotient, tied embeddings, parallel blocks, GPT-2's Conv1D); the others (mistral, qwen3, olmo2, falcon,
 # stablelm, starcoder2, gemma3_text) pass too and are left out to keep the suite's time.
-SWEEP = ["llama", "qwen2", "phi3", "gpt_neox", "gemma2", "cohere", "mixtral", "qwen2_moe", "olmoe", "gpt2"]
+SWEEP = ["llama", "qwen2", "phi3", "gpt_neox", "gemma2", "cohere", "granite", "mixtral", "qwen2_moe", "olmoe", "gpt2"]
 
 
 @pytest.mark.slow

@@ -85,6 +85,7 @@ def test_head_loss_fusion_reads_the_logit_transform_off_the_graph():
     # what the vocab-parallel head's fused loss must apply between the head and cross_entropy
     assert plan_of("gemma2", tie_word_embeddings=False)[1].head_loss == (30.0, None)   # c * tanh(z / c)
     assert plan_of("cohere", tie_word_embeddings=False)[1].head_loss == (None, 0.5)   # logit_scale * z
+    assert plan_of("granite", tie_word_embeddings=False)[1].head_loss == (None, 0.125)   # z / logits_scaling
 
 
 def test_vocab_parallel_cross_entropy_equals_torch_on_one_rank():

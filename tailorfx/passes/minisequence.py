@@ -316,26 +316,32 @@ def _loss_kwargs(loss: fx.Node):
 
 
 def _logit_transform(chain: list[fx.Node]):
-    """(softcap, logit_scale) of the ops between head and loss, or the reason they are not fused."""
+    """(softcap, logit_scale) of the ops between head and loss, or the reason they are not fused:
+    multiplications and divisions by constants (one scale, Cohere's `* logit_scale`, Granite's
+    `/ logits_scaling`), then at most one soft-cap c*tanh(z/c) (Gemma-2)."""
     steps = []
     for n in chain:
         name = match.op_name(n)
         if name in _PASSTHROUGH:
             continue
         scalars = [a for a in n.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
-        steps.append((name, float(scalars[0]) if len(scalars) == 1 and len(n.args) == 2 else None))
-    scale = softcap = None
-    k = 0
-    if k < len(steps) and steps[k][0] == "mul" and steps[k][1] is not None:
-        scale, k = steps[k][1], k + 1
-    cap = steps[k:k + 3]
-    if len(cap) == 3 and cap[0][0] in ("truediv", "div") and cap[1][0] == "tanh" and cap[2][0] == "mul" \
-            and cap[0][1] is not None and cap[0][1] == cap[2][1]:
-        softcap, k = cap[0][1], k + 3
-    if k != len(steps):
-        return (f"the logits pass through {[s[0] for s in steps]} before the loss; only a scale and a "
-                "soft-cap c*tanh(z/c) are fused")
-    return softcap, scale
+        const = float(scalars[0]) if len(scalars) == 1 and len(n.args) == 2 else None
+        if name in ("truediv", "div") and const is not None and not isinstance(n.args[1], (int, float)):
+            const = None   # c / z is not a scale
+        steps.append((name, const))
+    tanh = [i for i, (name, _) in enumerate(steps) if name == "tanh"]
+    softcap, scaled = None, steps
+    if len(tanh) == 1 and 1 <= tanh[0] == len(steps) - 2:
+        (d, c), (m, c2) = steps[tanh[0] - 1], steps[tanh[0] + 1]
+        if d in ("truediv", "div") and m == "mul" and c is not None and c == c2:
+            softcap, scaled = c, steps[:tanh[0] - 1]
+    scale = 1.0
+    for name, c in scaled:
+        if c is None or name not in ("mul", "truediv", "div") or c == 0:
+            return (f"the logits pass through {[s[0] for s in steps]} before the loss; only scales by constants "
+                    "and a soft-cap c*tanh(z/c) after them are fused")
+        scale = scale * c if name == "mul" else scale / c
+    return softcap, (scale if scaled else None)
 
 
 def _routes(region: Region, nodes: dict) -> bool:
