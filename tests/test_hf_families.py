@@ -251,3 +251,29 @@ def test_memory_model_on_hf_families(family):
             errors[(name, S)] = (predicted - measured) / measured
     bad = {k: f"{e:+.2%}" for k, e in errors.items() if abs(e) > 0.03 or e < -0.02}
     assert not bad, bad
+
+
+@pytest.mark.slow
+def test_default_plan_swaps_attention_only_where_it_removes_a_dense_tensor():
+    """With no passes named, the exact attention swap runs where an attention makes an S x S
+    tensor: Falcon's SDPA reads a materialised causal mask (swapped: exact, and the measured peak
+    falls), Llama's SDPA is_causal makes none (left as captured)."""
+    inputs = batch(S=64)
+    touched = {}
+    for family in ("falcon", "llama"):
+        holder = {}
+
+        def wrap(m):
+            holder["opt"] = tailorfx.optimize(m, example_inputs=inputs)
+            return holder["opt"]
+        model = hf_family(family)
+        compare_with_eager(model, inputs, wrap, rtol=1e-4, atol=1e-6)
+        (graph,) = holder["opt"].graph_records
+        assert "attention" in graph.plan.passes
+        (rec,) = [r for r in graph.records if r.name == "attention"]
+        touched[family] = list(rec.touched)
+        if family == "falcon":
+            assert all(rec.stats[p]["dense_removed"] for p in rec.touched), rec.stats
+            eager = copy.deepcopy(model)
+            assert peak_of_step(holder["opt"], holder["opt"].model, inputs) < peak_of_step(eager, eager, inputs)
+    assert len(touched["falcon"]) == 2 and touched["llama"] == [], touched

@@ -373,6 +373,9 @@ class AttentionPass:
             raise ValueError(f"attention= takes one of {', '.join(SPECS)} (tailorfx.attention), "
                              f"got {type(spec).__name__}")
         self.spec: Optional[AttentionSpec] = spec
+        # in the default plan (no attention= given): the exact swap only where it removes an S x S
+        # tensor (scores, or a mask an SDPA call reads); an SDPA that makes none is left as it is
+        self.only_dense = spec is None and bool(options.get("attention_only_dense"))
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         nodes = {n.name: n for n in gm.graph.nodes}
@@ -389,6 +392,8 @@ class AttentionPass:
                 skipped.append(f"{region.path}: no attention spelling recognised "
                                "(scaled_dot_product_attention or softmax(q @ k^T) @ v)")
             for got in found:
+                if self.only_dense and isinstance(got, Match) and not got.removes_dense:
+                    continue
                 spec = _fit(self.spec, got) if isinstance(got, Match) else got
                 if isinstance(spec, str):
                     skipped.append(f"{region.path}: {spec}")
