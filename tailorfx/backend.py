@@ -128,6 +128,8 @@ class TailorBackend:
             peaks = (pm.initial, records[-1].after_peak if records else pm.initial)
             asked = self.options.options_dict()   # the user's own, not what the planner added
             _check_requested(_requested(self.options.passes, asked), records, idx, bool(asked.get("strict")), notes)
+            if self.options.passes is None:
+                _check_default(regions, records, idx, notes)
             _check_budget(self.options.passes, plan.options, peaks[1], seq)   # reads it only under a budget
         except ValueError:
             raise   # bad user options or an unreachable budget: say so, do not hide it behind a fallback
@@ -285,6 +287,24 @@ def _check_requested(requested, records: list[PassRecord], idx: int, strict: boo
         raise RewriteNotApplied(msg + " (strict=True; drop strict to run the rest)")
     notes.append(msg)
     warnings.warn(msg)
+
+
+def _check_default(regions, records: list[PassRecord], idx: int, notes: list[str]) -> None:
+    """With no passes named: the LM head + loss left unfused, or an attention the exact swap
+    could not take, is most of the memory a default plan saves; say which and why, once."""
+    by_name = {r.name: r for r in records}
+    left = []
+    for head in regions.of_kind("lm_head_loss"):
+        ms = by_name.get("minisequence")
+        if ms is not None and head.path not in {t.split(" ")[0] for t in ms.touched}:
+            left += [f"LM head + loss {s}" for s in ms.skipped if s.startswith(head.path + ":")] or \
+                [f"LM head + loss {head.path}: not fused"]
+    if "attention" in by_name:
+        left += [f"attention {s}" for s in by_name["attention"].skipped]
+    if left:
+        msg = f"graph {idx}: the default plan left as captured: " + "; ".join(left)
+        notes.append(msg)
+        warnings.warn(msg)
 
 
 def tailorfx_backend(gm: fx.GraphModule, example_inputs: list, options: Optional[dict] = None) -> Callable:

@@ -67,6 +67,7 @@ FAMILIES = {
     "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                   "shared_expert_intermediate_size": 64},
     "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    "bloom": {"hidden_dropout": 0.0, "attention_dropout": 0.0},   # ALiBi; its MLP adds the residual it is given
     "gpt2": None,   # its own field names, see hf_family
 }
 

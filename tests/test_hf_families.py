@@ -21,16 +21,19 @@ PASSES = ["attention", "minisequence", "recompute"]
 # What a family legitimately cannot have rewritten, and the reason the pass must give.
 CANNOT = {
     "gemma2": {"attention": "scores pass through"},     # soft-capped attention scores: no exact kernel
+    "bloom": {"attention": "softmax output feeds view"},  # ALiBi: a bias added to the scores
     "mixtral": {"mlp": "MoE token routing"},           # experts see a data-dependent subset of tokens
     "qwen2_moe": {"mlp": "MoE token routing"},
     "olmoe": {"mlp": "MoE token routing"},
 }
 
 
-# Eleven of the families in tests/models.py (dense, GQA, MoE, soft-capping, logits scaled by a
-# product or a quotient, tied embeddings, parallel blocks, GPT-2's Conv1D); the others (mistral, qwen3, olmo2, falcon,
+# Twelve of the families in tests/models.py (dense, GQA, MoE, soft-capping, logits scaled by a
+# product or a quotient, ALiBi with an MLP that takes the residual as a second input, tied
+# embeddings, parallel blocks, GPT-2's Conv1D); the others (mistral, qwen3, olmo2, falcon,
 # stablelm, starcoder2, gemma3_text) pass too and are left out to keep the suite's time.
-SWEEP = ["llama", "qwen2", "phi3", "gpt_neox", "gemma2", "cohere", "granite", "mixtral", "qwen2_moe", "olmoe", "gpt2"]
+SWEEP = ["llama", "qwen2", "phi3", "gpt_neox", "gemma2", "cohere", "granite", "bloom", "mixtral", "qwen2_moe", "olmoe",
+         "gpt2"]
 
 
 @pytest.mark.slow
@@ -277,3 +280,23 @@ def test_default_plan_swaps_attention_only_where_it_removes_a_dense_tensor():
             eager = copy.deepcopy(model)
             assert peak_of_step(holder["opt"], holder["opt"].model, inputs) < peak_of_step(eager, eager, inputs)
     assert len(touched["falcon"]) == 2 and touched["llama"] == [], touched
+
+
+def test_default_plan_warns_once_naming_an_attention_it_left():
+    """Bloom's ALiBi attention is a form the exact swap does not take: with no passes named,
+    optimize() warns naming each such attention and why, and the report's first lines say it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model("bloom", vocab_size=512, hidden_size=64, n_layer=2, n_head=4,
+                               hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = tailorfx.optimize(model, example_inputs=batch(S=32))
+    left = [str(w.message) for w in caught if "the default plan left as captured" in str(w.message)]
+    assert len(left) == 1, left
+    for i in (0, 1):
+        assert f"attention transformer.h.{i}.self_attention: softmax output feeds view" in left[0], left
+    assert "LM head" not in left[0]                 # the head was fused
+    head = "\n".join(str(opt.report()).splitlines()[:8]).replace("\n", " ")
+    assert "the default plan left as captured" in head, head

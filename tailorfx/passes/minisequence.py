@@ -130,30 +130,34 @@ class MiniSequence:
             mixing = sorted({match.op_name(nodes[n]) for n in region.nodes
                              if ctx.regions.node_class.get(n) not in ("token", "const", None)})
             return f"mixes sequence positions ({', '.join(mixing)}{'; MoE token routing' if _routes(region, nodes) else ''})"
-        if len(region.inputs) != 1 or len(region.outputs) != 1:
-            return f"needs one activation input and one output, has {len(region.inputs)} and {len(region.outputs)}"
-        x, out = nodes[region.inputs[0]], nodes[region.outputs[0]]
-        xv, ov = node_value(x), node_value(out)
-        if not isinstance(xv, torch.Tensor) or not isinstance(ov, torch.Tensor):
-            return "input or output is not a tensor"
-        x_dims, out_dims = ctx.seq.dims(xv), ctx.seq.dims(ov)
-        if len(x_dims) != 1 or x_dims != out_dims:
-            return f"sequence dim not found consistently (input {x_dims}, output {out_dims})"
+        if len(region.outputs) != 1:
+            return f"needs one output, has {len(region.outputs)}"
+        xs, out = [nodes[i] for i in region.inputs], nodes[region.outputs[0]]
+        xvs, ov = [node_value(x) for x in xs], node_value(out)
+        if not xs or not all(isinstance(v, torch.Tensor) for v in (*xvs, ov)):
+            return "an input or the output is not a tensor"
+        out_dims = ctx.seq.dims(ov)
+        dims = [ctx.seq.dims(v) for v in xvs]
+        if len(out_dims) != 1 or any(d != out_dims for d in dims) \
+                or any(v.shape[out_dims[0]] != ov.shape[out_dims[0]] for v in xvs):
+            return f"sequence dim not found consistently (inputs {dims}, output {out_dims})"
+        x, x_dims = xs[0], out_dims   # several token-wise inputs (a residual passed in) chunk alike
+        xv = xvs[0]
         members = [nodes[n] for n in region.nodes]
-        io_bytes = _hint_bytes(xv, ctx) + _hint_bytes(ov, ctx)
+        io_bytes = sum(_hint_bytes(v, ctx) for v in xvs) + _hint_bytes(ov, ctx)
         inner = sum(_hint_bytes(v, ctx) for n in members if n is not out
                     for v in match.tensors_in(node_value(n)))
         if inner < 2 * io_bytes:
             return f"intermediates ({inner} B) are not much larger than input+output ({io_bytes} B)"
         try:
             _check_deterministic(members)
-            sub = _extract(gm, members, [x] + [nodes[p] for p in region.params], out,
+            sub = _extract(gm, members, xs + [nodes[p] for p in region.params], out,
                            ctx.seq.symbol, x_dims[0], ctx.seq.hints)
         except _Unsupported as e:
             return str(e)
         chunked = ops.register_region(sub)   # an equal region already live: that one
         own(gm, chunked.key, chunked)         # the graph calls it by key: it keeps it registered
-        self._declare_linear_tail(gm, chunked, members, x, region, nodes, out, ctx, x_dims[0])
+        self._declare_linear_tail(gm, chunked, members, xs, region, nodes, out, ctx, x_dims[0])
         tokens = _tokens(xv, x_dims[0], ctx)
         fwd, bwd = _region_cost(members, out, ctx, tokens)
         bwd, bwd_const = _cached_backward_cost(chunked, sub, ctx, tokens) or (bwd, 0.0)
@@ -161,10 +165,10 @@ class MiniSequence:
         m = self._chunks(gm, x, x_dims[0], auto_chunks(inner, _hint_bytes(xv, ctx)), out)
         with gm.graph.inserting_after(out):
             new = gm.graph.call_function(torch.ops.tailorfx.token_chunked.default,
-                                         (chunked.key, [x], [nodes[p] for p in region.params], x_dims[0], m))
+                                         (chunked.key, xs, [nodes[p] for p in region.params], x_dims[0], m))
         annotate(new, out, pass_name=NAME)
         out.replace_all_uses_with(new)
-        new.update_arg(1, [x])   # replace_all_uses_with does not touch new's own args
+        new.update_arg(1, xs)   # replace_all_uses_with does not touch new's own args
         for n in reversed(members):
             if not n.users:
                 gm.graph.erase_node(n)
@@ -172,7 +176,7 @@ class MiniSequence:
         return None
 
     @staticmethod
-    def _declare_linear_tail(gm, chunked: ops.ChunkedRegion, members, x, region, nodes, out, ctx,
+    def _declare_linear_tail(gm, chunked: ops.ChunkedRegion, members, xs, region, nodes, out, ctx,
                              seq_dim) -> None:
         """If the region ends in F.linear(a, W, b) of its own parameters, let backward skip it."""
         if match.op_name(out) not in match.LINEAR_OPS or out.op != "call_function":
@@ -184,7 +188,7 @@ class MiniSequence:
         if a not in members or w not in params or (b is not None and b not in params):
             return
         try:
-            pre = _extract(gm, members[:members.index(out)], [x] + params, a, ctx.seq.symbol, seq_dim,
+            pre = _extract(gm, members[:members.index(out)], xs + params, a, ctx.seq.symbol, seq_dim,
                            ctx.seq.hints)
         except _Unsupported:
             return
@@ -390,6 +394,9 @@ def _extract(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node], 
     member_set = set(members)
 
     def arg(a: fx.Node) -> fx.Node:
+        if a not in env and a.op == "get_attr":   # a submodule the region calls (an autograd.Function's bodies)
+            env[a] = g.get_attr(a.target)
+            env[a].meta = dict(a.meta)
         if a not in env:
             v = node_value(a)
             same_length = isinstance(v, torch.SymInt) and (
