@@ -131,8 +131,8 @@ class AttentionSpec:
     def _pattern_weights(self, S: int, num_heads: int, device) -> Tensor:
         raise NotImplementedError
 
-    def _sparse(self, q, k, v, document_ids, scale, kind: str, params: list[int]) -> Tensor:
-        args = (scale, self.causal, self.tile, self.kv_chunk)
+    def _sparse(self, q, k, v, document_ids, scale, kind: str, params: list[int], softcap=None) -> Tensor:
+        args = (scale, self.causal, self.tile, self.kv_chunk, softcap)
         return sparse_attention(q, k, v, document_ids, kind, params, *args)[0]
 
     def _run(self, q, k, v, document_ids, scale) -> Tensor:
@@ -146,7 +146,11 @@ def _causal_pairs(S: int, causal: bool) -> int:
 @dataclass(frozen=True)
 class Exact(AttentionSpec):
     """Exact attention. No documents: SDPA (its CPU flash kernel is O(S) memory). Documents: on
-    CPU one flash call per document when ids are sorted per row, else block-sparse tiles."""
+    CPU one flash call per document when ids are sorted per row, else block-sparse tiles.
+    `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma-2's
+    attn_logit_softcapping); SDPA has no such transform, so on CPU the tiles run it."""
+
+    softcap: Optional[float] = None
 
     def _pattern_weights(self, S, num_heads, device):
         return torch.ones(1, S, S, dtype=torch.int64, device=device)
@@ -160,6 +164,8 @@ class Exact(AttentionSpec):
         return super().extra_bytes(B, H, S, D, dtype_bytes) + 2 * B * H * S * D * 4
 
     def _run(self, q, k, v, document_ids, scale):
+        if self.softcap is not None:
+            return self._sparse(q, k, v, document_ids, scale, "full", [], float(self.softcap))
         if document_ids is None:
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=self.causal, scale=scale, enable_gqa=True
@@ -327,7 +333,7 @@ def attention_call(q, k, v, *, kind: str, params: tuple, causal: bool, scale: fl
     """`SPECS[kind](**dict(params), causal=causal, scale=scale)(q, k, v, document_ids=...)`; k, v
     have H_kv heads; `document_ids` (B, S) keeps each query to keys of its own document (packed
     sequences; the attention pass passes it only for a mask it proved to be a document mask)."""
-    if kind != "Exact" or document_ids is not None:
+    if kind != "Exact" or document_ids is not None or params:
         # The custom ops' fake kernels return empty_like(q/k/v) while the real ones return
         # contiguous tensors: with RoPE'd (transposed-layout) inputs AOTAutograd would plan a
         # backward `view` on strides the real gradients do not have. (Exact with documents runs

@@ -297,3 +297,30 @@ def test_dense_masked_peak_memory_grows_quadratically():
     io_bytes = 4 * 2 * 4096 * 16 * 4
     model = dense_extra_bytes(1, 2, 4096, 16, 4)
     assert 0.5 * model <= large <= io_bytes + model, (large, model)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_exact_soft_capped_attention_equals_its_dense_formula(documents):
+    """Exact(softcap=c): softmax(c * tanh(q k^T * scale / c) + causal mask) v on the CPU tiles
+    (SDPA has no soft-cap), forward and backward, GQA, with and without document ids, float64."""
+    from tailorfx.attention import Exact
+    g = torch.Generator().manual_seed(0)
+    B, H, Hk, S, D, c, scale = 2, 4, 2, 37, 8, 5.0, 0.5
+    q, k, v = (torch.randn(B, h, S, D, generator=g, dtype=torch.float64) * 3 for h in (H, Hk, Hk))
+    doc = torch.tensor([[0] * 20 + [1] * 17, [0] * 5 + [1] * 32]) if documents else None
+    spec = Exact(softcap=c, scale=scale, tile=16, kv_chunk=16)
+    a = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = spec(*a, document_ids=doc)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    out.backward(dout)
+    b = [t.clone().requires_grad_() for t in (q, k, v)]
+    s = b[0] @ b[1].repeat_interleave(H // Hk, 1).transpose(-1, -2) * scale
+    keep = torch.ones(S, S, dtype=torch.bool).tril()
+    if documents:
+        keep = keep & (doc[:, :, None] == doc[:, None, :])[:, None]
+    s = (c * torch.tanh(s / c)).masked_fill(~keep, float("-inf"))
+    ref = torch.softmax(s, -1) @ b[2].repeat_interleave(H // Hk, 1)
+    ref.backward(dout)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-10, atol=1e-10)

@@ -45,7 +45,8 @@ def norm_paths(opt):
 # exact erf GELU (a Llama config with hidden_act="gelu"). Rotary: transformers' rotate_half (Qwen3
 # after its q/k norms, Phi-3 after a fused qkv, GPT-NeoX's partial rotary: a quarter of each head);
 # Cohere rotates interleaved pairs, another formula, left as it is. Attention: whatever the
-# attention pass rewrote (Gemma-2's soft-capped scores are not: tests/test_hf_families.py names why).
+# attention pass rewrote (Gemma-2's one layer here is a sliding one, whose window is left:
+# tests/test_hf_families.py names why; its global layers' soft-capped attention is in the test below).
 RMS, LAYER_BIAS = ("rms", 0.0, False), ("layer", 0.0, True)
 EXPECTED = {
     "llama": dict(norms={RMS}, act="silu", rope=1, attention=True),
@@ -125,13 +126,18 @@ def test_sparse_attention_spec_runs_on_the_flash_kernel():
 @pytest.mark.parametrize("family,head", [("llama", {}), ("gemma2", {"logit_softcap": 30.0}),
                                          ("cohere", {"logit_scale": 0.5})])
 def test_a_training_step_on_every_kernel_equals_eager(family, head):
-    opt = run_triton(family, passes=["attention", "minisequence"], minisequence_chunks=2)
+    # Gemma-2's layer a global one: soft-capped attention scores, the soft-cap handed to the kernel
+    overrides = {"layer_types": ["full_attention"]} if family == "gemma2" else None
+    opt = run_triton(family, passes=["attention", "minisequence"], minisequence_chunks=2, overrides=overrides)
     graph = opt.graphs["minisequence"].graph
     (lce,) = [n for n in graph.nodes if n.target is triton_ops.triton_linear_cross_entropy]
     assert {k: lce.kwargs.get(k) for k in head} == head and lce.kwargs["num_chunks"] == 2
     assert not [n for n in graph.nodes if match.op_name(n) in ("cross_entropy", "chunked_linear_cross_entropy")]
     families = {k.spec.family for k in opt.kernels().values()}
-    want = {"norm", "glu", "linear_cross_entropy"} | ({"flash_attention"} if family != "gemma2" else set())
+    want = {"norm", "glu", "linear_cross_entropy", "flash_attention"}
+    flash = [n for n in opt.graphs["kernels"].graph.nodes if n.target is triton_ops.triton_attention]
+    assert len(flash) == 1 and flash[0].kwargs.get("softcap") == (50.0 if family == "gemma2" else None)
+    assert dict(flash[0].kwargs["params"]) == {}
     want |= {"rope"} if family != "cohere" else set()   # Cohere rotates interleaved pairs, not halves
     assert families == want, sorted(opt.kernels())
 

@@ -59,6 +59,7 @@ class Match:
     removes_dense: bool          # an S x S tensor (scores or mask) the graph no longer makes
     positions: Optional[fx.Node] = None   # a document mask's position_ids input (packed batches)
     doc_rule: Optional[str] = None        # how document ids follow from it (attention_mask.DOC_RULES)
+    softcap: Optional[float] = None       # scores soft-capped, c * tanh(s / c), before the mask
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ def _sdpa_mask_fn(mask_dtype: torch.dtype, dtype: torch.dtype) -> Callable:
 
 
 _CASTS = frozenset({"to", "type", "float", "half", "bfloat16", "contiguous"})
-_SCORE_OPS = _CASTS | {"mul", "truediv", "div", "add", "sub", "masked_fill", "where"}
+_SCORE_OPS = _CASTS | {"mul", "truediv", "div", "add", "sub", "masked_fill", "where", "tanh"}
 
 
 def _match_softmax_chain(node: fx.Node, ctx: PassContext) -> Union[Match, str, None]:
@@ -199,7 +200,7 @@ def _match_softmax_chain(node: fx.Node, ctx: PassContext) -> Union[Match, str, N
     up = _scores_matmul(x_in)
     if isinstance(up, str):
         return up
-    scores, scale, has_mask = up
+    scores, scale, has_mask, softcap, capped = up
     if len(scores.users) != 1 or len(scores.args) != 2:
         return f"attention scores ({scores.name}) are used elsewhere"
     q, k = scores.args[0], _untranspose(scores.args[1])
@@ -213,12 +214,14 @@ def _match_softmax_chain(node: fx.Node, ctx: PassContext) -> Union[Match, str, N
     if node_value(out).dtype != dtype:
         return f"attention output dtype {node_value(out).dtype} differs from q's {dtype}"
     if not has_mask:   # softmax(q k^T * c) v: every query sees every key
-        return Match("softmax_chain", out, q, k, v, False, float(scale), "none", True)
-    proof = prove_mask(ctx, scores, x_in, scale, dtype, None)
+        return Match("softmax_chain", out, q, k, v, False, float(scale), "none", True, softcap=softcap)
+    # a soft-capped chain's mask is proved on the capped scores (what the mask is added to)
+    proof = prove_mask(ctx, scores if capped is None else capped, x_in, scale if capped is None else 1.0, dtype, None)
     if isinstance(proof, str):
         return proof
     how = f"proved causal at S={proof.text}" if proof.positions is None else _described(proof, "mask")
-    return Match("softmax_chain", out, q, k, v, True, float(scale), how, True, proof.positions, proof.rule)
+    return Match("softmax_chain", out, q, k, v, True, float(scale), how, True, proof.positions, proof.rule,
+                 softcap=softcap)
 
 
 def _probs_matmul(softmax: fx.Node) -> Union[fx.Node, str]:
@@ -242,10 +245,12 @@ def _probs_matmul(softmax: fx.Node) -> Union[fx.Node, str]:
     return user
 
 
-def _scores_matmul(x_in: fx.Node) -> Union[tuple[fx.Node, float, bool], str]:
+def _scores_matmul(x_in: fx.Node) -> Union[tuple[fx.Node, float, bool, Optional[float], Optional[fx.Node]], str]:
     """Up from the softmax input to the scores matmul: (that matmul, the constant scale, whether
-    a mask is added on the way); nothing else may read the scores."""
+    a mask is added on the way, the soft-cap c of a c * tanh(s / c) after the scale (Gemma-2),
+    the capped scores node); nothing else may read the scores."""
     scale, has_mask, cur = 1.0, False, x_in
+    softcap, capped, last_mul = None, None, None
     while match.op_name(cur) != "matmul":
         name = match.op_name(cur)
         on = [a for a in cur.args if isinstance(a, fx.Node) and _leads_to_matmul(a)]
@@ -253,9 +258,18 @@ def _scores_matmul(x_in: fx.Node) -> Union[tuple[fx.Node, float, bool], str]:
             return f"scores pass through {name} ({cur.name}), or are used elsewhere, before the softmax"
         prev, first = on[0], cur.args[0] is on[0]
         other = cur.args[1] if first and len(cur.args) > 1 else cur.args[0]
+        if name == "tanh" and softcap is None and last_mul is not None and scale == last_mul[1] \
+                and match.op_name(prev) in ("truediv", "div") and len(prev.args) == 2 \
+                and prev.args[1] == last_mul[1] and len(prev.users) == 1:
+            # c * tanh(s / c), nothing but casts and the mask after it: a soft-cap, not a scale
+            softcap, capped, scale = float(last_mul[1]), last_mul[0], 1.0
+            cur = prev.args[0]
+            continue
         if name in ("mul", "truediv", "div") and len(cur.args) == 2 and (first or name == "mul"):
             if not isinstance(other, (int, float)):
                 return f"scores are scaled by a non-constant ({cur.name})"
+            if name == "mul" and scale == 1.0 and softcap is None:
+                last_mul = (cur, other)
             scale = scale * other if name == "mul" else scale / other
         elif name in ("add", "sub", "masked_fill", "where") and (first or name in ("add", "where")) \
                 and not (name == "where" and first):
@@ -263,7 +277,7 @@ def _scores_matmul(x_in: fx.Node) -> Union[tuple[fx.Node, float, bool], str]:
         elif not (name in _CASTS and first):
             return f"scores pass through {name} ({cur.name}) before the softmax"
         cur = prev
-    return cur, scale, has_mask
+    return cur, scale, has_mask, softcap, capped
 
 
 def _leads_to_matmul(a: fx.Node, depth: int = 8) -> bool:
@@ -353,7 +367,9 @@ def _fit(spec: Optional[AttentionSpec], m: Match) -> Union[AttentionSpec, str]:
     """The spec to run for this attention: the user's, checked against what the model computes
     (the spec brings the pattern; causality and scale are the model's), or why it does not fit."""
     if spec is None:
-        return Exact(causal=m.causal)
+        return Exact(causal=m.causal, softcap=m.softcap)
+    if m.softcap is not None:
+        return f"its scores are soft-capped (c={m.softcap}): only the exact spec (the default) runs that"
     if spec.causal != m.causal:
         return (f"the model's attention is {'causal' if m.causal else 'bidirectional'} but the spec "
                 f"has causal={spec.causal}")

@@ -270,7 +270,10 @@ def _match_attention(region: Region, nodes: dict, ctx: PassContext) -> Union[lis
         why = triton_attention_supports(n.kwargs["kind"], dict(n.kwargs["params"]))
         if why:
             return why
-        swaps.append(Swap(n, triton_attention, n.args, dict(n.kwargs), "flash_attention"))
+        kwargs, params = dict(n.kwargs), dict(n.kwargs["params"])
+        if "softcap" in params:   # a field of the exact spec; the kernel takes it as its own argument
+            kwargs["softcap"], kwargs["params"] = params.pop("softcap"), tuple(params.items())
+        swaps.append(Swap(n, triton_attention, n.args, kwargs, "flash_attention"))
     return swaps or ("no attention_call in the region: the attention pass did not rewrite it"
                      if region.nodes else None)
 

@@ -64,10 +64,10 @@ def _flash_runs(q: Tensor, doc: Optional[Tensor]) -> Optional[list[tuple[slice, 
     return [(slice(r, r + 1), slice(a, b)) for r, a, b in runs]
 
 
-def _dense_forward(q, k, v, doc, scale, causal, tiles):
-    runs = _flash_runs(q, doc)
+def _dense_forward(q, k, v, doc, scale, causal, tiles, softcap=None):
+    runs = _flash_runs(q, doc) if softcap is None else None   # torch's flash kernel has no soft-cap
     if runs is None:
-        return tile_forward(q, k, v, Pattern("full", (), causal, q.shape[2]), doc, scale, *tiles)
+        return tile_forward(q, k, v, Pattern("full", (), causal, q.shape[2]), doc, scale, *tiles, softcap=softcap)
     out = torch.empty_like(q)
     lse = q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
     for rows, span in runs:
@@ -76,11 +76,11 @@ def _dense_forward(q, k, v, doc, scale, causal, tiles):
     return out, lse
 
 
-def _dense_backward(dout, q, k, v, out, lse, doc, scale, causal, tiles):
-    runs = _flash_runs(q, doc)
+def _dense_backward(dout, q, k, v, out, lse, doc, scale, causal, tiles, softcap=None):
+    runs = _flash_runs(q, doc) if softcap is None else None
     if runs is None:
         pattern = Pattern("full", (), causal, q.shape[2])
-        return tile_backward(dout, q, k, v, out, lse, pattern, doc, scale, *tiles)
+        return tile_backward(dout, q, k, v, out, lse, pattern, doc, scale, *tiles, softcap=softcap)
     grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for rows, span in runs:  # documents do not overlap: each key's gradient comes from one call
         part = [t[rows, :, span] for t in (dout, q, k, v, out)]
@@ -97,11 +97,12 @@ def _dense_backward(dout, q, k, v, out, lse, doc, scale, causal, tiles):
 def sparse_attention(
     q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor], kind: str,
     params: Sequence[int], scale: float, causal: bool, tile: int = TILE, kv_chunk: int = KV_CHUNK,
+    softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor]:
     if kind == "full":
-        return _contiguous(*_dense_forward(q, k, v, document_ids, scale, causal, (tile, kv_chunk)))
+        return _contiguous(*_dense_forward(q, k, v, document_ids, scale, causal, (tile, kv_chunk), softcap))
     pattern = Pattern(kind, tuple(params), causal, q.shape[2])
-    return _contiguous(*tile_forward(q, k, v, pattern, document_ids, scale, tile, kv_chunk))
+    return _contiguous(*tile_forward(q, k, v, pattern, document_ids, scale, tile, kv_chunk, softcap))
 
 
 def _contiguous(*ts: Tensor) -> tuple[Tensor, ...]:
@@ -118,13 +119,14 @@ def _(q, k, v, *_args, **_kwargs):
 def sparse_attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     document_ids: Optional[Tensor], kind: str, params: Sequence[int], scale: float, causal: bool,
-    tile: int = TILE, kv_chunk: int = KV_CHUNK,
+    tile: int = TILE, kv_chunk: int = KV_CHUNK, softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if kind == "full":
         return _contiguous(*_dense_backward(dout, q, k, v, out, lse, document_ids, scale, causal,
-                                            (tile, kv_chunk)))
+                                            (tile, kv_chunk), softcap))
     pattern = Pattern(kind, tuple(params), causal, q.shape[2])
-    return _contiguous(*tile_backward(dout, q, k, v, out, lse, pattern, document_ids, scale, tile, kv_chunk))
+    return _contiguous(*tile_backward(dout, q, k, v, out, lse, pattern, document_ids, scale, tile, kv_chunk,
+                                      softcap))
 
 
 @sparse_attention_backward.register_fake
@@ -133,16 +135,16 @@ def _(dout, q, k, v, *_args, **_kwargs):
 
 
 def _sparse_setup(ctx, inputs, output) -> None:
-    q, k, v, document_ids, kind, params, scale, causal, tile, kv_chunk = inputs
+    q, k, v, document_ids, kind, params, scale, causal, tile, kv_chunk, softcap = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], document_ids)
-    ctx.args = (kind, list(params), scale, causal, tile, kv_chunk)
+    ctx.args = (kind, list(params), scale, causal, tile, kv_chunk, softcap)
     ctx.mark_non_differentiable(output[1])
 
 
 def _sparse_grad(ctx, dout, _dlse):
     q, k, v, out, lse, document_ids = ctx.saved_tensors
     grads = sparse_attention_backward(dout.contiguous(), q, k, v, out, lse, document_ids, *ctx.args)
-    return (*grads, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None)
 
 
 sparse_attention.register_autograd(_sparse_grad, setup_context=_sparse_setup)
@@ -323,6 +325,7 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
     q, k = rest[0], rest[1]
     extra = rest[5:] if backward else rest[3:]  # past (q, k, v) and the backward's (out, lse)
     doc, pattern_args, tiles = extra[0], extra[1:3], extra[5:7]
+    softcap = extra[7] if len(extra) > 7 else None
     tile, kv_chunk = (list(tiles) + [TILE, KV_CHUNK][len(tiles):])[:2]
     batch, heads, seq, dim = (as_int(s) for s in q.shape)
     num_kv = as_int(k.shape[1])
@@ -336,12 +339,14 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
             return work * 6 // 8 + narrow * acc * q_elems
         return work * 13 // 8 + narrow * acc * (q_elems + 2 * kv_elems)
     kind, params = pattern_args
-    if kind == "full":   # CPU flash per document (sorted ids: packed sequences, the usual case)
+    if kind == "full" and softcap is None:   # CPU flash per document (sorted ids: packed sequences, the usual case)
         half = narrow * item * q_elems // 2   # narrow dtypes: measured +50% (fp32 work rows)
         return item * q_elems + half if not backward else item * (q_elems + 2 * kv_elems) + half
     tq = tile if kind != "bigbird" else params[0] * max(1, tile // params[0])
     tq = min(tq, seq)
-    if kind == "window":   # key units of `tile` tokens the band and the global tokens touch
+    if kind == "full":   # soft-capped: the tiles over every key (one more score tile in backward)
+        keys, gathered = seq, False
+    elif kind == "window":   # key units of `tile` tokens the band and the global tokens touch
         window, num_global = params
         keys = ((tq - 1) // tile + -(-(window - 1) // tile) + 1 + -(-num_global // tile)) * tile
         gathered = num_global > 0   # keys in two runs: index_select copies, not slices
@@ -355,5 +360,5 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
     mask = tq * kc * (batch if doc is not None else 1)
     if not backward:
         return int(rows * (2 * kc + 3 * dim + 6) + 2 * chunk * copies + mask)
-    return int(rows * (4 * kc + 4 * dim + 2) + 2 * chunk * (1 + copies) + mask
+    return int(rows * ((4 + (softcap is not None)) * kc + 4 * dim + 2) + 2 * chunk * (1 + copies) + mask
                + narrow * 2 * acc * kv_elems)

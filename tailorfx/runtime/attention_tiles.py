@@ -211,9 +211,12 @@ def _take(x: Tensor, index: KeyIndex, dtype: torch.dtype) -> Tensor:
     return (x[:, :, index] if isinstance(index, slice) else x.index_select(2, index)).to(dtype)
 
 
-def _scores(qt: Tensor, kc: Tensor, mask: Optional[Tensor], tq: int) -> Tensor:
-    """Masked scores of pre-scaled query rows against one key chunk."""
+def _scores(qt: Tensor, kc: Tensor, mask: Optional[Tensor], tq: int, softcap: Optional[float] = None) -> Tensor:
+    """Masked scores of pre-scaled query rows against one key chunk, soft-capped
+    (softcap * tanh(s / softcap), Gemma-2) before the mask when `softcap` is given."""
     s = torch.matmul(qt, kc.transpose(-1, -2))
+    if softcap is not None:
+        s = s.div_(softcap).tanh_().mul_(softcap)
     if mask is not None:
         b, hkv, rows, tk = s.shape
         s.view(b, hkv, rows // tq, tq, tk).masked_fill_(~mask, float("-inf"))
@@ -222,7 +225,7 @@ def _scores(qt: Tensor, kc: Tensor, mask: Optional[Tensor], tq: int) -> Tensor:
 
 def tile_forward(
     q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, doc: Optional[Tensor], scale: float,
-    tile: int = TILE, kv_chunk: int = KV_CHUNK,
+    tile: int = TILE, kv_chunk: int = KV_CHUNK, softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, S, D) in q's dtype, lse (B, H, S) in fp32/fp64; -inf and 0 for empty rows)."""
     batch, heads, seq, dim = q.shape
@@ -235,7 +238,7 @@ def tile_forward(
         l = torch.zeros_like(m)
         o = torch.zeros_like(qt)
         for index, mask in chunks:
-            s = _scores(qt, _take(k, index, acc), mask, q1 - q0)
+            s = _scores(qt, _take(k, index, acc), mask, q1 - q0, softcap)
             m_new = torch.maximum(m, s.amax(-1))
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # all-masked rows stay 0
             p = s.sub_(m_safe[..., None]).exp_()
@@ -253,8 +256,10 @@ def tile_forward(
 def tile_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, pattern: Pattern,
     doc: Optional[Tensor], scale: float, tile: int = TILE, kv_chunk: int = KV_CHUNK,
+    softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of ``tile_forward``'s out wrt q, k, v, recomputing each tile's probabilities."""
+    """Gradients of ``tile_forward``'s out wrt q, k, v, recomputing each tile's probabilities
+    (through the soft-cap: d(c tanh(s/c))/ds = 1 - tanh(s/c)^2)."""
     batch, heads, seq, dim = q.shape
     num_kv, acc = k.shape[1], _acc_dtype(q.dtype)
     dq = torch.empty_like(q)
@@ -268,8 +273,12 @@ def tile_backward(
         dqt = torch.zeros_like(qt)
         for index, mask in chunks:
             kc, vc = _take(k, index, acc), _take(v, index, acc)
-            p = _scores(qt, kc, mask, q1 - q0).sub_(lt).exp_()
+            s = _scores(qt, kc, mask, q1 - q0, softcap)
+            p = s.sub_(lt).exp_() if softcap is None else s.sub(lt).exp_()
             ds = p * (torch.matmul(dot, vc.transpose(-1, -2)).sub_(delta))
+            if softcap is not None:   # s = c * t where unmasked: 1 - t^2 = 1 - (s / c)^2 (masked: p = 0)
+                t = s.div_(softcap).nan_to_num_(0.0, 0.0, 0.0)
+                ds.mul_(t.mul_(t).neg_().add_(1.0))
             dvc = torch.matmul(p.transpose(-1, -2), dot)
             dkc = torch.matmul(ds.transpose(-1, -2), qt)
             dqt.add_(torch.matmul(ds, kc))
