@@ -182,13 +182,53 @@ class Block(torch.nn.Module):
         return x + self.mlp(x)
 
 
-def test_dropout_region_is_not_chunked():
-    """Must not fire: recomputing a chunk in backward would draw a different dropout mask."""
+def test_dropout_region_is_chunked_and_its_backward_draws_the_forwards_masks():
+    """A region with dropout is chunked: forward records the RNG state it starts from, backward
+    restores it and recomputes the chunks in order, so each draws the mask its forward drew.
+    Against the same chunked forward kept whole for backward, from one seed: equal output and
+    gradients, and the global RNG advanced alike."""
+    import torch.nn.functional as F
+    from tailorfx.runtime import ops
+
+    def fn(x, w):
+        return F.dropout(torch.relu(x @ w), 0.5, True) @ w.t()
+    region = ops.register_region(fn, key="test_dropout_region")   # held while this test runs
+    key = region.key
+    g = torch.Generator().manual_seed(0)
+    x0, w0 = torch.randn(2, 32, 16, generator=g), torch.randn(16, 24, generator=g)
+    dout = torch.randn(2, 32, 16, generator=g)
+    runs = []
+    for chunked in (True, False):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        torch.manual_seed(1)
+        if chunked:
+            out, _ = torch.ops.tailorfx.token_chunked_random(key, [x], [w], 1, 4)
+        else:   # the reference: the same chunks, their activations kept for backward
+            out = torch.cat([fn(c, w) for c in x.tensor_split(4, 1)], 1)
+        after = torch.get_rng_state()
+        out.backward(dout)
+        runs.append((out.detach(), x.grad, w.grad, after))
+    (o1, gx1, gw1, s1), (o2, gx2, gw2, s2) = runs
+    torch.testing.assert_close(o1, o2, rtol=0, atol=0)
+    torch.testing.assert_close(gx1, gx2, rtol=1e-4, atol=1e-5)   # summation order only; a wrong mask is O(1)
+    torch.testing.assert_close(gw1, gw2, rtol=1e-4, atol=1e-5)
+    assert torch.equal(s1, s2)
+    assert not torch.allclose(o1, torch.relu(x0 @ w0) @ w0.t())   # the dropout drew a mask
+
+    # in a model: the dropout MLP is rewritten to the replaying op, and a seeded step repeats
     opt = tailorfx.optimize(DropoutBlockModel().train(), passes=["minisequence"], minisequence_chunks=4,
                             example_inputs=(torch.randn(2, 32, 16),))
     rec = opt.graph_records[0].records[0]
-    assert not rec.changed
-    assert any("layers.0.mlp: random op" in s for s in rec.skipped), rec.skipped
+    assert any(t.startswith("layers.0.mlp") for t in rec.touched), rec.skipped
+    assert [n for n in rec.gm.graph.nodes if n.target is torch.ops.tailorfx.token_chunked_random.default]
+    grads = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        opt.model.zero_grad(set_to_none=True)
+        opt(x0).backward()
+        grads.append([p.grad.clone() for p in opt.model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_auto_chunk_count_follows_the_length():

@@ -149,8 +149,8 @@ class MiniSequence:
                     for v in match.tensors_in(node_value(n)))
         if inner < 2 * io_bytes:
             return f"intermediates ({inner} B) are not much larger than input+output ({io_bytes} B)"
+        random = any(match.draws_random(n) for n in members)   # dropout: its draws replayed in backward
         try:
-            _check_deterministic(members)
             sub = _extract(gm, members, xs + [nodes[p] for p in region.params], out,
                            ctx.seq.symbol, x_dims[0], ctx.seq.hints)
         except _Unsupported as e:
@@ -163,12 +163,19 @@ class MiniSequence:
         bwd, bwd_const = _cached_backward_cost(chunked, sub, ctx, tokens) or (bwd, 0.0)
         chunked.cost = (fwd, bwd, bwd_const)
         m = self._chunks(gm, x, x_dims[0], auto_chunks(inner, _hint_bytes(xv, ctx)), out)
+        op = torch.ops.tailorfx.token_chunked_random.default if random else torch.ops.tailorfx.token_chunked.default
         with gm.graph.inserting_after(out):
-            new = gm.graph.call_function(torch.ops.tailorfx.token_chunked.default,
-                                         (chunked.key, xs, [nodes[p] for p in region.params], x_dims[0], m))
+            call = gm.graph.call_function(op, (chunked.key, xs, [nodes[p] for p in region.params], x_dims[0], m))
+        new = call
+        if random:   # (output, the RNG state the chunks started from, which backward replays)
+            state = ov.new_empty((ops._CPU_STATE_BYTES if ov.device.type != "cuda" else 16,), dtype=torch.uint8,
+                                 device="cpu")
+            annotate(call, val=(ov, state), pass_name=NAME)
+            with gm.graph.inserting_after(call):
+                new = gm.graph.call_function(operator.getitem, (call, 0))
         annotate(new, out, pass_name=NAME)
         out.replace_all_uses_with(new)
-        new.update_arg(1, xs)   # replace_all_uses_with does not touch new's own args
+        call.update_arg(1, xs)   # replace_all_uses_with does not touch the call's own args
         for n in reversed(members):
             if not n.users:
                 gm.graph.erase_node(n)
@@ -368,14 +375,6 @@ class _ByRequest(str):
 class _Unsupported(Exception):
     """The region cannot be chunked; the message says why."""
 
-
-
-def _check_deterministic(members: list[fx.Node]) -> None:
-    """Chunks are recomputed in backward: a random op would draw a different mask there."""
-    for n in members:
-        if match.draws_random(n):
-            raise _Unsupported(f"random op {n.name} ({match.op_name(n)}) would draw different values "
-                               "when the chunk is recomputed in backward")
 
 
 def _extract(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node], out: fx.Node,

@@ -37,7 +37,8 @@ STAT_OPS = frozenset({"rsqrt", "var", "var_mean", "std"})
 # Ops that draw random numbers: recomputing them (a chunk in backward, an output on demand) would
 # draw other values.
 RANDOM_OPS = frozenset({"dropout", "native_dropout", "rand", "randn", "rand_like", "randn_like",
-                        "bernoulli", "randint", "multinomial", "randperm", "normal", "uniform"})
+                        "bernoulli", "randint", "multinomial", "randperm", "normal", "uniform",
+                        "token_chunked_random"})   # a chunked region with dropout (it replays only its own backward)
 
 
 def draws_random(n: fx.Node) -> bool:

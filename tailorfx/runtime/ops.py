@@ -125,6 +125,7 @@ def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
     `args` are the node's arguments with tensors as fake values; `as_int` turns a size or SymInt
     into an int at the length being predicted.
     """
+    op_name = op_name.replace("token_chunked_random", "token_chunked")   # the same chunks, plus an RNG state
     if op_name in ("token_chunked", "token_chunked_backward"):
         key = args[0]
         seq = args[1] if op_name == "token_chunked" else args[2]
@@ -152,6 +153,11 @@ def _token_chunked(
     key: str, seq_inputs: list[Tensor], whole_inputs: list[Tensor], seq_dim: int, num_chunks: int
 ) -> Tensor:
     """Run region ``key`` on chunks of ``seq_inputs`` and concatenate along ``seq_dim``."""
+    return _run_chunks(key, seq_inputs, whole_inputs, seq_dim, num_chunks)
+
+
+def _run_chunks(key: str, seq_inputs: list[Tensor], whole_inputs: list[Tensor], seq_dim: int,
+                num_chunks: int) -> Tensor:
     fn = get_region(key)
     n = _num_chunks(seq_inputs, seq_dim, num_chunks)
     if n == 1:
@@ -233,6 +239,12 @@ def _token_chunked_backward(
     seq_dim: int, num_chunks: int, seq_needs_grad: list[bool], whole_needs_grad: list[bool],
 ) -> list[Tensor]:
     """Grads of the flagged seq then whole inputs, recomputing the region one chunk at a time."""
+    return _chunk_grads(key, grad_out, seq_inputs, whole_inputs, seq_dim, num_chunks, seq_needs_grad,
+                        whole_needs_grad)
+
+
+def _chunk_grads(key, grad_out, seq_inputs, whole_inputs, seq_dim, num_chunks, seq_needs_grad,
+                 whole_needs_grad) -> list[Tensor]:
     region = chunked_region(key)
     n = _num_chunks(seq_inputs, seq_dim, num_chunks)
     seq_grads = [torch.empty_like(x) if need else None for x, need in zip(seq_inputs, seq_needs_grad)]
@@ -282,6 +294,80 @@ def _token_chunked_grad(ctx, grad_out):
 
 
 _token_chunked.register_autograd(_token_chunked_grad, setup_context=_token_chunked_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# token_chunked_random: a region that draws random numbers (dropout). Forward also returns the
+# RNG state it started from; backward restores it and recomputes the chunks in the same order,
+# so each chunk draws the masks its forward drew (torch.utils.checkpoint's preserve_rng_state).
+# ---------------------------------------------------------------------------------------------
+_CPU_STATE_BYTES = torch.get_rng_state().numel()
+
+
+def _rng_state(device: torch.device) -> Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+@torch.library.custom_op("tailorfx::token_chunked_random", mutates_args=())
+def _token_chunked_random(
+    key: str, seq_inputs: list[Tensor], whole_inputs: list[Tensor], seq_dim: int, num_chunks: int
+) -> tuple[Tensor, Tensor]:
+    """token_chunked for a region with random ops: (output, the RNG state it started from)."""
+    state = _rng_state(seq_inputs[0].device)
+    return _run_chunks(key, seq_inputs, whole_inputs, seq_dim, num_chunks), state
+
+
+@_token_chunked_random.register_fake
+def _token_chunked_random_fake(key, seq_inputs, whole_inputs, seq_dim, num_chunks):
+    out = _token_chunked_fake(key, seq_inputs, whole_inputs, seq_dim, num_chunks)
+    size = 16 if seq_inputs[0].device.type == "cuda" else _CPU_STATE_BYTES   # Philox seed + offset
+    return out, torch.empty(size, dtype=torch.uint8, device="cpu")
+
+
+@torch.library.custom_op("tailorfx::token_chunked_random_backward", mutates_args=())
+def _token_chunked_random_backward(
+    key: str, grad_out: Tensor, seq_inputs: list[Tensor], whole_inputs: list[Tensor],
+    seq_dim: int, num_chunks: int, seq_needs_grad: list[bool], whole_needs_grad: list[bool], rng_state: Tensor,
+) -> list[Tensor]:
+    """token_chunked_backward replaying the forward's random draws from `rng_state`."""
+    device = seq_inputs[0].device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(rng_state, device)
+        else:
+            torch.set_rng_state(rng_state)
+        return _chunk_grads(key, grad_out, seq_inputs, whole_inputs, seq_dim, num_chunks, seq_needs_grad,
+                            whole_needs_grad)
+
+
+@_token_chunked_random_backward.register_fake
+def _token_chunked_random_backward_fake(key, grad_out, seq_inputs, whole_inputs, seq_dim, num_chunks,
+                                        seq_needs_grad, whole_needs_grad, rng_state):
+    return _token_chunked_backward_fake(key, grad_out, seq_inputs, whole_inputs, seq_dim, num_chunks,
+                                        seq_needs_grad, whole_needs_grad)
+
+
+def _token_chunked_random_setup(ctx, inputs, output):
+    key, seq_inputs, whole_inputs, seq_dim, num_chunks = inputs
+    ctx.save_for_backward(*seq_inputs, *whole_inputs, output[1])
+    ctx.region = (key, len(seq_inputs), seq_dim, num_chunks)
+    ctx.owner = _INDEX.get(key)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _token_chunked_random_grad(ctx, grad_out, _grad_state):
+    key, num_seq, seq_dim, num_chunks = ctx.region
+    saved = ctx.saved_tensors
+    seq_inputs, whole_inputs, state = list(saved[:num_seq]), list(saved[num_seq:-1]), saved[-1]
+    _, seq_need, whole_need, _, _ = ctx.needs_input_grad
+    grads = iter(torch.ops.tailorfx.token_chunked_random_backward(
+        key, grad_out, seq_inputs, whole_inputs, seq_dim, num_chunks, list(seq_need), list(whole_need), state))
+    seq_grads = [next(grads) if need else None for need in seq_need]
+    whole_grads = [next(grads) if need else None for need in whole_need]
+    return None, seq_grads, whole_grads, None, None
+
+
+_token_chunked_random.register_autograd(_token_chunked_random_grad, setup_context=_token_chunked_random_setup)
 
 
 def token_chunked(key: str, seq_inputs: Sequence[Tensor], whole_inputs: Sequence[Tensor],
