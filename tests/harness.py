@@ -75,5 +75,6 @@ def step_total(module: nn.Module, model: nn.Module, inputs: dict, optimizer) -> 
         p.grad = None
     peak = tailorfx.measure_peak(step)
     state = (optimizer.state_bytes() if hasattr(optimizer, "state_bytes") else
-             sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim() > 0))
+             sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                 if torch.is_tensor(t) and t.dim() > 0))
     return sum(p.numel() * p.element_size() for p in model.parameters()) + state + peak

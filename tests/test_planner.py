@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import tailorfx
+from harness import step_total
 from tailorfx.models import LlamaConfig, LlamaLM
 from tailorfx.budget import format_bytes
 from tailorfx.planner import HEADROOM
@@ -31,19 +32,7 @@ def steady_state_total(opt, m, inputs) -> int:
     setup = getattr(opt, "setup", None)
     o = tailorfx.SetupOptimizer(m.parameters(), setup, lr=1e-4) if setup is not None else \
         torch.optim.AdamW(m.parameters(), lr=1e-4)
-
-    def step():
-        out = opt(**inputs)     # held through backward and the step, as a training loop holds it
-        out.loss.backward()
-        o.step()
-    step()   # compiles and creates the optimizer state
-    for p in m.parameters():
-        p.grad = None
-    peak = tailorfx.measure_peak(step)
-    state = o.state_bytes() if setup is not None else sum(
-        t.numel() * t.element_size() for s in o.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-    params = sum(p.numel() * p.element_size() for p in m.parameters())
-    return params + state + peak
+    return step_total(opt, m, inputs, o)
 
 
 def test_planner_meets_a_loose_budget_and_the_one_budget_error_suggests():

@@ -56,8 +56,8 @@ def _schedule(g: fx.GraphModule, example_inputs: Sequence, is_backward: bool, is
 class _Walk:
     """The generated wrapper's lines, read as memory events (see _walk)."""
 
-    def __init__(self, graph, placeholders: dict[str, int]):
-        self.graph, self.placeholders = graph, placeholders
+    def __init__(self, placeholders: dict[str, int]):
+        self.placeholders = placeholders
         self.out = Schedule(gm=None)
         self.live: dict[str, sympy.Expr] = {}     # the graph's own storages, by the name holding each
         self.pending = sympy.Integer(0)            # allocated since the last kernel
@@ -105,7 +105,7 @@ def _walk(graph, placeholders: dict[str, int]) -> Schedule:
     code drops each input, between its kernel calls (on CPU several scheduler nodes run in one
     C++ kernel, their buffers allocated before it and freed after)."""
     ir, w = compat.inductor_modules()
-    walk = _Walk(graph, placeholders)
+    walk = _Walk(placeholders)
     kernels = tuple(getattr(w, c) for c in ("KernelCallLine", "ExternKernelOutLine", "ExternKernelAllocLine",
                                              "ExternKernelMultiOutLine", "IndexPutFallbackLine", "ScatterFallbackLine")
                     if hasattr(w, c))
