@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tailorfx.runtime.attention_kernels import (
-    dilated_attention, dilated_workspace_bytes, sparse_attention,
+    dilated_attention, dilated_workspace_bytes, score_mod_attention, sparse_attention,
 )
 from tailorfx.runtime.attention_tiles import KV_CHUNK, TILE, bigbird_random_blocks
 
@@ -73,7 +73,8 @@ class AttentionSpec:
     kv_chunk: int = KV_CHUNK  # keys per matmul: bounds the transient (tile x keys) scores
 
     def __call__(
-        self, q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor] = None
+        self, q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor] = None,
+        score_tensor: Optional[Tensor] = None,
     ) -> Tensor:
         batch, heads, seq, dim = q.shape
         if k.shape != v.shape or k.shape[0] != batch or k.shape[2] != seq or k.shape[3] != dim:
@@ -83,6 +84,12 @@ class AttentionSpec:
         if document_ids is not None and document_ids.shape != (batch, seq):
             raise ValueError(f"document_ids {tuple(document_ids.shape)}, expected {(batch, seq)}")
         scale = self.scale if self.scale is not None else dim**-0.5
+        score_mod = getattr(self, "score_mod", None)
+        if score_mod is not None:
+            args = (scale, self.causal, self.tile, self.kv_chunk, getattr(self, "softcap", None))
+            return score_mod_attention(q, k, v, document_ids, score_tensor, score_mod, *args)[0]
+        if score_tensor is not None:
+            raise ValueError(f"{type(self).__name__}: score_tensor= without a score_mod")
         return self._run(q, k, v, document_ids, scale)
 
     def dense_weights(
@@ -148,9 +155,14 @@ class Exact(AttentionSpec):
     """Exact attention. No documents: SDPA (its CPU flash kernel is O(S) memory). Documents: on
     CPU one flash call per document when ids are sorted per row, else block-sparse tiles.
     `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma-2's
-    attn_logit_softcapping); SDPA has no such transform, so on CPU the tiles run it."""
+    attn_logit_softcapping); SDPA has no such transform, so on CPU the tiles run it.
+    `score_mod`: the name of a FlexAttention-style transform of the scaled (and soft-capped)
+    scores, `fn(score, b, h, q_idx, kv_idx, score_tensor)` (attention_kernels.SCORE_MODS; built in:
+    "key_bias", ALiBi's per-key bias), run by the tiles forward and backward; the call passes the
+    tensor it reads as `score_tensor=` (its gradient flows)."""
 
     softcap: Optional[float] = None
+    score_mod: Optional[str] = None
 
     def _pattern_weights(self, S, num_heads, device):
         return torch.ones(1, S, S, dtype=torch.int64, device=device)
@@ -329,10 +341,19 @@ def build_spec(kind: str, params: tuple, causal: bool, scale: float) -> Attentio
 
 
 def attention_call(q, k, v, *, kind: str, params: tuple, causal: bool, scale: float,
-                   document_ids: Optional[Tensor] = None):
+                   document_ids: Optional[Tensor] = None, key_bias: Optional[Tensor] = None,
+                   key_bias_scale: float = 1.0):
     """`SPECS[kind](**dict(params), causal=causal, scale=scale)(q, k, v, document_ids=...)`; k, v
     have H_kv heads; `document_ids` (B, S) keeps each query to keys of its own document (packed
-    sequences; the attention pass passes it only for a mask it proved to be a document mask)."""
+    sequences; the attention pass passes it only for a mask it proved to be a document mask).
+    `key_bias`: key_bias_scale * key_bias is added to every query's scores, one value per key, as
+    the model added it: broadcast to (B, H, 1, S), or with heads folded into the batch to
+    (B * H, 1, S) (Bloom's ALiBi); the exact spec runs it as score_mod "key_bias"."""
+    if key_bias is not None:
+        if kind != "Exact":
+            raise ValueError(f"a per-key bias runs with the exact spec only, not {kind}")
+        params = (*params, ("score_mod", "key_bias"))
+        key_bias = _per_key(key_bias, key_bias_scale, q)
     if kind != "Exact" or document_ids is not None or params:
         # The custom ops' fake kernels return empty_like(q/k/v) while the real ones return
         # contiguous tensors: with RoPE'd (transposed-layout) inputs AOTAutograd would plan a
@@ -340,9 +361,23 @@ def attention_call(q, k, v, *, kind: str, params: tuple, causal: bool, scale: fl
         # the custom ops too.)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     spec = build_spec(kind, params, causal, scale)
-    if document_ids is None:
+    if document_ids is None and key_bias is None:
         return spec(q, k, v)
-    return spec(q, k, v, document_ids=document_ids)
+    return spec(q, k, v, document_ids=document_ids, score_tensor=key_bias)
+
+
+def _per_key(bias: Tensor, coeff: float, q: Tensor) -> Tensor:
+    """A bias added to (B, H, S, S) scores as (Bb, Hb, 1, S), or to heads-folded (B * H, S, S)
+    scores as (B * H or 1, 1, S), as a (B, H, S) view: the tensor score_mod "key_bias" reads."""
+    batch, heads, seq = q.shape[:3]
+    if coeff != 1.0:
+        bias = bias * coeff
+    if bias.dim() <= 3 and bias.shape[-2:-1] == (1,) and (bias.dim() < 3 or bias.shape[0] in (1, batch * heads)):
+        flat = bias.reshape(-1, bias.shape[-1])   # (B * H or 1, S): heads folded into the batch
+        per_key = flat.view(batch, heads, -1) if flat.shape[0] == batch * heads else flat.view(1, 1, -1)
+    else:
+        per_key = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))[:, :, 0]
+    return per_key.expand(batch, heads, seq)
 
 
 def spec_params(spec: AttentionSpec) -> tuple[str, tuple]:

@@ -7,6 +7,7 @@ checked against element-by-element loops that restate the issue's definitions.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -324,3 +325,70 @@ def test_exact_soft_capped_attention_equals_its_dense_formula(documents):
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     for x, y in zip(a, b):
         torch.testing.assert_close(x.grad, y.grad, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("documents,softcap", [(False, None), (True, None), (True, 5.0)])
+def test_key_bias_score_mod_equals_its_dense_formula(documents, softcap):
+    """Exact(score_mod="key_bias"): softmax([c tanh(s / c)] + bias[b, h, key] + causal mask) v on
+    the tiles, forward and backward, the bias's gradient included (it flows through the op's
+    score tensor), GQA, documents, float64."""
+    g = torch.Generator().manual_seed(1)
+    B, H, Hk, S, D, scale = 2, 4, 2, 41, 8, 0.5
+    q, k, v = (torch.randn(B, h, S, D, generator=g, dtype=torch.float64) * 2 for h in (H, Hk, Hk))
+    bias = torch.randn(B, H, S, generator=g, dtype=torch.float64) * 3
+    doc = torch.tensor([[0] * 20 + [1] * 21, [0] * 5 + [1] * 36]) if documents else None
+    spec = Exact(score_mod="key_bias", softcap=softcap, scale=scale, tile=16, kv_chunk=24)
+    a = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    out = spec(*a[:3], document_ids=doc, score_tensor=a[3])
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    out.backward(dout)
+    b = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    s = b[0] @ b[1].repeat_interleave(H // Hk, 1).transpose(-1, -2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    keep = torch.ones(S, S, dtype=torch.bool).tril()
+    if documents:
+        keep = keep & (doc[:, :, None] == doc[:, None, :])[:, None]
+    s = (s + b[3][:, :, None, :]).masked_fill(~keep, float("-inf"))
+    ref = torch.softmax(s, -1) @ b[2].repeat_interleave(H // Hk, 1)
+    ref.backward(dout)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for name, x, y in zip("qkvb", a, b):
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-10, atol=1e-10, msg=lambda m: f"d{name}: {m}")
+
+
+def test_a_registered_score_mod_runs_as_flex_attention_runs_it():
+    """A score_mod in FlexAttention's signature (ALiBi from a slope table, reading h, q_idx and
+    kv_idx) gives FlexAttention's output on the tiles (FlexAttention has no CPU backward in this
+    torch; the tiles' gradients are checked against autograd through the dense formula)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from tailorfx.runtime.attention_kernels import register_score_mod
+
+    def alibi(score, b, h, q_idx, kv_idx, slopes):
+        return score + slopes[h] * (kv_idx - q_idx)
+    register_score_mod("test_alibi", alibi)
+    g = torch.Generator().manual_seed(2)
+    B, H, S, D = 1, 4, 33, 8
+    q, k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    spec = Exact(score_mod="test_alibi", tile=8, kv_chunk=16)
+    a = [t.clone().requires_grad_() for t in (q, k, v, slopes)]
+    out = spec(*a[:3], score_tensor=a[3])
+
+    def causal_alibi(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx >= kv_idx, alibi(score, b, h, q_idx, kv_idx, slopes), float("-inf"))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")   # the dense reference we want
+        flex = flex_attention(q, k, v, score_mod=causal_alibi)
+    torch.testing.assert_close(out.detach(), flex, rtol=1e-5, atol=1e-6)
+    dout = torch.randn(out.shape, generator=g)
+    out.backward(dout)
+    b = [t.clone().requires_grad_() for t in (q, k, v, slopes)]
+    i = torch.arange(S)
+    s = b[0] @ b[1].transpose(-1, -2) * D ** -0.5 + b[3][:, None, None] * (i[None, :] - i[:, None])
+    ref = torch.softmax(s.masked_fill(i[None, :] > i[:, None], float("-inf")), -1) @ b[2]
+    ref.backward(dout)
+    for name, x, y in zip(["q", "k", "v", "slopes"], a, b):
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+    with pytest.raises(ValueError, match="unknown score mod 'nope'"):
+        Exact(score_mod="nope")(q, k, v)

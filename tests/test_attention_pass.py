@@ -309,6 +309,7 @@ def test_unknown_spec_is_a_clear_error():
 # ---- what the memory model is told about the sparse kernels the pass emits -------------------
 @pytest.mark.parametrize("kind,params", [
     ("window", [64, 0]), ("window", [64, 4]), ("bigbird", [32, 1, 1, 2, 0]), ("dilated", [[256, 512], [1, 2]]),
+    ("score_mod", ["key_bias"]),
 ])
 def test_kernel_transients_match_the_allocator(kind, params):
     """`attention_kernels.transient_bytes` against the peak the allocator saw inside each op minus
@@ -320,14 +321,17 @@ def test_kernel_transients_match_the_allocator(kind, params):
     try:
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, h, 1024, 32, generator=g) for h in (4, 2, 2))
-        op, name = ((torch.ops.tailorfx.dilated_attention, "dilated_attention") if kind == "dilated" else
-                    (torch.ops.tailorfx.sparse_attention, "sparse_attention"))
-        fargs = [q, k, v, None, *(params if kind == "dilated" else [kind, params]), 32 ** -0.5, True, 128, 1024]
+        name = {"dilated": "dilated_attention", "score_mod": "score_mod_attention"}.get(kind, "sparse_attention")
+        op = getattr(torch.ops.tailorfx, name)
+        bias = torch.randn(1, 4, 1024, generator=g)   # score_mod "key_bias" reads a (B, H, S) bias
+        pattern = {"dilated": params, "score_mod": [bias, *params]}.get(kind, [kind, params])
+        fargs = [q, k, v, None, *pattern, 32 ** -0.5, True, 128, 1024]
         out, lse = op(*fargs)
         backward = getattr(torch.ops.tailorfx, name + "_backward")
         bargs = [torch.randn_like(q), q, k, v, out, lse, *fargs[3:]]
+        grads = (q, k, v, bias) if kind == "score_mod" else (q, k, v)
         for fn, op_name, args, outputs in ((op, name, fargs, (out, lse)),
-                                           (backward, name + "_backward", bargs, (q, k, v))):
+                                           (backward, name + "_backward", bargs, grads)):
             measured = tailorfx.measure_peak(lambda: fn(*args)) - sum(t.numel() * 4 for t in outputs)
             predicted = ak.transient_bytes(op_name, args, int)
             assert 0.9 * measured <= predicted <= 1.5 * measured, (op_name, measured, predicted)

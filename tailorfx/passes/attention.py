@@ -60,6 +60,9 @@ class Match:
     positions: Optional[fx.Node] = None   # a document mask's position_ids input (packed batches)
     doc_rule: Optional[str] = None        # how document ids follow from it (attention_mask.DOC_RULES)
     softcap: Optional[float] = None       # scores soft-capped, c * tanh(s / c), before the mask
+    key_bias: Optional[fx.Node] = None    # an additive bias per key (ALiBi), query dim of size 1
+    key_bias_scale: float = 1.0           # what multiplies it on its way to the softmax
+    folded: bool = False                  # heads folded into the batch: (B * H, S, D) operands
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,7 @@ def _sdpa_mask_fn(mask_dtype: torch.dtype, dtype: torch.dtype) -> Callable:
 
 
 _CASTS = frozenset({"to", "type", "float", "half", "bfloat16", "contiguous"})
-_SCORE_OPS = _CASTS | {"mul", "truediv", "div", "add", "sub", "masked_fill", "where", "tanh"}
+_SCORE_OPS = _CASTS | {"mul", "truediv", "div", "add", "sub", "masked_fill", "where", "tanh", "view", "reshape"}
 
 
 def _match_softmax_chain(node: fx.Node, ctx: PassContext) -> Union[Match, str, None]:
@@ -196,32 +199,88 @@ def _match_softmax_chain(node: fx.Node, ctx: PassContext) -> Union[Match, str, N
     out = _probs_matmul(node)
     if isinstance(out, str):
         return out
-    v = _unwrap_repeat_kv(out.args[1])
     up = _scores_matmul(x_in)
     if isinstance(up, str):
         return up
-    scores, scale, has_mask, softcap, capped = up
-    if len(scores.users) != 1 or len(scores.args) != 2:
+    scores, scale, has_mask, softcap, capped, bias = up
+    folded = node_value(scores).dim() == 3
+    if folded != (node_value(out).dim() == 3):
+        return "scores and output differ in whether heads are folded into the batch"
+    if match.op_name(scores) == "baddbmm":
+        a = _args(scores, ("input", "batch1", "batch2"))
+        q_arg, kt_arg = a["batch1"], a["batch2"]
+    elif len(scores.args) == 2:
+        q_arg, kt_arg = scores.args
+    else:
+        return f"the scores matmul ({scores.name}) is not q @ k^T"
+    if len(scores.users) != 1:
         return f"attention scores ({scores.name}) are used elsewhere"
-    q, k = scores.args[0], _untranspose(scores.args[1])
+    q, k, v = q_arg, _untranspose(kt_arg), out.args[1]
     if k is None:
         return "the scores matmul is not q @ k.transpose(-2, -1)"
-    k = _unwrap_repeat_kv(k)
+    if folded:   # (B * H, S, D) operands: the (B, H, S, D) tensors they were reshaped from
+        q, k, v = (_unfold_heads(t) for t in (q, k, v))
+        if None in (q, k, v):
+            return "heads are folded into the batch from something other than (B, H, S, D) tensors"
+    k, v = _unwrap_repeat_kv(k), _unwrap_repeat_kv(v)
     why = _check_qkv(q, k, v)
     if why:
         return why
     dtype = node_value(q).dtype
     if node_value(out).dtype != dtype:
         return f"attention output dtype {node_value(out).dtype} differs from q's {dtype}"
+    extra = {"softcap": softcap, "folded": folded}
+    if bias is not None:
+        if softcap is not None:
+            return "scores carry both a soft-cap and a position bias"
+        extra.update(key_bias=bias.node, key_bias_scale=float(bias.scale))
     if not has_mask:   # softmax(q k^T * c) v: every query sees every key
-        return Match("softmax_chain", out, q, k, v, False, float(scale), "none", True, softcap=softcap)
-    # a soft-capped chain's mask is proved on the capped scores (what the mask is added to)
-    proof = prove_mask(ctx, scores if capped is None else capped, x_in, scale if capped is None else 1.0, dtype, None)
+        return Match("softmax_chain", out, q, k, v, False, float(scale), "none", True, **extra)
+    # the mask is proved on the scores it is added to: after the soft-cap or the bias, past any scale
+    x, x_scale = (scores, scale) if capped is None and bias is None else (
+        (capped, 1.0) if bias is None else (bias.after, bias.scale))
+    proof = prove_mask(ctx, x, x_in, x_scale, dtype, None)
     if isinstance(proof, str):
         return proof
     how = f"proved causal at S={proof.text}" if proof.positions is None else _described(proof, "mask")
-    return Match("softmax_chain", out, q, k, v, True, float(scale), how, True, proof.positions, proof.rule,
-                 softcap=softcap)
+    if bias is not None:
+        how += f"; key bias {bias.node.name} (ALiBi)"
+    return Match("softmax_chain", out, q, k, v, True, float(scale), how, True, proof.positions, proof.rule, **extra)
+
+
+@dataclass(frozen=True)
+class _Bias:
+    """An additive per-key bias met on the way up from the softmax."""
+    node: fx.Node          # the bias tensor
+    scale: float           # the constant scales between it and the softmax (times baddbmm's beta)
+    after: fx.Node         # the 4-D scores node it is part of: where a mask below it is proved
+
+
+def _unfold_heads(x3: fx.Node) -> Optional[fx.Node]:
+    """x for x.reshape(B * H, S, D) (or .view) of a (B, H, S, D) tensor x; else None."""
+    if not isinstance(x3, fx.Node) or match.op_name(x3) not in ("reshape", "view") or \
+            not x3.args or not isinstance(x3.args[0], fx.Node):
+        return None
+    x4, v3 = x3.args[0], node_value(x3)
+    v4 = node_value(x4)
+    if not (isinstance(v4, torch.Tensor) and isinstance(v3, torch.Tensor) and v4.dim() == 4 and v3.dim() == 3):
+        return None
+    b, h, s, d = v4.shape
+    return x4 if _all_same(v3.shape, (b * h, s, d)) else None
+
+
+def _key_bias_shape(bias: fx.Node, scores: fx.Node) -> Optional[str]:
+    """Why `bias`, added to `scores`, is not a floating (.., 1, S) bias per key; None when it is."""
+    bv, sv = node_value(bias), node_value(scores)
+    if not isinstance(bv, torch.Tensor) or not bv.is_floating_point():
+        return "not a floating-point tensor"
+    if bv.dim() > sv.dim() or bv.dim() < 2:
+        return f"shape {tuple(bv.shape)}"
+    shape = (1,) * (sv.dim() - bv.dim()) + tuple(bv.shape)
+    lead_ok = all(_same(a, 1) or _same(a, b) for a, b in zip(shape[:-2], sv.shape[:-2]))
+    if not (lead_ok and _same(shape[-2], 1) and _same(shape[-1], sv.shape[-1])):
+        return f"shape {tuple(bv.shape)} is not one value per key (its query dim must be 1)"
+    return None
 
 
 def _probs_matmul(softmax: fx.Node) -> Union[fx.Node, str]:
@@ -237,21 +296,28 @@ def _probs_matmul(softmax: fx.Node) -> Union[fx.Node, str]:
             d = _args(user, ("input", "p", "training", "inplace"))
             if d.get("training", True) is not False and d.get("p", 0.5) != 0:
                 return f"attention dropout p={d.get('p', 0.5)} in training: the kernels have no dropout"
+        elif name in ("view", "reshape") and first and node_value(cur).dim() == 4 and node_value(user).dim() == 3:
+            pass   # heads folded into the batch, (B * H, S, S), for a bmm with (B * H, S, D) values
         elif not (name in _CASTS and first):
             break
         cur = user
-    if name != "matmul" or not first or len(user.args) != 2:
+    if name not in ("matmul", "bmm") or not first or len(user.args) != 2:
         return f"softmax output feeds {name}, not a matmul with v"
     return user
 
 
-def _scores_matmul(x_in: fx.Node) -> Union[tuple[fx.Node, float, bool, Optional[float], Optional[fx.Node]], str]:
+_MATMULS = frozenset({"matmul", "bmm", "baddbmm"})
+
+
+def _scores_matmul(x_in: fx.Node) -> Union[tuple, str]:
     """Up from the softmax input to the scores matmul: (that matmul, the constant scale, whether
     a mask is added on the way, the soft-cap c of a c * tanh(s / c) after the scale (Gemma-2),
-    the capped scores node); nothing else may read the scores."""
-    scale, has_mask, cur = 1.0, False, x_in
-    softcap, capped, last_mul = None, None, None
-    while match.op_name(cur) != "matmul":
+    the capped scores node, a _Bias or None); nothing else may read the scores. The matmul may
+    be a bmm over heads folded into the batch, viewed back to (B, H, S, S), and a baddbmm whose
+    added input is a per-key bias (Bloom's ALiBi: alibi.baddbmm(q, k^T, beta=1, alpha=c))."""
+    scale, has_mask, cur, below = 1.0, False, x_in, None
+    softcap, capped, last_mul, bias = None, None, None, None
+    while match.op_name(cur) not in _MATMULS:
         name = match.op_name(cur)
         on = [a for a in cur.args if isinstance(a, fx.Node) and _leads_to_matmul(a)]
         if len(cur.users) != 1 or len(on) != 1:
@@ -263,7 +329,7 @@ def _scores_matmul(x_in: fx.Node) -> Union[tuple[fx.Node, float, bool, Optional[
                 and prev.args[1] == last_mul[1] and len(prev.users) == 1:
             # c * tanh(s / c), nothing but casts and the mask after it: a soft-cap, not a scale
             softcap, capped, scale = float(last_mul[1]), last_mul[0], 1.0
-            cur = prev.args[0]
+            below, cur = cur, prev.args[0]
             continue
         if name in ("mul", "truediv", "div") and len(cur.args) == 2 and (first or name == "mul"):
             if not isinstance(other, (int, float)):
@@ -271,19 +337,43 @@ def _scores_matmul(x_in: fx.Node) -> Union[tuple[fx.Node, float, bool, Optional[
             if name == "mul" and scale == 1.0 and softcap is None:
                 last_mul = (cur, other)
             scale = scale * other if name == "mul" else scale / other
+        elif name == "add" and bias is None and isinstance(other, fx.Node) and _key_bias_shape(other, cur) is None \
+                and node_value(cur).dim() == 4:
+            bias = _Bias(other, scale, cur)
         elif name in ("add", "sub", "masked_fill", "where") and (first or name in ("add", "where")) \
                 and not (name == "where" and first):
+            if bias is not None:
+                return f"a mask ({cur.name}) is added before the position bias {bias.node.name}"
             has_mask = True
+        elif name in ("view", "reshape") and first and node_value(cur).dim() == 4 and node_value(prev).dim() == 3:
+            pass   # (B * H, S, S) scores of a bmm viewed as (B, H, S, S)
         elif not (name in _CASTS and first):
             return f"scores pass through {name} ({cur.name}) before the softmax"
-        cur = prev
-    return cur, scale, has_mask, softcap, capped
+        below, cur = cur, prev
+    if match.op_name(cur) == "baddbmm":
+        a = _args(cur, ("input", "batch1", "batch2"))
+        beta, alpha = a.get("beta", 1), a.get("alpha", 1)
+        if not all(isinstance(c, (int, float)) for c in (beta, alpha)):
+            return f"baddbmm ({cur.name}) has non-constant beta or alpha"
+        if not (isinstance(a.get("batch1"), fx.Node) and isinstance(a.get("batch2"), fx.Node)):
+            return f"baddbmm ({cur.name}) operands are not graph tensors"
+        if beta != 0:
+            if bias is not None:
+                return f"scores carry two biases ({bias.node.name}, {cur.name})"
+            if below is None or node_value(below).dim() != 4 or match.op_name(below) not in ("view", "reshape"):
+                return f"baddbmm ({cur.name}) scores are not viewed as (B, H, S, S) before the softmax"
+            why = _key_bias_shape(a["input"], cur) if isinstance(a["input"], fx.Node) else "not a tensor"
+            if why:
+                return f"the tensor baddbmm ({cur.name}) adds is not a per-key bias: {why}"
+            bias = _Bias(a["input"], scale * beta, below)
+        scale *= alpha
+    return cur, scale, has_mask, softcap, capped, bias
 
 
 def _leads_to_matmul(a: fx.Node, depth: int = 8) -> bool:
     """Whether `a` comes from a matmul through scale, mask and cast ops: the scores operand,
     as opposed to the mask operand."""
-    if match.op_name(a) == "matmul":
+    if match.op_name(a) in _MATMULS:
         return True
     if depth == 0 or match.op_name(a) not in _SCORE_OPS:
         return False
@@ -355,8 +445,13 @@ def _rewrite(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased: set
     kwargs = {"kind": kind, "params": params, "causal": m.causal, "scale": m.scale}
     if m.positions is not None:
         kwargs["document_ids"] = _document_ids(gm, m.positions, m.doc_rule, made)
+    if m.key_bias is not None:
+        kwargs.update(key_bias=m.key_bias, key_bias_scale=m.key_bias_scale)
     with gm.graph.inserting_before(m.out):
         new = gm.graph.call_function(attention_call, (m.q, m.k, m.v), kwargs)
+        if m.folded:   # the (B, H, S, D) result as the (B * H, S, D) the bmm made
+            annotate(new, m.out, val=node_value(m.q).new_empty(node_value(m.q).shape), pass_name=NAME)
+            new = gm.graph.call_method("flatten", (new, 0, 1))
     annotate(new, m.out, pass_name=NAME)
     m.out.replace_all_uses_with(new)
     _erase_dead(gm, m.out, erased)
@@ -370,6 +465,8 @@ def _fit(spec: Optional[AttentionSpec], m: Match) -> Union[AttentionSpec, str]:
         return Exact(causal=m.causal, softcap=m.softcap)
     if m.softcap is not None:
         return f"its scores are soft-capped (c={m.softcap}): only the exact spec (the default) runs that"
+    if m.key_bias is not None:
+        return f"its scores carry a per-key bias ({m.key_bias.name}, ALiBi): only the exact spec (the default) runs that"
     if spec.causal != m.causal:
         return (f"the model's attention is {'causal' if m.causal else 'bidirectional'} but the spec "
                 f"has causal={spec.causal}")

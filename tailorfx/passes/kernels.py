@@ -268,6 +268,8 @@ def _match_attention(region: Region, nodes: dict, ctx: PassContext) -> Union[lis
         if n is None or n.target is not attention_call:
             continue
         why = triton_attention_supports(n.kwargs["kind"], dict(n.kwargs["params"]))
+        if n.kwargs.get("key_bias") is not None:
+            why = "a per-key bias (ALiBi) runs as a score_mod on the tiles: the Triton kernel has none"
         if why:
             return why
         kwargs, params = dict(n.kwargs), dict(n.kwargs["params"])

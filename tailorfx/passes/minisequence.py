@@ -412,6 +412,8 @@ def _extract(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node], 
 
     for n in members:
         env[n] = g.node_copy(n, arg)
+        if n.target is torch.ops.higher_order.autograd_function_apply:
+            env[n].target = ops.function_apply   # the same autograd.Function, without the HOP's leak
     g.output(env[out])
     sub = fx.GraphModule(gm, g)
     sub.meta = {}

@@ -2,6 +2,8 @@
 
     tailorfx::sparse_attention(q, k, v, document_ids, kind, params, scale, causal, tile, kv_chunk)
     tailorfx::dilated_attention(q, k, v, document_ids, segments, rates, scale, causal, tile, kv_chunk)
+    tailorfx::score_mod_attention(q, k, v, document_ids, mod_tensor, score_mod, scale, causal, tile,
+                                  kv_chunk, softcap)
         -> (out (B, H, S, D), lse (B, H, S) fp32, fp64 for fp64 inputs)
 
 each with a ``*_backward`` op, a fake kernel and an autograd registration, so a graph that calls
@@ -14,15 +16,16 @@ Shapes: q (B, H, S, D); k, v (B, H_kv, S, D) with H % H_kv == 0; document_ids (B
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from tailorfx.runtime.attention_tiles import KV_CHUNK, TILE, Pattern, tile_backward, tile_forward
+from tailorfx.runtime.attention_tiles import KV_CHUNK, TILE, Pattern, ScoreMod, tile_backward, tile_forward
 
-__all__ = ["sparse_attention", "dilated_attention", "dilated_workspace_bytes"]
+__all__ = ["sparse_attention", "dilated_attention", "dilated_workspace_bytes", "score_mod_attention",
+           "register_score_mod", "SCORE_MODS"]
 
 _NEG_INF = float("-inf")
 
@@ -148,6 +151,91 @@ def _sparse_grad(ctx, dout, _dlse):
 
 
 sparse_attention.register_autograd(_sparse_grad, setup_context=_sparse_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact attention with a score transform: FlexAttention's score_mod(score, b, h, q_idx, kv_idx,
+# tensor), named in SCORE_MODS (an op's schema holds a name, not a function); the one tensor it
+# may read (several: stack them) is the op's input, so its gradient flows. (One Optional[Tensor],
+# not a Tensor[]: torch 2.13's register_autograd miscounts the gradients of an op with a tensor list.)
+
+
+def _key_bias(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, bias: Tensor) -> Tensor:
+    """An additive bias per (batch, head, key), bias (B, H, S): ALiBi as Bloom and MPT build it
+    (slope_h * key position; the query's own term is constant per row and cancels in softmax)."""
+    return score + bias[b, h, kv_idx]
+
+
+SCORE_MODS: dict[str, Callable[..., Tensor]] = {"key_bias": _key_bias}
+
+
+def register_score_mod(name: str, fn: Callable[..., Tensor]) -> None:
+    """Make `fn(score, b, h, q_idx, kv_idx, *tensors) -> score` callable as score mod `name`.
+    It gets broadcastable index tensors (a FlexAttention score_mod written with torch ops
+    works as it is) and must be differentiable in `score` and in its floating-point tensors."""
+    if name in SCORE_MODS and SCORE_MODS[name] is not fn:
+        raise ValueError(f"score mod {name!r} is already registered")
+    SCORE_MODS[name] = fn
+
+
+def _score_mod(name: str, tensor: Optional[Tensor]) -> ScoreMod:
+    if name not in SCORE_MODS:
+        raise ValueError(f"unknown score mod {name!r}: register it with "
+                         f"tailorfx.runtime.attention_kernels.register_score_mod (known: {sorted(SCORE_MODS)})")
+    return ScoreMod(SCORE_MODS[name], () if tensor is None else (tensor,))
+
+
+@torch.library.custom_op("tailorfx::score_mod_attention", mutates_args=())
+def score_mod_attention(
+    q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor], mod_tensor: Optional[Tensor],
+    score_mod: str, scale: float, causal: bool, tile: int = TILE, kv_chunk: int = KV_CHUNK,
+    softcap: Optional[float] = None,
+) -> tuple[Tensor, Tensor]:
+    pattern = Pattern("full", (), causal, q.shape[2])
+    return _contiguous(*tile_forward(q, k, v, pattern, document_ids, scale, tile, kv_chunk, softcap,
+                                     _score_mod(score_mod, mod_tensor)))
+
+
+@score_mod_attention.register_fake
+def _(q, k, v, *_args, **_kwargs):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("tailorfx::score_mod_attention_backward", mutates_args=())
+def score_mod_attention_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, document_ids: Optional[Tensor],
+    mod_tensor: Optional[Tensor], score_mod: str, scale: float, causal: bool, tile: int = TILE,
+    kv_chunk: int = KV_CHUNK, softcap: Optional[float] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    pattern = Pattern("full", (), causal, q.shape[2])
+    dq, dk, dv, *dmod = tile_backward(dout, q, k, v, out, lse, pattern, document_ids, scale, tile, kv_chunk,
+                                      softcap, _score_mod(score_mod, mod_tensor))
+    # no tensor: an empty stand-in (an op's outputs are tensors)
+    return (*_contiguous(dq, dk, dv), dmod[0].contiguous() if dmod else q.new_empty(0))
+
+
+@score_mod_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, document_ids, mod_tensor, *_args, **_kwargs):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty(0) if mod_tensor is None else mod_tensor.new_empty(mod_tensor.shape))
+
+
+def _mod_setup(ctx, inputs, output) -> None:
+    q, k, v, document_ids, mod_tensor, *args = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], document_ids, mod_tensor)
+    ctx.args = tuple(args)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _mod_grad(ctx, dout, _dlse):
+    q, k, v, out, lse, document_ids, mod_tensor = ctx.saved_tensors
+    dq, dk, dv, dmod = score_mod_attention_backward(dout.contiguous(), q, k, v, out, lse, document_ids,
+                                                    mod_tensor, *ctx.args)
+    floating = mod_tensor is not None and mod_tensor.is_floating_point()
+    return (dq, dk, dv, None, dmod if floating else None, *([None] * len(ctx.args)))
+
+
+score_mod_attention.register_autograd(_mod_grad, setup_context=_mod_setup)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,11 +407,14 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
     """
     backward = op_name.endswith("_backward")
     base = op_name[: -len("_backward")] if backward else op_name
-    if base not in ("sparse_attention", "dilated_attention"):
+    if base not in ("sparse_attention", "dilated_attention", "score_mod_attention"):
         return 0
     rest = list(args[1:] if backward else args)
     q, k = rest[0], rest[1]
     extra = rest[5:] if backward else rest[3:]  # past (q, k, v) and the backward's (out, lse)
+    modded = base == "score_mod_attention"
+    if modded:   # (doc, mod_tensor, score_mod, scale, causal, ...) read as the full pattern's arguments
+        extra = [extra[0], "full", [], *extra[3:]]
     doc, pattern_args, tiles = extra[0], extra[1:3], extra[5:7]
     softcap = extra[7] if len(extra) > 7 else None
     tile, kv_chunk = (list(tiles) + [TILE, KV_CHUNK][len(tiles):])[:2]
@@ -339,7 +430,7 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
             return work * 6 // 8 + narrow * acc * q_elems
         return work * 13 // 8 + narrow * acc * (q_elems + 2 * kv_elems)
     kind, params = pattern_args
-    if kind == "full" and softcap is None:   # CPU flash per document (sorted ids: packed sequences, the usual case)
+    if kind == "full" and softcap is None and not modded:   # CPU flash per document (sorted ids: packed sequences, the usual case)
         half = narrow * item * q_elems // 2   # narrow dtypes: measured +50% (fp32 work rows)
         return item * q_elems + half if not backward else item * (q_elems + 2 * kv_elems) + half
     tq = tile if kind != "bigbird" else params[0] * max(1, tile // params[0])
@@ -358,7 +449,10 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
     copies = narrow or gathered or doc is not None
     rows, chunk = acc * batch * heads * tq, acc * batch * num_kv * kc * dim
     mask = tq * kc * (batch if doc is not None else 1)
+    # a score mod's gathered operand and its result (forward); under vjp, its residuals and their
+    # gradients (backward): measured 4.0-4.6 and 6.2-7.4 score tiles in all
+    fwd_tiles, bwd_tiles = (4, 6 + (softcap is not None)) if modded else (2, 4 + (softcap is not None))
     if not backward:
-        return int(rows * (2 * kc + 3 * dim + 6) + 2 * chunk * copies + mask)
-    return int(rows * ((4 + (softcap is not None)) * kc + 4 * dim + 2) + 2 * chunk * (1 + copies) + mask
+        return int(rows * (fwd_tiles * kc + 3 * dim + 6) + 2 * chunk * copies + mask)
+    return int(rows * (bwd_tiles * kc + 4 * dim + 2) + 2 * chunk * (1 + copies) + mask
                + narrow * 2 * acc * kv_elems)

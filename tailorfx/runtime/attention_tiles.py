@@ -7,6 +7,13 @@ softmax: work is O(S x keys per query), memory O(S) plus an O(tile x kv_chunk) t
 backward recomputes each tile from ``out`` and ``lse`` (flash-style) and scatter-adds dk, dv.
 Every kind includes the diagonal, so no query row is empty and lse stays finite.
 
+A ``score_mod`` (FlexAttention's signature, ``score_mod(score, b, h, q_idx, kv_idx, *tensors)``)
+transforms each tile's scaled scores before the mask: it is called with broadcastable index
+tensors instead of FlexAttention's vmapped scalars, so a mod written for one runs on the other
+(an ALiBi slope table ``s + slopes[h] * (kv_idx - q_idx)``, a bias read from the graph
+``s + bias[b, h, kv_idx]``). Its backward goes through autograd on the tile, gradients of the
+captured ``tensors`` included.
+
 Everything is torch ops on whatever device the inputs live on; no CPU-only calls here.
 """
 
@@ -16,12 +23,12 @@ import functools
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["Pattern", "bigbird_random_blocks", "tile_forward", "tile_backward", "TILE", "KV_CHUNK"]
+__all__ = ["Pattern", "ScoreMod", "bigbird_random_blocks", "tile_forward", "tile_backward", "TILE", "KV_CHUNK"]
 
 TILE = 128  # query rows per tile; 64-256 measured within 15% on CPU at S=4K
 KV_CHUNK = 1024  # keys per matmul; bounds the (tile x keys) score transient
@@ -211,12 +218,39 @@ def _take(x: Tensor, index: KeyIndex, dtype: torch.dtype) -> Tensor:
     return (x[:, :, index] if isinstance(index, slice) else x.index_select(2, index)).to(dtype)
 
 
-def _scores(qt: Tensor, kc: Tensor, mask: Optional[Tensor], tq: int, softcap: Optional[float] = None) -> Tensor:
+@dataclass(frozen=True)
+class ScoreMod:
+    """A score transform in FlexAttention's signature and the tensors it reads (see module doc)."""
+
+    fn: Callable[..., Tensor]
+    tensors: tuple[Tensor, ...] = ()
+
+    def apply(self, s: Tensor, q0: int, q1: int, kpos: Tensor, tensors=None) -> Tensor:
+        """fn over a tile's scores s (B, H_kv, G * Tq, Tk), rows ordered (group, query)."""
+        batch, hkv, rows, tk = s.shape
+        tq = q1 - q0
+        row = torch.arange(rows, device=s.device)
+        b = torch.arange(batch, device=s.device).view(-1, 1, 1, 1)
+        h = (torch.arange(hkv, device=s.device).view(1, -1, 1, 1) * (rows // tq) + (row // tq).view(1, 1, -1, 1))
+        q_idx = (q0 + row % tq).view(1, 1, -1, 1)
+        return self.fn(s, b, h, q_idx, kpos.view(1, 1, 1, -1), *(self.tensors if tensors is None else tensors))
+
+
+def _key_positions(index: KeyIndex, device) -> Tensor:
+    return torch.arange(index.start, index.stop, device=device) if isinstance(index, slice) else index
+
+
+def _scores(qt: Tensor, kc: Tensor, mask: Optional[Tensor], tq: int, softcap: Optional[float] = None,
+            mod: Optional[tuple] = None) -> Tensor:
     """Masked scores of pre-scaled query rows against one key chunk, soft-capped
-    (softcap * tanh(s / softcap), Gemma-2) before the mask when `softcap` is given."""
+    (softcap * tanh(s / softcap), Gemma-2) before the mask when `softcap` is given, transformed
+    by a score mod (`mod` = (ScoreMod, q0, key index)) after it."""
     s = torch.matmul(qt, kc.transpose(-1, -2))
     if softcap is not None:
         s = s.div_(softcap).tanh_().mul_(softcap)
+    if mod is not None:
+        score_mod, q0, index = mod
+        s = score_mod.apply(s, q0, q0 + tq, _key_positions(index, s.device))
     if mask is not None:
         b, hkv, rows, tk = s.shape
         s.view(b, hkv, rows // tq, tq, tk).masked_fill_(~mask, float("-inf"))
@@ -226,6 +260,7 @@ def _scores(qt: Tensor, kc: Tensor, mask: Optional[Tensor], tq: int, softcap: Op
 def tile_forward(
     q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, doc: Optional[Tensor], scale: float,
     tile: int = TILE, kv_chunk: int = KV_CHUNK, softcap: Optional[float] = None,
+    score_mod: Optional[ScoreMod] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, S, D) in q's dtype, lse (B, H, S) in fp32/fp64; -inf and 0 for empty rows)."""
     batch, heads, seq, dim = q.shape
@@ -238,7 +273,8 @@ def tile_forward(
         l = torch.zeros_like(m)
         o = torch.zeros_like(qt)
         for index, mask in chunks:
-            s = _scores(qt, _take(k, index, acc), mask, q1 - q0, softcap)
+            s = _scores(qt, _take(k, index, acc), mask, q1 - q0, softcap,
+                        None if score_mod is None else (score_mod, q0, index))
             m_new = torch.maximum(m, s.amax(-1))
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # all-masked rows stay 0
             p = s.sub_(m_safe[..., None]).exp_()
@@ -256,15 +292,20 @@ def tile_forward(
 def tile_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, pattern: Pattern,
     doc: Optional[Tensor], scale: float, tile: int = TILE, kv_chunk: int = KV_CHUNK,
-    softcap: Optional[float] = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    softcap: Optional[float] = None, score_mod: Optional[ScoreMod] = None,
+) -> tuple[Tensor, ...]:
     """Gradients of ``tile_forward``'s out wrt q, k, v, recomputing each tile's probabilities
-    (through the soft-cap: d(c tanh(s/c))/ds = 1 - tanh(s/c)^2)."""
+    (through the soft-cap: d(c tanh(s/c))/ds = 1 - tanh(s/c)^2), then, with a score mod, wrt
+    each of its tensors (autograd through the mod, tile by tile; zeros where none flows)."""
     batch, heads, seq, dim = q.shape
     num_kv, acc = k.shape[1], _acc_dtype(q.dtype)
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    leaves, dmods = (), []
+    if score_mod is not None:
+        leaves = tuple(t.detach() for t in score_mod.tensors)
+        dmods = [torch.zeros_like(t) if t.is_floating_point() else None for t in leaves]
     for q0, q1, chunks in plan(pattern, doc, tile, kv_chunk, q.device):
         qt = _tile_rows(q, q0, q1, num_kv, acc) * scale  # so ds^T @ qt is already dk
         dot = _tile_rows(dout, q0, q1, num_kv, acc)
@@ -273,12 +314,16 @@ def tile_backward(
         dqt = torch.zeros_like(qt)
         for index, mask in chunks:
             kc, vc = _take(k, index, acc), _take(v, index, acc)
-            s = _scores(qt, kc, mask, q1 - q0, softcap)
-            p = s.sub_(lt).exp_() if softcap is None else s.sub(lt).exp_()
-            ds = p * (torch.matmul(dot, vc.transpose(-1, -2)).sub_(delta))
-            if softcap is not None:   # s = c * t where unmasked: 1 - t^2 = 1 - (s / c)^2 (masked: p = 0)
-                t = s.div_(softcap).nan_to_num_(0.0, 0.0, 0.0)
-                ds.mul_(t.mul_(t).neg_().add_(1.0))
+            if score_mod is not None:
+                p, ds = _mod_tile_grads(qt, kc, vc, dot, delta, lt, mask, q0, q1, index, softcap, score_mod,
+                                        leaves, dmods)
+            else:
+                s = _scores(qt, kc, mask, q1 - q0, softcap)
+                p = s.sub_(lt).exp_() if softcap is None else s.sub(lt).exp_()
+                ds = p * (torch.matmul(dot, vc.transpose(-1, -2)).sub_(delta))
+                if softcap is not None:   # s = c * t where unmasked: 1 - t^2 = 1 - (s / c)^2 (masked: p = 0)
+                    t = s.div_(softcap).nan_to_num_(0.0, 0.0, 0.0)
+                    ds.mul_(t.mul_(t).neg_().add_(1.0))
             dvc = torch.matmul(p.transpose(-1, -2), dot)
             dkc = torch.matmul(ds.transpose(-1, -2), qt)
             dqt.add_(torch.matmul(ds, kc))
@@ -289,4 +334,35 @@ def tile_backward(
                 dk.index_add_(2, index, dkc)
                 dv.index_add_(2, index, dvc)
         dq[:, :, q0:q1] = (dqt * scale).view(batch, heads, q1 - q0, dim).to(q.dtype)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    if score_mod is None:
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
+    return (dq, dk.to(k.dtype), dv.to(v.dtype),
+            *(torch.zeros_like(t) if d is None else d for t, d in zip(score_mod.tensors, dmods)))
+
+
+def _mod_tile_grads(qt, kc, vc, dot, delta, lt, mask, q0, q1, index, softcap, score_mod, leaves, dmods):
+    """(probabilities, d scores before the soft-cap and the mod) of one tile with a score mod,
+    by torch.func.vjp through the mod (custom ops run below autograd; functorch's transforms
+    still differentiate there); its floating tensors' gradients are added to `dmods`."""
+    kpos = _key_positions(index, qt.device)
+    floats = [i for i, t in enumerate(leaves) if t.is_floating_point()]
+
+    def modded(raw, *diff):
+        tensors = list(leaves)
+        for i, t in zip(floats, diff):
+            tensors[i] = t
+        s = raw if softcap is None else torch.tanh(raw / softcap) * softcap
+        s = score_mod.apply(s, q0, q1, kpos, tensors)
+        if mask is not None:
+            b, hkv, rows, tk = s.shape
+            tq = q1 - q0
+            s = s.view(b, hkv, rows // tq, tq, tk).masked_fill(~mask, float("-inf")).view(b, hkv, rows, tk)
+        return s
+
+    s, vjp = torch.func.vjp(modded, torch.matmul(qt, kc.transpose(-1, -2)), *(leaves[i] for i in floats))
+    p = s.sub_(lt).exp_()
+    ds = p * (torch.matmul(dot, vc.transpose(-1, -2)).sub_(delta))
+    grads = vjp(ds)
+    for i, g in zip(floats, grads[1:]):
+        dmods[i] += g
+    return p, grads[0]
