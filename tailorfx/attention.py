@@ -188,10 +188,12 @@ class Exact(AttentionSpec):
 @dataclass(frozen=True)
 class SlidingWindow(AttentionSpec):
     """Query i sees keys i - window < j <= i (Mistral's ``sliding_window``); the first
-    ``global_tokens`` tokens see and are seen by all. Without causality: |i - j| < window."""
+    ``global_tokens`` tokens see and are seen by all. Without causality: |i - j| < window.
+    `softcap`: scores soft-capped first, as Exact's (Gemma-2's sliding layers)."""
 
     window: int
     global_tokens: int = 0
+    softcap: Optional[float] = None
 
     def __post_init__(self):
         for name, value, least in (("window", self.window, 1), ("global_tokens", self.global_tokens, 0)):
@@ -219,7 +221,8 @@ class SlidingWindow(AttentionSpec):
 
     def _run(self, q, k, v, document_ids, scale):
         params = [self.window, self.global_tokens]
-        return self._sparse(q, k, v, document_ids, scale, "window", params)
+        softcap = None if self.softcap is None else float(self.softcap)
+        return self._sparse(q, k, v, document_ids, scale, "window", params, softcap)
 
 
 @dataclass(frozen=True)

@@ -266,6 +266,9 @@ def toy(mode, spec=None):
     ("sdpa_bool_mask", None, "attn_mask proved causal at S=1,2,3,5,8,13,24"),
     ("bidirectional", None, "none"),
     ("bidirectional", Exact(causal=False), "none"),
+    # keys i-3..i: a window of 4 keys, its constant 3 (probed as 3 and 5: windows of 4 and 6)
+    ("window", None, "mask proved a causal sliding window of 4 (3->3: window 4 at S=1,2,3,4,5,7,8,13; "
+                     "3->5: window 6 at S=1,2,3,5,6,7,8,11,13,19)"),
 ])
 def test_toy_attention_is_swapped(mode, spec, mask):
     opt = toy(mode, spec)
@@ -273,13 +276,12 @@ def test_toy_attention_is_swapped(mode, spec, mask):
     assert rec.touched == ("layers.0.attn",)
     st = rec.stats["layers.0.attn"]
     assert (st["causal"], st["mask"]) == (mode != "bidirectional", mask)
+    assert st["spec"] == ("SlidingWindow(window=4)" if mode == "window" else "Exact()" if spec is None else st["spec"])
     assert st["scale"] == pytest.approx(1 / math.sqrt(8))
     assert not ops_in(opt.graphs["attention"]) & {"softmax", "matmul", "masked_fill", "scaled_dot_product_attention"}
 
 
 @pytest.mark.parametrize("mode,spec,reason", [
-    # keys before i-3 are masked: at S > 4 this is a sliding window, not causal attention
-    ("window", None, "mask hides past keys at S=5"),
     # the kept scores get a bias: an exact kernel without it would compute something else
     ("alibi", None, "mask changes the scores it keeps"),
     # evaluating the mask's producers alone would miss the in-place write: they prove nothing

@@ -20,7 +20,6 @@ from models import batch, hf_config, hf_family, hf_llama
 PASSES = ["attention", "minisequence", "recompute"]
 # What a family legitimately cannot have rewritten, and the reason the pass must give.
 CANNOT = {
-    "gemma2": {"attention": "mask uses the constant 4096"},   # its sliding layers' window (its global ones: soft-capped, swapped)
     "mixtral": {"mlp": "MoE token routing"},           # experts see a data-dependent subset of tokens
     "qwen2_moe": {"mlp": "MoE token routing"},
     "olmoe": {"mlp": "MoE token routing"},
@@ -326,5 +325,83 @@ def test_alibi_attention_becomes_a_key_bias_score_mod():
     opt = tailorfx.optimize(model, example_inputs=inputs)
     measured, eager_peak = peak_of_step(opt, model, inputs), peak_of_step(eager, eager, inputs)
     assert measured <= 0.25 * eager_peak, (measured, eager_peak)
-    predicted = opt.predict_memory(1024).forward_backward_peak_bytes
+    predicted = opt.predict_memory(ids.shape[1]).forward_backward_peak_bytes
+    assert -0.02 * measured <= predicted - measured <= 0.03 * measured, (predicted, measured)
+
+
+def test_alibi_folded_into_sdpas_mask_becomes_a_key_bias():
+    """Falcon with alibi=True folds ALiBi into SDPA's attn_mask, masked_fill(alibi / sqrt(d),
+    causal_mask < -1, min): a (B, H, S, S) tensor. The bias (one value per key) and the fill (proved
+    causal with the bias standing in for the scores) are taken apart: the exact attention with the
+    key bias, no S x S mask made, exact."""
+    holder = {}
+
+    def wrap(m):
+        holder["opt"] = tailorfx.optimize(m, example_inputs=inputs)
+        return holder["opt"]
+    inputs = batch(S=48, pad=5)
+    compare_with_eager(hf_family("falcon", alibi=True), inputs, wrap, rtol=1e-4, atol=1e-6)
+    (graph,) = holder["opt"].graph_records
+    (rec,) = [r for r in graph.records if r.name == "attention"]
+    assert len(rec.touched) == 2 and all("key bias" in rec.stats[p]["mask"] and rec.stats[p]["spelling"] == "sdpa"
+                                         for p in rec.touched), rec.stats
+    code = holder["opt"].session.graphs[0].rewritten.code
+    assert "scaled_dot_product_attention" not in code and "masked_fill" not in code
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mistral"])
+def test_a_sliding_window_mask_becomes_the_sliding_window_spec(family):
+    """A mask proved a causal sliding window (its constant replaced by small windows in the proof)
+    becomes SlidingWindow(w): the same keys, O(S x w). Window 8 at 48 tokens, so the window hides
+    keys: Gemma-2's eager chain (soft-capped scores; its global layer stays Exact) and Mistral's
+    SDPA with a materialised window mask; exact, loss and every gradient."""
+    holder = {}
+
+    def wrap(m):
+        holder["opt"] = tailorfx.optimize(m, example_inputs=inputs)
+        return holder["opt"]
+    inputs = batch(S=48, pad=5)
+    compare_with_eager(hf_family(family, sliding_window=8), inputs, wrap, rtol=1e-4, atol=1e-6)
+    (graph,) = holder["opt"].graph_records
+    (rec,) = [r for r in graph.records if r.name == "attention"]
+    specs = {p: rec.stats[p]["spec"] for p in rec.touched}
+    window = "SlidingWindow(window=8, softcap=50.0)" if family == "gemma2" else "SlidingWindow(window=8)"
+    want = {"model.layers.0.self_attn": window,
+            "model.layers.1.self_attn": "Exact(softcap=50.0)" if family == "gemma2" else window}
+    assert specs == want, rec.stats
+    assert "sliding window of 8" in rec.stats["model.layers.0.self_attn"]["mask"]
+
+
+def test_gemma2_default_plan_at_a_quarter_of_eagers_peak():
+    """Gemma-2 as configured (window 4096 on its sliding layers, soft-capped attention and
+    logits), vocab 16384, 2048 tokens: every attention swapped, the head fused; peak at most 0.25x
+    eager's (0.16x; most of it the head's chunk: a 1024-token chunk's logits and their soft-capped
+    copy), predicted within 3% (never 2% under)."""
+    model = hf_family("gemma2", vocab_size=16384)
+    ids = torch.randint(0, 16384, (1, 2048))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    eager = copy.deepcopy(model)
+    opt = tailorfx.optimize(model, example_inputs=inputs)
+    (graph,) = opt.graph_records
+    (rec,) = [r for r in graph.records if r.name == "attention"]
+    assert len(rec.touched) == 2, rec.skipped
+    measured, eager_peak = peak_of_step(opt, model, inputs), peak_of_step(eager, eager, inputs)
+    assert measured <= 0.25 * eager_peak, (measured, eager_peak)
+    predicted = opt.predict_memory(ids.shape[1]).forward_backward_peak_bytes
+    assert -0.02 * measured <= predicted - measured <= 0.03 * measured, (predicted, measured)
+
+
+def test_prediction_holds_with_attention_dropout_on():
+    """Attention dropout in training (Llama's eager attention, p=0.1) is left as it is (the
+    kernels draw no mask) and predicted within 3% (never 2% under): CPU's dropout backward makes
+    grad * mask before * scale, an S x S temporary the memory model counts (it was 12% under on
+    Seed-OSS at 2048 tokens)."""
+    model = hf_family("llama", attention_dropout=0.1, attn_implementation="eager")
+    ids = torch.randint(0, 512, (1, 768))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    opt = tailorfx.optimize(model, example_inputs=inputs)
+    measured = peak_of_step(opt, model, inputs)
+    pm = opt.predict_memory(768)
+    assert pm.peak_node.startswith("native_dropout_backward"), pm.peak_node
+    predicted = pm.forward_backward_peak_bytes
     assert -0.02 * measured <= predicted - measured <= 0.03 * measured, (predicted, measured)

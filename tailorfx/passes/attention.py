@@ -3,8 +3,11 @@
 Invariant: with the exact spec (the default) the model computes the same values (up to float
 reassociation inside the kernel) without an S x S tensor; a sparse spec changes which keys each
 query sees and runs only when the user passed one. An attention whose mask is not proved causal
-(padding from a real attention_mask, ALiBi, windows, custom masks) is left as it was, and the
-pass says why. A mask proved causal within the documents of a packed batch (transformers builds
+(padding from a real attention_mask, custom masks) is left as it was, and the pass says why. A
+mask proved a causal sliding window of w (its constant w too large to evaluate past: the proof
+evaluates it with w replaced by small windows) becomes SlidingWindow(w), the same keys; a bias
+with one value per key added to the scores (Bloom's ALiBi) becomes the exact spec's score_mod
+"key_bias", reading that bias. A mask proved causal within the documents of a packed batch (transformers builds
 one from restarting position_ids when there is no attention_mask and no cache) becomes the same
 call with document ids computed in the graph from that position_ids input, so every batch the
 graph serves gets its own documents:
@@ -33,7 +36,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from tailorfx.attention import SPECS, AttentionSpec, Exact, attention_call, spec_params
+from tailorfx.attention import SPECS, AttentionSpec, Exact, SlidingWindow, attention_call, spec_params
 from tailorfx.passes import register
 from tailorfx.passes.attention_mask import DOC_RULE_TEXT, DOC_RULES, MaskProof, prove_mask
 from tailorfx import compat
@@ -63,6 +66,7 @@ class Match:
     key_bias: Optional[fx.Node] = None    # an additive bias per key (ALiBi), query dim of size 1
     key_bias_scale: float = 1.0           # what multiplies it on its way to the softmax
     folded: bool = False                  # heads folded into the batch: (B * H, S, D) operands
+    window: Optional[int] = None          # the mask is a causal sliding window of this many keys
 
 
 @dataclass(frozen=True)
@@ -158,17 +162,34 @@ def _match_sdpa(node: fx.Node, ctx: PassContext) -> Union[Match, str, None]:
         if causal or not isinstance(mask, fx.Node):
             return "attn_mask together with is_causal"
         dtype = node_value(q).dtype
-        as_scores = _sdpa_mask_fn(node_value(mask).dtype, dtype)
-        proof = prove_mask(ctx, None, mask, 1.0, dtype, as_scores)
+        bias = _masked_bias(mask)
+        if bias is not None:   # masked_fill(bias, hidden, min): the bias proved per key, the fill a mask
+            proof = prove_mask(ctx, bias, mask, 1.0, node_value(mask).dtype, None)
+        else:
+            proof = prove_mask(ctx, None, mask, 1.0, dtype, _sdpa_mask_fn(node_value(mask).dtype, dtype))
         if isinstance(proof, str):
             return proof
-        return Match("sdpa", node, q, k, v, True, float(scale), _described(proof, "attn_mask"), True,
-                     proof.positions, proof.rule)
+        how = _described(proof, "attn_mask") + (f"; key bias {bias.name} (ALiBi)" if bias is not None else "")
+        if bias is not None and proof.positions is not None:
+            return "a per-key bias in a packed-document mask"
+        return Match("sdpa", node, q, k, v, True, float(scale), how, True, proof.positions, proof.rule,
+                     window=proof.window, key_bias=bias)
     return Match("sdpa", node, q, k, v, causal, float(scale), how, False)
 
 
+def _masked_bias(mask: fx.Node) -> Optional[fx.Node]:
+    """b for an attn_mask masked_fill(b, hidden, fill) whose b is a floating bias with one value
+    per key (Falcon folds its ALiBi into the mask so); else None."""
+    if match.op_name(mask) != "masked_fill" or not mask.args or not isinstance(mask.args[0], fx.Node):
+        return None
+    b = mask.args[0]
+    return b if _key_bias_shape(b, mask) is None else None
+
+
 def _described(proof: MaskProof, what: str) -> str:
-    """How a proved mask is reported: causal, or a packed-document mask."""
+    """How a proved mask is reported: causal, a sliding window, or a packed-document mask."""
+    if proof.window is not None:
+        return f"{what} proved a causal sliding window of {proof.window} ({proof.text})"
     if proof.positions is None:
         return f"{what} proved causal at S={proof.text}"
     return (f"packed: document ids from position_ids ({proof.positions.name}: "
@@ -242,7 +263,9 @@ def _match_softmax_chain(node: fx.Node, ctx: PassContext) -> Union[Match, str, N
     proof = prove_mask(ctx, x, x_in, x_scale, dtype, None)
     if isinstance(proof, str):
         return proof
-    how = f"proved causal at S={proof.text}" if proof.positions is None else _described(proof, "mask")
+    how = (f"proved causal at S={proof.text}" if proof.positions is None and proof.window is None
+           else _described(proof, "mask"))
+    extra["window"] = proof.window
     if bias is not None:
         how += f"; key bias {bias.node.name} (ALiBi)"
     return Match("softmax_chain", out, q, k, v, True, float(scale), how, True, proof.positions, proof.rule, **extra)
@@ -461,8 +484,14 @@ def _rewrite(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased: set
 def _fit(spec: Optional[AttentionSpec], m: Match) -> Union[AttentionSpec, str]:
     """The spec to run for this attention: the user's, checked against what the model computes
     (the spec brings the pattern; causality and scale are the model's), or why it does not fit."""
+    if m.window is not None and m.key_bias is not None:
+        return f"its mask is a sliding window of {m.window} and its scores carry a per-key bias"
     if spec is None:
+        if m.window is not None:   # the model's own window: the same keys, in O(S x window)
+            return SlidingWindow(m.window, causal=True, softcap=m.softcap)
         return Exact(causal=m.causal, softcap=m.softcap)
+    if m.window is not None:
+        return f"its mask is a sliding window of {m.window}: only the default (exact) spec runs that"
     if m.softcap is not None:
         return f"its scores are soft-capped (c={m.softcap}): only the exact spec (the default) runs that"
     if m.key_bias is not None:

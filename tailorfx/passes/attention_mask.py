@@ -163,10 +163,11 @@ def _to_cpu(v: Any) -> Any:
     return v
 
 
-def _evaluator(sub: _Subgraph, x: Optional[fx.Node], out: fx.Node) -> fx.GraphModule:
+def _evaluator(sub: _Subgraph, x: Optional[fx.Node], out: fx.Node, subst: Optional[dict] = None) -> fx.GraphModule:
     """The mask's nodes on their own: (*size leaves, *graph inputs, scores) -> masked scores, on
     the CPU whatever device the model is on (the proof evaluates it on small CPU tensors; the
-    `device=` of a CUDA model's aranges and `.to(device)` calls would mix the two)."""
+    `device=` of a CUDA model's aranges and `.to(device)` calls would mix the two). `subst`
+    replaces integer constants in the nodes' arguments (a window, by a small one)."""
     g = fx.Graph()
     env: dict[fx.Node, Any] = {k: _to_cpu(v) for k, v in sub.consts.items()}
     for leaf in sub.leaves:
@@ -179,6 +180,9 @@ def _evaluator(sub: _Subgraph, x: Optional[fx.Node], out: fx.Node) -> fx.GraphMo
     for n in sub.nodes:
         new = g.node_copy(n, lambda a: env[a])
         new.args, new.kwargs = _to_cpu(new.args), _to_cpu(new.kwargs)
+        if subst:
+            new.args, new.kwargs = fx.node.map_aggregate(
+                (new.args, new.kwargs), lambda a: subst.get(a, a) if type(a) is int else a)
         env[n] = new
     g.output(env[out])
     return fx.GraphModule(torch.nn.Module(), g)
@@ -257,6 +261,54 @@ def _causal_proof(ctx: PassContext, sub: _Subgraph, x: Optional[fx.Node], out: f
     return text, None
 
 
+# ---- sliding windows: a mask whose constant is too large to evaluate past -------------------------
+WINDOW_PROBES = (3, 5)   # the constant replaced by each of these; the mask must be that window each time
+
+
+def _window_proof(ctx: PassContext, sub: _Subgraph, x: Optional[fx.Node], out: fx.Node, scale: float,
+                  dtype: torch.dtype, combine: Optional[Callable]) -> Union[tuple[str, int], str]:
+    """(lengths checked, w) if the mask is a causal sliding window of w keys (query i keeps keys
+    i - w < j <= i), w its largest integer constant c plus a fixed offset (`j > i - c`: w = c;
+    `j >= i - c`: w = c + 1): with c replaced by each of WINDOW_PROBES, c', the mask evaluated at
+    lengths past its window is exactly a window of c' + d, the same d for every probe (a constant
+    used as a window is used the same way whatever its value); else why not."""
+    consts: list[int] = []
+    for n in sub.nodes:
+        fx.node.map_aggregate((n.args, n.kwargs), lambda a: consts.append(abs(a)) if type(a) is int else None)
+    c = max(consts, default=0)
+    texts, offsets = [], set()
+    gen = torch.Generator().manual_seed(0)
+    for probe in WINDOW_PROBES:
+        fn = _evaluator(sub, x, out, {c: probe, -c: -probe})
+
+        def masked(L: int):
+            xs = torch.randn(1, 1, L, L, generator=gen).to(dtype) * 4
+            with torch.no_grad():
+                got = fn(*([L] * len(sub.leaves)), xs)
+                return xs, (combine(got, xs * scale) if combine is not None else got)
+        lengths = sorted(set(CHECK_LENGTHS) | {probe + 1, probe + 2, 2 * probe + 1, 3 * probe + 4})
+        try:
+            _, got = masked(lengths[-1])
+            if not isinstance(got, torch.Tensor) or got.dim() < 2:
+                return f"with its constant {c} as {probe} the mask is not a (.., S, S) tensor"
+            last = got.reshape(-1, lengths[-1], lengths[-1])[0, -1]
+            w = int((~(torch.isneginf(last) | (last <= _masked_floor(last.dtype)))).sum())
+            for L in lengths:
+                xs, got = masked(L)
+                i = torch.arange(L)
+                keep = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - w)
+                why = _compare(got, xs, scale, keep, L)
+                if why:
+                    return f"with its constant {c} as {probe}, it is not a sliding window of {w}: {why}"
+        except Exception as e:
+            return f"mask with its constant {c} as {probe} could not be evaluated: {type(e).__name__}"
+        offsets.add(w - probe)
+        texts.append(f"{c}->{probe}: window {w} at S={','.join(map(str, lengths))}")
+    if len(offsets) != 1 or c + next(iter(offsets)) < 1:
+        return f"its window does not follow its constant {c} ({'; '.join(texts)})"
+    return "; ".join(texts), c + offsets.pop()
+
+
 # ---- packed sequences: masks built from position_ids -------------------------------------------
 def _documents_by_step(position_ids: torch.Tensor) -> torch.Tensor:
     """transformers' find_packed_sequence_indices: a document starts wherever a position is not
@@ -289,6 +341,7 @@ class MaskProof:
     text: str                              # the lengths checked ("static" for a static graph)
     positions: Optional[fx.Node] = None    # the (B, S) position_ids input of a document mask
     rule: Optional[str] = None             # its DOC_RULES key: how document ids follow from it
+    window: Optional[int] = None           # a causal sliding window of this many keys (i - w < j <= i)
 
 
 @dataclass(frozen=True)
@@ -317,6 +370,11 @@ def prove_mask(ctx: PassContext, x: Optional[fx.Node], out: fx.Node, scale: floa
         return found
     if found.blocker is None:
         text, why = _causal_proof(ctx, found, x, out, scale, dtype, combine)
+        if why and why.startswith(("mask uses the constant", "mask hides past keys")):
+            window = _window_proof(ctx, found, x, out, scale, dtype, combine)
+            if isinstance(window, str):
+                return f"{why}; {window}"
+            return MaskProof(window[0], window=window[1])
         return why if why else MaskProof(text)
     src = _position_source(ctx, found)
     if src is None:

@@ -133,11 +133,15 @@ class _Pool:
 
 def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup) -> int:
     """Bytes an opaque tailorfx op allocates inside itself while it runs (its chunk buffers, or
-    one parameter's optimizer update in backward)."""
+    one parameter's optimizer update in backward), or an ATen op whose kernel makes a temporary."""
     t = node.target
     if getattr(t, "__name__", "") == "grad_ready":
         g = node_value(node.args[2])
         return setup.update_temp_bytes(sizer(g) // g.element_size()) if isinstance(g, torch.Tensor) else 0
+    if t is torch.ops.aten.native_dropout_backward.default:
+        # CPU computes grad * mask * scale as two ops: an output-sized temporary (CUDA fuses them)
+        v = node_value(node)
+        return sizer(v) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else 0
     name = compat.tailorfx_op_name(t)
     if name is None:
         return 0

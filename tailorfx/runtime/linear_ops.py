@@ -22,13 +22,13 @@ def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
         n_rows, vocab = as_int(hidden.shape[0]), as_int(weight.shape[0])
         n = max(1, min(as_int(args[6]), n_rows))
         if _in_weight_dtype(hidden, weight):
-            # the chunk's fp32 logits (x3 under a soft-cap: tanh's output and the capped logits)
-            # and, beside them, the chunk's logits or their gradient in the weight's dtype
-            return int(-(-n_rows // n) * vocab * (4 * (3 if args[7] is not None else 1) + weight.element_size()))
+            # the chunk's fp32 logits (x2 under a soft-cap: tanh's output in place, and the capped
+            # logits) and, beside them, the chunk's logits or their gradient in the weight's dtype
+            return int(-(-n_rows // n) * vocab * (4 * (2 if args[7] is not None else 1) + weight.element_size()))
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         item = torch.empty((), dtype=dtype).element_size()
-        # the chunk's logits; under a soft-cap also tanh's output and the capped logits
-        extra = -(-n_rows // n) * vocab * item * (3 if args[7] is not None else 1)
+        # the chunk's logits (under a soft-cap turned into tanh's output in place) and the capped logits
+        extra = -(-n_rows // n) * vocab * item * (2 if args[7] is not None else 1)
         if op_name.endswith("_with_grads") and args[9] and hidden.dtype != dtype:
             extra += -(-n_rows // n) * as_int(hidden.shape[-1]) * item   # g @ w before its cast
         if weight.dtype != dtype:
@@ -71,13 +71,13 @@ def _lce_chunk(h, y, w, b, ignore_index, softcap, logit_scale, scale, grad_h, gr
     With a process `group`, `w` is rows `vocab_start:` of a vocabulary split over its ranks: the
     rows' max, sum of exponentials and target logit are all-reduced (runtime/vocab_parallel.py),
     and grad_h is this rank's share."""
-    z = F.linear(h, w, b)  # the only chunk x V buffer (plus tanh's under softcap)
+    z = F.linear(h, w, b)  # the only chunk x V buffer (plus the capped logits under softcap)
     if z.dtype != torch.float64:
         z = z.float()      # low-precision logits upcast one chunk at a time, as eager's logits.float()
     if logit_scale is not None:
         z.mul_(logit_scale)
     if softcap is not None:
-        t = torch.tanh(z.div_(softcap))
+        t = z.div_(softcap).tanh_()   # tanh(z / c) in z's own buffer: kept for the gradient
         z = t * softcap
     valid = y != ignore_index
     # the labels in this rank's rows (all of them on one device)
