@@ -71,10 +71,13 @@ class AttentionSpec:
     scale: Optional[float] = None
     tile: int = TILE  # query rows per block of the kernels: speed only, results do not change
     kv_chunk: int = KV_CHUNK  # keys per matmul: bounds the transient (tile x keys) scores
+    # dropout on the probabilities (training): each call draws a seed from torch's CPU generator,
+    # the tiles draw their masks from it (runtime.attention_tiles.Dropout), the backward the same
+    dropout: float = 0.0
 
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor] = None,
-        score_tensor: Optional[Tensor] = None,
+        score_tensor: Optional[Tensor] = None, dropout_seed: Optional[Tensor] = None,
     ) -> Tensor:
         batch, heads, seq, dim = q.shape
         if k.shape != v.shape or k.shape[0] != batch or k.shape[2] != seq or k.shape[3] != dim:
@@ -84,13 +87,16 @@ class AttentionSpec:
         if document_ids is not None and document_ids.shape != (batch, seq):
             raise ValueError(f"document_ids {tuple(document_ids.shape)}, expected {(batch, seq)}")
         scale = self.scale if self.scale is not None else dim**-0.5
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{type(self).__name__}: dropout={self.dropout} is not in [0, 1)")
+        drop = self._drop(dropout_seed)
         score_mod = getattr(self, "score_mod", None)
         if score_mod is not None:
-            args = (scale, self.causal, self.tile, self.kv_chunk, getattr(self, "softcap", None))
+            args = (scale, self.causal, self.tile, self.kv_chunk, getattr(self, "softcap", None), *drop)
             return score_mod_attention(q, k, v, document_ids, score_tensor, score_mod, *args)[0]
         if score_tensor is not None:
             raise ValueError(f"{type(self).__name__}: score_tensor= without a score_mod")
-        return self._run(q, k, v, document_ids, scale)
+        return self._run(q, k, v, document_ids, scale, drop)
 
     def dense_weights(
         self, S: int, num_heads: int, document_ids: Optional[Tensor] = None, device=None
@@ -138,11 +144,19 @@ class AttentionSpec:
     def _pattern_weights(self, S: int, num_heads: int, device) -> Tensor:
         raise NotImplementedError
 
-    def _sparse(self, q, k, v, document_ids, scale, kind: str, params: list[int], softcap=None) -> Tensor:
-        args = (scale, self.causal, self.tile, self.kv_chunk, softcap)
+    def _drop(self, seed: Optional[Tensor]) -> tuple[float, Optional[Tensor]]:
+        """(p, the seed of this call's masks): `seed` as given (the attention pass draws it in the
+        graph, where recompute keeps it), else one drawn now."""
+        if not self.dropout:
+            return 0.0, None
+        return float(self.dropout), draw_seed() if seed is None else seed
+
+    def _sparse(self, q, k, v, document_ids, scale, kind: str, params: list[int], softcap=None,
+                drop=(0.0, None)) -> Tensor:
+        args = (scale, self.causal, self.tile, self.kv_chunk, softcap, *drop)
         return sparse_attention(q, k, v, document_ids, kind, params, *args)[0]
 
-    def _run(self, q, k, v, document_ids, scale) -> Tensor:
+    def _run(self, q, k, v, document_ids, scale, drop=(0.0, None)) -> Tensor:
         raise NotImplementedError
 
 
@@ -175,9 +189,10 @@ class Exact(AttentionSpec):
         # S=4K, H=8, D=64 for any H_kv); per-document calls add their results before the copy.
         return super().extra_bytes(B, H, S, D, dtype_bytes) + 2 * B * H * S * D * 4
 
-    def _run(self, q, k, v, document_ids, scale):
-        if self.softcap is not None:
-            return self._sparse(q, k, v, document_ids, scale, "full", [], float(self.softcap))
+    def _run(self, q, k, v, document_ids, scale, drop=(0.0, None)):
+        if self.softcap is not None or self.dropout:
+            softcap = None if self.softcap is None else float(self.softcap)
+            return self._sparse(q, k, v, document_ids, scale, "full", [], softcap, drop)
         if document_ids is None:
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=self.causal, scale=scale, enable_gqa=True
@@ -219,10 +234,10 @@ class SlidingWindow(AttentionSpec):
             per_query = torch.where(i < g, torch.full_like(i, S), band + global_left)
         return num_heads * int(per_query.sum())
 
-    def _run(self, q, k, v, document_ids, scale):
+    def _run(self, q, k, v, document_ids, scale, drop=(0.0, None)):
         params = [self.window, self.global_tokens]
         softcap = None if self.softcap is None else float(self.softcap)
-        return self._sparse(q, k, v, document_ids, scale, "window", params, softcap)
+        return self._sparse(q, k, v, document_ids, scale, "window", params, softcap, drop)
 
 
 @dataclass(frozen=True)
@@ -275,9 +290,9 @@ class BigBird(AttentionSpec):
             total += int((pairs * self._block_rows(qb0, qb1, nb)).sum())
         return num_heads * total
 
-    def _run(self, q, k, v, document_ids, scale):
+    def _run(self, q, k, v, document_ids, scale, drop=(0.0, None)):
         params = [self.block, self.window, self.num_global, self.num_random, self.seed]
-        return self._sparse(q, k, v, document_ids, scale, "bigbird", params)
+        return self._sparse(q, k, v, document_ids, scale, "bigbird", params, None, drop)
 
 
 @dataclass(frozen=True)
@@ -327,11 +342,19 @@ class Dilated(AttentionSpec):
         widen = 4 * B * H * S * D if dtype_bytes < 4 else 0
         return super().extra_bytes(B, H, S, D, dtype_bytes) + packed + widen
 
-    def _run(self, q, k, v, document_ids, scale):
+    def _run(self, q, k, v, document_ids, scale, drop=(0.0, None)):
+        if self.dropout:
+            raise ValueError("Dilated: dropout is not supported (its branches merge through their lse)")
         return dilated_attention(
             q, k, v, document_ids, list(self.segments), list(self.rates), scale, self.causal,
             self.tile, self.kv_chunk,
         )[0]
+
+
+def draw_seed() -> Tensor:
+    """One attention call's dropout seed: an int64 scalar from torch's CPU generator (on the CPU
+    whatever the device, so the kernels read it without a device sync)."""
+    return torch.randint(0, 1 << 62, (), dtype=torch.int64)
 
 
 # ---- the call the attention pass puts in graphs (fx prints it; it rebuilds the spec from primitives) ----
@@ -345,13 +368,14 @@ def build_spec(kind: str, params: tuple, causal: bool, scale: float) -> Attentio
 
 def attention_call(q, k, v, *, kind: str, params: tuple, causal: bool, scale: float,
                    document_ids: Optional[Tensor] = None, key_bias: Optional[Tensor] = None,
-                   key_bias_scale: float = 1.0):
+                   key_bias_scale: float = 1.0, dropout_seed: Optional[Tensor] = None):
     """`SPECS[kind](**dict(params), causal=causal, scale=scale)(q, k, v, document_ids=...)`; k, v
     have H_kv heads; `document_ids` (B, S) keeps each query to keys of its own document (packed
     sequences; the attention pass passes it only for a mask it proved to be a document mask).
     `key_bias`: key_bias_scale * key_bias is added to every query's scores, one value per key, as
     the model added it: broadcast to (B, H, 1, S), or with heads folded into the batch to
-    (B * H, 1, S) (Bloom's ALiBi); the exact spec runs it as score_mod "key_bias"."""
+    (B * H, 1, S) (Bloom's ALiBi); the exact spec runs it as score_mod "key_bias".
+    `dropout_seed`: the seed of a spec with dropout (draw_seed(), a node of its own in the graph)."""
     if key_bias is not None:
         if kind != "Exact":
             raise ValueError(f"a per-key bias runs with the exact spec only, not {kind}")
@@ -364,9 +388,9 @@ def attention_call(q, k, v, *, kind: str, params: tuple, causal: bool, scale: fl
         # the custom ops too.)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     spec = build_spec(kind, params, causal, scale)
-    if document_ids is None and key_bias is None:
+    if document_ids is None and key_bias is None and dropout_seed is None:
         return spec(q, k, v)
-    return spec(q, k, v, document_ids=document_ids, score_tensor=key_bias)
+    return spec(q, k, v, document_ids=document_ids, score_tensor=key_bias, dropout_seed=dropout_seed)
 
 
 def _per_key(bias: Tensor, coeff: float, q: Tensor) -> Tensor:

@@ -68,6 +68,7 @@ FAMILIES = {
                   "shared_expert_intermediate_size": 64},
     "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
     "bloom": {"hidden_dropout": 0.0, "attention_dropout": 0.0},   # ALiBi; its MLP adds the residual it is given
+    "seed_oss": {"residual_dropout": 0.0, "attention_dropout": 0.0},
     "gpt2": None,   # its own field names, see hf_family
 }
 

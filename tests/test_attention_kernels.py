@@ -392,3 +392,62 @@ def test_a_registered_score_mod_runs_as_flex_attention_runs_it():
         torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"d{name}: {m}")
     with pytest.raises(ValueError, match="unknown score mod 'nope'"):
         Exact(score_mod="nope")(q, k, v)
+
+
+def _dense_keep(spec, B, H, Hk, S, seed, pattern):
+    """The (B, H, S, S) keep mask the tiles drew, rebuilt tile by tile from the call's seed."""
+    from tailorfx.runtime.attention_tiles import Dropout, plan
+    drop = Dropout(spec.dropout, seed)
+    keep = torch.zeros(B, Hk, H // Hk, S, S, dtype=torch.float64)
+    for q0, q1, chunks in plan(pattern, None, spec.tile, spec.kv_chunk, torch.device("cpu")):
+        for index, _ in chunks:
+            kp = torch.arange(index.start, index.stop) if isinstance(index, slice) else index
+            tile = torch.empty(B, Hk, (H // Hk) * (q1 - q0), len(kp))
+            keep[:, :, :, q0:q1][..., kp] = drop.keep(tile, q0, index).view(B, Hk, H // Hk, q1 - q0, -1).double()
+    return keep.reshape(B, H, S, S)
+
+
+@pytest.mark.parametrize("spec", [Exact(dropout=0.25, tile=16, kv_chunk=24),
+                                  SlidingWindow(9, dropout=0.25, tile=16, kv_chunk=24),
+                                  Exact(dropout=0.25, score_mod="key_bias", tile=16, kv_chunk=24)], ids=repr)
+def test_attention_dropout_equals_the_dense_formula_with_the_tiles_mask(spec):
+    """spec(dropout=p): softmax(scores + mask) * keep / (1 - p) @ v, keep drawn per tile from the
+    call's seed (one int64 from torch's CPU generator): output and every gradient equal the dense
+    formula with that mask (float64, GQA), so the backward drew the forward's mask; about p of the
+    attended pairs are dropped; another call draws another mask, the same seed the same one."""
+    from tailorfx.runtime.attention_tiles import Pattern
+    g = torch.Generator().manual_seed(3)
+    B, H, Hk, S, D = 2, 4, 2, 45, 8
+    q, k, v = (torch.randn(B, h, S, D, generator=g, dtype=torch.float64) for h in (H, Hk, Hk))
+    bias = torch.randn(B, H, S, generator=g, dtype=torch.float64) if getattr(spec, "score_mod", None) else None
+    torch.manual_seed(5)
+    a = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = spec(*a, score_tensor=bias)
+    dout = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    out.backward(dout)
+    torch.manual_seed(5)
+    seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))   # what the call drew
+    window = isinstance(spec, SlidingWindow)
+    pattern = Pattern("window", (9, 0), True, S) if window else Pattern("full", (), True, S)
+    keep = _dense_keep(spec, B, H, Hk, S, seed, pattern)
+    b = [t.clone().requires_grad_() for t in (q, k, v)]
+    s = b[0] @ b[1].repeat_interleave(H // Hk, 1).transpose(-1, -2) * D ** -0.5
+    if bias is not None:
+        s = s + bias[:, :, None, :]
+    i = torch.arange(S)
+    allow = (i[None, :] <= i[:, None]) & ((i[None, :] > i[:, None] - 9) if window else True)
+    ref = (torch.softmax(s.masked_fill(~allow, float("-inf")), -1) * keep / (1 - spec.dropout)) \
+        @ b[2].repeat_interleave(H // Hk, 1)
+    ref.backward(dout)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for name, x, y in zip("qkv", a, b):
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-10, atol=1e-10, msg=lambda m: f"d{name}: {m}")
+    dropped = 1 - keep[..., allow].mean().item()
+    n = int(allow.sum()) * B * H
+    assert abs(dropped - spec.dropout) < 4 * math.sqrt(spec.dropout * (1 - spec.dropout) / n), dropped
+    with torch.no_grad():
+        torch.manual_seed(5)
+        again = spec(q, k, v, score_tensor=bias)
+        other = spec(q, k, v, score_tensor=bias)
+    torch.testing.assert_close(again, out.detach(), rtol=0, atol=0)
+    assert not torch.equal(other, again)

@@ -281,14 +281,24 @@ def test_toy_attention_is_swapped(mode, spec, mask):
     assert not ops_in(opt.graphs["attention"]) & {"softmax", "matmul", "masked_fill", "scaled_dot_product_attention"}
 
 
+@pytest.mark.parametrize("mode", ["chain_dropout", "sdpa_dropout"])
+def test_attention_dropout_becomes_the_kernels_dropout(mode):
+    """Dropout on the probabilities in training (F.dropout after the softmax, SDPA's dropout_p)
+    becomes the spec's dropout: the kernels draw each tile's mask from one seed per call
+    (tests/test_attention_kernels.py checks them against the dense formula with that mask)."""
+    opt = toy(mode)
+    rec = record(opt)
+    assert rec.touched == ("layers.0.attn",)
+    st = rec.stats["layers.0.attn"]
+    assert st["spec"] == "Exact(dropout=0.1)" and st["dropout"].startswith("p=0.1"), st
+    assert not ops_in(opt.graphs["attention"]) & {"softmax", "dropout", "scaled_dot_product_attention"}
+
+
 @pytest.mark.parametrize("mode,spec,reason", [
     # the kept scores get a bias: an exact kernel without it would compute something else
     ("alibi", None, "mask changes the scores it keeps"),
     # evaluating the mask's producers alone would miss the in-place write: they prove nothing
     ("mutated", None, "is modified in place by setitem"),
-    # dropout on the probabilities (training): the kernels draw no dropout mask
-    ("chain_dropout", None, "attention dropout p=0.1 in training"),
-    ("sdpa_dropout", None, "attention dropout p=0.1"),
     # a causal spec on bidirectional attention would hide keys the model uses
     ("bidirectional", SlidingWindow(4), "bidirectional but the spec has causal=True"),
 ])
@@ -311,7 +321,7 @@ def test_unknown_spec_is_a_clear_error():
 # ---- what the memory model is told about the sparse kernels the pass emits -------------------
 @pytest.mark.parametrize("kind,params", [
     ("window", [64, 0]), ("window", [64, 4]), ("bigbird", [32, 1, 1, 2, 0]), ("dilated", [[256, 512], [1, 2]]),
-    ("score_mod", ["key_bias"]),
+    ("score_mod", ["key_bias"]), ("dropout", []),
 ])
 def test_kernel_transients_match_the_allocator(kind, params):
     """`attention_kernels.transient_bytes` against the peak the allocator saw inside each op minus
@@ -326,8 +336,9 @@ def test_kernel_transients_match_the_allocator(kind, params):
         name = {"dilated": "dilated_attention", "score_mod": "score_mod_attention"}.get(kind, "sparse_attention")
         op = getattr(torch.ops.tailorfx, name)
         bias = torch.randn(1, 4, 1024, generator=g)   # score_mod "key_bias" reads a (B, H, S) bias
-        pattern = {"dilated": params, "score_mod": [bias, *params]}.get(kind, [kind, params])
-        fargs = [q, k, v, None, *pattern, 32 ** -0.5, True, 128, 1024]
+        pattern = {"dilated": params, "score_mod": [bias, *params], "dropout": ["full", []]}.get(kind, [kind, params])
+        drop = [None, 0.1, torch.tensor(7)] if kind == "dropout" else []   # softcap, dropout_p, seed
+        fargs = [q, k, v, None, *pattern, 32 ** -0.5, True, 128, 1024, *drop]
         out, lse = op(*fargs)
         backward = getattr(torch.ops.tailorfx, name + "_backward")
         bargs = [torch.randn_like(q), q, k, v, out, lse, *fargs[3:]]

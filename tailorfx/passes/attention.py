@@ -29,6 +29,7 @@ graph serves gets its own documents:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -36,7 +37,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from tailorfx.attention import SPECS, AttentionSpec, Exact, SlidingWindow, attention_call, spec_params
+from tailorfx.attention import (SPECS, AttentionSpec, Dilated, Exact, SlidingWindow, attention_call, draw_seed,
+                                spec_params)
 from tailorfx.passes import register
 from tailorfx.passes.attention_mask import DOC_RULE_TEXT, DOC_RULES, MaskProof, prove_mask
 from tailorfx import compat
@@ -67,6 +69,7 @@ class Match:
     key_bias_scale: float = 1.0           # what multiplies it on its way to the softmax
     folded: bool = False                  # heads folded into the batch: (B * H, S, D) operands
     window: Optional[int] = None          # the mask is a causal sliding window of this many keys
+    dropout: float = 0.0                  # dropout on the probabilities (training)
 
 
 @dataclass(frozen=True)
@@ -141,8 +144,8 @@ def _match_sdpa(node: fx.Node, ctx: PassContext) -> Union[Match, str, None]:
         return None
     a = _args(node, ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"))
     p = a.get("dropout_p", 0.0)
-    if not isinstance(p, (int, float)) or p != 0:
-        return f"attention dropout p={p}: the kernels have no dropout"
+    if not isinstance(p, (int, float)) or not 0 <= p < 1:
+        return f"attention dropout p={p} is not a constant in [0, 1)"
     causal, scale, mask = a.get("is_causal", False), a.get("scale"), a.get("attn_mask")
     if not isinstance(causal, bool):
         return f"is_causal is not a constant ({causal})"
@@ -173,8 +176,10 @@ def _match_sdpa(node: fx.Node, ctx: PassContext) -> Union[Match, str, None]:
         if bias is not None and proof.positions is not None:
             return "a per-key bias in a packed-document mask"
         return Match("sdpa", node, q, k, v, True, float(scale), how, True, proof.positions, proof.rule,
-                     window=proof.window, key_bias=bias)
-    return Match("sdpa", node, q, k, v, causal, float(scale), how, False)
+                     window=proof.window, key_bias=bias, dropout=float(p))
+    # with dropout, SDPA on the CPU takes its math path: S x S probabilities and mask
+    on_cpu = node_value(q).device.type == "cpu"
+    return Match("sdpa", node, q, k, v, causal, float(scale), how, bool(p) and on_cpu, dropout=float(p))
 
 
 def _masked_bias(mask: fx.Node) -> Optional[fx.Node]:
@@ -217,9 +222,10 @@ def _match_softmax_chain(node: fx.Node, ctx: PassContext) -> Union[Match, str, N
         return None
     if match.dim_arg(node) not in (-1, 3):
         return "softmax is not over the last dim (keys)"
-    out = _probs_matmul(node)
-    if isinstance(out, str):
-        return out
+    got = _probs_matmul(node)
+    if isinstance(got, str):
+        return got
+    out, drop = got
     up = _scores_matmul(x_in)
     if isinstance(up, str):
         return up
@@ -250,7 +256,7 @@ def _match_softmax_chain(node: fx.Node, ctx: PassContext) -> Union[Match, str, N
     dtype = node_value(q).dtype
     if node_value(out).dtype != dtype:
         return f"attention output dtype {node_value(out).dtype} differs from q's {dtype}"
-    extra = {"softcap": softcap, "folded": folded}
+    extra = {"softcap": softcap, "folded": folded, "dropout": drop}
     if bias is not None:
         if softcap is not None:
             return "scores carry both a soft-cap and a position bias"
@@ -306,10 +312,10 @@ def _key_bias_shape(bias: fx.Node, scores: fx.Node) -> Optional[str]:
     return None
 
 
-def _probs_matmul(softmax: fx.Node) -> Union[fx.Node, str]:
-    """Down from the softmax: casts and a no-op dropout, then probs @ v (the node returned);
-    nothing else may read the probabilities."""
-    cur = softmax
+def _probs_matmul(softmax: fx.Node) -> Union[tuple[fx.Node, float], str]:
+    """Down from the softmax: casts and a dropout, then probs @ v: (that matmul, the dropout's p,
+    0 for none or one not in training); nothing else may read the probabilities."""
+    cur, drop = softmax, 0.0
     while True:
         if len(cur.users) != 1:
             return f"attention probabilities ({cur.name}) are used elsewhere, e.g. returned as attention weights"
@@ -317,8 +323,10 @@ def _probs_matmul(softmax: fx.Node) -> Union[fx.Node, str]:
         name, first = match.op_name(user), bool(user.args) and user.args[0] is cur
         if name == "dropout" and first:
             d = _args(user, ("input", "p", "training", "inplace"))
-            if d.get("training", True) is not False and d.get("p", 0.5) != 0:
-                return f"attention dropout p={d.get('p', 0.5)} in training: the kernels have no dropout"
+            p, training = d.get("p", 0.5), d.get("training", True)
+            if not isinstance(training, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1 or drop:
+                return f"attention dropout p={p}, training={training}: not one constant dropout"
+            drop = float(p) if training else 0.0
         elif name in ("view", "reshape") and first and node_value(cur).dim() == 4 and node_value(user).dim() == 3:
             pass   # heads folded into the batch, (B * H, S, S), for a bmm with (B * H, S, D) values
         elif not (name in _CASTS and first):
@@ -326,7 +334,7 @@ def _probs_matmul(softmax: fx.Node) -> Union[fx.Node, str]:
         cur = user
     if name not in ("matmul", "bmm") or not first or len(user.args) != 2:
         return f"softmax output feeds {name}, not a matmul with v"
-    return user
+    return user, drop
 
 
 _MATMULS = frozenset({"matmul", "bmm", "baddbmm"})
@@ -470,6 +478,11 @@ def _rewrite(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased: set
         kwargs["document_ids"] = _document_ids(gm, m.positions, m.doc_rule, made)
     if m.key_bias is not None:
         kwargs.update(key_bias=m.key_bias, key_bias_scale=m.key_bias_scale)
+    if dict(params).get("dropout"):   # the seed drawn by a node of its own: recompute saves it
+        with gm.graph.inserting_before(m.out):
+            seed = gm.graph.call_function(draw_seed, ())
+        annotate(seed, m.out, val=_fake_seed(m.q), pass_name=NAME)
+        kwargs["dropout_seed"] = seed
     with gm.graph.inserting_before(m.out):
         new = gm.graph.call_function(attention_call, (m.q, m.k, m.v), kwargs)
         if m.folded:   # the (B, H, S, D) result as the (B * H, S, D) the bmm made
@@ -481,6 +494,14 @@ def _rewrite(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased: set
     return new
 
 
+def _fake_seed(q: fx.Node):
+    """The fake value of a draw_seed() node: an int64 scalar on the CPU, in q's fake mode."""
+    fake = node_value(q)
+    mode = getattr(fake, "fake_mode", None)
+    with mode if mode is not None else contextlib.nullcontext():
+        return torch.empty((), dtype=torch.int64, device="cpu")
+
+
 def _fit(spec: Optional[AttentionSpec], m: Match) -> Union[AttentionSpec, str]:
     """The spec to run for this attention: the user's, checked against what the model computes
     (the spec brings the pattern; causality and scale are the model's), or why it does not fit."""
@@ -488,8 +509,12 @@ def _fit(spec: Optional[AttentionSpec], m: Match) -> Union[AttentionSpec, str]:
         return f"its mask is a sliding window of {m.window} and its scores carry a per-key bias"
     if spec is None:
         if m.window is not None:   # the model's own window: the same keys, in O(S x window)
-            return SlidingWindow(m.window, causal=True, softcap=m.softcap)
-        return Exact(causal=m.causal, softcap=m.softcap)
+            return SlidingWindow(m.window, causal=True, softcap=m.softcap, dropout=m.dropout)
+        return Exact(causal=m.causal, softcap=m.softcap, dropout=m.dropout)
+    if m.dropout:
+        if isinstance(spec, Dilated):
+            return f"attention dropout p={m.dropout}: the dilated kernel has no dropout"
+        spec = dataclasses.replace(spec, dropout=m.dropout)
     if m.window is not None:
         return f"its mask is a sliding window of {m.window}: only the default (exact) spec runs that"
     if m.softcap is not None:
@@ -552,7 +577,9 @@ def _stats(m: Match, kind: str, params: tuple) -> dict:
     return {"spelling": m.spelling, "spec": f"{kind}({', '.join(f'{a}={b}' for a, b in params)})",
             "causal": m.causal, "scale": m.scale, "mask": m.mask, "num_heads": int(qv.shape[1]),
             "num_kv_heads": int(kv.shape[1]), "dense_removed": m.removes_dense,
-            **({"document_ids": f"{m.doc_rule} rule on {m.positions.name}"} if m.positions is not None else {})}
+            **({"document_ids": f"{m.doc_rule} rule on {m.positions.name}"} if m.positions is not None else {}),
+            **({"dropout": f"p={m.dropout}: the kernel draws its own masks (eager's law, not eager's random "
+                           "stream; its backward redraws them from the call's seed)"} if m.dropout else {})}
 
 
 @register(NAME)

@@ -38,7 +38,8 @@ STAT_OPS = frozenset({"rsqrt", "var", "var_mean", "std"})
 # draw other values.
 RANDOM_OPS = frozenset({"dropout", "native_dropout", "rand", "randn", "rand_like", "randn_like",
                         "bernoulli", "randint", "multinomial", "randperm", "normal", "uniform",
-                        "token_chunked_random"})   # a chunked region with dropout (it replays only its own backward)
+                        "token_chunked_random",    # a chunked region with dropout (it replays only its own backward)
+                        "draw_seed"})              # an attention's dropout seed (tailorfx.attention)
 
 
 def draws_random(n: fx.Node) -> bool:

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from tailorfx.runtime.attention_tiles import KV_CHUNK, TILE, Pattern, ScoreMod, tile_backward, tile_forward
+from tailorfx.runtime.attention_tiles import KV_CHUNK, TILE, Dropout, Pattern, ScoreMod, tile_backward, tile_forward
 
 __all__ = ["sparse_attention", "dilated_attention", "dilated_workspace_bytes", "score_mod_attention",
            "register_score_mod", "SCORE_MODS"]
@@ -67,10 +67,21 @@ def _flash_runs(q: Tensor, doc: Optional[Tensor]) -> Optional[list[tuple[slice, 
     return [(slice(r, r + 1), slice(a, b)) for r, a, b in runs]
 
 
-def _dense_forward(q, k, v, doc, scale, causal, tiles, softcap=None):
-    runs = _flash_runs(q, doc) if softcap is None else None   # torch's flash kernel has no soft-cap
+def _dropout(p: float, seed: Optional[Tensor]) -> Optional[Dropout]:
+    """The tiles' dropout from the op's arguments: `seed` an int64 scalar on the CPU (no sync)."""
+    if not p:
+        return None
+    if seed is None:
+        raise ValueError("attention dropout needs a seed tensor")
+    return Dropout(float(p), int(seed))
+
+
+def _dense_forward(q, k, v, doc, scale, causal, tiles, softcap=None, dropout=None):
+    # torch's flash kernel has no soft-cap, and draws its own dropout mask
+    runs = _flash_runs(q, doc) if softcap is None and dropout is None else None
     if runs is None:
-        return tile_forward(q, k, v, Pattern("full", (), causal, q.shape[2]), doc, scale, *tiles, softcap=softcap)
+        return tile_forward(q, k, v, Pattern("full", (), causal, q.shape[2]), doc, scale, *tiles, softcap=softcap,
+                            dropout=dropout)
     out = torch.empty_like(q)
     lse = q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
     for rows, span in runs:
@@ -79,11 +90,11 @@ def _dense_forward(q, k, v, doc, scale, causal, tiles, softcap=None):
     return out, lse
 
 
-def _dense_backward(dout, q, k, v, out, lse, doc, scale, causal, tiles, softcap=None):
-    runs = _flash_runs(q, doc) if softcap is None else None
+def _dense_backward(dout, q, k, v, out, lse, doc, scale, causal, tiles, softcap=None, dropout=None):
+    runs = _flash_runs(q, doc) if softcap is None and dropout is None else None
     if runs is None:
         pattern = Pattern("full", (), causal, q.shape[2])
-        return tile_backward(dout, q, k, v, out, lse, pattern, doc, scale, *tiles, softcap=softcap)
+        return tile_backward(dout, q, k, v, out, lse, pattern, doc, scale, *tiles, softcap=softcap, dropout=dropout)
     grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for rows, span in runs:  # documents do not overlap: each key's gradient comes from one call
         part = [t[rows, :, span] for t in (dout, q, k, v, out)]
@@ -100,12 +111,13 @@ def _dense_backward(dout, q, k, v, out, lse, doc, scale, causal, tiles, softcap=
 def sparse_attention(
     q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor], kind: str,
     params: Sequence[int], scale: float, causal: bool, tile: int = TILE, kv_chunk: int = KV_CHUNK,
-    softcap: Optional[float] = None,
+    softcap: Optional[float] = None, dropout_p: float = 0.0, seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
+    drop = _dropout(dropout_p, seed)
     if kind == "full":
-        return _contiguous(*_dense_forward(q, k, v, document_ids, scale, causal, (tile, kv_chunk), softcap))
+        return _contiguous(*_dense_forward(q, k, v, document_ids, scale, causal, (tile, kv_chunk), softcap, drop))
     pattern = Pattern(kind, tuple(params), causal, q.shape[2])
-    return _contiguous(*tile_forward(q, k, v, pattern, document_ids, scale, tile, kv_chunk, softcap))
+    return _contiguous(*tile_forward(q, k, v, pattern, document_ids, scale, tile, kv_chunk, softcap, dropout=drop))
 
 
 def _contiguous(*ts: Tensor) -> tuple[Tensor, ...]:
@@ -122,14 +134,16 @@ def _(q, k, v, *_args, **_kwargs):
 def sparse_attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     document_ids: Optional[Tensor], kind: str, params: Sequence[int], scale: float, causal: bool,
-    tile: int = TILE, kv_chunk: int = KV_CHUNK, softcap: Optional[float] = None,
+    tile: int = TILE, kv_chunk: int = KV_CHUNK, softcap: Optional[float] = None, dropout_p: float = 0.0,
+    seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    drop = _dropout(dropout_p, seed)
     if kind == "full":
         return _contiguous(*_dense_backward(dout, q, k, v, out, lse, document_ids, scale, causal,
-                                            (tile, kv_chunk), softcap))
+                                            (tile, kv_chunk), softcap, drop))
     pattern = Pattern(kind, tuple(params), causal, q.shape[2])
     return _contiguous(*tile_backward(dout, q, k, v, out, lse, pattern, document_ids, scale, tile, kv_chunk,
-                                      softcap))
+                                      softcap, dropout=drop))
 
 
 @sparse_attention_backward.register_fake
@@ -138,16 +152,16 @@ def _(dout, q, k, v, *_args, **_kwargs):
 
 
 def _sparse_setup(ctx, inputs, output) -> None:
-    q, k, v, document_ids, kind, params, scale, causal, tile, kv_chunk, softcap = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], document_ids)
-    ctx.args = (kind, list(params), scale, causal, tile, kv_chunk, softcap)
+    q, k, v, document_ids, kind, params, scale, causal, tile, kv_chunk, softcap, dropout_p, seed = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], document_ids, seed)
+    ctx.args = (kind, list(params), scale, causal, tile, kv_chunk, softcap, dropout_p)
     ctx.mark_non_differentiable(output[1])
 
 
 def _sparse_grad(ctx, dout, _dlse):
-    q, k, v, out, lse, document_ids = ctx.saved_tensors
-    grads = sparse_attention_backward(dout.contiguous(), q, k, v, out, lse, document_ids, *ctx.args)
-    return (*grads, None, None, None, None, None, None, None, None)
+    q, k, v, out, lse, document_ids, seed = ctx.saved_tensors
+    grads = sparse_attention_backward(dout.contiguous(), q, k, v, out, lse, document_ids, *ctx.args, seed)
+    return (*grads, None, None, None, None, None, None, None, None, None, None)
 
 
 sparse_attention.register_autograd(_sparse_grad, setup_context=_sparse_setup)
@@ -189,11 +203,11 @@ def _score_mod(name: str, tensor: Optional[Tensor]) -> ScoreMod:
 def score_mod_attention(
     q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor], mod_tensor: Optional[Tensor],
     score_mod: str, scale: float, causal: bool, tile: int = TILE, kv_chunk: int = KV_CHUNK,
-    softcap: Optional[float] = None,
+    softcap: Optional[float] = None, dropout_p: float = 0.0, seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     pattern = Pattern("full", (), causal, q.shape[2])
     return _contiguous(*tile_forward(q, k, v, pattern, document_ids, scale, tile, kv_chunk, softcap,
-                                     _score_mod(score_mod, mod_tensor)))
+                                     _score_mod(score_mod, mod_tensor), _dropout(dropout_p, seed)))
 
 
 @score_mod_attention.register_fake
@@ -205,11 +219,12 @@ def _(q, k, v, *_args, **_kwargs):
 def score_mod_attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, document_ids: Optional[Tensor],
     mod_tensor: Optional[Tensor], score_mod: str, scale: float, causal: bool, tile: int = TILE,
-    kv_chunk: int = KV_CHUNK, softcap: Optional[float] = None,
+    kv_chunk: int = KV_CHUNK, softcap: Optional[float] = None, dropout_p: float = 0.0,
+    seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     pattern = Pattern("full", (), causal, q.shape[2])
     dq, dk, dv, *dmod = tile_backward(dout, q, k, v, out, lse, pattern, document_ids, scale, tile, kv_chunk,
-                                      softcap, _score_mod(score_mod, mod_tensor))
+                                      softcap, _score_mod(score_mod, mod_tensor), _dropout(dropout_p, seed))
     # no tensor: an empty stand-in (an op's outputs are tensors)
     return (*_contiguous(dq, dk, dv), dmod[0].contiguous() if dmod else q.new_empty(0))
 
@@ -221,18 +236,18 @@ def _(dout, q, k, v, out, lse, document_ids, mod_tensor, *_args, **_kwargs):
 
 
 def _mod_setup(ctx, inputs, output) -> None:
-    q, k, v, document_ids, mod_tensor, *args = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], document_ids, mod_tensor)
+    q, k, v, document_ids, mod_tensor, *args, seed = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], document_ids, mod_tensor, seed)
     ctx.args = tuple(args)
     ctx.mark_non_differentiable(output[1])
 
 
 def _mod_grad(ctx, dout, _dlse):
-    q, k, v, out, lse, document_ids, mod_tensor = ctx.saved_tensors
+    q, k, v, out, lse, document_ids, mod_tensor, seed = ctx.saved_tensors
     dq, dk, dv, dmod = score_mod_attention_backward(dout.contiguous(), q, k, v, out, lse, document_ids,
-                                                    mod_tensor, *ctx.args)
+                                                    mod_tensor, *ctx.args, seed)
     floating = mod_tensor is not None and mod_tensor.is_floating_point()
-    return (dq, dk, dv, None, dmod if floating else None, *([None] * len(ctx.args)))
+    return (dq, dk, dv, None, dmod if floating else None, *([None] * (len(ctx.args) + 1)))
 
 
 score_mod_attention.register_autograd(_mod_grad, setup_context=_mod_setup)
@@ -417,6 +432,7 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
         extra = [extra[0], "full", [], *extra[3:]]
     doc, pattern_args, tiles = extra[0], extra[1:3], extra[5:7]
     softcap = extra[7] if len(extra) > 7 else None
+    dropout = bool(extra[8]) if len(extra) > 8 else False
     tile, kv_chunk = (list(tiles) + [TILE, KV_CHUNK][len(tiles):])[:2]
     batch, heads, seq, dim = (as_int(s) for s in q.shape)
     num_kv = as_int(k.shape[1])
@@ -430,12 +446,12 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
             return work * 6 // 8 + narrow * acc * q_elems
         return work * 13 // 8 + narrow * acc * (q_elems + 2 * kv_elems)
     kind, params = pattern_args
-    if kind == "full" and softcap is None and not modded:   # CPU flash per document (sorted ids: packed sequences, the usual case)
+    if kind == "full" and softcap is None and not modded and not dropout:   # CPU flash per document (sorted ids: packed sequences, the usual case)
         half = narrow * item * q_elems // 2   # narrow dtypes: measured +50% (fp32 work rows)
         return item * q_elems + half if not backward else item * (q_elems + 2 * kv_elems) + half
     tq = tile if kind != "bigbird" else params[0] * max(1, tile // params[0])
     tq = min(tq, seq)
-    if kind == "full":   # soft-capped: the tiles over every key (one more score tile in backward)
+    if kind == "full":   # soft-capped, a score mod or dropout: the tiles over every key
         keys, gathered = seq, False
     elif kind == "window":   # key units of `tile` tokens the band and the global tokens touch
         window, num_global = params
@@ -452,6 +468,8 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
     # a score mod's gathered operand and its result (forward); under vjp, its residuals and their
     # gradients (backward): measured 4.0-4.6 and 6.2-7.4 score tiles in all
     fwd_tiles, bwd_tiles = (4, 6 + (softcap is not None)) if modded else (2, 4 + (softcap is not None))
+    if dropout:   # the tile's uniform draws and kept mask; in backward also the dropped probabilities
+        fwd_tiles, bwd_tiles = fwd_tiles + 1, bwd_tiles + 3
     if not backward:
         return int(rows * (fwd_tiles * kc + 3 * dim + 6) + 2 * chunk * copies + mask)
     return int(rows * (bwd_tiles * kc + 4 * dim + 2) + 2 * chunk * (1 + copies) + mask

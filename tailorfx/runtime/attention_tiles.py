@@ -28,7 +28,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor
 
-__all__ = ["Pattern", "ScoreMod", "bigbird_random_blocks", "tile_forward", "tile_backward", "TILE", "KV_CHUNK"]
+__all__ = ["Pattern", "ScoreMod", "Dropout", "bigbird_random_blocks", "tile_forward", "tile_backward", "TILE", "KV_CHUNK"]
 
 TILE = 128  # query rows per tile; 64-256 measured within 15% on CPU at S=4K
 KV_CHUNK = 1024  # keys per matmul; bounds the (tile x keys) score transient
@@ -236,6 +236,24 @@ class ScoreMod:
         return self.fn(s, b, h, q_idx, kpos.view(1, 1, 1, -1), *(self.tensors if tensors is None else tensors))
 
 
+@dataclass(frozen=True)
+class Dropout:
+    """Dropout on the attention probabilities: each (b, h, i, j) kept with probability 1 - p, the
+    kept ones scaled by 1 / (1 - p). A tile's mask is drawn from a generator seeded by `seed` and
+    the tile's place (its first query and first key), so the backward draws the forward's mask
+    tile by tile (as flash-attention's Philox offsets do) without storing it."""
+
+    p: float
+    seed: int
+
+    def keep(self, s: Tensor, q0: int, index: KeyIndex) -> Tensor:
+        """Bool, s's shape: which probabilities of the tile (queries from q0, keys `index`) stay."""
+        k0 = index.start if isinstance(index, slice) else int(index[0])
+        g = torch.Generator(device=s.device)
+        g.manual_seed((self.seed * 1_000_003 + q0 * 65_537 + k0) % (1 << 63))
+        return torch.rand(s.shape, generator=g, device=s.device, dtype=torch.float32) >= self.p
+
+
 def _key_positions(index: KeyIndex, device) -> Tensor:
     return torch.arange(index.start, index.stop, device=device) if isinstance(index, slice) else index
 
@@ -260,9 +278,10 @@ def _scores(qt: Tensor, kc: Tensor, mask: Optional[Tensor], tq: int, softcap: Op
 def tile_forward(
     q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, doc: Optional[Tensor], scale: float,
     tile: int = TILE, kv_chunk: int = KV_CHUNK, softcap: Optional[float] = None,
-    score_mod: Optional[ScoreMod] = None,
+    score_mod: Optional[ScoreMod] = None, dropout: Optional[Dropout] = None,
 ) -> tuple[Tensor, Tensor]:
-    """(out (B, H, S, D) in q's dtype, lse (B, H, S) in fp32/fp64; -inf and 0 for empty rows)."""
+    """(out (B, H, S, D) in q's dtype, lse (B, H, S) in fp32/fp64; -inf and 0 for empty rows).
+    With `dropout`, lse is the undropped softmax's (what the backward recomputes p from)."""
     batch, heads, seq, dim = q.shape
     num_kv, acc = k.shape[1], _acc_dtype(q.dtype)
     out = torch.empty_like(q)
@@ -280,6 +299,8 @@ def tile_forward(
             p = s.sub_(m_safe[..., None]).exp_()
             alpha = torch.exp(m - m_safe)
             l = l * alpha + p.sum(-1)
+            if dropout is not None:
+                p = p.mul_(dropout.keep(p, q0, index)).mul_(1.0 / (1.0 - dropout.p))
             o = o.mul_(alpha[..., None]).add_(torch.matmul(p, _take(v, index, acc)))
             m = m_new
         m_safe = m.masked_fill(m == float("-inf"), 0.0)
@@ -292,7 +313,7 @@ def tile_forward(
 def tile_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, pattern: Pattern,
     doc: Optional[Tensor], scale: float, tile: int = TILE, kv_chunk: int = KV_CHUNK,
-    softcap: Optional[float] = None, score_mod: Optional[ScoreMod] = None,
+    softcap: Optional[float] = None, score_mod: Optional[ScoreMod] = None, dropout: Optional[Dropout] = None,
 ) -> tuple[Tensor, ...]:
     """Gradients of ``tile_forward``'s out wrt q, k, v, recomputing each tile's probabilities
     (through the soft-cap: d(c tanh(s/c))/ds = 1 - tanh(s/c)^2), then, with a score mod, wrt
@@ -316,11 +337,13 @@ def tile_backward(
             kc, vc = _take(k, index, acc), _take(v, index, acc)
             if score_mod is not None:
                 p, ds = _mod_tile_grads(qt, kc, vc, dot, delta, lt, mask, q0, q1, index, softcap, score_mod,
-                                        leaves, dmods)
+                                        leaves, dmods, dropout)
             else:
                 s = _scores(qt, kc, mask, q1 - q0, softcap)
                 p = s.sub_(lt).exp_() if softcap is None else s.sub(lt).exp_()
-                ds = p * (torch.matmul(dot, vc.transpose(-1, -2)).sub_(delta))
+                dp, p_v = _dropped(torch.matmul(dot, vc.transpose(-1, -2)), p, dropout, q0, index)
+                ds = dp.sub_(delta).mul_(p)   # in dp's buffer
+                p = p_v
                 if softcap is not None:   # s = c * t where unmasked: 1 - t^2 = 1 - (s / c)^2 (masked: p = 0)
                     t = s.div_(softcap).nan_to_num_(0.0, 0.0, 0.0)
                     ds.mul_(t.mul_(t).neg_().add_(1.0))
@@ -340,7 +363,16 @@ def tile_backward(
             *(torch.zeros_like(t) if d is None else d for t, d in zip(score_mod.tensors, dmods)))
 
 
-def _mod_tile_grads(qt, kc, vc, dot, delta, lt, mask, q0, q1, index, softcap, score_mod, leaves, dmods):
+def _dropped(dp: Tensor, p: Tensor, dropout: Optional[Dropout], q0: int, index: KeyIndex) -> tuple[Tensor, Tensor]:
+    """(dL/dp through the dropout, the probabilities as the forward applied them to v)."""
+    if dropout is None:
+        return dp, p
+    keep = dropout.keep(p, q0, index).to(p.dtype).mul_(1.0 / (1.0 - dropout.p))
+    return dp.mul_(keep), p * keep
+
+
+def _mod_tile_grads(qt, kc, vc, dot, delta, lt, mask, q0, q1, index, softcap, score_mod, leaves, dmods,
+                    dropout=None):
     """(probabilities, d scores before the soft-cap and the mod) of one tile with a score mod,
     by torch.func.vjp through the mod (custom ops run below autograd; functorch's transforms
     still differentiate there); its floating tensors' gradients are added to `dmods`."""
@@ -361,8 +393,9 @@ def _mod_tile_grads(qt, kc, vc, dot, delta, lt, mask, q0, q1, index, softcap, sc
 
     s, vjp = torch.func.vjp(modded, torch.matmul(qt, kc.transpose(-1, -2)), *(leaves[i] for i in floats))
     p = s.sub_(lt).exp_()
-    ds = p * (torch.matmul(dot, vc.transpose(-1, -2)).sub_(delta))
-    grads = vjp(ds)
+    dp, p_v = _dropped(torch.matmul(dot, vc.transpose(-1, -2)), p, dropout, q0, index)
+    grads = vjp(dp.sub_(delta).mul_(p))
+    del dp
     for i, g in zip(floats, grads[1:]):
         dmods[i] += g
-    return p, grads[0]
+    return p_v, grads[0]

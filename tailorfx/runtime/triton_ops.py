@@ -187,6 +187,8 @@ def triton_attention_supports(kind: str, params: dict) -> Optional[str]:
     """None when the kernel runs this attention spec, else why not."""
     if kind not in _MASKS:
         return f"no Triton kernel for attention spec {kind!r}"
+    if params.get("dropout"):
+        return "attention dropout runs on the tiles: the Triton kernel has none"
     if params.get("score_mod") is not None:
         return f"score_mod {params['score_mod']!r} runs on the tiles: the Triton kernel has none"
     return None
