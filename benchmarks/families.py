@@ -5,8 +5,9 @@ Per family (tiny config from tests/models.py sizes: hidden 64, 2 layers, vocab 1
 batch 1, fp32, random weights): eager's measured peak of forward + backward (output held, as a
 training loop holds it) against `tailorfx.optimize(model)` with no passes named; the memory
 model's prediction error; what was rewritten (attentions swapped, the LM head fused, MLPs chunked)
-and what was left, with the pass's reason; and exactness at 48 tokens (loss and every gradient
-against eager, fp32, dropout off). Peak = tailorfx.measure_peak (the allocator's events).
+and what was left, with the pass's reason; the step time against eager's (median of interleaved
+rounds); and exactness at 48 tokens (loss and every gradient against eager, fp32, dropout off).
+Peak = tailorfx.measure_peak (the allocator's events).
 
     python benchmarks/families.py [--families granite bloom ...] [--seq 2048] [--vocab 16384]
 """
@@ -15,7 +16,9 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import statistics
 import sys
+import time
 import warnings
 
 import torch
@@ -68,7 +71,23 @@ def exactness(name: str) -> float:
     return compare_with_eager(build(name, 512), inputs, wrap, rtol=1e-4, atol=1e-6).max_grad_rel_err
 
 
-def measure(name: str, S: int, vocab: int) -> dict:
+def step_time_ratio(opt, model, eager, inputs, reps: int) -> float:
+    """Median over `reps` rounds of (tailorfx step time / eager step time), the two interleaved
+    in each round (forward + backward, gradients dropped first)."""
+    def step(module, params):
+        for p in params.parameters():
+            p.grad = None
+        t = time.perf_counter()
+        module(**inputs).loss.backward()
+        return time.perf_counter() - t
+    ratios = []
+    for _ in range(reps):
+        e = step(eager, eager)
+        ratios.append(step(opt, model) / e)
+    return statistics.median(ratios)
+
+
+def measure(name: str, S: int, vocab: int, reps: int) -> dict:
     model = build(name, vocab)
     ids = torch.randint(0, vocab, (1, S), generator=torch.Generator().manual_seed(0))
     inputs = {"input_ids": ids, "labels": ids.clone()}
@@ -79,13 +98,14 @@ def measure(name: str, S: int, vocab: int) -> dict:
         opt = tailorfx.optimize(model, example_inputs=inputs)
     peak = peak_of_step(opt, model, inputs)
     predicted = opt.predict_memory(S).forward_backward_peak_bytes
+    time_ratio = step_time_ratio(opt, model, eager, inputs, reps)
     records = {r.name: r for g in opt.graph_records for r in g.records}
     attention = records.get("attention")
     ms = records.get("minisequence")
     touched = list(ms.touched) if ms else []
     row = {
         "family": name, "eager_peak_mib": eager_peak / 2**20, "peak_mib": peak / 2**20,
-        "ratio": peak / eager_peak, "prediction_error": (predicted - peak) / peak,
+        "ratio": peak / eager_peak, "prediction_error": (predicted - peak) / peak, "time_ratio": time_ratio,
         "attention_swapped": len(attention.touched) if attention else 0,
         "attention_specs": sorted({s["spec"] for s in attention.stats.values()}) if attention else [],
         "head_fused": any(t.startswith(("lm_head", "output")) for t in touched),
@@ -102,17 +122,20 @@ def main():
     ap.add_argument("--families", nargs="*", default=list(CASES))
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=16384)
+    ap.add_argument("--reps", type=int, default=5, help="interleaved rounds of eager and tailorfx steps")
     args = ap.parse_args()
     rows = []
     for name in args.families:
-        row = measure(name, args.seq, args.vocab)
+        row = measure(name, args.seq, args.vocab, args.reps)
         rows.append(row)
-        print(f"{name}: {row['ratio']:.2f}x eager's peak, prediction {row['prediction_error']:+.2%}", flush=True)
+        print(f"{name}: {row['ratio']:.2f}x eager's peak, prediction {row['prediction_error']:+.2%}, "
+              f"{row['time_ratio']:.2f}x eager's step time", flush=True)
     print_table(f"Default plan, vocab {args.vocab}, {args.seq} tokens (tiny configs, fp32)",
-                ["family", "eager MiB", "tailorfx MiB", "x eager", "pred err", "attention", "head", "MLPs",
-                 "grad err (48 tok)", "left"],
+                ["family", "eager MiB", "tailorfx MiB", "x eager", "pred err", "time x eager", "attention", "head",
+                 "MLPs", "grad err (48 tok)", "left"],
                 [[r["family"], f"{r['eager_peak_mib']:.1f}", f"{r['peak_mib']:.1f}", f"{r['ratio']:.2f}",
-                  f"{r['prediction_error']:+.2%}", f"{r['attention_swapped']} {','.join(r['attention_specs'])}",
+                  f"{r['prediction_error']:+.2%}", f"{r['time_ratio']:.2f}",
+                  f"{r['attention_swapped']} {','.join(r['attention_specs'])}",
                   "fused" if r["head_fused"] else "-", r["mlps_chunked"],
                   "dropout on" if r["max_grad_rel_err"] is None else f"{r['max_grad_rel_err']:.1e}",
                   "; ".join(r["left"])[:90]] for r in rows])

@@ -478,7 +478,7 @@ def _rewrite(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased: set
         kwargs["document_ids"] = _document_ids(gm, m.positions, m.doc_rule, made)
     if m.key_bias is not None:
         kwargs.update(key_bias=m.key_bias, key_bias_scale=m.key_bias_scale)
-    if dict(params).get("dropout"):   # the seed drawn by a node of its own: recompute saves it
+    if dict(params).get("dropout"):   # the seed, a random op of its own: a recompute partition saves it
         with gm.graph.inserting_before(m.out):
             seed = gm.graph.call_function(draw_seed, ())
         annotate(seed, m.out, val=_fake_seed(m.q), pass_name=NAME)

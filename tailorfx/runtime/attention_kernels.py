@@ -180,7 +180,17 @@ def _key_bias(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
     return score + bias[b, h, kv_idx]
 
 
+def _key_bias_grads(ds: Tensor, q0: int, q1: int, kpos: Tensor, tensors, grads) -> None:
+    """key_bias's tensor gradient from a tile's d scores (B, H_kv, G * Tq, Tk): summed over the
+    tile's queries, added at its keys."""
+    batch, hkv, rows, tk = ds.shape
+    per_key = ds.view(batch, hkv, rows // (q1 - q0), q1 - q0, tk).sum(3).reshape(batch, -1, tk)
+    grads[0].index_add_(2, kpos, per_key.to(grads[0].dtype))
+
+
 SCORE_MODS: dict[str, Callable[..., Tensor]] = {"key_bias": _key_bias}
+# mods that add to the score: their tensors' gradients without a vjp through the mod
+_ADDITIVE_GRADS: dict[str, Callable[..., None]] = {"key_bias": _key_bias_grads}
 
 
 def register_score_mod(name: str, fn: Callable[..., Tensor]) -> None:
@@ -196,7 +206,7 @@ def _score_mod(name: str, tensor: Optional[Tensor]) -> ScoreMod:
     if name not in SCORE_MODS:
         raise ValueError(f"unknown score mod {name!r}: register it with "
                          f"tailorfx.runtime.attention_kernels.register_score_mod (known: {sorted(SCORE_MODS)})")
-    return ScoreMod(SCORE_MODS[name], () if tensor is None else (tensor,))
+    return ScoreMod(SCORE_MODS[name], () if tensor is None else (tensor,), _ADDITIVE_GRADS.get(name))
 
 
 @torch.library.custom_op("tailorfx::score_mod_attention", mutates_args=())
@@ -428,6 +438,7 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
     q, k = rest[0], rest[1]
     extra = rest[5:] if backward else rest[3:]  # past (q, k, v) and the backward's (out, lse)
     modded = base == "score_mod_attention"
+    additive = modded and extra[2] in _ADDITIVE_GRADS   # its backward needs no vjp (without a soft-cap)
     if modded:   # (doc, mod_tensor, score_mod, scale, causal, ...) read as the full pattern's arguments
         extra = [extra[0], "full", [], *extra[3:]]
     doc, pattern_args, tiles = extra[0], extra[1:3], extra[5:7]
@@ -466,8 +477,11 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
     rows, chunk = acc * batch * heads * tq, acc * batch * num_kv * kc * dim
     mask = tq * kc * (batch if doc is not None else 1)
     # a score mod's gathered operand and its result (forward); under vjp, its residuals and their
-    # gradients (backward): measured 4.0-4.6 and 6.2-7.4 score tiles in all
+    # gradients (backward): measured 4.0-4.6 and 6.2-7.4 score tiles in all (5.1-6.3 for key_bias,
+    # whose backward needs no vjp)
     fwd_tiles, bwd_tiles = (4, 6 + (softcap is not None)) if modded else (2, 4 + (softcap is not None))
+    if additive and softcap is None:
+        bwd_tiles = 5
     if dropout:   # the tile's uniform draws and kept mask; in backward also the dropped probabilities
         fwd_tiles, bwd_tiles = fwd_tiles + 1, bwd_tiles + 3
     if not backward:

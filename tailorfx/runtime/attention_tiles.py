@@ -224,6 +224,9 @@ class ScoreMod:
 
     fn: Callable[..., Tensor]
     tensors: tuple[Tensor, ...] = ()
+    # for a mod that adds to the score (d mod / d score = 1): add_grads(ds, q0, q1, kpos, tensors,
+    # grads) adds the tile's gradients of the tensors into `grads`; the backward then needs no vjp
+    add_grads: Optional[Callable[..., None]] = None
 
     def apply(self, s: Tensor, q0: int, q1: int, kpos: Tensor, tensors=None) -> Tensor:
         """fn over a tile's scores s (B, H_kv, G * Tq, Tk), rows ordered (group, query)."""
@@ -335,11 +338,12 @@ def tile_backward(
         dqt = torch.zeros_like(qt)
         for index, mask in chunks:
             kc, vc = _take(k, index, acc), _take(v, index, acc)
-            if score_mod is not None:
+            additive = score_mod is not None and score_mod.add_grads is not None and softcap is None
+            if score_mod is not None and not additive:
                 p, ds = _mod_tile_grads(qt, kc, vc, dot, delta, lt, mask, q0, q1, index, softcap, score_mod,
                                         leaves, dmods, dropout)
             else:
-                s = _scores(qt, kc, mask, q1 - q0, softcap)
+                s = _scores(qt, kc, mask, q1 - q0, softcap, (score_mod, q0, index) if additive else None)
                 p = s.sub_(lt).exp_() if softcap is None else s.sub(lt).exp_()
                 dp, p_v = _dropped(torch.matmul(dot, vc.transpose(-1, -2)), p, dropout, q0, index)
                 ds = dp.sub_(delta).mul_(p)   # in dp's buffer
@@ -347,6 +351,8 @@ def tile_backward(
                 if softcap is not None:   # s = c * t where unmasked: 1 - t^2 = 1 - (s / c)^2 (masked: p = 0)
                     t = s.div_(softcap).nan_to_num_(0.0, 0.0, 0.0)
                     ds.mul_(t.mul_(t).neg_().add_(1.0))
+                if additive:
+                    score_mod.add_grads(ds, q0, q1, _key_positions(index, ds.device), leaves, dmods)
             dvc = torch.matmul(p.transpose(-1, -2), dot)
             dkc = torch.matmul(ds.transpose(-1, -2), qt)
             dqt.add_(torch.matmul(ds, kc))
