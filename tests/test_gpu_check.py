@@ -12,7 +12,8 @@ import tailorfx
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = {f"{k}/{dt}" for k in ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "attention_causal",
                                   "linear_cross_entropy") for dt in ("float32", "bfloat16")} | {
-    "attention_sliding_window/bfloat16", "attention_documents/bfloat16"}
+    "attention_sliding_window/bfloat16", "attention_documents/bfloat16", "attention_alibi_tiles/float32",
+    "attention_alibi_tiles/bfloat16"}
 
 
 @pytest.mark.slow

@@ -91,6 +91,23 @@ def kernel_cases(run: Run) -> list:
             return ours, ref, [q, k, v], randn(B, NH, S, D, dtype=dt, grad=False)
         return make
 
+    def alibi(dt):
+        """The runtime's own tiles (plain torch on any device) with score_mod "key_bias" (ALiBi's
+        per-key bias), what the attention pass puts in Bloom's graph, against SDPA reading the
+        bias + causal mask as a dense float mask."""
+        q, k, v = randn(B, NH, S, D, dtype=dt), randn(B, NKV, S, D, dtype=dt), randn(B, NKV, S, D, dtype=dt)
+        slopes = torch.tensor([2.0 ** (-8 * (h + 1) / NH) for h in range(NH)], device=dev)
+        bias = (slopes[:, None] * torch.arange(S, device=dev))[None].expand(B, NH, S)
+        spec = attention.Exact(score_mod="key_bias")
+        i = torch.arange(S, device=dev)
+        causal = torch.zeros(S, S, device=dev).masked_fill(i[None, :] > i[:, None], float("-inf"))
+        ours = lambda q, k, v: spec(q, k, v, score_tensor=bias.to(q.dtype))  # noqa: E731
+
+        def ref(q, k, v):
+            mask = (bias[:, :, None, :] + causal).to(q.dtype)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return ours, ref, [q, k, v], randn(B, NH, S, D, dtype=dt, grad=False)
+
     def head(dt):
         from tailorfx.codegen.triton.linear_cross_entropy import default_chunk
         h, w = randn(N, HID, dtype=dt), randn(V, HID, dtype=dt, scale=HID ** -0.5)
@@ -110,6 +127,7 @@ def kernel_cases(run: Run) -> list:
             ("attention_causal", both, attn(attention.Exact(), False)),
             ("attention_sliding_window", bf16, attn(attention.SlidingWindow(window), False)),
             ("attention_documents", bf16, attn(attention.Exact(), True)),
+            ("attention_alibi_tiles", both, alibi),
             ("linear_cross_entropy", both, head)]
 
 
