@@ -11,8 +11,11 @@ A ``score_mod`` (FlexAttention's signature, ``score_mod(score, b, h, q_idx, kv_i
 transforms each tile's scaled scores before the mask: it is called with broadcastable index
 tensors instead of FlexAttention's vmapped scalars, so a mod written for one runs on the other
 (an ALiBi slope table ``s + slopes[h] * (kv_idx - q_idx)``, a bias read from the graph
-``s + bias[b, h, kv_idx]``). Its backward goes through autograd on the tile, gradients of the
-captured ``tensors`` included.
+``s + bias[b, h, kv_idx]``). Its backward is torch.func.vjp through the mod on the tile (custom
+ops run below autograd; functorch still differentiates there), the captured ``tensors``'
+gradients included; a mod that only adds to the score gives them without a vjp (``add_grads``).
+``Dropout`` drops probabilities with masks drawn per tile from the call's seed, so the backward
+redraws the forward's masks.
 
 Everything is torch ops on whatever device the inputs live on; no CPU-only calls here.
 """
