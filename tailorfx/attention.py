@@ -153,7 +153,7 @@ class AttentionSpec:
 
     def _sparse(self, q, k, v, document_ids, scale, kind: str, params: list[int], softcap=None,
                 drop=(0.0, None)) -> Tensor:
-        args = (scale, self.causal, self.tile, self.kv_chunk, softcap, *drop)
+        args = (scale, self.causal, self.tile, self.kv_chunk, None if softcap is None else float(softcap), *drop)
         return sparse_attention(q, k, v, document_ids, kind, params, *args)[0]
 
     def _run(self, q, k, v, document_ids, scale, drop=(0.0, None)) -> Tensor:
@@ -191,8 +191,7 @@ class Exact(AttentionSpec):
 
     def _run(self, q, k, v, document_ids, scale, drop=(0.0, None)):
         if self.softcap is not None or self.dropout:
-            softcap = None if self.softcap is None else float(self.softcap)
-            return self._sparse(q, k, v, document_ids, scale, "full", [], softcap, drop)
+            return self._sparse(q, k, v, document_ids, scale, "full", [], self.softcap, drop)
         if document_ids is None:
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=self.causal, scale=scale, enable_gqa=True
@@ -236,8 +235,7 @@ class SlidingWindow(AttentionSpec):
 
     def _run(self, q, k, v, document_ids, scale, drop=(0.0, None)):
         params = [self.window, self.global_tokens]
-        softcap = None if self.softcap is None else float(self.softcap)
-        return self._sparse(q, k, v, document_ids, scale, "window", params, softcap, drop)
+        return self._sparse(q, k, v, document_ids, scale, "window", params, self.softcap, drop)
 
 
 @dataclass(frozen=True)

@@ -128,15 +128,30 @@ def _writes(u: fx.Node, n: fx.Node) -> bool:
         and not name.startswith("_")
 
 
+def _largest_constant(nodes: list[fx.Node]) -> int:
+    """The largest |integer| in the nodes' arguments (a window, an offset, a size), 0 if none."""
+    consts: list[int] = []
+    for n in nodes:
+        fx.node.map_aggregate((n.args, n.kwargs), lambda a: consts.append(abs(a)) if type(a) is int else None)
+    return max(consts, default=0)
+
+
+def _masked_scores(fn: fx.GraphModule, args: list, L: int, gen: torch.Generator, dtype: torch.dtype,
+                   scale: float, combine: Optional[Callable]) -> tuple[torch.Tensor, Any]:
+    """(random scores xs (1, 1, L, L), the mask evaluator's masked scores for them): fn(*args, xs),
+    with `combine` applying a mask node as SDPA applies its attn_mask."""
+    xs = torch.randn(1, 1, L, L, generator=gen).to(dtype) * 4
+    with torch.no_grad():
+        got = fn(*args, xs)
+        return xs, (combine(got, xs * scale) if combine is not None else got)
+
+
 def _check_lengths(ctx: PassContext, nodes: list[fx.Node], dynamic: Any) -> Union[list[int], str]:
     """Lengths that decide causality: small ones, and ones past every integer constant used; []
     for a mask whose length is not `dynamic` (a static graph: its one length is checked)."""
     if not dynamic:
         return []
-    consts: list[int] = []
-    for n in nodes:
-        fx.node.map_aggregate((n.args, n.kwargs), lambda a: consts.append(abs(a)) if type(a) is int else None)
-    c = max(consts, default=0)
+    c = _largest_constant(nodes)
     if 2 * c + 1 > MAX_CHECK_LEN:
         return (f"mask uses the constant {c}: proving it causal needs lengths past it "
                 f"(over {MAX_CHECK_LEN}); a window or offset, left unchanged")
@@ -247,12 +262,8 @@ def _causal_proof(ctx: PassContext, sub: _Subgraph, x: Optional[fx.Node], out: f
         lengths = [int(ref.shape[-1])]
     gen = torch.Generator().manual_seed(0)
     for L in lengths:
-        xs = torch.randn(1, 1, L, L, generator=gen).to(dtype) * 4
         try:
-            with torch.no_grad():
-                got = fn(*([L] * len(sub.leaves)), xs)
-                if combine is not None:
-                    got = combine(got, xs * scale)
+            xs, got = _masked_scores(fn, [L] * len(sub.leaves), L, gen, dtype, scale, combine)
         except Exception as e:  # a mask we cannot run on its own is a mask we cannot prove
             return "", f"mask could not be evaluated at S={L}: {type(e).__name__}: {str(e)[:80]}"
         why = _compare(got, xs, scale, torch.ones(L, L, dtype=torch.bool).tril(), L)
@@ -272,20 +283,14 @@ def _window_proof(ctx: PassContext, sub: _Subgraph, x: Optional[fx.Node], out: f
     `j >= i - c`: w = c + 1): with c replaced by each of WINDOW_PROBES, c', the mask evaluated at
     lengths past its window is exactly a window of c' + d, the same d for every probe (a constant
     used as a window is used the same way whatever its value); else why not."""
-    consts: list[int] = []
-    for n in sub.nodes:
-        fx.node.map_aggregate((n.args, n.kwargs), lambda a: consts.append(abs(a)) if type(a) is int else None)
-    c = max(consts, default=0)
+    c = _largest_constant(sub.nodes)
     texts, offsets = [], set()
     gen = torch.Generator().manual_seed(0)
     for probe in WINDOW_PROBES:
         fn = _evaluator(sub, x, out, {c: probe, -c: -probe})
 
         def masked(L: int):
-            xs = torch.randn(1, 1, L, L, generator=gen).to(dtype) * 4
-            with torch.no_grad():
-                got = fn(*([L] * len(sub.leaves)), xs)
-                return xs, (combine(got, xs * scale) if combine is not None else got)
+            return _masked_scores(fn, [L] * len(sub.leaves), L, gen, dtype, scale, combine)
         lengths = sorted(set(CHECK_LENGTHS) | {probe + 1, probe + 2, 2 * probe + 1, 3 * probe + 4})
         try:
             _, got = masked(lengths[-1])

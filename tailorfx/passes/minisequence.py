@@ -168,8 +168,7 @@ class MiniSequence:
             call = gm.graph.call_function(op, (chunked.key, xs, [nodes[p] for p in region.params], x_dims[0], m))
         new = call
         if random:   # (output, the RNG state the chunks started from, which backward replays)
-            state = ov.new_empty((ops._CPU_STATE_BYTES if ov.device.type != "cuda" else 16,), dtype=torch.uint8,
-                                 device="cpu")
+            state = ov.new_empty((ops.rng_state_bytes(ov.device),), dtype=torch.uint8, device="cpu")
             annotate(call, val=(ov, state), pass_name=NAME)
             with gm.graph.inserting_after(call):
                 new = gm.graph.call_function(operator.getitem, (call, 0))

@@ -330,6 +330,12 @@ _token_chunked.register_autograd(_token_chunked_grad, setup_context=_token_chunk
 _CPU_STATE_BYTES = torch.get_rng_state().numel()
 
 
+def rng_state_bytes(device: torch.device) -> int:
+    """Bytes of the RNG state token_chunked_random returns for inputs on `device` (CUDA's Philox:
+    seed and offset)."""
+    return 16 if device.type == "cuda" else _CPU_STATE_BYTES
+
+
 def _rng_state(device: torch.device) -> Tensor:
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
@@ -346,7 +352,7 @@ def _token_chunked_random(
 @_token_chunked_random.register_fake
 def _token_chunked_random_fake(key, seq_inputs, whole_inputs, seq_dim, num_chunks):
     out = _token_chunked_fake(key, seq_inputs, whole_inputs, seq_dim, num_chunks)
-    size = 16 if seq_inputs[0].device.type == "cuda" else _CPU_STATE_BYTES   # Philox seed + offset
+    size = rng_state_bytes(seq_inputs[0].device)
     return out, torch.empty(size, dtype=torch.uint8, device="cpu")
 
 
