@@ -309,7 +309,7 @@ def _split_examples(example_inputs: Any, example_kwargs: Optional[dict]) -> tupl
 def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
              passes: Optional[Sequence[str]] = None, example_inputs: Any = None,
              example_kwargs: Optional[dict] = None, minisequence_chunks: Optional[int] = None,
-             attention: Any = None, precision: Optional[str] = None,
+             minisequence: Optional[str] = None, attention: Any = None, precision: Optional[str] = None,
              precision_policy: Optional[dict] = None, setup: Any = None,
              optimizer: Optional[str] = "adamw", recompute: Optional[str] = None,
              keep_logits: bool = False, strict: bool = False, lowering: str = "auto", verify: bool = True,
@@ -327,6 +327,8 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     A pass named in `passes` that leaves a region unchanged warns with the region and the reason;
     `strict=True` raises instead. `precision_policy` overrides entries
     of the precision pass's policy. `recompute="full"|"selective"` sets the recompute policy.
+    `minisequence="segments"` chunks each block's whole token-wise segments (norm, projections and
+    rotary before attention; output projection, residual, norm and MLP after it), not only MLPs.
     Capture happens at the first call, or now when example inputs are given (their forward runs
     once). `parallel=dict(tp=2, dp=2)` (inside torchrun, example inputs required) shards the model
     with DTensor tensor parallelism, planned from its graph, and FSDP2; `pp=2, schedule="1f1b",
@@ -342,7 +344,8 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     if budget is not None:   # a device preset: CUDA's workspaces at the example inputs' batch (1 without them)
         budget = Budget.parse(budget)
         setup = with_device_costs(setup, budget, model, _batch_of(*examples))
-    b, opts = pass_options(budget=budget, minisequence_chunks=minisequence_chunks, attention=attention,
+    b, opts = pass_options(budget=budget, minisequence_chunks=minisequence_chunks, minisequence=minisequence,
+                           attention=attention,
                            precision=precision, precision_policy=precision_policy, setup=setup,
                            recompute=recompute, keep_logits=keep_logits, strict=strict, kernels=kernels)
     if kernels == "triton":

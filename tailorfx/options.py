@@ -12,7 +12,7 @@ from tailorfx.budget import Budget
 RECOMPUTE_POLICIES = (None, "full", "selective")
 PRECISIONS = (None, "bf16", "fp16", "fp32")
 # what torch.compile(..., backend="tailorfx", options=...) accepts: optimize()'s keywords
-BACKEND_OPTIONS = ("passes", "budget", "minisequence_chunks", "attention", "precision", "precision_policy",
+BACKEND_OPTIONS = ("passes", "budget", "minisequence_chunks", "minisequence", "attention", "precision", "precision_policy",
                    "setup", "recompute", "keep_logits", "strict", "lowering", "kernels")
 
 
@@ -63,7 +63,7 @@ def check_flag(name: str, value: Any) -> bool:
     return value
 
 
-def pass_options(*, budget=None, minisequence_chunks=None, attention=None, precision=None,
+def pass_options(*, budget=None, minisequence_chunks=None, minisequence=None, attention=None, precision=None,
                  precision_policy=None, setup=None, recompute=None, keep_logits=False,
                  strict=False, kernels=None) -> tuple[Optional[Budget], dict]:
     """The checked options every pass may read (ctx.options), and the parsed budget."""
@@ -72,12 +72,16 @@ def pass_options(*, budget=None, minisequence_chunks=None, attention=None, preci
     if recompute not in RECOMPUTE_POLICIES:
         raise _bad("recompute", recompute, "'full', 'selective' or None")
     positive_int("minisequence_chunks", minisequence_chunks)
+    if minisequence not in (None, "mlp", "segments"):
+        raise _bad("minisequence", minisequence, "'mlp' (MLPs and the LM head), 'segments' (each block's whole "
+                   "token-wise segments around attention, and the LM head) or None (the planner's choice, else 'mlp')")
     check_flag("keep_logits", keep_logits)
     if kernels not in (None, "triton"):
         raise _bad("kernels", kernels, "'triton' (the runtime's Triton kernels) or None (torch's own ops)")
     check_flag("strict", strict)
     b = Budget.parse(budget) if budget is not None else None
-    return b, {"minisequence_chunks": minisequence_chunks, "budget_bytes": b.bytes if b else None,
+    return b, {"minisequence_chunks": minisequence_chunks, "minisequence_segments": minisequence == "segments",
+               "budget_bytes": b.bytes if b else None,
                "budget_label": str(b) if b else None, "attention": attention, "precision": precision,
                "precision_policy": policy_items(precision, precision_policy),
                "setup": setup, "recompute_policy": recompute, "keep_logits": keep_logits, "strict": strict,

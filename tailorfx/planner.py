@@ -126,6 +126,12 @@ def budget_candidates(base: Plan, num_blocks: int, has_head: bool = False) -> li
     for k in range(1, num_blocks + 1):
         out.append(Candidate(f"minisequence + full recompute, {k}/{num_blocks} blocks", ms_rc,
                              (("recompute_policy", "full"), ("recompute_blocks", k))))
+    if num_blocks:   # past full recompute: the blocks' token-wise segments chunked too
+        out.append(Candidate("minisequence segments", _order(keep + ("minisequence",)),
+                             (("minisequence_segments", True),)))
+        out.append(Candidate("minisequence segments + full recompute, all blocks", ms_rc,
+                             (("minisequence_segments", True), ("recompute_policy", "full"),
+                              ("recompute_blocks", None))))
     return out
 
 
@@ -142,7 +148,8 @@ def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_
     as k grows, are bisected for the smallest k that fits, so large models cost log(blocks)
     traces; the others are all tried.
     """
-    ks = [c for c in candidates if dict(c.options).get("recompute_policy") == "full"]
+    ks = [c for c in candidates if dict(c.options).get("recompute_policy") == "full"
+          and not dict(c.options).get("minisequence_segments")]
     free = [c for c in candidates if c not in ks and recomputes_nothing(c)]
     head = [c for c in candidates if c not in ks and c not in free]
     with progress(total=len(free) + len(head) + len(ks).bit_length(), desc="planning", unit="plan") as bar:

@@ -93,8 +93,8 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
     A config or factory is built under a FakeTensorMode, so an 8B model costs no memory. One
     capture serves every length (the sequence dim is symbolic); the answer is bisected on the
     prediction to `granularity` tokens. passes=[]: vanilla; ["recompute"]; ["minisequence",
-    "recompute"]; None: the plan that saves the most (mini-sequence + full recompute of every
-    block). `setup` (a TrainingSetup or preset name) says how the model trains: dtypes, optimizer
+    "recompute"]; None: the plan that saves the most (exact O(S) attention, mini-sequence of every
+    block's token-wise segments, full recompute of every block). `setup` (a TrainingSetup or preset name) says how the model trains: dtypes, optimizer
     state, optimizer in backward, micro-batch size, allocator headroom; without it, `dtype`
     weights and `optimizer`. The budget holds the steady state of that setup, less the headroom
     the planner keeps for prediction error (planner.usable), so optimize() accepts every length
@@ -113,14 +113,15 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
         if isinstance(model_or_config, nn.Module):
             dtype = dtype or next(model_or_config.parameters()).dtype
         s = resolve_setup(None, param_dtype=dtype, optimizer=optimizer)
-    chosen = list(passes) if passes is not None else ["minisequence", "recompute"]
+    chosen = list(passes) if passes is not None else ["attention", "minisequence", "recompute"]
     with _prediction_model(model_or_config, s.param_dtype) as model:
         s = with_device_costs(s, b, model, batch_size or s.micro_batch_size)
         usable = planner.usable(b.bytes, s.headroom)
         _check_static(model, s, b, usable)   # before the capture: an 8B capture takes half a minute
         with progress(total=1, desc="capturing the step on fake tensors", unit="graph") as bar:
             opt = _capture(model, chosen, 256, batch_size or s.micro_batch_size, setup=s,
-                           recompute="full" if "recompute" in chosen else None)
+                           recompute="full" if "recompute" in chosen else None,
+                           minisequence="segments" if passes is None else None)
             bar.update(1)
     if opt.session.graphs and opt.session.graphs[0].seq.symbol is None:
         raise PredictionError("the capture did not keep the sequence length symbolic (a graph break before the "

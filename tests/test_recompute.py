@@ -33,8 +33,12 @@ def test_policy_tags():
                                 example_inputs=batch())
         g = opt.graphs["recompute"]
         tags[policy] = {(match.op_name(n), n.meta["recompute"]) for n in g.graph.nodes if "recompute" in n.meta}
+        if policy == "full":   # saved: only the block's output, the residual sum that leaves it
+            saved = [n for n in g.graph.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_SAVE]
+            assert len(saved) == 1 and all(u.meta.get("recompute") is None for u in saved[0].users), saved
+            assert match.op_name(saved[0]) in ("add", "iadd"), saved
     R, S = CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.MUST_SAVE
-    assert {p for _, p in tags["full"]} == {R}
+    assert {p for _, p in tags["full"]} == {R, S}
     assert ("linear", S) in tags["selective"] and ("scaled_dot_product_attention", S) in tags["selective"]
     assert ("rsqrt", R) in tags["selective"] and ("silu", R) in tags["selective"]
     assert ("linear", R) not in tags["selective"]

@@ -354,11 +354,12 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
     if node.op != "call_function":
         return []
     kw = node.kwargs
-    if node.target is torch.ops.tailorfx.token_chunked.default:   # a chunked MLP: its own graph's kernels
+    chunked = {torch.ops.tailorfx.token_chunked.default: 4, torch.ops.tailorfx.token_segment.default: 5}
+    if node.target in chunked:   # a chunked MLP or segment: its own graph's kernels
         from tailorfx.runtime.ops import chunked_region
         fn = chunked_region(node.args[0]).fn
         inner = [got for n in fn.graph.nodes for got in kernel_launches(n)] if isinstance(fn, fx.GraphModule) else []
-        return [(spec, f"{grid} per chunk, {_int(node.args[4])} chunks") for spec, grid in inner]
+        return [(spec, f"{grid} per chunk, {_int(node.args[chunked[node.target]])} chunks") for spec, grid in inner]
     if node.target is triton_norm:
         x = node_value(node.args[0])
         spec = norm.spec_for(x, kw["kind"], kw.get("offset", 0.0), node.args[2] is not None)

@@ -21,14 +21,16 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
+from torch.fx.passes.tools_common import legalize_graph
 
 from tailorfx.passes import register
-from tailorfx.passes.minisequence_cost import _cached_backward_cost, _hint_bytes, _region_cost, _tokens
+from tailorfx.passes.minisequence_cost import (_cached_backward_cost, _cached_segment_backward_cost, _hint_bytes,
+                                               _region_cost, _tokens)
 from tailorfx import compat
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PassContext, PassResult, annotate, own
-from tailorfx.rewrite.regions import Region, is_param, param_source
+from tailorfx.rewrite.regions import Region, Segment, is_param, param_source, token_segments
 from tailorfx.runtime import ops
 
 NAME = "minisequence"
@@ -67,6 +69,9 @@ class MiniSequence:
         self.min_tokens: int = options.get("minisequence_min_tokens") or MIN_CHUNK_TOKENS
         # False: fuse the LM head with the loss only (no recompute: its gradient is taken in forward)
         self.chunk_mlps: bool = options.get("minisequence_mlps", True)
+        # True: chunk each block's whole token-wise segments (the norm and projections before
+        # attention, the output projection, residual, norm and MLP after it), not only its MLP
+        self.segments: bool = bool(options.get("minisequence_segments")) and self.chunk_mlps
 
     def _chunks(self, gm: fx.GraphModule, x: fx.Node, seq_dim: int, ideal: int, before: fx.Node):
         """M: as given, else min(ideal, tokens // min_tokens) computed at run time from the
@@ -96,7 +101,14 @@ class MiniSequence:
         nodes = {n.name: n for n in gm.graph.nodes}
         done: list[_Rewrite] = []
         skipped: list[str] = []
+        for block in ctx.regions.of_kind("block") if self.segments else ():
+            for seg in token_segments(gm, block, ctx.regions.node_class):
+                why = self._rewrite_segment(gm, nodes, seg, ctx, done)
+                if why:
+                    skipped.append(f"{block.path} segment {seg.nodes[0]}..{seg.nodes[-1]}: {why}")
         for region in ctx.regions.of_kind("mlp") if self.chunk_mlps else ():
+            if not all(n in nodes and nodes[n].graph is gm.graph for n in region.nodes):
+                continue   # chunked inside a segment
             why = self._rewrite_mlp(gm, nodes, region, ctx, done)
             if why:
                 skipped.append(f"{region.path}: {why}")
@@ -179,6 +191,73 @@ class MiniSequence:
             if not n.users:
                 gm.graph.erase_node(n)
         done.append(_Rewrite(region, m, inner))
+        return None
+
+    # ---- a block's token-wise segments --------------------------------------------------------
+    def _rewrite_segment(self, gm, nodes, seg: Segment, ctx: PassContext, done) -> Optional[str]:
+        """One token-wise segment (several inputs and outputs, each with its own sequence dim) as
+        tailorfx::token_segment: chunks in forward, each chunk recomputed in backward."""
+        members = [nodes[n] for n in seg.nodes]
+        outs = [nodes[n] for n in seg.outputs]
+        group = set(members)   # inputs read off the graph as it is now: an earlier segment's outputs were replaced
+        ins = list(dict.fromkeys(a for n in members for a in n.all_input_nodes if a not in group
+                                 and isinstance(node_value(a), torch.Tensor) and not is_param(a)))
+        params = list(dict.fromkeys(a for n in members for a in n.all_input_nodes if a not in group
+                                    and isinstance(node_value(a), torch.Tensor) and is_param(a)))
+        ovs, ivs = [node_value(o) for o in outs], [node_value(i) for i in ins]
+        if not all(isinstance(v, torch.Tensor) for v in ovs):
+            return "an output is not a tensor"
+        out_dims, in_dims = [ctx.seq.dims(v) for v in ovs], [ctx.seq.dims(v) for v in ivs]
+        if any(len(d) != 1 for d in out_dims) or any(len(d) > 1 for d in in_dims):
+            return "a tensor has no single sequence dim"
+        # the first chunked input sets M: the one whose dims before the sequence are fewest (B, S,
+        # ...), not an attention output still laid out (B, heads, S, ...)
+        xs = sorted((i for i, d in zip(ins, in_dims) if d), key=lambda i: ctx.seq.dims(node_value(i))[0])
+        if not xs:
+            return "no input carries the sequence"
+        lengths = {str(compat.sym_expr(v.shape[d[0]])) for v, d in (*zip(ovs, out_dims), *zip(ivs, in_dims)) if d}
+        if len(lengths) != 1:
+            return f"its tensors' sequence dims differ in length ({sorted(lengths)})"
+        whole = [i for i, d in zip(ins, in_dims) if not d] + params
+        x_dims = [ctx.seq.dims(node_value(x))[0] for x in xs]
+        o_dims = [d[0] for d in out_dims]
+        io_bytes = sum(_hint_bytes(v, ctx) for v in (*ivs, *ovs))
+        inner = sum(_hint_bytes(v, ctx) for n in members if n not in outs for v in match.tensors_in(node_value(n)))
+        if inner < 2 * io_bytes:
+            return f"intermediates ({inner} B) are not much larger than inputs+outputs ({io_bytes} B)"
+        try:
+            sub = _extract(gm, members, xs + whole, list(outs), ctx.seq.symbol, x_dims[0], ctx.seq.hints)
+        except _Unsupported as e:
+            return str(e)
+        chunked = ops.register_region(sub)
+        own(gm, chunked.key, chunked)
+        tokens = _tokens(node_value(xs[0]), x_dims[0], ctx)
+        fwd, bwd = _region_cost(members, set(outs), ctx, tokens)
+        bwd, bwd_const = _cached_segment_backward_cost(chunked, sub, xs, whole, x_dims, ctx, tokens) or (bwd, 0.0)
+        chunked.cost = (fwd, bwd, bwd_const)
+        anchor = members[-1].next
+        m = self._chunks(gm, xs[0], x_dims[0], auto_chunks(inner, _hint_bytes(node_value(xs[0]), ctx)), anchor)
+        g = gm.graph
+        with g.inserting_before(anchor):
+            call = g.call_function(torch.ops.tailorfx.token_segment.default, (chunked.key, xs, whole, x_dims, o_dims, m))
+        annotate(call, outs[0], val=list(ovs), pass_name=NAME)
+        getters = []
+        with g.inserting_after(call):
+            for j in reversed(range(len(outs))):
+                getters.insert(0, annotate(g.call_function(operator.getitem, (call, j)), outs[j], pass_name=NAME))
+        for o, new in zip(outs, getters):
+            o.replace_all_uses_with(new)
+        call.update_arg(1, xs)
+        call.update_arg(2, whole)
+        for n in reversed(members):
+            if not n.users:
+                g.erase_node(n)
+        if any(u.op != "output" and _before(u, call) for new in getters for u in new.users):
+            legalize_graph(gm)   # a user of an early output sat among the segment's nodes: re-sorted
+            nodes.clear()
+            nodes.update((n.name, n) for n in gm.graph.nodes)
+        done.append(_Rewrite(Region("segment", f"{seg.block} [{seg.nodes[0]}..{seg.nodes[-1]}]", seg.nodes, True),
+                             m, inner))
         return None
 
     @staticmethod
@@ -354,6 +433,16 @@ def _logit_transform(chain: list[fx.Node]):
     return softcap, (scale if scaled else None)
 
 
+def _before(a: fx.Node, b: fx.Node) -> bool:
+    """Node a comes before node b in their graph."""
+    n = a
+    while n.op != "root":
+        if n is b:
+            return False
+        n = n.next
+    return True
+
+
 def _routes(region: Region, nodes: dict) -> bool:
     """An MoE layer: a top-k router over experts."""
     return any(match.op_name(nodes[n]) == "topk" for n in region.nodes)
@@ -376,9 +465,9 @@ class _Unsupported(Exception):
 
 
 
-def _extract(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node], out: fx.Node,
+def _extract(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node], out,
              seq_symbol, seq_dim: int, seq_hints: Optional[dict] = None) -> fx.GraphModule:
-    """The region as its own GraphModule: f(x, *params) -> out.
+    """The region as its own GraphModule: f(x, *params) -> out (a tuple when `out` is a list).
 
     A size taken from outside (Dynamo passes the sequence length as a SymInt graph input; inputs
     of the same length, such as labels, may carry a symbol of their own) is re-read from the
@@ -413,7 +502,7 @@ def _extract(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node], 
         env[n] = g.node_copy(n, arg)
         if n.target is torch.ops.higher_order.autograd_function_apply:
             env[n].target = ops.function_apply   # the same autograd.Function, without the HOP's leak
-    g.output(env[out])
+    g.output(tuple(env[o] for o in out) if isinstance(out, (list, tuple)) else env[out])
     sub = fx.GraphModule(gm, g)
     sub.meta = {}
     return sub

@@ -26,8 +26,8 @@ def _tokens(t, seq_dim: int, ctx: PassContext) -> int:
     return max(1, math.prod(shape))
 
 
-def _region_cost(members: list[fx.Node], out: fx.Node, ctx: PassContext, tokens: int) -> tuple[float, float]:
-    """Per-token bytes a chunk holds inside the op: the most live at once in forward (a storage is
+def _region_cost(members: list[fx.Node], out, ctx: PassContext, tokens: int) -> tuple[float, float]:
+    """(`out`: the output node, or a set of them.) Per-token bytes a chunk holds inside the op: the most live at once in forward (a storage is
     freed after the last use of any view of it), and in backward all intermediates (saved by the
     recompute) plus the largest gradient pair alive while they are consumed. Views (chunk, getitem,
     view, a same-dtype .float()) allocate nothing: aliasing is read from the fake values."""
@@ -43,6 +43,7 @@ def _region_cost(members: list[fx.Node], out: fx.Node, ctx: PassContext, tokens:
     for n in members:
         r = root[n]
         last[r] = max(last.get(r, index[n]), *(index.get(u, len(members)) for u in n.users))
+    kept = {root[o] for o in (out if isinstance(out, (set, list, tuple)) else [out])}   # the outputs
     live, peak, total, largest = 0, 0, 0, 0
     for i, n in enumerate(members):
         if root[n] is n:
@@ -51,7 +52,7 @@ def _region_cost(members: list[fx.Node], out: fx.Node, ctx: PassContext, tokens:
             largest = max(largest, sizes[n])
         peak = max(peak, live)
         for r in {root[a] for a in n.all_input_nodes if a in index}:
-            if r in sizes and last[r] <= i and r is not root[out]:
+            if r in sizes and last[r] <= i and r not in kept:
                 live -= sizes.pop(r)
     return peak / tokens, (total + 2 * largest) / tokens
 
@@ -109,6 +110,51 @@ def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
         return None
     per_token = max(0.0, (two - one) / tokens)
     return per_token, max(0.0, one - per_token * tokens)
+
+
+def _cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, xs, whole, x_dims,
+                                  ctx: PassContext, tokens: int) -> Optional[tuple[float, float]]:
+    """(bytes per token, bytes per chunk) one chunk of a token segment holds in backward: the
+    runtime's own ops.segment_chunk_grads run on fake tensors under memory.LiveBytes at the
+    captured length and twice it (memoised like _cached_backward_cost). None when it cannot run."""
+    from tailorfx.rewrite import memory
+    memo = (NAME, "segment_backward_cost", chunked.key, str(ctx.seq.symbol), ctx.seq.length, tokens)
+    if memo in ctx.memo:
+        return ctx.memo[memo]
+    xvs, wvs = [node_value(x) for x in xs], [node_value(w) for w in whole]
+    length = ctx.seq.length
+    ctx.memo[memo] = None
+    if not length or ctx.seq.symbol is None:
+        return None
+
+    def shape(v, seq_len):
+        subs = {**ctx.seq.hints, ctx.seq.symbol: seq_len}
+        return [int(compat.sym_expr(d).xreplace(subs)) for d in v.shape]
+
+    def held(seq_len) -> int:
+        with compat.FakeTensorMode():
+            x = [torch.empty(shape(v, seq_len), dtype=v.dtype).requires_grad_(v.requires_grad and v.is_floating_point())
+                 for v in xvs]
+            w = [torch.empty(shape(v, seq_len), dtype=v.dtype).requires_grad_(v.is_floating_point()) for v in wvs]
+            with torch.no_grad():
+                ys = sub(*x, *w)
+            grads = [torch.empty_like(y) for y in ys]
+            seq_grads = [torch.empty_like(t) if t.requires_grad else None for t in x]
+            acc = [torch.zeros_like(t, dtype=ops.acc_dtype(t)) if t.requires_grad else None for t in w]
+            with torch.enable_grad(), memory.LiveBytes() as live:
+                # each chunk is a .contiguous() copy unless every dim before its sequence dim is 1
+                xc = [t.detach().clone() if any(d != 1 for d in t.shape[:dim]) else t.detach()
+                      for t, dim in zip(x, x_dims)]
+                ops.segment_chunk_grads(sub, [c.requires_grad_(t.requires_grad) for c, t in zip(xc, x)], w,
+                                        [g.clone() for g in grads], seq_grads, acc)
+            return live.peak
+    try:
+        one, two = held(length), held(2 * length)
+    except Exception:   # the estimate by hand (_region_cost) stands in
+        return None
+    per_token = max(0.0, (two - one) / tokens)
+    ctx.memo[memo] = (per_token, max(0.0, one - per_token * tokens))
+    return ctx.memo[memo]
 
 
 def _shares_storage(n: fx.Node, a: fx.Node) -> bool:

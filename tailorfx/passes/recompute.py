@@ -6,7 +6,8 @@ chosen blocks with `CheckpointPolicy` in `meta["recompute"]` (AOTAutograd copies
 every ATen node it traces from them), and the lowering then partitions the joint graph with the
 min-cut partitioner, which must recompute what is tagged so and must save what is tagged so.
 
-    policy "full":      every op of the block is recomputed; the block saves only its input
+    policy "full":      every op of the block is recomputed but its outputs; the block saves
+                        only its input (the block before's output)
     policy "selective": matmuls and attention are saved, pointwise ops and norms recomputed
                         (Megatron's selective recompute, torch SAC's usual policy)
 
@@ -17,17 +18,19 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from tailorfx.passes import register
 from tailorfx.rewrite import match
 from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult
+from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.regions import module_paths
 
 NAME = "recompute"
 POLICIES = ("full", "selective")
-SAVE_OPS = match.MATMUL_OPS | match.ATTENTION_OPS | {"token_chunked", "chunked_linear_cross_entropy",
+SAVE_OPS = match.MATMUL_OPS | match.ATTENTION_OPS | {"token_chunked", "token_segment", "chunked_linear_cross_entropy",
                                                      "triton_linear_cross_entropy", "triton_attention"}
 
 
@@ -56,13 +59,24 @@ class Recompute:
             return PassResult(gm, False, {}, (), (f"(graph): {why}",))
         index = {p: i for i, p in enumerate(chosen)}
         counts = {"recomputed": 0, "saved": 0}
-        for n in gm.graph.nodes:
-            if n.op not in ("call_function", "call_method"):
-                continue
-            block = next((p for p in module_paths(n) if p in index), None)
+        block_of = {n: next((p for p in module_paths(n) if p in index), None) for n in gm.graph.nodes
+                    if n.op in ("call_function", "call_method")}
+        # A block's outputs (read by a later op outside it, not by the graph's output or a size
+        # computation) are saved: the next block's recompute starts from them. AOTAutograd
+        # gives the items of a multi-output op (a chunked segment) the op's own tag, so such an
+        # output saves through its op; else all blocks would be recomputed at once, from the first.
+        outputs = set()
+        for n, block in block_of.items():
+            if block is not None and isinstance(node_value(n), torch.Tensor) \
+                    and any(block_of.get(u) != block for u in n.users
+                            if u.op != "output" and not isinstance(node_value(u), (int, torch.SymInt))):
+                outputs.add(n)
+                if match.is_getitem(n) and isinstance(n.args[0], fx.Node):
+                    outputs.add(n.args[0])
+        for n, block in block_of.items():
             if block is None:
                 continue
-            save = self.policy == "selective" and match.op_name(n) in SAVE_OPS
+            save = n in outputs or (self.policy == "selective" and match.op_name(n) in SAVE_OPS)
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = index[block] + 1
             n.meta[PASS_META] = n.meta.get(PASS_META, NAME)

@@ -36,7 +36,7 @@ def node_flops(node: fx.Node, as_int) -> int:
         causal = bool(node.kwargs.get("is_causal", False))
         pairs = B_H * as_int(kk.shape[-2]) // (2 if causal else 1)
         return 4 * pairs * as_int(q.shape[-1])
-    if name == "token_chunked":
+    if name in ("token_chunked", "token_segment"):
         from tailorfx.runtime import ops
         region = ops.get_region(node.args[0])
         return sum(node_flops(n, as_int) for n in region.graph.nodes) if isinstance(region, fx.GraphModule) else 0
@@ -50,7 +50,7 @@ def recompute_flops(gm: fx.GraphModule, as_int) -> int:
     for n in gm.graph.nodes:
         if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
             total += node_flops(n, as_int)
-        elif match.op_name(n) == "token_chunked":
+        elif match.op_name(n) in ("token_chunked", "token_segment"):
             from tailorfx.runtime import ops
             region = ops.chunked_region(n.args[0])
             src = region.tail[0] if region.tail else region.fn

@@ -248,6 +248,85 @@ def find_regions(gm: fx.GraphModule, seq: SeqInfo) -> RegionMap:
     return rmap
 
 
+@dataclass(frozen=True)
+class Segment:
+    """A token-wise part of a block between the ops that mix positions (attention): convex (no
+    path leaves it and comes back), so it can run as one op, chunk by chunk along the sequence."""
+    block: str
+    nodes: tuple[str, ...]         # graph order
+    inputs: tuple[str, ...]        # tensors flowing in (activations, tables), not parameters
+    params: tuple[str, ...]
+    outputs: tuple[str, ...]       # nodes used outside the segment
+
+
+def token_segments(gm: fx.GraphModule, block: Region, cls: dict[str, str]) -> list[Segment]:
+    """The block's maximal token-wise segments. Nodes are grouped by how many position-mixing ops
+    precede them inside the block (every path from a segment back into it would cross one), then
+    by dataflow; ops that draw random numbers end a segment (a chunk recomputed in backward would
+    draw again). Sequence-free ops used only inside a segment (a constant's reshape) join it."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    inside = set(block.nodes)
+    members = [n for n in nodes if n.name in inside]
+    stage: dict[fx.Node, int] = {}
+    for n in members:
+        stage[n] = max((stage[a] + (cls.get(a.name) == "mix") for a in n.all_input_nodes if a in stage), default=0)
+    token = [n for n in members if cls.get(n.name) == "token" and not match.draws_random(n)]
+    parent = {n: n for n in token}
+
+    def find(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+    for n in token:
+        for a in n.all_input_nodes:
+            if a in parent and stage[a] == stage[n]:
+                parent[find(a)] = find(n)
+    groups: dict[fx.Node, set] = defaultdict(set)
+    for n in token:
+        groups[find(n)].add(n)
+    for n in reversed(members):   # sequence-free helpers feeding one segment only
+        if cls.get(n.name) == "const" and n.op != "placeholder" and n.users:
+            owners = {find(u) if u in parent else None for u in n.users}
+            if len(owners) == 1 and None not in owners:
+                parent[n] = next(iter(owners))
+                groups[parent[n]].add(n)
+    out = []
+    for group in groups.values():
+        seg = sorted(group, key=order.__getitem__)
+        if not _convex(seg, order):
+            continue
+        params, inputs = [], []
+        for n in seg:
+            for a in n.all_input_nodes:
+                if a not in group and isinstance(node_value(a), torch.Tensor):
+                    target = params if is_param(a) else inputs
+                    if a.name not in target:
+                        target.append(a.name)
+        outputs = tuple(n.name for n in seg if any(u not in group for u in n.users))
+        if outputs:
+            out.append(Segment(block.path, tuple(n.name for n in seg), tuple(inputs), tuple(params), outputs))
+    first = {n.name: order[n] for n in members}
+    return sorted(out, key=lambda s: first[s.nodes[0]])
+
+
+def _convex(seg: list[fx.Node], order: dict) -> bool:
+    """No node outside `seg` is both fed by it and feeds it."""
+    group, last = set(seg), max(order[n] for n in seg)
+    seen, stack = set(), [u for n in seg for u in n.users if u not in group]
+    while stack:
+        n = stack.pop()
+        if n in seen or order[n] > last:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u in group:
+                return False
+            stack.append(u)
+    return True
+
+
 def _path_key(p: str) -> tuple:
     return tuple(int(x) if x.isdigit() else x for x in p.split("."))
 

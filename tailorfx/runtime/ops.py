@@ -5,6 +5,7 @@ Inductor keep each one as a single node: a plain-torch version would be decompos
 unchunked pattern and save the full-size intermediates.
 
     token_chunked(key, seq_inputs, whole_inputs, seq_dim, num_chunks)      # MLP-like regions
+    token_segment(key, seq_inputs, whole_inputs, in_dims, out_dims, num_chunks)   # a block's token-wise segments
     chunked_linear_cross_entropy(hidden, weight, bias, labels, ...)        # LM head + loss
 
 and one the precision pass uses: ``linear_fp32_out`` (a bf16/fp16 matmul with an fp32 result);
@@ -14,6 +15,7 @@ those two live in runtime/linear_ops.py and are re-exported here.
 from __future__ import annotations
 
 import hashlib
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -163,6 +165,16 @@ def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
         if op_name == "token_chunked":
             return int(fwd * -(-tokens // n))
         return int(bwd * -(-tokens // n) + bwd_const)
+    if op_name in ("token_segment", "token_segment_backward"):
+        fwd_op = op_name == "token_segment"
+        key, seq = args[0], (args[1] if fwd_op else args[2])
+        in_dims, n = (args[3], args[5]) if fwd_op else (args[4], args[6])
+        region = _INDEX.get(key)
+        fwd, bwd, bwd_const = region.cost if region is not None else (0.0, 0.0, 0.0)
+        tokens = math.prod(as_int(d) for d in seq[0].shape[:in_dims[0] + 1]) if seq else 0
+        n = max(1, min(as_int(n), as_int(seq[0].shape[in_dims[0]]) if seq else 1))
+        per_chunk = -(-tokens // n)
+        return int(fwd * per_chunk) if fwd_op else int(bwd * per_chunk + bwd_const)
     if op_name.startswith("vocab_parallel_cross_entropy"):
         from tailorfx.runtime import vocab_parallel
         return vocab_parallel.transient_bytes(op_name, args, as_int)
@@ -407,3 +419,123 @@ def token_chunked(key: str, seq_inputs: Sequence[Tensor], whole_inputs: Sequence
     """``region(*seq_inputs, *whole_inputs)`` computed in ``num_chunks`` pieces along ``seq_dim``."""
     return torch.ops.tailorfx.token_chunked(key, list(seq_inputs), list(whole_inputs),
                                             seq_dim, num_chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# token_segment: a token-wise segment of a block (several outputs, each tensor with its own
+# sequence dim), e.g. norm -> q/k/v projections -> rotary, or o_proj -> residual -> norm -> MLP.
+# ---------------------------------------------------------------------------------------------
+
+
+def _segment_chunks(seq_inputs: Sequence[Tensor], in_dims: Sequence[int], num_chunks: int):
+    if not seq_inputs:
+        raise ValueError("token_segment needs at least one sequence input to chunk")
+    n = max(1, min(num_chunks, seq_inputs[0].size(in_dims[0])))
+    return n, [x.tensor_split(n, d) for x, d in zip(seq_inputs, in_dims)]
+
+
+@torch.library.custom_op("tailorfx::token_segment", mutates_args=())
+def _token_segment(
+    key: str, seq_inputs: list[Tensor], whole_inputs: list[Tensor], in_dims: list[int],
+    out_dims: list[int], num_chunks: int,
+) -> list[Tensor]:
+    """Run segment ``key`` (returning a tuple) on chunks of ``seq_inputs`` (each along its own
+    dim) and concatenate each output along its own dim."""
+    fn = get_region(key)
+    n, chunks = _segment_chunks(seq_inputs, in_dims, num_chunks)
+    outs: Optional[list[Tensor]] = None
+    starts = [0] * len(out_dims)
+    for i in range(n):
+        ys = fn(*(c[i].contiguous() for c in chunks), *whole_inputs)
+        if outs is None:
+            outs = []
+            for y, d in zip(ys, out_dims):
+                shape = list(y.shape)
+                shape[d] = seq_inputs[0].size(in_dims[0])
+                outs.append(y.new_empty(shape))
+        length = chunks[0][i].size(in_dims[0])
+        for j, (y, d) in enumerate(zip(ys, out_dims)):
+            if y.size(d) != length:
+                raise RuntimeError(f"token_segment({key}): output {j} has {y.size(d)} positions for a chunk "
+                                   f"of {length}; only token-wise segments can be chunked")
+            outs[j].narrow(d, starts[j], length).copy_(y)
+            starts[j] += length
+        del ys   # else the chunk's outputs stay alive while the next chunk runs
+    return outs
+
+
+@_token_segment.register_fake
+def _token_segment_fake(key, seq_inputs, whole_inputs, in_dims, out_dims, num_chunks):
+    with torch.no_grad():
+        ys = get_region(key)(*seq_inputs, *whole_inputs)
+    return [y.new_empty(y.shape) for y in ys]
+
+
+def segment_chunk_grads(fn, xs, whole, grad_outs, seq_grads, whole_acc) -> None:
+    """Recompute one chunk of a segment and backprop every output's grad into it: writes
+    seq_grads, adds into whole_acc."""
+    wrt = [t for t in (*xs, *whole) if t.requires_grad]
+    ys = fn(*xs, *whole)
+    pairs = [(y, g) for y, g in zip(ys, grad_outs) if y.requires_grad and g is not None]
+    grads = iter(torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
+    for x, out in zip(xs, seq_grads):
+        if x.requires_grad:
+            g = next(grads)
+            out.copy_(g) if g is not None else out.zero_()
+    for w, acc in zip(whole, whole_acc):
+        if w.requires_grad and (g := next(grads)) is not None:
+            acc.add_(g)
+
+
+@torch.library.custom_op("tailorfx::token_segment_backward", mutates_args=())
+def _token_segment_backward(
+    key: str, grad_outs: list[Tensor], seq_inputs: list[Tensor], whole_inputs: list[Tensor],
+    in_dims: list[int], out_dims: list[int], num_chunks: int, seq_needs_grad: list[bool],
+    whole_needs_grad: list[bool],
+) -> list[Tensor]:
+    """Grads of the flagged seq then whole inputs, recomputing the segment one chunk at a time."""
+    fn = get_region(key)
+    n, chunks = _segment_chunks(seq_inputs, in_dims, num_chunks)
+    seq_grads = [torch.empty_like(x) if need else None for x, need in zip(seq_inputs, seq_needs_grad)]
+    whole = [w.detach().requires_grad_(need) for w, need in zip(whole_inputs, whole_needs_grad)]
+    whole_acc = [torch.zeros_like(w, dtype=acc_dtype(w)) if need else None
+                 for w, need in zip(whole_inputs, whole_needs_grad)]
+    grad_chunks = [g.tensor_split(n, d) if g is not None else [None] * n for g, d in zip(seq_grads, in_dims)]
+    go_chunks = [g.tensor_split(n, d) for g, d in zip(grad_outs, out_dims)]
+    with _autograd_enabled():
+        for i in range(n):
+            xs = [c[i].contiguous().detach().requires_grad_(need) for c, need in zip(chunks, seq_needs_grad)]
+            segment_chunk_grads(fn, xs, whole, [g[i].contiguous() for g in go_chunks],
+                                [g[i] for g in grad_chunks], whole_acc)
+    return [g for g in seq_grads if g is not None] + [
+        acc.to(w.dtype) for acc, w in zip(whole_acc, whole_inputs) if acc is not None]
+
+
+@_token_segment_backward.register_fake
+def _token_segment_backward_fake(key, grad_outs, seq_inputs, whole_inputs, in_dims, out_dims, num_chunks,
+                                 seq_needs_grad, whole_needs_grad):
+    return [torch.empty_like(x) for x, need in zip(seq_inputs, seq_needs_grad) if need] + [
+        torch.empty_like(w) for w, need in zip(whole_inputs, whole_needs_grad) if need]
+
+
+def _token_segment_setup(ctx, inputs, output):
+    key, seq_inputs, whole_inputs, in_dims, out_dims, num_chunks = inputs
+    ctx.save_for_backward(*seq_inputs, *whole_inputs)   # inputs only: chunks are recomputed
+    ctx.segment = (key, len(seq_inputs), list(in_dims), list(out_dims), num_chunks)
+    ctx.owner = _INDEX.get(key)
+
+
+def _token_segment_grad(ctx, grad_outs):
+    key, num_seq, in_dims, out_dims, num_chunks = ctx.segment
+    saved = ctx.saved_tensors
+    seq_inputs, whole_inputs = list(saved[:num_seq]), list(saved[num_seq:])
+    _, seq_need, whole_need, _, _, _ = ctx.needs_input_grad
+    grads = iter(torch.ops.tailorfx.token_segment_backward(
+        key, list(grad_outs), seq_inputs, whole_inputs, in_dims, out_dims, num_chunks,
+        list(seq_need), list(whole_need)))
+    seq_grads = [next(grads) if need else None for need in seq_need]
+    whole_grads = [next(grads) if need else None for need in whole_need]
+    return None, seq_grads, whole_grads, None, None, None
+
+
+_token_segment.register_autograd(_token_segment_grad, setup_context=_token_segment_setup)
