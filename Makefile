@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-long demo clean
+.PHONY: setup test test-long demo bench-deps clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,11 @@ test-long: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m tailorfx.cli demo
+
+# the benchmarks' optional peers (the `alst` extra): DeepSpeed with none of its ops built, built
+# against the venv's torch (no build isolation, so pip never fetches another torch)
+bench-deps: $(STAMP)
+	DS_BUILD_OPS=0 $(BIN)/pip install --no-build-isolation deepspeed==0.19.8
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,22 +1,51 @@
-"""Longest sequence whose training step fits a memory budget, found on real runs, on unmodified
-Hugging Face causal LMs, against the peers a user would reach for.
+"""Longest sequence whose first full training step (forward, backward, the first AdamW step) fits a
+memory budget, found on real runs, on unmodified Hugging Face causal LMs, against the peers a user
+would reach for.
 
-"Fits" means parameter bytes + the measured peak of one forward+backward (tailorfx.measure_peak:
-allocator events, gradients freed first, the output held through backward) <= budget. Each
-variant's length is searched on real steps: from a start length, steps of growing size up until a
-step does not fit, then bisection to --granularity tokens. Every variant of a family runs in this
-one process on the same weights, under the same budget.
+Set-up: HF models built from configs with random weights (tests/models.py `hf_family`; vocab 32000,
+hidden 256, intermediate 688, 2 layers, 4 attention heads / 1 KV head, max_position_embeddings
+2**18), fp32, batch 1, inputs `common.lm_batch(S, vocab)` (input_ids and labels), every call with
+`use_cache=False` (transformers builds a DynamicCache in train mode otherwise, as config.use_cache
+is True). Optimizer: torch.optim.AdamW (lr 1e-3; on CPU torch picks its single-tensor loop).
 
-Variants (the model called as HF returns it: loss and logits):
-- eager PyTorch;
-- HF's `model.gradient_checkpointing_enable()` (every decoder layer checkpointed);
-- torch.compile with Inductor, static shapes, torch._functorch.config.activation_memory_budget 0.5
-  and 0.0 (the min-cut partitioner told to save half / as little as it can);
-- torch.compile with Inductor's auto_chunker (static shapes: it refuses symbolic sizes), with a
-  check that it chunked (torch._inductor.metrics.num_auto_chunking): a row whose chunker never fired
-  says so;
-- tailorfx `passes=["minisequence"]`; tailorfx's planner given the budget (re-planned per length,
-  optimizer=None as the budget here holds no optimizer state).
+Budget: 4 x parameter bytes (weights, gradients, both AdamW moments) + --headroom (400 MiB).
+"Fits" means model bytes (parameters + buffers, live before the step) + the measured peak of one
+step <= budget. The step is `loss = model(**batch).loss; loss.backward(); optimizer.step()` with
+every gradient set to None first and a fresh optimizer, so the AdamW state is created by that
+step as in a real first step, and its allocation counts; the output object is dropped once its
+loss is taken (as transformers.Trainer does). The peak is tailorfx.measure_peak's: the profiler's
+allocator events, the high-water mark of bytes allocated during the step above what was live at its
+start. A variant that compiles at each length (Inductor, tailorfx) runs one forward+backward at
+that length first (gradients then freed), so compilation is not measured.
+
+Each variant's length is searched on real steps (`longest`): from a start length (--start per
+variant, tailorfx's from its memory model's prediction), steps of growing size up until a step
+does not fit, then bisection to --granularity tokens. Every variant of a family runs in this one
+process on copies of the same weights, under the same budget.
+
+Variants:
+- `eager`: the model as HF builds it;
+- `hf-ckpt`: HF activation checkpointing of every decoder layer
+  (`activation_checkpointing_enable()`, the new name of `gradient_checkpointing_enable()`);
+- `inductor`: torch.compile with Inductor, static shapes,
+  torch._functorch.config.activation_memory_budget = --amb (default 0.0: the min-cut partitioner
+  told to save as little as it can);
+- `alst`, `alst-tuned`: the ALST recipe (benchmarks/alst.py: HF checkpointing + DeepSpeed's
+  TiledMLP with ceil(S / hidden) shards + TiledFusedLogitsLoss); `alst` slices the logits as
+  ArcticTraining does (1 GiB of fp32 logits per shard), `alst-tuned` in --alst-slice (32 MiB)
+  slices, a setting for this budget's headroom. They need DeepSpeed (`make bench-deps`); without it
+  these rows say so and the others run;
+- `tailorfx`: tailorfx.optimize(model, budget=..., optimizer="adamw") re-planned at each length
+  (torch._dynamo.reset() first), trained with tailorfx.SetupOptimizer when the plan puts the
+  optimizer step into backward; a BudgetError counts as not fitting. Its row also gives
+  tailorfx.max_seq_len(model, budget, optimizer="adamw"), the memory model's prediction.
+
+Each variant is first checked against eager at --check-len tokens (fp32; the loss and every
+parameter's gradient within rtol 1e-4, atol 1e-6) and for whether its feature fired in that step
+and in the longest step that fit (checkpoint recompute: each layer's attention runs twice; TiledMLP
+and TiledFusedLogitsLoss applications and shard counts; Inductor: compiled graphs that ran;
+tailorfx: the chosen plan). --time-at S then times a full step (median of --time-reps after one
+warm-up) of `alst-tuned` and `tailorfx` at S, one after the other in this process.
 """
 from __future__ import annotations
 
@@ -25,17 +54,28 @@ import copy
 import os
 import sys
 import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import tailorfx  # noqa: E402
 from tailorfx.budget import Budget, format_bytes  # noqa: E402
-from common import lm_batch, measure_step, print_table, write_json  # noqa: E402
+from common import lm_batch, print_table, time_it, write_json  # noqa: E402
+
+RTOL, ATOL = 1e-4, 1e-6
+DEFAULT_STARTS = {"eager": 1536, "hf-ckpt": 1536, "inductor": 2048, "alst": 1024, "alst-tuned": 28672}
+LABELS = {"eager": "eager", "hf-ckpt": "HF activation checkpointing",
+          "inductor": "torch.compile Inductor, activation_memory_budget={amb}",
+          "alst": "ALST recipe (logits in 1 GiB slices, as ArcticTraining)",
+          "alst-tuned": "ALST recipe (logits in {slice} slices)", "tailorfx": "tailorfx planner (budget)"}
 
 
-def build(family: str, vocab: int, hidden: int, layers: int):
+def build(family: str, vocab: int, hidden: int, layers: int) -> nn.Module:
     from models import hf_family
     size = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.6875),
                 num_attention_heads=max(1, hidden // 64), num_key_value_heads=1,
@@ -43,12 +83,27 @@ def build(family: str, vocab: int, hidden: int, layers: int):
     return hf_family(family, num_layers=layers, **size)
 
 
-class Compiled(torch.nn.Module):
+def counting_inductor(counts: Counter) -> Callable:
+    """Inductor as a Dynamo backend that counts the graphs it compiles and the calls of their code."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        counts["graphs_compiled"] += 1
+        compiled = compile_fx(gm, example_inputs)
+
+        def run(*args):
+            counts["compiled_calls"] += 1
+            return compiled(*args)
+        return run
+    return backend
+
+
+class Compiled(nn.Module):
     """torch.compile(model) with static shapes, compiled under a config patch; one compile per length."""
-    def __init__(self, model, patch: dict):
+    def __init__(self, model, patch: dict, backend: Any = "inductor"):
         super().__init__()
         self.model, self.patch = model, patch
-        self.__dict__["compiled"] = torch.compile(model, backend="inductor", dynamic=False)
+        self.__dict__["compiled"] = torch.compile(model, backend=backend, dynamic=False)
 
     def forward(self, **kw):
         with torch._inductor.config.patch({k: v for k, v in self.patch.items() if "." in k}), \
@@ -56,50 +111,169 @@ class Compiled(torch.nn.Module):
             return self.compiled(**kw)
 
 
-def variants(base, budget: int, start: int, vocab: int) -> dict:
-    """name -> factory(S) returning the module to run at length S (None: no plan fits)."""
-    def same(m):
-        return lambda S: m
-    out = {"eager": same(base)}
-    ck = copy.deepcopy(base)
-    ck.gradient_checkpointing_enable()
-    out["HF gradient_checkpointing_enable()"] = same(ck)
-    for b in (0.5, 0.0):
-        out[f"torch.compile, activation_memory_budget={b}"] = same(
-            Compiled(copy.deepcopy(base), {"activation_memory_budget": b}))
-    out["torch.compile, Inductor auto_chunker"] = same(
-        Compiled(copy.deepcopy(base), {"auto_chunker.enable": True}))
-    out["tailorfx minisequence"] = same(
-        tailorfx.optimize(copy.deepcopy(base), passes=["minisequence"], example_inputs=lm_batch(start, vocab)))
-
-    def planned(S):
-        torch._dynamo.reset()
-        try:
-            return tailorfx.optimize(copy.deepcopy(base), budget=budget, optimizer=None,
-                                     example_inputs=lm_batch(S, vocab))
-        except tailorfx.BudgetError:
-            return None
-    out["tailorfx planner (budget)"] = planned
-    return out
+@dataclass
+class Runner:
+    """One variant at one length: what trains, how its loss is computed and what checks it fired."""
+    module: nn.Module                            # its parameters are the ones trained
+    loss: Callable[[dict], torch.Tensor]         # batch -> loss (the output object dropped)
+    optimizer: Callable[[], Any]                 # a fresh optimizer (state created by its first step)
+    warm_up: bool = False                        # compiles at each new length: one step before measuring
+    counts: Counter = field(default_factory=Counter)
+    fired: Callable[[int], dict] = lambda S: {"ok": None}   # after a step at length S
 
 
-def fits(make, S: int, budget: int, vocab: int, params_bytes: int, log) -> bool:
-    module = make(S)
-    if module is None:
-        log(f"    S={S}: no plan fits")
-        return False
-    inputs = lm_batch(S, vocab)
-    params = list(module.parameters())
-    t0 = time.perf_counter()
+def adamw(module: nn.Module):
+    return lambda: torch.optim.AdamW(module.parameters())
+
+
+def attention_hooks(model: nn.Module, counts: Counter) -> None:
+    from alst import count_attention_calls
+    count_attention_calls(model, counts)
+
+
+def recompute_fired(counts: Counter, num_layers: int) -> dict:
+    calls = counts["attention_calls"]
+    return {"ok": calls == 2 * num_layers, "attention_calls": calls, "expected": 2 * num_layers}
+
+
+def eager_runner(base: nn.Module) -> Runner:
+    m = copy.deepcopy(base)
+    return Runner(m, lambda b: m(**b, use_cache=False).loss, adamw(m))
+
+
+def ckpt_runner(base: nn.Module) -> Runner:
+    m = copy.deepcopy(base)
+    m.activation_checkpointing_enable()
+    r = Runner(m, lambda b: m(**b, use_cache=False).loss, adamw(m))
+    attention_hooks(m, r.counts)
+    L = len(m.model.layers)
+    r.fired = lambda S: recompute_fired(r.counts, L)
+    return r
+
+
+def inductor_runner(base: nn.Module, amb: float) -> Runner:
+    counts = Counter()
+    c = Compiled(copy.deepcopy(base), {"activation_memory_budget": amb}, backend=counting_inductor(counts))
+    r = Runner(c, lambda b: c(**b, use_cache=False).loss, adamw(c), warm_up=True, counts=counts)
+    r.fired = lambda S: {"ok": counts["compiled_calls"] > 0, "graphs_compiled": counts["graphs_compiled"],
+                         "compiled_calls": counts["compiled_calls"]}
+    return r
+
+
+def alst_runner(base: nn.Module, slice_bytes: int) -> Runner:
+    from alst import ALSTCausalLM, logits_shards, mlp_shards
+    m = ALSTCausalLM(copy.deepcopy(base), logits_slice_bytes=slice_bytes)
+    cfg, L = m.model.config, len(m.model.model.layers)
+    r = Runner(m, lambda b: m(**b).loss, adamw(m), counts=m.counts)
+
+    def fired(S):
+        c, mlp, lg = m.counts, mlp_shards(S, cfg.hidden_size), logits_shards(1, S, cfg.vocab_size, slice_bytes)
+        out = {**recompute_fired(c, L), "tiled_mlp_applies": c["tiled_mlp_applies"],
+               "tiled_mlp_shards": mlp, "tiled_mlp_shard_calls": c["tiled_mlp_shard_calls"],
+               "tiled_loss_applies": c["tiled_loss_applies"], "tiled_loss_shards": lg,
+               "tiled_loss_shard_calls": c["tiled_loss_shard_calls"]}
+        # per step: each layer's MLP applied in forward and in the recompute; each shard run in the
+        # no-grad forward, the recompute's forward and the backward (3 per shard and layer)
+        out["ok"] = (out["ok"] and c["tiled_mlp_applies"] == 2 * L and c["tiled_mlp_shard_calls"] == 3 * L * mlp
+                     and c["tiled_loss_applies"] == 1 and c["tiled_loss_shard_calls"] == lg)
+        return out
+    r.fired = fired
+    return r
+
+
+def tailorfx_runner(base: nn.Module, budget: int, S: int, vocab: int) -> Optional[Runner]:
+    torch._dynamo.reset()   # the benchmark re-plans many lengths in one process
     try:
-        module(**inputs).loss.backward()   # warm-up at this length (compiles where needed)
-        peak = measure_step(module, params, inputs)
-    except RuntimeError as e:              # an allocation failure counts as not fitting
-        log(f"    S={S}: failed ({str(e).splitlines()[0][:80]})")
+        opt = tailorfx.optimize(copy.deepcopy(base), budget=budget, optimizer="adamw",
+                                example_inputs={**lm_batch(S, vocab), "use_cache": False})
+    except tailorfx.BudgetError as e:
+        print(f"    S={S}: no plan fits ({str(e).splitlines()[0][:100]})", flush=True)
+        return None
+    if opt.setup.optimizer_in_backward:
+        make_opt = lambda: tailorfx.SetupOptimizer(opt.parameters(), opt.setup)   # noqa: E731
+    else:
+        make_opt = adamw(opt)
+    r = Runner(opt, lambda b: opt(**b, use_cache=False).loss, make_opt, warm_up=True)
+
+    def fired(S):
+        plans = opt.plan
+        chosen = [p.chosen.label if p.chosen is not None else str(p.passes) for p in plans]
+        eager_fallback = opt.__dict__.get("_eager_reason")
+        return {"ok": bool(plans) and not eager_fallback, "plan": chosen,
+                "passes": sorted({x for p in plans for x in p.passes}),
+                "optimizer_in_backward": opt.setup.optimizer_in_backward, "eager_fallback": eager_fallback}
+    r.fired = fired
+    return r
+
+
+def variants(base: nn.Module, a, budget: int) -> dict:
+    """key -> factory(S) returning the Runner at length S (None: no plan fits); one model per
+    variant, built on first use, except tailorfx's (re-planned per length)."""
+    def once(make):
+        made = []
+        return lambda S: made[0] if made else (made.append(make()) or made[0])
+    return {
+        "eager": once(lambda: eager_runner(base)),
+        "hf-ckpt": once(lambda: ckpt_runner(base)),
+        "inductor": once(lambda: inductor_runner(base, a.amb)),
+        "alst": once(lambda: alst_runner(base, 1 << 30)),
+        "alst-tuned": once(lambda: alst_runner(base, a.alst_slice)),
+        "tailorfx": lambda S: tailorfx_runner(base, budget, S, a.vocab),
+    }
+
+
+def close(optimizer) -> None:
+    if isinstance(optimizer, tailorfx.SetupOptimizer):
+        optimizer.close()
+
+
+def first_step(runner: Runner, inputs: dict) -> tuple[int, float]:
+    """(peak bytes above what was live before, seconds) of forward, backward and the first step of
+    a fresh optimizer, gradients set to None first; the runner's counts cover this step only."""
+    params = list(runner.module.parameters())
+    if runner.warm_up:
+        runner.loss(inputs).backward()
+    for p in params:
+        p.grad = None
+    runner.counts.clear()
+    optimizer = runner.optimizer()
+
+    def step():
+        loss = runner.loss(inputs)
+        loss.backward()
+        optimizer.step()
+    try:
+        t0 = time.perf_counter()
+        peak = tailorfx.measure_peak(step)
+        return peak, time.perf_counter() - t0
+    finally:
+        close(optimizer)
+        for p in params:
+            p.grad = None
+
+
+def model_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def fits(make, S: int, budget: int, vocab: int, static: int, log: Callable, record: list) -> bool:
+    runner = make(S)
+    if runner is None:
+        record.append({"S": S, "fits": False, "why": "no plan fits"})
         return False
-    total = params_bytes + peak
-    log(f"    S={S}: {format_bytes(total)} ({time.perf_counter() - t0:.1f}s) {'fits' if total <= budget else 'over'}")
-    return total <= budget
+    try:
+        peak, secs = first_step(runner, lm_batch(S, vocab))
+    except RuntimeError as e:   # an allocation failure counts as not fitting
+        log(f"    S={S}: failed ({str(e).splitlines()[0][:80]})")
+        record.append({"S": S, "fits": False, "why": str(e).splitlines()[0][:200]})
+        return False
+    total, fired = static + peak, runner.fired(S)
+    ok = total <= budget
+    log(f"    S={S}: {format_bytes(total)} ({format_bytes(peak)} above the weights; {secs:.1f}s) "
+        f"{'fits' if ok else 'over'}; fired: {fired}")
+    record.append({"S": S, "fits": ok, "total_bytes": total, "step_peak_bytes": peak, "seconds": secs,
+                   "fired": fired})
+    return ok
 
 
 def longest(check, start: int, granularity: int, limit: int) -> tuple[int, bool]:
@@ -134,72 +308,206 @@ def longest(check, start: int, granularity: int, limit: int) -> tuple[int, bool]
     return lo, False
 
 
-def run_family(family: str, a, budget: int) -> dict:
-    from torch._inductor import metrics
+def check_exact(base: nn.Module, make, S: int, vocab: int) -> dict:
+    """The variant's loss and every parameter gradient against eager's at length S, fp32, and what
+    fired in that step. Runs before the variant's first measured step, so both hold base's weights."""
+    inputs = lm_batch(S, vocab)
+    ref = copy.deepcopy(base)
+    ref_loss = ref(**inputs, use_cache=False).loss
+    ref_loss.backward()
+    runner = make(S)
+    if runner is None:
+        return {"S": S, "ok": None, "why": "no plan fits"}
+    params = list(runner.module.parameters())
+    for p in params:
+        p.grad = None
+    runner.counts.clear()
+    loss = runner.loss(inputs)
+    loss.backward()
+    fired = runner.fired(S)
+    names = [n for n, _ in ref.named_parameters()]
+    ref_params = list(ref.parameters())
+    if [p.shape for p in ref_params] != [p.shape for p in params]:
+        return {"S": S, "ok": False, "why": "parameters differ from eager's", "fired": fired}
+    worst, worst_name, max_abs = 0.0, None, 0.0
+    for n, p, q in zip(names, ref_params, params):
+        if q.grad is None:
+            return {"S": S, "ok": False, "why": f"no gradient for {n}", "fired": fired}
+        err = (q.grad - p.grad).abs()
+        ratio = (err / (ATOL + RTOL * p.grad.abs())).max().item()
+        max_abs = max(max_abs, err.max().item())
+        if ratio > worst:
+            worst, worst_name = ratio, n
+    for p in params:
+        p.grad = None
+    loss_rel = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    return {"S": S, "ok": loss_rel <= RTOL and worst <= 1.0, "loss": loss.item(), "eager_loss": ref_loss.item(),
+            "loss_rel_err": loss_rel, "grad_max_abs_err": max_abs, "grad_worst_tolerance_ratio": worst,
+            "grad_worst_param": worst_name, "fired": fired}
+
+
+def deepspeed_missing() -> Optional[str]:
+    try:
+        from alst import require_deepspeed
+        require_deepspeed()
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+def run_family(family: str, a, headroom: int) -> dict:
     base = build(family, a.vocab, a.hidden, a.layers)
-    params_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    params = sum(p.numel() * p.element_size() for p in base.parameters())
+    budget = 4 * params + headroom   # weights, gradients, both AdamW moments
+    static = model_bytes(base)
+    makers = variants(base, a, budget)
     out = {}
-    predicted = {}
-    for name, make in variants(base, budget, a.start, a.vocab).items():
-        if a.variants and name not in a.variants:
+    for key in a.variants:
+        label = LABELS[key].format(amb=a.amb, slice=format_bytes(a.alst_slice))
+        print(f"{family}: {label}", flush=True)
+        if key.startswith("alst") and (why := deepspeed_missing()):
+            print(f"    skipped: {why}", flush=True)
+            out[key] = {"label": label, "skipped": why}
             continue
-        print(f"{family}: {name}", flush=True)
         torch._dynamo.reset()   # Dynamo's cache ignores config patches: no variant reuses another's graphs
-        metrics.num_auto_chunking = 0
-        start = a.start
-        if name.startswith("tailorfx"):   # start where the memory model says (the search then measures)
-            passes = ["minisequence"] if "minisequence" in name else None
-            predicted[name] = tailorfx.max_seq_len(base, budget, passes=passes, optimizer=None,
-                                                   granularity=a.granularity)
-            start = predicted[name]
-        S, capped = longest(lambda s: fits(make, s, budget, a.vocab, params_bytes, lambda m: print(m, flush=True)),
-                            start, a.granularity, a.limit)
-        out[name] = {"max_seq_len": S, "capped_at_limit": capped, "predicted": predicted.get(name)}
-        if "auto_chunker" in name:
-            out[name]["chunker_fired"] = metrics.num_auto_chunking
-    return {"params_bytes": params_bytes, "results": out}
+        row = {"label": label}
+        t0 = time.perf_counter()
+        row["exact"] = check_exact(base, makers[key], a.check_len, a.vocab)
+        print(f"    exact at S={a.check_len}: {row['exact']}", flush=True)
+        start = a.start.get(key, DEFAULT_STARTS.get(key, 1024))
+        if key == "tailorfx":   # start where the memory model says (the search then measures)
+            row["predicted"] = tailorfx.max_seq_len(base, budget, optimizer="adamw", granularity=a.granularity)
+            start = a.start.get(key, row["predicted"])
+            print(f"    memory model: {row['predicted']}", flush=True)
+        record: list = []
+        if a.search:
+            S, capped = longest(lambda s: fits(makers[key], s, budget, a.vocab, static,
+                                               lambda m: print(m, flush=True), record),
+                                start, a.granularity, a.limit)
+            row.update(max_seq_len=S, capped_at_limit=capped, start=start, steps=record,
+                       fired_at_longest=next((r["fired"] for r in record if r["S"] == S and r["fits"]), None))
+        row["seconds"] = time.perf_counter() - t0
+        out[key] = row
+    result = {"params_bytes": params, "model_bytes": static, "budget_bytes": budget, "results": out}
+    if a.time_at:
+        result["timing"] = time_pair(base, makers, a, budget, static)
+    return result
+
+
+def time_pair(base: nn.Module, makers: dict, a, budget: int, static: int) -> dict:
+    """Seconds per full step (forward, backward, optimizer step) at --time-at of each timed variant,
+    one after the other, the median of --time-reps after one measured first step."""
+    S, out = a.time_at, {}
+    for key in a.time_variants:
+        if key.startswith("alst") and (why := deepspeed_missing()):
+            out[key] = {"skipped": why}
+            continue
+        torch._dynamo.reset()
+        runner = makers[key](S)
+        if runner is None:
+            out[key] = {"fits": False, "why": "no plan fits"}
+            print(f"time at S={S}: {key}: no plan fits", flush=True)
+            continue
+        inputs = lm_batch(S, a.vocab)
+        peak, first = first_step(runner, inputs)
+        optimizer = runner.optimizer()
+
+        def step():
+            for p in runner.module.parameters():
+                p.grad = None
+            runner.loss(inputs).backward()
+            optimizer.step()
+        step()   # warm-up, optimizer state created
+        secs = time_it(step, a.time_reps)
+        close(optimizer)
+        for p in runner.module.parameters():
+            p.grad = None
+        out[key] = {"fits": static + peak <= budget, "total_bytes": static + peak, "first_step_seconds": first,
+                    "seconds_per_step": secs}
+        print(f"time at S={S}: {key}: {secs:.2f}s per step (median of {a.time_reps}); first step "
+              f"{format_bytes(static + peak)} ({'fits' if static + peak <= budget else 'over'})", flush=True)
+    secs = [out[k].get("seconds_per_step") for k in a.time_variants if k in out]
+    if len(secs) == 2 and all(secs):
+        out["ratio"] = secs[1] / secs[0]
+        print(f"time at S={S}: {a.time_variants[1]} / {a.time_variants[0]} = {out['ratio']:.2f}x", flush=True)
+    return out
+
+
+def yes_no(v) -> str:
+    return "-" if v is None else ("yes" if v else "NO")
 
 
 def table(family: str, a, res: dict) -> None:
     out = res["results"]
     eager = out.get("eager", {}).get("max_seq_len") or None
-    peers = [r["max_seq_len"] for n, r in out.items() if not n.startswith("tailorfx")]
-    best = max(peers) if peers else None
+    alst = out.get("alst-tuned", {}).get("max_seq_len") or out.get("alst", {}).get("max_seq_len") or None
     rows = []
-    for name, r in out.items():
-        note = ""
-        if "chunker_fired" in r:
-            note = f"chunked {r['chunker_fired']} graphs" if r["chunker_fired"] else "never chunked"
-        if r.get("predicted"):
-            note = f"memory model: {r['predicted']}"
-        rows.append([name, f"{r['max_seq_len']}{'+' if r['capped_at_limit'] else ''}",
-                     f"{r['max_seq_len'] / eager:.1f}x" if eager else "-",
-                     f"{r['max_seq_len'] / best:.2f}x" if best else "-", note])
-    print_table(f"HF {family}: longest sequence under {a.budget} (params + measured forward/backward peak); "
-                f"vocab {a.vocab}, hidden {a.hidden}, {a.layers} layers, fp32, batch 1",
-                ["variant", "max seq len", "vs eager", "vs best peer", "note"], rows)
+    for key, r in out.items():
+        if "skipped" in r:
+            rows.append([r["label"], "skipped", "-", "-", "-", "-", r["skipped"][:60]])
+            continue
+        S = r.get("max_seq_len")
+        ex = r.get("exact", {})
+        fired = (r.get("fired_at_longest") or ex.get("fired") or {}).get("ok")
+        exact = yes_no(ex.get("ok"))
+        if ex.get("ok") is not None:
+            exact += f" ({ex['grad_worst_tolerance_ratio']:.2g} of tol)"
+        rows.append([r["label"], "-" if S is None else f"{S}{'+' if r.get('capped_at_limit') else ''}",
+                     f"{S / eager:.1f}x" if S and eager else "-", f"{S / alst:.2f}x" if S and alst else "-",
+                     exact, yes_no(fired), r.get("predicted", "-")])
+    print_table(f"HF {family}: longest sequence whose first training step (forward, backward, first AdamW step) "
+                f"fits {format_bytes(res['budget_bytes'])} (4 x param bytes + {a.headroom}); vocab {a.vocab}, "
+                f"hidden {a.hidden}, {a.layers} layers, fp32, batch 1",
+                ["variant", "longest sequence", "vs eager", "vs ALST", f"exact? (S={a.check_len})", "fired?",
+                 "predicted"], rows)
+    t = res.get("timing")
+    if t:
+        print(f"step time at S={a.time_at}: " + ", ".join(
+            f"{k} {v['seconds_per_step']:.2f}s" for k, v in t.items() if isinstance(v, dict) and "seconds_per_step" in v)
+            + (f"; ratio {t['ratio']:.2f}" if "ratio" in t else ""))
+
+
+def parse_starts(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, _, S = item.partition("=")
+        if key not in LABELS or not S.isdigit():
+            raise SystemExit(f"--start takes VARIANT=LENGTH with VARIANT one of {sorted(LABELS)}, got {item!r}")
+        out[key] = int(S)
+    return out
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--budget", default="512MiB")
-    ap.add_argument("--families", nargs="+", default=["llama", "qwen2"])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--headroom", default="400MiB", help="budget = 4 x parameter bytes + this")
+    ap.add_argument("--families", nargs="+", default=["qwen2", "mistral", "gemma2"])
+    ap.add_argument("--variants", nargs="+", default=list(LABELS), choices=list(LABELS))
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--start", type=int, default=512)
-    ap.add_argument("--granularity", type=int, default=256)
+    ap.add_argument("--start", nargs="*", default=[], help="VARIANT=LENGTH, e.g. alst-tuned=28672")
+    ap.add_argument("--granularity", type=int, default=512)
     ap.add_argument("--limit", type=int, default=1 << 16)
-    ap.add_argument("--variants", nargs="*", default=None)
+    ap.add_argument("--amb", type=float, default=0.0, help="Inductor's activation_memory_budget")
+    ap.add_argument("--alst-slice", default="32MiB", help="alst-tuned: fp32 logits per TiledFusedLogitsLoss shard")
+    ap.add_argument("--check-len", type=int, default=1024, help="length of the exactness check against eager")
+    ap.add_argument("--no-search", dest="search", action="store_false",
+                    help="only the exactness and fired checks (and --time-at)")
+    ap.add_argument("--time-at", type=int, default=16384, help="0: no timing")
+    ap.add_argument("--time-variants", nargs=2, default=["alst-tuned", "tailorfx"], choices=list(LABELS))
+    ap.add_argument("--time-reps", type=int, default=3)
     ap.add_argument("--out", default="max_seq_len.json", help="file name under benchmarks/out/")
     a = ap.parse_args()
-    budget = Budget.parse(a.budget).bytes
-    torch._dynamo.config.recompile_limit = 64   # static-shape peers compile once per length
-    result = {"budget": a.budget, "budget_bytes": budget, "model": vars(a), "families": {}}
-    for family in a.families:
-        result["families"][family] = run_family(family, a, budget)
-        table(family, a, result["families"][family])
-        write_json(a.out, result)
+    a.start = parse_starts(a.start)
+    a.alst_slice = Budget.parse(a.alst_slice).bytes
+    headroom = Budget.parse(a.headroom).bytes
+    result = {"headroom": a.headroom, "model": {k: v for k, v in vars(a).items()}, "families": {}}
+    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096):
+        for family in a.families:
+            res = run_family(family, a, headroom)
+            result["families"][family] = res
+            table(family, a, res)
+            write_json(a.out, result)
     print("wrote", write_json(a.out, result))
 
 

@@ -38,6 +38,7 @@ MAX_CHUNKS = 64
 # Fewer tokens per chunk than this costs throughput (each chunk re-reads the weights and, for the
 # LM head, re-accumulates a V x H weight gradient) for little memory: below it, fewer chunks.
 MIN_CHUNK_TOKENS = 1024
+MIN_SEGMENT_CHUNK_TOKENS = 256
 # Between the LM head and the loss only these may appear (dtype casts and reshapes).
 _PASSTHROUGH = frozenset({"float", "to", "view", "reshape", "contiguous", "type"})
 LOGITS_NOTE = ("logits=None: the LM head is fused with the loss in training with labels (as Liger-Kernel's "
@@ -66,12 +67,14 @@ class MiniSequence:
 
     def __init__(self, options: dict):
         self.num_chunks: Optional[int] = options.get("minisequence_chunks")
-        self.min_tokens: int = options.get("minisequence_min_tokens") or MIN_CHUNK_TOKENS
         # False: fuse the LM head with the loss only (no recompute: its gradient is taken in forward)
         self.chunk_mlps: bool = options.get("minisequence_mlps", True)
         # True: chunk each block's whole token-wise segments (the norm and projections before
-        # attention, the output projection, residual, norm and MLP after it), not only its MLP
+        # attention, the output projection, residual, norm and MLP after it), not only its MLP;
+        # the plan that saves the most, so its chunks (the LM head's too) may be finer
         self.segments: bool = bool(options.get("minisequence_segments")) and self.chunk_mlps
+        self.min_tokens: int = options.get("minisequence_min_tokens") or (
+            MIN_SEGMENT_CHUNK_TOKENS if self.segments else MIN_CHUNK_TOKENS)
 
     def _chunks(self, gm: fx.GraphModule, x: fx.Node, seq_dim: int, ideal: int, before: fx.Node):
         """M: as given, else min(ideal, tokens // min_tokens) computed at run time from the
