@@ -1,4 +1,4 @@
-"""Longest sequence whose first full training step (forward, backward, the first AdamW step) fits a
+"""Longest sequence whose training step (forward, backward, the AdamW step, its state already held) fits a
 memory budget, found on real runs, on unmodified Hugging Face causal LMs, against the peers a user
 would reach for.
 
@@ -9,10 +9,12 @@ hidden 256, intermediate 688, 2 layers, 4 attention heads / 1 KV head, max_posit
 is True). Optimizer: torch.optim.AdamW (lr 1e-3; on CPU torch picks its single-tensor loop).
 
 Budget: 4 x parameter bytes (weights, gradients, both AdamW moments) + --headroom (400 MiB).
-"Fits" means model bytes (parameters + buffers, live before the step) + the measured peak of one
-step <= budget. The step is `loss = model(**batch).loss; loss.backward(); optimizer.step()` with
-every gradient set to None first and a fresh optimizer, so the AdamW state is created by that
-step as in a real first step, and its allocation counts; the output object is dropped once its
+"Fits" means model bytes (parameters + buffers) + the optimizer's state + the measured peak of one
+step <= budget, in the steady state: the AdamW state already exists (an unmeasured first step at
+STATE_LEN tokens made it), every gradient is None, and the step `loss = model(**batch).loss;
+loss.backward(); optimizer.step()` is measured. (Measuring the first step alone would let
+activations use the 2 x parameter bytes the moments take from the second step on: a length that
+fits only there runs out of memory at step 2.) The output object is dropped once its
 loss is taken (as transformers.Trainer does). The peak is tailorfx.measure_peak's: the profiler's
 allocator events, the high-water mark of bytes allocated during the step above what was live at its
 start. A variant that compiles at each length (Inductor, tailorfx) runs one forward+backward at
@@ -68,6 +70,7 @@ from tailorfx.budget import Budget, format_bytes  # noqa: E402
 from common import lm_batch, print_table, time_it, write_json  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
+STATE_LEN = 512   # tokens of the unmeasured step that creates the optimizer's state
 DEFAULT_STARTS = {"eager": 1536, "hf-ckpt": 1536, "inductor": 2048, "alst": 1024, "alst-tuned": 28672}
 LABELS = {"eager": "eager", "hf-ckpt": "HF activation checkpointing",
           "inductor": "torch.compile Inductor, activation_memory_budget={amb}",
@@ -79,7 +82,7 @@ def build(family: str, vocab: int, hidden: int, layers: int) -> nn.Module:
     from models import hf_family
     size = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.6875),
                 num_attention_heads=max(1, hidden // 64), num_key_value_heads=1,
-                max_position_embeddings=1 << 18)
+                max_position_embeddings=1 << 18, head_dim=64)   # (tests' tiny Gemma configs set 16)
     return hf_family(family, num_layers=layers, **size)
 
 
@@ -227,25 +230,43 @@ def close(optimizer) -> None:
         optimizer.close()
 
 
-def first_step(runner: Runner, inputs: dict) -> tuple[int, float]:
-    """(peak bytes above what was live before, seconds) of forward, backward and the first step of
-    a fresh optimizer, gradients set to None first; the runner's counts cover this step only."""
+def state_bytes(optimizer) -> int:
+    """Bytes of an optimizer's state (AdamW's moments and step counts; SetupOptimizer's per-parameter
+    optimizers and master weights)."""
+    opts = list(optimizer.optimizers.values()) if isinstance(optimizer, tailorfx.SetupOptimizer) else [optimizer]
+    tensors = [t for o in opts for st in o.state.values() for t in st.values() if torch.is_tensor(t)]
+    if isinstance(optimizer, tailorfx.SetupOptimizer):
+        tensors += list(optimizer.master.values())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def steady_step(runner: Runner, inputs: dict, vocab: int) -> tuple[int, int, float]:
+    """(optimizer state bytes, peak bytes above what was live before, seconds) of a training step in
+    the steady state: the optimizer's state already exists (a first step at STATE_LEN tokens made
+    it, unmeasured), gradients are None, then forward, backward and optimizer.step() are measured.
+    The first step alone would let activations use the memory the AdamW moments take from the
+    second step on, so a length that fits only there fails at step 2."""
     params = list(runner.module.parameters())
     if runner.warm_up:
         runner.loss(inputs).backward()
     for p in params:
         p.grad = None
-    runner.counts.clear()
     optimizer = runner.optimizer()
-
-    def step():
-        loss = runner.loss(inputs)
-        loss.backward()
-        optimizer.step()
     try:
+        runner.loss(lm_batch(STATE_LEN, vocab)).backward()
+        optimizer.step()
+        for p in params:
+            p.grad = None
+        state = state_bytes(optimizer)
+        runner.counts.clear()
+
+        def step():
+            loss = runner.loss(inputs)
+            loss.backward()
+            optimizer.step()
         t0 = time.perf_counter()
         peak = tailorfx.measure_peak(step)
-        return peak, time.perf_counter() - t0
+        return state, peak, time.perf_counter() - t0
     finally:
         close(optimizer)
         for p in params:
@@ -262,16 +283,17 @@ def fits(make, S: int, budget: int, vocab: int, static: int, log: Callable, reco
         record.append({"S": S, "fits": False, "why": "no plan fits"})
         return False
     try:
-        peak, secs = first_step(runner, lm_batch(S, vocab))
+        state, peak, secs = steady_step(runner, lm_batch(S, vocab), vocab)
     except RuntimeError as e:   # an allocation failure counts as not fitting
         log(f"    S={S}: failed ({str(e).splitlines()[0][:80]})")
         record.append({"S": S, "fits": False, "why": str(e).splitlines()[0][:200]})
         return False
-    total, fired = static + peak, runner.fired(S)
+    total, fired = static + state + peak, runner.fired(S)
     ok = total <= budget
-    log(f"    S={S}: {format_bytes(total)} ({format_bytes(peak)} above the weights; {secs:.1f}s) "
+    log(f"    S={S}: {format_bytes(total)} ({format_bytes(peak)} above the weights and optimizer state; {secs:.1f}s) "
         f"{'fits' if ok else 'over'}; fired: {fired}")
-    record.append({"S": S, "fits": ok, "total_bytes": total, "step_peak_bytes": peak, "seconds": secs,
+    record.append({"S": S, "fits": ok, "total_bytes": total, "optimizer_state_bytes": state,
+                   "step_peak_bytes": peak, "seconds": secs,
                    "fired": fired})
     return ok
 
@@ -396,7 +418,7 @@ def run_family(family: str, a, headroom: int) -> dict:
 
 def time_pair(base: nn.Module, makers: dict, a, budget: int, static: int) -> dict:
     """Seconds per full step (forward, backward, optimizer step) at --time-at of each timed variant,
-    one after the other, the median of --time-reps after one measured first step."""
+    one after the other, the median of --time-reps after one measured steady-state step."""
     S, out = a.time_at, {}
     for key in a.time_variants:
         if key.startswith("alst") and (why := deepspeed_missing()):
@@ -409,7 +431,8 @@ def time_pair(base: nn.Module, makers: dict, a, budget: int, static: int) -> dic
             print(f"time at S={S}: {key}: no plan fits", flush=True)
             continue
         inputs = lm_batch(S, a.vocab)
-        peak, first = first_step(runner, inputs)
+        state, peak, first = steady_step(runner, inputs, a.vocab)
+        peak += state
         optimizer = runner.optimizer()
 
         def step():
@@ -422,9 +445,9 @@ def time_pair(base: nn.Module, makers: dict, a, budget: int, static: int) -> dic
         close(optimizer)
         for p in runner.module.parameters():
             p.grad = None
-        out[key] = {"fits": static + peak <= budget, "total_bytes": static + peak, "first_step_seconds": first,
+        out[key] = {"fits": static + peak <= budget, "total_bytes": static + peak, "measured_step_seconds": first,
                     "seconds_per_step": secs}
-        print(f"time at S={S}: {key}: {secs:.2f}s per step (median of {a.time_reps}); first step "
+        print(f"time at S={S}: {key}: {secs:.2f}s per step (median of {a.time_reps}); steady-state step "
               f"{format_bytes(static + peak)} ({'fits' if static + peak <= budget else 'over'})", flush=True)
     secs = [out[k].get("seconds_per_step") for k in a.time_variants if k in out]
     if len(secs) == 2 and all(secs):
@@ -455,7 +478,7 @@ def table(family: str, a, res: dict) -> None:
         rows.append([r["label"], "-" if S is None else f"{S}{'+' if r.get('capped_at_limit') else ''}",
                      f"{S / eager:.1f}x" if S and eager else "-", f"{S / alst:.2f}x" if S and alst else "-",
                      exact, yes_no(fired), r.get("predicted", "-")])
-    print_table(f"HF {family}: longest sequence whose first training step (forward, backward, first AdamW step) "
+    print_table(f"HF {family}: longest sequence whose steady-state training step (forward, backward, AdamW step) "
                 f"fits {format_bytes(res['budget_bytes'])} (4 x param bytes + {a.headroom}); vocab {a.vocab}, "
                 f"hidden {a.hidden}, {a.layers} layers, fp32, batch 1",
                 ["variant", "longest sequence", "vs eager", "vs ALST", f"exact? (S={a.check_len})", "fired?",

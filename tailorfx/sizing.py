@@ -94,7 +94,8 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
     capture serves every length (the sequence dim is symbolic); the answer is bisected on the
     prediction to `granularity` tokens. passes=[]: vanilla; ["recompute"]; ["minisequence",
     "recompute"]; None: the plan that saves the most (exact O(S) attention, mini-sequence of every
-    block's token-wise segments, full recompute of every block). `setup` (a TrainingSetup or preset name) says how the model trains: dtypes, optimizer
+    block's token-wise segments, full recompute of every block, and the optimizer step in
+    backward where that fits longer, as the planner would move it). `setup` (a TrainingSetup or preset name) says how the model trains: dtypes, optimizer
     state, optimizer in backward, micro-batch size, allocator headroom; without it, `dtype`
     weights and `optimizer`. The budget holds the steady state of that setup, less the headroom
     the planner keeps for prediction error (planner.usable), so optimize() accepts every length
@@ -133,7 +134,13 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
     if peak(1) > usable:
         raise BudgetError(f"even one token does not fit {b} under {s.describe()}: the step peaks at "
                           f"{format_bytes(peak(1))} ({_parts(opt.predict_memory(1))})", peak(1), "activations")
-    return planner.longest_fitting(peak, usable, limit, granularity)
+    best = planner.longest_fitting(peak, usable, limit, granularity)
+    if passes is None and s.optimizer is not None and not s.optimizer_in_backward and s.grad_accum_steps == 1:
+        # as the planner does when nothing else fits: the optimizer step moved into backward
+        fused = s.with_(optimizer_in_backward=True, name=f"{s.name} + optimizer in backward")
+        best = max(best, planner.longest_fitting(lambda S: opt.predict_memory(S, setup=fused).peak_bytes,
+                                                 usable, limit, granularity))
+    return best
 
 
 def _parts(est: memory.MemoryEstimate) -> str:

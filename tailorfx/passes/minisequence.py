@@ -239,7 +239,9 @@ class MiniSequence:
         bwd, bwd_const = _cached_segment_backward_cost(chunked, sub, xs, whole, x_dims, ctx, tokens) or (bwd, 0.0)
         chunked.cost = (fwd, bwd, bwd_const)
         anchor = members[-1].next
-        m = self._chunks(gm, xs[0], x_dims[0], auto_chunks(inner, _hint_bytes(node_value(xs[0]), ctx)), anchor)
+        # as many chunks as min_tokens allows (up to MAX_CHUNKS): in backward a chunk's recompute
+        # (a whole MLP's intermediates) is live beside the block's full-length tensors
+        m = self._chunks(gm, xs[0], x_dims[0], MAX_CHUNKS, anchor)
         g = gm.graph
         with g.inserting_before(anchor):
             call = g.call_function(torch.ops.tailorfx.token_segment.default, (chunked.key, xs, whole, x_dims, o_dims, m))
