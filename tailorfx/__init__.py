@@ -11,8 +11,8 @@ from tailorfx.codegen.schedule import simulate_schedule
 from tailorfx.runtime.measure import measure_peak
 from tailorfx.runtime.optim import SetupOptimizer
 from tailorfx.setup import PRESETS, TrainingSetup
-from tailorfx.sizing import max_seq_len
+from tailorfx.sizing import max_seq_len, sequence_bound
 
-__all__ = ["attention", "optimize", "max_seq_len", "OptimizedModule", "PredictionError", "Budget", "BudgetError", "measure_peak", "tailorfx_backend",
+__all__ = ["attention", "optimize", "max_seq_len", "sequence_bound", "OptimizedModule", "PredictionError", "Budget", "BudgetError", "measure_peak", "tailorfx_backend",
            "TrainingSetup", "PRESETS", "SetupOptimizer", "simulate_schedule"]
 __version__ = "0.1.0"

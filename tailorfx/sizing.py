@@ -1,5 +1,6 @@
-"""How long a sequence fits a budget, by the memory model: `max_seq_len()` and the capture it
-predicts from (a config or factory built under a FakeTensorMode, so an 8B model costs nothing)."""
+"""How long a sequence fits a budget, by the memory model: `max_seq_len()`, `sequence_bound()` (the
+longest any plan of these rewrites could reach) and the capture they predict from (a config or
+factory built under a FakeTensorMode, so an 8B model costs nothing)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +14,9 @@ from tailorfx.api import OptimizedModule, PredictionError, optimize
 from tailorfx.budget import Budget, BudgetError, format_bytes
 from tailorfx.options import check_passes, positive_int
 from tailorfx.progress import progress
-from tailorfx.rewrite import memory
+from tailorfx.rewrite import bound, memory
+from tailorfx.rewrite.regions import find_regions
+from tailorfx.rewrite.trace import Sizer
 from tailorfx.setup import TrainingSetup, with_device_costs
 from tailorfx.setup import resolve as resolve_setup
 
@@ -153,3 +156,43 @@ def _check_static(model: nn.Module, s: TrainingSetup, b: Budget, usable: float) 
     other = sum(t.numel() * t.element_size() for t in model.buffers()) + sum(
         p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     planner.check_static(trained, other, s, b, usable)
+
+
+def sequence_bound(model_or_config: Any, budget: Union[str, int, Budget, None], batch_size: Optional[int] = None,
+                   setup: Any = None, optimizer: Optional[str] = "adamw", dtype: Optional[torch.dtype] = None,
+                   limit: int = 1 << 21, granularity: int = 128, seq_len: Optional[int] = None) -> bound.Bound:
+    """The longest sequence any plan of tailorfx's rewrites could fit in `budget`, from a lower
+    bound on every plan's peak (rewrite/bound.py: static bytes + each block's input + the residual
+    stream's gradient + the last attention's operands and their gradients at full length). The
+    result's `parts` say what the bound is made of at that length; max_seq_len() / its seq_len
+    is how close the best plan comes. With `seq_len` (budget then may be None): the bound at that
+    length."""
+    if budget is None and seq_len is None:
+        raise ValueError("sequence_bound needs a budget (the longest length) or seq_len (the bound there)")
+    b = Budget.parse(budget if budget is not None else 1 << 60)
+    positive_int("batch_size", batch_size)
+    if setup is not None:
+        s = resolve_setup(setup)
+    else:
+        if isinstance(model_or_config, nn.Module):
+            dtype = dtype or next(model_or_config.parameters()).dtype
+        s = resolve_setup(None, param_dtype=dtype, optimizer=optimizer)
+    with _prediction_model(model_or_config, s.param_dtype) as model:
+        s = with_device_costs(s, b, model, batch_size or s.micro_batch_size)
+        usable = planner.usable(b.bytes, s.headroom)
+        _check_static(model, s, b, usable)
+        opt = _capture(model, ["attention", "minisequence", "recompute"], 256, batch_size or s.micro_batch_size,
+                       setup=s, recompute="full", minisequence="segments")
+    g = opt.session.graphs[0]
+    shape = bound.bound_shape(g.rewritten, find_regions(g.rewritten, g.seq), g.seq)
+    if shape is None or g.seq.symbol is None:
+        raise PredictionError("sequence_bound needs a model with transformer blocks captured with a symbolic length")
+    est = opt.predict_memory(1)
+    static = est.static_bytes + est.device_bytes
+
+    def at(S: int) -> bound.Bound:
+        return bound.Bound(S, static, shape.parts(Sizer(g.seq, S)))
+    if seq_len is not None:
+        return at(seq_len)
+    S = planner.longest_fitting(lambda n: at(n).peak_bytes, usable, limit, granularity)
+    return at(S)

@@ -31,6 +31,7 @@ ATTENTION_OPS = frozenset({
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "flex_attention", "_scaled_dot_product_cudnn_attention",
     "attention_call", "sparse_attention", "dilated_attention",   # tailorfx's own (passes/attention.py)
+    "score_mod_attention", "triton_attention",
 })
 NORM_OPS = frozenset({"layer_norm", "rms_norm", "group_norm", "native_layer_norm", "_fused_rms_norm"})
 STAT_OPS = frozenset({"rsqrt", "var", "var_mean", "std"})

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from tailorfx import compat
+from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import SeqInfo, node_value
 from tailorfx.rewrite.optimizer_step import aliases_input, storage_root
 from tailorfx.rewrite.trace import (Sizer, StepGraphs, _outputs, fake_inputs, make_step,  # noqa: F401
@@ -138,6 +139,19 @@ def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup) -> int:
     if getattr(t, "__name__", "") == "grad_ready":
         g = node_value(node.args[2])
         return setup.update_temp_bytes(sizer(g) // g.element_size()) if isinstance(g, torch.Tensor) else 0
+    if t in (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default):
+        # CPU flash attention's per-thread score blocks, and in backward an fp32 q-sized gradient
+        # accumulator (measured, 40 to 16K tokens, 2-8 heads, D 16-128: backward = q's fp32 bytes
+        # + per_thread a thread, forward about 0.57 of the per-thread part)
+        backward = t is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+        q = node_value(node.args[1] if backward else node.args[0])
+        if not isinstance(q, torch.Tensor):
+            return 0
+        S = sizer.as_int(q.shape[-2])
+        per_thread = min(1 << 20, S * (256 if S < 192 else 512 if S < 768 else 1024))
+        buffers = torch.get_num_threads() * per_thread
+        return sizer(q) * 4 // q.element_size() + buffers if backward else int(0.57 * buffers)
     if t is torch.ops.aten.native_dropout_backward.default:
         # CPU computes grad * mask * scale as two ops: an output-sized temporary (CUDA fuses them)
         v = node_value(node)
@@ -149,6 +163,18 @@ def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup) -> int:
     args = list(fx.node.map_arg(node.args, node_value))
     return (ops.transient_bytes(name, args, sizer.as_int)
             + attention_kernels.transient_bytes(name, args, sizer.as_int))
+
+
+def _replayed_value(n: fx.Node):
+    """The outputs of `run_with_rng_state(state, op, *args)` (the partitioner's replay of a random
+    op it recomputes in backward, recorded without a value), from the op on its fake inputs."""
+    args = fx.node.map_arg(n.args[2:], node_value)
+    kwargs = fx.node.map_arg(n.kwargs, node_value)
+    mode = compat.own_fake_mode(match.tensors_in((args, kwargs)))
+    if mode is None:
+        return None
+    with mode:
+        return n.args[1](*args, **kwargs)
 
 
 def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: str, setup: TrainingSetup,
@@ -189,6 +215,8 @@ def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: s
             base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
             held[n] = list(held.get(base, [])) if base is not None else []
         else:
+            if val is None and n.target is torch.ops.higher_order.run_with_rng_state:
+                val = _replayed_value(n)   # a recomputed SDPA: the partitioner gave it no value
             vals = val if isinstance(val, (list, tuple)) else [val]
             # an op returning several values (a custom op's gradients): each counts as a gradient
             # when the getitem taking it out is one

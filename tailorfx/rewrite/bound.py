@@ -1,0 +1,99 @@
+"""A lower bound on the peak of every plan of tailorfx's rewrites, read off the captured graph.
+
+While the last block's attention runs backward, any plan (whatever it chunks, recomputes or
+fuses, the optimizer step in backward included) holds at once:
+  boundaries - each block's input, the residual stream where the block starts: the block's own
+               backward needs its input, and every earlier block's is needed after it (saved, or
+               recomputed from one that is: one per block either way);
+  residual   - the gradient flowing down the residual stream, kept to add the attention path's;
+  attention  - the attention kernel's backward operands at full length: q, k, v, its output, the
+               output's gradient, and the gradients of q, k and v it writes (its log-sum-exp and
+               workspaces left out: the bound stays below).
+Token-wise segments chunked to the finest grain remove everything else; recompute cannot drop
+these. So `static + sum(parts)` is what a plan would peak at if nothing else were live: no plan's
+measured peak is below it (tests/test_bound.py), and the longest sequence whose bound fits a
+budget is the longest any plan of these rewrites could reach.
+
+The attention operands are found as the tensors crossing between the block's token-wise segments
+(rewrite.regions.token_segments) and the ops that mix positions, so any attention form counts
+(SDPA, eager matmul-softmax, a sparse or soft-capped kernel).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from tailorfx.rewrite import match
+from tailorfx.rewrite.capture import SeqInfo, node_value
+from tailorfx.rewrite.regions import RegionMap, is_param, token_segments
+from tailorfx.rewrite.trace import Sizer
+
+
+@dataclass
+class Bound:
+    """The smallest peak any plan could reach at `seq_len`: static bytes + the parts that must be
+    live at once."""
+    seq_len: int
+    static_bytes: int
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def dynamic_bytes(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.static_bytes + self.dynamic_bytes
+
+    @property
+    def dominant(self) -> str:
+        return max(self.parts, key=self.parts.get) if self.parts else ""
+
+
+@dataclass(frozen=True)
+class BoundShape:
+    """What the bound sums, as graph values (sized at any length by a Sizer)."""
+    boundaries: tuple      # one fake tensor per block: its input on the residual stream
+    residual: object       # the last block's input (the residual stream's gradient has its shape)
+    attention: tuple       # the last block's attention operands and output
+
+    def parts(self, sizer: Sizer) -> dict[str, int]:
+        size = lambda ts: sum(sizer(t) for t in ts)   # noqa: E731
+        return {"block boundaries": size(self.boundaries),
+                "residual-stream gradient": sizer(self.residual) if self.residual is not None else 0,
+                "attention operands and their gradients": 2 * size(self.attention)}
+
+
+def bound_shape(gm: fx.GraphModule, regions: RegionMap, seq: SeqInfo) -> Optional[BoundShape]:
+    """The bound's terms for a graph with transformer blocks (best read off a graph whose attention
+    the attention pass has swapped to an O(S) kernel: its operands are then the kernel's, k and v
+    at their own head count); None when it has none."""
+    blocks = regions.of_kind("block")
+    if not blocks:
+        return None
+    nodes = {n.name: n for n in gm.graph.nodes}
+    cls = regions.node_class
+    hint = Sizer(seq)
+
+    def largest(vals):
+        vals = [v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point() and len(seq.dims(v)) == 1]
+        return max(vals, key=hint) if vals else None
+    boundaries = [v for b in blocks if (v := largest(node_value(nodes[i]) for i in b.inputs)) is not None]
+    last = blocks[-1]
+    residual = boundaries[-1] if boundaries else None   # the residual stream's shape
+    attention = []
+    kernels = [nodes[n] for n in last.nodes if match.op_name(nodes[n]) in match.ATTENTION_OPS]
+    if kernels:   # q, k, v and the output of the block's attention kernel
+        k = kernels[0]
+        attention = [t for t in match.tensors_in((k.args, k.kwargs))][:3] + match.tensors_in(node_value(k))[:1]
+    else:         # eager attention: what crosses between the token-wise segments and the mixing ops
+        attn = [r for r in regions.of_kind("attention") if r.path.startswith(last.path + ".")]
+        mixing = {n for n in (attn[0].nodes if attn else last.nodes) if cls.get(n) == "mix"}
+        for seg in token_segments(gm, last, cls):
+            attention += [node_value(nodes[o]) for o in seg.outputs if any(u.name in mixing for u in nodes[o].users)]
+            attention += [node_value(nodes[i]) for i in seg.inputs if i in mixing and not is_param(nodes[i])]
+    attention = [v for v in attention if isinstance(v, torch.Tensor) and len(seq.dims(v)) == 1]
+    return BoundShape(tuple(boundaries), residual, tuple(attention))

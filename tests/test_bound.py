@@ -1,0 +1,45 @@
+"""The lower bound on every plan's peak (rewrite/bound.py, tailorfx.sequence_bound): made of what it
+says, and never beaten by a measured plan."""
+import copy
+
+import pytest
+import torch
+
+import tailorfx
+from harness import peak_of_step
+from models import hf_family
+
+SIZES = dict(vocab_size=2048, hidden_size=128, intermediate_size=344, num_attention_heads=2,
+             num_key_value_heads=1, max_position_embeddings=1 << 16)
+
+
+def _inputs(S, vocab=2048):
+    ids = torch.randint(0, vocab, (1, S))
+    return {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
+
+
+def test_bound_parts_are_the_blocks_inputs_the_residual_gradient_and_the_attention_operands():
+    """Qwen2 at 4096 tokens, hidden 128 (2 query heads, 1 KV head of 64): by hand, 2 block inputs
+    and a residual gradient of S x 128 fp32, and q, k, v, o (S x 128, S x 64, S x 64, S x 128) and
+    their gradients."""
+    S, H = 4096, 128
+    b = tailorfx.sequence_bound(hf_family("qwen2", **SIZES), None, seq_len=S, optimizer=None)
+    assert b.parts == {"block boundaries": 2 * S * H * 4, "residual-stream gradient": S * H * 4,
+                       "attention operands and their gradients": 2 * (2 * S * H + 2 * S * 64) * 4}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_no_measured_plan_beats_the_bound(family):
+    """Every plan the planner can choose, measured at 2048 tokens (forward + backward above what
+    was live before): none peaks below the bound's dynamic bytes."""
+    S = 2048
+    base = hf_family(family, **SIZES, **({"head_dim": 64} if family == "gemma2" else {}))
+    floor = tailorfx.sequence_bound(base, None, seq_len=S, optimizer=None).dynamic_bytes
+    plans = [dict(passes=[]), dict(passes=["attention", "minisequence"]),
+             dict(passes=["attention", "minisequence", "recompute"], recompute="full"),
+             dict(passes=["attention", "minisequence", "recompute"], recompute="full", minisequence="segments")]
+    for kw in plans:
+        m = copy.deepcopy(base)
+        opt = tailorfx.optimize(m, example_inputs=_inputs(64), optimizer=None, **kw)
+        peak = peak_of_step(opt, m, _inputs(S))
+        assert peak >= floor, (kw, peak, floor)
