@@ -107,7 +107,7 @@ class MiniSequence:
         for block in ctx.regions.of_kind("block") if self.segments else ():
             for seg in token_segments(gm, block, ctx.regions.node_class):
                 why = self._rewrite_segment(gm, nodes, seg, ctx, done)
-                if why:
+                if why and not isinstance(why, _TooSmall):   # a residual sum alone: nothing to save
                     skipped.append(f"{block.path} segment {seg.nodes[0]}..{seg.nodes[-1]}: {why}")
         for region in ctx.regions.of_kind("mlp") if self.chunk_mlps else ():
             if not all(n in nodes and nodes[n].graph is gm.graph for n in region.nodes):
@@ -227,7 +227,7 @@ class MiniSequence:
         io_bytes = sum(_hint_bytes(v, ctx) for v in (*ivs, *ovs))
         inner = sum(_hint_bytes(v, ctx) for n in members if n not in outs for v in match.tensors_in(node_value(n)))
         if inner < 2 * io_bytes:
-            return f"intermediates ({inner} B) are not much larger than inputs+outputs ({io_bytes} B)"
+            return _TooSmall(f"intermediates ({inner} B) are not much larger than inputs+outputs ({io_bytes} B)")
         try:
             sub = _extract(gm, members, xs + whole, list(outs), ctx.seq.symbol, x_dims[0], ctx.seq.hints)
         except _Unsupported as e:
@@ -459,6 +459,10 @@ def _describe(m) -> str:
         v = node_value(m)
         return f"{compat.sym_expr(v)}".replace("Max", "max").replace("Min", "min")
     return str(m)
+
+
+class _TooSmall(str):
+    """A segment left whole: chunking it would save nothing worth a kernel launch per chunk."""
 
 
 class _ByRequest(str):
