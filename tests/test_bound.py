@@ -30,12 +30,12 @@ def test_bound_parts_are_the_blocks_inputs_the_residual_gradient_and_the_attenti
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma2"])
 def test_no_measured_plan_beats_the_bound(family):
-    """Every plan the planner can choose, measured at 2048 tokens (forward + backward above what
-    was live before): none peaks below the bound's dynamic bytes."""
-    S = 2048
+    """The plans that save the most, and none, measured at 1024 tokens (forward + backward above
+    what was live before): none peaks below the bound's dynamic bytes."""
+    S = 1024
     base = hf_family(family, **SIZES, **({"head_dim": 64} if family == "gemma2" else {}))
     floor = tailorfx.sequence_bound(base, None, seq_len=S, optimizer=None).dynamic_bytes
-    plans = [dict(passes=[]), dict(passes=["attention", "minisequence"]),
+    plans = [dict(passes=[]),
              dict(passes=["attention", "minisequence", "recompute"], recompute="full"),
              dict(passes=["attention", "minisequence", "recompute"], recompute="full", minisequence="segments")]
     for kw in plans:
