@@ -250,6 +250,19 @@ def _linear_tail_grads(tail, xs, whole, grad_out, whole_acc):
     return a, grad_a
 
 
+def _store_grads(grads, xs, seq_grads, whole, whole_acc) -> None:
+    """One chunk's grads (of the inputs that require them, in order) written into its slices of
+    seq_grads and added into whole_acc."""
+    grads = iter(grads)
+    for x, out in zip(xs, seq_grads):
+        if x.requires_grad:
+            g = next(grads)
+            out.copy_(g) if g is not None else out.zero_()
+    for w, acc in zip(whole, whole_acc):
+        if w.requires_grad and (g := next(grads)) is not None:
+            acc.add_(g)
+
+
 def region_chunk_grads(fn, xs, whole, grad_out, seq_grads, whole_acc, tail=None):
     """Recompute one chunk and backprop it: writes seq_grads, adds into whole_acc. With a `tail`
     (ChunkedRegion.tail), the region's final linear is differentiated by hand, not recomputed.
@@ -261,14 +274,7 @@ def region_chunk_grads(fn, xs, whole, grad_out, seq_grads, whole_acc, tail=None)
         out, grad_out = _linear_tail_grads(tail, xs, whole, grad_out, whole_acc)
     else:
         out = fn(*xs, *whole)
-    grads = iter(torch.autograd.grad(out, wrt, grad_out, allow_unused=True))
-    for x, out in zip(xs, seq_grads):
-        if x.requires_grad:
-            g = next(grads)
-            out.copy_(g) if g is not None else out.zero_()
-    for w, acc in zip(whole, whole_acc):
-        if w.requires_grad and (g := next(grads)) is not None:
-            acc.add_(g)
+    _store_grads(torch.autograd.grad(out, wrt, grad_out, allow_unused=True), xs, seq_grads, whole, whole_acc)
 
 
 @torch.library.custom_op("tailorfx::token_chunked_backward", mutates_args=())
@@ -477,14 +483,8 @@ def segment_chunk_grads(fn, xs, whole, grad_outs, seq_grads, whole_acc) -> None:
     wrt = [t for t in (*xs, *whole) if t.requires_grad]
     ys = fn(*xs, *whole)
     pairs = [(y, g) for y, g in zip(ys, grad_outs) if y.requires_grad and g is not None]
-    grads = iter(torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
-    for x, out in zip(xs, seq_grads):
-        if x.requires_grad:
-            g = next(grads)
-            out.copy_(g) if g is not None else out.zero_()
-    for w, acc in zip(whole, whole_acc):
-        if w.requires_grad and (g := next(grads)) is not None:
-            acc.add_(g)
+    _store_grads(torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True),
+                 xs, seq_grads, whole, whole_acc)
 
 
 @torch.library.custom_op("tailorfx::token_segment_backward", mutates_args=())
