@@ -10,6 +10,10 @@ from torch._dynamo import maybe_mark_dynamic  # noqa: F401
 from torch._dynamo.exc import FailOnRecompileLimitHit  # noqa: F401  (checked on torch 2.13)
 from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401
 from torch._functorch.aot_autograd import make_boxed_func  # noqa: F401
+try:  # fx's codegen for the boxed calling convention (torch >= 2.6; what Inductor's wrapper does)
+    from torch.fx.graph import _BoxedCodeGen
+except ImportError:
+    _BoxedCodeGen = None
 try:  # torch >= 2.13: a guardless attribute that only carries dynamism across graph breaks
     from torch._functorch._aot_autograd.runtime_wrappers import (  # noqa: F401
         mark_dynamo_propagated_dynamic_indices)
@@ -21,6 +25,23 @@ from torch._guards import detect_fake_mode  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (checked on torch 2.13)
 from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401  (checked on torch 2.13)
+
+
+def args_clearing_func(g: "torch.fx.GraphModule"):
+    """A boxed callable running `g` whose code empties its argument list once unpacked, so each
+    input dies at its last use in the graph instead of when the call returns (AOTAutograd clears
+    autograd's saved tensors before calling a backward: the list is then their last holder).
+    Rewrites `g`'s code in place; make_boxed_func where fx lacks the boxed codegen."""
+    if _BoxedCodeGen is None:
+        return make_boxed_func(g.forward)
+    g.graph.set_codegen(_BoxedCodeGen())
+    g.recompile()
+    forward = g.forward
+
+    def run(args: list):
+        return forward(args)
+    run._boxed_call = True
+    return run
 
 
 # ---- operator overloads (checked on torch 2.13) --------------------------------------------------

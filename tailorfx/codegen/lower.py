@@ -84,6 +84,9 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     def eager(g: fx.GraphModule, _):
         return compat.make_boxed_func(g.forward)
 
+    def eager_backward(g: fx.GraphModule, _):   # saved tensors freed at their last use
+        return compat.args_clearing_func(g)
+
     def recording(g: fx.GraphModule, _):
         forward = g.forward
 
@@ -111,7 +114,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
             return fw, bw
         return compat.aot_module_simplified(
             gm, inputs, fw_compiler=recording if steps_in_backward is not None else eager,
-            bw_compiler=eager, partition_fn=partition)
+            bw_compiler=eager_backward, partition_fn=partition)
 
     fake = fake_inputs(gm)     # Dynamo's, with the symbolic sizes (example_inputs may be real)
     symbolic = [i for i, v in enumerate(fake) if _symbolic(v)]

@@ -405,9 +405,10 @@ def _backward(pool: _Pool, st: StepGraphs, k: int, saved: dict, sizer: Sizer, se
         for name, sids in saved.items():
             for sid in sids:
                 pool.release(sid, ("saved", k, name))
-    # AOTAutograd's backward receives the saved tensors from autograd's ctx, which keeps them
-    # until the whole backward graph returns (measured: freeing at last use under-predicts);
-    # eager autograd frees each node's saved tensors once that node has run
+    # AOTAutograd clears autograd's ctx before the backward runs (no retain_graph) and hands the
+    # saved tensors over in a list the backward's code empties (codegen/lower.py, as Inductor's
+    # code does): each lives until its last use in the graph. Eager autograd frees each node's
+    # saved tensors once that node has run.
     eager = st.eager_autograd
     consumed = eager and setup.optimizer is not None and setup.grad_accum_steps > 1 and not setup.optimizer_in_backward
     if st.bw_schedule is not None:
@@ -421,7 +422,7 @@ def _backward(pool: _Pool, st: StepGraphs, k: int, saved: dict, sizer: Sizer, se
                               dropped=dropped)
     else:
         grads = _run_graph(st.bw, pool, env, sizer, f"backward[{k}]", setup, _grad_nodes(st.bw),
-                           release_saved if eager else None, consumed)
+                           release_saved, consumed)
     for n in _placeholders(st.bw):
         for sid in env.get(n.name, []):
             pool.release(sid, ("tangent", k))
@@ -432,8 +433,6 @@ def _backward(pool: _Pool, st: StepGraphs, k: int, saved: dict, sizer: Sizer, se
                 and not node_value(o).is_contiguous()]
     if relayout:
         pool.mark(f"backward[{k}]", "accumulate_grad", max(relayout))
-    if not eager:
-        release_saved()
     return _accumulate(pool, [sids for sids in grads if sids], setup, k)
 
 
