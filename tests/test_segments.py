@@ -44,6 +44,10 @@ def test_segments_are_chunked_and_exact(family, recompute):
     assert all(n.args[5] == 3 for n in calls)
     graph = "\n".join(g.rewritten.code for g in holder["opt"].graph_records)
     assert "token_chunked(" not in graph
+    # the rotary tables are computed per chunk inside the segments, never at full length
+    tables = [n.name for g in holder["opt"].graph_records for n in g.rewritten.graph.nodes
+              if n.target in ("cos", "sin", torch.cos, torch.sin)]
+    assert not tables, tables
 
 
 def test_a_parallel_block_is_one_segment_before_attention():

@@ -30,7 +30,7 @@ from tailorfx import compat
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PassContext, PassResult, annotate, own
-from tailorfx.rewrite.regions import Region, Segment, is_param, param_source, token_segments
+from tailorfx.rewrite.regions import Region, Segment, is_param, param_source, token_producers, token_segments
 from tailorfx.runtime import ops
 
 NAME = "minisequence"
@@ -200,7 +200,7 @@ class MiniSequence:
     def _rewrite_segment(self, gm, nodes, seg: Segment, ctx: PassContext, done) -> Optional[str]:
         """One token-wise segment (several inputs and outputs, each with its own sequence dim) as
         tailorfx::token_segment: chunks in forward, each chunk recomputed in backward."""
-        members = [nodes[n] for n in seg.nodes]
+        members = self._with_producers(gm, nodes, [nodes[n] for n in seg.nodes], ctx)
         outs = [nodes[n] for n in seg.outputs]
         group = set(members)   # inputs read off the graph as it is now: an earlier segment's outputs were replaced
         ins = list(dict.fromkeys(a for n in members for a in n.all_input_nodes if a not in group
@@ -215,7 +215,8 @@ class MiniSequence:
             return "a tensor has no single sequence dim"
         # the first chunked input sets M: the one whose dims before the sequence are fewest (B, S,
         # ...), not an attention output still laid out (B, heads, S, ...)
-        xs = sorted((i for i, d in zip(ins, in_dims) if d), key=lambda i: ctx.seq.dims(node_value(i))[0])
+        xs = sorted((i for i, d in zip(ins, in_dims) if d),
+                    key=lambda i: (not node_value(i).is_floating_point(), ctx.seq.dims(node_value(i))[0]))
         if not xs:
             return "no input carries the sequence"
         lengths = {str(compat.sym_expr(v.shape[d[0]])) for v, d in (*zip(ovs, out_dims), *zip(ivs, in_dims)) if d}
@@ -264,6 +265,27 @@ class MiniSequence:
         done.append(_Rewrite(Region("segment", f"{seg.block} [{seg.nodes[0]}..{seg.nodes[-1]}]", seg.nodes, True),
                              m, inner))
         return None
+
+    @staticmethod
+    def _with_producers(gm, nodes, members: list[fx.Node], ctx: PassContext) -> list[fx.Node]:
+        """The segment's nodes, with the model-level token-wise ops feeding it (the rotary tables
+        computed from the positions) run per chunk inside it when what it then takes is smaller:
+        the tables never exist at full length (regions.token_producers)."""
+        group = set(members)
+        outer = list(dict.fromkeys(a for n in members for a in n.all_input_nodes if a not in group
+                                   and isinstance(node_value(a), torch.Tensor) and not is_param(a)))
+        blocked = {nodes[n] for b in ctx.regions.of_kind("block") for n in b.nodes if n in nodes}
+        chain = token_producers(outer, ctx.regions.node_class, ctx.seq, blocked)
+        if not chain:
+            return members
+        inside = set(chain)
+        leaves = {a for p in chain for a in p.all_input_nodes
+                  if a not in inside and isinstance(node_value(a), torch.Tensor) and not is_param(a)}
+        size = lambda ns: sum(_hint_bytes(node_value(a), ctx) for a in ns)   # noqa: E731
+        if size(leaves) >= size(a for a in outer if a in inside):
+            return members
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        return sorted(inside | group, key=order.__getitem__)
 
     @staticmethod
     def _declare_linear_tail(gm, chunked: ops.ChunkedRegion, members, xs, region, nodes, out, ctx,

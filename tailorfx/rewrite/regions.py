@@ -311,6 +311,27 @@ def token_segments(gm: fx.GraphModule, block: Region, cls: dict[str, str]) -> li
     return sorted(out, key=lambda s: first[s.nodes[0]])
 
 
+def token_producers(inputs: list[fx.Node], cls: dict[str, str], seq: SeqInfo, blocked: set) -> list[fx.Node]:
+    """The model-level token-wise ops feeding a segment's `inputs` that a chunk could run itself:
+    each maps a tensor along the sequence to one (a rotary table from the positions), takes no
+    weight that trains and draws nothing random, and sits in no block (`blocked`). Ops that create
+    the sequence dim (arange) stay outside: a chunk would number its positions from 0."""
+    def maps_sequence(p: fx.Node) -> bool:
+        v = node_value(p)
+        return (p.op in ("call_function", "call_method") and p not in blocked and cls.get(p.name) == "token"
+                and not match.draws_random(p) and isinstance(v, torch.Tensor) and len(seq.dims(v)) == 1
+                and any(len(seq.dims(t)) == 1 for t in match.tensors_in((p.args, p.kwargs)))
+                and not any(is_param(a) and getattr(node_value(a), "requires_grad", False) for a in p.all_input_nodes))
+    chain: set[fx.Node] = set()
+    stack = list(inputs)
+    while stack:
+        p = stack.pop()
+        if p not in chain and maps_sequence(p):
+            chain.add(p)
+            stack.extend(p.all_input_nodes)
+    return list(chain)
+
+
 def _convex(seg: list[fx.Node], order: dict) -> bool:
     """No node outside `seg` is both fed by it and feeds it."""
     group, last = set(seg), max(order[n] for n in seg)
