@@ -4,7 +4,6 @@ factory built under a FakeTensorMode, so an 8B model costs nothing)."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
@@ -85,11 +84,7 @@ def _capture(model: nn.Module, passes: Optional[Sequence[str]], seq_len: int, ba
     """optimize() on a batch of `batch_size` x `seq_len` tokens, for prediction only (passes=None:
     the planner's choice)."""
     ids = torch.randint(0, 2, (batch_size, seq_len), device=next(model.parameters()).device)
-    batch = {"input_ids": ids, "labels": ids}
-    if "use_cache" in inspect.signature(model.forward).parameters:
-        # a training step keeps no KV cache (HF's returns every layer's keys and values)
-        batch["use_cache"] = False
-    return optimize(model, example_inputs=batch,
+    return optimize(model, example_inputs={"input_ids": ids, "labels": ids},
                     passes=None if passes is None else list(passes), predict=False, verify=False, **kw)
 
 
