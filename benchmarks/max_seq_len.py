@@ -83,7 +83,9 @@ def build(family: str, vocab: int, hidden: int, layers: int) -> nn.Module:
     size = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.6875),
                 num_attention_heads=max(1, hidden // 64), num_key_value_heads=1,
                 max_position_embeddings=1 << 18, head_dim=64)   # (tests' tiny Gemma configs set 16)
-    return hf_family(family, num_layers=layers, **size)
+    m = hf_family(family, num_layers=layers, **size)
+    m.config.use_cache = False   # as every call passes it (and max_seq_len predicts the step as configured)
+    return m
 
 
 def counting_inductor(counts: Counter) -> Callable:

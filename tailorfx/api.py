@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -14,7 +14,7 @@ from tailorfx import planner
 from tailorfx.budget import Budget, BudgetError, format_bytes
 from tailorfx.report import Report
 from tailorfx import compat
-from tailorfx.rewrite import memory
+from tailorfx.rewrite import bound, memory
 from tailorfx.rewrite.capture import mark_sequence_dims
 from tailorfx.rewrite.regions import Region
 from tailorfx.setup import OPTIMIZERS, TrainingSetup, with_device_costs
@@ -198,9 +198,30 @@ class OptimizedModule(nn.Module):
         return "\n".join(r.diff() or f"(pass {name} left graph {r.graph_index} unchanged)" for r in recs)
 
     def report(self) -> Report:
-        """A table of what was rewritten and the predicted peak before/after each pass."""
+        """A table of what was rewritten and the predicted peak before/after each pass, and how far
+        the plan is from the bound on every plan's peak (rewrite/bound.py)."""
         return Report(self.session, self.budget, self._eager_reason,
-                      lambda S, rewritten: self.predict_memory(S, rewritten=rewritten))
+                      lambda S, rewritten: self.predict_memory(S, rewritten=rewritten), self._limit)
+
+    def bound_at(self) -> Optional[Callable[[int], bound.Bound]]:
+        """The lower bound on any plan's peak (rewrite/bound.py) as a function of the length, read
+        off the one captured graph; None with several graphs, no blocks or no sequence symbol."""
+        gs = self.session.graphs
+        if len(gs) != 1 or gs[0].failed or self.session.parallel is not None:
+            return None
+        est = self.predict_memory(1)
+        return bound.bound_at(gs[0].rewritten, gs[0].seq, est.static_bytes + est.device_bytes)
+
+    def _limit(self) -> Optional[tuple[bound.Bound, Optional[int]]]:
+        """(the bound at the last length seen, the longest length whose bound fits the budget)."""
+        at = self.bound_at() if self.session.seq_len else None
+        if at is None:
+            return None
+        longest = None
+        if self.budget is not None:
+            usable = planner.usable(self.budget.bytes, self.setup.headroom)
+            longest = planner.longest_fitting(lambda n: at(n).peak_bytes, usable, 1 << 24, 128)
+        return at(self.session.seq_len), longest
 
     @property
     def setup(self) -> TrainingSetup:

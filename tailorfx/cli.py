@@ -112,7 +112,18 @@ def cmd_plan(args):
     if opt.setup.device is not None:
         print(f"predictions {opt.setup.device.describe(args.seq)}")
     print(f"longest sequence under {budget}: {longest:,} tokens at batch {args.batch} "
-          f"(mini-sequence + full recompute, the plan that saves the most)")
+          f"(the plan that saves the most: segments + full recompute, attention backward in blocks)")
+    at = opt.bound_at()
+    if at is not None:
+        from tailorfx import planner
+        here = at(args.seq)
+        bound_len = planner.longest_fitting(lambda n: at(n).peak_bytes, planner.usable(budget.bytes, opt.setup.headroom),
+                                            1 << 24, 128)
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in here.parts.items())
+        print(f"the limit: no plan of these rewrites fits more than {bound_len:,} tokens (the best plan reaches "
+              f"{longest / bound_len:.0%} of it); at {args.seq:,} tokens no plan peaks below "
+              f"{format_bytes(here.peak_bytes)} (static {format_bytes(here.static_bytes)} + {parts}; "
+              f"dominated by {here.dominant})")
 
 
 def cmd_plan_world(args):

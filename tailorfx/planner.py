@@ -14,14 +14,16 @@ import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
+import torch
 import torch.fx as fx
 
 from tailorfx import passes as pass_registry
+from tailorfx.attention import Exact
 from tailorfx.budget import Budget, BudgetError, format_bytes
 from tailorfx.codegen.lower import partition_for
 from tailorfx.progress import progress
 from tailorfx.rewrite import cost, memory, trace
-from tailorfx.rewrite.capture import SeqInfo
+from tailorfx.rewrite.capture import SeqInfo, node_value
 from tailorfx.rewrite.passes import PassContext, PassManager
 from tailorfx.rewrite.regions import RegionMap
 from tailorfx.setup import TrainingSetup
@@ -30,7 +32,8 @@ from tailorfx.setup import TrainingSetup
 # recompute tags were measured up to ~3.6% under the allocator's peak (the min-cut partitioner's
 # choices); without them they are exact to the byte.
 HEADROOM = 0.04
-
+# the blocks of the last-resort candidate's attention backward: its accumulator 1/16th, ~3% slower
+ATTENTION_BACKWARD_BLOCKS = 16
 
 
 @dataclass(frozen=True)
@@ -110,11 +113,12 @@ def build_pipeline(plan: Plan) -> list:
     return [pass_registry.make(name, plan.options) for name in plan.passes]
 
 
-def budget_candidates(base: Plan, num_blocks: int, has_head: bool = False) -> list[Candidate]:
+def budget_candidates(base: Plan, num_blocks: int, has_head: bool = False, cpu: bool = True) -> list[Candidate]:
     """Plans from least to most recompute; the user's own passes (attention...) are kept in all.
     The fused LM head recomputes nothing (its gradient is taken in forward) and never
     materialises the logits, so it is both smaller and faster than no rewrite: with room to spare
-    the planner keeps it."""
+    the planner keeps it. `cpu`: the model runs on the CPU, where the last candidate's blocked
+    attention backward runs."""
     keep = tuple(p for p in base.passes if p not in ("minisequence", "recompute"))
     out = [Candidate("no memory rewrite", _order(keep))]
     if has_head:
@@ -132,7 +136,20 @@ def budget_candidates(base: Plan, num_blocks: int, has_head: bool = False) -> li
         out.append(Candidate("minisequence segments + full recompute, all blocks", ms_rc,
                              (("minisequence_segments", True), ("recompute_policy", "full"),
                               ("recompute_blocks", None))))
+        if cpu and "attention" in keep and base.options.get("attention") is None:
+            # last: the exact attention's CPU flash backward in blocks (its fp32 q-sized
+            # accumulator one block's; ~3% slower attention backward)
+            out.append(Candidate("minisequence segments + full recompute, all blocks + attention backward in blocks",
+                                 ms_rc, (("attention", Exact(backward_blocks=ATTENTION_BACKWARD_BLOCKS)),
+                                         ("minisequence_segments", True), ("recompute_policy", "full"),
+                                         ("recompute_blocks", None))))
     return out
+
+
+def last_resort(c: Candidate) -> bool:
+    """Tried only when no other candidate fits: it costs speed the FLOP count does not show."""
+    spec = dict(c.options).get("attention")
+    return isinstance(spec, Exact) and spec.backward_blocks > 1
 
 
 Evaluate = Callable[[Candidate], tuple[Candidate, object]]
@@ -148,11 +165,13 @@ def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_
     as k grows, are bisected for the smallest k that fits, so large models cost log(blocks)
     traces; the others are all tried.
     """
+    last = [c for c in candidates if last_resort(c)]
     ks = [c for c in candidates if dict(c.options).get("recompute_policy") == "full"
           and not dict(c.options).get("minisequence_segments")]
-    free = [c for c in candidates if c not in ks and recomputes_nothing(c)]
-    head = [c for c in candidates if c not in ks and c not in free]
-    with progress(total=len(free) + len(head) + len(ks).bit_length(), desc="planning", unit="plan") as bar:
+    free = [c for c in candidates if c not in ks and c not in last and recomputes_nothing(c)]
+    head = [c for c in candidates if c not in ks and c not in free and c not in last]
+    with progress(total=len(free) + len(head) + len(ks).bit_length() + len(last), desc="planning",
+                  unit="plan") as bar:
         def tried(c: Candidate) -> tuple[Candidate, object]:
             bar.set_postfix_str(c.label, refresh=False)
             out = evaluate(c)
@@ -171,6 +190,8 @@ def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_
                 hi = mid - 1
             else:
                 lo = mid + 1
+        if not any(c.fits for c, _ in seen):
+            seen += [tried(c) for c in last]
     fitting = [(c, p) for c, p in seen if c.fits]
     if not fitting:
         smallest, payload = min(seen, key=lambda cp: cp[0].peak)
@@ -282,7 +303,10 @@ def plan_for_budget(gm: fx.GraphModule, ctx: PassContext, base: Plan, lowering: 
     opts = base.options
     setup = opts.get("setup")
     label = opts.get("budget_label", "")
-    cands = budget_candidates(base, len(ctx.regions.of_kind("block")), bool(ctx.regions.of_kind("lm_head_loss")))
+    on_cpu = all(v.device.type == "cpu" for n in gm.graph.nodes if n.op == "placeholder"
+                 for v in [node_value(n)] if isinstance(v, torch.Tensor))
+    cands = budget_candidates(base, len(ctx.regions.of_kind("block")), bool(ctx.regions.of_kind("lm_head_loss")),
+                              cpu=on_cpu and (setup is None or setup.device is None))
     rewritten: dict = {}      # candidate -> its rewritten graph: the second search predicts the same graphs
     try:
         chosen, o, others = _search_setup(gm, ctx, cands, opts, setup, lowering, verify, rewritten)

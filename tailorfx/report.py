@@ -13,11 +13,12 @@ from tailorfx.budget import Budget, format_bytes
 class Report:
     """A readable report (rich tables); str() gives plain text, rich renders it in colour."""
 
-    def __init__(self, session, budget: Optional[Budget], eager_reason: Optional[str], predict=None):
+    def __init__(self, session, budget: Optional[Budget], eager_reason: Optional[str], predict=None, limit=None):
         self.session = session
         self.budget = budget
         self.eager_reason = eager_reason
         self.predict = predict   # (seq_len, rewritten) -> MemoryEstimate
+        self.limit = limit       # () -> (Bound at the last length, longest length the bound fits) or None
 
     def tables(self) -> list:
         out = []
@@ -118,6 +119,16 @@ class Report:
                         f"{_fmt(after.peak_bytes)} rewritten = params {_fmt(after.param_bytes)} + "
                         f"{_fmt(after.dynamic_peak_bytes)} allocated by the step at its peak "
                         f"({after.peak_phase}, {after.peak_node}; grads {_fmt(after.grad_bytes)})")
+        limit = self.limit() if self.limit is not None and est is not None else None
+        if limit is not None:
+            b, longest = limit
+            parts = ", ".join(f"{k} {_fmt(v)}" for k, v in b.parts.items())
+            head.append(f"the limit at S={b.seq_len}: no plan of these rewrites peaks below {_fmt(b.peak_bytes)} "
+                        f"(static {_fmt(b.static_bytes)} + {parts}; dominated by {b.dominant}); this plan's "
+                        f"peak is {est[2].peak_bytes / b.peak_bytes:.2f}x that")
+            if longest is not None:
+                head.append(f"the longest sequence any plan could fit in {self.budget}: {longest:,} tokens "
+                            f"(tailorfx.sequence_bound; tailorfx.max_seq_len says how close the best plan comes)")
         warns = list(self.session.warnings) + [w for g in self.session.graphs for w in g.warnings]
         if self.eager_reason:
             warns.insert(0, self.eager_reason)

@@ -11,12 +11,11 @@ import torch.nn as nn
 
 from tailorfx import compat, planner
 from tailorfx.api import OptimizedModule, PredictionError, optimize
+from tailorfx.attention import Exact
 from tailorfx.budget import Budget, BudgetError, format_bytes
 from tailorfx.options import check_passes, positive_int
 from tailorfx.progress import progress
 from tailorfx.rewrite import bound, memory
-from tailorfx.rewrite.regions import find_regions
-from tailorfx.rewrite.trace import Sizer
 from tailorfx.setup import TrainingSetup, with_device_costs
 from tailorfx.setup import resolve as resolve_setup
 
@@ -96,9 +95,10 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
     A config or factory is built under a FakeTensorMode, so an 8B model costs no memory. One
     capture serves every length (the sequence dim is symbolic); the answer is bisected on the
     prediction to `granularity` tokens. passes=[]: vanilla; ["recompute"]; ["minisequence",
-    "recompute"]; None: the plan that saves the most (exact O(S) attention, mini-sequence of every
-    block's token-wise segments, full recompute of every block, and the optimizer step in
-    backward where that fits longer, as the planner would move it). `setup` (a TrainingSetup or preset name) says how the model trains: dtypes, optimizer
+    "recompute"]; None: the plan that saves the most (exact O(S) attention with its backward in
+    blocks, mini-sequence of every block's token-wise segments, full recompute of every block,
+    and the optimizer step in backward where that fits longer, as the planner would move it).
+    `setup` (a TrainingSetup or preset name) says how the model trains: dtypes, optimizer
     state, optimizer in backward, micro-batch size, allocator headroom; without it, `dtype`
     weights and `optimizer`. The budget holds the steady state of that setup, less the headroom
     the planner keeps for prediction error (planner.usable), so optimize() accepts every length
@@ -123,9 +123,11 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
         usable = planner.usable(b.bytes, s.headroom)
         _check_static(model, s, b, usable)   # before the capture: an 8B capture takes half a minute
         with progress(total=1, desc="capturing the step on fake tensors", unit="graph") as bar:
+            # the plan that saves the most; the attention backward in blocks runs on the CPU only
+            saves_most = {} if passes is not None else {"minisequence": "segments"} if s.device is not None else {
+                "minisequence": "segments", "attention": Exact(backward_blocks=planner.ATTENTION_BACKWARD_BLOCKS)}
             opt = _capture(model, chosen, 256, batch_size or s.micro_batch_size, setup=s,
-                           recompute="full" if "recompute" in chosen else None,
-                           minisequence="segments" if passes is None else None)
+                           recompute="full" if "recompute" in chosen else None, **saves_most)
             bar.update(1)
     if opt.session.graphs and opt.session.graphs[0].seq.symbol is None:
         raise PredictionError("the capture did not keep the sequence length symbolic (a graph break before the "
@@ -183,15 +185,9 @@ def sequence_bound(model_or_config: Any, budget: Union[str, int, Budget, None], 
         _check_static(model, s, b, usable)
         opt = _capture(model, ["attention", "minisequence", "recompute"], 256, batch_size or s.micro_batch_size,
                        setup=s, recompute="full", minisequence="segments")
-    g = opt.session.graphs[0]
-    shape = bound.bound_shape(g.rewritten, find_regions(g.rewritten, g.seq), g.seq)
-    if shape is None or g.seq.symbol is None:
+    at = opt.bound_at()
+    if at is None:
         raise PredictionError("sequence_bound needs a model with transformer blocks captured with a symbolic length")
-    est = opt.predict_memory(1)
-    static = est.static_bytes + est.device_bytes
-
-    def at(S: int) -> bound.Bound:
-        return bound.Bound(S, static, shape.parts(Sizer(g.seq, S)))
     if seq_len is not None:
         return at(seq_len)
     S = planner.longest_fitting(lambda n: at(n).peak_bytes, usable, limit, granularity)

@@ -321,7 +321,7 @@ def test_unknown_spec_is_a_clear_error():
 # ---- what the memory model is told about the sparse kernels the pass emits -------------------
 @pytest.mark.parametrize("kind,params", [
     ("window", [64, 0]), ("window", [64, 4]), ("bigbird", [32, 1, 1, 2, 0]), ("dilated", [[256, 512], [1, 2]]),
-    ("score_mod", ["key_bias"]), ("dropout", []),
+    ("score_mod", ["key_bias"]), ("dropout", []), ("full", []), ("full", [8]),
 ])
 def test_kernel_transients_match_the_allocator(kind, params):
     """`attention_kernels.transient_bytes` against the peak the allocator saw inside each op minus

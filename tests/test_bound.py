@@ -30,16 +30,31 @@ def test_bound_parts_are_the_blocks_inputs_the_residual_gradient_and_the_attenti
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma2"])
 def test_no_measured_plan_beats_the_bound(family):
-    """The plans that save the most, and none, measured at 1024 tokens (forward + backward above
+    """The plans that save the most (max_seq_len's: segments, full recompute, the attention
+    backward in blocks), and none, measured at 1024 tokens (forward + backward above
     what was live before): none peaks below the bound's dynamic bytes."""
     S = 1024
     base = hf_family(family, **SIZES, **({"head_dim": 64} if family == "gemma2" else {}))
     floor = tailorfx.sequence_bound(base, None, seq_len=S, optimizer=None).dynamic_bytes
     plans = [dict(passes=[]),
              dict(passes=["attention", "minisequence", "recompute"], recompute="full"),
-             dict(passes=["attention", "minisequence", "recompute"], recompute="full", minisequence="segments")]
+             dict(passes=["attention", "minisequence", "recompute"], recompute="full", minisequence="segments",
+                  attention=tailorfx.attention.Exact(backward_blocks=16))]
     for kw in plans:
         m = copy.deepcopy(base)
         opt = tailorfx.optimize(m, example_inputs=_inputs(64), optimizer=None, **kw)
         peak = peak_of_step(opt, m, _inputs(S))
         assert peak >= floor, (kw, peak, floor)
+
+
+def test_the_report_states_the_limit():
+    """opt.report() next to the chosen plan: the bound at the length seen (the plan's peak is at
+    least that), and the longest length the bound fits in the budget (sequence_bound's)."""
+    m = hf_family("qwen2", **SIZES)
+    budget = 4 * sum(p.numel() * 4 for p in m.parameters()) + (64 << 20)
+    opt = tailorfx.optimize(m, budget=budget, example_inputs=_inputs(1024), verify=False)
+    text = " ".join(str(opt.report()).split())
+    assert "the limit at S=1024: no plan of these rewrites peaks below" in text, text[:2000]
+    assert float(text.split("this plan's peak is ")[1].split("x that")[0]) >= 1.0
+    longest = int(text.split("any plan could fit in ")[1].split(": ")[1].split(" tokens")[0].replace(",", ""))
+    assert longest == tailorfx.sequence_bound(hf_family("qwen2", **SIZES), budget).seq_len

@@ -32,6 +32,8 @@ def test_plan_names_the_passes_and_the_longest_sequence(monkeypatch, capsys):
     assert no_rewrite.rstrip().endswith("no") and "chosen: passes ['attention', 'minisequence'" in out
     longest = int(out.split("longest sequence under 16MiB (16.00 MiB): ")[1].split(" tokens")[0].replace(",", ""))
     assert longest >= 1024   # the plan chosen at 1024 fits, so 1024 tokens fit
+    bound = int(out.split("no plan of these rewrites fits more than ")[1].split(" tokens")[0].replace(",", ""))
+    assert longest <= bound, out   # a bound: no plan, the best included, fits more
 
 
 def test_plan_a_budget_no_plan_meets_exits_1_and_says_what_fits(capsys):

@@ -95,3 +95,27 @@ def test_static_part_too_large_is_a_clear_error():
                       num_attention_heads=16, num_key_value_heads=4)
     with pytest.raises(tailorfx.BudgetError, match="before any activation"):
         tailorfx.max_seq_len(cfg, "100MiB")
+
+
+def test_the_blocked_attention_backward_is_tried_last():
+    """Its cost is speed the FLOP count does not show: evaluated only when no other plan fits,
+    and then chosen; never when the user gave an attention spec of their own."""
+    from dataclasses import replace
+
+    from tailorfx.attention import SlidingWindow
+    from tailorfx.planner import Plan, budget_candidates, last_resort, search
+    cands = budget_candidates(Plan(("attention",)), num_blocks=2, has_head=True)
+    assert [last_resort(c) for c in cands] == [False] * (len(cands) - 1) + [True]
+    assert not any(map(last_resort, budget_candidates(Plan(("attention",), {"attention": SlidingWindow(64)}), 2)))
+
+    def chosen_and_tried(fitting: set) -> tuple:
+        tried = []
+
+        def evaluate(c):
+            tried.append(c.label)
+            return replace(c, peak=1 if c.label in fitting else 10, fits=c.label in fitting, added_flops=0), None
+        return search(cands, evaluate, 5, "5 B", lambda _: {"activations": 10})[0].label, tried
+    label, tried = chosen_and_tried({cands[-2].label, cands[-1].label})
+    assert label == cands[-2].label and cands[-1].label not in tried
+    label, tried = chosen_and_tried({cands[-1].label})
+    assert label == cands[-1].label == tried[-1]

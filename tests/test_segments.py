@@ -50,6 +50,28 @@ def test_segments_are_chunked_and_exact(family, recompute):
     assert not tables, tables
 
 
+@pytest.mark.parametrize("family", ["qwen2", "phi3"])
+def test_the_plan_that_saves_the_most_is_exact(family, monkeypatch):
+    """Segments + full recompute + the exact attention's backward in blocks (max_seq_len's plan),
+    at 600 tokens: each layer's attention backward runs in blocks (3 of 256 tokens)."""
+    from tailorfx.runtime import attention_kernels
+    blocked, calls = attention_kernels._blocked_flash_backward, []
+
+    def counted(*args):
+        calls.append(args[1].shape[2])
+        return blocked(*args)
+    monkeypatch.setattr(attention_kernels, "_blocked_flash_backward", counted)
+    holder = {}
+
+    def wrap(m):
+        holder["opt"] = tailorfx.optimize(m, passes=["attention", "minisequence", "recompute"], recompute="full",
+                                          minisequence="segments", attention=tailorfx.attention.Exact(backward_blocks=16))
+        return holder["opt"]
+    compare_with_eager(hf_family(family), batch(B=1, S=600), wrap, rtol=1e-4, atol=1e-6)
+    assert calls == [600] * holder["opt"].model.config.num_hidden_layers
+    assert _segment_calls(holder["opt"])
+
+
 def test_a_parallel_block_is_one_segment_before_attention():
     """Falcon's MLP reads the same norm output as the q/k/v projections: one segment of outputs
     (q, k, v, the MLP's), and the residual sum after attention left as it is (too small to chunk)."""

@@ -41,7 +41,6 @@ from tailorfx.attention import (SPECS, AttentionSpec, Dilated, Exact, SlidingWin
                                 spec_params)
 from tailorfx.passes import register
 from tailorfx.passes.attention_mask import DOC_RULE_TEXT, DOC_RULES, MaskProof, prove_mask
-from tailorfx import compat
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PassContext, PassResult, annotate
@@ -79,57 +78,15 @@ class Rule:
     match: Callable[[fx.Node, PassContext], Union[Match, str, None]]
 
 
-def _args(node: fx.Node, names: tuple[str, ...]) -> dict:
-    a = dict(zip(names, node.args))
-    a.update(node.kwargs)
-    return a
-
-
-def _same(a, b) -> bool:
-    return compat.sym_expr(a) == compat.sym_expr(b)
-
-
-def _unwrap_repeat_kv(x: fx.Node) -> fx.Node:
-    """k for repeat_kv(k) (k[:, :, None].expand(B, H_kv, n, S, D).reshape(B, H_kv * n, S, D)) or
-    repeat_interleave(k, n, dim=1): query head h reads kv head h // n either way, which is how
-    the kernels and SDPA's enable_gqa map heads. Anything else is returned as it is."""
-    if not isinstance(x, fx.Node) or not x.args or not isinstance(x.args[0], fx.Node):
-        return x
-    name = match.op_name(x)
-    if name == "repeat_interleave":
-        a = _args(x, ("input", "repeats", "dim"))
-        return x.args[0] if a.get("dim") == 1 and isinstance(a.get("repeats"), int) else x
-    e = x.args[0]
-    if name not in ("reshape", "view") or match.op_name(e) != "expand" or not isinstance(e.args[0], fx.Node):
-        return x
-    h = e.args[0]
-    if not (match.is_getitem(h) and isinstance(h.args[0], fx.Node)):
-        return x
-    k = h.args[0]
-    kv, hv, ev, xv = (node_value(n) for n in (k, h, e, x))
-    if not all(isinstance(t, torch.Tensor) for t in (kv, hv, ev, xv)) or \
-            (kv.dim(), hv.dim(), ev.dim(), xv.dim()) != (4, 5, 5, 4):
-        return x
-    b, hk, s, d = kv.shape
-    ok = (_all_same(hv.shape, (b, hk, 1, s, d))
-          and _all_same(ev.shape[:2] + ev.shape[3:], (b, hk, s, d))
-          and _all_same(xv.shape, (b, hk * ev.shape[2], s, d)))
-    return k if ok else x
-
-
-def _all_same(xs, ys) -> bool:
-    return len(xs) == len(ys) and all(_same(a, b) for a, b in zip(xs, ys))
-
-
 def _check_qkv(q: fx.Node, k: fx.Node, v: fx.Node) -> Optional[str]:
     qv, kv, vv = (node_value(n) for n in (q, k, v))
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (qv, kv, vv)):
         return "q, k, v are not all (B, H, S, D) tensors"
-    if not (_same(kv.shape[0], qv.shape[0]) and _same(kv.shape[2], qv.shape[2])
-            and _same(kv.shape[3], qv.shape[3])):
+    if not (match.same_size(kv.shape[0], qv.shape[0]) and match.same_size(kv.shape[2], qv.shape[2])
+            and match.same_size(kv.shape[3], qv.shape[3])):
         return (f"k {tuple(kv.shape)} does not match q {tuple(qv.shape)} in batch, length or head dim "
                 "(cross-attention or a KV cache)")
-    if not all(_same(i, j) for i, j in zip(kv.shape, vv.shape)):
+    if not all(match.same_size(i, j) for i, j in zip(kv.shape, vv.shape)):
         return f"v {tuple(vv.shape)} differs from k {tuple(kv.shape)}"
     if not isinstance(qv.shape[1], int) or not isinstance(kv.shape[1], int) or qv.shape[1] % kv.shape[1]:
         return f"{qv.shape[1]} query heads are not a multiple of {kv.shape[1]} kv heads"
@@ -142,14 +99,14 @@ def _match_sdpa(node: fx.Node, ctx: PassContext) -> Union[Match, str, None]:
     """F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)."""
     if not match.is_functional_call(node, F.scaled_dot_product_attention):
         return None
-    a = _args(node, ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"))
+    a = match.named_args(node, ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"))
     p = a.get("dropout_p", 0.0)
     if not isinstance(p, (int, float)) or not 0 <= p < 1:
         return f"attention dropout p={p} is not a constant in [0, 1)"
     causal, scale, mask = a.get("is_causal", False), a.get("scale"), a.get("attn_mask")
     if not isinstance(causal, bool):
         return f"is_causal is not a constant ({causal})"
-    q, k, v = a["query"], _unwrap_repeat_kv(a["key"]), _unwrap_repeat_kv(a["value"])
+    q, k, v = a["query"], match.unwrap_repeat_kv(a["key"]), match.unwrap_repeat_kv(a["value"])
     why = _check_qkv(q, k, v)
     if why:
         return why
@@ -234,7 +191,7 @@ def _match_softmax_chain(node: fx.Node, ctx: PassContext) -> Union[Match, str, N
     if folded != (node_value(out).dim() == 3):
         return "scores and output differ in whether heads are folded into the batch"
     if match.op_name(scores) == "baddbmm":
-        a = _args(scores, ("input", "batch1", "batch2"))
+        a = match.named_args(scores, ("input", "batch1", "batch2"))
         q_arg, kt_arg = a["batch1"], a["batch2"]
     elif len(scores.args) == 2:
         q_arg, kt_arg = scores.args
@@ -249,7 +206,7 @@ def _match_softmax_chain(node: fx.Node, ctx: PassContext) -> Union[Match, str, N
         q, k, v = (_unfold_heads(t) for t in (q, k, v))
         if None in (q, k, v):
             return "heads are folded into the batch from something other than (B, H, S, D) tensors"
-    k, v = _unwrap_repeat_kv(k), _unwrap_repeat_kv(v)
+    k, v = match.unwrap_repeat_kv(k), match.unwrap_repeat_kv(v)
     why = _check_qkv(q, k, v)
     if why:
         return why
@@ -295,7 +252,7 @@ def _unfold_heads(x3: fx.Node) -> Optional[fx.Node]:
     if not (isinstance(v4, torch.Tensor) and isinstance(v3, torch.Tensor) and v4.dim() == 4 and v3.dim() == 3):
         return None
     b, h, s, d = v4.shape
-    return x4 if _all_same(v3.shape, (b * h, s, d)) else None
+    return x4 if match.all_same(v3.shape, (b * h, s, d)) else None
 
 
 def _key_bias_shape(bias: fx.Node, scores: fx.Node) -> Optional[str]:
@@ -306,8 +263,8 @@ def _key_bias_shape(bias: fx.Node, scores: fx.Node) -> Optional[str]:
     if bv.dim() > sv.dim() or bv.dim() < 2:
         return f"shape {tuple(bv.shape)}"
     shape = (1,) * (sv.dim() - bv.dim()) + tuple(bv.shape)
-    lead_ok = all(_same(a, 1) or _same(a, b) for a, b in zip(shape[:-2], sv.shape[:-2]))
-    if not (lead_ok and _same(shape[-2], 1) and _same(shape[-1], sv.shape[-1])):
+    lead_ok = all(match.same_size(a, 1) or match.same_size(a, b) for a, b in zip(shape[:-2], sv.shape[:-2]))
+    if not (lead_ok and match.same_size(shape[-2], 1) and match.same_size(shape[-1], sv.shape[-1])):
         return f"shape {tuple(bv.shape)} is not one value per key (its query dim must be 1)"
     return None
 
@@ -322,7 +279,7 @@ def _probs_matmul(softmax: fx.Node) -> Union[tuple[fx.Node, float], str]:
         (user,) = cur.users
         name, first = match.op_name(user), bool(user.args) and user.args[0] is cur
         if name == "dropout" and first:
-            d = _args(user, ("input", "p", "training", "inplace"))
+            d = match.named_args(user, ("input", "p", "training", "inplace"))
             p, training = d.get("p", 0.5), d.get("training", True)
             if not isinstance(training, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1 or drop:
                 return f"attention dropout p={p}, training={training}: not one constant dropout"
@@ -382,7 +339,7 @@ def _scores_matmul(x_in: fx.Node) -> Union[tuple, str]:
             return f"scores pass through {name} ({cur.name}) before the softmax"
         below, cur = cur, prev
     if match.op_name(cur) == "baddbmm":
-        a = _args(cur, ("input", "batch1", "batch2"))
+        a = match.named_args(cur, ("input", "batch1", "batch2"))
         beta, alpha = a.get("beta", 1), a.get("alpha", 1)
         if not all(isinstance(c, (int, float)) for c in (beta, alpha)):
             return f"baddbmm ({cur.name}) has non-constant beta or alpha"
@@ -507,6 +464,9 @@ def _fit(spec: Optional[AttentionSpec], m: Match) -> Union[AttentionSpec, str]:
     (the spec brings the pattern; causality and scale are the model's), or why it does not fit."""
     if m.window is not None and m.key_bias is not None:
         return f"its mask is a sliding window of {m.window} and its scores carry a per-key bias"
+    if _blocked_backward_only(spec):   # the model's own exact attention, its backward in blocks
+        own = _fit(None, m)
+        return dataclasses.replace(own, backward_blocks=spec.backward_blocks) if isinstance(own, Exact) else own
     if spec is None:
         if m.window is not None:   # the model's own window: the same keys, in O(S x window)
             return SlidingWindow(m.window, causal=True, softcap=m.softcap, dropout=m.dropout)
@@ -527,6 +487,12 @@ def _fit(spec: Optional[AttentionSpec], m: Match) -> Union[AttentionSpec, str]:
     if spec.scale is not None and abs(spec.scale - m.scale) > 1e-6 * abs(m.scale):
         return f"the spec's scale {spec.scale} differs from the model's {m.scale}"
     return spec
+
+
+def _blocked_backward_only(spec: Optional[AttentionSpec]) -> bool:
+    """Exact(backward_blocks=N) with nothing else of the model's attention restated."""
+    return (isinstance(spec, Exact) and spec.backward_blocks > 1 and spec.softcap is None and spec.score_mod is None
+            and not spec.dropout and spec.scale is None)
 
 
 class AttentionPass:

@@ -21,14 +21,14 @@ The attention operands are found as the tensors crossing between the block's tok
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
 
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import SeqInfo, node_value
-from tailorfx.rewrite.regions import RegionMap, is_param, token_segments
+from tailorfx.rewrite.regions import RegionMap, find_regions, is_param, token_segments
 from tailorfx.rewrite.trace import Sizer
 
 
@@ -88,7 +88,10 @@ def bound_shape(gm: fx.GraphModule, regions: RegionMap, seq: SeqInfo) -> Optiona
     kernels = [nodes[n] for n in last.nodes if match.op_name(nodes[n]) in match.ATTENTION_OPS]
     if kernels:   # q, k, v and the output of the block's attention kernel
         k = kernels[0]
-        attention = [t for t in match.tensors_in((k.args, k.kwargs))][:3] + match.tensors_in(node_value(k))[:1]
+        # k and v at their own head count (a graph whose SDPA reads repeat_kv's copies)
+        qkv = [a for a in (*k.args, *k.kwargs.values())
+               if isinstance(a, fx.Node) and isinstance(node_value(a), torch.Tensor)][:3]
+        attention = [node_value(match.unwrap_repeat_kv(a)) for a in qkv] + match.tensors_in(node_value(k))[:1]
     else:         # eager attention: what crosses between the token-wise segments and the mixing ops
         attn = [r for r in regions.of_kind("attention") if r.path.startswith(last.path + ".")]
         mixing = {n for n in (attn[0].nodes if attn else last.nodes) if cls.get(n) == "mix"}
@@ -97,3 +100,12 @@ def bound_shape(gm: fx.GraphModule, regions: RegionMap, seq: SeqInfo) -> Optiona
             attention += [node_value(nodes[i]) for i in seg.inputs if i in mixing and not is_param(nodes[i])]
     attention = [v for v in attention if isinstance(v, torch.Tensor) and len(seq.dims(v)) == 1]
     return BoundShape(tuple(boundaries), residual, tuple(attention))
+
+
+def bound_at(gm: fx.GraphModule, seq: SeqInfo, static_bytes: int) -> Optional[Callable[[int], Bound]]:
+    """The bound of a graph captured with a symbolic length, as a function of the length (None
+    without transformer blocks or a sequence symbol); `static_bytes`: what the setup holds."""
+    shape = bound_shape(gm, find_regions(gm, seq), seq) if seq.symbol is not None else None
+    if shape is None:
+        return None
+    return lambda S: Bound(S, static_bytes, shape.parts(Sizer(seq, S)))

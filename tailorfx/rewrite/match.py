@@ -135,3 +135,48 @@ def is_getitem(node: fx.Node) -> bool:
 
 def is_functional_call(node: fx.Node, fn: Any) -> bool:
     return node.op == "call_function" and node.target in (fn, getattr(F, getattr(fn, "__name__", ""), None))
+
+
+def named_args(node: fx.Node, names: tuple[str, ...]) -> dict:
+    """The node's positional arguments under `names`, its keyword arguments as they are."""
+    a = dict(zip(names, node.args))
+    a.update(node.kwargs)
+    return a
+
+
+def same_size(a, b) -> bool:
+    """Two sizes (ints or SymInts) that are the same expression."""
+    return compat.sym_expr(a) == compat.sym_expr(b)
+
+
+def unwrap_repeat_kv(x: fx.Node) -> fx.Node:
+    """k for repeat_kv(k) (k[:, :, None].expand(B, H_kv, n, S, D).reshape(B, H_kv * n, S, D)) or
+    repeat_interleave(k, n, dim=1): query head h reads kv head h // n either way, which is how
+    the kernels and SDPA's enable_gqa map heads. Anything else is returned as it is."""
+    if not isinstance(x, fx.Node) or not x.args or not isinstance(x.args[0], fx.Node):
+        return x
+    name = op_name(x)
+    if name == "repeat_interleave":
+        a = named_args(x, ("input", "repeats", "dim"))
+        return x.args[0] if a.get("dim") == 1 and isinstance(a.get("repeats"), int) else x
+    e = x.args[0]
+    if name not in ("reshape", "view") or op_name(e) != "expand" or not isinstance(e.args[0], fx.Node):
+        return x
+    h = e.args[0]
+    if not (is_getitem(h) and isinstance(h.args[0], fx.Node)):
+        return x
+    k = h.args[0]
+    kv, hv, ev, xv = (node_value(n) for n in (k, h, e, x))
+    if not all(isinstance(t, torch.Tensor) for t in (kv, hv, ev, xv)) or \
+            (kv.dim(), hv.dim(), ev.dim(), xv.dim()) != (4, 5, 5, 4):
+        return x
+    b, hk, s, d = kv.shape
+    ok = (all_same(hv.shape, (b, hk, 1, s, d))
+          and all_same(ev.shape[:2] + ev.shape[3:], (b, hk, s, d))
+          and all_same(xv.shape, (b, hk * ev.shape[2], s, d)))
+    return k if ok else x
+
+
+def all_same(xs, ys) -> bool:
+    """Two shapes of the same sizes (see same_size)."""
+    return len(xs) == len(ys) and all(same_size(a, b) for a, b in zip(xs, ys))

@@ -42,6 +42,7 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 _MAX_FLASH_CALLS = 256  # beyond this many documents, batched tile matmuls beat per-call overhead
+MIN_BLOCK_TOKENS = 256  # a blocked flash backward's blocks are at least this long (per-call overhead)
 
 
 def _document_runs(doc: Tensor) -> Optional[list[tuple[int, int, int]]]:
@@ -103,6 +104,38 @@ def _dense_backward(dout, q, k, v, out, lse, doc, scale, causal, tiles, softcap=
     return grads
 
 
+def _one_flash_call(q: Tensor, kind: str, doc: Optional[Tensor], softcap, dropout) -> bool:
+    """Dense attention without documents, soft-cap or dropout, on the CPU: one flash kernel call."""
+    return kind == "full" and doc is None and softcap is None and dropout is None and q.device.type == "cpu"
+
+
+def _block_step(seq: int, blocks: int) -> int:
+    return max(-(-seq // blocks), MIN_BLOCK_TOKENS) if blocks > 1 else seq
+
+
+def _blocked_flash_backward(dout, q, k, v, out, lse, scale, causal, blocks: int):
+    """The flash backward over (query block x key block) pairs of ceil(S / blocks) tokens: the
+    kernel's fp32 q-sized gradient accumulator shrinks to one block's. Exact: given the whole
+    row's out and lse, a key block's share of dq and a query block's share of dk, dv are the
+    kernel's own formulas restricted to the pair (P = exp(q k^T scale - lse), D = rowsum(dout *
+    out)); under causality blocks left of the diagonal are dense, diagonal ones causal (square,
+    top-left aligned), right of it skipped."""
+    S = q.shape[2]
+    step = _block_step(S, blocks)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for a in range(0, S, step):
+        b = min(a + step, S)
+        rows = (dout[:, :, a:b], q[:, :, a:b])
+        for c in range(0, b if causal else S, step):
+            d = min(c + step, S)
+            gq, gk, gv = _FLASH_BACKWARD(*rows, k[:, :, c:d], v[:, :, c:d], out[:, :, a:b], lse[:, :, a:b], 0.0,
+                                         causal and c == a, scale=scale)
+            dq[:, :, a:b] += gq
+            dk[:, :, c:d] += gk
+            dv[:, :, c:d] += gv
+    return dq, dk, dv
+
+
 # ---------------------------------------------------------------------------------------------
 # Block-sparse patterns: full + documents (dense engine above), sliding window, BigBird.
 
@@ -114,6 +147,8 @@ def sparse_attention(
     softcap: Optional[float] = None, dropout_p: float = 0.0, seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     drop = _dropout(dropout_p, seed)
+    if _one_flash_call(q, kind, document_ids, softcap, drop):
+        return _contiguous(*_FLASH(q, k, v, 0.0, causal, scale=scale)[:2])
     if kind == "full":
         return _contiguous(*_dense_forward(q, k, v, document_ids, scale, causal, (tile, kv_chunk), softcap, drop))
     pattern = Pattern(kind, tuple(params), causal, q.shape[2])
@@ -138,6 +173,10 @@ def sparse_attention_backward(
     seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     drop = _dropout(dropout_p, seed)
+    if _one_flash_call(q, kind, document_ids, softcap, drop):   # params: [blocks] of the backward, or none
+        if params and params[0] > 1:
+            return _contiguous(*_blocked_flash_backward(dout, q, k, v, out, lse, scale, causal, params[0]))
+        return _contiguous(*_FLASH_BACKWARD(dout, q, k, v, out, lse, 0.0, causal, scale=scale))
     if kind == "full":
         return _contiguous(*_dense_backward(dout, q, k, v, out, lse, document_ids, scale, causal,
                                             (tile, kv_chunk), softcap, drop))
@@ -457,6 +496,17 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
             return work * 6 // 8 + narrow * acc * q_elems
         return work * 13 // 8 + narrow * acc * (q_elems + 2 * kv_elems)
     kind, params = pattern_args
+    if kind == "full" and doc is None and softcap is None and not modded and not dropout and q.device.type == "cpu":
+        blocks = int(params[0]) if params else 0
+        step = _block_step(seq, blocks) if backward else seq
+        per_thread = torch.get_num_threads() * min(1 << 20, step * (256 if step < 192 else 512 if step < 768 else 1024))
+        if not backward:
+            return int(0.57 * per_thread)
+        if step >= seq:   # the kernel's fp32 q-sized accumulator
+            return 4 * q_elems + per_thread
+        # per block pair (measured, fp32): the accumulator and two q-block gradients, four k-blocks
+        qb, kb = q_elems * step // seq, kv_elems * step // seq
+        return 4 * qb + 2 * item * qb + 4 * item * kb + per_thread
     if kind == "full" and softcap is None and not modded and not dropout:   # CPU flash per document (sorted ids: packed sequences, the usual case)
         half = narrow * item * q_elems // 2   # narrow dtypes: measured +50% (fp32 work rows)
         return item * q_elems + half if not backward else item * (q_elems + 2 * kv_elems) + half
