@@ -26,6 +26,10 @@ def test_bound_parts_are_the_blocks_inputs_the_residual_gradient_and_the_attenti
     b = tailorfx.sequence_bound(hf_family("qwen2", **SIZES), None, seq_len=S, optimizer=None)
     assert b.parts == {"block boundaries": 2 * S * H * 4, "residual-stream gradient": S * H * 4,
                        "attention operands and their gradients": 2 * (2 * S * H + 2 * S * 64) * 4}
+    # a tied embedding and head (Gemma-2): the head's share of the weight's gradient waits for the
+    # embedding's, through every block's backward
+    tied = tailorfx.sequence_bound(hf_family("gemma2", **SIZES, head_dim=64), None, seq_len=S, optimizer=None)
+    assert tied.parts["tied weights' gradient"] == 2048 * H * 4
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma2"])

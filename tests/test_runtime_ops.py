@@ -483,3 +483,16 @@ def test_fused_head_transient_matches_the_allocator(softcap, with_grads):
     measured = tailorfx.measure_peak(lambda: fn(*args)) - sum(t.numel() * t.element_size() for t in outs)
     predicted = linear_ops.transient_bytes(name, args, int)
     assert -0.02 * measured <= predicted - measured <= 0.03 * measured, (measured, predicted)
+
+
+def test_a_gpu_budget_predicts_the_bf16_head_as_cuda_runs_it():
+    """A GPU budget is predicted on CPU fake tensors: the bf16 head's transient is then CUDA's
+    (bf16 GEMMs, a chunk's fp32 logits beside their bf16 gradient), not the CPU's fp32 copy of the
+    weight and fp32 weight-gradient accumulator (2 x V x H x 4 bytes more)."""
+    from tailorfx.runtime import linear_ops
+    h, w = torch.empty(1024, 64, dtype=torch.bfloat16), torch.empty(8192, 64, dtype=torch.bfloat16)
+    args = [h, w, None, torch.zeros(1024, dtype=torch.long), -100, "mean", 4, None, None, True, True, False]
+    name = "chunked_linear_cross_entropy_with_grads"
+    cuda = linear_ops.transient_bytes(name, args, int, cuda=True)
+    assert cuda == 256 * 8192 * (4 + 2)
+    assert linear_ops.transient_bytes(name, args, int) >= 2 * 8192 * 64 * 4   # CPU: the fp32 copies

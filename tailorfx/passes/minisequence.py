@@ -39,6 +39,7 @@ MAX_CHUNKS = 64
 # LM head, re-accumulates a V x H weight gradient) for little memory: below it, fewer chunks.
 MIN_CHUNK_TOKENS = 1024
 MIN_SEGMENT_CHUNK_TOKENS = 256
+SEGMENTS_HEAD_CHUNKS = 4096   # with segments the head chunks by MIN_SEGMENT_CHUNK_TOKENS alone (1M tokens)
 # Between the LM head and the loss only these may appear (dtype casts and reshapes).
 _PASSTHROUGH = frozenset({"float", "to", "view", "reshape", "contiguous", "type"})
 LOGITS_NOTE = ("logits=None: the LM head is fused with the loss in training with labels (as Liger-Kernel's "
@@ -275,14 +276,14 @@ class MiniSequence:
         outer = list(dict.fromkeys(a for n in members for a in n.all_input_nodes if a not in group
                                    and isinstance(node_value(a), torch.Tensor) and not is_param(a)))
         blocked = {nodes[n] for b in ctx.regions.of_kind("block") for n in b.nodes if n in nodes}
-        chain = token_producers(outer, ctx.regions.node_class, ctx.seq, blocked)
-        if not chain:
-            return members
-        inside = set(chain)
-        leaves = {a for p in chain for a in p.all_input_nodes
-                  if a not in inside and isinstance(node_value(a), torch.Tensor) and not is_param(a)}
-        size = lambda ns: sum(_hint_bytes(node_value(a), ctx) for a in ns)   # noqa: E731
-        if size(leaves) >= size(a for a in outer if a in inside):
+        inside: set = set()
+        for a in outer:   # each input on its own: sunk where what it is made from is smaller
+            chain = set(token_producers([a], ctx.regions.node_class, ctx.seq, blocked))
+            leaves = {x for p in chain for x in p.all_input_nodes
+                      if x not in chain and isinstance(node_value(x), torch.Tensor) and not is_param(x)}
+            if chain and sum(_hint_bytes(node_value(x), ctx) for x in leaves) < _hint_bytes(node_value(a), ctx):
+                inside |= chain
+        if not inside:
             return members
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         return sorted(inside | group, key=order.__getitem__)
@@ -347,8 +348,12 @@ class MiniSequence:
         h_dims = ctx.seq.dims(hv)
         if len(h_dims) != 1:
             return f"sequence dim of the LM head input not found ({h_dims})"
-        m = self._chunks(gm, h, h_dims[0], auto_chunks(_hint_bytes(node_value(head), ctx), _hint_bytes(hv, ctx)),
-                         loss)
+        # the plan that saves the most: chunks of min_tokens however long the sequence (a chunk's
+        # logits and their gradient are the head's transient); else as many as keep a chunk's
+        # logits within the size of the head's input, up to MAX_CHUNKS
+        ideal = SEGMENTS_HEAD_CHUNKS if self.segments else auto_chunks(_hint_bytes(node_value(head), ctx),
+                                                                        _hint_bytes(hv, ctx))
+        m = self._chunks(gm, h, h_dims[0], ideal, loss)
         options = {"ignore_index": int(kw.get("ignore_index", -100)), "reduction": reduction, "num_chunks": m}
         options.update({k: v for k, v in (("logit_softcap", softcap), ("logit_scale", logit_scale)) if v is not None})
         with gm.graph.inserting_before(loss):

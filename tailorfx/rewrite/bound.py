@@ -8,7 +8,10 @@ fuses, the optimizer step in backward included) holds at once:
   residual   - the gradient flowing down the residual stream, kept to add the attention path's;
   attention  - the attention kernel's backward operands at full length: q, k, v, its output, the
                output's gradient, and the gradients of q, k and v it writes (its log-sum-exp and
-               workspaces left out: the bound stays below).
+               workspaces left out: the bound stays below);
+  tied       - the gradient of a weight used both before the first block and after the last (a
+               tied embedding and LM head): the head's share exists, the embedding's not yet, so
+               no optimizer step can have consumed it.
 Token-wise segments chunked to the finest grain remove everything else; recompute cannot drop
 these. So `static + sum(parts)` is what a plan would peak at if nothing else were live: no plan's
 measured peak is below it (tests/test_bound.py), and the longest sequence whose bound fits a
@@ -59,12 +62,16 @@ class BoundShape:
     boundaries: tuple      # one fake tensor per block: its input on the residual stream
     residual: object       # the last block's input (the residual stream's gradient has its shape)
     attention: tuple       # the last block's attention operands and output
+    tied: tuple = ()       # trained weights used before the first block and after the last
 
     def parts(self, sizer: Sizer) -> dict[str, int]:
         size = lambda ts: sum(sizer(t) for t in ts)   # noqa: E731
-        return {"block boundaries": size(self.boundaries),
-                "residual-stream gradient": sizer(self.residual) if self.residual is not None else 0,
-                "attention operands and their gradients": 2 * size(self.attention)}
+        out = {"block boundaries": size(self.boundaries),
+               "residual-stream gradient": sizer(self.residual) if self.residual is not None else 0,
+               "attention operands and their gradients": 2 * size(self.attention)}
+        if self.tied:
+            out["tied weights' gradient"] = size(self.tied)
+        return out
 
 
 def bound_shape(gm: fx.GraphModule, regions: RegionMap, seq: SeqInfo) -> Optional[BoundShape]:
@@ -99,7 +106,12 @@ def bound_shape(gm: fx.GraphModule, regions: RegionMap, seq: SeqInfo) -> Optiona
             attention += [node_value(nodes[o]) for o in seg.outputs if any(u.name in mixing for u in nodes[o].users)]
             attention += [node_value(nodes[i]) for i in seg.inputs if i in mixing and not is_param(nodes[i])]
     attention = [v for v in attention if isinstance(v, torch.Tensor) and len(seq.dims(v)) == 1]
-    return BoundShape(tuple(boundaries), residual, tuple(attention))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    inside = [order[nodes[n]] for b in blocks for n in b.nodes if n in nodes]
+    first, end = min(inside), max(inside)
+    tied = [node_value(p) for p in gm.graph.nodes if is_param(p) and getattr(node_value(p), "requires_grad", False)
+            and any(order[u] < first for u in p.users) and any(order[u] > end for u in p.users)]
+    return BoundShape(tuple(boundaries), residual, tuple(attention), tuple(tied))
 
 
 def bound_at(gm: fx.GraphModule, seq: SeqInfo, static_bytes: int) -> Optional[Callable[[int], Bound]]:

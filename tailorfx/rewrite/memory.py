@@ -161,7 +161,8 @@ def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup) -> int:
         return 0
     from tailorfx.runtime import attention_kernels, ops
     args = list(fx.node.map_arg(node.args, node_value))
-    return (ops.transient_bytes(name, args, sizer.as_int)
+    # a GPU budget (setup.device: CUDA's costs) predicted on CPU fake tensors: the ops as CUDA runs them
+    return (ops.transient_bytes(name, args, sizer.as_int, cuda=setup.device is not None)
             + attention_kernels.transient_bytes(name, args, sizer.as_int))
 
 

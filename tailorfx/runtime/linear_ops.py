@@ -15,13 +15,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
-    """Bytes one of these ops allocates and frees inside itself (see ops.transient_bytes)."""
+def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = False) -> int:
+    """Bytes one of these ops allocates and frees inside itself (see ops.transient_bytes); `cuda`:
+    as the op runs on CUDA (a GPU budget predicted on CPU fake tensors)."""
     if op_name.startswith("chunked_linear_cross_entropy"):
         hidden, weight = args[0], args[1]
         n_rows, vocab = as_int(hidden.shape[0]), as_int(weight.shape[0])
         n = max(1, min(as_int(args[6]), n_rows))
-        if _in_weight_dtype(hidden, weight):
+        if _in_weight_dtype(hidden, weight, cuda):
             # the chunk's fp32 logits (x2 under a soft-cap: tanh's output in place, and the capped
             # logits) and, beside them, the chunk's logits or their gradient in the weight's dtype
             return int(-(-n_rows // n) * vocab * (4 * (2 if args[7] is not None else 1) + weight.element_size()))
@@ -161,11 +162,11 @@ def _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunk
     return loss.to(_loss_dtype(hidden, weight)), grad_h, grad_w, grad_b
 
 
-def _in_weight_dtype(hidden: Tensor, weight: Tensor) -> bool:
+def _in_weight_dtype(hidden: Tensor, weight: Tensor, cuda: bool = False) -> bool:
     """The head's GEMMs run in the weight's own low precision (see _lce_chunks): on CUDA (tensor
     cores). CPU upcasts: its bf16 GEMMs allocate fp32 scratch of their own, and run no faster."""
     return (hidden.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)
-            and weight.device.type == "cuda")
+            and (cuda or weight.device.type == "cuda"))
 
 
 def _loss_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:

@@ -147,11 +147,12 @@ def acc_dtype(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32) if t.is_floating_point() else t.dtype
 
 
-def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
+def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = False) -> int:
     """Bytes an op of this module allocates and frees inside itself (invisible to the graph).
 
     `args` are the node's arguments with tensors as fake values; `as_int` turns a size or SymInt
-    into an int at the length being predicted.
+    into an int at the length being predicted; `cuda`: as the ops run on CUDA (a GPU budget
+    predicted on CPU fake tensors).
     """
     op_name = op_name.replace("token_chunked_random", "token_chunked")   # the same chunks, plus an RNG state
     if op_name in ("token_chunked", "token_chunked_backward"):
@@ -178,7 +179,7 @@ def transient_bytes(op_name: str, args: list, as_int: Callable) -> int:
     if op_name.startswith("vocab_parallel_cross_entropy"):
         from tailorfx.runtime import vocab_parallel
         return vocab_parallel.transient_bytes(op_name, args, as_int)
-    return linear_ops.transient_bytes(op_name, args, as_int)
+    return linear_ops.transient_bytes(op_name, args, as_int, cuda)
 
 
 # ---------------------------------------------------------------------------------------------
