@@ -82,3 +82,23 @@ def test_optimize_under_a_device_preset_counts_the_example_batch():
     assert opt.predict_memory(32).device_bytes == costs.bytes(32) > costs.terms(32)["cublas_workspace"]
     plain = tailorfx.optimize(hf_family("llama", vocab_size=512), budget="1GB", example_inputs=example)
     assert plain.setup.device is None and plain.predict_memory(32).device_bytes == 0
+
+
+def test_a_device_preset_counts_flash_attentions_backward_scratch_once():
+    """On CPU fake tensors a GPU budget's attention backward is the CPU flash kernel's node: its
+    fp32 dq accumulator is CUDA's flash_backward_scratch (the device term), so the node itself adds
+    nothing; a byte budget counts the CPU kernel's accumulator at the node."""
+    from tailorfx import sizing
+    from models import hf_family
+    model = hf_family("llama", vocab_size=512)
+    preset = sizing.plan_for_budget(model, "A100-40GB", 256, setup="fp32")
+    plain = sizing.plan_for_budget(model, PRESETS["A100-40GB"], 256, setup="fp32")
+    name = "_scaled_dot_product_flash_attention_for_cpu_backward"
+
+    def at_backward(opt):
+        pts = opt.predict_memory(1024).timeline.points
+        i = next(i for i, (phase, node, _) in enumerate(pts) if node.startswith(name))
+        return pts[i][2] - pts[i - 1][2]   # what the node added: its outputs and transient
+    cfg = model.config
+    q_fp32 = 1024 * cfg.hidden_size * 4
+    assert at_backward(plain) - at_backward(preset) >= q_fp32

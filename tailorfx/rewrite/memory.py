@@ -144,6 +144,8 @@ def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup) -> int:
         # CPU flash attention's per-thread score blocks, and in backward an fp32 q-sized gradient
         # accumulator (measured, 40 to 16K tokens, 2-8 heads, D 16-128: backward = q's fp32 bytes
         # + per_thread a thread, forward about 0.57 of the per-thread part)
+        if setup.device is not None:
+            return 0   # a GPU budget on CPU fake tensors: CUDA's flash scratch is setup.device's term
         backward = t is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
         q = node_value(node.args[1] if backward else node.args[0])
         if not isinstance(q, torch.Tensor):
