@@ -40,7 +40,9 @@ Variants:
 - `tailorfx`: tailorfx.optimize(model, budget=..., optimizer="adamw") re-planned at each length
   (torch._dynamo.reset() first), trained with tailorfx.SetupOptimizer when the plan puts the
   optimizer step into backward; a BudgetError counts as not fitting. Its row also gives
-  tailorfx.max_seq_len(model, budget, optimizer="adamw"), the memory model's prediction.
+  tailorfx.max_seq_len(model, budget, optimizer="adamw"), the memory model's prediction, and
+  tailorfx.sequence_bound(model, budget, optimizer="adamw"): the longest any plan of tailorfx's
+  rewrites could fit (rewrite/bound.py), with the share of it the measured plan reached.
 
 Each variant is first checked against eager at --check-len tokens (fp32; the loss and every
 parameter's gradient within rtol 1e-4, atol 1e-6) and for whether its feature fired in that step
@@ -402,7 +404,9 @@ def run_family(family: str, a, headroom: int) -> dict:
         if key == "tailorfx":   # start where the memory model says (the search then measures)
             row["predicted"] = tailorfx.max_seq_len(base, budget, optimizer="adamw", granularity=a.granularity)
             start = a.start.get(key, row["predicted"])
-            print(f"    memory model: {row['predicted']}", flush=True)
+            # the longest any plan of tailorfx's rewrites could fit (a lower bound on every plan's peak)
+            row["bound"] = tailorfx.sequence_bound(base, budget, optimizer="adamw", granularity=a.granularity).seq_len
+            print(f"    memory model: {row['predicted']}; bound: {row['bound']}", flush=True)
         record: list = []
         if a.search:
             S, capped = longest(lambda s: fits(makers[key], s, budget, a.vocab, static,
@@ -477,14 +481,16 @@ def table(family: str, a, res: dict) -> None:
         exact = yes_no(ex.get("ok"))
         if ex.get("ok") is not None:
             exact += f" ({ex['grad_worst_tolerance_ratio']:.2g} of tol)"
+        bound = r.get("bound")
         rows.append([r["label"], "-" if S is None else f"{S}{'+' if r.get('capped_at_limit') else ''}",
                      f"{S / eager:.1f}x" if S and eager else "-", f"{S / alst:.2f}x" if S and alst else "-",
-                     exact, yes_no(fired), r.get("predicted", "-")])
+                     exact, yes_no(fired), r.get("predicted", "-"),
+                     f"{bound} ({S / bound:.0%})" if S and bound else "-"])
     print_table(f"HF {family}: longest sequence whose steady-state training step (forward, backward, AdamW step) "
                 f"fits {format_bytes(res['budget_bytes'])} (4 x param bytes + {a.headroom}); vocab {a.vocab}, "
                 f"hidden {a.hidden}, {a.layers} layers, fp32, batch 1",
                 ["variant", "longest sequence", "vs eager", "vs ALST", f"exact? (S={a.check_len})", "fired?",
-                 "predicted"], rows)
+                 "predicted", "bound (reached)"], rows)
     t = res.get("timing")
     if t:
         print(f"step time at S={a.time_at}: " + ", ".join(
