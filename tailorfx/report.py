@@ -119,6 +119,10 @@ class Report:
                         f"{_fmt(after.peak_bytes)} rewritten = params {_fmt(after.param_bytes)} + "
                         f"{_fmt(after.dynamic_peak_bytes)} allocated by the step at its peak "
                         f"({after.peak_phase}, {after.peak_node}; grads {_fmt(after.grad_bytes)})")
+        warns = list(self.session.warnings) + [w for g in self.session.graphs for w in g.warnings]
+        if self.eager_reason:
+            warns.insert(0, self.eager_reason)
+        head += [f"WARNING: {w}" for w in warns]
         limit = self.limit() if self.limit is not None and est is not None else None
         if limit is not None:
             b, longest = limit
@@ -129,10 +133,6 @@ class Report:
             if longest is not None:
                 head.append(f"the longest sequence any plan could fit in {self.budget}: {longest:,} tokens "
                             f"(tailorfx.sequence_bound; tailorfx.max_seq_len says how close the best plan comes)")
-        warns = list(self.session.warnings) + [w for g in self.session.graphs for w in g.warnings]
-        if self.eager_reason:
-            warns.insert(0, self.eager_reason)
-        head += [f"WARNING: {w}" for w in warns]
         return head
 
     def __rich_console__(self, console, options):

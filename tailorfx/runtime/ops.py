@@ -147,6 +147,13 @@ def acc_dtype(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32) if t.is_floating_point() else t.dtype
 
 
+def _copies(as_int: Callable, tensors: list) -> int:
+    """Bytes of the contiguous (tensor, sequence dim) pairs whose chunks the cost simulation copied
+    (some dim before the sequence dim is not 1) and one whole-tensor chunk does not."""
+    return sum(as_int(t.numel()) * t.element_size() for t, dim in tensors
+               if isinstance(t, Tensor) and t.is_contiguous() and any(as_int(d) != 1 for d in t.shape[:dim]))
+
+
 def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = False) -> int:
     """Bytes an op of this module allocates and frees inside itself (invisible to the graph).
 
@@ -165,7 +172,10 @@ def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = Fal
         n = max(1, min(as_int(n), tokens or 1))
         if op_name == "token_chunked":
             return int(fwd * -(-tokens // n))
-        return int(bwd * -(-tokens // n) + bwd_const)
+        # the chunk costs were simulated with each chunk (and its output gradient) copied; one
+        # chunk is the whole tensor, which .contiguous() returns as it is
+        whole = _copies(as_int, [(seq[0], seq_dim), (args[1], seq_dim)]) if n == 1 and seq else 0
+        return max(0, int(bwd * -(-tokens // n) + bwd_const) - whole)
     if op_name in ("token_segment", "token_segment_backward"):
         fwd_op = op_name == "token_segment"
         key, seq = args[0], (args[1] if fwd_op else args[2])
@@ -175,7 +185,13 @@ def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = Fal
         tokens = math.prod(as_int(d) for d in seq[0].shape[:in_dims[0] + 1]) if seq else 0
         n = max(1, min(as_int(n), as_int(seq[0].shape[in_dims[0]]) if seq else 1))
         per_chunk = -(-tokens // n)
-        return int(fwd * per_chunk) if fwd_op else int(bwd * per_chunk + bwd_const)
+        if fwd_op:
+            return int(fwd * per_chunk)
+        # as token_chunked_backward: one chunk is not copied (the output gradients always were)
+        whole = _copies(as_int, list(zip(seq, in_dims))) + sum(
+            as_int(g.numel()) * g.element_size() for g in args[1] if isinstance(g, Tensor) and g.is_contiguous()
+        ) if n == 1 else 0
+        return max(0, int(bwd * per_chunk + bwd_const) - whole)
     if op_name.startswith("vocab_parallel_cross_entropy"):
         from tailorfx.runtime import vocab_parallel
         return vocab_parallel.transient_bytes(op_name, args, as_int)
