@@ -25,7 +25,7 @@ def measured_step(opt, model, inputs) -> int:
 
 
 def test_prediction_within_3_percent_at_three_lengths():
-    """The README's claim: within 3% of the measured peak, and never more than 2% below it."""
+    """The claim of docs/memory.md: within 3% of the measured peak, and never more than 2% below it."""
     model = mid_llama()
     opt = tailorfx.optimize(model, passes=[], example_inputs=batch(B=1, S=64))
     rows = []

@@ -123,7 +123,7 @@ FP32_GRADS = TrainingSetup(param_dtype=torch.bfloat16, master_weights=True, grad
 @pytest.mark.parametrize("setup", [PRESETS["fp32"], FP32_GRADS], ids=["fp32", "bf16-fp32-grads"])
 def test_gradient_accumulation_is_predicted_for_the_last_micro_batch(setup):
     """fp32 with no rewrite runs under eager autograd (the "dynamo" lowering), where the model
-    over-predicts the accumulating step by 4.1%: the README states 5% for that case."""
+    over-predicts the accumulating step by 4.1%: docs/memory.md states 5% for that case."""
     setup = setup.with_(grad_accum_steps=2)
     measured, est = measured_full_step(setup, 64, accum=2)
     assert est.grad_bytes == sum(p.numel() * 4 for p in reference().parameters())   # fp32 either way
