@@ -403,8 +403,8 @@ def _parallel_module(model: nn.Module, options: Options, budget: Optional[Budget
     from tailorfx.parallelize import check_parallel, parallelize, stage_passes
     spec = check_parallel(parallel)
     if budget is not None:
-        raise ValueError("parallel= does not plan against a budget in this version: drop budget= (see "
-                         "opt.predict_memory() and `tailorfx plan --world` for each rank's memory), or run "
+        raise ValueError("parallel= does not plan against a budget (each rank's memory is predicted by "
+                         "opt.predict_memory() and `tailorfx plan --world`, not planned): drop budget=, or run "
                          "without parallel=")
     passes = stage_passes(spec, options.passes, options.options_dict().get("recompute_policy"))   # before any capture
     plan = parallelize(model, parallel, args, kwargs, passes=passes, options=options.options_dict())

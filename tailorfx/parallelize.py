@@ -270,24 +270,24 @@ def stage_passes(spec: dict, passes: Optional[tuple], recompute_policy: Optional
         return ()
     if spec["pp"] == 1:
         if spec["tp"] > 1 or spec["sp"]:
-            raise ValueError(f"parallel={_layout(spec)} runs without single-device rewrites in this version: "
-                             f"recompute is combined with dp (FSDP2) alone so far (under tp its per-rank "
-                             f"prediction is off by -4% to +11% of the measured peak); drop passes=")
+            raise ValueError(f"parallel={_layout(spec)} takes no single-device rewrite under tp or sp: "
+                             f"recompute runs with dp (FSDP2) alone, as under tp its per-rank prediction is "
+                             f"off by -4% to +11% of the measured peak; drop passes=")
         other = [p for p in passes if p not in SHARDED_PASSES]
         if other:
-            raise ValueError(f"parallel={_layout(spec)} takes {list(SHARDED_PASSES)} only in this version, not "
+            raise ValueError(f"parallel={_layout(spec)} takes {list(SHARDED_PASSES)} only, not "
                              f"{other}: drop them, or run the passes without parallel=")
         if recompute_policy not in (None, "full"):
             raise ValueError(f"recompute={recompute_policy!r} under parallel={_layout(spec)}: the sharded model's "
                              f"blocks are checkpointed whole (recompute='full'); drop recompute= or give 'full'")
         return tuple(passes)
     if not pipelined:
-        raise ValueError(f"parallel={_layout(spec)} runs without single-device rewrites in this version: drop "
-                         f"passes= (pipeline stages without tp take {list(STAGE_PASSES)}, dp alone "
-                         f"{list(SHARDED_PASSES)}), or run the passes without parallel=")
+        raise ValueError(f"parallel={_layout(spec)} takes no single-device rewrite: drop passes= (pipeline "
+                         f"stages without tp take {list(STAGE_PASSES)}, dp alone {list(SHARDED_PASSES)}), or "
+                         f"run the passes without parallel=")
     other = [p for p in passes if p not in STAGE_PASSES]
     if other:
-        raise ValueError(f"passes={list(passes)}: pipeline stages take {list(STAGE_PASSES)} only in this version, "
+        raise ValueError(f"passes={list(passes)}: pipeline stages take {list(STAGE_PASSES)} only, "
                          f"not {other} (they rewrite AOTAutograd's joint graph, which a stage run by torch's "
                          f"pipeline runtime does not have); drop them")
     return tuple(passes)

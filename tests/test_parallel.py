@@ -166,12 +166,12 @@ def test_bad_parallel_options_name_the_problem(bad, msg):
 
 
 @pytest.mark.parametrize("kw, msg", [
-    (dict(parallel=dict(tp=2), passes=["minisequence"]), r"parallel=dict\(tp=2\) runs without single-device rewrites"),
+    (dict(parallel=dict(tp=2), passes=["minisequence"]), r"parallel=dict\(tp=2\) takes no single-device rewrite"),
     (dict(parallel=dict(pp=2), passes=["minisequence", "recompute"]),
      r"pipeline stages take \['minisequence'\] only.*not \['recompute'\].*joint graph"),
     (dict(parallel=dict(pp=2), budget="1GB"), "does not plan against a budget"),
-    (dict(parallel=dict(tp=2), passes=["recompute"]), r"recompute is combined with dp \(FSDP2\) alone so far"),
-    (dict(parallel=dict(dp=2), passes=["minisequence"]), r"takes \['recompute'\] only in this version, not \['minisequence'\]"),
+    (dict(parallel=dict(tp=2), passes=["recompute"]), r"recompute runs with dp \(FSDP2\) alone"),
+    (dict(parallel=dict(dp=2), passes=["minisequence"]), r"takes \['recompute'\] only, not \['minisequence'\]"),
     (dict(parallel=dict(dp=2), passes=["recompute"], recompute="selective"), r"blocks are checkpointed whole"),
 ])
 def test_passes_and_budgets_under_parallel_say_what_runs(kw, msg):
