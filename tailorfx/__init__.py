@@ -4,10 +4,11 @@
     compiled = torch.compile(model, backend="tailorfx")
 """
 from tailorfx import attention
-from tailorfx.api import OptimizedModule, PredictionError, optimize
+from tailorfx.api import OptimizedModule, optimize
 from tailorfx.backend import tailorfx_backend
-from tailorfx.budget import Budget, BudgetError
+from tailorfx.budget import Budget
 from tailorfx.codegen.schedule import simulate_schedule
+from tailorfx.errors import BudgetError, PredictionError
 from tailorfx.runtime.measure import measure_peak
 from tailorfx.runtime.optim import SetupOptimizer
 from tailorfx.setup import PRESETS, TrainingSetup

@@ -11,7 +11,8 @@ import torch.nn as nn
 from tailorfx.backend import GraphRecord, Session, StepObservation, TailorBackend
 from tailorfx.options import Options, check_flag, check_passes, pass_options
 from tailorfx import planner
-from tailorfx.budget import Budget, BudgetError, format_bytes
+from tailorfx.budget import Budget, format_bytes
+from tailorfx.errors import BudgetError, PredictionError
 from tailorfx.report import Report
 from tailorfx import compat
 from tailorfx.rewrite import bound, memory
@@ -300,11 +301,6 @@ class OptimizedModule(nn.Module):
                 for spec, grid in kernel_launches(n):
                     out.setdefault(spec.name, (spec, grid))
         return out
-
-
-class PredictionError(RuntimeError):
-    """The memory model cannot predict this step (not all of it was captured, or a graph's sizes
-    do not follow the sequence length); the message says which and how to fix it."""
 
 
 def _carries_sequence(g: GraphRecord) -> bool:

@@ -14,7 +14,8 @@ import torch
 import torch.fx as fx
 
 from tailorfx import planner
-from tailorfx.budget import BudgetError, format_bytes
+from tailorfx.budget import format_bytes
+from tailorfx.errors import BudgetError
 from tailorfx.options import Options, backend_options
 from tailorfx.codegen import lower as lowering_mod
 from tailorfx.rewrite import memory

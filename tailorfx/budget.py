@@ -98,18 +98,6 @@ class CudaCosts:
         return cls(arch, (batch, heads, kv, head_dim, item))
 
 
-class BudgetError(ValueError):
-    """A budget no plan can meet; says the smallest peak reachable (`smallest_bytes`), the budget
-    that the planner accepts for it (`suggested_bytes`: that peak plus its headroom) and what
-    dominates it."""
-
-    def __init__(self, message: str, smallest_bytes: int = 0, dominant: str = "", suggested_bytes: int = 0):
-        super().__init__(message)
-        self.smallest_bytes = smallest_bytes
-        self.suggested_bytes = suggested_bytes or smallest_bytes
-        self.dominant = dominant
-
-
 @dataclass(frozen=True)
 class Budget:
     """A memory budget in bytes, with the text it came from."""

@@ -80,7 +80,8 @@ def cmd_plan(args):
     if args.world is not None:
         return cmd_plan_world(args)
     from tailorfx import sizing
-    from tailorfx.budget import Budget, BudgetError, format_bytes
+    from tailorfx.budget import Budget, format_bytes
+    from tailorfx.errors import BudgetError
     from tailorfx.setup import resolve
     if args.budget is None:
         raise ValueError("plan needs --budget SIZE (e.g. --budget 80GB), and --world N to lay the model out "
@@ -128,7 +129,8 @@ def cmd_plan(args):
 
 def cmd_plan_world(args):
     """`plan CONFIG --world N --budget B --seq S`: the layout of N ranks that fits, by prediction."""
-    from tailorfx.budget import Budget, BudgetError, format_bytes
+    from tailorfx.budget import Budget, format_bytes
+    from tailorfx.errors import BudgetError
     from tailorfx.parallel_memory import plan_world
     from tailorfx.setup import resolve
     if args.budget is None:

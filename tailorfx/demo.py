@@ -185,7 +185,7 @@ def plan(model, example: dict, budget: int, label: str, eager_total: int, tries:
     is replaced by the one the error suggests; a budget met only by moving the optimizer step into
     backward (which this demo's AdamW loop does not run) is raised half-way towards eager's peak."""
     import tailorfx
-    from tailorfx.budget import BudgetError
+    from tailorfx.errors import BudgetError
     for attempt in range(tries):
         try:
             with warnings.catch_warnings():   # handled below, in the demo's words

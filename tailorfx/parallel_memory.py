@@ -85,7 +85,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence, Union
 
-from tailorfx.budget import Budget, BudgetError, format_bytes
+from tailorfx.budget import Budget, format_bytes
+from tailorfx.errors import BudgetError
 from tailorfx.parallel_compose import fsdp_peak, pipeline_walk, shard_bytes, shard_shapes, stage_io, stage_profiles, tp_peak
 from tailorfx.parallel_trace import capture_rank, param_dtype, profile, tp_plan
 from tailorfx.rewrite import memory
@@ -223,7 +224,7 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     L = len(cap.blocks)
     notes = []
     if (dp > 1 or pp > 1) and not any(1 <= g <= L for g in cap.fw_group.values()):
-        from tailorfx.api import PredictionError
+        from tailorfx.errors import PredictionError
         raise PredictionError("cannot predict dp/pp per rank: no op of the traced step could be attributed to a "
                               "repeated block (FSDP's units, pipeline stages)" + ("" if L else
                               ": the graph has no repeated blocks"))

@@ -137,7 +137,7 @@ class ParallelPlan:
         sharded (the example's rows are this rank's micro-batch; under pp the whole step's,
         split into the micro-batches; under sp every rank's, split over the sequence). Kept per
         setup: the model's shapes do not change."""
-        from tailorfx.api import PredictionError
+        from tailorfx.errors import PredictionError
         length = self.example["input_ids"].shape[1] if "input_ids" in self.example else None
         if seq_len not in (None, length):
             raise PredictionError(f"under parallel= the prediction is at the example batch's length ({length}): "
@@ -168,7 +168,7 @@ class ParallelPlan:
                 self.fused_loss.clear()
 
     def _predict_composed(self, length: Optional[int], setup):
-        from tailorfx.api import PredictionError
+        from tailorfx.errors import PredictionError
         from tailorfx.parallel_memory import predict_rank_memory
         if self.source is None or length is None:
             raise PredictionError("per-rank prediction under dp/pp/sp needs the example batch's input_ids and the "

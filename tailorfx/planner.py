@@ -19,7 +19,8 @@ import torch.fx as fx
 
 from tailorfx import passes as pass_registry
 from tailorfx.attention import Exact
-from tailorfx.budget import Budget, BudgetError, format_bytes
+from tailorfx.budget import Budget, format_bytes
+from tailorfx.errors import BudgetError
 from tailorfx.codegen.lower import partition_for
 from tailorfx.progress import progress
 from tailorfx.rewrite import cost, memory, trace

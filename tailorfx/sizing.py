@@ -10,9 +10,10 @@ import torch
 import torch.nn as nn
 
 from tailorfx import compat, planner
-from tailorfx.api import OptimizedModule, PredictionError, optimize
+from tailorfx.api import OptimizedModule, optimize
 from tailorfx.attention import Exact
-from tailorfx.budget import Budget, BudgetError, format_bytes
+from tailorfx.budget import Budget, format_bytes
+from tailorfx.errors import BudgetError, PredictionError
 from tailorfx.options import check_passes, positive_int
 from tailorfx.progress import progress
 from tailorfx.rewrite import bound, memory

@@ -8,7 +8,7 @@ import tailorfx
 
 # bottom to top; a module's layer is that of the longest matching prefix
 LAYERS = (
-    ("compat",),
+    ("compat", "errors"),
     ("budget", "setup", "models", "progress"),
     ("runtime", "attention", "codegen.triton"),   # the kernel templates are a leaf library the runtime's ops launch
     ("rewrite",),

@@ -9,7 +9,8 @@ import torch
 from transformers import LlamaConfig
 
 from tailorfx import planner
-from tailorfx.budget import Budget, BudgetError, format_bytes
+from tailorfx.budget import Budget, format_bytes
+from tailorfx.errors import BudgetError
 from tailorfx.parallel_memory import plan_world, predict_rank_memory, preference
 
 SEQ = 64
