@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from tailorfx.cli_args import ArgParser, positive, positive_float
+
 REFERENCE = ["llama", "vocab_size=32000", "hidden_size=512", "intermediate_size=1376", "num_hidden_layers=4",
              "num_attention_heads=8", "num_key_value_heads=2"]
 INSPECT_PASSES = ["attention", "minisequence", "recompute"]
@@ -277,34 +279,6 @@ def cmd_bench(args):
         names = sorted(f[:-3] for f in os.listdir(here) if f.endswith(".py") and f != "common.py")
         raise ValueError(f"no benchmark {args.name!r}; available: {', '.join(names)}")
     sys.exit(subprocess.call([sys.executable, script, *args.rest]))
-
-
-class ArgParser(argparse.ArgumentParser):
-    """Bad arguments: one line on stderr, exit code 2."""
-
-    def error(self, message):
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        sys.exit(2)
-
-
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
 
 
 def parser() -> argparse.ArgumentParser:

@@ -47,7 +47,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from tailorfx.cli import ArgParser, positive, positive_float
+from tailorfx.cli_args import ArgParser, positive, positive_float
 
 # generated tables and test suites: not the prose-and-code a language model should learn from
 SKIP_PARTS = frozenset({"site-packages", "test", "tests", "idle_test", "encodings", "pydoc_data", "__phello__"})

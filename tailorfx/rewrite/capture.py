@@ -114,13 +114,38 @@ def _strippable(n: fx.Node) -> bool:
     return dropout_is_identity(n) and inplace is False and isinstance(n.args[0], fx.Node)
 
 
+OWNED = "tailorfx_owned"      # GraphModule attribute: name -> object its code needs at run time
+
+
+def clone(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy whose graph can be mutated without touching `gm` (node meta is shared, read-only);
+    it owns what `gm` owns."""
+    g = fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    copy = fx.GraphModule(gm, g)
+    if OWNED in gm.__dict__:
+        copy.__dict__[OWNED] = dict(gm.__dict__[OWNED])
+    return copy
+
+
+def own(gm: fx.GraphModule, name: str, obj: Any) -> None:
+    """Make `gm` own `obj`, which its code reaches by `name` at run time (a region token_chunked
+    runs by key): the object lives as long as the graph, and copies made by clone() own it too."""
+    gm.__dict__.setdefault(OWNED, {})[name] = obj
+
+
+def owned(gm: fx.GraphModule) -> dict:
+    """What `gm` owns, by name."""
+    return dict(gm.__dict__.get(OWNED, {}))
+
+
 def without_identity_dropout(gm: fx.GraphModule) -> fx.GraphModule:
     """`gm`, or a copy of it without the dropouts that return their input, for the memory model
     (memory.trace_step): eager dropout(p=0) is its input, traced it is a copy and a mask. A copy,
     since `gm` may be Dynamo's cached graph, which runs as it is."""
     if not any(_strippable(n) for n in gm.graph.nodes):
         return gm
-    from tailorfx.rewrite.passes import clone
     gm = clone(gm)
     strip_identity_dropout(gm)
     return gm

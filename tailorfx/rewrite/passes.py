@@ -11,11 +11,10 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch.fx as fx
 
-from tailorfx.rewrite.capture import SeqInfo, node_value
+from tailorfx.rewrite.capture import OWNED, SeqInfo, clone, node_value, own, owned  # noqa: F401  (re-exported)
 from tailorfx.rewrite.regions import RegionMap, find_regions
 
 PASS_META = "tailorfx_pass"   # node.meta key: the pass that created the node
-OWNED = "tailorfx_owned"      # GraphModule attribute: name -> object its code needs at run time
 
 
 @dataclass(frozen=True)
@@ -104,29 +103,6 @@ class PassRecord:
         lines = difflib.unified_diff(self.before.splitlines(), self.after.splitlines(),
                                      f"before {self.name}", f"after {self.name}", lineterm="", n=1)
         return "\n".join(lines)
-
-
-def clone(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy whose graph can be mutated without touching `gm` (node meta is shared, read-only);
-    it owns what `gm` owns."""
-    g = fx.Graph()
-    out = g.graph_copy(gm.graph, {})
-    g.output(out)
-    copy = fx.GraphModule(gm, g)
-    if OWNED in gm.__dict__:
-        copy.__dict__[OWNED] = dict(gm.__dict__[OWNED])
-    return copy
-
-
-def own(gm: fx.GraphModule, name: str, obj: Any) -> None:
-    """Make `gm` own `obj`, which its code reaches by `name` at run time (a region token_chunked
-    runs by key): the object lives as long as the graph, and copies made by clone() own it too."""
-    gm.__dict__.setdefault(OWNED, {})[name] = obj
-
-
-def owned(gm: fx.GraphModule) -> dict:
-    """What `gm` owns, by name."""
-    return dict(gm.__dict__.get(OWNED, {}))
 
 
 def annotate(node: fx.Node, like: Optional[fx.Node] = None, val: Any = None, *, pass_name: str) -> fx.Node:
