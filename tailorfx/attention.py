@@ -173,13 +173,14 @@ class Exact(AttentionSpec):
     `score_mod`: the name of a FlexAttention-style transform of the scaled (and soft-capped)
     scores, `fn(score, b, h, q_idx, kv_idx, score_tensor)` (attention_kernels.SCORE_MODS; built in:
     "key_bias", ALiBi's per-key bias), run by the tiles forward and backward; the call passes the
-    tensor it reads as `score_tensor=` (its gradient flows)."""
+    tensor it reads as `score_tensor=` (its gradient flows). `backward_blocks=N`: on the CPU, the
+    flash backward per (query block, key block) pair of S / N tokens, so its fp32 q-sized
+    accumulator is one block's; given to optimize(attention=...) alone, the model's own causality,
+    soft-cap, window and dropout are kept."""
 
     softcap: Optional[float] = None
     score_mod: Optional[str] = None
-    # CPU, no documents: the flash backward over (query x key) blocks of S / backward_blocks
-    # tokens, so its fp32 q-sized accumulator is one block's (exact; ~3% slower at 16K tokens)
-    backward_blocks: int = 0
+    backward_blocks: int = 0   # 0: one call (~3% faster at 16K tokens than blocks)
 
     def __post_init__(self):
         if not isinstance(self.backward_blocks, int) or self.backward_blocks < 0:
