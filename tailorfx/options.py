@@ -94,7 +94,7 @@ def policy_items(precision: Optional[str], policy: Optional[dict]) -> Optional[t
         return None
     if precision is None:
         raise ValueError("precision_policy= overrides the policy of precision='bf16'|'fp16'; pass precision too")
-    from tailorfx.passes.precision_policy import resolve_policy
+    from tailorfx.passes.precision.policy import resolve_policy
     resolve_policy(precision, policy)   # fails now, naming the bad entry
     return tuple(sorted(dict(policy).items()))
 

@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 import tailorfx
-from models import batch, hf_llama, tiny_llama
+from models import VOCAB, batch, hf_llama, tiny_llama
 from tailorfx.passes.minisequence import MiniSequence
 from tailorfx.rewrite.capture import capture_graphs
 from tailorfx.rewrite.passes import (PASS_META, PassContext, PassManager, PassResult, VerifyError, check_order,
@@ -139,7 +139,12 @@ def train_step(model, gm, inputs):
 
 
 def test_rewritten_graph_owns_its_regions():
-    c = captured()
+    # an MLP width no other test uses: a graph another test compiled in this process (Dynamo's
+    # cache keeps it) would otherwise hold the same region key registered
+    from tailorfx.models import LlamaConfig, LlamaLM
+    model = LlamaLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=168, num_hidden_layers=1,
+                                num_attention_heads=4, num_key_value_heads=2))
+    (c,), _ = capture_graphs(model, (), batch(S=16))
     gm = minisequence(c)
     keys = chunked_keys(gm)
     assert keys and not owned(c.gm), "the pass rewrote the manager's copy, not the captured graph"

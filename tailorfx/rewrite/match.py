@@ -23,14 +23,14 @@ def op_name(node: fx.Node) -> str:
     return short if short is not None else getattr(t, "__name__", str(t))
 
 
-LINEAR_OPS = frozenset({"linear", "linear_fp32_out"})   # F.linear(x, W, b); tailorfx's own (passes/precision.py)
+LINEAR_OPS = frozenset({"linear", "linear_fp32_out"})   # F.linear(x, W, b); tailorfx's own (passes/precision)
 MATMUL_OPS = frozenset({"addmm", "mm", "matmul", "bmm", "baddbmm", "einsum", "conv1d",
                         "_grouped_mm", "grouped_mm", "grouped_mm_fallback"}) | LINEAR_OPS   # MoE experts
 ATTENTION_OPS = frozenset({
     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "flex_attention", "_scaled_dot_product_cudnn_attention",
-    "attention_call", "sparse_attention", "dilated_attention",   # tailorfx's own (passes/attention.py)
+    "attention_call", "sparse_attention", "dilated_attention",   # tailorfx's own (passes/attention)
     "score_mod_attention", "triton_attention",
 })
 NORM_OPS = frozenset({"layer_norm", "rms_norm", "group_norm", "native_layer_norm", "_fused_rms_norm"})

@@ -32,8 +32,8 @@ import torch
 import torch.fx as fx
 
 from tailorfx.passes import register
-from tailorfx.passes.precision_policy import _VIEW_OPS, AUTO, DTYPES, LOW, POLICY, resolve_policy, router_nodes  # noqa: F401
-from tailorfx.passes.precision_cleanup import _is_cast, _to_dtype, cleanup
+from tailorfx.passes.precision.policy import _VIEW_OPS, AUTO, DTYPES, LOW, POLICY, resolve_policy, router_nodes  # noqa: F401
+from tailorfx.passes.precision.cleanup import _is_cast, _to_dtype, cleanup
 from tailorfx import compat
 from tailorfx.rewrite import match, saved_dtype
 from tailorfx.rewrite.capture import node_value

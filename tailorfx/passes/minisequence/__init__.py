@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch.fx.passes.tools_common import legalize_graph
 
 from tailorfx.passes import register
-from tailorfx.passes.minisequence_cost import (_cached_backward_cost, _cached_segment_backward_cost, _hint_bytes,
+from tailorfx.passes.minisequence.cost import (_cached_backward_cost, _cached_segment_backward_cost, _hint_bytes,
                                                _region_cost, _tokens)
 from tailorfx import compat
 from tailorfx.rewrite import match
