@@ -1,4 +1,4 @@
-"""One file per rewrite; each is pure: (GraphModule, ctx) -> PassResult.
+"""One module (or package, with its helpers) per rewrite; each is pure: (GraphModule, ctx) -> PassResult.
 
 REGISTRY maps the names users pass to `optimize(passes=[...])` to pass factories; a factory takes
 the options dict and returns a Pass.
