@@ -202,7 +202,7 @@ class OptimizedModule(nn.Module):
         """A table of what was rewritten and the predicted peak before/after each pass, and how far
         the plan is from the bound on every plan's peak (rewrite/bound.py)."""
         return Report(self.session, self.budget, self._eager_reason,
-                      lambda S, rewritten: self.predict_memory(S, rewritten=rewritten), self._limit)
+                      lambda S, rewritten: self.predict_memory(S, rewritten=rewritten), self.limit)
 
     def bound_at(self) -> Optional[Callable[[int], bound.Bound]]:
         """The lower bound on any plan's peak (rewrite/bound.py) as a function of the length, read
@@ -213,8 +213,9 @@ class OptimizedModule(nn.Module):
         est = self.predict_memory(1)
         return bound.bound_at(gs[0].rewritten, gs[0].seq, est.static_bytes + est.device_bytes)
 
-    def _limit(self) -> Optional[tuple[bound.Bound, Optional[int]]]:
-        """(the bound at the last length seen, the longest length whose bound fits the budget)."""
+    def limit(self) -> Optional[tuple[bound.Bound, Optional[int]]]:
+        """(the bound at the last length seen, the longest length whose bound fits the budget, None
+        without one); None when the graph gives no bound (see bound_at)."""
         at = self.bound_at() if self.session.seq_len else None
         if at is None:
             return None

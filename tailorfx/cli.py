@@ -116,12 +116,9 @@ def cmd_plan(args):
         print(f"predictions {opt.setup.device.describe(args.seq)}")
     print(f"longest sequence under {budget}: {longest:,} tokens at batch {args.batch} "
           f"(the plan that saves the most: segments + full recompute, attention backward in blocks)")
-    at = opt.bound_at()
-    if at is not None:
-        from tailorfx import planner
-        here = at(args.seq)
-        bound_len = planner.longest_fitting(lambda n: at(n).peak_bytes, planner.usable(budget.bytes, opt.setup.headroom),
-                                            1 << 24, 128)
+    limit = opt.limit()
+    if limit is not None:
+        here, bound_len = limit
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in here.parts.items())
         print(f"the limit: no plan of these rewrites fits more than {bound_len:,} tokens (the best plan reaches "
               f"{longest / bound_len:.0%} of it); at {args.seq:,} tokens no plan peaks below "

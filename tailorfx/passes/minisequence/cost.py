@@ -5,7 +5,7 @@ the memory model sees the transients the graph cannot show.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -104,9 +104,16 @@ def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
                 ops.region_chunk_grads(sub, [xc.requires_grad_(x.requires_grad)], whole,
                                        go.clone() if copied else go, seq_grad, acc, tail)
             return live.peak
+    return _per_token_and_constant(held, length, tokens)
+
+
+def _per_token_and_constant(held: Callable[[int], int], length: int, tokens: int) -> Optional[tuple[float, float]]:
+    """(bytes per token, constant bytes) from `held` at the captured length and twice it, so
+    weight-sized transients are not scaled with the chunk; None when `held` cannot run (the
+    estimate by hand, _region_cost, stands in)."""
     try:
         one, two = held(length), held(2 * length)
-    except Exception:   # the estimate by hand (_region_cost) stands in
+    except Exception:
         return None
     per_token = max(0.0, (two - one) / tokens)
     return per_token, max(0.0, one - per_token * tokens)
@@ -148,12 +155,7 @@ def _cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModul
                 ops.segment_chunk_grads(sub, [c.requires_grad_(t.requires_grad) for c, t in zip(xc, x)], w,
                                         [g.clone() for g in grads], seq_grads, acc)
             return live.peak
-    try:
-        one, two = held(length), held(2 * length)
-    except Exception:   # the estimate by hand (_region_cost) stands in
-        return None
-    per_token = max(0.0, (two - one) / tokens)
-    ctx.memo[memo] = (per_token, max(0.0, one - per_token * tokens))
+    ctx.memo[memo] = _per_token_and_constant(held, length, tokens)
     return ctx.memo[memo]
 
 
