@@ -377,7 +377,7 @@ class Point:
     saved_freed: tuple = ()   # bytes per part of the forward's saved tensors backward has freed so far
 
 
-class _TaggedPool(memory._Pool):
+class _TaggedPool(memory.Pool):
     """The memory model's pool, also counting live bytes per part of the model."""
 
     def __init__(self, cap: RankCapture):
@@ -426,12 +426,18 @@ class _TaggedPool(memory._Pool):
                 self.saved_freed[g] += nbytes
 
     def mark(self, phase: str, node: str, extra: int = 0) -> None:
+        super().mark(phase, node, extra)
         kind = "f" if phase.startswith("forward") else "b" if phase.startswith("backward") else "o"
         if kind != "o":
             names = self.cap.fw_group if kind == "f" else self.cap.bw_group
             self.current = names.get(node, self.current)
             attn = node in (self.cap.fw_attn if kind == "f" else self.cap.bw_attn)
             self.snapshot(kind, attn, extra)
+
+    def forward_done(self, k: int) -> None:
+        super().forward_done(k)
+        # what the forward leaves: a last stage keeps this per micro-batch (its logits are gone)
+        self.snapshot("e")
 
     def snapshot(self, kind: str, attn: bool = False, extra: int = 0) -> None:
         """A point of the profile: what is live now, per part (`extra` more in the running one)."""
@@ -448,10 +454,8 @@ def profile(cap: RankCapture, setup: TrainingSetup, keep_outputs: bool = True) -
     if key not in cap.profiles:
         s = setup.with_(grad_accum_steps=1)
         pool = _TaggedPool(cap)
-        sizer = memory.Sizer(cap.seq, None)
-        saved = _forward(pool, cap.steps, sizer, s, keep_outputs)
-        if cap.steps.bw is not None:
-            memory._backward(pool, cap.steps, 0, saved, sizer, s)
+        memory.simulate_step([cap.steps], cap.seq, setup=s, pool=pool,
+                             hold=memory.all_outputs if keep_outputs else memory.scalar_outputs)
         cap.profiles[key] = pool.points
         cap.profiles[("grad_burst", *_setup_key(setup))] = pool.grad_burst
     return cap.profiles[key]
@@ -466,26 +470,3 @@ def grad_burst(cap: RankCapture, setup: TrainingSetup) -> list[int]:
     """Per part, the most gradient bytes one backward op makes at once (after profile())."""
     return cap.profiles.get(("grad_burst", *_setup_key(setup)), [0] * cap.num_groups)
 
-
-def _forward(pool: _TaggedPool, st: memory.StepGraphs, sizer, setup: TrainingSetup, keep_outputs: bool) -> dict:
-    """memory._forward, except that without `keep_outputs` only a scalar output (the loss) is held."""
-    from tailorfx.rewrite.trace import _outputs
-    outs = memory._run_graph(st.fw, pool, {}, sizer, "forward[0]", setup)
-    nodes = _outputs(st.fw)
-    saved = {}
-    for o, sids in zip(nodes[st.num_user_outputs:], outs[st.num_user_outputs:]):
-        if isinstance(o, fx.Node):
-            saved[o.name] = sids
-            for sid in sids:
-                pool.hold(sid, ("saved", 0, o.name))
-    for o, sids in zip(nodes[:st.num_user_outputs], outs[:st.num_user_outputs]):
-        v = node_value(o) if isinstance(o, fx.Node) else None
-        if keep_outputs or (isinstance(v, torch.Tensor) and v.dim() == 0):
-            for sid in sids:
-                pool.hold(sid, ("user", 0))
-    for sids in outs:
-        for sid in sids:
-            pool.release(sid, "__out__")
-    # what the forward leaves: a last stage keeps this per micro-batch (its logits are gone)
-    pool.snapshot("e")
-    return saved

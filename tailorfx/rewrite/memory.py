@@ -20,7 +20,7 @@ from tailorfx import compat
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import SeqInfo, node_value
 from tailorfx.rewrite.optimizer_step import aliases_input, storage_root
-from tailorfx.rewrite.trace import (Sizer, StepGraphs, _outputs, fake_inputs, make_step,  # noqa: F401
+from tailorfx.rewrite.trace import (Sizer, StepGraphs, fake_inputs, graph_outputs, make_step,  # noqa: F401
                                     trace_step, trainable_inputs)
 from tailorfx.setup import TrainingSetup, resolve
 
@@ -87,8 +87,18 @@ class MemoryEstimate:
                 "CUDA workspaces": self.device_bytes}
 
 
-class _Pool:
-    """Storages alive during the simulation, each with the set of values holding it."""
+class Pool:
+    """Storages alive during the simulation, each with the set of values holding it.
+
+    The simulation calls `alloc` for each new storage, `hold`/`release` as holders take and drop
+    it (it is freed when the last one does), `mark` after each op (with the bytes the op holds
+    inside itself while it runs) and `forward_done` once a forward graph has returned. A
+    subclass may override these to observe the step (tailorfx.parallel.trace tags each storage
+    with the part of the model that made it); it must call the base methods. Holders: the fx
+    node whose value it is, `("saved", k, name)` (a forward output saved for backward k),
+    `("user", k)` (an output the caller holds), `("grad", k)`, `("tangent", k)`, "__out__" (a
+    graph's output on its way to the caller).
+    """
 
     def __init__(self, timeline: Timeline):
         self.bytes: dict[int, int] = {}
@@ -130,6 +140,23 @@ class _Pool:
     def mark(self, phase: str, node: str, extra: int = 0) -> None:
         self.timeline.points.append((phase, node, self.total + extra))
         self.timeline.grads.append(self.grad_total)
+
+    def forward_done(self, k: int) -> None:
+        """Forward graph `k` has returned: what it saved and what the caller holds are held, the
+        rest of its outputs freed."""
+
+
+def all_outputs(output) -> bool:
+    """Hold-output policy: the caller holds every output of the forward (a training loop holds the
+    model's output, logits included, through backward)."""
+    return True
+
+
+def scalar_outputs(output) -> bool:
+    """Hold-output policy: only a scalar output (the loss) outlives the forward; the others (the
+    logits) are freed as it returns, as a pipeline's last stage returns the loss alone."""
+    v = node_value(output) if isinstance(output, fx.Node) else None
+    return isinstance(v, torch.Tensor) and v.dim() == 0
 
 
 def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup) -> int:
@@ -180,7 +207,7 @@ def _replayed_value(n: fx.Node):
         return n.args[1](*args, **kwargs)
 
 
-def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: str, setup: TrainingSetup,
+def _run_graph(g: fx.GraphModule, pool: Pool, env: dict, sizer: Sizer, phase: str, setup: TrainingSetup,
                grad_nodes: frozenset = frozenset(), inputs_held: Optional[Callable[[], None]] = None,
                grads_consumed: bool = False) -> list:
     """Simulate one graph. `env` maps placeholder names to storage-id lists (pre-existing values);
@@ -236,7 +263,7 @@ def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: s
                 for sid in held.get(a, []):
                     pool.release(sid, a)
     outs = []
-    for o in _outputs(g):
+    for o in graph_outputs(g):
         outs.append(list(held.get(o, [])) if isinstance(o, fx.Node) else [])
         for sid in outs[-1]:
             pool.hold(sid, "__out__")
@@ -247,7 +274,7 @@ def _run_graph(g: fx.GraphModule, pool: _Pool, env: dict, sizer: Sizer, phase: s
     return outs
 
 
-def _run_schedule(g: fx.GraphModule, sched, pool: _Pool, env: dict, sizer: Sizer, phase: str,
+def _run_schedule(g: fx.GraphModule, sched, pool: Pool, env: dict, sizer: Sizer, phase: str,
                   setup: TrainingSetup, grads: bool = False, dropped: Optional[Callable[[str], None]] = None) -> list:
     """Simulate one graph as Inductor's generated code runs it (rewrite/inductor_schedule.py): its
     kernel calls in order, with what the code allocates before each and frees after. `env` as for
@@ -297,7 +324,7 @@ def _run_schedule(g: fx.GraphModule, sched, pool: _Pool, env: dict, sizer: Sizer
 
 def _grad_nodes(bw: fx.GraphModule) -> frozenset:
     """The backward's gradient values: its outputs and what it hands to in-graph optimizer steps."""
-    out = {o for o in _outputs(bw) if isinstance(o, fx.Node)}
+    out = {o for o in graph_outputs(bw) if isinstance(o, fx.Node)}
     out |= {n.args[2] for n in bw.graph.nodes
             if n.op == "call_function" and getattr(n.target, "__name__", "") == "grad_ready"}
     out = {o for o in out if isinstance(node_value(o), torch.Tensor)}
@@ -318,22 +345,26 @@ def _trained(steps: Sequence[StepGraphs], sizer: Sizer) -> list[tuple[int, torch
 
 def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
                   seq_len: Optional[int] = None, optimizer: Optional[str] = None,
-                  keep_outputs: bool = True, setup: Optional[TrainingSetup] = None) -> MemoryEstimate:
+                  keep_outputs: bool = True, setup: Optional[TrainingSetup] = None, *,
+                  hold: Callable[[object], bool] = all_outputs, pool: Optional[Pool] = None) -> MemoryEstimate:
     """Predict one training step over captured subgraphs run in order (forward, backward, update).
 
     `setup` says how the step trains (tailorfx.TrainingSetup: master weights, optimizer state,
     gradient accumulation, optimizer in backward); without it, the parameters' own dtype and
     `optimizer` (None, "sgd" or "adamw"). Gradient accumulation is predicted for the last
-    micro-batch, when the accumulated gradients already exist. `keep_outputs`: the caller holds
-    the model outputs (e.g. logits) through backward.
+    micro-batch, when the accumulated gradients already exist. `hold(output)`: whether the
+    caller holds that forward output past the forward (all_outputs, scalar_outputs);
+    `keep_outputs`: it holds those to the end of the step, not only through their graph's
+    backward. `pool`: the Pool to simulate in (a subclass that observes the step), a fresh one
+    by default.
     """
     sizer = Sizer(seq, seq_len)
     trained = _trained(steps, sizer)
     if setup is None:
         setup = resolve(None, param_dtype=trained[0][1] if trained else None, optimizer=optimizer)
     has_opt = setup.optimizer is not None
-    timeline = Timeline()
-    pool = _Pool(timeline)
+    pool = pool if pool is not None else Pool(Timeline())
+    timeline = pool.timeline
     param_bytes = grad_bytes = 0
     saved_total = 0
     if has_opt and setup.grad_accum_steps > 1:   # gradients of the earlier micro-batches
@@ -343,7 +374,7 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
     for k, st in enumerate(steps):
         param_bytes += sum(sizer(node_value(n)) for n, static in zip(_placeholders(st.fw), st.static_inputs)
                            if static and isinstance(node_value(n), torch.Tensor))
-        saved, user = _forward(pool, st, k, sizer, setup)
+        saved, user = _forward(pool, st, k, sizer, setup, hold)
         saved_total += sum(pool.bytes.get(s, 0) for s in {s for sids in saved.values() for s in sids})
         pending.append((k, st, saved, user))
     for k, st, saved, user in reversed(pending):
@@ -374,27 +405,30 @@ def _placeholders(g: fx.GraphModule) -> list[fx.Node]:
     return [n for n in g.graph.nodes if n.op == "placeholder"]
 
 
-def _forward(pool: _Pool, st: StepGraphs, k: int, sizer: Sizer, setup: TrainingSetup):
-    """Run one forward graph: (saved-for-backward name -> storage ids, the user outputs' ids),
-    each held until backward (saved) or the end of the step (user outputs)."""
+def _forward(pool: Pool, st: StepGraphs, k: int, sizer: Sizer, setup: TrainingSetup,
+             hold: Callable[[object], bool] = all_outputs):
+    """Run one forward graph: (saved-for-backward name -> storage ids, the held user outputs' ids),
+    each held until backward (saved) or the end of the step (the user outputs `hold` keeps)."""
     outs = (_run_schedule(st.fw, st.fw_schedule, pool, {}, sizer, f"forward[{k}]", setup) if st.fw_schedule
             else _run_graph(st.fw, pool, {}, sizer, f"forward[{k}]", setup))
+    nodes = graph_outputs(st.fw)
     saved = {}
-    for o, sids in zip(_outputs(st.fw)[st.num_user_outputs:], outs[st.num_user_outputs:]):
+    for o, sids in zip(nodes[st.num_user_outputs:], outs[st.num_user_outputs:]):
         if isinstance(o, fx.Node):
             saved[o.name] = sids
             for sid in sids:
                 pool.hold(sid, ("saved", k, o.name))
-    user = [sid for sids in outs[:st.num_user_outputs] for sid in sids]
+    user = [sid for o, sids in zip(nodes[:st.num_user_outputs], outs[:st.num_user_outputs]) if hold(o) for sid in sids]
     for sid in user:
         pool.hold(sid, ("user", k))
     for sids in outs:
         for sid in sids:
             pool.release(sid, "__out__")
+    pool.forward_done(k)
     return saved, user
 
 
-def _backward(pool: _Pool, st: StepGraphs, k: int, saved: dict, sizer: Sizer, setup: TrainingSetup) -> int:
+def _backward(pool: Pool, st: StepGraphs, k: int, saved: dict, sizer: Sizer, setup: TrainingSetup) -> int:
     """Run one backward graph and hand its gradients to autograd and the setup; returns the
     bytes of gradients that stay (see _accumulate)."""
     env = {}
@@ -431,7 +465,7 @@ def _backward(pool: _Pool, st: StepGraphs, k: int, saved: dict, sizer: Sizer, se
             pool.release(sid, ("tangent", k))
     # AccumulateGrad copies a gradient whose layout differs from its (contiguous) parameter,
     # one at a time, while the others are held
-    relayout = [sizer(node_value(o)) for o in _outputs(st.bw)
+    relayout = [sizer(node_value(o)) for o in graph_outputs(st.bw)
                 if isinstance(o, fx.Node) and isinstance(node_value(o), torch.Tensor)
                 and not node_value(o).is_contiguous()]
     if relayout:
@@ -439,7 +473,7 @@ def _backward(pool: _Pool, st: StepGraphs, k: int, saved: dict, sizer: Sizer, se
     return _accumulate(pool, [sids for sids in grads if sids], setup, k)
 
 
-def _accumulate(pool: _Pool, grads: list[list[int]], setup: TrainingSetup, k: int) -> int:
+def _accumulate(pool: Pool, grads: list[list[int]], setup: TrainingSetup, k: int) -> int:
     """What autograd and the setup do with the gradients one backward graph returned; returns the
     bytes of gradients that stay (new ones: accumulated ones were counted up front)."""
     phase = f"backward[{k}]"

@@ -147,11 +147,12 @@ def make_step(gm: fx.GraphModule, fw: fx.GraphModule, bw: Optional[fx.GraphModul
     if len(static) != len(fw_ph):   # AOTAutograd added or removed inputs: fall back on requires_grad
         static = [isinstance(node_value(n), torch.Tensor) and node_value(n).requires_grad for n in fw_ph]
     grads = [isinstance(v, torch.Tensor) and v.requires_grad for v in fake_inputs(gm)]
-    n_out = num_user_outputs if num_user_outputs is not None else len(_outputs(fw))
+    n_out = num_user_outputs if num_user_outputs is not None else len(graph_outputs(fw))
     return StepGraphs(fw, bw, n_out, static, grads + [False] * (len(fw_ph) - len(grads)))
 
 
-def _outputs(g: fx.GraphModule) -> list:
+def graph_outputs(g: fx.GraphModule) -> list:
+    """What `g` returns, in order (nodes, or constants such as None)."""
     out = next(n for n in reversed(g.graph.nodes) if n.op == "output")
     return list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
 
