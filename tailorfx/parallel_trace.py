@@ -17,28 +17,11 @@ import torch.fx as fx
 import torch.nn as nn
 
 from tailorfx import compat
+from tailorfx.models.build import built_on_fake_tensors, fake_copy, fake_mode_of
 from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import node_value, seq_info
 from tailorfx.rewrite.regions import find_regions, is_param, normalize_path, param_source
 from tailorfx.setup import TrainingSetup
-
-# ---- the model, built or copied under a FakeTensorMode ----------------------------------------------
-def fake_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose parameters and buffers are fake tensors (no memory): what the
-    predictions shard and capture. Other tensor attributes are copied as they are (small)."""
-    mode = _mode_of(model) or compat.FakeTensorMode(allow_non_fake_inputs=True)
-    memo: dict = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        if isinstance(t, compat.FakeTensor):
-            memo[id(t)] = t
-            continue
-        f = mode.from_tensor(t)
-        memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
-    return copy.deepcopy(model, memo)
-
-
-def _mode_of(model: nn.Module):
-    return compat.detect_fake_mode([*model.parameters(), *model.buffers()])
 
 
 def _source_key(src: Any) -> tuple:
@@ -64,23 +47,19 @@ def param_dtype(src: Any) -> Optional[torch.dtype]:
 
 @contextlib.contextmanager
 def _fake_model(src: Any, dtype: torch.dtype):
-    """A fresh module to shard and capture, and the FakeTensorMode it lives in (entered). A
+    """A fresh module to shard and capture, on fake tensors, inside their FakeTensorMode. A
     config is built in `dtype` (the setup's), whatever dtype it names itself."""
-    from tailorfx.sizing import _build
-    if isinstance(src, nn.Module):
-        model = fake_copy(src)
-        mode = _mode_of(model)
-        if any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
-            with mode:
-                model = model.to(dtype)       # the setup's weights
-    else:
+    if not isinstance(src, nn.Module):
         if hasattr(src, "to_dict") and getattr(src, "dtype", None) is not None:
             src = copy.deepcopy(src)
             src.dtype = dtype
-        mode = compat.FakeTensorMode(allow_non_fake_inputs=True)
-        with mode:
-            model = _build(src, dtype)
-    with mode:
+        with built_on_fake_tensors(src, dtype) as model:
+            yield model
+        return
+    model = fake_copy(src)
+    with fake_mode_of(model):
+        if any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
+            model = model.to(dtype)       # the setup's weights
         yield model
 
 

@@ -395,7 +395,7 @@ def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict, *, 
         args, kwargs = on_device((args, kwargs), device)
     source = None
     if spec["dp"] > 1 or spec["pp"] > 1 or spec["sp"] or rewrites:    # what per-rank predictions shard and capture
-        from tailorfx.parallel_trace import fake_copy
+        from tailorfx.models.build import fake_copy
         source = fake_copy(model)
     if spec["pp"] > 1:
         if spec["tp"] > 1:   # the stages are cut from the sharded model's graph; its head gathers the logits

@@ -9,35 +9,17 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from tailorfx import compat, planner
+from tailorfx import planner
 from tailorfx.api import OptimizedModule, optimize
 from tailorfx.attention import Exact
 from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError, PredictionError
+from tailorfx.models.build import built_on_fake_tensors
 from tailorfx.options import check_passes, positive_int
 from tailorfx.progress import progress
 from tailorfx.rewrite import bound, memory
 from tailorfx.setup import TrainingSetup, with_device_costs
 from tailorfx.setup import resolve as resolve_setup
-
-
-def _build(model_or_config: Any, dtype: Optional[torch.dtype]) -> nn.Module:
-    """A model from a model, a config (ours or Hugging Face's) or a zero-argument factory."""
-    from tailorfx.models import LlamaConfig, LlamaLM
-    old = torch.get_default_dtype()
-    if dtype is not None:
-        torch.set_default_dtype(dtype)
-    try:
-        if isinstance(model_or_config, LlamaConfig):
-            return LlamaLM(model_or_config)
-        if hasattr(model_or_config, "to_dict") and hasattr(model_or_config, "model_type"):
-            from transformers import AutoModelForCausalLM
-            return AutoModelForCausalLM.from_config(model_or_config)
-        if callable(model_or_config):
-            return model_or_config()
-    finally:
-        torch.set_default_dtype(old)
-    raise TypeError(f"max_seq_len takes a model, a config or a factory, got {type(model_or_config).__name__}")
 
 
 @contextlib.contextmanager
@@ -47,8 +29,8 @@ def _prediction_model(model_or_config: Any, dtype: Optional[torch.dtype]) -> Ite
     if isinstance(model_or_config, nn.Module):
         yield model_or_config
         return
-    with compat.FakeTensorMode(allow_non_fake_inputs=True):
-        yield _build(model_or_config, dtype)
+    with built_on_fake_tensors(model_or_config, dtype) as model:
+        yield model
 
 
 def capture_for_prediction(model_or_config: Any, passes: Sequence[str], seq_len: int = 256,
