@@ -397,7 +397,7 @@ def check_triton(model: nn.Module) -> None:
 def _parallel_module(model: nn.Module, options: Options, budget: Optional[Budget], parallel: dict,
                      args: tuple, kwargs: dict) -> OptimizedModule:
     """optimize(parallel=...): the plan read off the graph, applied with torch.distributed."""
-    from tailorfx.parallelize import check_parallel, parallelize, stage_passes
+    from tailorfx.parallel.apply import check_parallel, parallelize, stage_passes
     spec = check_parallel(parallel)
     if budget is not None:
         raise ValueError("parallel= does not plan against a budget (each rank's memory is predicted by "

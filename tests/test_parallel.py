@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models import hf_family
-from tailorfx.parallelize import check_parallel, plan_tensor_parallel
+from tailorfx.parallel.apply import check_parallel, plan_tensor_parallel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -183,7 +183,7 @@ def test_passes_and_budgets_under_parallel_say_what_runs(kw, msg):
 
 def test_checkpointed_blocks_run_without_a_kv_cache():
     """A checkpointed block runs its forward again in backward: a KV cache would take its keys twice."""
-    from tailorfx.parallelize import ParallelPlan
+    from tailorfx.parallel.apply import ParallelPlan
     model = hf_family("llama", vocab_size=512)
     plan = ParallelPlan(dp=2, passes=("recompute",))
     assert plan._without_cache(model, {"input_ids": 1})["use_cache"] is False
@@ -206,7 +206,7 @@ def test_parallel_outside_torchrun_says_how_to_launch(monkeypatch):
 def test_each_rank_takes_its_own_device():
     """On CUDA, rank r of a node runs on cuda:LOCAL_RANK (not GPU 0), and every batch given to the
     sharded model is moved there; without CUDA, the CPU. (CUDA itself: benchmarks/gpu_check.py.)"""
-    from tailorfx.parallelize import ParallelPlan
+    from tailorfx.parallel.apply import ParallelPlan
     from tailorfx.runtime.tensor_parallel import on_device, rank_device
     assert rank_device({"LOCAL_RANK": "3"}, cuda_available=True) == torch.device("cuda", 3)
     assert rank_device({}, cuda_available=True) == torch.device("cuda", 0)
@@ -339,8 +339,8 @@ def cut_and_run(family, num_stages, ids, passes=(), options=None, **overrides):
     """The step graph, rewritten by `passes` as optimize(parallel=dict(pp=...)) does, cut into
     stages and run one stage after the other, in one process."""
     from tailorfx.codegen.pipeline import capture_static, cut_stages
-    from tailorfx.parallelize import rewrite_step
-    from tailorfx.passes.pipeline_split import block_costs, split_points
+    from tailorfx.parallel.apply import rewrite_step
+    from tailorfx.parallel.stages import block_costs, split_points
     from tailorfx.rewrite.capture import seq_info
     from tailorfx.rewrite.regions import find_regions
     model = hf_family(family, num_layers=4, vocab_size=512, **overrides)

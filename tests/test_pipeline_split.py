@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models import hf_family
-from tailorfx.passes.pipeline_split import block_costs, split_points
+from tailorfx.parallel.stages import block_costs, split_points
 from tailorfx.rewrite.capture import capture_graphs
 from tailorfx.rewrite.regions import find_regions
 

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from tailorfx.passes.parallel import SequenceParallelError, TPPlan, infer_sequence_parallel, infer_tp_plan
+from tailorfx.parallel.tp_plan import SequenceParallelError, TPPlan, infer_sequence_parallel, infer_tp_plan
 from tailorfx.passes.minisequence import head_loss_transform
 from tailorfx.rewrite.capture import capture_graphs
 from tailorfx.rewrite.regions import find_regions
@@ -169,7 +169,7 @@ class ParallelPlan:
 
     def _predict_composed(self, length: Optional[int], setup):
         from tailorfx.errors import PredictionError
-        from tailorfx.parallel_memory import predict_rank_memory
+        from tailorfx.parallel.memory import predict_rank_memory
         if self.source is None or length is None:
             raise PredictionError("per-rank prediction under dp/pp/sp needs the example batch's input_ids and the "
                                   "model's copy taken before sharding (optimize(parallel=...) keeps both)")
@@ -447,7 +447,7 @@ def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh, *, dp_mesh=None, 
     schedule."""
     from tailorfx.codegen.pipeline import capture_static, cut_stages, pipeline_runtime
     from tailorfx.codegen.schedule import simulate_schedule
-    from tailorfx.passes.pipeline_split import block_costs, split_points
+    from tailorfx.parallel.stages import block_costs, split_points
     from tailorfx.rewrite.capture import seq_info
     m, pp, v = spec["microbatches"], spec["pp"], spec["virtual"]
     rows = {k: t.shape[0] for k, t in kwargs.items() if hasattr(t, "shape") and t.dim()}

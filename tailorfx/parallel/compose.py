@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from tailorfx.parallel_trace import Point, RankCapture, grad_burst
+from tailorfx.parallel.trace import Point, RankCapture, grad_burst
 from tailorfx.rewrite.capture import node_value
 
 _PARTS = ("activations", "gradients", "gathered parameters", "communication buffers")

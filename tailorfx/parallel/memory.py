@@ -87,8 +87,8 @@ from typing import Any, Optional, Sequence, Union
 
 from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError
-from tailorfx.parallel_compose import fsdp_peak, pipeline_walk, shard_bytes, shard_shapes, stage_io, stage_profiles, tp_peak
-from tailorfx.parallel_trace import capture_rank, param_dtype, profile, tp_plan
+from tailorfx.parallel.compose import fsdp_peak, pipeline_walk, shard_bytes, shard_shapes, stage_io, stage_profiles, tp_peak
+from tailorfx.parallel.trace import capture_rank, param_dtype, profile, tp_plan
 from tailorfx.rewrite import memory
 from tailorfx.setup import TrainingSetup
 from tailorfx.setup import resolve as resolve_setup
@@ -205,7 +205,7 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     """
     from tailorfx.codegen.schedule import build_schedule, simulate_schedule
     from tailorfx.options import positive_int
-    from tailorfx.parallelize import check_parallel, stage_passes
+    from tailorfx.parallel.apply import check_parallel, stage_passes
     spec = check_parallel({"tp": tp, "dp": dp, "pp": pp, "sp": sp, "schedule": schedule,
                            "microbatches": microbatches or pp, "vocab_loss": vocab_loss})
     positive_int("seq_len", seq_len, allow_none=False)
@@ -235,7 +235,7 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     comm_resident = 0
     rank_label = "every rank"
     if pp > 1:
-        from tailorfx.passes.pipeline_split import block_costs, split_points
+        from tailorfx.parallel.stages import block_costs, split_points
         costs = cap.stage_costs or block_costs(cap.gm, cap.regions)
         starts = split_points(costs.flops, pp * v, costs.bytes, costs.first_flops, costs.last_flops)
         bounds = [*starts, len(costs.blocks)]

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from tailorfx.passes.parallel_shapes import getitem_keeps, perm_dim, same, shape_of, view_dim
+from tailorfx.parallel.shapes import getitem_keeps, perm_dim, same, shape_of, view_dim
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.regions import is_param, is_weight_matmul, module_paths

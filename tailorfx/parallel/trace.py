@@ -159,7 +159,7 @@ def _remember(key: tuple, src: Any, cap: RankCapture) -> RankCapture:
 
 def _capture_on(src, key, *, tp, rows, seq, head, dtype, mesh, passes) -> RankCapture:
     from tailorfx.codegen.pipeline import capture_static
-    from tailorfx.parallelize import accepts_use_cache
+    from tailorfx.parallel.apply import accepts_use_cache
     scope = contextlib.nullcontext
     with _fake_model(src, dtype) as model:
         ids = torch.zeros(rows, seq, dtype=torch.long, device=_device(model))
@@ -172,7 +172,7 @@ def _capture_on(src, key, *, tp, rows, seq, head, dtype, mesh, passes) -> RankCa
             vocab = next((f for f, st in styles.items() if st.startswith("colwise_vocab_parallel")), None)
             if vocab is not None:
                 from torch.distributed.tensor.parallel import loss_parallel
-                from tailorfx.parallelize import fuse_head_loss
+                from tailorfx.parallel.apply import fuse_head_loss
                 scope = loss_parallel
                 fuse_head_loss(model, vocab, tp_plan(src, dtype, model).head_loss,
                                "loss_parallel" if head.endswith("+loss_parallel") else "fused")
@@ -196,8 +196,8 @@ def _traced(gm: fx.GraphModule, local: dict, passes: tuple, scope: Callable) -> 
     """`gm` rewritten by `passes`, traced and tagged by part; the stages are cut by the graph as
     captured (without passes, predict_rank_memory reads the capture's own)."""
     from tailorfx.codegen.lower import partition_for
-    from tailorfx.parallelize import rewrite_step
-    from tailorfx.passes.pipeline_split import block_costs
+    from tailorfx.parallel.apply import rewrite_step
+    from tailorfx.parallel.stages import block_costs
     costs = block_costs(gm, find_regions(gm, seq_info(gm, None))) if passes else None
     gm, _ = rewrite_step(gm, passes)
     with scope():     # AOTAutograd outside the model's fake mode (it makes its own), collectives still known
@@ -214,7 +214,7 @@ def _device(model: nn.Module) -> torch.device:
 def tp_plan(src: Any, dtype: torch.dtype, model: Optional[nn.Module] = None):
     """The TP plan read off the model's graph (passes/parallel.py), once per model: it does not
     depend on tp. `model`: an already built fake copy to read it from."""
-    from tailorfx.parallelize import plan_tensor_parallel
+    from tailorfx.parallel.apply import plan_tensor_parallel
     key = _source_key(src)
     hit = _TP_PLANS.get(key)
     if hit is not None and (hit[1] is None or hit[1]() is src):
@@ -237,7 +237,7 @@ def _tp_styles(model: nn.Module, src: Any, dtype: torch.dtype, tp: int, head: st
     plan.check(tp)
     if head == "sequence":
         if plan.sequence_error:
-            from tailorfx.passes.parallel import SequenceParallelError
+            from tailorfx.parallel.tp_plan import SequenceParallelError
             raise SequenceParallelError(plan.sequence_error)
         return {**plan.styles, **plan.sequence}
     if head == "gather":
