@@ -397,13 +397,14 @@ def check_triton(model: nn.Module) -> None:
 def _parallel_module(model: nn.Module, options: Options, budget: Optional[Budget], parallel: dict,
                      args: tuple, kwargs: dict) -> OptimizedModule:
     """optimize(parallel=...): the plan read off the graph, applied with torch.distributed."""
-    from tailorfx.parallel.apply import check_parallel, parallelize, stage_passes
-    spec = check_parallel(parallel)
+    from tailorfx.parallel.apply import parallelize
+    from tailorfx.parallel.spec import ParallelSpec
+    spec = ParallelSpec.parse(parallel)
     if budget is not None:
         raise ValueError("parallel= does not plan against a budget (each rank's memory is predicted by "
                          "opt.predict_memory() and `tailorfx plan --world`, not planned): drop budget=, or run "
                          "without parallel=")
-    passes = stage_passes(spec, options.passes, options.options_dict().get("recompute_policy"))   # before any capture
+    passes = spec.rewrites(options.passes, options.options_dict().get("recompute_policy"))   # before any capture
     plan = parallelize(model, parallel, args, kwargs, passes=passes, options=options.options_dict())
     opt = OptimizedModule(model, options, budget)
     opt.session.parallel = plan

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from models import hf_family
-from tailorfx.parallel.apply import check_parallel, plan_tensor_parallel
+from tailorfx.parallel.apply import plan_tensor_parallel
+from tailorfx.parallel.spec import ParallelSpec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -119,7 +120,7 @@ def test_vocab_parallel_cross_entropy_equals_torch_on_one_rank():
 
 def test_bad_vocab_loss_names_the_choices():
     with pytest.raises(ValueError, match="'fused'.*'loss_parallel'"):
-        check_parallel(dict(tp=2, vocab_loss="chunked"))
+        ParallelSpec.parse(dict(tp=2, vocab_loss="chunked"))
 
 
 @pytest.mark.parametrize("family, module, reason", [
@@ -149,6 +150,18 @@ def test_tp_must_divide_the_heads_read_off_the_graph():
         plan.check(4)
 
 
+def test_a_spec_is_checked_when_made_and_reads_as_written():
+    import dataclasses
+    spec = ParallelSpec.parse(dict(pp=2, schedule="interleaved_1f1b"))
+    assert (spec.microbatches, spec.virtual, spec.num_stages) == (2, 2, 4)     # microbatches: pp by default
+    assert str(spec) == "dict(pp=2, schedule='interleaved_1f1b')"
+    assert ParallelSpec.parse(spec) is spec
+    with pytest.raises(ValueError, match=r"parallel=dict\(tp=0\): tp=0 is not valid: a positive int"):
+        ParallelSpec(tp=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.tp = 2
+
+
 @pytest.mark.parametrize("bad, msg", [
     (dict(tp=0), "tp=0 is not valid"),
     (dict(dp=2, pp=2, sp="ulysses"), "without tp/pp"),
@@ -162,7 +175,7 @@ def test_tp_must_divide_the_heads_read_off_the_graph():
 ])
 def test_bad_parallel_options_name_the_problem(bad, msg):
     with pytest.raises(ValueError, match=msg):
-        check_parallel(bad)
+        ParallelSpec.parse(bad)
 
 
 @pytest.mark.parametrize("kw, msg", [

@@ -20,20 +20,12 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
+from tailorfx.parallel.spec import ParallelSpec
 from tailorfx.parallel.tp_plan import SequenceParallelError, TPPlan, infer_sequence_parallel, infer_tp_plan
 from tailorfx.passes.minisequence import head_loss_transform
 from tailorfx.rewrite.capture import capture_graphs
 from tailorfx.rewrite.regions import find_regions
 from tailorfx.runtime.tensor_parallel import on_device, rank_device
-
-KEYS = ("tp", "dp", "pp", "sp", "schedule", "microbatches", "vocab_loss")
-# The single-device rewrites a pipeline's step graph takes before it is cut: exact, structural
-# (custom ops that stages run under eager autograd); the others need AOTAutograd's joint graph
-STAGE_PASSES = ("minisequence",)
-# What the sharded model takes under dp (FSDP2) alone: "recompute", each repeated block one
-# activation-checkpointing unit (torch's composable checkpoint), which saves only its input
-SHARDED_PASSES = ("recompute",)
-
 
 @dataclass
 class ParallelPlan:
@@ -202,7 +194,7 @@ class ParallelPlan:
                                               f"the sequence per tp rank"))
         if self.dp > 1 and self.pp == 1:
             rows += [(b, f"fully_shard over dp={self.dp}") for b in self.blocks] + [("(root)", f"fully_shard over dp={self.dp}")]
-        if "recompute" in self.passes:    # pipeline stages never take it (stage_passes)
+        if "recompute" in self.passes:    # pipeline stages never take it (ParallelSpec.rewrites)
             rows += [(b, "recompute: activation checkpointing (torch's composable checkpoint), the block saves "
                          "only its input and runs its forward again in backward") for b in self.blocks]
         return rows
@@ -222,79 +214,6 @@ def _ulysses_loss(loss, size: int, group):
     total = loss.detach().clone()
     dist.all_reduce(total, group=group)
     return loss * size + (total - loss.detach() * size)
-
-
-def check_parallel(parallel: Any) -> dict:
-    """The user's `parallel=` dict, checked: positive ints for tp/dp; what is not built yet says so."""
-    if not isinstance(parallel, dict):
-        raise ValueError(f"parallel={parallel!r} is not valid: give a dict such as parallel=dict(tp=2, dp=2)")
-    unknown = sorted(set(parallel) - set(KEYS))
-    if unknown:
-        raise ValueError(f"unknown parallel option(s) {unknown}; allowed: {list(KEYS)}")
-    for k in ("tp", "dp", "pp", "microbatches"):
-        v = parallel.get(k, 1)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"parallel={parallel!r}: {k}={v!r} is not valid: a positive int")
-    from tailorfx.codegen.schedule import SCHEDULES
-    tp, dp, pp = (parallel.get(k, 1) for k in ("tp", "dp", "pp"))
-    sp = parallel.get("sp")
-    if sp not in (None, "ulysses", "megatron"):
-        raise ValueError(f"parallel={parallel!r}: sp={sp!r} is not valid: 'ulysses' (the dp ranks split the "
-                         f"sequence instead of the batch), 'megatron' (the tp ranks split the sequence between "
-                         f"the sharded layers: norms, residual) or None")
-    if sp == "megatron" and (tp < 2 or pp > 1):
-        raise ValueError(f"parallel={parallel!r}: sp='megatron' splits the sequence over the tp ranks between the "
-                         f"sharded layers: give tp>=2, without pp (not combined yet)")
-    if sp == "ulysses" and (dp < 2 or tp * pp > 1):
-        raise ValueError(f"parallel={parallel!r}: sp='ulysses' splits the sequence over the dp ranks: give dp>=2, "
-                         f"without tp/pp (not combined yet)")
-    if parallel.get("vocab_loss", "fused") not in ("fused", "loss_parallel"):
-        raise ValueError(f"parallel={parallel!r}: vocab_loss={parallel['vocab_loss']!r} is not valid: 'fused' (the "
-                         f"vocab-parallel head's cross-entropy in row chunks, no logits-sized tensor kept) or "
-                         f"'loss_parallel' (DTensor's, on the logits shard)")
-    schedule = parallel.get("schedule", "1f1b")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"parallel={parallel!r}: schedule={schedule!r} is not valid: one of {list(SCHEDULES)}")
-    return {"tp": tp, "dp": dp, "pp": pp, "sp": sp, "schedule": schedule, "microbatches": parallel.get("microbatches", pp),
-            "virtual": 2 if schedule == "interleaved_1f1b" else 1, "vocab_loss": parallel.get("vocab_loss", "fused")}
-
-
-def stage_passes(spec: dict, passes: Optional[tuple], recompute_policy: Optional[str] = None) -> tuple[str, ...]:
-    """The rewrites a parallel layout takes (`passes`, as optimize() got it): None, the default,
-    is STAGE_PASSES under pp without tp, none otherwise; [] none. Under dp alone the sharded
-    model takes SHARDED_PASSES. Any other request says what runs."""
-    pipelined = spec["pp"] > 1 and spec["tp"] == 1
-    if passes is None:
-        return STAGE_PASSES if pipelined else ()
-    if not passes:
-        return ()
-    if spec["pp"] == 1:
-        if spec["tp"] > 1 or spec["sp"]:
-            raise ValueError(f"parallel={_layout(spec)} takes no single-device rewrite under tp or sp: "
-                             f"recompute runs with dp (FSDP2) alone, as under tp its per-rank prediction is "
-                             f"off by -4% to +11% of the measured peak; drop passes=")
-        other = [p for p in passes if p not in SHARDED_PASSES]
-        if other:
-            raise ValueError(f"parallel={_layout(spec)} takes {list(SHARDED_PASSES)} only, not "
-                             f"{other}: drop them, or run the passes without parallel=")
-        if recompute_policy not in (None, "full"):
-            raise ValueError(f"recompute={recompute_policy!r} under parallel={_layout(spec)}: the sharded model's "
-                             f"blocks are checkpointed whole (recompute='full'); drop recompute= or give 'full'")
-        return tuple(passes)
-    if not pipelined:
-        raise ValueError(f"parallel={_layout(spec)} takes no single-device rewrite: drop passes= (pipeline "
-                         f"stages without tp take {list(STAGE_PASSES)}, dp alone {list(SHARDED_PASSES)}), or "
-                         f"run the passes without parallel=")
-    other = [p for p in passes if p not in STAGE_PASSES]
-    if other:
-        raise ValueError(f"passes={list(passes)}: pipeline stages take {list(STAGE_PASSES)} only, "
-                         f"not {other} (they rewrite AOTAutograd's joint graph, which a stage run by torch's "
-                         f"pipeline runtime does not have); drop them")
-    return tuple(passes)
-
-
-def _layout(spec: dict) -> str:
-    return "dict(" + ", ".join(f"{k}={spec[k]!r}" for k in ("tp", "dp", "pp", "sp") if spec[k] not in (1, None)) + ")"
 
 
 def rewrite_step(gm, passes: tuple[str, ...], options: Optional[dict] = None):
@@ -378,68 +297,68 @@ def fuse_head_loss(model: nn.Module, head: str, transform: Any, choice: str = "f
     return fused, f"loss fused with it ({chunks} row chunks, no logits-sized tensor kept for backward)"
 
 
-def parallelize(model: nn.Module, parallel: dict, args: tuple, kwargs: dict, *, passes: Optional[tuple] = None,
+def parallelize(model: nn.Module, parallel: Any, args: tuple, kwargs: dict, *, passes: Optional[tuple] = None,
                 options: Optional[dict] = None) -> ParallelPlan:
     """Shard `model` in place as `parallel` asks; returns what was done (for the report).
-    `passes`, `options`: optimize()'s (pipeline stages take STAGE_PASSES, see stage_passes)."""
+    `passes`, `options`: optimize()'s (see ParallelSpec.rewrites)."""
     from tailorfx.runtime.tensor_parallel import apply_checkpoint, apply_fsdp, apply_loss_parallel, apply_tp, device_mesh
-    spec = check_parallel(parallel)
-    rewrites = stage_passes(spec, passes, (options or {}).get("recompute_policy"))
+    spec = ParallelSpec.parse(parallel)
+    rewrites = spec.rewrites(passes, (options or {}).get("recompute_policy"))
     if not args and not kwargs:
         raise ValueError("parallel= needs example_inputs: the tensor-parallel plan is read off the graph "
                          "of one forward pass")
     device = rank_device()
-    mesh = device_mesh(tp=spec["tp"], dp=spec["dp"], pp=spec["pp"], device=device)
+    mesh = device_mesh(tp=spec.tp, dp=spec.dp, pp=spec.pp, device=device)
     if device.type == "cuda":   # each rank on its own GPU (a model moved to "cuda" before is on GPU 0 everywhere)
         model.to(device)
         args, kwargs = on_device((args, kwargs), device)
     source = None
-    if spec["dp"] > 1 or spec["pp"] > 1 or spec["sp"] or rewrites:    # what per-rank predictions shard and capture
+    if spec.dp > 1 or spec.pp > 1 or spec.sp or rewrites:    # what per-rank predictions shard and capture
         from tailorfx.models.build import fake_copy
         source = fake_copy(model)
-    if spec["pp"] > 1:
-        if spec["tp"] > 1:   # the stages are cut from the sharded model's graph; its head gathers the logits
+    if spec.pp > 1:
+        if spec.tp > 1:   # the stages are cut from the sharded model's graph; its head gathers the logits
             tp_plan, _ = plan_tensor_parallel(model, args, kwargs)
-            tp_plan.check(spec["tp"])
+            tp_plan.check(spec.tp)
             styles = {f: ("colwise_gather_output" if st == "colwise_vocab_parallel" else st)
                       for f, st in tp_plan.styles.items()}
             apply_tp(model, styles=styles, mesh=mesh["tp"])
         out = pipeline(model, spec, kwargs, mesh["pp"], dp_mesh=mesh["dp"], passes=rewrites, options=options,
                        device=device)
-        if spec["tp"] > 1:
-            out.tp, out.styles, out.replicated = spec["tp"], styles, dict(tp_plan.replicated)
+        if spec.tp > 1:
+            out.tp, out.styles, out.replicated = spec.tp, styles, dict(tp_plan.replicated)
         out.example, out.source, out.tp_mesh = dict(kwargs), source, mesh["tp"]
         out.pp_rank, out.device = mesh["pp"].get_local_rank(), device
         return out
     tp_plan, blocks = plan_tensor_parallel(model, args, kwargs)
-    out = ParallelPlan(spec["tp"], spec["dp"], blocks=blocks, example=dict(kwargs), source=source, tp_mesh=mesh["tp"],
+    out = ParallelPlan(spec.tp, spec.dp, blocks=blocks, example=dict(kwargs), source=source, tp_mesh=mesh["tp"],
                        passes=rewrites, device=device)
-    if spec["sp"] == "megatron":
+    if spec.sp == "megatron":
         if tp_plan.sequence_error:
             raise SequenceParallelError(tp_plan.sequence_error)
         tp_plan.styles.update(tp_plan.sequence)
-    if spec["tp"] > 1:
-        tp_plan.check(spec["tp"])
+    if spec.tp > 1:
+        tp_plan.check(spec.tp)
         apply_tp(model, styles=tp_plan.styles, mesh=mesh["tp"])
         out.styles, out.replicated = dict(tp_plan.styles), dict(tp_plan.replicated)
         head = next((f for f, st in tp_plan.styles.items() if st.startswith("colwise_vocab_parallel")), None)
         if head is not None:
             out.loss_scope = apply_loss_parallel(model, head=head)
-            out.fused_loss, out.head_note = fuse_head_loss(model, head, tp_plan.head_loss, spec["vocab_loss"])
-    if spec["sp"] == "megatron":
+            out.fused_loss, out.head_note = fuse_head_loss(model, head, tp_plan.head_loss, spec.vocab_loss)
+    if spec.sp == "megatron":
         out.sp = "megatron"
-    elif spec["sp"]:
+    elif spec.sp:
         from tailorfx.runtime.ulysses import register
-        model.set_attn_implementation(register(group=mesh["dp"].get_group(), size=spec["dp"]))
-        out.sp, out.dp_group, out.dp_rank = spec["sp"], mesh["dp"].get_group(), mesh["dp"].get_local_rank()
+        model.set_attn_implementation(register(group=mesh["dp"].get_group(), size=spec.dp))
+        out.sp, out.dp_group, out.dp_rank = spec.sp, mesh["dp"].get_group(), mesh["dp"].get_local_rank()
     if "recompute" in rewrites:     # inside FSDP's units, as torchtitan composes them
         apply_checkpoint(model, blocks=blocks)
-    if spec["dp"] > 1:
+    if spec.dp > 1:
         apply_fsdp(model, blocks=blocks, mesh=mesh["dp"])
     return out
 
 
-def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh, *, dp_mesh=None, passes: tuple = (),
+def pipeline(model: nn.Module, spec: ParallelSpec, kwargs: dict, mesh, *, dp_mesh=None, passes: tuple = (),
              options: Optional[dict] = None, device=None) -> ParallelPlan:
     """Cut the model's step graph into pp * virtual stages balanced by the cost model (on the
     graph as captured), after `passes` rewrote it, shard this rank's stages over the dp ranks
@@ -449,7 +368,7 @@ def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh, *, dp_mesh=None, 
     from tailorfx.codegen.schedule import simulate_schedule
     from tailorfx.parallel.stages import block_costs, split_points
     from tailorfx.rewrite.capture import seq_info
-    m, pp, v = spec["microbatches"], spec["pp"], spec["virtual"]
+    m, pp, v = spec.microbatches, spec.pp, spec.virtual
     rows = {k: t.shape[0] for k, t in kwargs.items() if hasattr(t, "shape") and t.dim()}
     if any(r % m for r in rows.values()):
         raise ValueError(f"example_inputs have {sorted(set(rows.values()))} rows, which microbatches={m} does not "
@@ -473,11 +392,11 @@ def pipeline(model: nn.Module, spec: dict, kwargs: dict, mesh, *, dp_mesh=None, 
     if dp_mesh is not None:     # a dp mesh of one rank shards nothing
         from tailorfx.runtime.tensor_parallel import apply_fsdp_stages
         apply_fsdp_stages([stages[s] for s in range(rank, num_stages, pp)], model=model, mesh=dp_mesh)
-    runtime = pipeline_runtime(stages, rank=rank, num_ranks=pp, name=spec["schedule"], microbatches=m, virtual=v,
+    runtime = pipeline_runtime(stages, rank=rank, num_ranks=pp, name=spec.schedule, microbatches=m, virtual=v,
                                group=mesh.get_group(), device=device)
     mine = {id(p) for s in range(rank, num_stages, pp) for p in stages[s].parameters()}
-    bubble = float(simulate_schedule(spec["schedule"], pp, m, virtual=v).bubble)
-    return ParallelPlan(pp=pp, dp=spec["dp"], schedule=spec["schedule"], microbatches=m, stage_blocks=stage_blocks, bubble=bubble,
+    bubble = float(simulate_schedule(spec.schedule, pp, m, virtual=v).bubble)
+    return ParallelPlan(pp=pp, dp=spec.dp, schedule=spec.schedule, microbatches=m, stage_blocks=stage_blocks, bubble=bubble,
                         runtime=runtime, rank_params=mine, is_last=(num_stages - 1) % pp == rank,
                         blocks=list(costs.blocks), passes=tuple(passes), rewrites=describe_rewrites(records),
-                        captured=captured if spec["tp"] == 1 else None)
+                        captured=captured if spec.tp == 1 else None)

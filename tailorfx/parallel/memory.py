@@ -87,6 +87,7 @@ from typing import Any, Optional, Sequence, Union
 
 from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError
+from tailorfx.parallel.spec import ParallelSpec, describe_layout
 from tailorfx.parallel.compose import fsdp_peak, pipeline_walk, shard_bytes, shard_shapes, stage_io, stage_profiles, tp_peak
 from tailorfx.parallel.trace import capture_rank, param_dtype, profile, tp_plan
 from tailorfx.rewrite import memory
@@ -175,13 +176,6 @@ class RankMemory:
         return f"{self.layout()}: {format_bytes(self.peak_bytes)} per rank ({self.rank}; {parts})"
 
 
-def describe_layout(tp: int, pp: int, dp: int, sp: Optional[str]) -> str:
-    parts = [f"{k}{v}" for k, v in (("tp", tp), ("pp", pp), ("dp", dp)) if v > 1]
-    s = "x".join(parts) or "1 rank"
-    return s + (f" (sp={sp})" if sp else "")
-
-
-
 # ---- predict_rank_memory -------------------------------------------------------------------------------
 def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: int = 1, sp: Optional[str] = None,
                         schedule: str = "1f1b", microbatches: Optional[int] = None, seq_len: int,
@@ -205,12 +199,11 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     """
     from tailorfx.codegen.schedule import build_schedule, simulate_schedule
     from tailorfx.options import positive_int
-    from tailorfx.parallel.apply import check_parallel, stage_passes
-    spec = check_parallel({"tp": tp, "dp": dp, "pp": pp, "sp": sp, "schedule": schedule,
-                           "microbatches": microbatches or pp, "vocab_loss": vocab_loss})
+    spec = ParallelSpec(tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule, microbatches=microbatches or pp,
+                        vocab_loss=vocab_loss)
     positive_int("seq_len", seq_len, allow_none=False)
     positive_int("batch_size", batch_size, allow_none=False)
-    m, v = spec["microbatches"], spec["virtual"]
+    m, v = spec.microbatches, spec.virtual
     s = resolve_setup(setup, param_dtype=param_dtype(model_or_config))
     ulysses = sp == "ulysses"
     if ulysses and seq_len % dp:
@@ -219,7 +212,7 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     head = ("gather" if pp > 1 else "sequence" if sp == "megatron" else "vocab") + (
         "+loss_parallel" if vocab_loss == "loss_parallel" else "")
     cap = capture_rank(model_or_config, tp=tp, rows=batch_size, seq=seq, head=head, dtype=s.param_dtype, mesh=_mesh,
-                       passes=stage_passes(spec, passes), graph=_graph)
+                       passes=spec.rewrites(passes), graph=_graph)
     points = profile(cap, s)
     L = len(cap.blocks)
     notes = []
