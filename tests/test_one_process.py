@@ -207,7 +207,7 @@ def test_captures_after_a_users_compile_hit_its_recompile_limit():
     captures (the tensor-parallel plan, pipeline stages) then trace in a region of their own
     instead of reading an empty capture, and optimize() still rewrites."""
     from tailorfx.codegen.pipeline import capture_static
-    from tailorfx.parallel.apply import plan_tensor_parallel
+    from tailorfx.parallel.plan import plan_tensor_parallel
     compiled = []
 
     def counting(gm, example_inputs):

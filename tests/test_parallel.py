@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models import hf_family
-from tailorfx.parallel.apply import plan_tensor_parallel
+from tailorfx.parallel.plan import plan_tensor_parallel
 from tailorfx.parallel.spec import ParallelSpec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -352,16 +352,14 @@ def cut_and_run(family, num_stages, ids, passes=(), options=None, **overrides):
     """The step graph, rewritten by `passes` as optimize(parallel=dict(pp=...)) does, cut into
     stages and run one stage after the other, in one process."""
     from tailorfx.codegen.pipeline import capture_static, cut_stages
-    from tailorfx.parallel.apply import rewrite_step
-    from tailorfx.parallel.stages import block_costs, split_points
+    from tailorfx.parallel.plan import rewrite_step
+    from tailorfx.parallel.stages import block_costs, stage_blocks
     from tailorfx.rewrite.capture import seq_info
     from tailorfx.rewrite.regions import find_regions
     model = hf_family(family, num_layers=4, vocab_size=512, **overrides)
     gm, example, kw = capture_static(model, dict(input_ids=ids, labels=ids))
     regions = find_regions(gm, seq_info(gm, None))
-    c = block_costs(gm, regions)
-    starts = split_points(c.flops, num_stages, c.bytes, c.first_flops, c.last_flops)
-    stage_of = {b.path: max(i for i, s in enumerate(starts) if s <= k) for k, b in enumerate(regions.of_kind("block"))}
+    stage_of = {b: i for i, blocks in enumerate(stage_blocks(block_costs(gm, regions), num_stages)) for b in blocks}
     gm, _ = rewrite_step(gm, passes, options)
     regions = find_regions(gm, seq_info(gm, None))
     block_stage = {n: stage_of[b.path] for b in regions.of_kind("block") for n in b.nodes}

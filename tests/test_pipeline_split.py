@@ -1,4 +1,5 @@
-"""Pipeline split points: the dynamic program against brute force, and on an HF model's graph."""
+"""Pipeline split points (tailorfx/parallel/stages.py): the dynamic program against brute force,
+and on an HF model's graph."""
 import itertools
 import random
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from models import hf_family
-from tailorfx.parallel.stages import block_costs, split_points
+from tailorfx.parallel.stages import block_costs, split_points, stage_blocks
 from tailorfx.rewrite.capture import capture_graphs
 from tailorfx.rewrite.regions import find_regions
 
@@ -60,6 +61,7 @@ def test_hf_llama_blocks_cost_alike_and_the_head_shortens_the_last_stage():
     assert split_points(c.flops, 2, c.bytes) == [0, 3]
     starts = split_points(c.flops, 2, c.bytes, c.first_flops, c.last_flops)
     assert starts[1] > 3     # the last stage carries the head: it takes fewer blocks
+    assert stage_blocks(c, 2) == [c.blocks[:starts[1]], c.blocks[starts[1]:]]
 
 
 def takes_own_parameters(inputs: list, model, other) -> bool:

@@ -20,10 +20,11 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
+from tailorfx.parallel.plan import (accepts_use_cache, describe_rewrites, head_style, plan_tensor_parallel,
+                                    rewrite_step, tp_styles)
+from tailorfx.parallel.shard import shard_model
 from tailorfx.parallel.spec import ParallelSpec
-from tailorfx.parallel.tp_plan import SequenceParallelError, TPPlan, infer_sequence_parallel, infer_tp_plan
-from tailorfx.passes.minisequence import head_loss_transform
-from tailorfx.rewrite.capture import capture_graphs
+from tailorfx.parallel.stages import block_costs, stage_blocks
 from tailorfx.rewrite.regions import find_regions
 from tailorfx.runtime.tensor_parallel import on_device, rank_device
 
@@ -200,13 +201,6 @@ class ParallelPlan:
         return rows
 
 
-def accepts_use_cache(model: nn.Module) -> bool:
-    """Whether `model` is a transformers model whose forward takes use_cache."""
-    import inspect
-    return (getattr(getattr(model, "config", None), "use_cache", None) is not None
-            and "use_cache" in inspect.signature(model.forward).parameters)
-
-
 def _ulysses_loss(loss, size: int, group):
     """The whole sequence's loss as the value; as the gradient, `size` times this rank's share, so
     FSDP's mean over the ranks sums the shares (each is its tokens' sum over the whole count)."""
@@ -216,92 +210,11 @@ def _ulysses_loss(loss, size: int, group):
     return loss * size + (total - loss.detach() * size)
 
 
-def rewrite_step(gm, passes: tuple[str, ...], options: Optional[dict] = None):
-    """`gm` (a static training-step graph) after `passes`, as optimize() runs them on one device;
-    also the pass records (empty when nothing ran)."""
-    if not passes:
-        return gm, []
-    from tailorfx import planner
-    from tailorfx.rewrite.capture import seq_info
-    from tailorfx.rewrite.passes import PassContext
-    seq = seq_info(gm, None)
-    regions = find_regions(gm, seq)
-    # the pass's own options only: kernels= would add the Triton kernel passes, a budget the planner
-    mine = {k: v for k, v in (options or {}).items() if k.startswith("minisequence") or k == "keep_logits"}
-    plan = planner.choose(list(passes), regions, {**mine, "training": True})
-    rewritten, records, _ = planner.run_plan(plan, gm, PassContext(regions, seq, plan.options))
-    return rewritten, records
-
-
-def describe_rewrites(records) -> list[tuple[str, str]]:
-    """Report rows: each region a pass rewrote, and each it left with the reason."""
-    what = {"mlp": "{} chunk(s) along the sequence, intermediates recomputed per chunk in backward",
-            "lm_head_loss": "fused with its loss, {} chunk(s), no logits kept for backward"}
-    rows = []
-    for r in records:
-        for path, st in r.stats.items():
-            if isinstance(st, dict) and "num_chunks" in st:
-                rows.append((path, f"{r.name}: " + what.get(st.get("kind"), "rewritten, {} chunk(s)").format(st["num_chunks"])))
-        rows += [(sk.split(": ", 1)[0], f"{r.name}: left as it was: {sk.split(': ', 1)[-1]}") for sk in r.skipped]
-    return rows
-
-
-def plan_tensor_parallel(model: nn.Module, args: tuple, kwargs: dict) -> tuple[TPPlan, list[str]]:
-    """Capture `model` on the example inputs and read one plan off all its graphs; also the
-    paths of its repeated blocks (FSDP's units). The plan carries Megatron's sequence
-    parallelism on top (passes.parallel.infer_sequence_parallel) as `sequence`, or why not."""
-    graphs, _ = capture_graphs(model, args, kwargs, static=True)
-    styles: dict[str, str] = {}
-    replicated: dict[str, str] = {}
-    groups, blocks = [], []
-    sequence: dict[str, str] = {}
-    sequence_error = None
-    head_loss: Any = "no LM head feeding a loss"
-    for g in graphs:
-        regions = find_regions(g.gm, g.seq)
-        head = next((r for r in regions.of_kind("lm_head_loss")), None)
-        plan = infer_tp_plan(g.gm, g.example_inputs, model, head and head.path, bool(head and not head.note))
-        if head is not None and plan.styles.get(head.path) == "colwise_vocab_parallel":
-            head_loss = head_loss_transform(g.gm, head)
-        if sequence_error is None:
-            try:
-                sequence.update(infer_sequence_parallel(g.gm, g.example_inputs, model, plan, regions))
-            except SequenceParallelError as e:
-                sequence_error = str(e)
-        styles.update(plan.styles)
-        replicated.update(plan.replicated)
-        groups += plan.groups
-        blocks += [r.path for r in regions.of_kind("block") if r.path not in blocks]
-    return TPPlan(styles, groups, {k: v for k, v in replicated.items() if k not in styles},
-                  sequence={} if sequence_error else sequence, sequence_error=sequence_error,
-                  head_loss=head_loss), blocks
-
-
-def fuse_head_loss(model: nn.Module, head: str, transform: Any, choice: str = "fused"):
-    """Give the vocab-parallel `head`'s loss the fused form (runtime/vocab_parallel.py) when the
-    graph shows it computes one (`transform`: the plan's (softcap, scale), else why not); returns
-    it (or None) and a line for the report."""
-    from tailorfx.passes.minisequence import MAX_CHUNKS
-    from tailorfx.runtime.vocab_parallel import install_fused_loss
-    if choice != "fused":
-        return None, "loss under DTensor's loss_parallel (vocab_loss='loss_parallel')"
-    if isinstance(transform, str):
-        return None, f"loss under DTensor's loss_parallel: {transform}"
-    mod = dict(model.named_modules())[head]
-    rows = mod.weight.to_local().shape[0] if hasattr(mod.weight, "to_local") else mod.weight.shape[0]
-    chunks = max(1, min(MAX_CHUNKS, -(-rows // mod.weight.shape[1])))   # a chunk's logits <= its hidden states
-    softcap, scale = transform
-    fused = install_fused_loss(model, head=head, num_chunks=chunks, logit_softcap=softcap, logit_scale=scale)
-    if fused is None:
-        return None, "loss under DTensor's loss_parallel: the model's loss is not transformers' ForCausalLMLoss"
-    return fused, f"loss fused with it ({chunks} row chunks, no logits-sized tensor kept for backward)"
-
-
 def parallelize(model: nn.Module, parallel: Any, args: tuple, kwargs: dict, *, passes: Optional[tuple] = None,
                 options: Optional[dict] = None) -> ParallelPlan:
     """Shard `model` in place as `parallel` asks; returns what was done (for the report).
     `passes`, `options`: optimize()'s (see ParallelSpec.rewrites)."""
-    from tailorfx.runtime.tensor_parallel import apply_checkpoint, apply_fsdp, apply_loss_parallel, apply_tp, device_mesh
+    from tailorfx.runtime.tensor_parallel import apply_checkpoint, apply_fsdp, device_mesh
     spec = ParallelSpec.parse(parallel)
     rewrites = spec.rewrites(passes, (options or {}).get("recompute_policy"))
     if not args and not kwargs:
@@ -319,10 +232,8 @@ def parallelize(model: nn.Module, parallel: Any, args: tuple, kwargs: dict, *, p
     if spec.pp > 1:
         if spec.tp > 1:   # the stages are cut from the sharded model's graph; its head gathers the logits
             tp_plan, _ = plan_tensor_parallel(model, args, kwargs)
-            tp_plan.check(spec.tp)
-            styles = {f: ("colwise_gather_output" if st == "colwise_vocab_parallel" else st)
-                      for f, st in tp_plan.styles.items()}
-            apply_tp(model, styles=styles, mesh=mesh["tp"])
+            styles = tp_styles(tp_plan, spec.tp, head_style(spec))
+            shard_model(model, styles=styles, mesh=mesh["tp"], head_loss=tp_plan.head_loss, vocab_loss=spec.vocab_loss)
         out = pipeline(model, spec, kwargs, mesh["pp"], dp_mesh=mesh["dp"], passes=rewrites, options=options,
                        device=device)
         if spec.tp > 1:
@@ -333,18 +244,13 @@ def parallelize(model: nn.Module, parallel: Any, args: tuple, kwargs: dict, *, p
     tp_plan, blocks = plan_tensor_parallel(model, args, kwargs)
     out = ParallelPlan(spec.tp, spec.dp, blocks=blocks, example=dict(kwargs), source=source, tp_mesh=mesh["tp"],
                        passes=rewrites, device=device)
-    if spec.sp == "megatron":
-        if tp_plan.sequence_error:
-            raise SequenceParallelError(tp_plan.sequence_error)
-        tp_plan.styles.update(tp_plan.sequence)
     if spec.tp > 1:
-        tp_plan.check(spec.tp)
-        apply_tp(model, styles=tp_plan.styles, mesh=mesh["tp"])
-        out.styles, out.replicated = dict(tp_plan.styles), dict(tp_plan.replicated)
-        head = next((f for f, st in tp_plan.styles.items() if st.startswith("colwise_vocab_parallel")), None)
+        styles = tp_styles(tp_plan, spec.tp, head_style(spec))
+        head = shard_model(model, styles=styles, mesh=mesh["tp"], head_loss=tp_plan.head_loss,
+                           vocab_loss=spec.vocab_loss)
+        out.styles, out.replicated = styles, dict(tp_plan.replicated)
         if head is not None:
-            out.loss_scope = apply_loss_parallel(model, head=head)
-            out.fused_loss, out.head_note = fuse_head_loss(model, head, tp_plan.head_loss, spec.vocab_loss)
+            out.loss_scope, out.fused_loss, out.head_note = head.scope, head.fused, head.note
     if spec.sp == "megatron":
         out.sp = "megatron"
     elif spec.sp:
@@ -366,7 +272,6 @@ def pipeline(model: nn.Module, spec: ParallelSpec, kwargs: dict, mesh, *, dp_mes
     schedule."""
     from tailorfx.codegen.pipeline import capture_static, cut_stages, pipeline_runtime
     from tailorfx.codegen.schedule import simulate_schedule
-    from tailorfx.parallel.stages import block_costs, split_points
     from tailorfx.rewrite.capture import seq_info
     m, pp, v = spec.microbatches, spec.pp, spec.virtual
     rows = {k: t.shape[0] for k, t in kwargs.items() if hasattr(t, "shape") and t.dim()}
@@ -378,14 +283,12 @@ def pipeline(model: nn.Module, spec: ParallelSpec, kwargs: dict, mesh, *, dp_mes
     captured = gm     # unchanged below: the passes rewrite a copy, and cutting the stages reads it
     regions = find_regions(gm, seq_info(gm, None))
     costs = block_costs(gm, regions)
-    num_stages = pp * v
-    starts = split_points(costs.flops, num_stages, costs.bytes, costs.first_flops, costs.last_flops)
-    bounds = [*starts, len(costs.blocks)]
-    stage_blocks = [costs.blocks[a:b] for a, b in zip(bounds, bounds[1:])]
+    num_stages = spec.num_stages
+    blocks_of = stage_blocks(costs, num_stages)
     gm, records = rewrite_step(gm, passes, options)
     if records:
         regions = find_regions(gm, seq_info(gm, None))
-    block_stage = {name: i for i, blocks in enumerate(stage_blocks) for b in regions.of_kind("block")
+    block_stage = {name: i for i, blocks in enumerate(blocks_of) for b in regions.of_kind("block")
                    if b.path in blocks for name in b.nodes}
     stages = cut_stages(gm, example, model, block_stage, num_stages, micro)
     rank = mesh.get_local_rank()
@@ -396,7 +299,7 @@ def pipeline(model: nn.Module, spec: ParallelSpec, kwargs: dict, mesh, *, dp_mes
                                group=mesh.get_group(), device=device)
     mine = {id(p) for s in range(rank, num_stages, pp) for p in stages[s].parameters()}
     bubble = float(simulate_schedule(spec.schedule, pp, m, virtual=v).bubble)
-    return ParallelPlan(pp=pp, dp=spec.dp, schedule=spec.schedule, microbatches=m, stage_blocks=stage_blocks, bubble=bubble,
+    return ParallelPlan(pp=pp, dp=spec.dp, schedule=spec.schedule, microbatches=m, stage_blocks=blocks_of, bubble=bubble,
                         runtime=runtime, rank_params=mine, is_last=(num_stages - 1) % pp == rank,
                         blocks=list(costs.blocks), passes=tuple(passes), rewrites=describe_rewrites(records),
                         captured=captured if spec.tp == 1 else None)

@@ -89,7 +89,9 @@ from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError
 from tailorfx.parallel.spec import ParallelSpec, describe_layout
 from tailorfx.parallel.compose import fsdp_peak, pipeline_walk, shard_bytes, shard_shapes, stage_io, stage_profiles, tp_peak
-from tailorfx.parallel.trace import capture_rank, param_dtype, profile, tp_plan
+from tailorfx.parallel.plan import head_style
+from tailorfx.parallel.stages import block_costs, stage_blocks
+from tailorfx.parallel.trace import capture_rank, param_dtype, profile, read_tp_plan
 from tailorfx.rewrite import memory
 from tailorfx.setup import TrainingSetup
 from tailorfx.setup import resolve as resolve_setup
@@ -209,10 +211,8 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     if ulysses and seq_len % dp:
         raise ValueError(f"sp='ulysses' over dp={dp} ranks needs a sequence length divisible by {dp}, got {seq_len}")
     seq = seq_len // dp if ulysses else seq_len
-    head = ("gather" if pp > 1 else "sequence" if sp == "megatron" else "vocab") + (
-        "+loss_parallel" if vocab_loss == "loss_parallel" else "")
-    cap = capture_rank(model_or_config, tp=tp, rows=batch_size, seq=seq, head=head, dtype=s.param_dtype, mesh=_mesh,
-                       passes=spec.rewrites(passes), graph=_graph)
+    cap = capture_rank(model_or_config, tp=tp, rows=batch_size, seq=seq, dtype=s.param_dtype, head=head_style(spec),
+                       vocab_loss=vocab_loss, mesh=_mesh, passes=spec.rewrites(passes), graph=_graph)
     points = profile(cap, s)
     L = len(cap.blocks)
     notes = []
@@ -228,16 +228,12 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     comm_resident = 0
     rank_label = "every rank"
     if pp > 1:
-        from tailorfx.parallel.stages import block_costs, split_points
-        costs = cap.stage_costs or block_costs(cap.gm, cap.regions)
-        starts = split_points(costs.flops, pp * v, costs.bytes, costs.first_flops, costs.last_flops)
-        bounds = [*starts, len(costs.blocks)]
-        stage_blocks = [costs.blocks[a:b] for a, b in zip(bounds, bounds[1:])]
-        profs = stage_profiles(cap, profile(cap, s, keep_outputs=False), stage_blocks, s)
+        blocks_of = stage_blocks(cap.stage_costs or block_costs(cap.gm, cap.regions), spec.num_stages)
+        profs = stage_profiles(cap, profile(cap, s, keep_outputs=False), blocks_of, s)
         sched = build_schedule(schedule, pp, m, v)
         sim = simulate_schedule(schedule, pp, m, v)
         bubble = float(sim.bubble)
-        io = stage_io(cap, stage_blocks)
+        io = stage_io(cap, blocks_of)
         fsdp = {}
         if dp > 1:      # each stage one FSDP2 unit over the dp ranks (runtime.apply_fsdp_stages)
             ratio = s.grads.itemsize / s.param_dtype.itemsize
@@ -255,7 +251,7 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
             numels = [math.prod(x) for x, _ in local]
             total = _rank_total(s, numels, sum(math.prod(x) * b for x, b in local), peak, parts, recv)
             per_rank.append((total, r, peak, parts, local, recv))
-        stages = tuple(StageMemory(k, k % pp, tuple(stage_blocks[k]),
+        stages = tuple(StageMemory(k, k % pp, tuple(blocks_of[k]),
                                    shard_bytes([sh for g in profs[k].groups for sh in cap.params[g]], dp)[0],
                                    profs[k].kept, sim.peak_inflight[k], m * (io[k][0] + io[k][1]))
                        for k in range(pp * v))
@@ -393,15 +389,15 @@ def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budg
                     continue
                 if tp > 1:
                     try:
-                        tp_plan(model_or_config, s.param_dtype).check(tp)
+                        read_tp_plan(model_or_config, s.param_dtype).check(tp)
                     except ValueError as e:
                         unavailable(tp, pp, dp, sp, str(e).split(" (read")[0])
                         continue
                 if pp > blocks:
                     unavailable(tp, pp, dp, sp, f"{blocks} blocks cannot make {pp} pipeline stages")
                     continue
-                if sp == "megatron" and tp_plan(model_or_config, s.param_dtype).sequence_error:
-                    unavailable(tp, pp, dp, sp, tp_plan(model_or_config, s.param_dtype).sequence_error)
+                if sp == "megatron" and read_tp_plan(model_or_config, s.param_dtype).sequence_error:
+                    unavailable(tp, pp, dp, sp, read_tp_plan(model_or_config, s.param_dtype).sequence_error)
                     continue
                 if sp == "ulysses":
                     bad = [(h, what) for h, what in zip(base.heads, ("query", "key/value")) if h and h % dp]

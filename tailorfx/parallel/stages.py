@@ -73,6 +73,13 @@ def split_points(flops: Sequence[float], num_stages: int, nbytes: Optional[Seque
     return starts
 
 
+def stage_blocks(costs: StageCosts, num_stages: int) -> list[list[str]]:
+    """The blocks of each of `num_stages` pipeline stages, cut where split_points says."""
+    bounds = [*split_points(costs.flops, num_stages, costs.bytes, costs.first_flops, costs.last_flops),
+              len(costs.blocks)]
+    return [costs.blocks[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
 def _bottleneck(n: int, num_stages: int, cost) -> tuple[float, list[int]]:
     """min over cuts of max over stages of cost(i, j); returns it and the stages' first blocks."""
     inf = float("inf")

@@ -81,7 +81,7 @@ def linear_modules(gm: fx.GraphModule, values: dict, names: dict, model: torch.n
                    ) -> tuple[dict[fx.Node, Optional[str]], dict[fx.Node, str]]:
     """Weight-matmul node -> fqn of the nn.Linear that owns its weight (None if no nn.Linear does),
     and node -> "fqn (Type)" of every weight's owner, for the report. `values`: placeholder ->
-    example input; `names`: placeholder -> parameter name (`_param_names`)."""
+    example input; `names`: placeholder -> parameter name (`param_names`)."""
     mods = dict(model.named_modules(remove_duplicate=False))
     out, owner = {}, {}
     for n in gm.graph.nodes:
@@ -207,7 +207,7 @@ class _Propagation:
         v = node_value(a)
         if not (isinstance(v, torch.Tensor) and v.requires_grad):
             return True
-        if not _param_only(a):
+        if not param_only(a):
             return self._stop(f"{n.name} combines the sharded features with {a.name}, a replicated activation "
                               f"whose gradient would be partial on each rank")
         for p in _ancestors(a):
@@ -259,7 +259,7 @@ def _back_to_linears(n: fx.Node, linears: dict) -> list[fx.Node]:
     return out
 
 
-def _param_only(n: fx.Node) -> bool:
+def param_only(n: fx.Node) -> bool:
     """`n` is computed from parameters and constants alone (`1 + weight`)."""
     return all(is_param(x) for x in _ancestors(n) if x.op == "placeholder")
 
@@ -287,7 +287,7 @@ def infer_tp_plan(gm: fx.GraphModule, example_inputs: list, model: torch.nn.Modu
     the LM head (`head_fqn`, from the regions) is column-parallel, vocab-parallel into its loss
     when `head_loss` (the graph computes one), else with its logits gathered."""
     values = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs))
-    names = _param_names(values, model)
+    names = param_names(values, model)
     linears, owner = linear_modules(gm, values, names, model)
     head = next((n for n, f in owner.items() if f.split(" ")[0] == head_fqn), None)
     styles: dict[str, str] = {}
@@ -319,7 +319,7 @@ def infer_tp_plan(gm: fx.GraphModule, example_inputs: list, model: torch.nn.Modu
     return TPPlan(styles, groups, {k: v for k, v in replicated.items() if k not in styles})
 
 
-def _param_names(values: dict, model: torch.nn.Module) -> dict[fx.Node, str]:
+def param_names(values: dict, model: torch.nn.Module) -> dict[fx.Node, str]:
     """Placeholder -> the parameter's name in `model` (Dynamo lifts parameters as graph inputs)."""
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     return {ph: names[id(t)] for ph, t in values.items() if id(t) in names}
@@ -338,7 +338,7 @@ def _inner_params(gm: fx.GraphModule, group: Group, names: dict) -> tuple[dict[s
         mod = name.rsplit(".", 1)[0]
         ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")
                and (module_paths(n) or [""])[-1] == mod]
-        if not ops or any(n not in group.region and not _param_only(n) for n in ops):
+        if not ops or any(n not in group.region and not param_only(n) for n in ops):
             return {}, f"its sharded features meet {name} in {mod}, which also computes outside them"
         styles[mod] = f"sharded_input:{dim}"
     return styles, None
@@ -374,113 +374,3 @@ def _grow(start: fx.Node, linears: dict, head: Optional[fx.Node], max_rounds: in
         prop.group.region = set(prop.sharded)
         return prop.group, members, None
     return None, set(starts), f"the group did not close in {max_rounds} rounds"
-
-
-class SequenceParallelError(ValueError):
-    """The graph has a region Megatron's sequence parallelism cannot shard; names it and why."""
-
-
-def infer_sequence_parallel(gm: fx.GraphModule, example_inputs: list, model: torch.nn.Module, plan: TPPlan,
-                            regions) -> dict[str, str]:
-    """Megatron's sequence parallelism on top of `plan`, read off the graph: the residual stream
-    between the sharded groups (embedding output, norms, residual adds) is split over the tp
-    ranks along the sequence instead of repeated on each. Each group's module gathers the
-    sequence on entry ("gather_sequence"), its row-parallel linears reduce-scatter back to
-    sequence shards ("rowwise_to_sequence:1"), each norm on the stream computes on its shard
-    ("sequence_parallel:1"), the embedding's output is split ("embedding_to_sequence:1") and the
-    head takes its input from the shards. Returns the styles that replace or add to
-    `plan.styles`; SequenceParallelError names a region that would need the whole sequence."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    values = dict(zip(placeholders, example_inputs))
-    names = _param_names(values, model)
-    linears, owner = linear_modules(gm, values, names, model)
-    fqn_nodes: dict[str, list[fx.Node]] = {}
-    for n, f in linears.items():
-        if f is not None:
-            fqn_nodes.setdefault(f, []).append(n)
-    nodes = list(gm.graph.nodes)
-    embeds = [n for n in nodes if match.op_name(n) == "embedding" and any(is_param(a) for a in n.all_input_nodes)]
-    ids = values.get(next((p for p in placeholders if "input_ids" in p.name), None))
-    stream = [n for n in embeds if (s := shape_of(n)) and len(s) == 3 and ids is not None
-              and same(s[1], ids.shape[-1])]
-    if not stream:
-        raise SequenceParallelError("sp='megatron' found no token embedding of shape (batch, sequence, hidden) "
-                                    "fed by input_ids in the graph: it needs input_ids to split the sequence")
-    styles: dict[str, str] = {}
-    for n in stream:
-        styles[(module_paths(n) or [n.name])[-1]] = "embedding_to_sequence:1"
-    parents = []
-    for g in plan.groups:
-        parent = _group_module(g)
-        _check_group_module(parent, g, fqn_nodes)
-        parents.append(parent)
-        styles[parent] = "gather_sequence"
-        styles.update({f: "rowwise_to_sequence:1" for f in g.rowwise})
-    head = next(iter(regions.of_kind("lm_head_loss")), None)
-    inside = lambda n, p: any(q == p or q.startswith(p + ".") for q in module_paths(n))
-    norms = {}
-    for r in regions.of_kind("norm"):
-        if any(r.path == p or r.path.startswith(p + ".") for p in parents):
-            continue
-        if not r.token_wise:
-            raise SequenceParallelError(f"sp='megatron': the norm {r.path} mixes sequence positions, so it cannot "
-                                        f"compute on a shard of the sequence; drop sp='megatron'")
-        norms[r.path] = set(r.nodes)
-        styles[r.path] = "sequence_parallel:1"
-    head_nodes = set(head.nodes) if head is not None else set()
-    on_stream = match.users_closure(stream)
-    for n in on_stream:
-        if (n.op != "call_function" and n.op != "call_method") or n.name in head_nodes:
-            continue
-        if any(inside(n, p) for p in parents) or any(n.name in ns for ns in norms.values()):
-            continue
-        if any(is_param(a) for a in n.all_input_nodes) and n not in stream and not _in_embedding(n, styles):
-            where = (module_paths(n) or ["the model's own forward"])[-1]
-            raise SequenceParallelError(f"sp='megatron': {where} computes with parameters on the residual stream "
-                                        f"({n.name}) and is neither a norm nor a tensor-parallel group, so it "
-                                        f"would need the whole sequence: drop sp='megatron' (tp without it "
-                                        f"keeps that region whole on each rank)")
-    if head is not None:
-        st = plan.styles.get(head.path)
-        styles[head.path] = (f"{st}_from_sequence:1" if st in ("colwise_vocab_parallel", "colwise_gather_output")
-                             else "gather_sequence")
-    return styles
-
-
-def _in_embedding(n: fx.Node, styles: dict[str, str]) -> bool:
-    return any(styles.get(p) == "embedding_to_sequence:1" for p in module_paths(n))
-
-
-def _group_module(g: Group) -> str:
-    """The innermost module holding every linear of the group (an attention, an MLP)."""
-    parts = [f.split(".") for f in g.colwise + g.rowwise]
-    common = []
-    for xs in zip(*parts):
-        if len(set(xs)) != 1:
-            break
-        common.append(xs[0])
-    if len(common) == min(len(p) for p in parts):     # one linear is the whole group: its parent
-        common = common[:-1]
-    return ".".join(common)
-
-
-def _check_group_module(parent: str, g: Group, fqn_nodes: dict) -> None:
-    """The group's module must take the column-parallel inputs from outside (its entry gathers
-    them) and return the row-parallel outputs without mixing them with its own tensors."""
-    inside = lambda n: any(q == parent or q.startswith(parent + ".") for q in module_paths(n))
-    for f in g.colwise:
-        for n in fqn_nodes.get(f, []):
-            x = n.args[0]
-            if isinstance(x, fx.Node) and x.op != "placeholder" and inside(x) and x not in g.region:
-                raise SequenceParallelError(f"sp='megatron': {f} reads {x.name}, computed inside {parent}, so "
-                                            f"{parent}'s entry cannot gather the sequence for it; drop sp='megatron'")
-    rows = [n for f in g.rowwise for n in fqn_nodes.get(f, [])]
-    down = {n for n in match.users_closure(rows) if inside(n)} | set(rows)
-    for n in down:
-        for a in n.all_input_nodes:
-            if a in down or not isinstance(node_value(a), torch.Tensor) or _param_only(a):
-                continue
-            if n not in rows:
-                raise SequenceParallelError(f"sp='megatron': {parent} combines the row-parallel output of "
-                                            f"{g.rowwise[0]} with {a.name} at {n.name}, so it cannot return "
-                                            f"sequence shards; drop sp='megatron'")

@@ -13,11 +13,20 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import loss_parallel
 
 from tailorfx import compat
+from tailorfx.codegen.lower import partition_for
+from tailorfx.codegen.pipeline import capture_static
 from tailorfx.models.build import built_on_fake_tensors, fake_copy, fake_mode_of
+from tailorfx.parallel.plan import accepts_use_cache, plan_tensor_parallel, rewrite_step, tp_styles
+from tailorfx.parallel.shard import shard_model
+from tailorfx.parallel.stages import StageCosts, block_costs
+from tailorfx.parallel.tp_plan import TPPlan
 from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import node_value, seq_info
 from tailorfx.rewrite.regions import find_regions, is_param, normalize_path, param_source
@@ -83,7 +92,7 @@ class RankCapture:
     profiles: dict = field(default_factory=dict)
     owner: Any = None               # a weak reference to the module or factory captured (None: a config)
     wgrad: list = field(default_factory=list)   # per group: output bytes of its ops that take a parameter
-    stage_costs: Any = None         # pipeline_split.block_costs of the graph as captured, before any pass
+    stage_costs: Optional[StageCosts] = None   # block_costs of the graph as captured, before any pass
 
     @property
     def num_groups(self) -> int:
@@ -107,20 +116,21 @@ def clear_cache() -> None:
 _MESH_IDS = itertools.count()
 
 
-def capture_rank(src: Any, *, tp: int, rows: int, seq: int, head: str, dtype: torch.dtype, mesh=None,
-                 passes: tuple = (), graph: Optional[fx.GraphModule] = None) -> RankCapture:
-    """The rank's step graph (sharded for `tp` on a fake process group), rewritten by `passes` as
-    a pipeline's step graph is (parallelize.rewrite_step), traced and tagged by part; cached.
-    `graph`: that step graph already captured at this shape (a pipeline runtime's, tp=1), used
-    instead of a capture of a fake copy when `src` is a module in `dtype`."""
-    key = (_source_key(src), tp, rows, seq, head if tp > 1 else "", dtype, tuple(passes))
+def capture_rank(src: Any, *, tp: int, rows: int, seq: int, dtype: torch.dtype, head: str = "vocab",
+                 vocab_loss: str = "fused", mesh=None, passes: tuple = (),
+                 graph: Optional[fx.GraphModule] = None) -> RankCapture:
+    """The rank's step graph (sharded for `tp` on a fake process group, the LM head as
+    plan.head_style `head` says and its loss as `vocab_loss`), rewritten by `passes` as a
+    layout's step graph is (plan.rewrite_step), traced and tagged by part; cached. `graph`: that
+    step graph already captured at this shape (a pipeline runtime's, tp=1), used instead of a
+    capture of a fake copy when `src` is a module in `dtype`."""
+    key = (_source_key(src), tp, rows, seq, (head, vocab_loss) if tp > 1 else "", dtype, tuple(passes))
     hit = _CAPTURES.get(key)
     if hit is not None and (hit.owner is None or hit.owner() is src):
         return hit
     if graph is not None and tp == 1 and isinstance(src, nn.Module) and param_dtype(src) == dtype:
         cap = _trace_captured(graph, src, passes)
         return _remember(key, src, cap)
-    import torch.distributed as dist
     own_group = False
     if tp > 1 and mesh is None:
         if dist.is_initialized():
@@ -131,14 +141,14 @@ def capture_rank(src: Any, *, tp: int, rows: int, seq: int, head: str, dtype: to
         own_group = True
     try:
         if own_group:
-            from torch.distributed.device_mesh import init_device_mesh
             on = _device(src).type if isinstance(src, nn.Module) else "cpu"
             # a new name each time: DTensor caches sharding decisions by mesh equality, and a decision
             # cached from an earlier capture's (destroyed) mesh leaks that mesh into this graph, where
             # AOTAutograd then fails ("Node tangents_4 was invalid, but is output")
             mesh = init_device_mesh(on if on == "cpu" or torch.cuda.is_available() else "cpu", (tp,),
                                     mesh_dim_names=(f"tp_capture{next(_MESH_IDS)}",))
-        cap = _capture_on(src, key, tp=tp, rows=rows, seq=seq, head=head, dtype=dtype, mesh=mesh, passes=passes)
+        cap = _capture_on(src, tp=tp, rows=rows, seq=seq, head=head, vocab_loss=vocab_loss, dtype=dtype, mesh=mesh,
+                          passes=passes)
     finally:
         if own_group:
             dist.destroy_process_group()
@@ -157,25 +167,20 @@ def _remember(key: tuple, src: Any, cap: RankCapture) -> RankCapture:
     return cap
 
 
-def _capture_on(src, key, *, tp, rows, seq, head, dtype, mesh, passes) -> RankCapture:
-    from tailorfx.codegen.pipeline import capture_static
-    from tailorfx.parallel.apply import accepts_use_cache
+def _capture_on(src, *, tp, rows, seq, head, vocab_loss, dtype, mesh, passes) -> RankCapture:
     scope = contextlib.nullcontext
     with _fake_model(src, dtype) as model:
         ids = torch.zeros(rows, seq, dtype=torch.long, device=_device(model))
         batch = {"input_ids": ids, "labels": ids}
-        if "recompute" in passes and accepts_use_cache(model):    # as the runtime calls it (parallelize.run)
+        if "recompute" in passes and accepts_use_cache(model):    # as the runtime calls it (ParallelRuntime.run)
             batch["use_cache"] = False
         if tp > 1:
-            styles = _tp_styles(model, src, dtype, tp, head.split("+")[0])
-            _apply_tp(model, styles, mesh)
-            vocab = next((f for f, st in styles.items() if st.startswith("colwise_vocab_parallel")), None)
+            plan = read_tp_plan(src, dtype, model)
+            # as the rank's model is sharded (apply.py), without the scatter from rank 0
+            vocab = shard_model(model, styles=tp_styles(plan, tp, head), mesh=mesh, head_loss=plan.head_loss,
+                                vocab_loss=vocab_loss, scatter=False)
             if vocab is not None:
-                from torch.distributed.tensor.parallel import loss_parallel
-                from tailorfx.parallel.apply import fuse_head_loss
                 scope = loss_parallel
-                fuse_head_loss(model, vocab, tp_plan(src, dtype, model).head_loss,
-                               "loss_parallel" if head.endswith("+loss_parallel") else "fused")
         with scope():
             gm, _, _ = capture_static(model, batch)
         local = {}
@@ -195,9 +200,6 @@ def _trace_captured(gm: fx.GraphModule, model: nn.Module, passes: tuple) -> Rank
 def _traced(gm: fx.GraphModule, local: dict, passes: tuple, scope: Callable) -> RankCapture:
     """`gm` rewritten by `passes`, traced and tagged by part; the stages are cut by the graph as
     captured (without passes, predict_rank_memory reads the capture's own)."""
-    from tailorfx.codegen.lower import partition_for
-    from tailorfx.parallel.apply import rewrite_step
-    from tailorfx.parallel.stages import block_costs
     costs = block_costs(gm, find_regions(gm, seq_info(gm, None))) if passes else None
     gm, _ = rewrite_step(gm, passes)
     with scope():     # AOTAutograd outside the model's fake mode (it makes its own), collectives still known
@@ -211,10 +213,9 @@ def _device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def tp_plan(src: Any, dtype: torch.dtype, model: Optional[nn.Module] = None):
-    """The TP plan read off the model's graph (passes/parallel.py), once per model: it does not
-    depend on tp. `model`: an already built fake copy to read it from."""
-    from tailorfx.parallel.apply import plan_tensor_parallel
+def read_tp_plan(src: Any, dtype: torch.dtype, model: Optional[nn.Module] = None) -> TPPlan:
+    """The TP plan read off the model's graph (plan.plan_tensor_parallel), once per model: it does
+    not depend on tp. `model`: an already built fake copy to read it from."""
     key = _source_key(src)
     hit = _TP_PLANS.get(key)
     if hit is not None and (hit[1] is None or hit[1]() is src):
@@ -228,35 +229,6 @@ def tp_plan(src: Any, dtype: torch.dtype, model: Optional[nn.Module] = None):
         return plan
     _TP_PLANS[key] = (plan, owner)
     return plan
-
-
-def _tp_styles(model: nn.Module, src: Any, dtype: torch.dtype, tp: int, head: str) -> dict[str, str]:
-    """The plan's styles, checked against tp; `head` "gather": the LM head gathers its logits
-    (as the runtime shards it for pipeline stages); "sequence": with sp="megatron"'s styles."""
-    plan = tp_plan(src, dtype, model)
-    plan.check(tp)
-    if head == "sequence":
-        if plan.sequence_error:
-            from tailorfx.parallel.tp_plan import SequenceParallelError
-            raise SequenceParallelError(plan.sequence_error)
-        return {**plan.styles, **plan.sequence}
-    if head == "gather":
-        return {f: ("colwise_gather_output" if s == "colwise_vocab_parallel" else s) for f, s in plan.styles.items()}
-    return dict(plan.styles)
-
-
-def _apply_tp(model: nn.Module, styles: dict[str, str], mesh) -> None:
-    """runtime.apply_tp's styles, without the scatter from rank 0 that distribute_tensor does by
-    default (a real mesh inside torchrun must not see collectives on fake tensors)."""
-    from torch.distributed.tensor.parallel import parallelize_module
-    from tailorfx.runtime.tensor_parallel import _style
-    plan = {}
-    for fqn, s in styles.items():
-        style = _style(s)
-        if hasattr(style, "src_data_rank"):
-            style.src_data_rank = None
-        plan[fqn] = style
-    parallelize_module(model, mesh, plan)
 
 
 def _stack_paths(meta: Optional[dict]) -> list[str]:

@@ -1,7 +1,7 @@
 """Tensor parallel and FSDP2 applied with torch.distributed: DTensor plans and `fully_shard`.
 
 Each parallelism is one `apply_*` function; the plan (which module gets which style) comes from
-`passes/parallel.py`, read off the graph, and arrives here as plain strings.
+`tailorfx/parallel/plan.py`, read off the graph, and arrives here as plain strings.
 """
 from __future__ import annotations
 
@@ -66,10 +66,16 @@ def on_device(tree, device: torch.device):
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and t.device != device else t, tree)
 
 
-def apply_tp(model: nn.Module, *, styles: dict[str, str], mesh: DeviceMesh) -> nn.Module:
-    """Shard `model` in place: each named module gets its style; the rest stays replicated."""
+def apply_tp(model: nn.Module, *, styles: dict[str, str], mesh: DeviceMesh, scatter: bool = True) -> nn.Module:
+    """Shard `model` in place: each named module gets its style; the rest stays replicated.
+    `scatter=False`: each rank cuts its shards from its own copy, nothing is sent from rank 0 (a
+    fake copy sharded inside torchrun must not run collectives on fake tensors)."""
     if mesh.size() > 1 and styles:
-        parallelize_module(model, mesh, {fqn: _style(s) for fqn, s in styles.items()})
+        plan = {fqn: _style(s) for fqn, s in styles.items()}
+        for style in plan.values():
+            if not scatter and hasattr(style, "src_data_rank"):
+                style.src_data_rank = None
+        parallelize_module(model, mesh, plan)
     return model
 
 

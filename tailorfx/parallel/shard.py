@@ -1,0 +1,60 @@
+"""Tensor parallelism applied to a module: DTensor's styles, then the vocab-parallel LM head's loss,
+fused with it or under loss_parallel. One rewrite for the rank's own model (apply.py) and for
+the fake copy a prediction traces (trace.py), so the traced graph is the one the rank runs.
+
+    head = shard_model(model, styles=tp_styles(plan, 2, "vocab"), mesh=mesh["tp"],
+                       head_loss=plan.head_loss, vocab_loss="fused")
+    head.note    -> "loss fused with it (8 row chunks, no logits-sized tensor kept for backward)"
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.nn as nn
+
+from tailorfx.passes.minisequence import MAX_CHUNKS
+from tailorfx.runtime.tensor_parallel import LossParallelScope, apply_loss_parallel, apply_tp
+from tailorfx.runtime.vocab_parallel import FusedVocabParallelLoss, install_fused_loss
+
+
+@dataclass(frozen=True)
+class VocabHead:
+    """A vocab-parallel LM head as sharded: its logits stay split over the tp ranks."""
+    fqn: str
+    scope: LossParallelScope                   # its logits leave loss_parallel once their gradient is done
+    fused: Optional[FusedVocabParallelLoss]    # its loss fused with it, or None: under loss_parallel
+    note: str                                  # how its loss runs, and why (for the report)
+
+
+def shard_model(model: nn.Module, *, styles: dict[str, str], mesh, head_loss: Any, vocab_loss: str = "fused",
+                scatter: bool = True) -> Optional[VocabHead]:
+    """Shard `model` in place by `styles` (plan.tp_styles) on the tp `mesh`; a vocab-parallel head
+    then gets its loss scope and, as `vocab_loss` asks, its loss fused with it (fuse_head_loss,
+    `head_loss` the plan's). Returns that head, or None. `scatter`: as runtime.apply_tp's."""
+    apply_tp(model, styles=styles, mesh=mesh, scatter=scatter)
+    head = next((f for f, st in styles.items() if st.startswith("colwise_vocab_parallel")), None)
+    if head is None:
+        return None
+    # the scope's hook before the fused loss's: the loss must see the head's output as the caller does
+    scope = apply_loss_parallel(model, head=head)
+    fused, note = fuse_head_loss(model, head, head_loss, vocab_loss)
+    return VocabHead(head, scope, fused, note)
+
+
+def fuse_head_loss(model: nn.Module, head: str, transform: Any, choice: str = "fused"):
+    """Give the vocab-parallel `head`'s loss the fused form (runtime/vocab_parallel.py) when the
+    graph shows it computes one (`transform`: the plan's (softcap, scale), else why not); returns
+    it (or None) and a line for the report."""
+    if choice != "fused":
+        return None, "loss under DTensor's loss_parallel (vocab_loss='loss_parallel')"
+    if isinstance(transform, str):
+        return None, f"loss under DTensor's loss_parallel: {transform}"
+    mod = dict(model.named_modules())[head]
+    rows = mod.weight.to_local().shape[0] if hasattr(mod.weight, "to_local") else mod.weight.shape[0]
+    chunks = max(1, min(MAX_CHUNKS, -(-rows // mod.weight.shape[1])))   # a chunk's logits <= its hidden states
+    softcap, scale = transform
+    fused = install_fused_loss(model, head=head, num_chunks=chunks, logit_softcap=softcap, logit_scale=scale)
+    if fused is None:
+        return None, "loss under DTensor's loss_parallel: the model's loss is not transformers' ForCausalLMLoss"
+    return fused, f"loss fused with it ({chunks} row chunks, no logits-sized tensor kept for backward)"
