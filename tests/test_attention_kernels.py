@@ -81,6 +81,40 @@ def test_exact_with_a_blocked_backward(problem, blocks, causal):
     _assert_matches_reference(Exact(causal=causal, backward_blocks=blocks), problem[0], None)
 
 
+@SETTINGS
+@given(problems(), st.sampled_from([0, 0, 3]), st.booleans())
+def test_exact_with_repeated_kv_in_backward(problem, blocks, causal):
+    """Grouped-query attention's CPU backward on k, v repeated to every query head, gradients
+    summed per group (one call or in blocks): the same values and grads, and the op ran."""
+    spec = Exact(causal=causal, backward_blocks=blocks, repeat_kv=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _assert_matches_reference(spec, problem[0], None)
+    ran = any(e.name == "tailorfx::sparse_attention_backward" for e in prof.events())
+    assert ran == (blocks > 1 or problem[0][1] != problem[0][2]), problem   # MHA: nothing to repeat
+
+
+@pytest.mark.parametrize("heads,num_kv,blocks,repeat", [
+    (4, 1, 0, 0), (4, 2, 0, 0), (4, 4, 0, 0), (8, 2, 0, 0), (4, 1, 0, 1), (4, 2, 0, 1), (4, 1, 8, 1), (4, 2, 8, 1),
+])
+def test_flash_backward_transients_match_the_allocator(heads, num_kv, blocks, repeat):
+    """The flash backward's transients (fp32, 4096 tokens, one thread): its fp32 accumulator, the
+    copies that make (B, S, H, D)-strided gradients contiguous (none for one head), and with
+    repeat_kv the repeated k, v and their gradients: to 1%."""
+    from tailorfx.runtime import attention_kernels as ak
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 4096, 64, generator=g) for h in (heads, num_kv, num_kv))
+    out, lse = torch.ops.tailorfx.sparse_attention(q, k, v, None, "full", [], 0.125, True)
+    args = [torch.randn_like(q), q, k, v, out, lse, None, "full", [blocks, repeat], 0.125, True]
+    got = torch.ops.tailorfx.sparse_attention_backward(*args)
+    ref = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args[:6], 0.0, True, scale=0.125)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    measured = tailorfx.measure_peak(lambda: torch.ops.tailorfx.sparse_attention_backward(*args)) \
+        - (q.numel() + 2 * k.numel()) * 4
+    predicted = ak.transient_bytes("sparse_attention_backward", args, int)
+    assert abs(predicted - measured) <= 0.01 * measured, (measured, predicted)
+
+
 def test_a_blocked_backward_holds_one_blocks_accumulator():
     """One flash backward call holds an fp32 q-sized accumulator; in 8 blocks, one block's (and
     its partial gradients): measured, fp32, 4096 tokens, GQA 4/1."""

@@ -2,6 +2,7 @@ import pytest
 
 from tailorfx import Budget
 from tailorfx.budget import PRESETS, format_bytes
+from tailorfx.attention import Exact
 
 
 @pytest.mark.parametrize("text,nbytes", [
@@ -52,8 +53,10 @@ def test_a_device_preset_plans_with_cuda_costs_and_a_byte_budget_does_not():
     from tailorfx.budget import CudaCosts
     from models import hf_family
     model = hf_family("llama", vocab_size=512)
-    preset = sizing.plan_for_budget(model, "A100-40GB", 256, setup="fp32")
-    plain = sizing.plan_for_budget(model, PRESETS["A100-40GB"], 256, setup="fp32")
+    # one attention for both (a byte budget plans for the CPU, whose GQA backward may repeat k, v)
+    kw = dict(setup="fp32", attention=Exact())
+    preset = sizing.plan_for_budget(model, "A100-40GB", 256, **kw)
+    plain = sizing.plan_for_budget(model, PRESETS["A100-40GB"], 256, **kw)
     costs = preset.setup.device
     assert plain.setup.device is None and isinstance(costs, CudaCosts) and costs.arch == "sm80"
     cfg = model.config
@@ -91,8 +94,10 @@ def test_a_device_preset_counts_flash_attentions_backward_scratch_once():
     from tailorfx import sizing
     from models import hf_family
     model = hf_family("llama", vocab_size=512)
-    preset = sizing.plan_for_budget(model, "A100-40GB", 256, setup="fp32")
-    plain = sizing.plan_for_budget(model, PRESETS["A100-40GB"], 256, setup="fp32")
+    # one attention for both (a byte budget plans for the CPU, whose GQA backward may repeat k, v)
+    kw = dict(setup="fp32", attention=Exact())
+    preset = sizing.plan_for_budget(model, "A100-40GB", 256, **kw)
+    plain = sizing.plan_for_budget(model, PRESETS["A100-40GB"], 256, **kw)
     name = "_scaled_dot_product_flash_attention_for_cpu_backward"
 
     def at_backward(opt):

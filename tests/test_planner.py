@@ -45,10 +45,12 @@ def test_planner_meets_a_loose_budget_and_the_one_budget_error_suggests():
     m = copy.deepcopy(base)
     loose = tailorfx.optimize(m, budget="100GB", example_inputs=lm(S))
     plan = loose.plan[0]
-    assert plan.chosen.label == "fused LM head"   # everything fits: nothing that recomputes
+    # everything fits: nothing that recomputes, and (GQA on the CPU) the faster attention backward
+    assert plan.chosen.label == "fused LM head + attention backward on repeated k, v"
     # a plan that recomputes nothing fits, so none that recomputes was traced
-    assert [c.label for c in plan.runners_up] == ["no memory rewrite"], str(plan)
-    stats = {k: v for r in loose.session.graphs[0].records if r.changed for k, v in r.stats.items()}
+    assert [c.label for c in plan.runners_up] == ["fused LM head", "no memory rewrite"], str(plan)
+    stats = {k: v for r in loose.session.graphs[0].records if r.changed and r.name == "minisequence"
+             for k, v in r.stats.items()}
     assert {v["kind"] for v in stats.values()} == {"lm_head_loss"}, stats   # the head, not the MLPs
     assert steady_state_total(loose, m, lm(S)) <= plan.chosen.peak / (1 - HEADROOM)
     smallest = min([plan.chosen.peak] + [c.peak for c in plan.runners_up])

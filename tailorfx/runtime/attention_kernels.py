@@ -113,7 +113,21 @@ def _block_step(seq: int, blocks: int) -> int:
     return max(-(-seq // blocks), MIN_BLOCK_TOKENS) if blocks > 1 else seq
 
 
-def _blocked_flash_backward(dout, q, k, v, out, lse, scale, causal, blocks: int):
+def _flash_backward(dout, q, k, v, out, lse, scale, causal, repeat: bool):
+    """The CPU flash backward of one call. `repeat`: grouped-query k and v repeated to every
+    query head first, their gradients summed per group (the same sums, reassociated): ATen's
+    grouped backward keeps threads idle where a full-head one uses them (measured, one kv head of
+    four query heads: as long on 2 threads as on 1; repeated, 1.5-1.9x faster on 2)."""
+    heads, num_kv = q.shape[1], k.shape[1]
+    if not repeat or num_kv == heads:
+        return _FLASH_BACKWARD(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    group = heads // num_kv
+    gq, gk, gv = _FLASH_BACKWARD(dout, q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), out, lse,
+                                 0.0, causal, scale=scale)
+    return gq, *(g.unflatten(1, (num_kv, group)).sum(2) for g in (gk, gv))
+
+
+def _blocked_flash_backward(dout, q, k, v, out, lse, scale, causal, blocks: int, repeat: bool = False):
     """The flash backward over (query block x key block) pairs of ceil(S / blocks) tokens: the
     kernel's fp32 q-sized gradient accumulator shrinks to one block's. Exact: given the whole
     row's out and lse, a key block's share of dq and a query block's share of dk, dv are the
@@ -128,8 +142,8 @@ def _blocked_flash_backward(dout, q, k, v, out, lse, scale, causal, blocks: int)
         rows = (dout[:, :, a:b], q[:, :, a:b])
         for c in range(0, b if causal else S, step):
             d = min(c + step, S)
-            gq, gk, gv = _FLASH_BACKWARD(*rows, k[:, :, c:d], v[:, :, c:d], out[:, :, a:b], lse[:, :, a:b], 0.0,
-                                         causal and c == a, scale=scale)
+            gq, gk, gv = _flash_backward(*rows, k[:, :, c:d], v[:, :, c:d], out[:, :, a:b], lse[:, :, a:b], scale,
+                                         causal and c == a, repeat)
             dq[:, :, a:b] += gq
             dk[:, :, c:d] += gk
             dv[:, :, c:d] += gv
@@ -173,10 +187,11 @@ def sparse_attention_backward(
     seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     drop = _dropout(dropout_p, seed)
-    if _one_flash_call(q, kind, document_ids, softcap, drop):   # params: [blocks] of the backward, or none
-        if params and params[0] > 1:
-            return _contiguous(*_blocked_flash_backward(dout, q, k, v, out, lse, scale, causal, params[0]))
-        return _contiguous(*_FLASH_BACKWARD(dout, q, k, v, out, lse, 0.0, causal, scale=scale))
+    if _one_flash_call(q, kind, document_ids, softcap, drop):   # params: [blocks, repeat] of the backward, or none
+        blocks, repeat = (list(params) + [0, 0])[:2]
+        if blocks > 1:
+            return _contiguous(*_blocked_flash_backward(dout, q, k, v, out, lse, scale, causal, blocks, bool(repeat)))
+        return _contiguous(*_flash_backward(dout, q, k, v, out, lse, scale, causal, bool(repeat)))
     if kind == "full":
         return _contiguous(*_dense_backward(dout, q, k, v, out, lse, document_ids, scale, causal,
                                             (tile, kv_chunk), softcap, drop))
@@ -497,16 +512,22 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
         return work * 13 // 8 + narrow * acc * (q_elems + 2 * kv_elems)
     kind, params = pattern_args
     if kind == "full" and doc is None and softcap is None and not modded and not dropout and q.device.type == "cpu":
-        blocks = int(params[0]) if params else 0
+        blocks, repeat = (int(p) for p in (list(params) + [0, 0])[:2])
         step = _block_step(seq, blocks) if backward else seq
         per_thread = torch.get_num_threads() * min(1 << 20, step * (256 if step < 192 else 512 if step < 768 else 1024))
         if not backward:
             return int(0.57 * per_thread)
-        if step >= seq:   # the kernel's fp32 q-sized accumulator
-            return 4 * q_elems + per_thread
-        # per block pair (measured, fp32): the accumulator and two q-block gradients, four k-blocks
+        # repeated k, v: two q-sized copies and their q-sized gradients, less the kv-sized ones
+        # they replace (measured, fp32, 1 and 2 kv heads of 4: to the KiB)
         qb, kb = q_elems * step // seq, kv_elems * step // seq
-        return 4 * qb + 2 * item * qb + 4 * item * kb + per_thread
+        repeated = (4 * item * qb - 2 * item * kb) if repeat and num_kv < heads else 0
+        if step >= seq:
+            # in the kernel: its fp32 q-sized accumulator; after it, the copies that make its
+            # (B, S, H, D)-strided gradients contiguous (a one-head tensor is already)
+            copies = item * (q_elems * (heads > 1) + 2 * kv_elems * (num_kv > 1))
+            return 4 * q_elems + per_thread + repeated if repeated else max(4 * q_elems + per_thread, copies)
+        # per block pair (measured, fp32): the accumulator and two q-block gradients, four k-blocks
+        return 4 * qb + 2 * item * qb + 4 * item * kb + per_thread + repeated
     if kind == "full" and softcap is None and not modded and not dropout:   # CPU flash per document (sorted ids: packed sequences, the usual case)
         half = narrow * item * q_elems // 2   # narrow dtypes: measured +50% (fp32 work rows)
         return item * q_elems + half if not backward else item * (q_elems + 2 * kv_elems) + half

@@ -464,9 +464,10 @@ def _fit(spec: Optional[AttentionSpec], m: Match) -> Union[AttentionSpec, str]:
     (the spec brings the pattern; causality and scale are the model's), or why it does not fit."""
     if m.window is not None and m.key_bias is not None:
         return f"its mask is a sliding window of {m.window} and its scores carry a per-key bias"
-    if _blocked_backward_only(spec):   # the model's own exact attention, its backward in blocks
+    if _backward_only(spec):   # the model's own exact attention, its backward in blocks or with k, v repeated
         own = _fit(None, m)
-        return dataclasses.replace(own, backward_blocks=spec.backward_blocks) if isinstance(own, Exact) else own
+        return (dataclasses.replace(own, backward_blocks=spec.backward_blocks, repeat_kv=spec.repeat_kv)
+                if isinstance(own, Exact) else own)
     if spec is None:
         if m.window is not None:   # the model's own window: the same keys, in O(S x window)
             return SlidingWindow(m.window, causal=True, softcap=m.softcap, dropout=m.dropout)
@@ -489,10 +490,23 @@ def _fit(spec: Optional[AttentionSpec], m: Match) -> Union[AttentionSpec, str]:
     return spec
 
 
-def _blocked_backward_only(spec: Optional[AttentionSpec]) -> bool:
-    """Exact(backward_blocks=N) with nothing else of the model's attention restated."""
-    return (isinstance(spec, Exact) and spec.backward_blocks > 1 and spec.softcap is None and spec.score_mod is None
+def _backward_only(spec: Optional[AttentionSpec]) -> bool:
+    """Exact(backward_blocks=N, repeat_kv=...) with nothing else of the model's attention restated."""
+    return (isinstance(spec, Exact) and (spec.backward_blocks > 1 or spec.repeat_kv) and spec.softcap is None
+            and spec.score_mod is None
             and not spec.dropout and spec.scale is None)
+
+
+def grouped_query(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    """Whether an attention the pass would rewrite has fewer kv heads than query heads (GQA)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for region in ctx.regions.of_kind("attention"):
+        for name in region.nodes:
+            for rule in rules_attention:
+                got = rule.match(nodes[name], ctx)
+                if isinstance(got, Match) and node_value(got.k).shape[1] != node_value(got.q).shape[1]:
+                    return True
+    return False
 
 
 class AttentionPass:
