@@ -1,5 +1,5 @@
 """Per-rank memory and step time of each parallel layout, on CPU processes (gloo, torchrun), against
-the per-rank memory predicted without running (tailorfx.parallel.memory); then Llama-3-8B's
+the per-rank memory predicted without running (tailorfx.parallel.predict_rank_memory); then Llama-3-8B's
 per-rank memory predicted for layouts of 8 and 64 GPUs.
 
 One HF Llama (vocab 8000, hidden 256, 8 heads / 4 KV heads, 4 layers, fp32), one global batch
@@ -185,7 +185,7 @@ def llama3_8b_config():
 def predict_layout(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int, loss: str = "fused"):
     """The worst rank of a launched layout, predicted in this process: (its prediction, the
     benchmark's measure of it: parameters + gradients + the forward+backward peak above them)."""
-    from tailorfx.parallel.memory import predict_rank_memory
+    from tailorfx.parallel import predict_rank_memory
     rows = 1 if pp > 1 else batch if sp == 1 else batch // dp
     rm = predict_rank_memory(small_config(), tp=tp, dp=dp, pp=pp, sp=SP[sp], schedule=SCHEDULE,
                              microbatches=microbatches(batch, dp) if pp > 1 else None, seq_len=seq, batch_size=rows,
@@ -212,7 +212,7 @@ def predict_8b(seq: int = 8192, match: str = "") -> tuple[list[list], list[dict]
     import time
     from tailorfx import planner
     from tailorfx.budget import Budget
-    from tailorfx.parallel.memory import describe_layout, predict_rank_memory
+    from tailorfx.parallel import describe_layout, predict_rank_memory
     cfg = llama3_8b_config()
     gib = lambda b: f"{b / 2**30:.1f}"
     usable = planner.usable(Budget.parse("80GB").bytes)

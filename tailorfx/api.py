@@ -13,6 +13,7 @@ from tailorfx.options import Options, check_flag, check_passes, pass_options
 from tailorfx import planner
 from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError, PredictionError
+from tailorfx.parallel import ParallelSpec, parallelize
 from tailorfx.report import Report
 from tailorfx import compat
 from tailorfx.rewrite import bound, memory
@@ -71,7 +72,7 @@ class OptimizedModule(nn.Module):
         wrapper prefix); under parallel=, this rank's shards (DTensors), and with pipeline
         stages only its stages' parameters."""
         plan = self.session.parallel
-        mine = plan.rank_params if plan is not None else None
+        mine = plan.runtime.rank_params if plan is not None else None
         for name, p in self.model.named_parameters(prefix, recurse, remove_duplicate):
             if mine is None or id(p) in mine:
                 yield name, p
@@ -80,14 +81,14 @@ class OptimizedModule(nn.Module):
         """Under parallel=dict(pp=...): one pipelined training step (forward and backward of every
         micro-batch); returns the mean micro-batch loss on the last stage's rank, else None."""
         plan = self.session.parallel
-        if plan is None or plan.pp == 1:
+        if plan is None or plan.runtime.spec.pp == 1:
             raise ValueError("opt.step(**batch) is the pipelined training step of parallel=dict(pp=...); "
                              "otherwise call opt(**batch).loss.backward()")
-        return plan.step(batch)
+        return plan.runtime.step(batch)
 
     def _forward(self, *args, **kwargs):
         if self.session.parallel is not None:   # sharded by DTensor/FSDP2: runs as torch.distributed runs it
-            return self.session.parallel.run(self.model, args, kwargs)
+            return self.session.parallel.runtime.run(self.model, args, kwargs)
         self.session.seq_len = mark_sequence_dims(args, kwargs)
         self.session.training = self.model.training
         self._check_budget_at(self.session.seq_len)
@@ -247,7 +248,7 @@ class OptimizedModule(nn.Module):
         else:
             setup = self.setup
         if self.session.parallel is not None:
-            return self.session.parallel.predict(self.model, seq_len, setup)
+            return self.session.parallel.prediction.predict(self.model, seq_len, setup)
         if not self.session.graphs:
             raise RuntimeError("nothing captured yet: call the module once or pass example_inputs")
         failed = [w for g in self.session.graphs if g.failed for w in g.warnings]
@@ -394,18 +395,16 @@ def check_triton(model: nn.Module) -> None:
                          f"model to a CUDA GPU, or drop kernels= to run torch's own ops")
 
 
-def _parallel_module(model: nn.Module, options: Options, budget: Optional[Budget], parallel: dict,
+def _parallel_module(model: nn.Module, options: Options, budget: Optional[Budget], parallel: Any,
                      args: tuple, kwargs: dict) -> OptimizedModule:
     """optimize(parallel=...): the plan read off the graph, applied with torch.distributed."""
-    from tailorfx.parallel.apply import parallelize
-    from tailorfx.parallel.spec import ParallelSpec
     spec = ParallelSpec.parse(parallel)
     if budget is not None:
         raise ValueError("parallel= does not plan against a budget (each rank's memory is predicted by "
                          "opt.predict_memory() and `tailorfx plan --world`, not planned): drop budget=, or run "
                          "without parallel=")
     passes = spec.rewrites(options.passes, options.options_dict().get("recompute_policy"))   # before any capture
-    plan = parallelize(model, parallel, args, kwargs, passes=passes, options=options.options_dict())
+    plan = parallelize(model, spec, args, kwargs, passes=passes, options=options.options_dict())
     opt = OptimizedModule(model, options, budget)
     opt.session.parallel = plan
     return opt

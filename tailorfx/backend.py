@@ -90,7 +90,7 @@ class Session:
     warnings: list[str] = field(default_factory=list)
     param_readers: dict = field(default_factory=dict)      # id(param) -> graphs reading it
     graph_inputs: list = field(default_factory=list)       # runtime.optim.GraphInputs per graph
-    parallel: Any = None        # parallelize.ParallelPlan under optimize(parallel=...)
+    parallel: Any = None        # parallel.ParallelPlan under optimize(parallel=...)
     compiled: dict = field(default_factory=dict)   # graph index -> the callable that runs it
 
 

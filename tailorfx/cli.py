@@ -130,7 +130,7 @@ def cmd_plan_world(args):
     """`plan CONFIG --world N --budget B --seq S`: the layout of N ranks that fits, by prediction."""
     from tailorfx.budget import Budget, format_bytes
     from tailorfx.errors import BudgetError
-    from tailorfx.parallel.memory import plan_world
+    from tailorfx.parallel import plan_world
     from tailorfx.setup import resolve
     if args.budget is None:
         raise ValueError("plan --world needs --budget SIZE (e.g. --world 8 --budget 80GB)")

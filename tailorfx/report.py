@@ -24,11 +24,12 @@ class Report:
         out = []
         plan = getattr(self.session, "parallel", None)
         if plan is not None:
-            how = "the step graph cut into stages" if plan.pp > 1 else "plan read off the graph; eager execution"
-            t = Table(title=f"Parallel: tp={plan.tp}, dp={plan.dp}, pp={plan.pp} ({how})")
+            spec = plan.report.spec
+            how = "the step graph cut into stages" if spec.pp > 1 else "plan read off the graph; eager execution"
+            t = Table(title=f"Parallel: tp={spec.tp}, dp={spec.dp}, pp={spec.pp} ({how})")
             for col in ("module", "style"):
                 t.add_column(col)
-            for fqn, style in plan.describe():
+            for fqn, style in plan.report.describe():
                 t.add_row(fqn, style)
             out.append(t)
             if not self.session.graphs:    # nothing went through the single-device passes

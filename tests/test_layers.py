@@ -107,12 +107,51 @@ def import_cycles(root: pathlib.Path) -> list[list[str]]:
     return sorted(sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1)
 
 
-# the one cycle left, to be broken by the tailorfx/parallel/ package (issue "A house a newcomer can walk")
-KNOWN_CYCLE = ["tailorfx.parallel.apply", "tailorfx.parallel.compose", "tailorfx.parallel.memory", "tailorfx.parallel.trace"]
+def test_no_import_cycle():
+    assert import_cycles(PACKAGE) == []
 
 
-def test_no_import_cycle_but_the_known_one():
-    assert import_cycles(PACKAGE) in ([KNOWN_CYCLE], [])
+# tailorfx/parallel/: each module imports only the ones before it (the package's docstring says what each is)
+PARALLEL_ORDER = ("spec", "shapes", "tp_plan", "sequence_plan", "stages", "plan", "shard", "trace", "profile", "compose",
+                  "memory", "world", "apply")
+
+
+def test_the_parallel_package_imports_one_way():
+    root = PACKAGE / "parallel"
+    assert sorted(p.stem for p in root.glob("*.py") if p.stem != "__init__") == sorted(PARALLEL_ORDER)
+    bad = []
+    for i, name in enumerate(PARALLEL_ORDER):
+        for target in sorted(imports(root / f"{name}.py", f"tailorfx.parallel.{name}")):
+            if target.split(".")[:2] == ["tailorfx", "parallel"]:
+                theirs = target.split(".")[2] if target.count(".") >= 2 else "__init__"
+                if theirs not in PARALLEL_ORDER[:i]:
+                    bad.append(f"parallel/{name}.py imports {target}")
+    assert bad == []
+
+
+def private_names_imported(path: pathlib.Path) -> list[str]:
+    """`from tailorfx.x import _y` and `x._y` on a tailorfx module `x` in `path`."""
+    tree = ast.parse(path.read_text())
+    modules, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tailorfx":
+            for a in node.names:
+                if a.name.startswith("_"):
+                    found.append(f"from {node.module} import {a.name}")
+                modules.add(a.asname or a.name)     # a submodule or a name: an attribute of either counts
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == "tailorfx"}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_parallel_and_rewrite_use_each_others_public_names_only():
+    found = {str(p.relative_to(PACKAGE.parent)): names for d in ("parallel", "rewrite")
+             for p in sorted((PACKAGE / d).rglob("*.py")) if (names := private_names_imported(p))}
+    assert found == {}
 
 
 def test_the_cycle_finder_sees_a_function_local_import(tmp_path):

@@ -196,14 +196,14 @@ def test_passes_and_budgets_under_parallel_say_what_runs(kw, msg):
 
 def test_checkpointed_blocks_run_without_a_kv_cache():
     """A checkpointed block runs its forward again in backward: a KV cache would take its keys twice."""
-    from tailorfx.parallel.apply import ParallelPlan
+    from tailorfx.parallel.apply import ParallelRuntime
     model = hf_family("llama", vocab_size=512)
-    plan = ParallelPlan(dp=2, passes=("recompute",))
-    assert plan._without_cache(model, {"input_ids": 1})["use_cache"] is False
+    runtime = ParallelRuntime(ParallelSpec(dp=2), passes=("recompute",))
+    assert runtime._without_cache(model, {"input_ids": 1})["use_cache"] is False
     with pytest.raises(ValueError, match="use_cache=True in training with recompute"):
-        plan._without_cache(model, {"use_cache": True})
-    assert "use_cache" not in plan._without_cache(model.eval(), {})          # eval: no backward
-    assert "use_cache" not in ParallelPlan(dp=2)._without_cache(model.train(), {})   # no recompute
+        runtime._without_cache(model, {"use_cache": True})
+    assert "use_cache" not in runtime._without_cache(model.eval(), {})          # eval: no backward
+    assert "use_cache" not in ParallelRuntime(ParallelSpec(dp=2))._without_cache(model.train(), {})   # no recompute
 
 
 def test_parallel_outside_torchrun_says_how_to_launch(monkeypatch):
@@ -219,7 +219,7 @@ def test_parallel_outside_torchrun_says_how_to_launch(monkeypatch):
 def test_each_rank_takes_its_own_device():
     """On CUDA, rank r of a node runs on cuda:LOCAL_RANK (not GPU 0), and every batch given to the
     sharded model is moved there; without CUDA, the CPU. (CUDA itself: benchmarks/gpu_check.py.)"""
-    from tailorfx.parallel.apply import ParallelPlan
+    from tailorfx.parallel.apply import ParallelRuntime
     from tailorfx.runtime.tensor_parallel import on_device, rank_device
     assert rank_device({"LOCAL_RANK": "3"}, cuda_available=True) == torch.device("cuda", 3)
     assert rank_device({}, cuda_available=True) == torch.device("cuda", 0)
@@ -228,7 +228,7 @@ def test_each_rank_takes_its_own_device():
     moved = on_device(((), batch), torch.device("meta"))     # any other device does: this one needs none
     assert moved[1]["input_ids"].device.type == "meta" and moved[1]["n"] == 2
     seen = {}
-    ParallelPlan(device=torch.device("meta")).run(lambda *a, **kw: seen.update(kw), (), batch)
+    ParallelRuntime(ParallelSpec(), device=torch.device("meta")).run(lambda *a, **kw: seen.update(kw), (), batch)
     assert seen["input_ids"].device.type == "meta"
 
 

@@ -1,4 +1,4 @@
-"""Per-rank memory of parallel layouts predicted by composition (tailorfx.parallel.memory), the
+"""Per-rank memory of parallel layouts predicted by composition (tailorfx/parallel/memory.py), the
 world planner and its CLI: one process, fake tensors and a fake process group, no torchrun.
 The accuracy against torchrun measurements is benchmarks/parallel.py's; here, the invariants
 the composition must keep, and the one-process case against the allocator."""
@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 from tailorfx import planner
 from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError
-from tailorfx.parallel.memory import plan_world, predict_rank_memory, preference
+from tailorfx.parallel import plan_world, predict_rank_memory, preference
 
 SEQ = 64
 

@@ -1,1 +1,28 @@
-"""Layouts across ranks: tensor, sequence, pipeline and data parallelism (see docs/parallel.md)."""
+"""Layouts across ranks: tensor, sequence, pipeline and data parallelism (docs/parallel.md).
+
+The modules import one way, each only those above it in this list (tests/test_layers.py):
+
+    spec           ParallelSpec: the layout (tp, dp, pp, sp, schedule, ...), checked when made
+    shapes         where a sharded dim lands through views, transposes and indexing
+    tp_plan        the tensor-parallel plan read off a captured graph (TPPlan)
+    sequence_plan  Megatron's sequence parallelism on top of it
+    stages         where to cut the blocks into pipeline stages
+    plan           the plan read off a model, the styles each layout's LM head takes, the step's rewrites
+    shard          tensor parallelism applied to a module (the rank's, or a fake copy)
+    trace          one rank's step graph on fake tensors, each node tagged by part of the model
+    profile        the memory model's simulation of that step, live bytes per part
+    compose        that simulation composed under FSDP2 and a pipeline schedule
+    memory         per-rank memory of a layout (predict_rank_memory, RankMemory, RankPrediction)
+    world          the layout a world of devices should use under a budget (plan_world)
+    apply          optimize(parallel=...) inside torchrun: each parallelism applied (parallelize)
+
+Nothing here imports tailorfx.api or tailorfx.sizing.
+"""
+from tailorfx.parallel.apply import ParallelPlan, parallelize
+from tailorfx.parallel.memory import RankMemory, StageMemory, predict_rank_memory
+from tailorfx.parallel.plan import plan_tensor_parallel
+from tailorfx.parallel.spec import ParallelSpec, describe_layout
+from tailorfx.parallel.world import WorldCandidate, plan_world, preference
+
+__all__ = ["ParallelPlan", "ParallelSpec", "RankMemory", "StageMemory", "WorldCandidate", "describe_layout",
+           "parallelize", "plan_tensor_parallel", "plan_world", "predict_rank_memory", "preference"]

@@ -1,6 +1,6 @@
-"""Compositions of a rank's tagged simulation (parallel_trace.py) into its peak under a layout:
-tensor parallel as traced, FSDP2's gathers, prefetch and reduce-scatters over dp ranks, and a
-pipeline rank's walk through its schedule's actions (see parallel_memory's docstring)."""
+"""Compositions of a rank's tagged simulation (profile.py) into its peak under a layout: tensor
+parallel as traced, FSDP2's gathers, prefetch and reduce-scatters over dp ranks, and a pipeline
+rank's walk through its schedule's actions (see memory.py's docstring)."""
 from __future__ import annotations
 
 import math
@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.fx as fx
 
-from tailorfx.parallel.trace import Point, RankCapture, grad_burst
+from tailorfx.codegen.pipeline import stage_of_nodes
+from tailorfx.parallel.profile import Point, grad_burst
+from tailorfx.parallel.trace import RankCapture
 from tailorfx.rewrite.capture import node_value
 
 _PARTS = ("activations", "gradients", "gathered parameters", "communication buffers")
@@ -241,7 +242,6 @@ def stage_io(cap: RankCapture, stage_blocks: list[list[str]]) -> list[tuple[int,
     what it sends (torch allocates buffers for both, for every micro-batch, once), values it
     makes and sends, and gradients it sends back for what it received and that requires grad
     (the runtime keeps every send until the step ends)."""
-    from tailorfx.codegen.pipeline import stage_of_nodes
     n = len(stage_blocks)
     stage_of_block = {b: k for k, bs in enumerate(stage_blocks) for b in bs}
     block_stage = {name: stage_of_block[r.path] for r in cap.regions.of_kind("block") for name in r.nodes}

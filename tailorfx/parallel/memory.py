@@ -1,16 +1,15 @@
-"""Per-rank memory of a parallel layout (tp, dp, pp, sp), predicted without allocating anything,
-and the layout a world of devices should use under a budget.
+"""Per-rank memory of a parallel layout (tp, dp, pp, sp), predicted without allocating anything;
+inside torchrun, the same for the rank's sharded model (RankPrediction: opt.predict_memory()).
 
     predict_rank_memory(config, tp=2, dp=4, seq_len=8192, batch_size=1, setup="amp-bf16")
-    plan_world(config, world=64, budget="80GB", seq_len=8192)
 
 Built by composition on the memory model (rewrite/memory.py); the rank's graph and its tagged
-simulation are in parallel_trace.py, the dp and pp compositions in parallel_compose.py:
+simulation are in trace.py and profile.py, the dp and pp compositions in compose.py:
 
 The rank's graph. The model (a config, a zero-argument factory or a module; built or copied under
 a FakeTensorMode, so an 8B model holds no memory) is captured at one micro-batch of one rank:
 `batch_size` rows of `seq_len` tokens (seq_len/dp under sp). Under tp the runtime's own
-`apply_tp` shards it first, with the plan read off its graph (passes/parallel.py), on torch's
+`apply_tp` shards it first (shard.shard_model), with the plan read off its graph (plan.py), on torch's
 fake process group of tp ranks (compat.init_fake_process_group; inside torchrun, on the real tp
 mesh), so the captured graph is the one a tp rank runs: DTensor shards, the vocab-parallel head
 and loss, the collectives. The memory model simulates that step as eager autograd runs it, and
@@ -18,7 +17,7 @@ every storage it allocates is tagged with the part of the model that made it: th
 the first block (embedding), each block, the root after the last block (norm, head, loss). One
 capture per (tp, rows, sequence slice, head style) is cached; everything below re-reads it.
 
-tp: the simulation as it is (ParallelPlan.predict does the same inside torchrun).
+tp: the simulation as it is (RankPrediction does the same inside torchrun).
 
 dp (FSDP2 as runtime.apply_fsdp applies it: fully_shard on each block, then the root; torch's
 defaults). Parameters, master weights, optimizer state and the gradients of finished blocks are
@@ -34,7 +33,7 @@ of the simulated step FSDP2 adds:
   at each block's post-backward: its whole gradients, its reduce-scatter input and output.
 Unsharded sizes are padded to a multiple of dp rows, as FSDP2 pads them.
 
-pp: the stages cut as the runtime cuts them (pipeline_split.split_points on block_costs of the
+pp: the stages cut as the runtime cuts them (stages.stage_blocks on block_costs of the
 same graph, pp * virtual stages). A stage's profile is the tagged simulation restricted to the
 stage's own tensors: its live bytes at each point of one micro-batch's forward and backward,
 and what it keeps per micro-batch once its forward is done (saved activations, outputs). Each
@@ -57,7 +56,7 @@ benchmarks/parallel.py's model; the predictions are within 2% at sp=2 and sp=4).
 collective library frees them sooner this over-estimates, on the safe side.
 
 sp="megatron": the tp composition on the graph of the model sharded with the sequence-parallel
-styles too (passes.parallel.infer_sequence_parallel): the stream's norms, residual adds and
+styles too (sequence_plan.infer_sequence_parallel): the stream's norms, residual adds and
 all-gathered inputs are in the traced graph, collectives and all.
 
 pp with dp (runtime.apply_fsdp_stages: each stage one fully_shard unit over the dp ranks):
@@ -81,22 +80,32 @@ headroom and planner.HEADROOM are kept free).
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass, replace
-from typing import Any, Optional, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
-from tailorfx.budget import Budget, format_bytes
-from tailorfx.errors import BudgetError
-from tailorfx.parallel.spec import ParallelSpec, describe_layout
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.tensor.parallel import loss_parallel
+
+from tailorfx import planner
+from tailorfx.budget import format_bytes
+from tailorfx.codegen.pipeline import capture_static
+from tailorfx.codegen.schedule import build_schedule, simulate_schedule
+from tailorfx.errors import PredictionError
+from tailorfx.options import positive_int
 from tailorfx.parallel.compose import fsdp_peak, pipeline_walk, shard_bytes, shard_shapes, stage_io, stage_profiles, tp_peak
 from tailorfx.parallel.plan import head_style
+from tailorfx.parallel.shard import VocabHead
+from tailorfx.parallel.spec import ParallelSpec, describe_layout
 from tailorfx.parallel.stages import block_costs, stage_blocks
-from tailorfx.parallel.trace import capture_rank, param_dtype, profile, read_tp_plan
+from tailorfx.parallel.profile import profile
+from tailorfx.parallel.trace import capture_rank, param_dtype
 from tailorfx.rewrite import memory
+from tailorfx.rewrite.capture import seq_info
 from tailorfx.setup import TrainingSetup
 from tailorfx.setup import resolve as resolve_setup
-
-MAX_TP = 8          # one node: tensor parallel's all-reduces stay on NVLink
 
 # ---- results ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -199,8 +208,6 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     optimize(parallel=...) checks it (ValueError for one the runtime refuses, such as
     sp="ulysses" with tp).
     """
-    from tailorfx.codegen.schedule import build_schedule, simulate_schedule
-    from tailorfx.options import positive_int
     spec = ParallelSpec(tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule, microbatches=microbatches or pp,
                         vocab_loss=vocab_loss)
     positive_int("seq_len", seq_len, allow_none=False)
@@ -217,7 +224,6 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     L = len(cap.blocks)
     notes = []
     if (dp > 1 or pp > 1) and not any(1 <= g <= L for g in cap.fw_group.values()):
-        from tailorfx.errors import PredictionError
         raise PredictionError("cannot predict dp/pp per rank: no op of the traced step could be attributed to a "
                               "repeated block (FSDP's units, pipeline stages)" + ("" if L else
                               ": the graph has no repeated blocks"))
@@ -251,9 +257,10 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
             numels = [math.prod(x) for x, _ in local]
             total = _rank_total(s, numels, sum(math.prod(x) * b for x, b in local), peak, parts, recv)
             per_rank.append((total, r, peak, parts, local, recv))
-        stages = tuple(StageMemory(k, k % pp, tuple(blocks_of[k]),
-                                   shard_bytes([sh for g in profs[k].groups for sh in cap.params[g]], dp)[0],
-                                   profs[k].kept, sim.peak_inflight[k], m * (io[k][0] + io[k][1]))
+        stages = tuple(StageMemory(stage=k, rank=k % pp, blocks=tuple(blocks_of[k]),
+                                   param_bytes=shard_bytes([sh for g in profs[k].groups for sh in cap.params[g]], dp)[0],
+                                   kept_bytes=profs[k].kept, peak_inflight=sim.peak_inflight[k],
+                                   recv_buffer_bytes=m * (io[k][0] + io[k][1]))
                        for k in range(pp * v))
         pipeline_ranks = tuple((t[0][0], t[2], sum(math.prod(x) * b for x, b in t[4])) for t in per_rank)
         if rank is not None and not 0 <= rank < pp:
@@ -277,9 +284,12 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
         numels = [math.prod(x) for x, _ in shapes]
         param_bytes = sum(math.prod(x) * b for x, b in shapes)
     peak, master, state, grads_held, step_parts = _rank_total(s, numels, param_bytes, fb_peak, parts, comm_resident)
-    return RankMemory(tp, dp, pp, sp, schedule if pp > 1 else "", m if pp > 1 else 1, seq_len, batch_size, s,
-                      rank_label, peak, param_bytes, master, state, comm_resident, fb_peak, step_parts, grads_held,
-                      stages, bubble, tuple(notes), pipeline_ranks)
+    return RankMemory(tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule if pp > 1 else "", microbatches=m if pp > 1 else 1,
+                      seq_len=seq_len, batch_size=batch_size, setup=s, rank=rank_label, peak_bytes=peak,
+                      param_bytes=param_bytes, master_bytes=master, optimizer_bytes=state,
+                      resident_comm_bytes=comm_resident, forward_backward_peak_bytes=fb_peak, at_peak=step_parts,
+                      grad_bytes=grads_held, stages=stages, bubble=bubble, notes=tuple(notes),
+                      pipeline_ranks=pipeline_ranks)
 
 
 def _rank_total(s: TrainingSetup, numels: list[int], param_bytes: int, fb_peak: int, parts: dict,
@@ -301,139 +311,63 @@ def _rank_total(s: TrainingSetup, numels: list[int], param_bytes: int, fb_peak: 
     return param_bytes + master + state + comm_resident + step_peak, master, state, grads_held, step_parts
 
 
-# ---- plan_world ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class WorldCandidate:
-    """One layout of the world plan_world considered, and what became of it."""
-    tp: int
-    pp: int
-    dp: int
-    sp: Optional[str]
-    status: str                        # "fits", "over budget" or "not available"
-    reason: str = ""
-    memory: Optional[RankMemory] = None
-    chosen: bool = False
+# ---- inside torchrun: the rank's sharded model --------------------------------------------------------
+@dataclass
+class RankPrediction:
+    """What opt.predict_memory() of a model parallelize() sharded reads: this rank's memory for one
+    step at the example batch's shape, nothing run. Tensor parallel alone: the memory model on
+    the sharded model's own graph (DTensor shards, collectives and all; traced on fake tensors).
+    With dp (FSDP2), pp, sp or rewrites: predict_rank_memory on a fake copy of the model taken
+    before it was sharded (the example's rows are this rank's micro-batch; under pp the whole
+    step's, split into the micro-batches; under sp every rank's, split over the sequence). Kept
+    per setup: the model's shapes do not change."""
+    spec: ParallelSpec
+    example: dict
+    passes: tuple = ()                            # the rewrites the layout took (spec.rewrites)
+    source: Optional[nn.Module] = None            # the fake copy taken before sharding (dp/pp/sp/rewrites)
+    tp_mesh: Any = None                           # the tp mesh dimension the copy is sharded on
+    pp_rank: int = 0
+    captured: Optional[fx.GraphModule] = None     # the pipeline's step graph as captured (tp=1): traced, not captured again
+    head: Optional[VocabHead] = None              # the rank's vocab-parallel head
+    cache: dict = field(default_factory=dict)     # repr(setup) -> MemoryEstimate
 
-    @property
-    def peak_bytes(self) -> Optional[int]:
-        return self.memory.peak_bytes if self.memory is not None else None
+    def predict(self, model: nn.Module, seq_len: Optional[int], setup) -> memory.MemoryEstimate:
+        """This rank's step under `setup` (`model`: the rank's sharded model; `seq_len`: None or
+        the example's length)."""
+        length = self.example["input_ids"].shape[1] if "input_ids" in self.example else None
+        if seq_len not in (None, length):
+            raise PredictionError(f"under parallel= the prediction is at the example batch's length ({length}): "
+                                  f"give example_inputs of length {seq_len}")
+        key = repr(setup)
+        if key not in self.cache:
+            spec = self.spec
+            composed = spec.dp > 1 or spec.pp > 1 or spec.sp == "ulysses" or self.passes
+            self.cache[key] = self._composed(length, setup) if composed else self._traced(model, setup)
+        return self.cache[key]
 
-    @property
-    def bubble(self) -> float:
-        return self.memory.bubble if self.memory is not None else 0.0
+    def _traced(self, model: nn.Module, setup) -> memory.MemoryEstimate:
+        scope = loss_parallel if self.head is not None else contextlib.nullcontext
+        try:
+            with scope():
+                gm, _, _ = capture_static(model, self.example)
+                return planner.predict_graphs([(gm, "dynamo", None)], [seq_info(gm, None)], None, setup)
+        finally:
+            if self.head is not None and self.head.fused is not None:    # the capture's run left the head's tensors in the hook
+                self.head.fused.clear()
 
-    def layout(self) -> str:
-        return describe_layout(self.tp, self.pp, self.dp, self.sp)
-
-    def __str__(self) -> str:
-        peak = format_bytes(self.peak_bytes) if self.peak_bytes is not None else "-"
-        return f"{self.layout()}: {self.status}, {peak} per rank" + (f" ({self.reason})" if self.reason else "")
-
-
-def preference(c: WorldCandidate) -> tuple:
-    """The order plan_world prefers fitting layouts in, fewest cross-node collectives first: data
-    parallel alone (FSDP2: one all-gather and one reduce-scatter per block, overlapped), then
-    tensor parallel inside a node (tp <= 8: per-layer all-reduces on NVLink; the smaller tp first),
-    then pipeline stages (point-to-point, but a bubble: the smaller pipeline and bubble first),
-    then Ulysses sequence parallel (four all-to-alls per layer over the dp ranks). At the same tp,
-    Megatron's sequence parallelism first: its all-gather and reduce-scatter move what tp's
-    all-reduce moves, and the norms and residual stream take 1/tp of the memory."""
-    return (c.sp == "ulysses", c.pp > 1, c.tp, c.pp, c.bubble, c.sp != "megatron")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budget], seq_len: int,
-               batch_size: int = 1, setup: Any = None, schedule: str = "1f1b", microbatches: Optional[int] = None,
-               max_tp: int = MAX_TP) -> list[WorldCandidate]:
-    """The layouts (tp, pp, dp, sp) of `world` ranks, each predicted per rank (predict_rank_memory),
-    the chosen one first: the preferred (see `preference`) among those whose worst rank fits the
-    budget less the planner's headroom (planner.usable), then the other fitting ones, those over
-    the budget (smallest first) and those not available, each with the reason.
-
-    Enumerated: tp * pp * dp == world, tp <= max_tp (one node) and dividing the heads read off
-    the graph, pp at most the number of blocks, sp="megatron" beside every tp >= 2 without pp
-(unless the graph has a region the stream cannot be split around), sp="ulysses" when dp >= 2 without tp and pp (as
-    the runtime supports it) and dp divides the heads and the sequence; pp with dp shards each
-    stage over the dp ranks (FSDP2). `batch_size`: rows of one rank's
-    micro-batch; pipelines run `microbatches` of them (default pp). One capture per tp (and per
-    head style and sequence slice) serves every dp, so a world of 1,024 costs a few captures.
-    Raises BudgetError, naming the smallest peak any layout reaches, when none fits (its
-    `candidates` attribute holds the list).
-    """
-    from tailorfx import planner
-    from tailorfx.options import positive_int
-    positive_int("world", world, allow_none=False)
-    positive_int("seq_len", seq_len, allow_none=False)
-    positive_int("batch_size", batch_size, allow_none=False)
-    b = Budget.parse(budget)
-    s = resolve_setup(setup, param_dtype=param_dtype(model_or_config))
-    usable = planner.usable(b.bytes, s.headroom)
-    base = capture_rank(model_or_config, tp=1, rows=batch_size, seq=seq_len, head="vocab", dtype=s.param_dtype)
-    blocks = len(base.blocks)
-    out: list[WorldCandidate] = []
-
-    def unavailable(tp, pp, dp, sp, why):
-        out.append(WorldCandidate(tp, pp, dp, sp, "not available", why))
-
-    for tp in _divisors(world):
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            layouts = (["megatron"] if tp >= 2 and pp == 1 else []) + [None] + (
-                ["ulysses"] if dp >= 2 and tp == pp == 1 else [])
-            for sp in layouts:
-                if tp > max_tp:
-                    unavailable(tp, pp, dp, sp, f"tp={tp} spans more than one node (tp <= {max_tp})")
-                    continue
-                if tp > 1:
-                    try:
-                        read_tp_plan(model_or_config, s.param_dtype).check(tp)
-                    except ValueError as e:
-                        unavailable(tp, pp, dp, sp, str(e).split(" (read")[0])
-                        continue
-                if pp > blocks:
-                    unavailable(tp, pp, dp, sp, f"{blocks} blocks cannot make {pp} pipeline stages")
-                    continue
-                if sp == "megatron" and read_tp_plan(model_or_config, s.param_dtype).sequence_error:
-                    unavailable(tp, pp, dp, sp, read_tp_plan(model_or_config, s.param_dtype).sequence_error)
-                    continue
-                if sp == "ulysses":
-                    bad = [(h, what) for h, what in zip(base.heads, ("query", "key/value")) if h and h % dp]
-                    if bad or seq_len % dp:
-                        why = (f"Ulysses over {dp} ranks must divide the {bad[-1][0]} {bad[-1][1]} heads" if bad else
-                               f"Ulysses over {dp} ranks must divide the sequence ({seq_len})")
-                        unavailable(tp, pp, dp, sp, why)
-                        continue
-                try:
-                    rm = predict_rank_memory(model_or_config, tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule,
-                                             microbatches=microbatches or (pp if pp > 1 else None), seq_len=seq_len,
-                                             batch_size=batch_size, setup=s)
-                except ValueError as e:
-                    unavailable(tp, pp, dp, sp, str(e).splitlines()[0])
-                    continue
-                fits = rm.peak_bytes <= usable
-                over = "" if fits else f"{format_bytes(rm.peak_bytes)} > {format_bytes(usable)} usable"
-                out.append(WorldCandidate(tp, pp, dp, sp, "fits" if fits else "over budget", over, rm))
-    fitting = sorted((c for c in out if c.status == "fits"), key=preference)
-    over = sorted((c for c in out if c.status == "over budget"), key=lambda c: c.peak_bytes)
-    rest = [c for c in out if c.status == "not available"]
-    if not fitting:
-        if not over:
-            raise ValueError(f"no layout of {world} ranks is available: " + "; ".join(
-                f"{c.layout()}: {c.reason}" for c in rest[:4]))
-        best = over[0]
-        parts = best.memory.breakdown()
-        dominant = max(parts, key=parts.get)
-        suggested = math.ceil(best.peak_bytes / planner.usable(1, s.headroom))
-        err = BudgetError(
-            f"budget {b} cannot be met on {world} ranks: the smallest per-rank peak any layout reaches is "
-            f"{format_bytes(best.peak_bytes)} ({best.layout()}: " + ", ".join(
-                f"{k} {format_bytes(v)}" for k, v in parts.items() if v) + f"), dominated by {dominant}. Use a "
-            f"budget of at least {format_bytes(suggested)}, more ranks, a shorter sequence, or a lighter setup "
-            f"({s.describe()})", best.peak_bytes, dominant, suggested)
-        err.candidates = over + rest
-        raise err
-    fitting[0] = replace(fitting[0], chosen=True)
-    return fitting + over + rest
+    def _composed(self, length: Optional[int], setup) -> memory.MemoryEstimate:
+        if self.source is None or length is None:
+            raise PredictionError("per-rank prediction under dp/pp/sp needs the example batch's input_ids and the "
+                                  "model's copy taken before sharding (optimize(parallel=...) keeps both)")
+        spec = self.spec
+        pipelined = spec.pp > 1
+        rows = self.example["input_ids"].shape[0] // (spec.microbatches if pipelined else 1)
+        fused = self.head is not None and self.head.fused is not None
+        rm = predict_rank_memory(self.source, tp=spec.tp, dp=spec.dp, pp=spec.pp, sp=spec.sp,
+                                 schedule=spec.schedule if pipelined else "1f1b",
+                                 microbatches=spec.microbatches if pipelined else None,
+                                 seq_len=length, batch_size=rows, setup=setup, rank=self.pp_rank if pipelined else None,
+                                 vocab_loss="fused" if fused else "loss_parallel",
+                                 passes=self.passes, _mesh=self.tp_mesh if spec.tp > 1 else None,
+                                 _graph=self.captured)
+        return rm.as_estimate()

@@ -1,7 +1,12 @@
-"""The graph one rank of a parallel layout runs, and the memory model's simulation of its step
-with every storage tagged by the part of the model that made it (the root before the first block,
-each block, the root after the last): what parallel_memory composes (see its docstring).
-Captures are cached per (model, tp, rows, sequence slice, head style)."""
+"""The graph one rank of a parallel layout runs: the model (a config, a factory or a module) built
+or copied on fake tensors, sharded for tp as the rank's is (shard.py), captured for one
+micro-batch, rewritten as the layout's step graph is, traced by AOTAutograd, and each node
+tagged with the part of the model it belongs to (the root before the first block, each block,
+the root after the last) for profile.py. Captures are cached per (model, tp, rows, sequence
+slice, head style, rewrites).
+
+    cap = capture_rank(config, tp=2, rows=1, seq=4096, dtype=torch.bfloat16)
+"""
 from __future__ import annotations
 
 import contextlib
@@ -30,7 +35,6 @@ from tailorfx.parallel.tp_plan import TPPlan
 from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import node_value, seq_info
 from tailorfx.rewrite.regions import find_regions, is_param, normalize_path, param_source
-from tailorfx.setup import TrainingSetup
 
 
 def _source_key(src: Any) -> tuple:
@@ -315,109 +319,3 @@ def _attention(gm: fx.GraphModule) -> tuple[int, int, int]:
             heads = [v.shape[1] if isinstance(v, torch.Tensor) and v.dim() == 4 else 0 for v in vals[:2]]
             return nbytes, *heads
     return 0, 0, 0
-
-
-# ---- the tagged simulation ----------------------------------------------------------------------
-@dataclass
-class Point:
-    kind: str            # "f" forward, "b" backward, "e" the forward ended (its outputs released)
-    group: int
-    attn: bool
-    live: tuple          # bytes live per part (transient of the running op in its part)
-    grads: tuple         # gradient bytes live per part
-    saved_freed: tuple = ()   # bytes per part of the forward's saved tensors backward has freed so far
-
-
-class _TaggedPool(memory.Pool):
-    """The memory model's pool, also counting live bytes per part of the model."""
-
-    def __init__(self, cap: RankCapture):
-        super().__init__(memory.Timeline())
-        self.cap = cap
-        n = cap.num_groups
-        self.live, self.glive = [0] * n, [0] * n
-        self.sid_group: dict[int, int] = {}
-        self.current = n - 1
-        self.points: list[Point] = []
-        self.saved_sids: set[int] = set()
-        self.saved_freed = [0] * n
-        # per part, the most gradient bytes one op makes at once (a chunked region's backward makes
-        # all its weights' gradients together): what a later micro-batch adds beside the held ones
-        self.grad_burst = [0] * n
-        self._burst_of: tuple = (None, 0)
-
-    def alloc(self, nbytes: int, holder, grad: bool = False) -> int:
-        sid = super().alloc(nbytes, holder, grad)
-        g = self.cap.node_group.get(holder, self.current) if isinstance(holder, fx.Node) else self.current
-        self.sid_group[sid] = g
-        self.live[g] += nbytes
-        if grad:
-            self.glive[g] += nbytes
-            node, run = self._burst_of
-            run = (run if node is holder else 0) + nbytes
-            self._burst_of = (holder, run)
-            self.grad_burst[g] = max(self.grad_burst[g], run)
-        return sid
-
-    def hold(self, sid: int, holder) -> None:
-        super().hold(sid, holder)
-        if isinstance(holder, tuple) and holder[0] == "saved" and sid in self.bytes:
-            self.saved_sids.add(sid)
-
-    def release(self, sid: int, holder) -> None:
-        nbytes, was_grad = self.bytes.get(sid), sid in self.grad_sids
-        super().release(sid, holder)
-        if nbytes is not None and sid not in self.bytes:
-            g = self.sid_group.pop(sid)
-            self.live[g] -= nbytes
-            if was_grad:
-                self.glive[g] -= nbytes
-            if sid in self.saved_sids:
-                self.saved_sids.discard(sid)
-                self.saved_freed[g] += nbytes
-
-    def mark(self, phase: str, node: str, extra: int = 0) -> None:
-        super().mark(phase, node, extra)
-        kind = "f" if phase.startswith("forward") else "b" if phase.startswith("backward") else "o"
-        if kind != "o":
-            names = self.cap.fw_group if kind == "f" else self.cap.bw_group
-            self.current = names.get(node, self.current)
-            attn = node in (self.cap.fw_attn if kind == "f" else self.cap.bw_attn)
-            self.snapshot(kind, attn, extra)
-
-    def forward_done(self, k: int) -> None:
-        super().forward_done(k)
-        # what the forward leaves: a last stage keeps this per micro-batch (its logits are gone)
-        self.snapshot("e")
-
-    def snapshot(self, kind: str, attn: bool = False, extra: int = 0) -> None:
-        """A point of the profile: what is live now, per part (`extra` more in the running one)."""
-        live = list(self.live)
-        live[self.current] += extra
-        self.points.append(Point(kind, self.current, attn, tuple(live), tuple(self.glive), tuple(self.saved_freed)))
-
-
-def profile(cap: RankCapture, setup: TrainingSetup, keep_outputs: bool = True) -> list[Point]:
-    """The step simulated under `setup`, each point's live bytes split by part (cached).
-    `keep_outputs`: the caller holds the model's outputs (logits) through backward, as a training
-    loop does; a pipeline's last stage returns only the loss."""
-    key = (*_setup_key(setup), keep_outputs)
-    if key not in cap.profiles:
-        s = setup.with_(grad_accum_steps=1)
-        pool = _TaggedPool(cap)
-        memory.simulate_step([cap.steps], cap.seq, setup=s, pool=pool,
-                             hold=memory.all_outputs if keep_outputs else memory.scalar_outputs)
-        cap.profiles[key] = pool.points
-        cap.profiles[("grad_burst", *_setup_key(setup))] = pool.grad_burst
-    return cap.profiles[key]
-
-
-def _setup_key(setup: TrainingSetup) -> tuple:
-    """What of a setup the simulated step depends on."""
-    return setup.param_dtype, setup.grads, setup.optimizer, setup.optimizer_in_backward, setup.master_weights
-
-
-def grad_burst(cap: RankCapture, setup: TrainingSetup) -> list[int]:
-    """Per part, the most gradient bytes one backward op makes at once (after profile())."""
-    return cap.profiles.get(("grad_burst", *_setup_key(setup)), [0] * cap.num_groups)
-

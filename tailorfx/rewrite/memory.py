@@ -93,7 +93,7 @@ class Pool:
     The simulation calls `alloc` for each new storage, `hold`/`release` as holders take and drop
     it (it is freed when the last one does), `mark` after each op (with the bytes the op holds
     inside itself while it runs) and `forward_done` once a forward graph has returned. A
-    subclass may override these to observe the step (tailorfx.parallel.trace tags each storage
+    subclass may override these to observe the step (tailorfx/parallel/profile.py tags each storage
     with the part of the model that made it); it must call the base methods. Holders: the fx
     node whose value it is, `("saved", k, name)` (a forward output saved for backward k),
     `("user", k)` (an output the caller holds), `("grad", k)`, `("tangent", k)`, "__out__" (a

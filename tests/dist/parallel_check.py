@@ -40,7 +40,8 @@ def main(run: str, tp: int, dp: int) -> int:
     # whether the head's own output (before a soft-cap or scale) is still held when the loss runs
     head_out, held_at_loss = [], []
     hook = model.lm_head.register_forward_hook(lambda m, a, o: head_out.append(weakref.ref(o)))
-    fused = opt.session.parallel.fused_loss
+    head = opt.session.parallel.runtime.head
+    fused = head.fused if head is not None else None
     if fused is not None:
         def checked(*args, **kwargs):
             held_at_loss.append(head_out[-1]() is not None)
@@ -77,9 +78,9 @@ def main(run: str, tp: int, dp: int) -> int:
           and num_params == len(list(ref.parameters())))
     write({"rank": rank, "family": family, "ok": bool(ok), "loss": float(full_loss),
            "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": num_params,
-           "predicted": predicted, "measured": measured, "measured_steps": steps, "bad": bad, "styles": opt.session.parallel.styles, "sp": sp, "head": dict(opt.session.parallel.describe()).get("lm_head", ""),
+           "predicted": predicted, "measured": measured, "measured_steps": steps, "bad": bad, "styles": opt.session.parallel.report.styles, "sp": sp, "head": dict(opt.session.parallel.report.describe()).get("lm_head", ""),
            "head_output_held_at_loss": held_at_loss, "fused_calls": fused.fused if fused else 0, "unfused_calls": fused.unfused if fused else 0,
-           "checkpointed": [b for b, what in opt.session.parallel.describe() if what.startswith("recompute:")]}, run)
+           "checkpointed": [b for b, what in opt.session.parallel.report.describe() if what.startswith("recompute:")]}, run)
     return 0 if ok else 1
 
 

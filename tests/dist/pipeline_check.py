@@ -48,7 +48,7 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1
     write({"rank": rank, "family": family, "schedule": schedule, "ok": bool(ok),
            "loss": None if loss is None else float(loss), "eager_loss": float(own_loss), "dp": dp,
            "num_params": len(mine), "bad": bad, "sharded": sum(hasattr(p, "full_tensor") for p in mine.values()),
-           "stages": opt.session.parallel.stage_blocks, "bubble": opt.session.parallel.bubble,
+           "stages": opt.session.parallel.report.stage_blocks, "bubble": opt.session.parallel.report.bubble,
            "measured": measured, "predicted": predicted, "measured_steps": steps,
            "stage_param_bytes": sum(p.numel() * p.element_size() for p in mine.values()),
            "report": str(opt.report())}, family, schedule, f"{tp}x{dp}")

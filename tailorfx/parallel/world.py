@@ -1,0 +1,156 @@
+"""The layout a world of devices should use under a budget: every (tp, pp, dp, sp) of `world` ranks
+predicted per rank (memory.predict_rank_memory), the preferred one that fits first.
+
+    plan_world(config, world=64, budget="80GB", seq_len=8192)[0]   -> the chosen WorldCandidate
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Union
+
+from tailorfx import planner
+from tailorfx.budget import Budget, format_bytes
+from tailorfx.errors import BudgetError
+from tailorfx.options import positive_int
+from tailorfx.parallel.memory import RankMemory, predict_rank_memory
+from tailorfx.parallel.spec import describe_layout
+from tailorfx.parallel.trace import capture_rank, param_dtype, read_tp_plan
+from tailorfx.setup import resolve as resolve_setup
+
+MAX_TP = 8          # one node: tensor parallel's all-reduces stay on NVLink
+
+
+@dataclass(frozen=True)
+class WorldCandidate:
+    """One layout of the world plan_world considered, and what became of it."""
+    tp: int
+    pp: int
+    dp: int
+    sp: Optional[str]
+    status: str                        # "fits", "over budget" or "not available"
+    reason: str = ""
+    memory: Optional[RankMemory] = None
+    chosen: bool = False
+
+    @property
+    def peak_bytes(self) -> Optional[int]:
+        return self.memory.peak_bytes if self.memory is not None else None
+
+    @property
+    def bubble(self) -> float:
+        return self.memory.bubble if self.memory is not None else 0.0
+
+    def layout(self) -> str:
+        return describe_layout(self.tp, self.pp, self.dp, self.sp)
+
+    def __str__(self) -> str:
+        peak = format_bytes(self.peak_bytes) if self.peak_bytes is not None else "-"
+        return f"{self.layout()}: {self.status}, {peak} per rank" + (f" ({self.reason})" if self.reason else "")
+
+
+def preference(c: WorldCandidate) -> tuple:
+    """The order plan_world prefers fitting layouts in, fewest cross-node collectives first: data
+    parallel alone (FSDP2: one all-gather and one reduce-scatter per block, overlapped), then
+    tensor parallel inside a node (tp <= 8: per-layer all-reduces on NVLink; the smaller tp first),
+    then pipeline stages (point-to-point, but a bubble: the smaller pipeline and bubble first),
+    then Ulysses sequence parallel (four all-to-alls per layer over the dp ranks). At the same tp,
+    Megatron's sequence parallelism first: its all-gather and reduce-scatter move what tp's
+    all-reduce moves, and the norms and residual stream take 1/tp of the memory."""
+    return (c.sp == "ulysses", c.pp > 1, c.tp, c.pp, c.bubble, c.sp != "megatron")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budget], seq_len: int,
+               batch_size: int = 1, setup: Any = None, schedule: str = "1f1b", microbatches: Optional[int] = None,
+               max_tp: int = MAX_TP) -> list[WorldCandidate]:
+    """The layouts (tp, pp, dp, sp) of `world` ranks, each predicted per rank (predict_rank_memory),
+    the chosen one first: the preferred (see `preference`) among those whose worst rank fits the
+    budget less the planner's headroom (planner.usable), then the other fitting ones, those over
+    the budget (smallest first) and those not available, each with the reason.
+
+    Enumerated: tp * pp * dp == world, tp <= max_tp (one node) and dividing the heads read off
+    the graph, pp at most the number of blocks, sp="megatron" beside every tp >= 2 without pp
+(unless the graph has a region the stream cannot be split around), sp="ulysses" when dp >= 2 without tp and pp (as
+    the runtime supports it) and dp divides the heads and the sequence; pp with dp shards each
+    stage over the dp ranks (FSDP2). `batch_size`: rows of one rank's
+    micro-batch; pipelines run `microbatches` of them (default pp). One capture per tp (and per
+    head style and sequence slice) serves every dp, so a world of 1,024 costs a few captures.
+    Raises BudgetError, naming the smallest peak any layout reaches, when none fits (its
+    `candidates` attribute holds the list).
+    """
+    positive_int("world", world, allow_none=False)
+    positive_int("seq_len", seq_len, allow_none=False)
+    positive_int("batch_size", batch_size, allow_none=False)
+    b = Budget.parse(budget)
+    s = resolve_setup(setup, param_dtype=param_dtype(model_or_config))
+    usable = planner.usable(b.bytes, s.headroom)
+    base = capture_rank(model_or_config, tp=1, rows=batch_size, seq=seq_len, head="vocab", dtype=s.param_dtype)
+    blocks = len(base.blocks)
+    out: list[WorldCandidate] = []
+
+    def unavailable(tp, pp, dp, sp, why):
+        out.append(WorldCandidate(tp, pp, dp, sp, "not available", why))
+
+    for tp in _divisors(world):
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            layouts = (["megatron"] if tp >= 2 and pp == 1 else []) + [None] + (
+                ["ulysses"] if dp >= 2 and tp == pp == 1 else [])
+            for sp in layouts:
+                if tp > max_tp:
+                    unavailable(tp, pp, dp, sp, f"tp={tp} spans more than one node (tp <= {max_tp})")
+                    continue
+                if tp > 1:
+                    try:
+                        read_tp_plan(model_or_config, s.param_dtype).check(tp)
+                    except ValueError as e:
+                        unavailable(tp, pp, dp, sp, str(e).split(" (read")[0])
+                        continue
+                if pp > blocks:
+                    unavailable(tp, pp, dp, sp, f"{blocks} blocks cannot make {pp} pipeline stages")
+                    continue
+                if sp == "megatron" and read_tp_plan(model_or_config, s.param_dtype).sequence_error:
+                    unavailable(tp, pp, dp, sp, read_tp_plan(model_or_config, s.param_dtype).sequence_error)
+                    continue
+                if sp == "ulysses":
+                    bad = [(h, what) for h, what in zip(base.heads, ("query", "key/value")) if h and h % dp]
+                    if bad or seq_len % dp:
+                        why = (f"Ulysses over {dp} ranks must divide the {bad[-1][0]} {bad[-1][1]} heads" if bad else
+                               f"Ulysses over {dp} ranks must divide the sequence ({seq_len})")
+                        unavailable(tp, pp, dp, sp, why)
+                        continue
+                try:
+                    rm = predict_rank_memory(model_or_config, tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule,
+                                             microbatches=microbatches or (pp if pp > 1 else None), seq_len=seq_len,
+                                             batch_size=batch_size, setup=s)
+                except ValueError as e:
+                    unavailable(tp, pp, dp, sp, str(e).splitlines()[0])
+                    continue
+                fits = rm.peak_bytes <= usable
+                over = "" if fits else f"{format_bytes(rm.peak_bytes)} > {format_bytes(usable)} usable"
+                out.append(WorldCandidate(tp, pp, dp, sp, "fits" if fits else "over budget", over, rm))
+    fitting = sorted((c for c in out if c.status == "fits"), key=preference)
+    over = sorted((c for c in out if c.status == "over budget"), key=lambda c: c.peak_bytes)
+    rest = [c for c in out if c.status == "not available"]
+    if not fitting:
+        if not over:
+            raise ValueError(f"no layout of {world} ranks is available: " + "; ".join(
+                f"{c.layout()}: {c.reason}" for c in rest[:4]))
+        best = over[0]
+        parts = best.memory.breakdown()
+        dominant = max(parts, key=parts.get)
+        suggested = math.ceil(best.peak_bytes / planner.usable(1, s.headroom))
+        err = BudgetError(
+            f"budget {b} cannot be met on {world} ranks: the smallest per-rank peak any layout reaches is "
+            f"{format_bytes(best.peak_bytes)} ({best.layout()}: " + ", ".join(
+                f"{k} {format_bytes(v)}" for k, v in parts.items() if v) + f"), dominated by {dominant}. Use a "
+            f"budget of at least {format_bytes(suggested)}, more ranks, a shorter sequence, or a lighter setup "
+            f"({s.describe()})", best.peak_bytes, dominant, suggested)
+        err.candidates = over + rest
+        raise err
+    fitting[0] = replace(fitting[0], chosen=True)
+    return fitting + over + rest
