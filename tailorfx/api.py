@@ -332,7 +332,8 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
              precision_policy: Optional[dict] = None, setup: Any = None,
              optimizer: Optional[str] = "adamw", recompute: Optional[str] = None,
              keep_logits: bool = False, strict: bool = False, lowering: str = "auto", verify: bool = True,
-             predict: bool = True, parallel: Optional[dict] = None, kernels: Optional[str] = None) -> OptimizedModule:
+             predict: bool = True, parallel: Union[dict, ParallelSpec, None] = None,
+             kernels: Optional[str] = None) -> OptimizedModule:
     """Rewrite `model` for training under `budget`; returns a module that trains like the original.
 
     passes=None lets the planner choose (with a budget: the plan that fits with the least
@@ -352,9 +353,10 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     once). `parallel=dict(tp=2, dp=2)` (inside torchrun, example inputs required) shards the model
     with DTensor tensor parallelism, planned from its graph, and FSDP2; `pp=2, schedule="1f1b",
     microbatches=4` cuts its step graph into pipeline stages (train with `opt.step(**batch)`);
-    `sp="ulysses"` splits sequences over the dp ranks. `kernels="triton"` runs norms, gated
-    activations, attention and the fused LM head as the runtime's Triton kernels (`opt.kernels()`
-    lists them). `opt.report()` lists what went where.
+    `sp="ulysses"` splits sequences over the dp ranks (`parallel=`: a dict of
+    tailorfx.parallel.ParallelSpec's fields, or a ParallelSpec). `kernels="triton"` runs norms,
+    gated activations, attention and the fused LM head as the runtime's Triton kernels
+    (`opt.kernels()` lists them). `opt.report()` lists what went where.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")

@@ -180,6 +180,7 @@ def test_bad_parallel_options_name_the_problem(bad, msg):
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(parallel=dict(tp=2), passes=["minisequence"]), r"parallel=dict\(tp=2\) takes no single-device rewrite"),
+    (dict(parallel=ParallelSpec(tp=2), passes=["minisequence"]), r"parallel=dict\(tp=2\) takes no single-device rewrite"),
     (dict(parallel=dict(pp=2), passes=["minisequence", "recompute"]),
      r"pipeline stages take \['minisequence'\] only.*not \['recompute'\].*joint graph"),
     (dict(parallel=dict(pp=2), budget="1GB"), "does not plan against a budget"),

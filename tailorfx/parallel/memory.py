@@ -97,15 +97,16 @@ from tailorfx.errors import PredictionError
 from tailorfx.options import positive_int
 from tailorfx.parallel.compose import fsdp_peak, pipeline_walk, shard_bytes, shard_shapes, stage_io, stage_profiles, tp_peak
 from tailorfx.parallel.plan import head_style
+from tailorfx.parallel.profile import profile
 from tailorfx.parallel.shard import VocabHead
 from tailorfx.parallel.spec import ParallelSpec, describe_layout
 from tailorfx.parallel.stages import block_costs, stage_blocks
-from tailorfx.parallel.profile import profile
 from tailorfx.parallel.trace import capture_rank, param_dtype
 from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import seq_info
 from tailorfx.setup import TrainingSetup
 from tailorfx.setup import resolve as resolve_setup
+
 
 # ---- results ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)

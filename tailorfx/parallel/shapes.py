@@ -1,5 +1,5 @@
 """Shape arithmetic for the tensor-parallel analysis: where a sharded dim lands through views,
-transposes and indexing (`passes/parallel.py`)."""
+transposes and indexing (tp_plan.py, sequence_plan.py)."""
 from __future__ import annotations
 
 import math
