@@ -357,7 +357,7 @@ def test_a_cuda_models_mask_is_evaluated_on_the_cpu():
     mask carries device=cuda in its aranges (found on an H100: every proof failed with 'Expected
     all tensors to be on the same device'), so the evaluator moves them to the CPU."""
     import torch.fx as fx
-    from tailorfx.passes.attention.mask import _evaluator, _Subgraph
+    from tailorfx.passes.attention.mask_eval import Subgraph as _Subgraph, evaluator as _evaluator
 
     def mask(L, x):
         i = torch.arange(L, device=torch.device("cuda"))

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from tailorfx.attention import (SPECS, AttentionSpec, Dilated, Exact, SlidingWindow, attention_call, draw_seed,
                                 spec_params)
 from tailorfx.passes import register
-from tailorfx.passes.attention.mask import DOC_RULE_TEXT, DOC_RULES, MaskProof, prove_mask
+from tailorfx.passes.attention.documents import DOC_RULE_TEXT, DOC_RULES
+from tailorfx.passes.attention.mask import MaskProof, prove_mask
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PassContext, PassResult, annotate
