@@ -55,12 +55,12 @@ def test_the_plan_that_saves_the_most_is_exact(family, monkeypatch):
     """Segments + full recompute + the exact attention's backward in blocks (max_seq_len's plan),
     at 600 tokens: each layer's attention backward runs in blocks (3 of 256 tokens)."""
     from tailorfx.runtime import attention_kernels
-    blocked, calls = attention_kernels._blocked_flash_backward, []
+    blocked, calls = attention_kernels.blocked_flash_backward, []
 
     def counted(*args):
         calls.append(args[1].shape[2])
         return blocked(*args)
-    monkeypatch.setattr(attention_kernels, "_blocked_flash_backward", counted)
+    monkeypatch.setattr(attention_kernels, "blocked_flash_backward", counted)
     holder = {}
 
     def wrap(m):

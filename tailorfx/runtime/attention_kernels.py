@@ -23,49 +23,13 @@ import torch
 from torch import Tensor
 
 from tailorfx.runtime.attention_tiles import KV_CHUNK, TILE, Dropout, Pattern, ScoreMod, tile_backward, tile_forward
+from tailorfx.runtime.flash_cpu import (FLASH, blocked_flash_backward, dense_backward, dense_forward, flash_backward,
+                                        flash_transient_bytes, lse_dtype, one_flash_call)
 
 __all__ = ["sparse_attention", "dilated_attention", "dilated_workspace_bytes", "score_mod_attention",
            "register_score_mod", "SCORE_MODS"]
 
 _NEG_INF = float("-inf")
-
-
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-# ---------------------------------------------------------------------------------------------
-# Dense (causal) attention with documents: on CPU the ATen flash kernel (O(S) memory, returns
-# lse, and its backward accepts a merged out/lse), one call per document when ids are sorted
-# in each row (packed sequences); otherwise, or off CPU, the tile engine.
-
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-_MAX_FLASH_CALLS = 256  # beyond this many documents, batched tile matmuls beat per-call overhead
-MIN_BLOCK_TOKENS = 256  # a blocked flash backward's blocks are at least this long (per-call overhead)
-
-
-def _document_runs(doc: Tensor) -> Optional[list[tuple[int, int, int]]]:
-    """(row, start, stop) per document when ids are sorted within each row (packed sequences)."""
-    if not bool((doc[:, 1:] >= doc[:, :-1]).all()):
-        return None
-    rows, cuts = (doc[:, 1:] != doc[:, :-1]).nonzero(as_tuple=True)
-    starts: list[list[int]] = [[0] for _ in range(doc.shape[0])]
-    for row, cut in zip(rows.tolist(), (cuts + 1).tolist()):
-        starts[row].append(cut)
-    return [(row, a, b) for row, s in enumerate(starts) for a, b in zip(s, [*s[1:], doc.shape[1]])]
-
-
-def _flash_runs(q: Tensor, doc: Optional[Tensor]) -> Optional[list[tuple[slice, slice]]]:
-    """(batch slice, sequence slice) per flash call, or None when the tile engine must run."""
-    if q.device.type != "cpu":
-        return None
-    if doc is None:
-        return [(slice(None), slice(None))]
-    runs = _document_runs(doc)
-    if runs is None or len(runs) > _MAX_FLASH_CALLS:
-        return None
-    return [(slice(r, r + 1), slice(a, b)) for r, a, b in runs]
 
 
 def _dropout(p: float, seed: Optional[Tensor]) -> Optional[Dropout]:
@@ -77,81 +41,8 @@ def _dropout(p: float, seed: Optional[Tensor]) -> Optional[Dropout]:
     return Dropout(float(p), int(seed))
 
 
-def _dense_forward(q, k, v, doc, scale, causal, tiles, softcap=None, dropout=None):
-    # torch's flash kernel has no soft-cap, and draws its own dropout mask
-    runs = _flash_runs(q, doc) if softcap is None and dropout is None else None
-    if runs is None:
-        return tile_forward(q, k, v, Pattern("full", (), causal, q.shape[2]), doc, scale, *tiles, softcap=softcap,
-                            dropout=dropout)
-    out = torch.empty_like(q)
-    lse = q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
-    for rows, span in runs:
-        o, l = _FLASH(q[rows, :, span], k[rows, :, span], v[rows, :, span], 0.0, causal, scale=scale)
-        out[rows, :, span], lse[rows, :, span] = o, l
-    return out, lse
-
-
-def _dense_backward(dout, q, k, v, out, lse, doc, scale, causal, tiles, softcap=None, dropout=None):
-    runs = _flash_runs(q, doc) if softcap is None and dropout is None else None
-    if runs is None:
-        pattern = Pattern("full", (), causal, q.shape[2])
-        return tile_backward(dout, q, k, v, out, lse, pattern, doc, scale, *tiles, softcap=softcap, dropout=dropout)
-    grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for rows, span in runs:  # documents do not overlap: each key's gradient comes from one call
-        part = [t[rows, :, span] for t in (dout, q, k, v, out)]
-        for g, d in zip(grads, _FLASH_BACKWARD(*part, lse[rows, :, span], 0.0, causal, scale=scale)):
-            g[rows, :, span] = d
-    return grads
-
-
-def _one_flash_call(q: Tensor, kind: str, doc: Optional[Tensor], softcap, dropout) -> bool:
-    """Dense attention without documents, soft-cap or dropout, on the CPU: one flash kernel call."""
-    return kind == "full" and doc is None and softcap is None and dropout is None and q.device.type == "cpu"
-
-
-def _block_step(seq: int, blocks: int) -> int:
-    return max(-(-seq // blocks), MIN_BLOCK_TOKENS) if blocks > 1 else seq
-
-
-def _flash_backward(dout, q, k, v, out, lse, scale, causal, repeat: bool):
-    """The CPU flash backward of one call. `repeat`: grouped-query k and v repeated to every
-    query head first, their gradients summed per group (the same sums, reassociated): ATen's
-    grouped backward keeps threads idle where a full-head one uses them (measured, one kv head of
-    four query heads: as long on 2 threads as on 1; repeated, 1.5-1.9x faster on 2)."""
-    heads, num_kv = q.shape[1], k.shape[1]
-    if not repeat or num_kv == heads:
-        return _FLASH_BACKWARD(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    group = heads // num_kv
-    gq, gk, gv = _FLASH_BACKWARD(dout, q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), out, lse,
-                                 0.0, causal, scale=scale)
-    return gq, *(g.unflatten(1, (num_kv, group)).sum(2) for g in (gk, gv))
-
-
-def _blocked_flash_backward(dout, q, k, v, out, lse, scale, causal, blocks: int, repeat: bool = False):
-    """The flash backward over (query block x key block) pairs of ceil(S / blocks) tokens: the
-    kernel's fp32 q-sized gradient accumulator shrinks to one block's. Exact: given the whole
-    row's out and lse, a key block's share of dq and a query block's share of dk, dv are the
-    kernel's own formulas restricted to the pair (P = exp(q k^T scale - lse), D = rowsum(dout *
-    out)); under causality blocks left of the diagonal are dense, diagonal ones causal (square,
-    top-left aligned), right of it skipped."""
-    S = q.shape[2]
-    step = _block_step(S, blocks)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for a in range(0, S, step):
-        b = min(a + step, S)
-        rows = (dout[:, :, a:b], q[:, :, a:b])
-        for c in range(0, b if causal else S, step):
-            d = min(c + step, S)
-            gq, gk, gv = _flash_backward(*rows, k[:, :, c:d], v[:, :, c:d], out[:, :, a:b], lse[:, :, a:b], scale,
-                                         causal and c == a, repeat)
-            dq[:, :, a:b] += gq
-            dk[:, :, c:d] += gk
-            dv[:, :, c:d] += gv
-    return dq, dk, dv
-
-
 # ---------------------------------------------------------------------------------------------
-# Block-sparse patterns: full + documents (dense engine above), sliding window, BigBird.
+# Block-sparse patterns: full + documents (flash_cpu's dense engine), sliding window, BigBird.
 
 
 @torch.library.custom_op("tailorfx::sparse_attention", mutates_args=())
@@ -161,10 +52,10 @@ def sparse_attention(
     softcap: Optional[float] = None, dropout_p: float = 0.0, seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     drop = _dropout(dropout_p, seed)
-    if _one_flash_call(q, kind, document_ids, softcap, drop):
-        return _contiguous(*_FLASH(q, k, v, 0.0, causal, scale=scale)[:2])
+    if one_flash_call(q, kind, document_ids, softcap, drop):
+        return _contiguous(*FLASH(q, k, v, 0.0, causal, scale=scale)[:2])
     if kind == "full":
-        return _contiguous(*_dense_forward(q, k, v, document_ids, scale, causal, (tile, kv_chunk), softcap, drop))
+        return _contiguous(*dense_forward(q, k, v, document_ids, scale, causal, (tile, kv_chunk), softcap, drop))
     pattern = Pattern(kind, tuple(params), causal, q.shape[2])
     return _contiguous(*tile_forward(q, k, v, pattern, document_ids, scale, tile, kv_chunk, softcap, dropout=drop))
 
@@ -176,7 +67,7 @@ def _contiguous(*ts: Tensor) -> tuple[Tensor, ...]:
 
 @sparse_attention.register_fake
 def _(q, k, v, *_args, **_kwargs):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("tailorfx::sparse_attention_backward", mutates_args=())
@@ -187,13 +78,13 @@ def sparse_attention_backward(
     seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     drop = _dropout(dropout_p, seed)
-    if _one_flash_call(q, kind, document_ids, softcap, drop):   # params: [blocks, repeat] of the backward, or none
+    if one_flash_call(q, kind, document_ids, softcap, drop):   # params: [blocks, repeat] of the backward, or none
         blocks, repeat = (list(params) + [0, 0])[:2]
         if blocks > 1:
-            return _contiguous(*_blocked_flash_backward(dout, q, k, v, out, lse, scale, causal, blocks, bool(repeat)))
-        return _contiguous(*_flash_backward(dout, q, k, v, out, lse, scale, causal, bool(repeat)))
+            return _contiguous(*blocked_flash_backward(dout, q, k, v, out, lse, scale, causal, blocks, bool(repeat)))
+        return _contiguous(*flash_backward(dout, q, k, v, out, lse, scale, causal, bool(repeat)))
     if kind == "full":
-        return _contiguous(*_dense_backward(dout, q, k, v, out, lse, document_ids, scale, causal,
+        return _contiguous(*dense_backward(dout, q, k, v, out, lse, document_ids, scale, causal,
                                             (tile, kv_chunk), softcap, drop))
     pattern = Pattern(kind, tuple(params), causal, q.shape[2])
     return _contiguous(*tile_backward(dout, q, k, v, out, lse, pattern, document_ids, scale, tile, kv_chunk,
@@ -276,7 +167,7 @@ def score_mod_attention(
 
 @score_mod_attention.register_fake
 def _(q, k, v, *_args, **_kwargs):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("tailorfx::score_mod_attention_backward", mutates_args=())
@@ -393,13 +284,13 @@ def dilated_attention(
     rates: Sequence[int], scale: float, causal: bool, tile: int = TILE, kv_chunk: int = KV_CHUNK,
 ) -> tuple[Tensor, Tensor]:
     batch, heads, seq, dim = q.shape
-    acc = _lse_dtype(q.dtype)
+    acc = lse_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full((batch, heads, seq), _NEG_INF, dtype=acc, device=q.device)
     for group in _groups(seq, heads, segments, rates, tile, kv_chunk):
         r, o, start, nseg, length = group
         (qg, kg, vg), doc, _ = _group_inputs((q, k, v), document_ids, k.shape[1], group)
-        out_g, lse_g = _dense_forward(qg, kg, vg, doc, scale, causal, (tile, kv_chunk))
+        out_g, lse_g = dense_forward(qg, kg, vg, doc, scale, causal, (tile, kv_chunk))
         out_v = _pick(out, slice(o, None, r), start, nseg, length, o, r)
         lse_v = _pick(lse, slice(o, None, r), start, nseg, length, o, r)
         lse_g = _unpack(lse_g, batch)
@@ -413,7 +304,7 @@ def dilated_attention(
 
 @dilated_attention.register_fake
 def _(q, k, v, *_args, **_kwargs):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("tailorfx::dilated_attention_backward", mutates_args=())
@@ -425,11 +316,11 @@ def dilated_attention_backward(
     # Each group's keys get p = exp(s - lse_total) and delta = rowsum(dout * out_total): with the
     # merged out and lse, per-group flash backwards sum to the exact gradient.
     batch, heads = q.shape[:2]
-    acc = _lse_dtype(q.dtype)
+    acc = lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    lse = lse.to(_lse_dtype(q.dtype))
+    lse = lse.to(lse_dtype(q.dtype))
     for group in _groups(q.shape[2], heads, segments, rates, tile, kv_chunk):
         r, o, start, nseg, length = group
         (qg, dog, outg, kg, vg), doc, kv_heads = _group_inputs(
@@ -437,7 +328,7 @@ def dilated_attention_backward(
         )
         lseg = _pack(_pick(lse, slice(o, None, r), start, nseg, length, o, r))
         tiles = (tile, kv_chunk)
-        dqg, dkg, dvg = _dense_backward(dog, qg, kg, vg, outg, lseg, doc, scale, causal, tiles)
+        dqg, dkg, dvg = dense_backward(dog, qg, kg, vg, outg, lseg, doc, scale, causal, tiles)
         _pick(dq, slice(o, None, r), start, nseg, length, o, r).add_(_unpack(dqg, batch))
         everything = slice(None)
         for grad, part in ((dk, dkg), (dv, dvg)):  # kv heads shared by several query heads add up
@@ -501,7 +392,7 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
     tile, kv_chunk = (list(tiles) + [TILE, KV_CHUNK][len(tiles):])[:2]
     batch, heads, seq, dim = (as_int(s) for s in q.shape)
     num_kv = as_int(k.shape[1])
-    acc, item = _lse_dtype(q.dtype).itemsize, q.dtype.itemsize
+    acc, item = lse_dtype(q.dtype).itemsize, q.dtype.itemsize
     narrow = item < acc
     q_elems, kv_elems = batch * heads * seq * dim, batch * num_kv * seq * dim
     if base == "dilated_attention":
@@ -512,22 +403,7 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
         return work * 13 // 8 + narrow * acc * (q_elems + 2 * kv_elems)
     kind, params = pattern_args
     if kind == "full" and doc is None and softcap is None and not modded and not dropout and q.device.type == "cpu":
-        blocks, repeat = (int(p) for p in (list(params) + [0, 0])[:2])
-        step = _block_step(seq, blocks) if backward else seq
-        per_thread = torch.get_num_threads() * min(1 << 20, step * (256 if step < 192 else 512 if step < 768 else 1024))
-        if not backward:
-            return int(0.57 * per_thread)
-        # repeated k, v: two q-sized copies and their q-sized gradients, less the kv-sized ones
-        # they replace (measured, fp32, 1 and 2 kv heads of 4: to the KiB)
-        qb, kb = q_elems * step // seq, kv_elems * step // seq
-        repeated = (4 * item * qb - 2 * item * kb) if repeat and num_kv < heads else 0
-        if step >= seq:
-            # in the kernel: its fp32 q-sized accumulator; after it, the copies that make its
-            # (B, S, H, D)-strided gradients contiguous (a one-head tensor is already)
-            copies = item * (q_elems * (heads > 1) + 2 * kv_elems * (num_kv > 1))
-            return 4 * q_elems + per_thread + repeated if repeated else max(4 * q_elems + per_thread, copies)
-        # per block pair (measured, fp32): the accumulator and two q-block gradients, four k-blocks
-        return 4 * qb + 2 * item * qb + 4 * item * kb + per_thread + repeated
+        return flash_transient_bytes(backward, (batch, heads, seq, dim), num_kv, item, params)
     if kind == "full" and softcap is None and not modded and not dropout:   # CPU flash per document (sorted ids: packed sequences, the usual case)
         half = narrow * item * q_elems // 2   # narrow dtypes: measured +50% (fp32 work rows)
         return item * q_elems + half if not backward else item * (q_elems + 2 * kv_elems) + half

@@ -1,0 +1,149 @@
+"""The ATen CPU flash attention kernel as the attention ops run it: one call, one per document
+of a packed row, per (query block, key block) pair, or with grouped k, v repeated to every query
+head; and the bytes each way holds beyond its outputs (the memory model's transients).
+
+ATen's kernel is O(S) memory, returns the log-sum-exp, and its backward accepts a merged out and
+lse, so a row's documents and a backward's block pairs are exact pieces of one call.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from tailorfx.runtime.attention_tiles import Pattern, tile_backward, tile_forward
+
+__all__ = ["FLASH", "FLASH_BACKWARD", "MIN_BLOCK_TOKENS", "lse_dtype", "flash_runs", "dense_forward", "dense_backward",
+           "one_flash_call", "block_step", "flash_backward", "blocked_flash_backward", "flash_transient_bytes"]
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The log-sum-exp's dtype: fp64 for fp64 inputs, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+MAX_FLASH_CALLS = 256  # beyond this many documents, batched tile matmuls beat per-call overhead
+MIN_BLOCK_TOKENS = 256  # a blocked flash backward's blocks are at least this long (per-call overhead)
+
+
+def document_runs(doc: Tensor) -> Optional[list[tuple[int, int, int]]]:
+    """(row, start, stop) per document when ids are sorted within each row (packed sequences)."""
+    if not bool((doc[:, 1:] >= doc[:, :-1]).all()):
+        return None
+    rows, cuts = (doc[:, 1:] != doc[:, :-1]).nonzero(as_tuple=True)
+    starts: list[list[int]] = [[0] for _ in range(doc.shape[0])]
+    for row, cut in zip(rows.tolist(), (cuts + 1).tolist()):
+        starts[row].append(cut)
+    return [(row, a, b) for row, s in enumerate(starts) for a, b in zip(s, [*s[1:], doc.shape[1]])]
+
+
+def flash_runs(q: Tensor, doc: Optional[Tensor]) -> Optional[list[tuple[slice, slice]]]:
+    """(batch slice, sequence slice) per flash call, or None when the tile engine must run."""
+    if q.device.type != "cpu":
+        return None
+    if doc is None:
+        return [(slice(None), slice(None))]
+    runs = document_runs(doc)
+    if runs is None or len(runs) > MAX_FLASH_CALLS:
+        return None
+    return [(slice(r, r + 1), slice(a, b)) for r, a, b in runs]
+
+
+def dense_forward(q, k, v, doc, scale, causal, tiles, softcap=None, dropout=None):
+    # torch's flash kernel has no soft-cap, and draws its own dropout mask
+    runs = flash_runs(q, doc) if softcap is None and dropout is None else None
+    if runs is None:
+        return tile_forward(q, k, v, Pattern("full", (), causal, q.shape[2]), doc, scale, *tiles, softcap=softcap,
+                            dropout=dropout)
+    out = torch.empty_like(q)
+    lse = q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
+    for rows, span in runs:
+        o, l = FLASH(q[rows, :, span], k[rows, :, span], v[rows, :, span], 0.0, causal, scale=scale)
+        out[rows, :, span], lse[rows, :, span] = o, l
+    return out, lse
+
+
+def dense_backward(dout, q, k, v, out, lse, doc, scale, causal, tiles, softcap=None, dropout=None):
+    runs = flash_runs(q, doc) if softcap is None and dropout is None else None
+    if runs is None:
+        pattern = Pattern("full", (), causal, q.shape[2])
+        return tile_backward(dout, q, k, v, out, lse, pattern, doc, scale, *tiles, softcap=softcap, dropout=dropout)
+    grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for rows, span in runs:  # documents do not overlap: each key's gradient comes from one call
+        part = [t[rows, :, span] for t in (dout, q, k, v, out)]
+        for g, d in zip(grads, FLASH_BACKWARD(*part, lse[rows, :, span], 0.0, causal, scale=scale)):
+            g[rows, :, span] = d
+    return grads
+
+
+def one_flash_call(q: Tensor, kind: str, doc: Optional[Tensor], softcap, dropout) -> bool:
+    """Dense attention without documents, soft-cap or dropout, on the CPU: one flash kernel call."""
+    return kind == "full" and doc is None and softcap is None and dropout is None and q.device.type == "cpu"
+
+
+def block_step(seq: int, blocks: int) -> int:
+    return max(-(-seq // blocks), MIN_BLOCK_TOKENS) if blocks > 1 else seq
+
+
+def flash_backward(dout, q, k, v, out, lse, scale, causal, repeat: bool):
+    """The CPU flash backward of one call. `repeat`: grouped-query k and v repeated to every
+    query head first, their gradients summed per group (the same sums, reassociated): ATen's
+    grouped backward keeps threads idle where a full-head one uses them (measured, one kv head of
+    four query heads: as long on 2 threads as on 1; repeated, 1.5-1.9x faster on 2)."""
+    heads, num_kv = q.shape[1], k.shape[1]
+    if not repeat or num_kv == heads:
+        return FLASH_BACKWARD(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    group = heads // num_kv
+    gq, gk, gv = FLASH_BACKWARD(dout, q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), out, lse,
+                                 0.0, causal, scale=scale)
+    return gq, *(g.unflatten(1, (num_kv, group)).sum(2) for g in (gk, gv))
+
+
+def blocked_flash_backward(dout, q, k, v, out, lse, scale, causal, blocks: int, repeat: bool = False):
+    """The flash backward over (query block x key block) pairs of ceil(S / blocks) tokens: the
+    kernel's fp32 q-sized gradient accumulator shrinks to one block's. Exact: given the whole
+    row's out and lse, a key block's share of dq and a query block's share of dk, dv are the
+    kernel's own formulas restricted to the pair (P = exp(q k^T scale - lse), D = rowsum(dout *
+    out)); under causality blocks left of the diagonal are dense, diagonal ones causal (square,
+    top-left aligned), right of it skipped."""
+    S = q.shape[2]
+    step = block_step(S, blocks)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for a in range(0, S, step):
+        b = min(a + step, S)
+        rows = (dout[:, :, a:b], q[:, :, a:b])
+        for c in range(0, b if causal else S, step):
+            d = min(c + step, S)
+            gq, gk, gv = flash_backward(*rows, k[:, :, c:d], v[:, :, c:d], out[:, :, a:b], lse[:, :, a:b], scale,
+                                         causal and c == a, repeat)
+            dq[:, :, a:b] += gq
+            dk[:, :, c:d] += gk
+            dv[:, :, c:d] += gv
+    return dq, dk, dv
+
+
+def flash_transient_bytes(backward: bool, shape: tuple, num_kv: int, item: int, params) -> int:
+    """Bytes one call of the CPU flash kernel (the op's forward, or its backward as `params`
+    [blocks, repeat] says) holds beyond its outputs: q `shape` (B, H, S, D) of `item` bytes,
+    `num_kv` kv heads. Measured against the allocator in tests/test_attention_kernels.py."""
+    batch, heads, seq, dim = shape
+    q_elems, kv_elems = batch * heads * seq * dim, batch * num_kv * seq * dim
+    blocks, repeat = (int(p) for p in (list(params) + [0, 0])[:2])
+    step = block_step(seq, blocks) if backward else seq
+    per_thread = torch.get_num_threads() * min(1 << 20, step * (256 if step < 192 else 512 if step < 768 else 1024))
+    if not backward:
+        return int(0.57 * per_thread)
+    # repeated k, v: two q-sized copies and their q-sized gradients, less the kv-sized ones
+    # they replace (measured, fp32, 1 and 2 kv heads of 4: to the KiB)
+    qb, kb = q_elems * step // seq, kv_elems * step // seq
+    repeated = (4 * item * qb - 2 * item * kb) if repeat and num_kv < heads else 0
+    if step >= seq:
+        # in the kernel: its fp32 q-sized accumulator; after it, the copies that make its
+        # (B, S, H, D)-strided gradients contiguous (a one-head tensor is already)
+        copies = item * (q_elems * (heads > 1) + 2 * kv_elems * (num_kv > 1))
+        return 4 * q_elems + per_thread + repeated if repeated else max(4 * q_elems + per_thread, copies)
+    # per block pair (measured, fp32): the accumulator and two q-block gradients, four k-blocks
+    return 4 * qb + 2 * item * qb + 4 * item * kb + per_thread + repeated
