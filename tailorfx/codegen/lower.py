@@ -80,14 +80,21 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     if lowering == "inductor":
         with compile_context(gm):
             return _with_lazy_outputs(compat.compile_fx()(gm, list(example_inputs)), split)
+    compile_on = _aot_compiler(gm, lowering, needs, on_partition, steps_in_backward)
+    return _with_lazy_outputs(_compile_per_size(gm, example_inputs, compile_on), split)
 
-    def eager(g: fx.GraphModule, _):
-        return compat.make_boxed_func(g.forward)
 
-    def eager_backward(g: fx.GraphModule, _):   # saved tensors freed at their last use
-        return compat.args_clearing_func(g)
+def _eager_forward(g: fx.GraphModule, _) -> Callable:
+    return compat.make_boxed_func(g.forward)
 
-    def recording(g: fx.GraphModule, _):
+
+def _eager_backward(g: fx.GraphModule, _) -> Callable:   # saved tensors freed at their last use
+    return compat.args_clearing_func(g)
+
+
+def _recording_forward(steps_in_backward: GraphInputs) -> Callable:
+    """An AOTAutograd forward compiler whose graph records its inputs for the backward's optimizer steps."""
+    def compiler(g: fx.GraphModule, _):
         forward = g.forward
 
         def run(args):
@@ -95,7 +102,14 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
             return forward(*args)
         run._boxed_call = True
         return run
+    return compiler
 
+
+def _aot_compiler(gm: fx.GraphModule, lowering: str, needs: dict, on_partition: Optional[Callable],
+                  steps_in_backward: Optional[GraphInputs]) -> Callable[[list, bool], Callable]:
+    """`compile_on(inputs, static)`: `gm` through AOTAutograd at `inputs`, each partition with its
+    saved tensors in their tagged dtype, the optimizer steps in the backward when asked, and owning
+    what the graph reaches by name."""
     partition_fn = (compat.min_cut_rematerialization_partition if partition_for(lowering, gm) == "min_cut"
                     else compat.default_partition)
 
@@ -113,14 +127,20 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
                     own(g, name, obj)
             return fw, bw
         return compat.aot_module_simplified(
-            gm, inputs, fw_compiler=recording if steps_in_backward is not None else eager,
-            bw_compiler=eager_backward, partition_fn=partition)
+            gm, inputs, fw_compiler=_recording_forward(steps_in_backward) if steps_in_backward is not None
+            else _eager_forward, bw_compiler=_eager_backward, partition_fn=partition)
+    return compile_on
 
+
+def _compile_per_size(gm: fx.GraphModule, example_inputs: Sequence,
+                      compile_on: Callable[[list, bool], Callable]) -> Callable:
+    """A graph with symbolic sizes compiled at its captured sizes now, and for the symbolic sizes the
+    first time a call has others (guarded: a call breaking what that compilation assumed raises)."""
     fake = fake_inputs(gm)     # Dynamo's, with the symbolic sizes (example_inputs may be real)
     symbolic = [i for i, v in enumerate(fake) if _symbolic(v)]
     static = captured_inputs(gm) if symbolic else None
     if static is None:
-        return _with_lazy_outputs(compile_on(list(example_inputs), False), split)
+        return compile_on(list(example_inputs), False)
     with compat.isolated_tracing(static):
         at_captured = compile_on(static, True)
     sizes = [_sizes(static[i]) for i in symbolic]
@@ -146,7 +166,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
                                f"this call's sizes ({[_sizes(args[i]) for i in symbolic]}) break: call the model at "
                                f"its captured sizes ({sizes}), or optimize() it again on an example of these")
         return lazy["compiled"](*args)
-    return _with_lazy_outputs(run, split)
+    return run
 
 
 def _symbolic(v) -> bool:
