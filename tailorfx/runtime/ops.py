@@ -14,126 +14,20 @@ those two live in runtime/linear_ops.py and are re-exported here.
 
 from __future__ import annotations
 
-import hashlib
-import math
-import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
-import torch.fx as fx
 from torch import Tensor
 
 from tailorfx.compat import autograd_enabled as _autograd_enabled
-from tailorfx.runtime import linear_ops
 from tailorfx.runtime.linear_ops import chunked_linear_cross_entropy, linear_fp32_out, linear_fp32_out_op  # noqa: F401
+from tailorfx.runtime.region_registry import (ChunkedRegion, chunked_region, function_apply,  # noqa: F401
+                                              get_region, live_region, register_region)
+from tailorfx.runtime.chunk_memory import transient_bytes  # noqa: F401  (the memory model reads it here)
 
 __all__ = ["ChunkedRegion", "register_region", "chunked_region", "get_region", "token_chunked",
            "chunked_linear_cross_entropy", "transient_bytes", "linear_fp32_out"]
-
-
-@dataclass(eq=False)
-class ChunkedRegion:
-    """A region ``fn(*seq_inputs, *whole_inputs) -> Tensor`` that token_chunked runs by key, with
-    what the memory model and the backward need to know about it. The rewritten graph that calls
-    it owns it (rewrite.passes.own): it lives exactly as long as a graph that can run it.
-
-    `cost`: (forward, backward) bytes a chunk holds inside the op per token of the chunk, and the
-    bytes a chunk's backward holds whatever its length (weight-sized), so the memory model sees
-    the transients. `tail`: (pre, weight index, bias index or -1) when the region is
-    ``F.linear(pre(*inputs), whole[weight_index], whole[bias_index])``: backward then recomputes
-    only `pre`, not the last matmul whose output it never needs.
-    """
-    key: str
-    fn: Callable[..., Tensor]
-    cost: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    tail: Optional[tuple[Callable[..., Tensor], int, int]] = None
-
-
-# The only module-level state: a weak index, key -> the live region of that key, owned elsewhere
-# (by the graphs that call it). Graphs store keys, stable strings, because custom ops cannot take
-# callables as arguments.
-_INDEX: "weakref.WeakValueDictionary[str, ChunkedRegion]" = weakref.WeakValueDictionary()
-
-
-def register_region(fn: Callable[..., Tensor], key: Optional[str] = None) -> ChunkedRegion:
-    """The live region of ``fn`` under ``key``: the caller must hold it (a graph owns it) for the
-    key to stay registered.
-
-    Without ``key``, a GraphModule gets a content hash of its code and tensor attributes. Equal
-    hashes mean equal functions, so an equal region already live is returned as it is: every graph
-    that calls the key then holds the same object, and the key stays registered while any of them
-    lives. Other callables need ``key``.
-    """
-    if key is None:
-        if not isinstance(fn, torch.fx.GraphModule):
-            raise TypeError("register_region: pass key= for callables that are not GraphModules")
-        key = "region_" + _graph_module_hash(fn)
-        region = _INDEX.get(key)
-    else:
-        region = _INDEX.get(key)
-        if region is not None and region.fn is not fn:
-            raise ValueError(f"register_region: key {key!r} already names a different region")
-    if region is None:
-        region = _INDEX[key] = ChunkedRegion(key, fn)
-    return region
-
-
-def chunked_region(key: str) -> ChunkedRegion:
-    """The live region of `key`; a KeyError names the missing key."""
-    region = _INDEX.get(key)
-    if region is None:
-        raise KeyError(f"tailorfx region {key!r} is not registered in this process (no live graph "
-                       "owns it)")
-    return region
-
-
-def get_region(key: str) -> Callable[..., Tensor]:
-    """The function of a registered region; a KeyError names the missing key."""
-    return chunked_region(key).fn
-
-
-def _graph_module_hash(gm: torch.fx.GraphModule) -> str:
-    # Comment lines carry provenance (source file/line), which must not split equal regions.
-    code = "\n".join(ln for ln in gm.code.splitlines() if not ln.lstrip().startswith("#"))
-    h = hashlib.sha256(code.encode())
-    # The recorded shapes too: the same code at other sizes (another model, another capture) has
-    # other costs and FLOPs, which are read from this graph's metadata and set per key.
-    for n in gm.graph.nodes:
-        v = n.meta.get("val", n.meta.get("example_value"))
-        if isinstance(v, torch.Tensor):
-            h.update(f"{n.name}:{tuple(v.shape)}:{v.dtype}".encode())
-    # Tensor attributes (get_attr constants) are part of the function, not of its code.
-    for name, t in sorted([*gm.named_parameters(), *gm.named_buffers()], key=lambda kv: kv[0]):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:24]
-
-
-class _FunctionApply(torch.autograd.Function):
-    """An autograd.Function traced by Dynamo (fwd and bwd bodies), run eagerly: what
-    torch.ops.higher_order.autograd_function_apply does, without its per-call class whose
-    closure keeps the saved values alive until the garbage collector runs (a region chunk's
-    activations outliving the chunk: measured +1 MiB per chunk of Bloom's GeLU)."""
-
-    @staticmethod
-    def forward(ctx, fwd, bwd, non_differentiable_idx, *args):
-        output, saved = fwd(*args)
-        ctx.bwd, ctx.saved = bwd, saved
-        outs = output if isinstance(output, (tuple, list)) else (output,)
-        ctx.mark_non_differentiable(*(o for i, o in enumerate(outs) if i in non_differentiable_idx))
-        return output
-
-    @staticmethod
-    def backward(ctx, *grads):
-        got = ctx.bwd(*grads, *ctx.saved)
-        return (None, None, None, *(got if isinstance(got, (tuple, list)) else (got,)))
-
-
-def function_apply(fwd: fx.GraphModule, bwd: fx.GraphModule, *args, non_differentiable_idx=(), **_kwargs):
-    """torch.ops.higher_order.autograd_function_apply for regions run eagerly (see _FunctionApply)."""
-    return _FunctionApply.apply(fwd, bwd, tuple(non_differentiable_idx), *args)
 
 
 def _num_chunks(seq_inputs: Sequence[Tensor], seq_dim: int, num_chunks: int) -> int:
@@ -145,57 +39,6 @@ def _num_chunks(seq_inputs: Sequence[Tensor], seq_dim: int, num_chunks: int) -> 
 def acc_dtype(t: Tensor) -> torch.dtype:
     # Parameter grads summed over chunks: low-precision floats accumulate in fp32.
     return torch.promote_types(t.dtype, torch.float32) if t.is_floating_point() else t.dtype
-
-
-def _copies(as_int: Callable, tensors: list) -> int:
-    """Bytes of the contiguous (tensor, sequence dim) pairs whose chunks the cost simulation copied
-    (some dim before the sequence dim is not 1) and one whole-tensor chunk does not."""
-    return sum(as_int(t.numel()) * t.element_size() for t, dim in tensors
-               if isinstance(t, Tensor) and t.is_contiguous() and any(as_int(d) != 1 for d in t.shape[:dim]))
-
-
-def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = False) -> int:
-    """Bytes an op of this module allocates and frees inside itself (invisible to the graph).
-
-    `args` are the node's arguments with tensors as fake values; `as_int` turns a size or SymInt
-    into an int at the length being predicted; `cuda`: as the ops run on CUDA (a GPU budget
-    predicted on CPU fake tensors).
-    """
-    op_name = op_name.replace("token_chunked_random", "token_chunked")   # the same chunks, plus an RNG state
-    if op_name in ("token_chunked", "token_chunked_backward"):
-        key = args[0]
-        seq = args[1] if op_name == "token_chunked" else args[2]
-        seq_dim, n = (args[3], args[4]) if op_name == "token_chunked" else (args[4], args[5])
-        region = _INDEX.get(key)
-        fwd, bwd, bwd_const = region.cost if region is not None else (0.0, 0.0, 0.0)
-        tokens = as_int(seq[0].numel()) // max(1, as_int(seq[0].shape[-1])) if seq else 0
-        n = max(1, min(as_int(n), tokens or 1))
-        if op_name == "token_chunked":
-            return int(fwd * -(-tokens // n))
-        # the chunk costs were simulated with each chunk (and its output gradient) copied; one
-        # chunk is the whole tensor, which .contiguous() returns as it is
-        whole = _copies(as_int, [(seq[0], seq_dim), (args[1], seq_dim)]) if n == 1 and seq else 0
-        return max(0, int(bwd * -(-tokens // n) + bwd_const) - whole)
-    if op_name in ("token_segment", "token_segment_backward"):
-        fwd_op = op_name == "token_segment"
-        key, seq = args[0], (args[1] if fwd_op else args[2])
-        in_dims, n = (args[3], args[5]) if fwd_op else (args[4], args[6])
-        region = _INDEX.get(key)
-        fwd, bwd, bwd_const = region.cost if region is not None else (0.0, 0.0, 0.0)
-        tokens = math.prod(as_int(d) for d in seq[0].shape[:in_dims[0] + 1]) if seq else 0
-        n = max(1, min(as_int(n), as_int(seq[0].shape[in_dims[0]]) if seq else 1))
-        per_chunk = -(-tokens // n)
-        if fwd_op:
-            return int(fwd * per_chunk)
-        # as token_chunked_backward: one chunk is not copied (the output gradients always were)
-        whole = _copies(as_int, list(zip(seq, in_dims))) + sum(
-            as_int(g.numel()) * g.element_size() for g in args[1] if isinstance(g, Tensor) and g.is_contiguous()
-        ) if n == 1 else 0
-        return max(0, int(bwd * per_chunk + bwd_const) - whole)
-    if op_name.startswith("vocab_parallel_cross_entropy"):
-        from tailorfx.runtime import vocab_parallel
-        return vocab_parallel.transient_bytes(op_name, args, as_int)
-    return linear_ops.transient_bytes(op_name, args, as_int, cuda)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +181,7 @@ def _token_chunked_setup(ctx, inputs, output):
     key, seq_inputs, whole_inputs, seq_dim, num_chunks = inputs
     ctx.save_for_backward(*seq_inputs, *whole_inputs)  # inputs only: chunks are recomputed
     ctx.region = (key, len(seq_inputs), seq_dim, num_chunks)
-    ctx.owner = _INDEX.get(key)   # a pending backward keeps its region registered
+    ctx.owner = live_region(key)   # a pending backward keeps its region registered
 
 
 def _token_chunked_grad(ctx, grad_out):
@@ -418,7 +261,7 @@ def _token_chunked_random_setup(ctx, inputs, output):
     key, seq_inputs, whole_inputs, seq_dim, num_chunks = inputs
     ctx.save_for_backward(*seq_inputs, *whole_inputs, output[1])
     ctx.region = (key, len(seq_inputs), seq_dim, num_chunks)
-    ctx.owner = _INDEX.get(key)
+    ctx.owner = live_region(key)
     ctx.mark_non_differentiable(output[1])
 
 
@@ -539,7 +382,7 @@ def _token_segment_setup(ctx, inputs, output):
     key, seq_inputs, whole_inputs, in_dims, out_dims, num_chunks = inputs
     ctx.save_for_backward(*seq_inputs, *whole_inputs)   # inputs only: chunks are recomputed
     ctx.segment = (key, len(seq_inputs), list(in_dims), list(out_dims), num_chunks)
-    ctx.owner = _INDEX.get(key)
+    ctx.owner = live_region(key)
 
 
 def _token_segment_grad(ctx, grad_outs):

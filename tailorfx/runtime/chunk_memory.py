@@ -1,0 +1,64 @@
+"""Bytes the chunked ops (token_chunked, token_segment, the fused head's) allocate and free
+inside themselves, which the graph does not show: the memory model adds them at each call.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from torch import Tensor
+
+from tailorfx.runtime import linear_ops, vocab_parallel
+from tailorfx.runtime.region_registry import live_region
+
+__all__ = ["transient_bytes"]
+
+
+def _copies(as_int: Callable, tensors: list) -> int:
+    """Bytes of the contiguous (tensor, sequence dim) pairs whose chunks the cost simulation copied
+    (some dim before the sequence dim is not 1) and one whole-tensor chunk does not."""
+    return sum(as_int(t.numel()) * t.element_size() for t, dim in tensors
+               if isinstance(t, Tensor) and t.is_contiguous() and any(as_int(d) != 1 for d in t.shape[:dim]))
+
+
+def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = False) -> int:
+    """Bytes an op of this module allocates and frees inside itself (invisible to the graph).
+
+    `args` are the node's arguments with tensors as fake values; `as_int` turns a size or SymInt
+    into an int at the length being predicted; `cuda`: as the ops run on CUDA (a GPU budget
+    predicted on CPU fake tensors).
+    """
+    op_name = op_name.replace("token_chunked_random", "token_chunked")   # the same chunks, plus an RNG state
+    if op_name in ("token_chunked", "token_chunked_backward"):
+        key = args[0]
+        seq = args[1] if op_name == "token_chunked" else args[2]
+        seq_dim, n = (args[3], args[4]) if op_name == "token_chunked" else (args[4], args[5])
+        region = live_region(key)
+        fwd, bwd, bwd_const = region.cost if region is not None else (0.0, 0.0, 0.0)
+        tokens = as_int(seq[0].numel()) // max(1, as_int(seq[0].shape[-1])) if seq else 0
+        n = max(1, min(as_int(n), tokens or 1))
+        if op_name == "token_chunked":
+            return int(fwd * -(-tokens // n))
+        # the chunk costs were simulated with each chunk (and its output gradient) copied; one
+        # chunk is the whole tensor, which .contiguous() returns as it is
+        whole = _copies(as_int, [(seq[0], seq_dim), (args[1], seq_dim)]) if n == 1 and seq else 0
+        return max(0, int(bwd * -(-tokens // n) + bwd_const) - whole)
+    if op_name in ("token_segment", "token_segment_backward"):
+        fwd_op = op_name == "token_segment"
+        key, seq = args[0], (args[1] if fwd_op else args[2])
+        in_dims, n = (args[3], args[5]) if fwd_op else (args[4], args[6])
+        region = live_region(key)
+        fwd, bwd, bwd_const = region.cost if region is not None else (0.0, 0.0, 0.0)
+        tokens = math.prod(as_int(d) for d in seq[0].shape[:in_dims[0] + 1]) if seq else 0
+        n = max(1, min(as_int(n), as_int(seq[0].shape[in_dims[0]]) if seq else 1))
+        per_chunk = -(-tokens // n)
+        if fwd_op:
+            return int(fwd * per_chunk)
+        # as token_chunked_backward: one chunk is not copied (the output gradients always were)
+        whole = _copies(as_int, list(zip(seq, in_dims))) + sum(
+            as_int(g.numel()) * g.element_size() for g in args[1] if isinstance(g, Tensor) and g.is_contiguous()
+        ) if n == 1 else 0
+        return max(0, int(bwd * per_chunk + bwd_const) - whole)
+    if op_name.startswith("vocab_parallel_cross_entropy"):
+        return vocab_parallel.transient_bytes(op_name, args, as_int)
+    return linear_ops.transient_bytes(op_name, args, as_int, cuda)
