@@ -21,8 +21,7 @@ RNG states), a JSON-lines log, a tqdm bar and the "tailorfx" logger:
 """
 from __future__ import annotations
 
-import contextlib
-import inspect
+import functools
 import json
 import logging
 import math
@@ -30,14 +29,15 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import IO, Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from tailorfx.runtime.checkpoint import (
-    CHECKPOINT_PREFIX, Cursor, atomic_save, checkpoint_path, latest_checkpoint, rng_state, seed_everything, set_rng_state,
+from tailorfx.runtime.accumulation import (  # noqa: F401 - count_targets: cli and tests import it from here
+    NOT_MODEL_INPUTS, accepts_num_items, accumulate, count_targets, model_device, scalar_loss,
 )
+from tailorfx.runtime.checkpoint import Cursor, seed_everything
+from tailorfx.runtime.train_state import TrainState, open_log, resume_source
 
 
 def make_scaler(precision: Optional[str], device: str = "cpu", **kwargs) -> Optional[torch.amp.GradScaler]:
@@ -45,15 +45,6 @@ def make_scaler(precision: Optional[str], device: str = "cpu", **kwargs) -> Opti
     if precision != "fp16":
         return None
     return torch.amp.GradScaler(device, **kwargs)
-
-
-def _loss(out: Any) -> torch.Tensor:
-    loss = getattr(out, "loss", out)
-    if isinstance(out, Mapping):
-        loss = out["loss"]
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise TypeError(f"the module must return a scalar loss (or an object with .loss), got {type(loss).__name__}")
-    return loss
 
 
 def train_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str, Any],
@@ -64,7 +55,7 @@ def train_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
     skipped by `scaler.step` and the scale lowered by `scaler.update`.
     """
     optimizer.zero_grad(set_to_none=True)
-    loss = _loss(module(**batch))
+    loss = scalar_loss(module(**batch))
     if scaler is None:
         loss.backward()
         if max_grad_norm is not None:
@@ -121,91 +112,7 @@ class Trainer:
 # ---- the training loop: accumulation, schedule, clipping, checkpoints, logs ------------------
 
 LOG = logging.getLogger("tailorfx")
-IGNORE_INDEX = -100
 SCHEDULES = ("cosine", "linear", "constant")
-# batch keys that describe the data and are not model inputs (PackingCollator's document_ids)
-NOT_MODEL_INPUTS = ("document_ids",)
-
-
-def count_targets(batch: Mapping[str, Any]) -> Optional[int]:
-    """How many labels transformers' causal-LM loss counts in `batch`: it shifts labels left inside
-    the loss, so `labels[:, 0]` is never a target; a target is a label != -100 in `labels[:, 1:]`.
-    None when the batch has no labels."""
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
-    if not isinstance(labels, torch.Tensor):
-        return None
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
-
-
-def accepts_num_items(model: torch.nn.Module) -> bool:
-    """Whether `model.forward` takes `num_items_in_batch` (by name or through **kwargs), as
-    transformers' causal LMs do: it hands it to `loss_function`, which then sums the token losses
-    and divides by it instead of averaging."""
-    try:
-        params = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "num_items_in_batch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
-def _to_device(batch: Mapping[str, Any], device: torch.device, drop: Sequence[str]) -> dict:
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-            for k, v in batch.items() if k not in drop}
-
-
-def _autocast(device: torch.device, precision: Optional[str], enabled: bool):
-    if not enabled or precision not in ("fp16", "bf16"):
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16)
-
-
-def accumulate(model: torch.nn.Module, micro_batches: Sequence[Mapping[str, Any]], *,
-               scaler: Optional[torch.amp.GradScaler] = None, precision: Optional[str] = None,
-               autocast: bool = False, pass_num_items: Optional[bool] = None,
-               drop_keys: Sequence[str] = NOT_MODEL_INPUTS) -> tuple[torch.Tensor, Optional[int]]:
-    """Forward and backward of k micro-batches into the parameters' .grad (not zeroed here), so
-    that the gradients equal those of one batch holding all k.
-
-    The loss of a causal LM is a mean over target tokens; averaging k micro-batch means would weigh
-    a token of a micro-batch with few targets (more padding) more. So the total target count N of
-    all k micro-batches is counted first (`count_targets`) and passed as `num_items_in_batch=N` to
-    each forward (transformers' convention: the model's loss is then sum(token losses) / N), and
-    the micro-batch losses add up to the token mean of the whole batch. A model whose forward does
-    not take it (`pass_num_items=None` detects it) gets its mean loss scaled by n_i / N instead.
-
-    Returns (the whole batch's loss, detached and unscaled; N, or None without labels). When N is
-    0, nothing runs and no gradients are made.
-    """
-    device = _model_device(model)
-    micro = [_to_device(mb, device, drop_keys) for mb in micro_batches]
-    counts = [count_targets(mb) for mb in micro]
-    total = None if any(c is None for c in counts) else sum(counts)
-    if pass_num_items is None:
-        pass_num_items = accepts_num_items(model)
-    loss_sum = torch.zeros((), device=device)
-    if total == 0:
-        return loss_sum, 0       # no targets at all: no gradients (rather than 0/0 = nan ones)
-    for mb, n in zip(micro, counts):
-        kwargs = dict(mb)
-        if total is not None and pass_num_items:
-            kwargs["num_items_in_batch"] = torch.tensor(total, device=device)
-        elif total is not None and n == 0:
-            continue                 # no targets: nothing to add (its mean loss would be nan)
-        with _autocast(device, precision, autocast):
-            loss = _loss(model(**kwargs))
-        if total is None:
-            loss = loss / len(micro)                  # no labels to count: mean of the k losses
-        elif not pass_num_items:
-            loss = loss * (n / total) if total else loss * 0.0
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_sum += loss.detach().float()
-    return loss_sum, total
 
 
 def lr_lambda(schedule: str, total_steps: int, warmup: int = 0, min_lr_ratio: float = 0.0) -> Callable[[int], float]:
@@ -311,160 +218,143 @@ def train(model: torch.nn.Module, batches: Any, *, steps: int, total_steps: Opti
     first. Messages go to the
     "tailorfx" logger (per step at DEBUG); `progress` shows a tqdm bar on stderr.
     """
+    _check_settings(steps, grad_accum, save_every, precision)
+    total_steps = steps if total_steps is None else total_steps
+    if autocast is None:
+        autocast = precision in ("fp16", "bf16") and not getattr(model, "casts_own_precision", False)
+    if pass_num_items is None:
+        pass_num_items = accepts_num_items(model)
+    opt = optimizer if optimizer is not None else make_optimizer(model, lr, weight_decay, betas, eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(schedule, total_steps, warmup, min_lr_ratio))
+    config = {"total_steps": total_steps, "grad_accum": grad_accum, "schedule": schedule, "warmup": warmup,
+              "min_lr_ratio": min_lr_ratio, "precision": precision}
+    state = TrainState(model, opt, scheduler, make_scaler(precision, model_device(model).type), Cursor(batches),
+                       config)
+    source = resume_source(resume, checkpoint_dir)
+    start = state.restore(source) if source is not None else 0
+    if source is None and seed is not None:
+        seed_everything(seed)
+    log_file = open_log(log_path, keep_through=start if source is not None else None)
+    result = TrainResult(step=start, start_step=start)
+    LOG.info("training steps %d..%d: grad_accum=%d, lr=%g (%s, warmup %d), precision=%s",
+             start + 1, steps, grad_accum, lr, schedule, warmup, precision)
+    forward_backward = functools.partial(accumulate, model, scaler=state.scaler, precision=precision,
+                                         autocast=autocast, pass_num_items=pass_num_items, drop_keys=drop_keys)
+    _run_steps(state, forward_backward, result, steps=steps, grad_accum=grad_accum, clip_norm=clip_norm,
+               checkpoint_dir=checkpoint_dir, save_every=save_every, keep_last=keep_last, log_file=log_file,
+               progress=progress)
+    LOG.info("trained steps %d..%d in %.1fs (%d tokens, %d skipped)%s", start + 1, result.step, result.elapsed,
+             result.tokens, result.skipped, f", last loss {result.losses[-1]:.4f}" if result.losses else "")
+    return result
+
+
+def _check_settings(steps: int, grad_accum: int, save_every: Optional[int], precision: Optional[str]) -> None:
     if steps < 0 or grad_accum < 1:
         raise ValueError(f"steps={steps!r} and grad_accum={grad_accum!r}: steps >= 0, grad_accum >= 1")
     if save_every is not None and save_every < 1:
         raise ValueError(f"save_every={save_every!r} is not valid: a positive int or None")
     if precision not in (None, "fp32", "fp16", "bf16"):
         raise ValueError(f"precision={precision!r} is not valid: 'fp16', 'bf16', 'fp32' or None")
-    total_steps = steps if total_steps is None else total_steps
-    device = _model_device(model)
-    if autocast is None:
-        autocast = precision in ("fp16", "bf16") and not getattr(model, "casts_own_precision", False)
-    if pass_num_items is None:
-        pass_num_items = accepts_num_items(model)
 
-    opt = optimizer if optimizer is not None else make_optimizer(model, lr, weight_decay, betas, eps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(schedule, total_steps, warmup, min_lr_ratio))
-    scaler = make_scaler(precision, device.type)
-    params = [p for g in opt.param_groups for p in g["params"]]
-    cursor = Cursor(batches)
-    config = {"total_steps": total_steps, "grad_accum": grad_accum, "schedule": schedule, "warmup": warmup,
-              "min_lr_ratio": min_lr_ratio, "precision": precision}
 
-    start = 0
-    source = None
-    if resume:
-        if checkpoint_dir is None and resume is True:
-            raise ValueError("resume=True needs checkpoint_dir (or pass resume=<checkpoint file>)")
-        source = latest_checkpoint(checkpoint_dir) if resume is True else Path(resume)
-        if source is None:
-            LOG.info("no checkpoint in %s: training from scratch", checkpoint_dir)
-    if source is not None:
-        state = torch.load(source, map_location="cpu", weights_only=True)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        cursor.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
-        start = int(state["step"])
-        changed = {k: (v, config[k]) for k, v in state.get("config", {}).items() if config.get(k) != v}
-        if changed:
-            LOG.warning("resuming %s with changed settings (saved, now): %s", source, changed)
-        LOG.info("resumed from %s at step %d (batch %d)", source, start, cursor.position)
-    elif seed is not None:
-        seed_everything(seed)
-
-    log_file = None
-    if log_path is not None:
-        log_path = Path(log_path)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if source is not None and log_path.exists():
-            for line in log_path.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] <= start:
-                        kept.append(line + "\n")
-                except (ValueError, KeyError, TypeError):
-                    continue
-        log_file = open(log_path, "w")
-        log_file.writelines(kept)
-        log_file.flush()
-
-    result = TrainResult(step=start, start_step=start)
-    LOG.info("training steps %d..%d: grad_accum=%d, lr=%g (%s, warmup %d), precision=%s",
-             start + 1, steps, grad_accum, lr, schedule, warmup, precision)
+def _run_steps(state: TrainState, forward_backward: Callable, result: TrainResult, *, steps: int, grad_accum: int,
+               clip_norm: Optional[float], checkpoint_dir: Union[str, os.PathLike, None], save_every: Optional[int],
+               keep_last: Optional[int], log_file: Optional[IO[str]], progress: bool) -> None:
+    """Optimizer steps `result.step + 1 .. steps` into `result`, each logged, with a checkpoint
+    every `save_every` steps and at the end; closes `log_file`."""
+    start = result.step
     bar = _progress_bar(progress, steps, start)
     t0 = time.perf_counter()
-
-    def save(step: int) -> None:
-        path = checkpoint_path(checkpoint_dir, step)
-        atomic_save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                      "scheduler": scheduler.state_dict(),
-                      "scaler": scaler.state_dict() if scaler is not None else None,
-                      "data": cursor.state_dict(), "rng": rng_state(), "config": config}, path)
-        result.checkpoints.append(str(path))
-        LOG.info("saved checkpoint %s", path)
-        if keep_last is not None:
-            old = sorted(Path(checkpoint_dir).glob(f"{CHECKPOINT_PREFIX}*.pt"))[:-keep_last]
-            for p in old:
-                p.unlink()
-
     try:
-        model.train()
+        state.model.train()
         for step in range(start + 1, steps + 1):
-            t_step = time.perf_counter()
-            micro = [cursor.next() for _ in range(grad_accum)]
-            tokens = sum(int(mb["input_ids"].numel()) for mb in micro
-                         if isinstance(mb.get("input_ids"), torch.Tensor))
-            lr_now = opt.param_groups[0]["lr"]
-            opt.zero_grad(set_to_none=True)
-            loss, targets = accumulate(model, micro, scaler=scaler, precision=precision, autocast=autocast,
-                                       pass_num_items=pass_num_items, drop_keys=drop_keys)
-            grad_norm = torch.zeros(())
-            if targets == 0:       # nothing to learn from: no update (the step counts, as a skipped one)
-                LOG.warning("step %d: its batches hold no label to learn from (all -100): no update", step)
-                skipped = True
-            else:
-                if scaler is not None:
-                    scaler.unscale_(opt)     # clip (and measure) the true gradients, not the scaled ones
-                grads = [p.grad for p in params if p.grad is not None]
-                if clip_norm is not None:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_norm)
-                elif grads:
-                    grad_norm = torch.nn.utils.get_total_norm(grads)
-                skipped = False
-                if scaler is not None:
-                    before = scaler.get_scale()
-                    scaler.step(opt)
-                    scaler.update()
-                    skipped = scaler.get_scale() < before
-                    if skipped:
-                        LOG.warning("step %d skipped: inf/nan gradients, loss scale lowered to %g",
-                                    step, scaler.get_scale())
-                else:
-                    opt.step()
-            if not skipped:
-                scheduler.step()
-            loss_f = float(loss)
-            dt = time.perf_counter() - t_step
-            record = {"step": step, "loss": _finite(loss_f), "lr": lr_now, "grad_norm": _finite(float(grad_norm)),
-                      "tokens": tokens, "targets": targets, "tokens_per_s": tokens / dt if dt > 0 else None,
-                      "time": dt, "elapsed": time.perf_counter() - t0, "skipped": skipped,
-                      "scale": scaler.get_scale() if scaler is not None else None,
-                      "peak_mem": _peak_memory(device)}
-            result.step = step
-            result.losses.append(loss_f)
-            result.records.append(record)
-            result.skipped += int(skipped)
-            result.tokens += tokens
-            if log_file is not None:
-                log_file.write(json.dumps(record) + "\n")
-                log_file.flush()
-            LOG.debug("step %d: loss %.4f lr %.3g grad_norm %.3g %.0f tok/s%s", step, loss_f, lr_now,
-                      float(grad_norm), record["tokens_per_s"] or 0.0, " (skipped)" if skipped else "")
-            if bar is not None:
-                post = {"loss": f"{loss_f:.4f}", "tok/s": f"{record['tokens_per_s'] or 0:.0f}"}
-                if record["peak_mem"] is not None:
-                    post["peak"] = f"{record['peak_mem'] / 2**20:.0f}MiB"
-                bar.set_postfix(post, refresh=False)
-                bar.update(1)
-            if checkpoint_dir is not None and save_every is not None and step % save_every == 0:
-                save(step)
-        if checkpoint_dir is not None and result.step > start and \
-                not (save_every is not None and result.step % save_every == 0):
-            save(result.step)
+            loss, record = _take_step(state, step, grad_accum, forward_backward, clip_norm, t0)
+            _add_record(result, loss, record, log_file, bar)
+            if checkpoint_dir is not None and _save_due(step, save_every):
+                result.checkpoints.append(str(state.save(checkpoint_dir, step, keep_last)))
+        if checkpoint_dir is not None and result.step > start and not _save_due(result.step, save_every):
+            result.checkpoints.append(str(state.save(checkpoint_dir, result.step, keep_last)))
     finally:
         if bar is not None:
             bar.close()
         if log_file is not None:
             log_file.close()
     result.elapsed = time.perf_counter() - t0
-    LOG.info("trained steps %d..%d in %.1fs (%d tokens, %d skipped)%s", start + 1, result.step, result.elapsed,
-             result.tokens, result.skipped, f", last loss {result.losses[-1]:.4f}" if result.losses else "")
-    return result
+
+
+def _save_due(step: int, save_every: Optional[int]) -> bool:
+    return save_every is not None and step % save_every == 0
+
+
+def _take_step(state: TrainState, step: int, grad_accum: int, forward_backward: Callable,
+               clip_norm: Optional[float], t0: float) -> tuple[float, dict]:
+    """Optimizer step `step` on the next `grad_accum` micro-batches; returns (its loss, its log record)."""
+    t_step = time.perf_counter()
+    micro = [state.cursor.next() for _ in range(grad_accum)]
+    tokens = sum(int(mb["input_ids"].numel()) for mb in micro if isinstance(mb.get("input_ids"), torch.Tensor))
+    lr_now = state.optimizer.param_groups[0]["lr"]
+    state.optimizer.zero_grad(set_to_none=True)
+    loss, targets = forward_backward(micro)
+    if targets == 0:       # nothing to learn from: no update (the step counts, as a skipped one)
+        LOG.warning("step %d: its batches hold no label to learn from (all -100): no update", step)
+        grad_norm, skipped = torch.zeros(()), True
+    else:
+        grad_norm, skipped = _update(state.optimizer, state.scaler, clip_norm, step)
+    if not skipped:
+        state.scheduler.step()
+    loss_f = float(loss)
+    dt = time.perf_counter() - t_step
+    record = {"step": step, "loss": _finite(loss_f), "lr": lr_now, "grad_norm": _finite(float(grad_norm)),
+              "tokens": tokens, "targets": targets, "tokens_per_s": tokens / dt if dt > 0 else None,
+              "time": dt, "elapsed": time.perf_counter() - t0, "skipped": skipped,
+              "scale": state.scaler.get_scale() if state.scaler is not None else None,
+              "peak_mem": _peak_memory(model_device(state.model))}
+    LOG.debug("step %d: loss %.4f lr %.3g grad_norm %.3g %.0f tok/s%s", step, loss_f, lr_now,
+              float(grad_norm), record["tokens_per_s"] or 0.0, " (skipped)" if skipped else "")
+    return loss_f, record
+
+
+def _update(opt: torch.optim.Optimizer, scaler: Optional[torch.amp.GradScaler], clip_norm: Optional[float],
+            step: int) -> tuple[torch.Tensor, bool]:
+    """Clip (or only measure) the gradients and step the optimizer, through the loss scaler when
+    there is one; returns (the gradients' norm, whether the step was skipped: inf/nan gradients)."""
+    if scaler is not None:
+        scaler.unscale_(opt)     # clip (and measure) the true gradients, not the scaled ones
+    params = _params(opt)
+    grads = [p.grad for p in params if p.grad is not None]
+    grad_norm = torch.zeros(())
+    if clip_norm is not None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_norm)
+    elif grads:
+        grad_norm = torch.nn.utils.get_total_norm(grads)
+    if scaler is None:
+        opt.step()
+        return grad_norm, False
+    before = scaler.get_scale()
+    scaler.step(opt)
+    scaler.update()
+    skipped = scaler.get_scale() < before
+    if skipped:
+        LOG.warning("step %d skipped: inf/nan gradients, loss scale lowered to %g", step, scaler.get_scale())
+    return grad_norm, skipped
+
+
+def _add_record(result: TrainResult, loss: float, record: dict, log_file: Optional[IO[str]], bar) -> None:
+    """One step's record into `result`, the JSON-lines log and the progress bar."""
+    result.step = record["step"]
+    result.losses.append(loss)
+    result.records.append(record)
+    result.skipped += int(record["skipped"])
+    result.tokens += record["tokens"]
+    if log_file is not None:
+        log_file.write(json.dumps(record) + "\n")
+        log_file.flush()
+    if bar is not None:
+        post = {"loss": f"{loss:.4f}", "tok/s": f"{record['tokens_per_s'] or 0:.0f}"}
+        if record["peak_mem"] is not None:
+            post["peak"] = f"{record['peak_mem'] / 2**20:.0f}MiB"
+        bar.set_postfix(post, refresh=False)
+        bar.update(1)
 
 
 def _progress_bar(enabled: bool, total: int, initial: int):
