@@ -323,10 +323,10 @@ def test_lce_in_the_weights_dtype_is_eagers_bf16_head(softcap):
     bf16), forced on CPU: eager's bf16 head (`cross_entropy(linear(h, w).float())`) to bf16's own
     rounding. (Its memory is measured on a GPU: benchmarks/gpu_check.py; CPU's bf16 GEMMs add
     scratch of their own.)"""
-    from tailorfx.runtime.linear_ops import _lce_chunks
+    from tailorfx.runtime.linear_ops import lce_chunks
     hidden, weight, bias, labels = _lce_inputs(n=300, h=64, v=500, dtype=torch.bfloat16)
-    loss, gh, gw, gb = _lce_chunks(hidden.detach(), weight.detach(), bias.detach(), labels, -100, "mean", 3,
-                                   softcap, None, True, True, True, in_weight_dtype=True)
+    loss, gh, gw, gb = lce_chunks(hidden.detach(), weight.detach(), bias.detach(), labels, -100, "mean", 3,
+                                  softcap, None, True, True, True, in_weight_dtype=True)
     assert (gh.dtype, gw.dtype, gb.dtype) == (torch.bfloat16,) * 3
     logits = F.linear(hidden, weight, bias).float()
     if softcap is not None:

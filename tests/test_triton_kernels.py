@@ -114,12 +114,12 @@ def test_linear_cross_entropy_matches_torch(n, hid, vocab, chunk, bias, softcap,
 def test_linear_cross_entropy_matches_the_runtime_op():
     """The same numbers as the torch implementation it mirrors (linear_ops: logit_scale then the
     soft-cap, mean over non-ignored rows), and a loss-only launch gives the same loss."""
-    from tailorfx.runtime.linear_ops import _lce_chunks
+    from tailorfx.runtime.linear_ops import lce_chunks
     g = torch.Generator().manual_seed(3)
     h, w, b = torch.randn(23, 12, generator=g), torch.randn(50, 12, generator=g), torch.randn(50, generator=g)
     y = torch.randint(0, 50, (23,), generator=g)
     y[::4] = -100
-    want = _lce_chunks(h, w, b, y, -100, "mean", 3, 3.0, 0.5, True, True, True)
+    want = lce_chunks(h, w, b, y, -100, "mean", 3, 3.0, 0.5, True, True, True)
     got = lce.forward(h, w, b, y, softcap=3.0, logit_scale=0.5, chunk=8, block=16)
     for a, r, name in zip(got, want, ["loss", "grad_hidden", "grad_weight", "grad_bias"]):
         _close(a, r, 1e-5, name)

@@ -349,7 +349,7 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
     shapes of its inputs' fake values (a symbolic length at its hint); [] for nodes that launch
     none."""
     from tailorfx.codegen.triton import flash_attention, glu, linear_cross_entropy, norm, rope
-    from tailorfx.runtime.triton_ops import (_attention_params, triton_attention, triton_glu,
+    from tailorfx.runtime.triton_ops import (attention_params, triton_attention, triton_glu,
                                              triton_linear_cross_entropy, triton_norm, triton_rope)
     if node.op != "call_function":
         return []
@@ -381,7 +381,7 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
         chunks = max(1, min(rows, _int(kw.get("num_chunks", 8))))
         return [(spec, f"({_cdiv(rows, chunks)},) x {chunks} chunks")]
     if node.target is triton_attention:
-        mask, params = _attention_params(kw["kind"], dict(kw["params"]))
+        mask, params = attention_params(kw["kind"], dict(kw["params"]))
         q, k = node_value(node.args[0]), node_value(node.args[1])
         spec = flash_attention.spec_for(q, k, mask=mask, params=params, causal=kw["causal"],
                                         documents=kw.get("document_ids") is not None, softcap=kw.get("softcap"))

@@ -123,8 +123,8 @@ def _lce_chunk(h, y, w, b, ignore_index, softcap, logit_scale, scale, grad_h, gr
     return loss
 
 
-def _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, softcap, logit_scale,
-                need_hidden, need_weight, need_bias, vocab_start=0, group=None, in_weight_dtype=None):
+def lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, softcap, logit_scale,
+               need_hidden, need_weight, need_bias, vocab_start=0, group=None, in_weight_dtype=None):
     """Loss and (if asked) grads for d(loss)/d(inputs) with grad_output 1, one row chunk at a time.
 
     The loss math runs in fp32 (fp64 stays fp64). On CUDA, with `hidden` and weight both
@@ -163,7 +163,7 @@ def _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunk
 
 
 def _in_weight_dtype(hidden: Tensor, weight: Tensor, cuda: bool = False) -> bool:
-    """The head's GEMMs run in the weight's own low precision (see _lce_chunks): on CUDA (tensor
+    """The head's GEMMs run in the weight's own low precision (see lce_chunks): on CUDA (tensor
     cores). CPU upcasts: its bf16 GEMMs allocate fp32 scratch of their own, and run no faster."""
     return (hidden.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)
             and (cuda or weight.device.type == "cuda"))
@@ -178,8 +178,8 @@ def _lce_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Te
               ignore_index: int, reduction: str, num_chunks: int,
               logit_softcap: Optional[float], logit_scale: Optional[float]) -> Tensor:
     """Loss only; its autograd recomputes the chunks in backward (the 'recompute' mode)."""
-    return _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
-                       logit_softcap, logit_scale, False, False, False)[0]
+    return lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
+                      logit_softcap, logit_scale, False, False, False)[0]
 
 
 @_lce_loss.register_fake
@@ -194,8 +194,8 @@ def _lce_with_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
                     logit_softcap: Optional[float], logit_scale: Optional[float], grad_hidden: bool,
                     grad_weight: bool, grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, grad_hidden, grad_weight, grad_bias) in one pass; unrequested grads are empty."""
-    return _lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
-                       logit_softcap, logit_scale, grad_hidden, grad_weight, grad_bias)
+    return lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
+                      logit_softcap, logit_scale, grad_hidden, grad_weight, grad_bias)
 
 
 @_lce_with_grads.register_fake

@@ -107,7 +107,7 @@ def triton_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], *, eps: float
 _MASKS = {"Exact": "full", "SlidingWindow": "window", "BigBird": "bigbird", "Dilated": "dilated"}
 
 
-def _attention_params(kind: str, params: dict) -> tuple[str, tuple]:
+def attention_params(kind: str, params: dict) -> tuple[str, tuple]:
     """An attention spec (tailorfx.attention: class name and fields) as the kernel's mask and params."""
     if kind == "Exact":
         return "full", ()
@@ -179,7 +179,7 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, *, kind: str, params: tupl
                      document_ids: Optional[Tensor] = None, softcap: Optional[float] = None) -> Tensor:
     """`tailorfx.attention.attention_call` on the flash-attention kernel: q (B, H, S, D), k/v
     (B, H_kv, S, D), GQA without repeating k/v; the attention spec `kind(**params)` as its mask."""
-    mask, mparams = _attention_params(kind, dict(params))
+    mask, mparams = attention_params(kind, dict(params))
     return _attn_fwd(q, k, v, document_ids, mask, _flat(mask, mparams), causal, float(scale), softcap)[0]
 
 

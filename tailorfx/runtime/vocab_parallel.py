@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tailorfx.runtime import linear_ops
-from tailorfx.runtime.linear_ops import _lce_chunks
+from tailorfx.runtime.linear_ops import lce_chunks
 
 _GROUPS: dict[str, "dist.ProcessGroup"] = {}
 
@@ -42,9 +42,9 @@ def register_group(group) -> str:
 def _run(hidden, weight, labels, vocab_start, group_name, ignore_index, reduction, num_chunks, softcap,
          logit_scale, need_hidden, need_weight):
     """linear_ops' chunked loss over this rank's rows, the row statistics all-reduced over the group."""
-    loss, grad_h, grad_w, _ = _lce_chunks(hidden, weight, None, labels, ignore_index, reduction, num_chunks, softcap,
-                                          logit_scale, need_hidden, need_weight, False, vocab_start=vocab_start,
-                                          group=_GROUPS[group_name])
+    loss, grad_h, grad_w, _ = lce_chunks(hidden, weight, None, labels, ignore_index, reduction, num_chunks, softcap,
+                                         logit_scale, need_hidden, need_weight, False, vocab_start=vocab_start,
+                                         group=_GROUPS[group_name])
     return loss, grad_h, grad_w
 
 

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from tailorfx.passes import register
 from tailorfx.passes.precision.policy import _VIEW_OPS, AUTO, DTYPES, LOW, POLICY, resolve_policy, router_nodes  # noqa: F401
-from tailorfx.passes.precision.cleanup import _is_cast, _to_dtype, cleanup
+from tailorfx.passes.precision.cleanup import cleanup, is_cast, to_dtype
 from tailorfx import compat
 from tailorfx.rewrite import match, saved_dtype
 from tailorfx.rewrite.capture import node_value
@@ -81,7 +81,7 @@ class _Rewriter:
             if dtype is not None and _retarget(n, dtype):
                 self.retargeted.append(n.name)
                 self.fresh.add(n)
-            if n.op != "placeholder" and not _is_cast(n) and not _is_meta(n):
+            if n.op != "placeholder" and not is_cast(n) and not _is_meta(n):
                 for a in list(n.all_input_nodes):
                     want = self._wanted(a, z)
                     if want is not None:
@@ -152,7 +152,7 @@ class _Rewriter:
 
     def _captured(self, n: fx.Node) -> Any:
         """The value a node had before this pass (a cast of ours reports its source's)."""
-        while n.meta.get(PASS_META) == NAME and _is_cast(n):
+        while n.meta.get(PASS_META) == NAME and is_cast(n):
             n = n.args[0]
         return self.captured.get(n, node_value(n))
 
@@ -328,7 +328,7 @@ def _final_cast(r: Region, nodes: dict[str, fx.Node]) -> Optional[str]:
     members = set(r.nodes)
     for name in reversed(r.nodes):
         n = nodes[name]
-        where = _to_dtype(n) if n.op == "call_method" and n.target in ("to", "type") else None
+        where = to_dtype(n) if n.op == "call_method" and n.target in ("to", "type") else None
         if where is None or (n.kwargs if where[0] == "kw" else n.args)[where[1]] != torch.float32:
             continue
         after = [u for u in match.users_closure([n]) if u.name in members and u is not n]
@@ -355,7 +355,7 @@ def _retarget(n: fx.Node, dtype: torch.dtype) -> bool:
     records `x.to(q.dtype)` as a constant), and so does a factory's dtype=torch.float32: point them
     at the region's dtype. `.float()` is an explicit upcast and stays."""
     if n.op == "call_method" and n.target in ("to", "type"):
-        where = _to_dtype(n)
+        where = to_dtype(n)
     elif match.op_name(n) in _FACTORIES and "dtype" in n.kwargs:
         where = ("kw", "dtype")
     else:

@@ -19,7 +19,7 @@ _CAST_METHODS = frozenset({"to", "type", "float", "half", "bfloat16", "double", 
 
 
 def _ours(n: Any) -> bool:
-    return isinstance(n, fx.Node) and n.meta.get(PASS_META) == NAME and _is_cast(n)
+    return isinstance(n, fx.Node) and n.meta.get(PASS_META) == NAME and is_cast(n)
 
 
 def rule_cast_to_own_dtype(n: fx.Node) -> Optional[fx.Node]:
@@ -31,7 +31,7 @@ def rule_cast_to_own_dtype(n: fx.Node) -> Optional[fx.Node]:
 def rule_cast_round_trip(n: fx.Node) -> Optional[fx.Node]:
     """x.to(a).to(dtype(x)) -> x, when the first cast is ours or lossless (bf16 -> fp32 -> bf16)."""
     inner = n.args[0]
-    if not (isinstance(inner, fx.Node) and _is_cast(inner) and inner.args and isinstance(inner.args[0], fx.Node)):
+    if not (isinstance(inner, fx.Node) and is_cast(inner) and inner.args and isinstance(inner.args[0], fx.Node)):
         return None
     x = inner.args[0]
     xv, iv = node_value(x), node_value(inner)
@@ -88,12 +88,12 @@ def cleanup(gm: fx.GraphModule, rules=rules_cleanup) -> tuple[dict[str, int], st
 
 
 
-def _is_cast(n: fx.Node) -> bool:
+def is_cast(n: fx.Node) -> bool:
     """A node whose result dtype is its own explicit choice (a model cast or one of ours)."""
-    return n.op == "call_method" and n.target in _CAST_METHODS and (n.target != "to" or _to_dtype(n) is not None)
+    return n.op == "call_method" and n.target in _CAST_METHODS and (n.target != "to" or to_dtype(n) is not None)
 
 
-def _to_dtype(n: fx.Node) -> Optional[tuple[str, Any]]:
+def to_dtype(n: fx.Node) -> Optional[tuple[str, Any]]:
     """Where a `.to`/`.type` call keeps its dtype: ("kw", "dtype") or ("arg", i)."""
     if isinstance(n.kwargs.get("dtype"), torch.dtype):
         return ("kw", "dtype")
