@@ -39,6 +39,8 @@ The backward is flash-style: a preprocess computes delta = rowsum(dout * out), o
 recomputes P per query tile for dq, one per key tile for dk and dv, looping over the query heads
 that share the kv head, so GQA gradients are summed in fp32 inside the kernel.
 """
+# length: one kernel template: the forward, dq and dk/dv kernels render from shared mask, key-loop and
+# soft-cap pieces for every spec, and the launch code beside them reads the same spec.
 from __future__ import annotations
 
 import functools

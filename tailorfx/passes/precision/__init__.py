@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from tailorfx.passes import register
-from tailorfx.passes.precision.policy import _VIEW_OPS, AUTO, DTYPES, LOW, POLICY, resolve_policy, router_nodes  # noqa: F401
+from tailorfx.passes.precision.policy import AUTO, DTYPES, LOW, POLICY, VIEW_OPS, resolve_policy, router_nodes  # noqa: F401
 from tailorfx.passes.precision.cleanup import cleanup, is_cast, to_dtype
 from tailorfx import compat
 from tailorfx.rewrite import match, saved_dtype
@@ -289,7 +289,7 @@ class Precision:
         for n in gm.graph.nodes:   # a view of a low op's result joins its zone: no cast to reshape it
             src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
             if n.name in best and n.name not in zones and src is not None and src.name in zones \
-                    and zones[src.name].low and ":" in zones[src.name].key and match.op_name(n) in _VIEW_OPS:
+                    and zones[src.name].low and ":" in zones[src.name].key and match.op_name(n) in VIEW_OPS:
                 zones[n.name] = zones[src.name]
         return zones
 

@@ -61,7 +61,7 @@ POLICY: Mapping[str, str] = {
     "router": "fp32",
 }
 # Ops that only re-view their input: next to a matmul handing on bf16 they stay bf16.
-_VIEW_OPS = frozenset({"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten",
+VIEW_OPS = frozenset({"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten",
                        "unsqueeze", "squeeze", "expand", "t", "getitem"})
 
 
@@ -117,7 +117,7 @@ def router_nodes(gm: fx.GraphModule) -> dict[str, str]:
             continue
         out.update({n.name: m.name for n in computed})
         x = m.args[0] if m.args else None
-        while isinstance(x, fx.Node) and match.op_name(x) in _VIEW_OPS:   # its input, re-viewed: fp32 too
+        while isinstance(x, fx.Node) and match.op_name(x) in VIEW_OPS:   # its input, re-viewed: fp32 too
             out[x.name] = m.name
             x = x.args[0] if x.args else None
     return out
