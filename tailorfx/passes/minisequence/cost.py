@@ -11,22 +11,20 @@ import torch
 import torch.fx as fx
 
 from tailorfx import compat
+from tailorfx.passes.minisequence.chunks import NAME
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PassContext
 from tailorfx.runtime import ops
 
 
-NAME = "minisequence"
-
-
-def _tokens(t, seq_dim: int, ctx: PassContext) -> int:
+def hint_tokens(t, seq_dim: int, ctx: PassContext) -> int:
     """Tokens (batch x sequence positions) a (B, S, ...) fake tensor holds at the captured length."""
     shape = [int(compat.sym_expr(d).xreplace(ctx.seq.hints)) for d in t.shape[:seq_dim + 1]]
     return max(1, math.prod(shape))
 
 
-def _region_cost(members: list[fx.Node], out, ctx: PassContext, tokens: int) -> tuple[float, float]:
+def region_cost(members: list[fx.Node], out, ctx: PassContext, tokens: int) -> tuple[float, float]:
     """(`out`: the output node, or a set of them.) Per-token bytes a chunk holds inside the op: the most live at once in forward (a storage is
     freed after the last use of any view of it), and in backward all intermediates (saved by the
     recompute) plus the largest gradient pair alive while they are consumed. Views (chunk, getitem,
@@ -38,7 +36,7 @@ def _region_cost(members: list[fx.Node], out, ctx: PassContext, tokens: int) -> 
         base = next((a for a in n.all_input_nodes if _shares_storage(n, a)), None)
         root[n] = root.get(base, base) if base is not None else n
         if root[n] is n:
-            sizes[n] = sum(_hint_bytes(v, ctx) for v in match.tensors_in(node_value(n)))
+            sizes[n] = sum(hint_bytes(v, ctx) for v in match.tensors_in(node_value(n)))
     last: dict[fx.Node, int] = {}
     for n in members:
         r = root[n]
@@ -57,8 +55,8 @@ def _region_cost(members: list[fx.Node], out, ctx: PassContext, tokens: int) -> 
     return peak / tokens, (total + 2 * largest) / tokens
 
 
-def _cached_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, ctx: PassContext,
-                          tokens: int) -> Optional[tuple[float, float]]:
+def cached_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, ctx: PassContext,
+                         tokens: int) -> Optional[tuple[float, float]]:
     """_simulated_backward_cost, memoised in ctx.memo: the planner runs this pass once per
     candidate plan, and the key already hashes the region's code and recorded shapes."""
     memo = (NAME, "backward_cost", chunked.key, str(ctx.seq.symbol), ctx.seq.length, tokens)
@@ -110,7 +108,7 @@ def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
 def _per_token_and_constant(held: Callable[[int], int], length: int, tokens: int) -> Optional[tuple[float, float]]:
     """(bytes per token, constant bytes) from `held` at the captured length and twice it, so
     weight-sized transients are not scaled with the chunk; None when `held` cannot run (the
-    estimate by hand, _region_cost, stands in)."""
+    estimate by hand, region_cost, stands in)."""
     try:
         one, two = held(length), held(2 * length)
     except Exception:
@@ -119,11 +117,11 @@ def _per_token_and_constant(held: Callable[[int], int], length: int, tokens: int
     return per_token, max(0.0, one - per_token * tokens)
 
 
-def _cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, xs, whole, x_dims,
-                                  ctx: PassContext, tokens: int) -> Optional[tuple[float, float]]:
+def cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, xs, whole, x_dims,
+                                 ctx: PassContext, tokens: int) -> Optional[tuple[float, float]]:
     """(bytes per token, bytes per chunk) one chunk of a token segment holds in backward: the
     runtime's own ops.segment_chunk_grads run on fake tensors under memory.LiveBytes at the
-    captured length and twice it (memoised like _cached_backward_cost). None when it cannot run."""
+    captured length and twice it (memoised like cached_backward_cost). None when it cannot run."""
     from tailorfx.rewrite import memory
     memo = (NAME, "segment_backward_cost", chunked.key, str(ctx.seq.symbol), ctx.seq.length, tokens)
     if memo in ctx.memo:
@@ -165,7 +163,7 @@ def _shares_storage(n: fx.Node, a: fx.Node) -> bool:
     return any(t.untyped_storage()._cdata in mine for t in match.tensors_in(node_value(a)))
 
 
-def _hint_bytes(t, ctx: PassContext) -> int:
+def hint_bytes(t, ctx: PassContext) -> int:
     """Bytes of a fake tensor at the captured sequence length."""
     if not isinstance(t, torch.Tensor):
         return 0
