@@ -30,7 +30,7 @@ class MaskProof:
 
 def prove_mask(ctx: PassContext, x: Optional[fx.Node], out: fx.Node, scale: float, dtype: torch.dtype,
                combine: Optional[Callable]) -> Union[MaskProof, str]:
-    """A MaskProof if the masked scores `out` are causal (as `_prove_causal` proves), or causal
+    """A MaskProof if the masked scores `out` are causal (`_causal_proof`), or causal
     within documents of one (B, S) integer graph input, position_ids; else why not.
 
     The document proof covers masks whose subgraph reads only size SymInts (the sequence length,
@@ -61,20 +61,6 @@ def prove_mask(ctx: PassContext, x: Optional[fx.Node], out: fx.Node, scale: floa
         return f"{found.blocker}; read as packed position_ids it is not a document mask either: {got}"
     text, rule = got
     return MaskProof(text, src.node, rule)
-
-
-def _prove_causal(ctx: PassContext, x: Optional[fx.Node], out: fx.Node, scale: float,
-                  dtype: torch.dtype, combine: Optional[Callable]) -> tuple[str, Optional[str]]:
-    """(lengths checked, None) if at every length checked the masked scores `out`, a function of
-    the raw scores x and of the sequence length only, equal x * scale where key <= query and are
-    -inf or about the dtype minimum where key > query; else ("", why not). `combine(mask, x)`
-    applies a mask node as SDPA applies its attn_mask."""
-    found = mask_subgraph(ctx, out, x)
-    if isinstance(found, str):
-        return "", found
-    if found.blocker:
-        return "", found.blocker
-    return _causal_proof(ctx, found, x, out, scale, dtype, combine)
 
 
 def _causal_proof(ctx: PassContext, sub: Subgraph, x: Optional[fx.Node], out: fx.Node, scale: float,
