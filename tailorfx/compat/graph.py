@@ -1,0 +1,69 @@
+"""Operator overloads and fx's codegen: what a graph's nodes are, and how a compiled graph frees its inputs."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch._functorch.aot_autograd import make_boxed_func
+try:  # fx's codegen for the boxed calling convention (torch >= 2.6; what Inductor's wrapper does)
+    from torch.fx.graph import _BoxedCodeGen
+except ImportError:
+    _BoxedCodeGen = None
+
+
+def args_clearing_func(g: "torch.fx.GraphModule"):
+    """A boxed callable running `g` whose code empties its argument list once unpacked, so each
+    input dies at its last use in the graph instead of when the call returns (AOTAutograd clears
+    autograd's saved tensors before calling a backward: the list is then their last holder).
+    Rewrites `g`'s code in place; make_boxed_func where fx lacks the boxed codegen."""
+    if _BoxedCodeGen is None:
+        return make_boxed_func(g.forward)
+    g.graph.set_codegen(_BoxedCodeGen())
+    g.recompile()
+    forward = g.forward
+
+    def run(args: list):
+        return forward(args)
+    run._boxed_call = True
+    return run
+
+
+# ---- operator overloads (checked on torch 2.13) --------------------------------------------------
+def is_op_overload(t) -> bool:
+    """An ATen/custom operator overload (torch.ops.ns.op.overload)."""
+    return isinstance(t, torch._ops.OpOverload)
+
+
+def op_short_name(t) -> Optional[str]:
+    """'softmax' for torch.ops.aten._softmax.default or its packet (namespace and overload
+    dropped); None for anything else."""
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1]
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return t._qualified_op_name.split("::")[-1]
+    return None
+
+
+def op_is_mutable(t) -> bool:
+    """The overload writes one of its inputs (its schema says so)."""
+    return isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable
+
+
+def op_returns_alias(t) -> bool:
+    """An overload whose output shares an input's storage (a view or an in-place op)."""
+    return isinstance(t, torch._ops.OpOverload) and any(r.alias_info is not None for r in t._schema.returns)
+
+
+def tailorfx_op_name(t) -> Optional[str]:
+    """'token_chunked' for torch.ops.tailorfx.token_chunked.default; None for other targets."""
+    if isinstance(t, torch._ops.OpOverload) and t.namespace == "tailorfx":
+        return t._opname
+    return None
+
+
+def op_qualified_name(t) -> Optional[str]:
+    """'transformers::grouped_mm_fallback' for a custom op (packet or overload) in a graph; None
+    for other targets."""
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return t._qualified_op_name
+    return None

@@ -1,0 +1,102 @@
+"""Inductor and AOTAutograd: the generated code, joint-graph passes, caches, tracing on fake tensors."""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
+
+
+@contextlib.contextmanager
+def inductor_generated(g, example_inputs, is_backward: bool, is_inference: bool) -> Iterator:
+    """What compile_fx_inner does to one AOTAutograd graph, up to its generated wrapper code, with
+    nothing compiled (checked on torch 2.11 and 2.13): post-grad passes, lowering, scheduling and
+    code generation. Yields the GraphLowering (`wrapper_code.lines`, `scheduler`) while Inductor's
+    handlers for it are active. Lowering an RNG-state op runs it for its real CPU tensor, as a
+    compile does, so the fake mode admits that one real tensor meanwhile."""
+    from torch._inductor.compile_fx import (_recursive_post_grad_passes, _recursive_record_original_output_strides,
+                                            fake_tensor_prop, view_to_reshape)
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.virtualized import V
+    view_to_reshape(g)
+    with torch.no_grad():
+        mode = fake_tensor_prop(g, list(example_inputs))
+    _recursive_record_original_output_strides(g)
+    allowed = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True
+    try:
+        with V.set_fake_mode(mode), DebugContext():
+            _recursive_post_grad_passes(g, is_inference=is_inference)
+            graph = GraphLowering(g, example_inputs=list(example_inputs), shape_env=mode.shape_env,
+                                  is_inference=is_inference, is_backward=is_backward)
+            with V.set_graph_handler(graph), V.set_extern_kernel_nodes([]):
+                graph.run(*example_inputs)
+                graph.codegen()   # sources only: in-place reuse and CPU kernel groups are decided here
+                yield graph
+    finally:
+        mode.allow_non_fake_inputs = allowed
+
+
+def inductor_modules():
+    """Inductor's IR and wrapper-codegen modules (their buffer layouts and wrapper line classes)."""
+    from torch._inductor import ir
+    from torch._inductor.codegen import wrapper
+    return ir, wrapper
+
+
+def inductor_joint_pass(fn, version: str):
+    """A config patch giving Inductor `fn(graph)` as its joint-graph custom post pass (run on the
+    joint forward+backward graph before it partitions); `version` keys Inductor's caches."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _Pass(CustomGraphPass):
+        def __call__(self, graph):
+            fn(graph)
+
+        def uuid(self):
+            return version
+    return inductor_config.patch(joint_custom_post_pass=_Pass())
+
+
+def backward_compiled_with_forward():
+    """AOTAutograd compiles the backward when it compiles the forward, not at the first backward."""
+    import torch._functorch.config as functorch_config
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
+
+
+def autograd_cache_off():
+    """AOTAutograd's cache left out of a compile: its key is the graph's code, which does not show
+    the recompute tags the partitioner follows (measured: a tagged graph loaded the untagged one's
+    artifact, saving everything). Inductor's FX graph cache still serves the partitioned graphs."""
+    import torch._functorch.config as functorch_config
+    return functorch_config.patch(enable_autograd_cache=False)
+
+
+@contextlib.contextmanager
+def isolated_tracing(example_inputs) -> Iterator[None]:
+    """A TracingContext of our own for AOTAutograd traces made only to predict memory, so they
+    cannot leave state (parameters, forward metadata) in the one Dynamo is compiling with."""
+    from torch._guards import TracingContext, tracing
+    # the inputs' own fake mode: detect_fake_mode prefers the active TracingContext's (Dynamo's, while it
+    # compiles), whose ShapeEnv would take the trace's guards and make a static trace's ints symbols
+    with tracing(TracingContext(own_fake_mode(example_inputs))):
+        yield
+
+
+def own_fake_mode(values):
+    """The fake mode the values' fake tensors belong to, not the active one (detect_fake_mode
+    asserts they are the same; a graph Dynamo reused carries the mode it was traced in); None
+    for real tensors and no active mode."""
+    values = list(values)
+    return next((t.fake_mode for t in values if isinstance(t, FakeTensor)), None) or detect_fake_mode(values)
+
+
+def real_tensors():
+    """A context in which new tensors are real even under an active FakeTensorMode (a pass that
+    proves a region on small random inputs while a model built on fake tensors is captured)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    return unset_fake_temporarily()
