@@ -26,7 +26,7 @@ from tailorfx.passes.attention import grouped_query
 from tailorfx.progress import progress
 from tailorfx.rewrite import cost, memory, trace
 from tailorfx.rewrite.capture import SeqInfo, node_value
-from tailorfx.rewrite.passes import PassContext, PassManager
+from tailorfx.rewrite.passes import PassContext
 from tailorfx.rewrite.regions import RegionMap
 from tailorfx.setup import TrainingSetup
 
@@ -291,7 +291,7 @@ def predict_peak(gm: fx.GraphModule, seq: SeqInfo, lowering: str, setup: Optiona
 def run_plan(plan: Plan, gm: fx.GraphModule, ctx: PassContext, verify: bool = True,
              predict: Optional[Callable[[fx.GraphModule], int]] = None):
     """The plan's passes over gm: (rewritten graph, per-pass records, the pass manager)."""
-    pm = PassManager(build_pipeline(plan), predict=predict, run_verify=verify)
+    pm = pass_registry.PassManager(build_pipeline(plan), predict=predict, run_verify=verify)
     rewritten, records = pm.run(gm, ctx)
     return rewritten, records, pm
 

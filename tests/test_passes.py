@@ -11,8 +11,8 @@ import tailorfx
 from models import VOCAB, batch, hf_llama, tiny_llama
 from tailorfx.passes.minisequence import MiniSequence
 from tailorfx.rewrite.capture import capture_graphs
-from tailorfx.rewrite.passes import (PASS_META, PassContext, PassManager, PassResult, VerifyError, check_order,
-                                     clone, owned, verify)
+from tailorfx.passes import PassManager, check_order
+from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult, VerifyError, clone, owned, verify
 from tailorfx.rewrite.regions import find_regions
 from tailorfx.runtime import ops
 

@@ -1,18 +1,17 @@
-"""Pass protocol, the pass manager, the verifier, and per-pass records for inspection; what
-every pass shares: annotate() for the nodes it creates, own() for what its graph needs at run time."""
+"""Pass protocol, the verifier, and per-pass records for inspection; what every pass shares:
+annotate() for the nodes it creates, own() for what its graph needs at run time. The registry of
+passes and the pass manager that runs them are tailorfx.passes'."""
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol
 
 import torch.fx as fx
 
 from tailorfx.rewrite.capture import OWNED, SeqInfo, clone, node_value, own, owned  # noqa: F401  (re-exported)
-from tailorfx.rewrite.regions import RegionMap, find_regions
+from tailorfx.rewrite.regions import RegionMap
 
 PASS_META = "tailorfx_pass"   # node.meta key: the pass that created the node
 
@@ -147,52 +146,3 @@ def verify(gm: fx.GraphModule) -> None:
             raise VerifyError(f"node {n.name} ({n.op} {n.target}) has no fake value in meta['val']")
         if PASS_META in n.meta and not (isinstance(n.meta[PASS_META], str) and n.meta[PASS_META]):
             raise VerifyError(f"node {n.name} has an empty or non-string meta['{PASS_META}']")
-
-
-def check_order(passes: Sequence[Pass]) -> None:
-    """Every declared `after=` dependency that is in the pipeline must come earlier in it."""
-    names = [p.name for p in passes]
-    for i, p in enumerate(passes):
-        for dep in getattr(p, "after", ()):
-            if dep in names and names.index(dep) > i:
-                raise ValueError(f"pass {p.name!r} must run after {dep!r}; order was {names}")
-
-
-class PassManager:
-    """Runs passes in order over one graph, verifying and recording each step."""
-
-    def __init__(self, passes: Sequence[Pass], predict: Optional[Callable[[fx.GraphModule], int]] = None,
-                 run_verify: bool = True):
-        check_order(passes)
-        self.passes = list(passes)
-        self.predict = predict
-        self.run_verify = run_verify
-        self.initial: Optional[LazyPeak] = None     # the given graph's predicted peak
-
-    def run(self, gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, list[PassRecord]]:
-        """The graph after every pass, and a record per pass. `gm` is left as it is: each pass
-        rewrites the manager's copy of the graph before it (run_pass), so each record keeps the
-        graph as its pass left it."""
-        records = []
-        peak = self.initial = LazyPeak(self.predict, gm) if self.predict else None
-        ctx = dataclasses.replace(ctx, pipeline=tuple(p.name for p in self.passes))
-        for p in self.passes:
-            before = gm.code
-            key = ("pass result", id(gm), p.name, ctx.pipeline, repr(sorted(ctx.options.items(), key=repr)))
-            if key in ctx.memo:    # the planner ran this plan already: the same graphs, traced once
-                res, seconds = ctx.memo[key][1:]
-            else:
-                t0 = time.perf_counter()
-                res = run_pass(p, gm, ctx)
-                if self.run_verify:
-                    verify(res.gm)
-                seconds = time.perf_counter() - t0
-                ctx.memo[key] = (gm, res, seconds)    # gm kept alive: its id stays its own
-            peak_after = LazyPeak(self.predict, res.gm) if (self.predict and res.changed) else peak
-            records.append(PassRecord(p.name, ctx.graph_index, before, res.gm.code, res.changed,
-                                      res.touched, res.skipped, dict(res.stats), peak, peak_after,
-                                      seconds, res.gm))
-            gm, peak = res.gm, peak_after
-            if res.changed:   # later passes see regions of the graph as it now is
-                ctx = dataclasses.replace(ctx, regions=find_regions(gm, ctx.seq))
-        return gm, records
