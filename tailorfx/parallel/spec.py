@@ -100,10 +100,8 @@ class ParallelSpec:
                 raise ValueError(f"parallel={self} takes no single-device rewrite under tp or sp: "
                                  f"recompute runs with dp (FSDP2) alone, as under tp its per-rank prediction is "
                                  f"off by -4% to +11% of the measured peak; drop passes=")
-            other = [p for p in passes if p not in SHARDED_PASSES]
-            if other:
-                raise ValueError(f"parallel={self} takes {list(SHARDED_PASSES)} only, not "
-                                 f"{other}: drop them, or run the passes without parallel=")
+            _only(passes, SHARDED_PASSES, f"parallel={self} takes {list(SHARDED_PASSES)} only",
+                  "drop them, or run the passes without parallel=")
             if recompute_policy not in (None, "full"):
                 raise ValueError(f"recompute={recompute_policy!r} under parallel={self}: the sharded model's "
                                  f"blocks are checkpointed whole (recompute='full'); drop recompute= or give 'full'")
@@ -112,12 +110,17 @@ class ParallelSpec:
             raise ValueError(f"parallel={self} takes no single-device rewrite: drop passes= (pipeline "
                              f"stages without tp take {list(STAGE_PASSES)}, dp alone {list(SHARDED_PASSES)}), or "
                              f"run the passes without parallel=")
-        other = [p for p in passes if p not in STAGE_PASSES]
-        if other:
-            raise ValueError(f"passes={list(passes)}: pipeline stages take {list(STAGE_PASSES)} only, "
-                             f"not {other} (they rewrite AOTAutograd's joint graph, which a stage run by torch's "
-                             f"pipeline runtime does not have); drop them")
+        _only(passes, STAGE_PASSES, f"passes={list(passes)}: pipeline stages take {list(STAGE_PASSES)} only",
+              "they rewrite AOTAutograd's joint graph, which a stage run by torch's pipeline runtime does not "
+              "have; drop them")
         return tuple(passes)
+
+
+def _only(passes: Sequence[str], allowed: Sequence[str], what: str, fix: str) -> None:
+    """ValueError `what`, naming the passes outside `allowed`, and `fix`, if there are any."""
+    other = [p for p in passes if p not in allowed]
+    if other:
+        raise ValueError(f"{what}, not {other}: {fix}")
 
 
 def describe_layout(tp: int, pp: int, dp: int, sp: Optional[str]) -> str:
