@@ -1,6 +1,7 @@
 """optimize(): capture -> plan -> passes -> codegen -> OptimizedModule."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
@@ -14,6 +15,7 @@ from tailorfx import planner
 from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError, PredictionError
 from tailorfx.parallel import ParallelSpec, parallelize
+from tailorfx.parallel.fit import fit_rewrites
 from tailorfx.report import Report
 from tailorfx import compat
 from tailorfx.rewrite import bound, memory
@@ -354,7 +356,8 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     with DTensor tensor parallelism, planned from its graph, and FSDP2; `pp=2, schedule="1f1b",
     microbatches=4` cuts its step graph into pipeline stages (train with `opt.step(**batch)`);
     `sp="ulysses"` splits sequences over the dp ranks (`parallel=`: a dict of
-    tailorfx.parallel.ParallelSpec's fields, or a ParallelSpec). `kernels="triton"` runs norms,
+    tailorfx.parallel.ParallelSpec's fields, or a ParallelSpec); with `budget=`, the rewrites each
+    rank takes are chosen so its predicted peak fits (least recompute first), else BudgetError. `kernels="triton"` runs norms,
     gated activations, attention and the fused LM head as the runtime's Triton kernels
     (`opt.kernels()` lists them). `opt.report()` lists what went where.
     """
@@ -401,15 +404,30 @@ def _parallel_module(model: nn.Module, options: Options, budget: Optional[Budget
                      args: tuple, kwargs: dict) -> OptimizedModule:
     """optimize(parallel=...): the plan read off the graph, applied with torch.distributed."""
     spec = ParallelSpec.parse(parallel)
-    if budget is not None:
-        raise ValueError("parallel= does not plan against a budget (each rank's memory is predicted by "
-                         "opt.predict_memory() and `tailorfx plan --world`, not planned): drop budget=, or run "
-                         "without parallel=")
-    passes = spec.rewrites(options.passes, options.options_dict().get("recompute_policy"))   # before any capture
+    policy = options.options_dict().get("recompute_policy")
+    fit = None
+    if budget is None:
+        passes = spec.rewrites(options.passes, policy)   # before any capture
+    else:   # each rank's rewrites planned on fake tensors, before the model is sharded
+        rows, seq = _tokens_of(args, kwargs)
+        fit = fit_rewrites(model, spec, budget, seq_len=seq, batch_size=rows, setup=options.options_dict()["setup"],
+                           requested=options.passes, recompute_policy=policy)
+        passes = fit.passes
     plan = parallelize(model, spec, args, kwargs, passes=passes, options=options.options_dict())
+    if fit is not None:
+        plan = dataclasses.replace(plan, report=dataclasses.replace(plan.report, budget=fit.describe()))
     opt = OptimizedModule(model, options, budget)
     opt.session.parallel = plan
     return opt
+
+
+def _tokens_of(args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(rows, tokens) of the example batch's token ids: what each rank's step is planned at."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError("optimize(budget=..., parallel=...) plans each rank at its example batch: give "
+                         "example_inputs with input_ids of shape (rows, tokens)")
+    return int(ids.shape[0]), int(ids.shape[1])
 
 
 def _setup_for(model: nn.Module, setup: Any, optimizer: Optional[str]) -> TrainingSetup:

@@ -183,7 +183,7 @@ def test_bad_parallel_options_name_the_problem(bad, msg):
     (dict(parallel=ParallelSpec(tp=2), passes=["minisequence"]), r"parallel=dict\(tp=2\) takes no single-device rewrite"),
     (dict(parallel=dict(pp=2), passes=["minisequence", "recompute"]),
      r"pipeline stages take \['minisequence'\] only.*not \['recompute'\].*joint graph"),
-    (dict(parallel=dict(pp=2), budget="1GB"), "does not plan against a budget"),
+    (dict(parallel=dict(pp=2), budget="1GB"), "plans each rank at its example batch: give example_inputs"),
     (dict(parallel=dict(tp=2), passes=["recompute"]), r"recompute runs with dp \(FSDP2\) alone"),
     (dict(parallel=dict(dp=2), passes=["minisequence"]), r"takes \['recompute'\] only, not \['minisequence'\]"),
     (dict(parallel=dict(dp=2), passes=["recompute"], recompute="selective"), r"blocks are checkpointed whole"),
@@ -311,10 +311,15 @@ def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
 @pytest.mark.multiprocess
 def test_fsdp2_dp2_equals_one_process(tmp_path):
     # Mistral with recompute: each block checkpointed inside its FSDP unit
-    rows = torchrun(tmp_path, 2, "parallel_check.py", 1, 2, "llama", "qwen3", "mistral:recompute", runs=3)
+    # and Llama under a budget only recompute meets: the planner takes it, and each rank is within it
+    rows = torchrun(tmp_path, 2, "parallel_check.py", 1, 2, "llama", "qwen3", "mistral:recompute", "llama:budget",
+                    runs=4)
     for (rank, run), r in rows.items():
         assert r["sharded_params"] == r["num_params"]    # every parameter is a DTensor shard
-        assert r["checkpointed"] == (["model.layers.0", "model.layers.1"] if run.endswith(":recompute") else [])
+        recomputed = run.endswith((":recompute", ":budget"))
+        assert r["checkpointed"] == (["model.layers.0", "model.layers.1"] if recomputed else [])
+        if run.endswith(":budget"):
+            assert r["rewrites"] == ["recompute"] and r["resident"] + r["measured"] <= r["budget"], r
         # the per-rank prediction (FSDP2's gathers, prefetch and reduce-scatter buffers composed on the
         # memory model, the blocks' ops recomputed under recompute): within 5% of this rank's
         # measured peak, never 2% under

@@ -88,6 +88,34 @@ def test_recompute_under_fsdp_keeps_only_the_blocks_inputs():
     assert rc.forward_backward_peak_bytes < dp.forward_backward_peak_bytes
 
 
+def test_a_budget_under_dp_takes_recompute_only_when_nothing_less_fits():
+    """optimize(budget=..., parallel=...)'s choice (parallel.fit): the layout's default rewrites when
+    the worst rank fits, recompute when only that fits, BudgetError naming the smallest otherwise;
+    the user's own list is the only one tried."""
+    from tailorfx.parallel import ParallelSpec
+    from tailorfx.parallel.fit import fit_rewrites
+    from tailorfx.setup import resolve
+    spec, setup = ParallelSpec(dp=2), resolve("fp32")
+    none, rc = predict(dp=2), predict(dp=2, passes=["recompute"])
+    assert rc.peak_bytes < none.peak_bytes
+
+    def fit(budget_bytes: int, requested=None):
+        return fit_rewrites(CFG, spec, Budget.parse(budget_bytes), seq_len=SEQ, batch_size=2, setup=setup,
+                            requested=requested)
+    usable = 1 - planner.HEADROOM
+    roomy = fit(int(none.peak_bytes / usable) + 1)
+    assert roomy.passes == () and [p for p, _ in roomy.tried] == [()]
+    assert roomy.memory.peak_bytes == none.peak_bytes
+    between = fit(int((none.peak_bytes + rc.peak_bytes) / 2 / usable))
+    assert between.passes == ("recompute",) and between.memory.peak_bytes == rc.peak_bytes
+    assert "rewrites ['recompute'] fit the budget per rank" in between.describe()
+    with pytest.raises(BudgetError, match="Use a budget of at least") as e:
+        fit(int(rc.peak_bytes / usable) - 1024)
+    assert e.value.smallest_bytes == rc.peak_bytes and e.value.suggested_bytes >= rc.peak_bytes / usable
+    with pytest.raises(BudgetError):    # the user's own list: recompute not added
+        fit(int((none.peak_bytes + rc.peak_bytes) / 2 / usable), requested=[])
+
+
 def test_ulysses_adds_all_to_all_buffers_to_fsdp():
     dp, sp = predict(dp=2, batch_size=1), predict(dp=2, sp="ulysses", batch_size=2)
     assert sp.at_peak["communication buffers"] > dp.at_peak["communication buffers"]

@@ -13,6 +13,7 @@ The modules import one way, each only those above it in this list (tests/test_la
     profile        the memory model's simulation of that step, live bytes per part
     compose        that simulation composed under FSDP2 and a pipeline schedule
     memory         per-rank memory of a layout (predict_rank_memory, RankMemory, RankPrediction)
+    fit            the rewrites each rank takes under optimize(budget=..., parallel=...)
     world          the layout a world of devices should use under a budget (plan_world)
     apply          optimize(parallel=...) inside torchrun: each parallelism applied (parallelize)
 

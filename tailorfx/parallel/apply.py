@@ -173,6 +173,7 @@ class ParallelReport:
     stage_blocks: list[list[str]] = field(default_factory=list)   # blocks of each pipeline stage
     bubble: float = 0.0
     rewrites: list = field(default_factory=list)   # (region, what a pass did to it)
+    budget: str = ""                  # under budget=: which rewrites fit it, and each one's predicted peak
 
     def describe(self) -> list[tuple[str, str]]:
         """(module, what it got) rows."""
@@ -185,6 +186,8 @@ class ParallelReport:
         rows += [(", ".join(b) or "(no block)", f"pipeline stage {i} of {len(self.stage_blocks)}, rank "
                   f"{i % spec.pp}, {spec.schedule}, {spec.microbatches} micro-batches, bubble {self.bubble:.1%}"
                   + sharded) for i, b in enumerate(self.stage_blocks)]
+        if self.budget:
+            rows.append(("(budget)", self.budget))
         if spec.sp == "ulysses":
             rows.append(("(attention)", f"Ulysses: the sequence split over the {spec.dp} dp ranks, heads by all-to-all"))
         elif spec.sp == "megatron":

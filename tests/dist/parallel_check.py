@@ -35,8 +35,12 @@ def main(run: str, tp: int, dp: int) -> int:
     # data parallel: each dp rank takes its rows (its example: the per-rank prediction is at their
     # shape); FSDP averages the gradients over dp
     rows = ids.chunk(dp)[rank // tp] if dp > 1 else ids
+    layout = dict(tp=tp, dp=dp, sp=sp or None, vocab_loss=vocab_loss or "fused")
+    # ":budget": planned under a budget between the layout's predicted peaks without and with
+    # recompute (no optimizer state: this script takes no optimizer step)
+    budget = _between_peaks(model, layout, rows) if "budget" in flags else None
     opt = tailorfx.optimize(model, example_inputs=dict(input_ids=rows, labels=rows), passes=passes,
-                            parallel=dict(tp=tp, dp=dp, sp=sp or None, vocab_loss=vocab_loss or "fused"))
+                            parallel=layout, budget=budget, optimizer=None if budget else "adamw")
     # whether the head's own output (before a soft-cap or scale) is still held when the loss runs
     head_out, held_at_loss = [], []
     hook = model.lm_head.register_forward_hook(lambda m, a, o: head_out.append(weakref.ref(o)))
@@ -80,8 +84,21 @@ def main(run: str, tp: int, dp: int) -> int:
            "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": num_params,
            "predicted": predicted, "measured": measured, "measured_steps": steps, "bad": bad, "styles": opt.session.parallel.report.styles, "sp": sp, "head": dict(opt.session.parallel.report.describe()).get("lm_head", ""),
            "head_output_held_at_loss": held_at_loss, "fused_calls": fused.fused if fused else 0, "unfused_calls": fused.unfused if fused else 0,
-           "checkpointed": [b for b, what in opt.session.parallel.report.describe() if what.startswith("recompute:")]}, run)
+           "checkpointed": [b for b, what in opt.session.parallel.report.describe() if what.startswith("recompute:")],
+           "budget": budget, "rewrites": list(opt.session.parallel.report.passes),
+           "resident": sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())}, run)
     return 0 if ok else 1
+
+
+def _between_peaks(model, layout: dict, rows: torch.Tensor) -> int:
+    """A budget the layout meets with recompute and not without (the planner's headroom kept)."""
+    from tailorfx.parallel import predict_rank_memory
+    from tailorfx.planner import HEADROOM
+    from tailorfx.setup import resolve
+    kw = dict(layout, seq_len=rows.shape[1], batch_size=rows.shape[0],
+              setup=resolve(None, param_dtype=torch.float32, optimizer=None))
+    peaks = [predict_rank_memory(model, passes=p, **kw).peak_bytes for p in ([], ["recompute"])]
+    return int(sum(peaks) / 2 / (1 - HEADROOM))
 
 
 if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[-untied][+SP][:loss_parallel][:nomem][:recompute][:vN] ...: one launch, several models

@@ -1,0 +1,73 @@
+"""optimize(budget=..., parallel=...): the single-device rewrites each rank's step takes, chosen so
+that the worst rank's predicted peak (memory.predict_rank_memory, on fake tensors) fits the budget,
+the plan that recomputes least first; BudgetError naming the smallest budget when none fits.
+
+    fit_rewrites(model, ParallelSpec(dp=2), Budget.parse("1GB"), seq_len=2048, batch_size=1, setup=s)
+        -> Fit(passes=("recompute",), memory=RankMemory(...), tried=(...))
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from tailorfx import planner
+from tailorfx.budget import Budget, format_bytes
+from tailorfx.errors import BudgetError
+from tailorfx.parallel.memory import RankMemory, predict_rank_memory
+from tailorfx.parallel.spec import SHARDED_PASSES, ParallelSpec
+from tailorfx.setup import TrainingSetup
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The rewrites chosen for a layout under a budget, the worst rank's memory with them, and
+    every (rewrites, memory) tried, in order."""
+    passes: tuple[str, ...]
+    memory: RankMemory
+    tried: tuple[tuple[tuple[str, ...], RankMemory], ...]
+
+    def describe(self) -> str:
+        tried = "; ".join(f"{list(p) or 'none'}: {format_bytes(m.peak_bytes)}" for p, m in self.tried)
+        return f"rewrites {list(self.passes) or 'none'} fit the budget per rank ({tried})"
+
+
+def candidates(spec: ParallelSpec, requested: Optional[Sequence[str]],
+               recompute_policy: Optional[str] = None) -> list[tuple[str, ...]]:
+    """The rewrites to try, least recompute first: the user's own list (as the layout takes it),
+    else the layout's default and then, under dp alone, each block recomputed (SHARDED_PASSES)."""
+    first = spec.rewrites(requested, recompute_policy)
+    if requested is not None:
+        return [first]
+    alone = spec.pp == 1 and spec.tp == 1 and not spec.sp
+    return [first] + ([tuple(SHARDED_PASSES)] if alone and tuple(SHARDED_PASSES) != first else [])
+
+
+def fit_rewrites(model, spec: ParallelSpec, budget: Budget, *, seq_len: int, batch_size: int,
+                 setup: TrainingSetup, requested: Optional[Sequence[str]] = None,
+                 recompute_policy: Optional[str] = None) -> Fit:
+    """The first candidate whose worst rank fits `budget` less the planner's headroom (and the
+    setup's allocator headroom); BudgetError with the smallest peak tried otherwise."""
+    usable = planner.usable(budget.bytes, setup.headroom)
+    tried = []
+    for passes in candidates(spec, requested, recompute_policy):
+        memory = predict_rank_memory(model, tp=spec.tp, dp=spec.dp, pp=spec.pp, sp=spec.sp, schedule=spec.schedule,
+                                     microbatches=spec.microbatches, seq_len=seq_len, batch_size=batch_size,
+                                     setup=setup, vocab_loss=spec.vocab_loss, passes=list(passes))
+        tried.append((passes, memory))
+        if memory.peak_bytes <= usable:
+            return Fit(passes, memory, tuple(tried))
+    passes, smallest = min(tried, key=lambda t: t[1].peak_bytes)
+    parts = {"parameters": smallest.param_bytes, "master weights": smallest.master_bytes,
+             "optimizer state": smallest.optimizer_bytes, "step (activations, gradients)":
+             smallest.peak_bytes - smallest.param_bytes - smallest.master_bytes - smallest.optimizer_bytes}
+    dominant = max(parts, key=parts.get)
+    suggested = math.ceil(smallest.peak_bytes / planner.usable(1, setup.headroom))
+    raise BudgetError(
+        f"budget {budget} cannot be met by parallel={spec} at {seq_len} tokens x {batch_size} rows per rank: "
+        f"the smallest per-rank peak of the rewrites it takes is {format_bytes(smallest.peak_bytes)} "
+        f"(rewrites {list(passes) or 'none'}, {smallest.rank} rank; "
+        + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items()) + f"), dominated by {dominant}. "
+        f"Use a budget of at least {format_bytes(suggested)} (that peak plus the planner's {planner.HEADROOM:.0%} "
+        f"headroom), more ranks (tailorfx plan --world N ranks the layouts), or a lighter TrainingSetup.",
+        smallest.peak_bytes, dominant, suggested)
