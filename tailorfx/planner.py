@@ -99,7 +99,7 @@ def choose(requested: Optional[Sequence[str]], regions: RegionMap, options: dict
     options = dict(options)
     if "attention" not in chosen and regions.of_kind("attention"):
         # the exact swap where an attention makes an S x S tensor (a mask SDPA reads, or explicit
-        # scores): less memory, and on CPU faster (Falcon, 2048 tokens: 0.38x eager's step time)
+        # scores): less memory, and on CPU faster (Falcon: docs/passes.md#attention)
         chosen.append("attention")
         options["attention_only_dense"] = True
     if options.get("recompute_policy") is not None:
