@@ -45,10 +45,11 @@ class ParallelSpec:
                              f"the sharded layers: norms, residual) or None")
         if self.sp == "megatron" and (self.tp < 2 or self.pp > 1):
             raise ValueError(f"parallel={self}: sp='megatron' splits the sequence over the tp ranks between the "
-                             f"sharded layers: give tp>=2, without pp (not combined yet)")
+                             f"sharded layers: give tp>=2, without pp (Megatron SP across pipeline stages is not "
+                             f"supported)")
         if self.sp == "ulysses" and (self.dp < 2 or self.tp * self.pp > 1):
             raise ValueError(f"parallel={self}: sp='ulysses' splits the sequence over the dp ranks: give dp>=2, "
-                             f"without tp/pp (not combined yet)")
+                             f"without tp/pp (Ulysses is supported over the dp ranks alone)")
         if self.vocab_loss not in ("fused", "loss_parallel"):
             raise ValueError(f"parallel={self}: vocab_loss={self.vocab_loss!r} is not valid: 'fused' (the "
                              f"vocab-parallel head's cross-entropy in row chunks, no logits-sized tensor kept) or "
