@@ -1,0 +1,246 @@
+"""One graph simulated by the memory model: its ops run in order in a Pool of live storages, as
+fx-generated code runs them (run_graph) or as Inductor's generated code does (run_schedule).
+
+Each op allocates its outputs (views and in-place ops alias their base), an opaque op adds the
+bytes it holds inside itself while it runs, and every storage is freed after its last use.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from tailorfx import compat
+from tailorfx.rewrite import match
+from tailorfx.rewrite.capture import node_value
+from tailorfx.rewrite.memory_estimate import Timeline
+from tailorfx.rewrite.optimizer_step import aliases_input
+from tailorfx.rewrite.trace import Sizer, graph_outputs
+from tailorfx.setup import TrainingSetup
+
+
+class Pool:
+    """Storages alive during the simulation, each with the set of values holding it.
+
+    The simulation calls `alloc` for each new storage, `hold`/`release` as holders take and drop
+    it (it is freed when the last one does), `mark` after each op (with the bytes the op holds
+    inside itself while it runs) and `forward_done` once a forward graph has returned. A
+    subclass may override these to observe the step (tailorfx/parallel/profile.py tags each storage
+    with the part of the model that made it); it must call the base methods. Holders: the fx
+    node whose value it is, `("saved", k, name)` (a forward output saved for backward k),
+    `("user", k)` (an output the caller holds), `("grad", k)`, `("tangent", k)`, "__out__" (a
+    graph's output on its way to the caller).
+    """
+
+    def __init__(self, timeline: Timeline):
+        self.bytes: dict[int, int] = {}
+        self.holders: dict[int, set] = {}
+        self.grad_sids: set[int] = set()
+        self.total = 0
+        self.grad_total = 0
+        self.next_id = 0
+        self.timeline = timeline
+
+    def alloc(self, nbytes: int, holder, grad: bool = False) -> int:
+        sid = self.next_id
+        self.next_id += 1
+        self.bytes[sid] = nbytes
+        self.holders[sid] = {holder}
+        self.total += nbytes
+        if grad:
+            self.grad_sids.add(sid)
+            self.grad_total += nbytes
+        return sid
+
+    def hold(self, sid: int, holder) -> None:
+        if sid in self.holders:
+            self.holders[sid].add(holder)
+
+    def release(self, sid: int, holder) -> None:
+        h = self.holders.get(sid)
+        if h is None:
+            return
+        h.discard(holder)
+        if not h:
+            nbytes = self.bytes.pop(sid)
+            self.total -= nbytes
+            del self.holders[sid]
+            if sid in self.grad_sids:
+                self.grad_sids.discard(sid)
+                self.grad_total -= nbytes
+
+    def mark(self, phase: str, node: str, extra: int = 0) -> None:
+        self.timeline.points.append((phase, node, self.total + extra))
+        self.timeline.grads.append(self.grad_total)
+
+    def forward_done(self, k: int) -> None:
+        """Forward graph `k` has returned: what it saved and what the caller holds are held, the
+        rest of its outputs freed."""
+
+
+def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup) -> int:
+    """Bytes an opaque tailorfx op allocates inside itself while it runs (its chunk buffers, or
+    one parameter's optimizer update in backward), or an ATen op whose kernel makes a temporary."""
+    t = node.target
+    if getattr(t, "__name__", "") == "grad_ready":
+        g = node_value(node.args[2])
+        return setup.update_temp_bytes(sizer(g) // g.element_size()) if isinstance(g, torch.Tensor) else 0
+    if t in (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default):
+        # CPU flash attention's per-thread score blocks, and in backward an fp32 q-sized gradient
+        # accumulator (measured, 40 to 16K tokens, 2-8 heads, D 16-128: backward = q's fp32 bytes
+        # + per_thread a thread, forward about 0.57 of the per-thread part)
+        if setup.device is not None:
+            return 0   # a GPU budget on CPU fake tensors: CUDA's flash scratch is setup.device's term
+        backward = t is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+        q = node_value(node.args[1] if backward else node.args[0])
+        if not isinstance(q, torch.Tensor):
+            return 0
+        S = sizer.as_int(q.shape[-2])
+        per_thread = min(1 << 20, S * (256 if S < 192 else 512 if S < 768 else 1024))
+        buffers = torch.get_num_threads() * per_thread
+        return sizer(q) * 4 // q.element_size() + buffers if backward else int(0.57 * buffers)
+    if t is torch.ops.aten.native_dropout_backward.default:
+        # CPU computes grad * mask * scale as two ops: an output-sized temporary (CUDA fuses them)
+        v = node_value(node)
+        return sizer(v) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else 0
+    name = compat.tailorfx_op_name(t)
+    if name is None:
+        return 0
+    from tailorfx.runtime import attention_kernels, ops
+    args = list(fx.node.map_arg(node.args, node_value))
+    # a GPU budget (setup.device: CUDA's costs) predicted on CPU fake tensors: the ops as CUDA runs them
+    return (ops.transient_bytes(name, args, sizer.as_int, cuda=setup.device is not None)
+            + attention_kernels.transient_bytes(name, args, sizer.as_int))
+
+
+def _replayed_value(n: fx.Node):
+    """The outputs of `run_with_rng_state(state, op, *args)` (the partitioner's replay of a random
+    op it recomputes in backward, recorded without a value), from the op on its fake inputs."""
+    args = fx.node.map_arg(n.args[2:], node_value)
+    kwargs = fx.node.map_arg(n.kwargs, node_value)
+    mode = compat.own_fake_mode(match.tensors_in((args, kwargs)))
+    if mode is None:
+        return None
+    with mode:
+        return n.args[1](*args, **kwargs)
+
+
+def run_graph(g: fx.GraphModule, pool: Pool, env: dict, sizer: Sizer, phase: str, setup: TrainingSetup,
+              grad_nodes: frozenset = frozenset(), inputs_held: Optional[Callable[[], None]] = None,
+              grads_consumed: bool = False) -> list:
+    """Simulate one graph. `env` maps placeholder names to storage-id lists (pre-existing values);
+    values of `grad_nodes` are counted as gradients; `inputs_held` runs once the graph holds its
+    inputs (each then lives until its last use in the graph, unless held elsewhere);
+    `grads_consumed`: each gradient is consumed as it is made (eager autograd adding it into an
+    accumulated .grad), not returned with the others."""
+    nodes = list(g.graph.nodes)
+    forward = phase.startswith("forward")
+    index = {n: i for i, n in enumerate(nodes)}
+    last = {n: max((index[u] for u in n.users), default=index[n]) for n in nodes}
+    out_node = nodes[-1]
+    held: dict[fx.Node, list[int]] = {}
+    for i, n in enumerate(nodes):
+        if n.op == "placeholder":
+            held[n] = list(env.get(n.name, []))
+            for sid in held[n]:
+                pool.hold(sid, n)
+            continue
+        if inputs_held is not None:
+            inputs_held()
+            inputs_held = None
+        if n.op == "output":
+            break
+        val = node_value(n)
+        if n.op == "call_function" and n.target.__name__ == "getitem" and isinstance(n.args[0], fx.Node):
+            parent = held.get(n.args[0], [])
+            k = n.args[1]
+            held[n] = [parent[k]] if isinstance(k, int) and k < len(parent) else list(parent)
+        elif aliases_input(n) or (forward and n.target is torch.ops.aten._unsafe_view.default):
+            # _unsafe_view (a linear's matmul reshaped back) returns a view, though its schema says
+            # a new tensor. Only the forward counts it so for now: counted as a view in the backward
+            # too, a tp x FSDP2 rank's prediction fell 2.3% under its measured peak
+            # (tests/test_parallel.py), from eager storages not identified yet
+            base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+            held[n] = list(held.get(base, [])) if base is not None else []
+        else:
+            if val is None and n.target is torch.ops.higher_order.run_with_rng_state:
+                val = _replayed_value(n)   # a recomputed SDPA: the partitioner gave it no value
+            vals = val if isinstance(val, (list, tuple)) else [val]
+            # an op returning several values (a custom op's gradients): each counts as a gradient
+            # when the getitem taking it out is one
+            picked = {u.args[1] for u in n.users if u in grad_nodes and u.op == "call_function"
+                      and u.target.__name__ == "getitem"}
+            held[n] = [pool.alloc(sizer(v), n, n in grad_nodes or k in picked) if isinstance(v, torch.Tensor) else -1
+                       for k, v in enumerate(vals)]
+            held[n] = [s for s in held[n] if s >= 0] if not isinstance(val, (list, tuple)) else held[n]
+        for sid in held[n]:
+            pool.hold(sid, n)
+        pool.mark(phase, n.name, _op_transient(n, sizer, setup))
+        for a in set(n.all_input_nodes) | {n}:
+            if last[a] <= i and (a not in out_node.all_input_nodes or (grads_consumed and a in grad_nodes)):
+                for sid in held.get(a, []):
+                    pool.release(sid, a)
+    outs = []
+    for o in graph_outputs(g):
+        outs.append(list(held.get(o, [])) if isinstance(o, fx.Node) else [])
+        for sid in outs[-1]:
+            pool.hold(sid, "__out__")
+    # the graph's frame is gone: values survive only through what it returned
+    for n, sids in held.items():
+        for sid in sids:
+            pool.release(sid, n)
+    return outs
+
+
+def run_schedule(g: fx.GraphModule, sched, pool: Pool, env: dict, sizer: Sizer, phase: str,
+                 setup: TrainingSetup, grads: bool = False, dropped: Optional[Callable[[str], None]] = None) -> list:
+    """Simulate one graph as Inductor's generated code runs it (rewrite/inductor_schedule.py): its
+    kernel calls in order, with what the code allocates before each and frees after. `env` as for
+    run_graph; `dropped(name)` runs when the generated code drops its reference to that input
+    (what else holds it decides whether it is freed); `grads`: the outputs are gradients."""
+    inputs = placeholders(g)
+    for n in inputs:
+        for sid in env.get(n.name, []):
+            pool.hold(sid, ("input", phase, n.name))
+
+    def drop(i: int) -> None:
+        for sid in env.get(inputs[i].name, []):
+            pool.release(sid, ("input", phase, inputs[i].name))
+        if dropped is not None:
+            dropped(inputs[i].name)
+    for t, name in enumerate(sched.names):
+        for i in sched.inputs_reused[t]:   # its storage becomes this kernel's output
+            drop(i)
+        pool.total += sizer.bytes(sched.allocs[t])
+        pool.mark(phase, name, max((_op_transient(o, sizer, setup) for o in sched.origins[t]), default=0))
+        pool.total -= sizer.bytes(sched.frees[t])
+        for i in sched.inputs_done[t]:
+            drop(i)
+    outs, made = [], {}
+    for o, key in zip(sched.outputs, sched.output_keys):
+        if o is None:
+            outs.append([])
+        elif o[0] == "input":
+            outs.append(list(env.get(inputs[o[1]].name, [])))
+        else:   # a buffer the graph made leaves it as a storage the caller holds
+            if key not in made:
+                nbytes = sizer.bytes(o[1])
+                pool.total -= nbytes
+                made[key] = pool.alloc(nbytes, "__made__", grad=grads)
+            outs.append([made[key]])
+    for sids in outs:
+        for sid in sids:
+            pool.hold(sid, "__out__")
+    for sid in made.values():
+        pool.release(sid, "__made__")
+    for n in inputs:
+        for sid in env.get(n.name, []):
+            pool.release(sid, ("input", phase, n.name))
+    return outs
+
+
+def placeholders(g: fx.GraphModule) -> list[fx.Node]:
+    """The graph's inputs, in order."""
+    return [n for n in g.graph.nodes if n.op == "placeholder"]
