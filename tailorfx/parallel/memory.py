@@ -97,11 +97,11 @@ from tailorfx.errors import PredictionError
 from tailorfx.options import positive_int
 from tailorfx.parallel.compose import fsdp_peak, pipeline_walk, shard_bytes, shard_shapes, stage_io, stage_profiles, tp_peak
 from tailorfx.parallel.plan import head_style
-from tailorfx.parallel.profile import profile
+from tailorfx.parallel.profile import Point, profile
 from tailorfx.parallel.shard import VocabHead
 from tailorfx.parallel.spec import ParallelSpec, describe_layout
 from tailorfx.parallel.stages import block_costs, stage_blocks
-from tailorfx.parallel.trace import capture_rank, param_dtype
+from tailorfx.parallel.trace import RankCapture, capture_rank, param_dtype
 from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import seq_info
 from tailorfx.setup import TrainingSetup
@@ -213,84 +213,121 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
                         vocab_loss=vocab_loss)
     positive_int("seq_len", seq_len, allow_none=False)
     positive_int("batch_size", batch_size, allow_none=False)
-    m, v = spec.microbatches, spec.virtual
     s = resolve_setup(setup, param_dtype=param_dtype(model_or_config))
     ulysses = sp == "ulysses"
     if ulysses and seq_len % dp:
         raise ValueError(f"sp='ulysses' over dp={dp} ranks needs a sequence length divisible by {dp}, got {seq_len}")
-    seq = seq_len // dp if ulysses else seq_len
-    cap = capture_rank(model_or_config, tp=tp, rows=batch_size, seq=seq, dtype=s.param_dtype, head=head_style(spec),
-                       vocab_loss=vocab_loss, mesh=_mesh, passes=spec.rewrites(passes), graph=_graph)
+    cap = capture_rank(model_or_config, tp=tp, rows=batch_size, seq=seq_len // dp if ulysses else seq_len,
+                       dtype=s.param_dtype, head=head_style(spec), vocab_loss=vocab_loss, mesh=_mesh,
+                       passes=spec.rewrites(passes), graph=_graph)
     points = profile(cap, s)
+    _check_blocks_attributed(cap, spec)
+    if pp > 1:
+        worst = _pipeline_worst(cap, spec, s, rank)
+    elif dp > 1:
+        worst = _fsdp_worst(cap, points, dp, ulysses)
+    else:
+        worst = _tp_worst(cap, points)
+    peak, master, state, grads_held, step_parts = _rank_total(s, worst.numels, worst.param_bytes, worst.fb_peak,
+                                                              worst.parts, worst.comm_resident)
+    return RankMemory(tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule if pp > 1 else "",
+                      microbatches=spec.microbatches if pp > 1 else 1, seq_len=seq_len, batch_size=batch_size,
+                      setup=s, rank=worst.label, peak_bytes=peak, param_bytes=worst.param_bytes, master_bytes=master,
+                      optimizer_bytes=state, resident_comm_bytes=worst.comm_resident,
+                      forward_backward_peak_bytes=worst.fb_peak, at_peak=step_parts, grad_bytes=grads_held,
+                      stages=worst.stages, bubble=worst.bubble, notes=worst.notes,
+                      pipeline_ranks=worst.pipeline_ranks)
+
+
+@dataclass(frozen=True)
+class _WorstRank:
+    """The rank a layout's prediction is of: what it holds and its peak above resident in forward
+    and backward (`parts`: that peak by part), with the pipeline's figures under pp."""
+    label: str
+    fb_peak: int
+    parts: dict
+    numels: list[int]                 # elements of each parameter (shard) it holds
+    param_bytes: int
+    comm_resident: int = 0            # pipeline receive buffers
+    stages: tuple[StageMemory, ...] = ()
+    pipeline_ranks: tuple[tuple[int, int, int], ...] = ()
+    bubble: float = 0.0
+    notes: tuple[str, ...] = ()
+
+
+def _check_blocks_attributed(cap: RankCapture, spec: ParallelSpec) -> None:
+    """dp and pp compose per repeated block: some traced op must belong to one."""
     L = len(cap.blocks)
-    notes = []
-    if (dp > 1 or pp > 1) and not any(1 <= g <= L for g in cap.fw_group.values()):
+    if (spec.dp > 1 or spec.pp > 1) and not any(1 <= g <= L for g in cap.fw_group.values()):
         raise PredictionError("cannot predict dp/pp per rank: no op of the traced step could be attributed to a "
                               "repeated block (FSDP's units, pipeline stages)" + ("" if L else
                               ": the graph has no repeated blocks"))
-    shapes = [sh for g in range(L + 2) for sh in cap.params[g]]
-    stages: tuple = ()
-    pipeline_ranks: tuple = ()
-    bubble = 0.0
-    comm_resident = 0
-    rank_label = "every rank"
-    if pp > 1:
-        blocks_of = stage_blocks(cap.stage_costs or block_costs(cap.gm, cap.regions), spec.num_stages)
-        profs = stage_profiles(cap, profile(cap, s, keep_outputs=False), blocks_of, s)
-        sched = build_schedule(schedule, pp, m, v)
-        sim = simulate_schedule(schedule, pp, m, v)
-        bubble = float(sim.bubble)
-        io = stage_io(cap, blocks_of)
-        fsdp = {}
-        if dp > 1:      # each stage one FSDP2 unit over the dp ranks (runtime.apply_fsdp_stages)
-            ratio = s.grads.itemsize / s.param_dtype.itemsize
-            for k, st in enumerate(profs):
-                shard, padded = shard_bytes([sh for g in st.groups for sh in cap.params[g]], dp)
-                fsdp[k] = (padded, int(padded * ratio), int(shard * ratio))
-        per_rank = []
-        for r in range(pp):
-            mine = list(range(r, pp * v, pp))
-            peak, parts = pipeline_walk(profs, io, sched, r, fsdp)
-            local = [sh for k in mine for g in profs[k].groups for sh in cap.params[g]]
-            if dp > 1:
-                local = shard_shapes(local, dp)
-            recv = m * sum(io[k][0] + io[k][1] for k in mine)
-            numels = [math.prod(x) for x, _ in local]
-            total = _rank_total(s, numels, sum(math.prod(x) * b for x, b in local), peak, parts, recv)
-            per_rank.append((total, r, peak, parts, local, recv))
-        stages = tuple(StageMemory(stage=k, rank=k % pp, blocks=tuple(blocks_of[k]),
-                                   param_bytes=shard_bytes([sh for g in profs[k].groups for sh in cap.params[g]], dp)[0],
-                                   kept_bytes=profs[k].kept, peak_inflight=sim.peak_inflight[k],
-                                   recv_buffer_bytes=m * (io[k][0] + io[k][1]))
-                       for k in range(pp * v))
-        pipeline_ranks = tuple((t[0][0], t[2], sum(math.prod(x) * b for x, b in t[4])) for t in per_rank)
-        if rank is not None and not 0 <= rank < pp:
-            raise ValueError(f"rank={rank} is not a pipeline rank of pp={pp}")
-        pick = per_rank[rank] if rank is not None else max(per_rank, key=lambda t: (t[0][0], -t[1]))
-        _, worst, fb_peak, parts, local, comm_resident = pick
-        rank_label = f"pipeline rank {worst} (stages {list(range(worst, pp * v, pp))})"
-        numels = [math.prod(x) for x, _ in local]
-        param_bytes = sum(math.prod(x) * b for x, b in local)
-    elif dp > 1:
-        attn = cap.attn_bytes if ulysses else 0
-        if ulysses and not attn:
-            notes.append("no scaled_dot_product_attention in the graph: Ulysses' all-to-all buffers not counted")
-        fb_peak, parts = fsdp_peak(cap, points, dp, attn)
-        sharded = shard_shapes(shapes, dp)
-        numels = [math.prod(x) for x, _ in sharded]
-        param_bytes = sum(math.prod(x) * b for x, b in sharded)
-        rank_label = "FSDP rank 0 (the largest shards)"
-    else:
-        fb_peak, parts = tp_peak(points)
-        numels = [math.prod(x) for x, _ in shapes]
-        param_bytes = sum(math.prod(x) * b for x, b in shapes)
-    peak, master, state, grads_held, step_parts = _rank_total(s, numels, param_bytes, fb_peak, parts, comm_resident)
-    return RankMemory(tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule if pp > 1 else "", microbatches=m if pp > 1 else 1,
-                      seq_len=seq_len, batch_size=batch_size, setup=s, rank=rank_label, peak_bytes=peak,
-                      param_bytes=param_bytes, master_bytes=master, optimizer_bytes=state,
-                      resident_comm_bytes=comm_resident, forward_backward_peak_bytes=fb_peak, at_peak=step_parts,
-                      grad_bytes=grads_held, stages=stages, bubble=bubble, notes=tuple(notes),
-                      pipeline_ranks=pipeline_ranks)
+
+
+def _held(shapes: list) -> tuple[list[int], int]:
+    """(elements of each, total bytes) of parameters given as (shape, itemsize)."""
+    return [math.prod(x) for x, _ in shapes], sum(math.prod(x) * b for x, b in shapes)
+
+
+def _all_shapes(cap: RankCapture) -> list:
+    """Every parameter of the rank's model, group by group."""
+    return [sh for g in range(len(cap.blocks) + 2) for sh in cap.params[g]]
+
+
+def _tp_worst(cap: RankCapture, points: list[Point]) -> _WorstRank:
+    """tp (and sp="megatron"): every rank holds the same, the simulation as it is."""
+    fb_peak, parts = tp_peak(points)
+    return _WorstRank("every rank", fb_peak, parts, *_held(_all_shapes(cap)))
+
+
+def _fsdp_worst(cap: RankCapture, points: list[Point], dp: int, ulysses: bool) -> _WorstRank:
+    """dp (FSDP2; with sp="ulysses", its all-to-all buffers too): rank 0, the largest shards."""
+    attn = cap.attn_bytes if ulysses else 0
+    notes = (("no scaled_dot_product_attention in the graph: Ulysses' all-to-all buffers not counted",)
+             if ulysses and not attn else ())
+    fb_peak, parts = fsdp_peak(cap, points, dp, attn)
+    return _WorstRank("FSDP rank 0 (the largest shards)", fb_peak, parts, *_held(shard_shapes(_all_shapes(cap), dp)),
+                      notes=notes)
+
+
+def _pipeline_worst(cap: RankCapture, spec: ParallelSpec, s: TrainingSetup, rank: Optional[int]) -> _WorstRank:
+    """pp (with dp, each stage sharded over the dp ranks): each pipeline rank's walk of the
+    schedule over its stages; the worst rank's figures, or `rank`'s, with every stage's."""
+    pp, dp, m, v = spec.pp, spec.dp, spec.microbatches, spec.virtual
+    blocks_of = stage_blocks(cap.stage_costs or block_costs(cap.gm, cap.regions), spec.num_stages)
+    profs = stage_profiles(cap, profile(cap, s, keep_outputs=False), blocks_of, s)
+    sched = build_schedule(spec.schedule, pp, m, v)
+    sim = simulate_schedule(spec.schedule, pp, m, v)
+    io = stage_io(cap, blocks_of)
+    fsdp = {}
+    if dp > 1:      # each stage one FSDP2 unit over the dp ranks (runtime.apply_fsdp_stages)
+        ratio = s.grads.itemsize / s.param_dtype.itemsize
+        for k, st in enumerate(profs):
+            shard, padded = shard_bytes([sh for g in st.groups for sh in cap.params[g]], dp)
+            fsdp[k] = (padded, int(padded * ratio), int(shard * ratio))
+    per_rank = []
+    for r in range(pp):
+        mine = list(range(r, pp * v, pp))
+        peak, parts = pipeline_walk(profs, io, sched, r, fsdp)
+        local = [sh for k in mine for g in profs[k].groups for sh in cap.params[g]]
+        if dp > 1:
+            local = shard_shapes(local, dp)
+        recv = m * sum(io[k][0] + io[k][1] for k in mine)
+        total = _rank_total(s, *_held(local), peak, parts, recv)
+        per_rank.append((total, r, peak, parts, local, recv))
+    stages = tuple(StageMemory(stage=k, rank=k % pp, blocks=tuple(blocks_of[k]),
+                               param_bytes=shard_bytes([sh for g in profs[k].groups for sh in cap.params[g]], dp)[0],
+                               kept_bytes=profs[k].kept, peak_inflight=sim.peak_inflight[k],
+                               recv_buffer_bytes=m * (io[k][0] + io[k][1]))
+                   for k in range(pp * v))
+    if rank is not None and not 0 <= rank < pp:
+        raise ValueError(f"rank={rank} is not a pipeline rank of pp={pp}")
+    pick = per_rank[rank] if rank is not None else max(per_rank, key=lambda t: (t[0][0], -t[1]))
+    _, worst, fb_peak, parts, local, comm_resident = pick
+    return _WorstRank(f"pipeline rank {worst} (stages {list(range(worst, pp * v, pp))})", fb_peak, parts,
+                      *_held(local), comm_resident=comm_resident, stages=stages,
+                      pipeline_ranks=tuple((t[0][0], t[2], _held(t[4])[1]) for t in per_rank),
+                      bubble=float(sim.bubble))
 
 
 def _rank_total(s: TrainingSetup, numels: list[int], param_bytes: int, fb_peak: int, parts: dict,
