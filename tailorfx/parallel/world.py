@@ -9,13 +9,16 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
+import torch
+
 from tailorfx import planner
 from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError
 from tailorfx.options import positive_int
 from tailorfx.parallel.memory import RankMemory, predict_rank_memory
 from tailorfx.parallel.spec import describe_layout
-from tailorfx.parallel.trace import capture_rank, param_dtype, read_tp_plan
+from tailorfx.parallel.trace import RankCapture, capture_rank, param_dtype, read_tp_plan
+from tailorfx.setup import TrainingSetup
 from tailorfx.setup import resolve as resolve_setup
 
 MAX_TP = 8          # one node: tensor parallel's all-reduces stay on NVLink
@@ -89,68 +92,81 @@ def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budg
     s = resolve_setup(setup, param_dtype=param_dtype(model_or_config))
     usable = planner.usable(b.bytes, s.headroom)
     base = capture_rank(model_or_config, tp=1, rows=batch_size, seq=seq_len, head="vocab", dtype=s.param_dtype)
-    blocks = len(base.blocks)
     out: list[WorldCandidate] = []
+    for tp, pp, dp, sp in _layouts(world):
+        why = _unavailable(model_or_config, tp, pp, dp, sp, base=base, dtype=s.param_dtype, seq_len=seq_len,
+                           max_tp=max_tp)
+        if why is not None:
+            out.append(WorldCandidate(tp, pp, dp, sp, "not available", why))
+            continue
+        try:
+            rm = predict_rank_memory(model_or_config, tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule,
+                                     microbatches=microbatches or (pp if pp > 1 else None), seq_len=seq_len,
+                                     batch_size=batch_size, setup=s)
+        except ValueError as e:
+            out.append(WorldCandidate(tp, pp, dp, sp, "not available", str(e).splitlines()[0]))
+            continue
+        fits = rm.peak_bytes <= usable
+        over = "" if fits else f"{format_bytes(rm.peak_bytes)} > {format_bytes(usable)} usable"
+        out.append(WorldCandidate(tp, pp, dp, sp, "fits" if fits else "over budget", over, rm))
+    fitting = sorted((c for c in out if c.status == "fits"), key=preference)
+    over = sorted((c for c in out if c.status == "over budget"), key=lambda c: c.peak_bytes)
+    rest = [c for c in out if c.status == "not available"]
+    if not fitting:
+        raise _none_fits(world, b, s, over, rest)
+    fitting[0] = replace(fitting[0], chosen=True)
+    return fitting + over + rest
 
-    def unavailable(tp, pp, dp, sp, why):
-        out.append(WorldCandidate(tp, pp, dp, sp, "not available", why))
 
+def _layouts(world: int):
+    """Every (tp, pp, dp, sp) of `world` ranks plan_world considers, in the order it lists them."""
     for tp in _divisors(world):
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
             layouts = (["megatron"] if tp >= 2 and pp == 1 else []) + [None] + (
                 ["ulysses"] if dp >= 2 and tp == pp == 1 else [])
             for sp in layouts:
-                if tp > max_tp:
-                    unavailable(tp, pp, dp, sp, f"tp={tp} spans more than one node (tp <= {max_tp})")
-                    continue
-                if tp > 1:
-                    try:
-                        read_tp_plan(model_or_config, s.param_dtype).check(tp)
-                    except ValueError as e:
-                        unavailable(tp, pp, dp, sp, str(e).split(" (read")[0])
-                        continue
-                if pp > blocks:
-                    unavailable(tp, pp, dp, sp, f"{blocks} blocks cannot make {pp} pipeline stages")
-                    continue
-                if sp == "megatron" and read_tp_plan(model_or_config, s.param_dtype).sequence_error:
-                    unavailable(tp, pp, dp, sp, read_tp_plan(model_or_config, s.param_dtype).sequence_error)
-                    continue
-                if sp == "ulysses":
-                    bad = [(h, what) for h, what in zip(base.heads, ("query", "key/value")) if h and h % dp]
-                    if bad or seq_len % dp:
-                        why = (f"Ulysses over {dp} ranks must divide the {bad[-1][0]} {bad[-1][1]} heads" if bad else
-                               f"Ulysses over {dp} ranks must divide the sequence ({seq_len})")
-                        unavailable(tp, pp, dp, sp, why)
-                        continue
-                try:
-                    rm = predict_rank_memory(model_or_config, tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule,
-                                             microbatches=microbatches or (pp if pp > 1 else None), seq_len=seq_len,
-                                             batch_size=batch_size, setup=s)
-                except ValueError as e:
-                    unavailable(tp, pp, dp, sp, str(e).splitlines()[0])
-                    continue
-                fits = rm.peak_bytes <= usable
-                over = "" if fits else f"{format_bytes(rm.peak_bytes)} > {format_bytes(usable)} usable"
-                out.append(WorldCandidate(tp, pp, dp, sp, "fits" if fits else "over budget", over, rm))
-    fitting = sorted((c for c in out if c.status == "fits"), key=preference)
-    over = sorted((c for c in out if c.status == "over budget"), key=lambda c: c.peak_bytes)
-    rest = [c for c in out if c.status == "not available"]
-    if not fitting:
-        if not over:
-            raise ValueError(f"no layout of {world} ranks is available: " + "; ".join(
-                f"{c.layout()}: {c.reason}" for c in rest[:4]))
-        best = over[0]
-        parts = best.memory.breakdown()
-        dominant = max(parts, key=parts.get)
-        suggested = math.ceil(best.peak_bytes / planner.usable(1, s.headroom))
-        err = BudgetError(
-            f"budget {b} cannot be met on {world} ranks: the smallest per-rank peak any layout reaches is "
-            f"{format_bytes(best.peak_bytes)} ({best.layout()}: " + ", ".join(
-                f"{k} {format_bytes(v)}" for k, v in parts.items() if v) + f"), dominated by {dominant}. Use a "
-            f"budget of at least {format_bytes(suggested)}, more ranks, a shorter sequence, or a lighter setup "
-            f"({s.describe()})", best.peak_bytes, dominant, suggested)
-        err.candidates = over + rest
-        raise err
-    fitting[0] = replace(fitting[0], chosen=True)
-    return fitting + over + rest
+                yield tp, pp, dp, sp
+
+
+def _unavailable(model_or_config: Any, tp: int, pp: int, dp: int, sp: Optional[str], *, base: RankCapture,
+                 dtype: torch.dtype, seq_len: int, max_tp: int) -> Optional[str]:
+    """Why the runtime cannot run this layout of the model (`base`: its capture at tp=1), or None."""
+    if tp > max_tp:
+        return f"tp={tp} spans more than one node (tp <= {max_tp})"
+    if tp > 1:
+        try:
+            read_tp_plan(model_or_config, dtype).check(tp)
+        except ValueError as e:
+            return str(e).split(" (read")[0]
+    if pp > len(base.blocks):
+        return f"{len(base.blocks)} blocks cannot make {pp} pipeline stages"
+    if sp == "megatron" and read_tp_plan(model_or_config, dtype).sequence_error:
+        return read_tp_plan(model_or_config, dtype).sequence_error
+    if sp == "ulysses":
+        bad = [(h, what) for h, what in zip(base.heads, ("query", "key/value")) if h and h % dp]
+        if bad or seq_len % dp:
+            return (f"Ulysses over {dp} ranks must divide the {bad[-1][0]} {bad[-1][1]} heads" if bad else
+                    f"Ulysses over {dp} ranks must divide the sequence ({seq_len})")
+    return None
+
+
+def _none_fits(world: int, b: Budget, s: TrainingSetup, over: list[WorldCandidate],
+               rest: list[WorldCandidate]) -> Exception:
+    """The error when no layout fits: ValueError if none is available, else a BudgetError naming
+    the smallest peak any layout reaches and a budget that would hold it."""
+    if not over:
+        return ValueError(f"no layout of {world} ranks is available: " + "; ".join(
+            f"{c.layout()}: {c.reason}" for c in rest[:4]))
+    best = over[0]
+    parts = best.memory.breakdown()
+    dominant = max(parts, key=parts.get)
+    suggested = math.ceil(best.peak_bytes / planner.usable(1, s.headroom))
+    err = BudgetError(
+        f"budget {b} cannot be met on {world} ranks: the smallest per-rank peak any layout reaches is "
+        f"{format_bytes(best.peak_bytes)} ({best.layout()}: " + ", ".join(
+            f"{k} {format_bytes(v)}" for k, v in parts.items() if v) + f"), dominated by {dominant}. Use a "
+        f"budget of at least {format_bytes(suggested)}, more ranks, a shorter sequence, or a lighter setup "
+        f"({s.describe()})", best.peak_bytes, dominant, suggested)
+    err.candidates = over + rest
+    return err
