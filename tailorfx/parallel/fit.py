@@ -58,16 +58,14 @@ def fit_rewrites(model, spec: ParallelSpec, budget: Budget, *, seq_len: int, bat
         if memory.peak_bytes <= usable:
             return Fit(passes, memory, tuple(tried))
     passes, smallest = min(tried, key=lambda t: t[1].peak_bytes)
-    parts = {"parameters": smallest.param_bytes, "master weights": smallest.master_bytes,
-             "optimizer state": smallest.optimizer_bytes, "step (activations, gradients)":
-             smallest.peak_bytes - smallest.param_bytes - smallest.master_bytes - smallest.optimizer_bytes}
+    parts = smallest.breakdown()
     dominant = max(parts, key=parts.get)
     suggested = math.ceil(smallest.peak_bytes / planner.usable(1, setup.headroom))
     raise BudgetError(
         f"budget {budget} cannot be met by parallel={spec} at {seq_len} tokens x {batch_size} rows per rank: "
         f"the smallest per-rank peak of the rewrites it takes is {format_bytes(smallest.peak_bytes)} "
-        f"(rewrites {list(passes) or 'none'}, {smallest.rank} rank; "
-        + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items()) + f"), dominated by {dominant}. "
+        f"(rewrites {list(passes) or 'none'}, worst rank: {smallest.rank}; "
+        + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v) + f"), dominated by {dominant}. "
         f"Use a budget of at least {format_bytes(suggested)} (that peak plus the planner's {planner.HEADROOM:.0%} "
         f"headroom), more ranks (tailorfx plan --world N ranks the layouts), or a lighter TrainingSetup.",
         smallest.peak_bytes, dominant, suggested)
