@@ -357,9 +357,9 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     microbatches=4` cuts its step graph into pipeline stages (train with `opt.step(**batch)`);
     `sp="ulysses"` splits sequences over the dp ranks (`parallel=`: a dict of
     tailorfx.parallel.ParallelSpec's fields, or a ParallelSpec); with `budget=`, the rewrites each
-    rank takes are chosen so its predicted peak fits (least recompute first), else BudgetError. `kernels="triton"` runs norms,
-    gated activations, attention and the fused LM head as the runtime's Triton kernels
-    (`opt.kernels()` lists them). `opt.report()` lists what went where.
+    rank takes are chosen so its predicted peak fits (least recompute first), else BudgetError.
+    `kernels="triton"` runs norms, gated activations, attention and the fused LM head as the
+    runtime's Triton kernels (`opt.kernels()` lists them). `opt.report()` lists what went where.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
