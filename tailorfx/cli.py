@@ -166,13 +166,15 @@ def _print_candidates(cands) -> None:
     from tailorfx.budget import format_bytes
     if not cands:
         return
-    print(f"{'':2}{'layout':<22} {'tp':>3} {'pp':>4} {'dp':>5} {'sp':>8} {'peak/rank':>12} {'bubble':>7}  status")
+    print(f"{'':2}{'layout':<22} {'tp':>3} {'pp':>4} {'dp':>5} {'sp':>8} {'rewrites':>12} {'peak/rank':>12} "
+          f"{'bubble':>7}  status")
     for c in cands:
         peak = format_bytes(c.peak_bytes) if c.peak_bytes is not None else "-"
         bubble = f"{c.bubble:.0%}" if c.memory is not None and c.pp > 1 else "-"
         status = ("chosen: fits" if c.chosen else c.status) + (f" ({c.reason})" if c.reason else "")
-        print(f"{'*' if c.chosen else ' ':2}{c.layout():<22} {c.tp:>3} {c.pp:>4} {c.dp:>5} {c.sp or '-':>8} {peak:>12} "
-              f"{bubble:>7}  {status}")
+        rewrites = "+".join(c.passes) or "-"
+        print(f"{'*' if c.chosen else ' ':2}{c.layout():<22} {c.tp:>3} {c.pp:>4} {c.dp:>5} {c.sp or '-':>8} "
+              f"{rewrites:>12} {peak:>12} {bubble:>7}  {status}")
 
 
 # ---- train -------------------------------------------------------------------------------------

@@ -170,6 +170,21 @@ def test_plan_world_chooses_the_preferred_layout_that_fits():
     assert preference(by["tp2xdp4 (sp=megatron)"]) < preference(by["tp2xdp4"])
 
 
+def test_plan_world_recomputes_a_dp_layout_only_where_that_is_what_fits():
+    """Each layout with the rewrites it takes (parallel.fit): dp=2 alone fits a budget between its
+    peaks without and with recompute only by recomputing, and is chosen so (the preferred layout)."""
+    none, rc = predict(dp=2), predict(dp=2, passes=["recompute"])
+    between = int((none.peak_bytes + rc.peak_bytes) / 2 / (1 - planner.HEADROOM))
+    roomy = by_layout(plan_world(CFG, world=2, budget=int(none.peak_bytes / (1 - planner.HEADROOM)) + 1,
+                                 seq_len=SEQ, batch_size=2, setup="fp32"))
+    assert roomy["dp2"].status == "fits" and roomy["dp2"].passes == () and roomy["dp2"].chosen
+    cands = plan_world(CFG, world=2, budget=between, seq_len=SEQ, batch_size=2, setup="fp32")
+    dp2 = by_layout(cands)["dp2"]
+    assert dp2.chosen and dp2.passes == ("recompute",) and dp2.peak_bytes == rc.peak_bytes
+    assert by_layout(cands)["pp2"].passes == ("minisequence",)     # a pipeline's own rewrites
+    assert "dp2 + recompute: fits" in str(dp2)
+
+
 def test_an_impossible_budget_names_the_smallest_reachable_peak():
     with pytest.raises(BudgetError) as e:
         plan_world(CFG, world=8, budget="64KiB", seq_len=SEQ, setup="fp32")

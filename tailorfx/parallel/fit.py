@@ -26,6 +26,7 @@ class Fit:
     passes: tuple[str, ...]
     memory: RankMemory
     tried: tuple[tuple[tuple[str, ...], RankMemory], ...]
+    fits: bool = True                  # False: none fit; `passes` and `memory` are the smallest tried
 
     def describe(self) -> str:
         tried = "; ".join(f"{list(p) or 'none'}: {format_bytes(m.peak_bytes)}" for p, m in self.tried)
@@ -43,12 +44,11 @@ def candidates(spec: ParallelSpec, requested: Optional[Sequence[str]],
     return [first] + ([tuple(SHARDED_PASSES)] if alone and tuple(SHARDED_PASSES) != first else [])
 
 
-def fit_rewrites(model, spec: ParallelSpec, budget: Budget, *, seq_len: int, batch_size: int,
+def try_rewrites(model, spec: ParallelSpec, usable: float, *, seq_len: int, batch_size: int,
                  setup: TrainingSetup, requested: Optional[Sequence[str]] = None,
                  recompute_policy: Optional[str] = None) -> Fit:
-    """The first candidate whose worst rank fits `budget` less the planner's headroom (and the
-    setup's allocator headroom); BudgetError with the smallest peak tried otherwise."""
-    usable = planner.usable(budget.bytes, setup.headroom)
+    """The first candidate whose worst rank peaks within `usable` bytes, else the smallest tried
+    (`fits` False)."""
     tried = []
     for passes in candidates(spec, requested, recompute_policy):
         memory = predict_rank_memory(model, tp=spec.tp, dp=spec.dp, pp=spec.pp, sp=spec.sp, schedule=spec.schedule,
@@ -58,6 +58,19 @@ def fit_rewrites(model, spec: ParallelSpec, budget: Budget, *, seq_len: int, bat
         if memory.peak_bytes <= usable:
             return Fit(passes, memory, tuple(tried))
     passes, smallest = min(tried, key=lambda t: t[1].peak_bytes)
+    return Fit(passes, smallest, tuple(tried), fits=False)
+
+
+def fit_rewrites(model, spec: ParallelSpec, budget: Budget, *, seq_len: int, batch_size: int,
+                 setup: TrainingSetup, requested: Optional[Sequence[str]] = None,
+                 recompute_policy: Optional[str] = None) -> Fit:
+    """try_rewrites against `budget` less the planner's headroom (and the setup's allocator
+    headroom); BudgetError with the smallest peak tried when none fits."""
+    fit = try_rewrites(model, spec, planner.usable(budget.bytes, setup.headroom), seq_len=seq_len,
+                       batch_size=batch_size, setup=setup, requested=requested, recompute_policy=recompute_policy)
+    if fit.fits:
+        return fit
+    passes, smallest = fit.passes, fit.memory
     parts = smallest.breakdown()
     dominant = max(parts, key=parts.get)
     suggested = math.ceil(smallest.peak_bytes / planner.usable(1, setup.headroom))

@@ -1,5 +1,5 @@
 """The layout a world of devices should use under a budget: every (tp, pp, dp, sp) of `world` ranks
-predicted per rank (memory.predict_rank_memory), the preferred one that fits first.
+predicted per rank with the rewrites it takes (fit.try_rewrites), the preferred one that fits first.
 
     plan_world(config, world=64, budget="80GB", seq_len=8192)[0]   -> the chosen WorldCandidate
 """
@@ -15,8 +15,9 @@ from tailorfx import planner
 from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError
 from tailorfx.options import positive_int
-from tailorfx.parallel.memory import RankMemory, predict_rank_memory
-from tailorfx.parallel.spec import describe_layout
+from tailorfx.parallel.fit import try_rewrites
+from tailorfx.parallel.memory import RankMemory
+from tailorfx.parallel.spec import ParallelSpec, describe_layout
 from tailorfx.parallel.trace import RankCapture, capture_rank, param_dtype, read_tp_plan
 from tailorfx.setup import TrainingSetup
 from tailorfx.setup import resolve as resolve_setup
@@ -35,6 +36,7 @@ class WorldCandidate:
     reason: str = ""
     memory: Optional[RankMemory] = None
     chosen: bool = False
+    passes: tuple[str, ...] = ()       # the single-device rewrites its ranks take (parallel.fit)
 
     @property
     def peak_bytes(self) -> Optional[int]:
@@ -49,7 +51,8 @@ class WorldCandidate:
 
     def __str__(self) -> str:
         peak = format_bytes(self.peak_bytes) if self.peak_bytes is not None else "-"
-        return f"{self.layout()}: {self.status}, {peak} per rank" + (f" ({self.reason})" if self.reason else "")
+        rewrites = f" + {'+'.join(self.passes)}" if self.passes else ""
+        return f"{self.layout()}{rewrites}: {self.status}, {peak} per rank" + (f" ({self.reason})" if self.reason else "")
 
 
 def preference(c: WorldCandidate) -> tuple:
@@ -70,8 +73,9 @@ def _divisors(n: int) -> list[int]:
 def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budget], seq_len: int,
                batch_size: int = 1, setup: Any = None, schedule: str = "1f1b", microbatches: Optional[int] = None,
                max_tp: int = MAX_TP) -> list[WorldCandidate]:
-    """The layouts (tp, pp, dp, sp) of `world` ranks, each predicted per rank (predict_rank_memory),
-    the chosen one first: the preferred (see `preference`) among those whose worst rank fits the
+    """The layouts (tp, pp, dp, sp) of `world` ranks, each predicted per rank with its own rewrites
+    (fit.try_rewrites: the layout's default, then under dp alone each block recomputed where only
+    that fits), the chosen one first: the preferred (see `preference`) among those whose worst rank fits the
     budget less the planner's headroom (planner.usable), then the other fitting ones, those over
     the budget (smallest first) and those not available, each with the reason.
 
@@ -99,16 +103,16 @@ def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budg
         if why is not None:
             out.append(WorldCandidate(tp, pp, dp, sp, "not available", why))
             continue
-        try:
-            rm = predict_rank_memory(model_or_config, tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule,
-                                     microbatches=microbatches or (pp if pp > 1 else None), seq_len=seq_len,
-                                     batch_size=batch_size, setup=s)
+        try:   # the layout's own rewrites, then (dp alone) each block recomputed if that is what fits
+            spec = ParallelSpec(tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule, microbatches=microbatches)
+            fit = try_rewrites(model_or_config, spec, usable, seq_len=seq_len, batch_size=batch_size, setup=s)
         except ValueError as e:
             out.append(WorldCandidate(tp, pp, dp, sp, "not available", str(e).splitlines()[0]))
             continue
-        fits = rm.peak_bytes <= usable
-        over = "" if fits else f"{format_bytes(rm.peak_bytes)} > {format_bytes(usable)} usable"
-        out.append(WorldCandidate(tp, pp, dp, sp, "fits" if fits else "over budget", over, rm))
+        rm = fit.memory
+        over = "" if fit.fits else f"{format_bytes(rm.peak_bytes)} > {format_bytes(usable)} usable"
+        out.append(WorldCandidate(tp, pp, dp, sp, "fits" if fit.fits else "over budget", over, rm,
+                                  passes=fit.passes))
     fitting = sorted((c for c in out if c.status == "fits"), key=preference)
     over = sorted((c for c in out if c.status == "over budget"), key=lambda c: c.peak_bytes)
     rest = [c for c in out if c.status == "not available"]
