@@ -148,10 +148,16 @@ def private_names_imported(path: pathlib.Path) -> list[str]:
     return found
 
 
-def test_parallel_and_rewrite_use_each_others_public_names_only():
-    found = {str(p.relative_to(PACKAGE.parent)): names for d in ("parallel", "rewrite")
-             for p in sorted((PACKAGE / d).rglob("*.py")) if (names := private_names_imported(p))}
+def test_no_private_name_crosses_a_module():
+    found = {str(p.relative_to(PACKAGE.parent)): names for p in sorted(PACKAGE.rglob("*.py"))
+             if (names := private_names_imported(p))}
     assert found == {}
+
+
+def test_the_private_name_finder_sees_imports_and_attributes(tmp_path):
+    path = tmp_path / "peek.py"
+    path.write_text("from tailorfx.long import _hidden, f\nfrom tailorfx import rewrite\nrewrite._pool\n")
+    assert private_names_imported(path) == ["from tailorfx.long import _hidden", "rewrite._pool"]
 
 
 def test_the_cycle_finder_sees_a_function_local_import(tmp_path):
