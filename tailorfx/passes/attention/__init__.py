@@ -79,16 +79,26 @@ def _backward_only(spec: Optional[AttentionSpec]) -> bool:
             and not spec.dropout and spec.scale is None)
 
 
-def grouped_query(gm: fx.GraphModule, ctx: PassContext) -> bool:
-    """Whether an attention the pass would rewrite has fewer kv heads than query heads (GQA)."""
+def region_matches(gm: fx.GraphModule, ctx: PassContext, erased: set = frozenset()):
+    """(attention region, what the first matching rule said of each of its nodes: a Match or why
+    not), region by region; nodes in `erased` (rewritten away, read when the region is reached)
+    are skipped."""
     nodes = {n.name: n for n in gm.graph.nodes}
     for region in ctx.regions.of_kind("attention"):
+        found = []
         for name in region.nodes:
             for rule in rules_attention:
-                got = rule.match(nodes[name], ctx)
-                if isinstance(got, Match) and node_value(got.k).shape[1] != node_value(got.q).shape[1]:
-                    return True
-    return False
+                got = None if name in erased else rule.match(nodes[name], ctx)
+                if got is not None:
+                    found.append(got)
+                    break
+        yield region, found
+
+
+def grouped_query(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    """Whether an attention the pass would rewrite has fewer kv heads than query heads (GQA)."""
+    return any(isinstance(got, Match) and node_value(got.k).shape[1] != node_value(got.q).shape[1]
+               for _, found in region_matches(gm, ctx) for got in found)
 
 
 class AttentionPass:
@@ -107,16 +117,8 @@ class AttentionPass:
         self.only_dense = spec is None and bool(options.get("attention_only_dense"))
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        nodes = {n.name: n for n in gm.graph.nodes}
         stats, touched, skipped, erased, made = {}, [], [], set(), {}
-        for region in ctx.regions.of_kind("attention"):
-            found = []
-            for name in region.nodes:
-                for rule in rules_attention:
-                    got = None if name in erased else rule.match(nodes[name], ctx)
-                    if got is not None:
-                        found.append(got)
-                        break
+        for region, found in region_matches(gm, ctx, erased):
             if not found:
                 skipped.append(f"{region.path}: no attention spelling recognised "
                                "(scaled_dot_product_attention or softmax(q @ k^T) @ v)")
