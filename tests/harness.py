@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -78,3 +79,13 @@ def step_total(module: nn.Module, model: nn.Module, inputs: dict, optimizer) -> 
              sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                  if torch.is_tensor(t) and t.dim() > 0))
     return sum(p.numel() * p.element_size() for p in model.parameters()) + state + peak
+
+
+def tailorfx_ops(fn: Callable[[], object]) -> Counter:
+    """The tailorfx custom ops one call of fn runs (profiler events by name): what was rewritten."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tailorfx.runtime.measure import quiet_profiler
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return Counter(e.name for e in prof.events() if e.name.startswith("tailorfx::"))

@@ -6,12 +6,10 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import tailorfx
-from harness import compare_with_eager, peak_of_step, step_total
+from harness import compare_with_eager, peak_of_step, step_total, tailorfx_ops
 from models import hf_family
-from tailorfx.runtime.measure import quiet_profiler
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +22,14 @@ def _inputs() -> dict:
 
 
 def _ops(opt, inputs) -> Counter:
-    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        out = opt(**inputs)
-        out.loss.backward()
-    assert out.logits is None    # the fused head
-    return Counter(e.name for e in prof.events() if e.name.startswith("tailorfx::"))
+    outs = []
+
+    def step():
+        outs.append(opt(**inputs))
+        outs[-1].loss.backward()
+    ops = tailorfx_ops(step)
+    assert outs[0].logits is None    # the fused head
+    return ops
 
 
 def test_every_rewrite_holds_under_inductor():

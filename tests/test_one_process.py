@@ -8,15 +8,12 @@ import gc
 import re
 import warnings
 import weakref
-from collections import Counter
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import tailorfx
-from tailorfx.runtime.measure import quiet_profiler
-from harness import peak_of_step, step_total
+from harness import peak_of_step, step_total, tailorfx_ops
 from models import hf_family
 
 pytestmark = pytest.mark.slow
@@ -68,13 +65,6 @@ def _compiled(model, how: str, inputs: dict):
     return model
 
 
-def _tailorfx_ops(fn) -> Counter:
-    """The tailorfx custom ops one call of fn runs (profiler events by name): what was rewritten."""
-    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return Counter(e.name for e in prof.events() if e.name.startswith("tailorfx::"))
-
-
 def test_many_models_in_one_process_are_each_rewritten_exact_and_predicted():
     """Each model, whatever was compiled before it: head fused with the loss (logits None), every
     MLP chunked (the models here are dense: every MLP is token-wise), loss and every gradient
@@ -95,7 +85,7 @@ def test_many_models_in_one_process_are_each_rewritten_exact_and_predicted():
                     m.zero_grad(set_to_none=True)
                 out_ref = eager(**inputs)
                 out_ref.loss.backward()
-                ops = _tailorfx_ops(lambda: (out := wrapped(**inputs)).loss.backward() or out)
+                ops = tailorfx_ops(lambda: (out := wrapped(**inputs)).loss.backward() or out)
         tag = f"{i}: {family} {overrides} via {how}"
         assert not [str(w.message) for w in caught if _FALLBACK.search(str(w.message))], tag
         num_layers = model.config.num_hidden_layers

@@ -4,22 +4,18 @@ import copy
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import tailorfx
-from harness import compare_with_eager, peak_of_step
+from harness import compare_with_eager, peak_of_step, tailorfx_ops
 from models import batch, hf_family
 from tailorfx.attention import Exact
 from tailorfx.planner import HEADROOM
-from tailorfx.runtime.measure import quiet_profiler
 
 REPEATED = " + attention backward on repeated k, v"
 
 
 def _backward_calls(opt, inputs) -> int:
-    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        opt(**inputs).loss.backward()
-    return sum(e.name == "tailorfx::sparse_attention_backward" for e in prof.events())
+    return tailorfx_ops(lambda: opt(**inputs).loss.backward())["tailorfx::sparse_attention_backward"]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "olmo2"])
