@@ -140,9 +140,64 @@ def worker(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int, loss: str =
         loss /= dist.get_world_size()
     _emit({"rank": rank, "tp": tp, "dp": dp, "pp": pp, "sp": sp, "param_bytes": local, "grad_bytes": local,
                       "fwd_bwd_peak_bytes": peak, "fwd_bwd_peak_bytes_steps": peaks, "predicted_fwd_bwd_peak_bytes": predicted, "step_s": statistics.median(times),
+                      "step_s_all": times,
                       "loss": float(loss), "single_process_loss": ref_loss})
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def calibrate_worker() -> None:
+    """One rank of the calibration (tailorfx.parallel.calibrate): rank 0 writes the DeviceClass."""
+    import torch.distributed as dist
+    from tailorfx.parallel.calibrate import calibrate
+    dist.init_process_group("gloo")
+    dev = calibrate()
+    if dist.get_rank() == 0:
+        _emit({"rank": 0, **dev.as_dict()})
+    dist.destroy_process_group()
+
+
+def calibrated(world: int):
+    """This machine's step-time figures, measured on `world` gloo processes."""
+    import tempfile
+    from tailorfx.parallel.steptime import DeviceClass
+    results = tempfile.mkdtemp()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+           os.path.abspath(__file__), "--calibrate-worker"]
+    out = subprocess.run(cmd, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "TAILORFX_RESULTS": results})
+    if out.returncode != 0:
+        raise RuntimeError(f"calibration failed:\n{out.stderr[-3000:]}")
+    return DeviceClass.from_dict(json.load(open(os.path.join(results, "rank0.json"))))
+
+
+def spearman(xs: list, ys: list) -> float:
+    """Spearman's rank correlation (ties take their mean rank)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return r
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+
+def predict_time(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int, loss: str, device):
+    """The layout's forward+backward time, predicted (tailorfx.parallel.predict_step_time)."""
+    from tailorfx.parallel import predict_step_time
+    rows = 1 if pp > 1 else batch if sp == 1 else batch // dp
+    return predict_step_time(small_config(), tp=tp, dp=dp, pp=pp, sp=SP[sp], schedule=SCHEDULE,
+                             microbatches=microbatches(batch, dp) if pp > 1 else None, seq_len=seq, batch_size=rows,
+                             setup="fp32", vocab_loss=vocab_loss_of(loss), passes=stage_passes(loss), device=device)
 
 
 def _emit(row: dict) -> None:
@@ -253,17 +308,21 @@ def main() -> None:
     ap.add_argument("--predict-8b", action="store_true", help="only the Llama-3-8B table (no launches)")
     ap.add_argument("--skip-8b", action="store_true", help="no Llama-3-8B table")
     ap.add_argument("--match-8b", default="", help="only the Llama-3-8B rows whose layout names this")
+    ap.add_argument("--calibrate-worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return worker(*a.worker, a.seq, a.batch, a.vocab_loss)
+    if a.calibrate_worker:
+        return calibrate_worker()
     sys.path.insert(0, HERE)
     from common import print_table, write_json
     mib = lambda b: f"{b / 2**20:.1f}"
     err = lambda p, m: f"{(p - m) / m:+.1%}"
     results = []
     if not a.predict_8b:
-        saved = json.load(open(a.measured)) if a.measured else []
-        saved = {r["layout"]: r for r in (saved["layouts"] if isinstance(saved, dict) else saved)}
+        loaded = json.load(open(a.measured)) if a.measured else []
+        saved = {r["layout"]: r for r in (loaded["layouts"] if isinstance(loaded, dict) else loaded)}
+        saved["_step_time"] = loaded.get("step_time") if isinstance(loaded, dict) else None
         rows = []
         total = lambda r: r["param_bytes"] + r["grad_bytes"] + r["fwd_bwd_peak_bytes"]
         for name in a.layouts:
@@ -301,6 +360,7 @@ def main() -> None:
                     f"{a.seq}, fp32, gloo", ["layout", "processes", "params MiB", "fwd+bwd peak MiB", "params+grads+peak MiB",
                                     "predicted MiB (error)", "in torchrun MiB (error)", "vs 1 process",
                                     "step s (slowest rank)", "loss rel. err"], rows)
+    timing = step_times(results, a, saved if not a.predict_8b else {}) if results else None
     llama = None
     if not a.skip_8b:
         rows, llama = predict_8b(match=a.match_8b)
@@ -308,7 +368,46 @@ def main() -> None:
                     "micro-batch 1, pipelines 1F1B with pp micro-batches",
                     ["world", "layout", "peak GiB", "params", "grads", "optimizer", "activations", "comm",
                      "bubble", "fits 80GB (less 4% headroom)"], rows)
-    print("wrote", write_json("parallel.json", {"layouts": results, "llama3_8b": llama}))
+    print("wrote", write_json("parallel.json", {"layouts": results, "step_time": timing, "llama3_8b": llama}))
+
+
+def step_times(results: list, a, saved: dict) -> dict:
+    """Per world size with two layouts or more: each layout's measured step time (the slowest
+    rank's median of 5, and the spread of those 5 as noise) against predict_step_time on this
+    machine's calibrated figures, and Spearman's correlation of the two rankings."""
+    from common import print_table
+    from tailorfx.parallel.steptime import DeviceClass
+    out = {}
+    worlds = {}
+    for r in results:
+        worlds.setdefault(r["tp"] * r["dp"] * r["pp"], []).append(r)
+    for world, rs in sorted(worlds.items()):
+        if world < 2 or len(rs) < 2:
+            continue
+        known = (saved.get("_step_time") or {}).get(str(world))
+        try:
+            dev = DeviceClass.from_dict(known["device"]) if known else calibrated(world)
+        except (KeyError, TypeError):     # saved by an older version of the model: measured again
+            dev = calibrated(world)
+        rows, table = [], []
+        for r in rs:
+            slowest = max(r["ranks"], key=lambda x: x["step_s"])
+            times = slowest.get("step_s_all") or [slowest["step_s"]]
+            noise = (max(times) - min(times)) / slowest["step_s"]
+            st = predict_time(r["tp"], r["dp"], r["pp"], r["sp"], a.seq, a.batch, vocab_loss(r["layout"]), dev)
+            rows.append({"layout": r["layout"], "measured_s": slowest["step_s"], "steps_s": times, "noise": noise,
+                         "predicted_s": st.forward_backward_s, "predicted": st.breakdown()})
+        rho = spearman([x["measured_s"] for x in rows], [x["predicted_s"] for x in rows])
+        for x in sorted(rows, key=lambda x: x["measured_s"]):
+            table.append([x["layout"], f"{x['measured_s']:.3f}", f"{x['noise']:.0%}", f"{x['predicted_s']:.3f}",
+                          f"{x['predicted_s'] / x['measured_s']:.2f}",
+                          ", ".join(f"{k} {v * 1e3:.0f}" for k, v in x["predicted"].items() if v and k != "optimizer")])
+        print_table(f"Step time (forward + backward) on {world} gloo processes, measured (fastest first) vs predicted on "
+                    f"this machine's calibration; Spearman {rho:.2f}", ["layout", "measured s", "noise (max-min)/median",
+                                                                     "predicted s", "predicted/measured",
+                                                                     "predicted parts, ms"], table)
+        out[str(world)] = {"device": dev.as_dict(), "layouts": rows, "spearman": rho}
+    return out
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
 
 # ---- the CUDA caching allocator's history (checked on torch 2.11 and 2.13) -----------------------
@@ -105,3 +106,15 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def all_gather_single(output, input_) -> None:
+    """dist.all_gather_single (torch 2.13; all_gather_into_tensor, deprecated there, before)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input_)
+
+
+def reduce_scatter_single(output, input_) -> None:
+    """dist.reduce_scatter_single (torch 2.13; reduce_scatter_tensor, deprecated there, before)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, input_)

@@ -123,7 +123,9 @@ class _Stage:
     bwd_retained: list = field(default_factory=list)
 
 
-def stage_profiles(cap: RankCapture, points: list[Point], stage_blocks: list[list[str]], setup) -> list[_Stage]:
+def stage_groups(cap: RankCapture, stage_blocks: list[list[str]]) -> list[set[int]]:
+    """Each stage's parts: its blocks', the root before the first block on the first stage and
+    the root after the last on the last."""
     L = len(cap.blocks)
     index = {b: i for i, b in enumerate(cap.blocks)}
     n = len(stage_blocks)
@@ -135,6 +137,11 @@ def stage_profiles(cap: RankCapture, points: list[Point], stage_blocks: list[lis
         if k == n - 1:
             gs.add(L + 1)
         groups.append(gs)
+    return groups
+
+
+def stage_profiles(cap: RankCapture, points: list[Point], stage_blocks: list[list[str]], setup) -> list[_Stage]:
+    groups = stage_groups(cap, stage_blocks)
     stage_of = {g: k for k, gs in enumerate(groups) for g in gs}
     burst = grad_burst(cap, setup)
     fw_points = [p for p in points if p.kind == "f"]

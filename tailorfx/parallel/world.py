@@ -1,7 +1,8 @@
 """The layout a world of devices should use under a budget: every (tp, pp, dp, sp) of `world` ranks
-predicted per rank with the rewrites it takes (fit.try_rewrites), the preferred one that fits first.
+predicted per rank with the rewrites it takes (fit.try_rewrites), and its step time on the
+device class (steptime.predict_step_time); the fastest that fits first.
 
-    plan_world(config, world=64, budget="80GB", seq_len=8192)[0]   -> the chosen WorldCandidate
+    plan_world(config, world=64, budget="H100-80GB", seq_len=8192)[0]   -> the chosen WorldCandidate
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tailorfx.options import positive_int
 from tailorfx.parallel.fit import try_rewrites
 from tailorfx.parallel.memory import RankMemory
 from tailorfx.parallel.spec import ParallelSpec, describe_layout
+from tailorfx.parallel.steptime import DeviceClass, StepTime, device_class, predict_step_time
 from tailorfx.parallel.trace import RankCapture, capture_rank, param_dtype, read_tp_plan
 from tailorfx.setup import TrainingSetup
 from tailorfx.setup import resolve as resolve_setup
@@ -37,10 +39,15 @@ class WorldCandidate:
     memory: Optional[RankMemory] = None
     chosen: bool = False
     passes: tuple[str, ...] = ()       # the single-device rewrites its ranks take (parallel.fit)
+    step: Optional[StepTime] = None    # its predicted step time (steptime.predict_step_time)
 
     @property
     def peak_bytes(self) -> Optional[int]:
         return self.memory.peak_bytes if self.memory is not None else None
+
+    @property
+    def step_s(self) -> Optional[float]:
+        return self.step.total_s if self.step is not None else None
 
     @property
     def bubble(self) -> float:
@@ -52,11 +59,13 @@ class WorldCandidate:
     def __str__(self) -> str:
         peak = format_bytes(self.peak_bytes) if self.peak_bytes is not None else "-"
         rewrites = f" + {'+'.join(self.passes)}" if self.passes else ""
-        return f"{self.layout()}{rewrites}: {self.status}, {peak} per rank" + (f" ({self.reason})" if self.reason else "")
+        step = f", {self.step_s * 1e3:.0f} ms per step" if self.step is not None else ""
+        return f"{self.layout()}{rewrites}: {self.status}, {peak} per rank{step}" + (
+            f" ({self.reason})" if self.reason else "")
 
 
 def preference(c: WorldCandidate) -> tuple:
-    """The order plan_world prefers fitting layouts in, fewest cross-node collectives first: data
+    """The order plan_world breaks ties of predicted step time in, fewest cross-node collectives first: data
     parallel alone (FSDP2: one all-gather and one reduce-scatter per block, overlapped), then
     tensor parallel inside a node (tp <= 8: per-layer all-reduces on NVLink; the smaller tp first),
     then pipeline stages (point-to-point, but a bubble: the smaller pipeline and bubble first),
@@ -72,12 +81,13 @@ def _divisors(n: int) -> list[int]:
 
 def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budget], seq_len: int,
                batch_size: int = 1, setup: Any = None, schedule: str = "1f1b", microbatches: Optional[int] = None,
-               max_tp: int = MAX_TP) -> list[WorldCandidate]:
+               max_tp: int = MAX_TP, device: Union[str, DeviceClass, None] = None) -> list[WorldCandidate]:
     """The layouts (tp, pp, dp, sp) of `world` ranks, each predicted per rank with its own rewrites
     (fit.try_rewrites: the layout's default, then under dp alone each block recomputed where only
-    that fits), the chosen one first: the preferred (see `preference`) among those whose worst rank fits the
-    budget less the planner's headroom (planner.usable), then the other fitting ones, those over
-    the budget (smallest first) and those not available, each with the reason.
+    that fits) and its step time on `device` (default: the GPU a budget preset names, else
+    "H100"), the chosen one first: the fastest (ties: `preference`) among those whose worst rank
+    fits the budget less the planner's headroom (planner.usable), then the other fitting ones by
+    step time, those over the budget (smallest first) and those not available, each with the reason.
 
     Enumerated: tp * pp * dp == world, tp <= max_tp (one node) and dividing the heads read off
     the graph, pp at most the number of blocks, sp="megatron" beside every tp >= 2 without pp
@@ -93,6 +103,7 @@ def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budg
     positive_int("seq_len", seq_len, allow_none=False)
     positive_int("batch_size", batch_size, allow_none=False)
     b = Budget.parse(budget)
+    dev = device_class(device if device is not None else b.label if b.arch else "H100")
     s = resolve_setup(setup, param_dtype=param_dtype(model_or_config))
     usable = planner.usable(b.bytes, s.headroom)
     base = capture_rank(model_or_config, tp=1, rows=batch_size, seq=seq_len, head="vocab", dtype=s.param_dtype)
@@ -111,9 +122,11 @@ def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budg
             continue
         rm = fit.memory
         over = "" if fit.fits else f"{format_bytes(rm.peak_bytes)} > {format_bytes(usable)} usable"
+        step = predict_step_time(model_or_config, tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule, seq_len=seq_len,
+                                 batch_size=batch_size, setup=s, passes=list(fit.passes), device=dev, memory=rm)
         out.append(WorldCandidate(tp, pp, dp, sp, "fits" if fit.fits else "over budget", over, rm,
-                                  passes=fit.passes))
-    fitting = sorted((c for c in out if c.status == "fits"), key=preference)
+                                  passes=fit.passes, step=step))
+    fitting = sorted((c for c in out if c.status == "fits"), key=lambda c: (c.step_s, preference(c)))
     over = sorted((c for c in out if c.status == "over budget"), key=lambda c: c.peak_bytes)
     rest = [c for c in out if c.status == "not available"]
     if not fitting:

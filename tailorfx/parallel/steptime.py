@@ -1,0 +1,375 @@
+"""Predicted time of one training step of a parallel layout, for its slowest rank, from the graph
+the memory prediction reads (trace.capture_rank), on a device class (DEVICE_CLASSES, or one
+measured by calibrate.py):
+
+    predict_step_time(config, tp=2, dp=4, seq_len=8192, device="H100") -> StepTime
+
+compute      each op of the rank's forward and backward graphs (recompute included: the
+             partitioner puts the recomputed ops in the backward graph) takes
+             max(FLOPs / matmul (or fused attention) rate, bytes read and written / memory bandwidth) plus a dispatch
+             overhead (more on DTensors: tensor parallel runs the sharded model eagerly). FLOPs
+             are torch.utils.flop_counter's formulas, the CPU flash kernels' and tailorfx's own
+             ops' (the fused head: logits, both gradients; mini-sequence regions: their graph's,
+             three times in backward). Views cost nothing.
+collectives  the ring's steps x latency + its traffic / bandwidth per call: an all-reduce takes
+             2(n-1) steps and moves 2(n-1)/n of its bytes, an all-gather, reduce-scatter or
+             all-to-all n-1 steps and (n-1)/n; a group inside a node
+             uses the links (NVLink), one across nodes the network. tp's collectives are in the
+             graph (and two all-reduces per chunk of the vocab-parallel loss); FSDP2's (an
+             all-gather per unit in forward, again in backward for the blocks, a reduce-scatter
+             per unit) and Ulysses' (all-to-alls of q, k, v and the output, forward and backward)
+             are added per layout, as the memory prediction adds their buffers.
+pipeline     each pipeline rank's time per micro-batch (its stages' ops and sends); the slowest's
+             times microbatches / (1 - bubble).
+shared cores on a CPU whose ranks share fewer cores than there are ranks (DeviceClass.shared_cores),
+             the ranks' compute cannot take less than all ranks' compute over the cores: a
+             pipeline's idle ranks leave their core to the busy ones, other layouts keep all busy.
+optimizer    AdamW as a memory-bound pass: read parameters, gradients, master weights and both
+             moments, write all but the gradients.
+overlap      where the device overlaps FSDP's collectives with compute (CUDA streams), the step
+             takes the larger of the two; on CPU (gloo) they add up.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+from tailorfx.parallel.compose import stage_groups, stage_io
+from tailorfx.parallel.memory import RankMemory, predict_rank_memory
+from tailorfx.parallel.plan import head_style
+from tailorfx.parallel.spec import ParallelSpec, describe_layout
+from tailorfx.parallel.stages import block_costs, stage_blocks
+from tailorfx.parallel.trace import RankCapture, capture_rank
+from tailorfx.rewrite import cost
+from tailorfx.rewrite.capture import node_value
+
+
+@dataclass(frozen=True)
+class DeviceClass:
+    """What one rank of a kind of device sustains, as the step-time model reads it."""
+    name: str
+    matmul_flops: float          # FLOP/s in matmuls, in the training dtype
+    attention_flops: float       # FLOP/s in fused attention kernels (forward and backward)
+    memory_bandwidth: float      # bytes/s read + written by the other ops
+    op_overhead: float           # s per op dispatched
+    dtensor_overhead: float      # s more per op on DTensors (eager tensor parallel)
+    link_bandwidth: float        # bytes/s of a collective's ring traffic inside a node
+    network_bandwidth: float     # the same across nodes, per rank
+    latency: float               # s per step of a ring collective, and per point-to-point send
+    ranks_per_node: int
+    overlap_fsdp: bool           # FSDP's collectives hidden behind compute (CUDA streams)
+    shared_cores: int = 0        # CPU: the cores all ranks share (the rates above are one core's); 0: a device each
+    fits: tuple = ()             # (kind, latency, bandwidth) measured per collective kind, over link_bandwidth/latency
+    source: str = ""
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DeviceClass":
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        return cls(**{**kw, "fits": tuple(tuple(f) for f in kw.get("fits", ()))})
+
+    def link(self, kind: str, inside_node: bool) -> tuple[float, float]:
+        """(latency per ring step, bandwidth) of a collective of `kind`."""
+        fit = next((f for f in self.fits if f[0] == kind), None)
+        if fit is not None and inside_node:
+            return fit[1], fit[2]
+        return self.latency, self.link_bandwidth if inside_node else self.network_bandwidth
+
+
+# Datasheet figures times the fraction training sustains (bf16 dense matmuls at 45% of peak,
+# flash attention's forward and backward at 35% on Hopper, 50% on Ampere (FlashAttention-2's
+# published figures through SDPA), memory at 80%); collectives at NCCL's bus bandwidth on 8-GPU NVLink nodes and one 400 (H100) or
+# 200 (A100) Gb/s InfiniBand port per GPU. Modelled, not measured here: benchmarks/gpu_check.py
+# is where they are checked when a GPU is at hand.
+DEVICE_CLASSES = {
+    "H100": DeviceClass("H100", matmul_flops=0.45 * 989e12, attention_flops=0.35 * 989e12, memory_bandwidth=0.8 * 3.35e12, op_overhead=5e-6,
+                        dtensor_overhead=40e-6, link_bandwidth=360e9, network_bandwidth=40e9, latency=15e-6,
+                        ranks_per_node=8, overlap_fsdp=True,
+                        source="H100 SXM datasheet (989 TFLOP/s bf16, 3.35 TB/s), NVLink 4, 400 Gb/s IB per GPU"),
+    "H200": DeviceClass("H200", matmul_flops=0.45 * 989e12, attention_flops=0.35 * 989e12, memory_bandwidth=0.8 * 4.8e12, op_overhead=5e-6,
+                        dtensor_overhead=40e-6, link_bandwidth=360e9, network_bandwidth=40e9, latency=15e-6,
+                        ranks_per_node=8, overlap_fsdp=True,
+                        source="H200 SXM datasheet (989 TFLOP/s bf16, 4.8 TB/s), NVLink 4, 400 Gb/s IB per GPU"),
+    "A100": DeviceClass("A100", matmul_flops=0.45 * 312e12, attention_flops=0.5 * 312e12, memory_bandwidth=0.8 * 2.04e12, op_overhead=5e-6,
+                        dtensor_overhead=40e-6, link_bandwidth=230e9, network_bandwidth=20e9, latency=15e-6,
+                        ranks_per_node=8, overlap_fsdp=True,
+                        source="A100 SXM 80GB datasheet (312 TFLOP/s bf16, 2.04 TB/s), NVLink 3, 200 Gb/s IB per GPU"),
+}
+
+
+def device_class(device: Union[str, DeviceClass]) -> DeviceClass:
+    """A DeviceClass, or the one a name or GPU budget names ("H100", "H100-80GB", "a100-40gb")."""
+    if isinstance(device, DeviceClass):
+        return device
+    name = str(device).upper().split("-")[0]
+    if name not in DEVICE_CLASSES:
+        raise ValueError(f"no step-time figures for device {device!r}: give one of {sorted(DEVICE_CLASSES)}, a GPU "
+                         f"budget such as 'H100-80GB', or a DeviceClass (calibrate() measures one on this machine)")
+    return DEVICE_CLASSES[name]
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One training step of a layout's slowest rank, predicted, in seconds by part."""
+    layout: str
+    device: str
+    compute_s: float             # the rank's ops, dispatch included, over all its micro-batches
+    tp_comm_s: float             # the graph's collectives (tensor parallel, the vocab-parallel loss)
+    fsdp_comm_s: float           # FSDP2's all-gathers and reduce-scatters (exposed or hidden: see total)
+    ulysses_comm_s: float
+    p2p_s: float                 # pipeline sends
+    bubble_s: float              # pipeline ranks idle
+    optimizer_s: float
+    flops: int                   # the rank's FLOPs in the step (recompute included)
+    overlap_fsdp: bool = False
+
+    @property
+    def forward_backward_s(self) -> float:
+        work = self.compute_s + self.tp_comm_s + self.ulysses_comm_s + self.p2p_s + self.bubble_s
+        return max(work, self.fsdp_comm_s) if self.overlap_fsdp else work + self.fsdp_comm_s
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_backward_s + self.optimizer_s
+
+    def breakdown(self) -> dict[str, float]:
+        return {"compute": self.compute_s, "tp collectives": self.tp_comm_s, "FSDP collectives": self.fsdp_comm_s,
+                "Ulysses all-to-alls": self.ulysses_comm_s, "pipeline sends": self.p2p_s,
+                "pipeline bubble": self.bubble_s, "optimizer": self.optimizer_s}
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.breakdown().items() if v)
+        return f"{self.layout} on {self.device}: {self.total_s * 1e3:.1f} ms per step ({parts})"
+
+
+# ---- one op --------------------------------------------------------------------------------------------
+_FREE = {"getitem", "wait_tensor", "detach", "alias", "empty", "zeros", "full", "scalar_tensor", "lift_fresh_copy"}
+# (steps, fraction of the bytes each rank sends) of a ring collective over n ranks
+RING = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n), "all_gather_into_tensor": lambda n: (n - 1, (n - 1) / n),
+         "reduce_scatter_tensor": lambda n: (n - 1, (n - 1) / n), "all_to_all_single": lambda n: (n - 1, (n - 1) / n)}
+_CPU_FLASH = {"_scaled_dot_product_flash_attention_for_cpu": 4, "_scaled_dot_product_flash_attention_for_cpu_backward": 10}
+
+
+def _nbytes(x) -> int:
+    """Bytes of the tensors in x (nested in lists, tuples and dicts), at their sizes' hints."""
+    if isinstance(x, torch.Tensor):
+        return _as_int(x.numel()) * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(v) for v in x)
+    return sum(_nbytes(v) for v in x.values()) if isinstance(x, dict) else 0
+
+
+def _short(target) -> str:
+    name = getattr(target, "__name__", str(target))
+    return name.split(".")[0] if hasattr(target, "overloadpacket") else name
+
+
+def _region_flops(key: str) -> int:
+    from tailorfx.runtime import ops
+    region = ops.get_region(key)
+    return sum(cost.node_flops(m, _as_int) for m in region.graph.nodes) if isinstance(region, fx.GraphModule) else 0
+
+
+def _as_int(v) -> int:
+    """A size at its hint (a capture's shapes may be symbolic)."""
+    return int(v.node.hint) if isinstance(v, (torch.SymInt, torch.SymFloat)) else int(v)
+
+
+def _causal(target, args, kwargs) -> bool:
+    """An attention kernel's is_causal argument (it attends half the pairs), False if it has none."""
+    for i, a in enumerate(getattr(target, "_schema", None).arguments if hasattr(target, "_schema") else ()):
+        if a.name == "is_causal":
+            return bool(args[i] if i < len(args) else kwargs.get("is_causal", False))
+    return False
+
+
+def op_flops(target, args, kwargs, out) -> int:
+    """FLOPs of one call: torch's formulas, the CPU flash kernels', tailorfx's ops' (0 if unknown)."""
+    if target in (torch.ops.higher_order.run_and_save_rng_state, torch.ops.higher_order.run_with_rng_state):
+        inner = args[0] if target is torch.ops.higher_order.run_and_save_rng_state else args[1]
+        rest = args[1:] if target is torch.ops.higher_order.run_and_save_rng_state else args[2:]
+        return op_flops(inner, rest, kwargs, out[1] if isinstance(out, tuple) else out)
+    packet = getattr(target, "overloadpacket", None)
+    name = _short(target)
+    if packet in flop_registry:
+        f = int(flop_registry[packet](*args, **kwargs, out_val=out))
+        return f // 2 if _causal(target, args, kwargs) else f     # torch counts every pair
+    if name in _CPU_FLASH:
+        first = 1 if name.endswith("backward") else 0         # the backward's first argument: grad_out
+        q, k = args[first], args[first + 1]
+        pairs = q.numel() // q.shape[-1] * k.shape[-2] // (2 if _causal(target, args, kwargs) else 1)
+        return _CPU_FLASH[name] * pairs * q.shape[-1]
+    if name in ("chunked_linear_cross_entropy_with_grads", "vocab_parallel_cross_entropy_with_grads",
+                "chunked_linear_cross_entropy", "vocab_parallel_cross_entropy"):
+        hidden, weight = args[0], args[1]
+        rows = hidden.numel() // hidden.shape[-1]
+        passes = 3 if name.endswith("with_grads") else 1      # logits, then the two gradients' matmuls
+        return 2 * passes * rows * weight.numel()
+    if name in ("token_chunked", "token_segment", "token_chunked_random"):
+        return _region_flops(args[0])
+    if name in ("token_chunked_backward", "token_segment_backward", "token_chunked_random_backward"):
+        return 3 * _region_flops(args[0])       # each chunk's forward again, then its backward
+    return 0
+
+
+def _is_attention(target) -> bool:
+    if target in (torch.ops.higher_order.run_and_save_rng_state, torch.ops.higher_order.run_with_rng_state):
+        return True     # what is recomputed under an RNG state: attention with dropout (its kernel)
+    return "attention" in _short(target)
+
+
+@dataclass
+class _GraphTime:
+    """Per group (the memory model's parts), compute seconds; and the graph's collectives."""
+    compute: dict
+    flops: dict
+    comm: list                   # (kind, bytes, calls) of each collective in the graph
+
+
+def _graph_time(g: fx.GraphModule, group_of: dict, dev: DeviceClass, dtensor: bool) -> _GraphTime:
+    compute: dict[int, float] = {}
+    flops: dict[int, int] = {}
+    comm = []
+    overhead = dev.op_overhead + (dev.dtensor_overhead if dtensor else 0.0)
+    for n in g.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = _short(n.target)
+        if name in _FREE or getattr(n.target, "is_view", False):
+            continue
+        out = node_value(n)
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), node_value)
+        if name in RING:
+            comm.append((name, _nbytes(args[0]) if name != "all_gather_into_tensor" else _nbytes(out), 1))
+            continue
+        if name.startswith("vocab_parallel_cross_entropy"):     # max and sums all-reduced per chunk
+            rows = _as_int(args[0].numel() // args[0].shape[-1])
+            comm.append(("all_reduce", 3 * rows * 4, 2 * max(1, int(args[7]))))
+        f = _as_int(op_flops(n.target, args, kwargs, out))
+        nbytes = _nbytes(args) + _nbytes(out)
+        grp = group_of.get(n.name, 0)
+        rate = dev.attention_flops if _is_attention(n.target) else dev.matmul_flops
+        compute[grp] = compute.get(grp, 0.0) + max(f / rate, nbytes / dev.memory_bandwidth) + overhead
+        flops[grp] = flops.get(grp, 0) + f
+    return _GraphTime(compute, flops, comm)
+
+
+def _collective_s(dev: DeviceClass, kind: str, nbytes: float, calls: int, size: int, stride: int) -> float:
+    """`calls` collectives of `kind` moving `nbytes` in all over a group of `size` ranks `stride`
+    apart in the world's order (tp innermost): on the links if the group stays in a node."""
+    if size <= 1:
+        return 0.0
+    latency, bw = dev.link(kind, size * stride <= dev.ranks_per_node)
+    steps, fraction = RING[kind](size)
+    return calls * steps * latency + nbytes * fraction / bw
+
+
+# ---- a layout --------------------------------------------------------------------------------------------
+def predict_step_time(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: int = 1, sp: Optional[str] = None,
+                      schedule: str = "1f1b", microbatches: Optional[int] = None, seq_len: int, batch_size: int = 1,
+                      setup: Any = None, vocab_loss: str = "fused", passes: Optional[list] = None,
+                      device: Union[str, DeviceClass] = "H100", memory: Optional[RankMemory] = None) -> StepTime:
+    """The slowest rank's step time of a layout (the arguments as predict_rank_memory takes them)
+    on `device` (see the module docstring). `memory`: that layout's RankMemory, if predicted
+    already (its capture is cached, so only the walk of the graph is new)."""
+    dev = device_class(device)
+    rm = memory or predict_rank_memory(model_or_config, tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule,
+                                       microbatches=microbatches, seq_len=seq_len, batch_size=batch_size,
+                                       setup=setup, vocab_loss=vocab_loss, passes=passes)
+    spec = ParallelSpec(tp=rm.tp, dp=rm.dp, pp=rm.pp, sp=rm.sp, schedule=schedule,
+                        microbatches=rm.microbatches if rm.pp > 1 else None, vocab_loss=vocab_loss)
+    ulysses = rm.sp == "ulysses"
+    cap = capture_rank(model_or_config, tp=rm.tp, rows=rm.batch_size, seq=seq_len // rm.dp if ulysses else seq_len,
+                       dtype=rm.setup.param_dtype, head=head_style(spec), vocab_loss=vocab_loss,
+                       passes=spec.rewrites(passes))
+    key = ("step time", dev, rm.tp > 1)      # one walk of a capture per device class
+    if key not in cap.profiles:
+        cap.profiles[key] = (_graph_time(cap.steps.fw, cap.fw_group, dev, rm.tp > 1),
+                             _graph_time(cap.steps.bw, cap.bw_group, dev, rm.tp > 1) if cap.steps.bw is not None
+                             else _GraphTime({}, {}, []))
+    fw, bw = cap.profiles[key]
+    per_group = {g: fw.compute.get(g, 0.0) + bw.compute.get(g, 0.0) for g in range(cap.num_groups)}
+    flops = sum(fw.flops.values()) + sum(bw.flops.values())
+    tp_comm = sum(_collective_s(dev, kind, nbytes, calls, rm.tp, 1) for kind, nbytes, calls in fw.comm + bw.comm)
+    fsdp = _fsdp_s(cap, dev, rm)
+    attentions = len(cap.regions.of_kind("attention"))
+    uly = _collective_s(dev, "all_to_all_single", 2 * cap.attn_bytes * attentions, 8 * attentions,
+                        rm.dp, rm.tp) if ulysses else 0.0
+    opt = _optimizer_s(rm, dev)
+    layout = describe_layout(rm.tp, rm.pp, rm.dp, rm.sp)
+    world = rm.tp * rm.dp * rm.pp
+    share = max(1.0, world / dev.shared_cores) if dev.shared_cores else 1.0
+    if rm.pp == 1:
+        return StepTime(layout, dev.name, sum(per_group.values()) * share, tp_comm, fsdp, uly, 0.0, 0.0, opt * share,
+                        flops, dev.overlap_fsdp)
+    m = rm.microbatches
+    ranks = _pipeline_ranks(cap, spec, dev, per_group, tp_comm)
+    compute, p2p, tp_share, groups = max(ranks, key=lambda t: t[0] + t[1] + t[2])
+    busy = (compute + p2p + tp_share) * m
+    step = busy / (1 - rm.bubble)
+    if dev.shared_cores:        # every rank's compute, on the cores they share
+        step = max(step, sum(r[0] for r in ranks) * m * rm.tp * rm.dp / dev.shared_cores + (p2p + tp_share) * m)
+    flops = sum(fw.flops.get(g, 0) + bw.flops.get(g, 0) for g in groups)
+    return StepTime(layout, dev.name, compute * m, tp_share * m, fsdp, 0.0, p2p * m, step - busy, opt * share,
+                    flops * m, dev.overlap_fsdp)
+
+
+def _fsdp_s(cap: RankCapture, dev: DeviceClass, rm: RankMemory) -> float:
+    """FSDP2's collectives over the dp ranks: per block an all-gather in forward and another in
+    backward (reshard_after_forward), per root one; a reduce-scatter of each unit's gradients.
+    Pipeline stages are one unit each, gathered once for all their micro-batches."""
+    if rm.dp <= 1:
+        return 0.0
+    stride = rm.tp
+    grad_ratio = rm.setup.grads.itemsize / rm.setup.param_dtype.itemsize
+    if rm.pp > 1:
+        units = [sum(cap.group_bytes(g) for g in gs) for gs in _rank_stage_groups(cap, rm)]
+        gathers = [(b, 1) for b in units]
+    else:
+        L = len(cap.blocks)
+        units = [cap.group_bytes(g) for g in range(cap.num_groups)]
+        gathers = [(b, 1 if g in (0, L + 1) else 2) for g, b in enumerate(units)]
+    gather = sum(_collective_s(dev, "all_gather_into_tensor", b * k, k, rm.dp, stride) for b, k in gathers if b)
+    scatter = sum(_collective_s(dev, "reduce_scatter_tensor", b * grad_ratio, 1, rm.dp, stride) for b in units if b)
+    return gather + scatter
+
+
+def _rank_stage_groups(cap: RankCapture, rm: RankMemory) -> list[set]:
+    """The groups of each stage the slowest (worst) pipeline rank runs."""
+    groups = stage_groups(cap, [list(st.blocks) for st in rm.stages])
+    worst = int(rm.rank.split()[2]) if rm.rank.startswith("pipeline rank") else 0
+    return [groups[st.stage] for st in rm.stages if st.rank == worst]
+
+
+def _pipeline_ranks(cap: RankCapture, spec: ParallelSpec, dev: DeviceClass, per_group: dict,
+                    tp_comm: float) -> list[tuple[float, float, float, set]]:
+    """Per micro-batch, of each pipeline rank: (compute, sends, its share of tp's collectives, in
+    proportion to its compute; its groups)."""
+    blocks_of = stage_blocks(cap.stage_costs or block_costs(cap.gm, cap.regions), spec.num_stages)
+    groups = stage_groups(cap, blocks_of)
+    io = stage_io(cap, blocks_of)
+    whole = sum(per_group.values()) or 1.0
+    ranks = []
+    for r in range(spec.pp):
+        mine = range(r, spec.num_stages, spec.pp)
+        compute = sum(per_group[g] for k in mine for g in groups[k])
+        sends = sum(dev.latency * 2 + (io[k][2] + io[k][3]) / dev.link_bandwidth for k in mine)
+        ranks.append((compute, sends, tp_comm * compute / whole, {g for k in mine for g in groups[k]}))
+    return ranks
+
+
+def _optimizer_s(rm: RankMemory, dev: DeviceClass) -> float:
+    """AdamW, memory-bound: parameters, gradients, master weights and moments read, all but the
+    gradients written."""
+    moved = 2 * (rm.param_bytes + rm.master_bytes + rm.optimizer_bytes) + rm.grad_bytes
+    return moved / dev.memory_bandwidth + dev.op_overhead * 10
+
+
+__all__ = ["DEVICE_CLASSES", "RING", "DeviceClass", "StepTime", "device_class", "op_flops", "predict_step_time"]

@@ -1,0 +1,160 @@
+"""The step-time model (tailorfx/parallel/steptime.py) against what it can be checked by without a
+cluster: FLOPs against torch's FlopCounterMode on the eager step and the closed forms of
+recompute and attention; collective traffic against the ring model's closed forms, on device
+classes that make one term the whole step; the pipeline's bubble; the world planner's ranking.
+How well it ranks measured layouts is benchmarks/parallel.py's (Spearman on 4 gloo processes)."""
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tailorfx import planner
+from tailorfx.budget import Budget
+from tailorfx.parallel import DEVICE_CLASSES, DeviceClass, plan_world, predict_step_time, preference
+from tailorfx.parallel.steptime import device_class
+
+SEQ, ROWS = 64, 2
+CFG = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=False)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+FREE = dict(matmul_flops=1e30, attention_flops=1e30, memory_bandwidth=1e30, op_overhead=0.0, dtensor_overhead=0.0,
+            link_bandwidth=1e30, network_bandwidth=1e30, latency=0.0, ranks_per_node=8, overlap_fsdp=False)
+BYTES = DeviceClass("bytes", **{**FREE, "link_bandwidth": 1.0, "network_bandwidth": 1.0})    # 1 s per byte moved
+FLOPS = DeviceClass("flops", **{**FREE, "matmul_flops": 1.0, "attention_flops": 1.0})         # 1 s per FLOP
+
+
+def step(device, **kw):
+    return predict_step_time(CFG, seq_len=SEQ, batch_size=kw.pop("batch_size", ROWS), setup="fp32", device=device, **kw)
+
+
+def attention_flops(rows: int, forward: int = 4, backward: int = 10) -> int:
+    """Causal attention of every layer: (forward + backward) FLOPs per attended pair and head dim."""
+    heads, dim = CFG.num_attention_heads, CFG.hidden_size // CFG.num_attention_heads
+    pairs = rows * heads * SEQ * SEQ // 2
+    return CFG.num_hidden_layers * (forward + backward) * pairs * dim
+
+
+def linear_params(model, inside: str = "") -> int:
+    return sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and inside in n)
+
+
+def test_flops_of_a_step_are_torchs_flop_counter_plus_attention():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CFG)
+    ids = torch.randint(0, CFG.vocab_size, (ROWS, SEQ))
+    with FlopCounterMode(display=False) as counter:      # torch's count of the eager step's matmuls
+        model(input_ids=ids, labels=ids).loss.backward()
+    st = step(FLOPS, passes=[])
+    assert st.flops == counter.get_total_flops() + attention_flops(ROWS)
+    assert counter.get_total_flops() == 6 * ROWS * SEQ * linear_params(model)
+    assert st.compute_s == pytest.approx(st.flops)       # 1 s per FLOP, nothing else costs
+
+
+def test_recompute_adds_each_blocks_forward_again():
+    """Each block's linears run forward once more, but the last (down_proj: only the residual add
+    reads its output, and its backward needs its input); its attention too, and (use_cache=False,
+    as the runtime calls a recomputed model) HF passes the causal mask to SDPA as a tensor, so
+    every pair is attended in the recomputed step, where the plain one (is_causal) attends half."""
+    plain, recomputed = step(FLOPS, dp=2), step(FLOPS, dp=2, passes=["recompute"])
+    model = LlamaForCausalLM(CFG)
+    rerun = linear_params(model, inside="layers.") - linear_params(model, inside="down_proj")
+    attention = 2 * attention_flops(ROWS, 4 + 4, 10) - attention_flops(ROWS)
+    assert recomputed.flops - plain.flops == 2 * ROWS * SEQ * rerun + attention
+
+
+def test_fsdp_moves_each_unit_as_fsdp2_gathers_and_reduces_it():
+    """dp=2 (fp32): the blocks gathered in forward and again in backward, the root once, every
+    gradient reduce-scattered; each moves (n-1)/n of its bytes."""
+    model = LlamaForCausalLM(CFG)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    blocks = sum(p.numel() * 4 for n, p in model.named_parameters() if ".layers." in n)
+    st = step(BYTES, dp=2)
+    assert st.fsdp_comm_s == pytest.approx(0.5 * (2 * blocks + (total - blocks) + total))
+    assert st.tp_comm_s == st.ulysses_comm_s == st.p2p_s == 0
+
+
+def test_tensor_parallel_collectives_follow_the_ring():
+    """At least Megatron's four all-reduces of the hidden states per layer (two each way); at tp=4
+    the same calls move 2(n-1)/n = 1.5x the bytes of tp=2; with latency alone, an all-reduce
+    costs 2(n-1) steps."""
+    mha = LlamaConfig(**{**CFG.to_dict(), "num_key_value_heads": 4})
+
+    def tp(device, n):
+        return predict_step_time(mha, tp=n, seq_len=SEQ, batch_size=ROWS, setup="fp32", device=device)
+    two, four = tp(BYTES, 2), tp(BYTES, 4)
+    hidden = ROWS * SEQ * CFG.hidden_size * 4
+    assert two.tp_comm_s >= 4 * CFG.num_hidden_layers * hidden
+    assert four.tp_comm_s == pytest.approx(1.5 * two.tp_comm_s)
+    latency = DeviceClass("latency", **{**FREE, "latency": 1.0})
+    for n, steps in ((2, 2), (4, 6)):
+        calls = tp(latency, n).tp_comm_s / steps
+        assert calls == int(calls) >= 4 * CFG.num_hidden_layers
+
+
+def test_a_pipeline_takes_m_plus_p_minus_1_slowest_stage_times():
+    """1F1B over pp=2 stages: (m + p - 1) times the slowest rank's micro-batch, so 4 micro-batches
+    take 5/3 of 2; ranks sharing one core take twice their compute, a pipeline longer than its
+    critical path (both ranks' work on one core) but less than twice its slowest rank's."""
+    two, four = (step(FLOPS, pp=2, microbatches=m, batch_size=1) for m in (2, 4))
+    assert four.forward_backward_s / two.forward_backward_s == pytest.approx(5 / 3)
+    assert two.bubble_s == pytest.approx(two.compute_s / 2)          # (p - 1) / m of the busy time
+    one_core = replace(FLOPS, shared_cores=1)
+    assert step(one_core, dp=2).compute_s == pytest.approx(2 * step(FLOPS, dp=2).compute_s)
+    shared = step(one_core, pp=2, microbatches=4, batch_size=1)
+    assert four.forward_backward_s < shared.forward_backward_s < 2 * four.compute_s
+
+
+def test_device_classes_are_named_by_gpu_or_budget():
+    assert device_class("H100-80GB") is DEVICE_CLASSES["H100"] and device_class("a100") is DEVICE_CLASSES["A100"]
+    with pytest.raises(ValueError, match="no step-time figures for device 'TPU'.*H100"):
+        device_class("TPU")
+    d = DEVICE_CLASSES["H200"]
+    assert DeviceClass.from_dict(json.loads(json.dumps(d.as_dict()))) == d
+
+
+def test_plan_world_ranks_fitting_layouts_by_predicted_step_time(capsys):
+    budget = Budget.parse("3MiB")
+    cands = plan_world(CFG, world=8, budget=budget, seq_len=SEQ, setup="fp32", device="A100")
+    fitting = [c for c in cands if c.status == "fits"]
+    assert len(fitting) >= 3 and cands[0].chosen
+    assert all(c.step is not None and c.step.device == "A100" for c in fitting)
+    assert fitting == sorted(fitting, key=lambda c: (c.step_s, preference(c)))
+    assert all(c.peak_bytes <= planner.usable(budget.bytes) for c in fitting)
+    from tailorfx.cli import main
+    main(["plan", "llama", "vocab_size=512", "hidden_size=64", "intermediate_size=128", "num_hidden_layers=2",
+          "num_attention_heads=4", "num_key_value_heads=2", "tie_word_embeddings=false", "--world", "8",
+          "--budget", "3MiB", "--seq", str(SEQ), "--setup", "fp32"])
+    out = capsys.readouterr().out
+    assert "step (H100)" in out and "the fastest that fits" in out and " ms " in out
+
+
+@pytest.mark.multiprocess
+def test_calibrate_measures_this_machine_on_two_processes(tmp_path):
+    """tailorfx.parallel.calibrate in 2 gloo processes: every figure measured, finite and positive."""
+    script = tmp_path / "cal.py"
+    script.write_text("import json, os, torch.distributed as dist\n"
+                      "from tailorfx.parallel.calibrate import calibrate\n"
+                      "dist.init_process_group('gloo')\n"
+                      "d = calibrate(repeats=3)\n"
+                      "if dist.get_rank() == 0:\n"
+                      f"    json.dump(d.as_dict(), open({str(tmp_path / 'dev.json')!r}, 'w'))\n"
+                      "dist.destroy_process_group()\n")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    dev = DeviceClass.from_dict(json.load(open(tmp_path / "dev.json")))
+    rates = [dev.matmul_flops, dev.attention_flops, dev.memory_bandwidth, dev.link_bandwidth, dev.op_overhead,
+             dev.latency]
+    assert all(math.isfinite(x) and x > 0 for x in rates), dev
+    assert {k for k, _, _ in dev.fits} == {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+                                           "all_to_all_single"}
+    assert dev.shared_cores == len(os.sched_getaffinity(0)) and dev.ranks_per_node == 2
