@@ -151,7 +151,7 @@ def cmd_plan_world(args):
     rm = best.memory
     sp = best.sp or "-"
     print(f"\nchosen: tp={best.tp} pp={best.pp} dp={best.dp} sp={sp}   ({best.layout()}; {rm.rank}), the fastest "
-          f"that fits: {best.step}")
+          f"that fits: {best.tokens_per_s:,.0f} tokens/s, {best.step}")
     print(f"per-rank peak {format_bytes(rm.peak_bytes)}:")
     for part, nbytes in rm.breakdown().items():
         print(f"  {part:<22} {format_bytes(nbytes):>12}")
@@ -169,15 +169,16 @@ def _print_candidates(cands) -> None:
         return
     dev = next((c.step.device for c in cands if c.step is not None), "-")
     print(f"{'':2}{'layout':<22} {'tp':>3} {'pp':>4} {'dp':>5} {'sp':>8} {'rewrites':>12} {'peak/rank':>12} "
-          f"{'bubble':>7} {'step (' + dev + ')':>13}  status")
+          f"{'bubble':>7} {'step (' + dev + ')':>13} {'tokens/s':>10}  status")
     for c in cands:
         peak = format_bytes(c.peak_bytes) if c.peak_bytes is not None else "-"
         bubble = f"{c.bubble:.0%}" if c.memory is not None and c.pp > 1 else "-"
         status = ("chosen: fits" if c.chosen else c.status) + (f" ({c.reason})" if c.reason else "")
         rewrites = "+".join(c.passes) or "-"
         step = f"{c.step_s * 1e3:.1f} ms" if c.step is not None else "-"
+        rate = f"{c.tokens_per_s:,.0f}" if c.step is not None else "-"
         print(f"{'*' if c.chosen else ' ':2}{c.layout():<22} {c.tp:>3} {c.pp:>4} {c.dp:>5} {c.sp or '-':>8} "
-              f"{rewrites:>12} {peak:>12} {bubble:>7} {step:>13}  {status}")
+              f"{rewrites:>12} {peak:>12} {bubble:>7} {step:>13} {rate:>10}  {status}")
 
 
 # ---- train -------------------------------------------------------------------------------------

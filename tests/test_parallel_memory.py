@@ -158,7 +158,7 @@ def test_plan_world_chooses_the_fastest_layout_that_fits():
     usable = planner.usable(budget.bytes)
     assert chosen.chosen and chosen.status == "fits" and chosen.peak_bytes <= usable
     fitting = [c for c in cands if c.status == "fits"]
-    assert chosen == min(fitting, key=lambda c: (c.step_s, preference(c)))
+    assert chosen == min(fitting, key=lambda c: (-c.tokens_per_s, preference(c)))
     assert all(c.peak_bytes > usable for c in cands if c.status == "over budget")
     why = {c.layout(): c.reason for c in cands if c.status == "not available"}
     assert by_layout(cands)["pp2xdp4"].status in ("fits", "over budget")    # FSDP2 over each stage

@@ -120,20 +120,23 @@ def test_device_classes_are_named_by_gpu_or_budget():
     assert DeviceClass.from_dict(json.loads(json.dumps(d.as_dict()))) == d
 
 
-def test_plan_world_ranks_fitting_layouts_by_predicted_step_time(capsys):
+def test_plan_world_ranks_fitting_layouts_by_predicted_throughput(capsys):
+    """Fastest in tokens per second first (each layout trains on its own number of rows per step)."""
     budget = Budget.parse("3MiB")
     cands = plan_world(CFG, world=8, budget=budget, seq_len=SEQ, setup="fp32", device="A100")
     fitting = [c for c in cands if c.status == "fits"]
     assert len(fitting) >= 3 and cands[0].chosen
     assert all(c.step is not None and c.step.device == "A100" for c in fitting)
-    assert fitting == sorted(fitting, key=lambda c: (c.step_s, preference(c)))
+    assert fitting == sorted(fitting, key=lambda c: (-c.tokens_per_s, preference(c)))
+    by = {c.layout(): c for c in cands}
+    assert by["dp8"].tokens == 8 * SEQ and by["tp2xdp4"].tokens == 4 * SEQ and by["pp2xdp4"].tokens == 4 * 2 * SEQ
     assert all(c.peak_bytes <= planner.usable(budget.bytes) for c in fitting)
     from tailorfx.cli import main
     main(["plan", "llama", "vocab_size=512", "hidden_size=64", "intermediate_size=128", "num_hidden_layers=2",
           "num_attention_heads=4", "num_key_value_heads=2", "tie_word_embeddings=false", "--world", "8",
           "--budget", "3MiB", "--seq", str(SEQ), "--setup", "fp32"])
     out = capsys.readouterr().out
-    assert "step (H100)" in out and "the fastest that fits" in out and " ms " in out
+    assert "step (H100)" in out and "the fastest that fits" in out and "tokens/s" in out and " ms " in out
 
 
 @pytest.mark.multiprocess

@@ -1,6 +1,6 @@
 """The layout a world of devices should use under a budget: every (tp, pp, dp, sp) of `world` ranks
 predicted per rank with the rewrites it takes (fit.try_rewrites), and its step time on the
-device class (steptime.predict_step_time); the fastest that fits first.
+device class (steptime.predict_step_time); the fastest that fits (tokens per second) first.
 
     plan_world(config, world=64, budget="H100-80GB", seq_len=8192)[0]   -> the chosen WorldCandidate
 """
@@ -50,6 +50,17 @@ class WorldCandidate:
         return self.step.total_s if self.step is not None else None
 
     @property
+    def tokens(self) -> int:
+        """Tokens the whole world trains on per step: each data-parallel group's rows (under
+        Ulysses the dp ranks share theirs) times the pipeline's micro-batches times the sequence."""
+        m = self.memory
+        return 0 if m is None else m.seq_len * m.batch_size * m.microbatches * (1 if self.sp == "ulysses" else self.dp)
+
+    @property
+    def tokens_per_s(self) -> Optional[float]:
+        return self.tokens / self.step_s if self.step is not None else None
+
+    @property
     def bubble(self) -> float:
         return self.memory.bubble if self.memory is not None else 0.0
 
@@ -59,7 +70,7 @@ class WorldCandidate:
     def __str__(self) -> str:
         peak = format_bytes(self.peak_bytes) if self.peak_bytes is not None else "-"
         rewrites = f" + {'+'.join(self.passes)}" if self.passes else ""
-        step = f", {self.step_s * 1e3:.0f} ms per step" if self.step is not None else ""
+        step = f", {self.tokens_per_s:,.0f} tokens/s" if self.step is not None else ""
         return f"{self.layout()}{rewrites}: {self.status}, {peak} per rank{step}" + (
             f" ({self.reason})" if self.reason else "")
 
@@ -85,9 +96,11 @@ def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budg
     """The layouts (tp, pp, dp, sp) of `world` ranks, each predicted per rank with its own rewrites
     (fit.try_rewrites: the layout's default, then under dp alone each block recomputed where only
     that fits) and its step time on `device` (default: the GPU a budget preset names, else
-    "H100"), the chosen one first: the fastest (ties: `preference`) among those whose worst rank
-    fits the budget less the planner's headroom (planner.usable), then the other fitting ones by
-    step time, those over the budget (smallest first) and those not available, each with the reason.
+    "H100"), the chosen one first: the fastest in tokens per second (ties: `preference`) among
+    those whose worst rank fits the budget less the planner's headroom (planner.usable), then the
+    other fitting ones, fastest first, those over the budget (smallest first) and those not
+    available, each with the reason. Tokens per second, not step time: at `batch_size` rows per
+    rank a dp layout trains on more tokens per step than a tp one.
 
     Enumerated: tp * pp * dp == world, tp <= max_tp (one node) and dividing the heads read off
     the graph, pp at most the number of blocks, sp="megatron" beside every tp >= 2 without pp
@@ -126,7 +139,7 @@ def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budg
                                  batch_size=batch_size, setup=s, passes=list(fit.passes), device=dev, memory=rm)
         out.append(WorldCandidate(tp, pp, dp, sp, "fits" if fit.fits else "over budget", over, rm,
                                   passes=fit.passes, step=step))
-    fitting = sorted((c for c in out if c.status == "fits"), key=lambda c: (c.step_s, preference(c)))
+    fitting = sorted((c for c in out if c.status == "fits"), key=lambda c: (-c.tokens_per_s, preference(c)))
     over = sorted((c for c in out if c.status == "over budget"), key=lambda c: c.peak_bytes)
     rest = [c for c in out if c.status == "not available"]
     if not fitting:
