@@ -297,6 +297,62 @@ def predict_8b(seq: int = 8192, match: str = "") -> tuple[list[list], list[dict]
     return rows, out
 
 
+SEQS_8B = (8192, 32768, 131072)
+
+
+def worlds_8b(worlds=(8, 64), seqs=SEQS_8B) -> tuple[list[list], list[dict], list[list]]:
+    """`tailorfx plan --world N --budget H100-80GB --seq S` for Llama-3-8B (amp-bf16, one row per
+    rank's micro-batch): every layout with the rewrites it takes, its per-rank peak, predicted
+    step time and tokens per second; then, on the first world, the longest sequence each layout
+    reaches with its most frugal rewrites (each block recomputed under dp alone): the predicted
+    peaks at `seqs` fitted as a + b * seq (flash attention: activations grow linearly) and solved
+    for the budget, marked "extrapolated" beyond the longest sequence planned."""
+    import time
+    from tailorfx import planner
+    from tailorfx.budget import Budget
+    from tailorfx.errors import BudgetError
+    from tailorfx.parallel import plan_world, predict_rank_memory
+    cfg, gib = llama3_8b_config(), lambda b: f"{b / 2**30:.1f}"
+    usable = planner.usable(Budget.parse("H100-80GB").bytes)
+    rows, out, frugal = [], [], {}
+    for world in worlds:
+        for seq in seqs:
+            t = time.time()
+            try:
+                cands = plan_world(cfg, world=world, budget="H100-80GB", seq_len=seq, setup="amp-bf16")
+            except BudgetError as e:
+                cands = e.candidates
+            print(f"world {world}, seq {seq}: {time.time() - t:.0f} s", file=sys.stderr, flush=True)
+            for c in cands:
+                if c.memory is None:
+                    continue
+                rows.append([str(world), str(seq), c.layout(), "+".join(c.passes) or "-", gib(c.peak_bytes),
+                             f"{c.step_s * 1e3:.0f}", f"{c.tokens_per_s:,.0f}",
+                             "chosen" if c.chosen else c.status])
+                out.append({"world": world, "seq": seq, "layout": c.layout(), "tp": c.tp, "pp": c.pp, "dp": c.dp,
+                            "sp": c.sp, "passes": list(c.passes), "peak_bytes": c.peak_bytes,
+                            "step_s": c.step_s, "tokens_per_s": c.tokens_per_s, "status": c.status,
+                            "chosen": c.chosen, "step": c.step.breakdown()})
+                if world == worlds[0]:
+                    passes = ["recompute"] if c.tp == c.pp == 1 and not c.sp else None
+                    rm = predict_rank_memory(cfg, tp=c.tp, dp=c.dp, pp=c.pp, sp=c.sp, seq_len=seq, batch_size=1,
+                                             setup="amp-bf16", passes=passes)
+                    frugal.setdefault((c.layout(), "+".join(passes or c.passes) or "-"), []).append((seq, rm.peak_bytes))
+    longest = []
+    for (layout, rewrites), pts in frugal.items():
+        if len(pts) < 2:
+            continue
+        n = len(pts)
+        mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+        b = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        a = my - b * mx
+        worst = max(abs(a + b * x - y) / y for x, y in pts)
+        reach = int((usable - a) / b) if b > 0 else 0
+        where = "extrapolated" if reach > max(x for x, _ in pts) else "interpolated"
+        longest.append([layout, rewrites, f"{reach:,}" if reach > 0 else "none", where, f"{worst:.1%}"])
+    return rows, out, sorted(longest, key=lambda r: -int(r[2].replace(",", "")) if r[2] != "none" else 0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", nargs=4, type=int, metavar=("TP", "DP", "PP", "SP"))
@@ -309,11 +365,15 @@ def main() -> None:
     ap.add_argument("--skip-8b", action="store_true", help="no Llama-3-8B table")
     ap.add_argument("--match-8b", default="", help="only the Llama-3-8B rows whose layout names this")
     ap.add_argument("--calibrate-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worlds-8b", action="store_true", help="only tailorfx plan --world 8 and 64 for Llama-3-8B on "
+                                                             "H100-80GB at 8K, 32K and 128K tokens (no launches)")
     a = ap.parse_args()
     if a.worker:
         return worker(*a.worker, a.seq, a.batch, a.vocab_loss)
     if a.calibrate_worker:
         return calibrate_worker()
+    if a.worlds_8b:
+        return print_worlds_8b()
     sys.path.insert(0, HERE)
     from common import print_table, write_json
     mib = lambda b: f"{b / 2**20:.1f}"
@@ -369,6 +429,18 @@ def main() -> None:
                     ["world", "layout", "peak GiB", "params", "grads", "optimizer", "activations", "comm",
                      "bubble", "fits 80GB (less 4% headroom)"], rows)
     print("wrote", write_json("parallel.json", {"layouts": results, "step_time": timing, "llama3_8b": llama}))
+
+
+def print_worlds_8b() -> None:
+    sys.path.insert(0, HERE)
+    from common import print_table, write_json
+    rows, out, longest = worlds_8b()
+    print_table("Llama-3-8B on H100-80GB, predicted (amp-bf16, 1 row per rank's micro-batch): each layout with its "
+                "rewrites, fastest first (tokens/s)", ["GPUs", "seq", "layout", "rewrites", "peak GiB", "step ms",
+                                                       "tokens/s", "status"], rows)
+    print_table("The longest sequence each layout of 8 H100-80GB reaches, predicted (peaks at 8K, 32K and 128K fitted "
+                "linearly)", ["layout", "rewrites", "longest sequence", "", "fit's largest error"], longest)
+    print("wrote", write_json("parallel_worlds_8b.json", {"plans": out, "longest_8": longest}))
 
 
 def step_times(results: list, a, saved: dict) -> dict:
