@@ -14,8 +14,8 @@ from tailorfx.options import Options, check_flag, check_passes, pass_options
 from tailorfx import planner
 from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError, PredictionError
-from tailorfx.parallel import ParallelSpec, parallelize
-from tailorfx.parallel.fit import fit_rewrites
+from tailorfx.parallel import ParallelSpec
+from tailorfx.parallel.entry import parallel_plan
 from tailorfx.report import Report
 from tailorfx import compat
 from tailorfx.rewrite import bound, memory
@@ -80,13 +80,18 @@ class OptimizedModule(nn.Module):
                 yield name, p
 
     def step(self, **batch):
-        """Under parallel=dict(pp=...): one pipelined training step (forward and backward of every
-        micro-batch); returns the mean micro-batch loss on the last stage's rank, else None."""
+        """Under parallel=: one training step's forward and backward. A pipeline's runs every
+        micro-batch and returns the mean micro-batch loss on the last stage's ranks, None elsewhere;
+        any other layout returns this rank's loss (the same call whatever parallel="auto" chose)."""
         plan = self.session.parallel
-        if plan is None or plan.runtime.spec.pp == 1:
-            raise ValueError("opt.step(**batch) is the pipelined training step of parallel=dict(pp=...); "
+        if plan is None:
+            raise ValueError("opt.step(**batch) is the training step of a parallel= layout; "
                              "otherwise call opt(**batch).loss.backward()")
-        return plan.runtime.step(batch)
+        if plan.runtime.spec.pp > 1:
+            return plan.runtime.step(batch)
+        loss = self(**batch).loss
+        loss.backward()
+        return loss.detach()
 
     def _forward(self, *args, **kwargs):
         if self.session.parallel is not None:   # sharded by DTensor/FSDP2: runs as torch.distributed runs it
@@ -334,7 +339,7 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
              precision_policy: Optional[dict] = None, setup: Any = None,
              optimizer: Optional[str] = "adamw", recompute: Optional[str] = None,
              keep_logits: bool = False, strict: bool = False, lowering: str = "auto", verify: bool = True,
-             predict: bool = True, parallel: Union[dict, ParallelSpec, None] = None,
+             predict: bool = True, parallel: Union[dict, ParallelSpec, str, None] = None,
              kernels: Optional[str] = None) -> OptimizedModule:
     """Rewrite `model` for training under `budget`; returns a module that trains like the original.
 
@@ -358,6 +363,10 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     `sp="ulysses"` splits sequences over the dp ranks (`parallel=`: a dict of
     tailorfx.parallel.ParallelSpec's fields, or a ParallelSpec); with `budget=`, the rewrites each
     rank takes are chosen so its predicted peak fits (least recompute first), else BudgetError.
+    `parallel="auto"` (with a budget) lays the model out over the torchrun world as
+    tailorfx.parallel.plan_world ranks the layouts: the fastest that fits, predicted on this
+    machine (a GPU's figures by name, a CPU's measured); every rank is given the same global batch
+    and takes its share.
     `kernels="triton"` runs norms, gated activations, attention and the fused LM head as the
     runtime's Triton kernels (`opt.kernels()` lists them). `opt.report()` lists what went where.
     """
@@ -402,32 +411,12 @@ def check_triton(model: nn.Module) -> None:
 
 def _parallel_module(model: nn.Module, options: Options, budget: Optional[Budget], parallel: Any,
                      args: tuple, kwargs: dict) -> OptimizedModule:
-    """optimize(parallel=...): the plan read off the graph, applied with torch.distributed."""
-    spec = ParallelSpec.parse(parallel)
-    policy = options.options_dict().get("recompute_policy")
-    fit = None
-    if budget is None:
-        passes = spec.rewrites(options.passes, policy)   # before any capture
-    else:   # each rank's rewrites planned on fake tensors, before the model is sharded
-        rows, seq = _tokens_of(args, kwargs)
-        fit = fit_rewrites(model, spec, budget, seq_len=seq, batch_size=rows, setup=options.options_dict()["setup"],
-                           requested=options.passes, recompute_policy=policy)
-        passes = fit.passes
-    plan = parallelize(model, spec, args, kwargs, passes=passes, options=options.options_dict())
-    if fit is not None:
-        plan = dataclasses.replace(plan, report=dataclasses.replace(plan.report, budget=fit.describe()))
+    """optimize(parallel=...): the layout (given, or "auto") applied with torch.distributed."""
+    plan = parallel_plan(model, parallel, args, kwargs, budget=budget, requested=options.passes,
+                         options=options.options_dict())
     opt = OptimizedModule(model, options, budget)
     opt.session.parallel = plan
     return opt
-
-
-def _tokens_of(args: tuple, kwargs: dict) -> tuple[int, int]:
-    """(rows, tokens) of the example batch's token ids: what each rank's step is planned at."""
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-        raise ValueError("optimize(budget=..., parallel=...) plans each rank at its example batch: give "
-                         "example_inputs with input_ids of shape (rows, tokens)")
-    return int(ids.shape[0]), int(ids.shape[1])
 
 
 def _setup_for(model: nn.Module, setup: Any, optimizer: Optional[str]) -> TrainingSetup:

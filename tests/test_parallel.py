@@ -329,6 +329,17 @@ def test_fsdp2_dp2_equals_one_process(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_parallel_auto_lays_out_a_world_and_equals_one_process(tmp_path):
+    # optimize(parallel="auto", budget=...): every rank given the same global batch, the fastest
+    # layout that fits chosen on this machine's calibration, the same on both ranks
+    rows = torchrun(tmp_path, 2, "auto_check.py", "1GB", "llama", "qwen3", runs=2)
+    for (_, run), r in rows.items():
+        assert r["notes_agree"] and r["note"].startswith("parallel='auto': ") and "fastest of" in r["note"], r
+        tp, pp, dp, sp = r["layout"]
+        assert tp * pp * dp == 2 and r["note"].split(": ")[1].startswith(("dp2", "tp2", "pp2")), r
+
+
+@pytest.mark.multiprocess
 def test_tp2_x_dp2_on_four_processes_equals_one_process(tmp_path):
     # Qwen3 on a 2 x 2 mesh, then with Megatron's sequence parallelism on its tp dimension (memory
     # on that one: a prediction is a capture, four processes on two cores)

@@ -139,6 +139,31 @@ def test_plan_world_ranks_fitting_layouts_by_predicted_throughput(capsys):
     assert "step (H100)" in out and "the fastest that fits" in out and "tokens/s" in out and " ms " in out
 
 
+def test_parallel_auto_needs_a_budget_and_chooses_the_rewrites():
+    import tailorfx
+    model = LlamaForCausalLM(CFG)
+    batch = dict(input_ids=torch.zeros(2, SEQ, dtype=torch.long))
+    with pytest.raises(ValueError, match="parallel='auto' chooses the fastest layout that fits a budget: give budget="):
+        tailorfx.optimize(model, example_inputs=batch, parallel="auto")
+    with pytest.raises(ValueError, match="parallel='auto' chooses each rank's rewrites with its layout: drop passes="):
+        tailorfx.optimize(model, budget="1GB", example_inputs=batch, parallel="auto", passes=["recompute"])
+    with pytest.raises(ValueError, match="parallel='fast' is not valid: .* or parallel='auto' with a budget"):
+        tailorfx.optimize(model, example_inputs=batch, parallel="fast")
+
+
+def test_plan_world_splits_one_global_batch_as_each_layout_does():
+    """plan_world(global_rows=4): dp=2 takes 2 rows a rank, a pipeline of 2 over dp=2 two
+    micro-batches of one row, Ulysses every row; 2 rows do not split over dp=4, nor make 2
+    micro-batches on each of pp2 x dp2's dp ranks."""
+    by = {c.layout(): c for c in plan_world(CFG, world=4, budget="1GB", seq_len=SEQ, setup="fp32", global_rows=4)}
+    assert by["dp4"].memory.batch_size == 1 and by["tp2xdp2"].memory.batch_size == 2
+    assert by["pp2xdp2"].memory.batch_size == 1 and by["pp2xdp2"].memory.microbatches == 2
+    assert all(c.tokens == 4 * SEQ for c in by.values() if c.memory is not None)
+    few = {c.layout(): c for c in plan_world(CFG, world=4, budget="1GB", seq_len=SEQ, setup="fp32", global_rows=2)}
+    assert few["dp4"].status == "not available" and "dp=4 does not divide the global batch's 2 rows" in few["dp4"].reason
+    assert "needs 2 micro-batches or more" in few["pp2xdp2"].reason and few["tp2xdp2"].status == "fits"
+
+
 @pytest.mark.multiprocess
 def test_calibrate_measures_this_machine_on_two_processes(tmp_path):
     """tailorfx.parallel.calibrate in 2 gloo processes: every figure measured, finite and positive."""

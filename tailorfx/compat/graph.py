@@ -44,6 +44,17 @@ def op_short_name(t) -> Optional[str]:
     return None
 
 
+def op_argument(t, name: str, args: tuple, kwargs: dict, default=None):
+    """The value a call of overload `t` gives its argument `name` (by position or keyword), or
+    `default` when the call leaves it out or the overload has no such argument."""
+    if not isinstance(t, torch._ops.OpOverload):
+        return default
+    for i, a in enumerate(t._schema.arguments):
+        if a.name == name:
+            return args[i] if i < len(args) else kwargs.get(name, default)
+    return default
+
+
 def op_is_mutable(t) -> bool:
     """The overload writes one of its inputs (its schema says so)."""
     return isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable

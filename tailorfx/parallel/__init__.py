@@ -18,6 +18,7 @@ The modules import one way, each only those above it in this list (tests/test_la
     calibrate      a device class measured on this machine's process group (gloo)
     world          the layout a world of devices should use under a budget (plan_world)
     apply          optimize(parallel=...) inside torchrun: each parallelism applied (parallelize)
+    entry          optimize(parallel=...)'s entry: the layout given, or "auto" (the fastest that fits)
 
 Nothing here imports tailorfx.api or tailorfx.sizing.
 """

@@ -13,6 +13,9 @@ in the order torchtitan composes them (`parallelize`).
     recompute (dp alone): runtime.apply_checkpoint, each block one unit
     dp:  runtime.apply_fsdp (FSDP2: each block, then the root, on the dp mesh dim)
 
+parallel="auto" (entry.py) picks the layout, then the same steps; each rank takes its rows of each
+batch (`global_batch`).
+
 What it returns, ParallelPlan: the report (what went where), the runtime (what a call of the
 sharded model runs with) and the prediction (memory.RankPrediction, opt.predict_memory()).
 """
@@ -45,15 +48,20 @@ from tailorfx.runtime.tensor_parallel import (apply_checkpoint, apply_fsdp, appl
 
 
 def parallelize(model: nn.Module, spec: ParallelSpec, args: tuple, kwargs: dict, *, passes: tuple = (),
-                options: Optional[dict] = None) -> ParallelPlan:
+                options: Optional[dict] = None, global_batch: bool = False) -> ParallelPlan:
     """Shard `model` in place as `spec` asks; returns what was done. `passes`: the rewrites the
     layout takes (spec.rewrites: the pipeline's step graph's, or "recompute" under dp alone);
-    `options`: optimize()'s pass options (the pipeline's rewrites read theirs)."""
+    `options`: optimize()'s pass options (the pipeline's rewrites read theirs). `global_batch`:
+    every rank is given the same batch (the example and each call), and takes its dp rank's rows
+    of it (Ulysses: all of them, and its slice of the sequence)."""
     if not args and not kwargs:
         raise ValueError("parallel= needs example_inputs: the tensor-parallel plan is read off the graph "
                          "of one forward pass")
     device = rank_device()
     mesh = device_mesh(tp=spec.tp, dp=spec.dp, pp=spec.pp, device=device)
+    rows = (mesh["dp"].get_local_rank(), spec.dp) if global_batch and spec.dp > 1 and spec.sp != "ulysses" else None
+    if rows is not None:
+        args, kwargs = rank_rows(args, rows), rank_rows(kwargs, rows)
     if device.type == "cuda":   # each rank on its own GPU (a model moved to "cuda" before is on GPU 0 everywhere)
         model.to(device)
         args, kwargs = on_device((args, kwargs), device)
@@ -81,7 +89,7 @@ def parallelize(model: nn.Module, spec: ParallelSpec, args: tuple, kwargs: dict,
                             stage_blocks=pipe.stage_blocks if pipe else [], bubble=pipe.bubble if pipe else 0.0,
                             rewrites=pipe.rewrites if pipe else [])
     runtime = ParallelRuntime(spec, passes=passes, device=device, head=head, dp_group=dp_group, dp_rank=dp_rank,
-                              pipeline=pipe)
+                              pipeline=pipe, rows=rows)
     prediction = RankPrediction(spec, dict(kwargs), passes=passes, source=source, tp_mesh=mesh["tp"],
                                 pp_rank=pipe.rank if pipe else 0, captured=pipe.captured if pipe else None, head=head)
     return ParallelPlan(report, runtime, prediction)
@@ -211,6 +219,7 @@ class ParallelRuntime:
     dp_group: Any = None                      # sp="ulysses": the group the sequence is split over
     dp_rank: int = 0
     pipeline: Optional[Pipeline] = None
+    rows: Optional[tuple[int, int]] = None    # (dp rank, dp): each call's batch is global, this rank takes its rows
 
     @property
     def rank_params(self) -> Optional[set]:
@@ -221,7 +230,7 @@ class ParallelRuntime:
         """One pipelined training step (forward and backward of every micro-batch); the mean
         micro-batch loss on the rank holding the last stage, None elsewhere."""
         losses: list = []
-        kwargs = self._on_device(kwargs)
+        kwargs = self._on_device(rank_rows(kwargs, self.rows))
         last = self.pipeline.is_last
         target = next(iter(kwargs.values())) if last else None
         self.pipeline.schedule.step(**kwargs, target=target, losses=losses)
@@ -234,7 +243,7 @@ class ParallelRuntime:
             raise ValueError("under parallel=dict(pp=...) one call is a whole pipelined training step: use "
                              "opt.step(**batch), which runs forward and backward of every micro-batch and "
                              "returns the loss on the last stage's rank")
-        args, kwargs = self._on_device((args, self._without_cache(model, kwargs)))
+        args, kwargs = self._on_device((rank_rows(args, self.rows), self._without_cache(model, rank_rows(kwargs, self.rows))))
         if self.spec.sp == "ulysses":
             return self._run_ulysses(model, args, kwargs)
         if self.head is None:
@@ -275,6 +284,26 @@ class ParallelRuntime:
         if loss is not None:
             out["loss"] = _ulysses_loss(loss, self.spec.dp, self.dp_group)
         return out
+
+
+def rank_rows(batch, rows: Optional[tuple[int, int]]):
+    """This dp rank's rows of a global batch (`rows`: (dp rank, dp); None: the batch as it is): each
+    tensor of two or more dims split along its first, which dp must divide."""
+    if rows is None:
+        return batch
+    rank, size = rows
+
+    def part(v):
+        if not isinstance(v, torch.Tensor) or v.dim() < 2:
+            return v
+        if v.shape[0] % size:
+            raise ValueError(f"parallel='auto' chose dp={size}, which splits each batch's rows over the dp ranks: "
+                             f"{v.shape[0]} rows do not split into {size} (give every rank the same global batch "
+                             f"with the rows it was planned at)")
+        return v.chunk(size)[rank]
+    if isinstance(batch, dict):
+        return {k: part(v) for k, v in batch.items()}
+    return tuple(part(v) for v in batch)
 
 
 def _ulysses_loss(loss, size: int, group):

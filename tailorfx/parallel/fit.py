@@ -46,14 +46,14 @@ def candidates(spec: ParallelSpec, requested: Optional[Sequence[str]],
 
 def try_rewrites(model, spec: ParallelSpec, usable: float, *, seq_len: int, batch_size: int,
                  setup: TrainingSetup, requested: Optional[Sequence[str]] = None,
-                 recompute_policy: Optional[str] = None) -> Fit:
+                 recompute_policy: Optional[str] = None, mesh=None) -> Fit:
     """The first candidate whose worst rank peaks within `usable` bytes, else the smallest tried
-    (`fits` False)."""
+    (`fits` False). `mesh`: under tp inside torchrun, a real mesh of tp ranks to shard on."""
     tried = []
     for passes in candidates(spec, requested, recompute_policy):
         memory = predict_rank_memory(model, tp=spec.tp, dp=spec.dp, pp=spec.pp, sp=spec.sp, schedule=spec.schedule,
                                      microbatches=spec.microbatches, seq_len=seq_len, batch_size=batch_size,
-                                     setup=setup, vocab_loss=spec.vocab_loss, passes=list(passes))
+                                     setup=setup, vocab_loss=spec.vocab_loss, passes=list(passes), _mesh=mesh)
         tried.append((passes, memory))
         if memory.peak_bytes <= usable:
             return Fit(passes, memory, tuple(tried))

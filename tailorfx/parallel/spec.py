@@ -65,7 +65,8 @@ class ParallelSpec:
         if isinstance(parallel, ParallelSpec):
             return parallel
         if not isinstance(parallel, dict):
-            raise ValueError(f"parallel={parallel!r} is not valid: give a dict such as parallel=dict(tp=2, dp=2)")
+            raise ValueError(f"parallel={parallel!r} is not valid: give a dict such as parallel=dict(tp=2, dp=2), "
+                             f"or parallel='auto' with a budget")
         keys = [f.name for f in fields(cls)]
         unknown = sorted(set(parallel) - set(keys))
         if unknown:

@@ -39,6 +39,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
+from tailorfx import compat
 from tailorfx.parallel.compose import stage_groups, stage_io
 from tailorfx.parallel.memory import RankMemory, predict_rank_memory
 from tailorfx.parallel.plan import head_style
@@ -167,8 +168,7 @@ def _nbytes(x) -> int:
 
 
 def _short(target) -> str:
-    name = getattr(target, "__name__", str(target))
-    return name.split(".")[0] if hasattr(target, "overloadpacket") else name
+    return compat.op_short_name(target) or getattr(target, "__name__", str(target))
 
 
 def _region_flops(key: str) -> int:
@@ -184,10 +184,7 @@ def _as_int(v) -> int:
 
 def _causal(target, args, kwargs) -> bool:
     """An attention kernel's is_causal argument (it attends half the pairs), False if it has none."""
-    for i, a in enumerate(getattr(target, "_schema", None).arguments if hasattr(target, "_schema") else ()):
-        if a.name == "is_causal":
-            return bool(args[i] if i < len(args) else kwargs.get("is_causal", False))
-    return False
+    return bool(compat.op_argument(target, "is_causal", args, kwargs, False))
 
 
 def op_flops(target, args, kwargs, out) -> int:
@@ -275,20 +272,22 @@ def _collective_s(dev: DeviceClass, kind: str, nbytes: float, calls: int, size: 
 def predict_step_time(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: int = 1, sp: Optional[str] = None,
                       schedule: str = "1f1b", microbatches: Optional[int] = None, seq_len: int, batch_size: int = 1,
                       setup: Any = None, vocab_loss: str = "fused", passes: Optional[list] = None,
-                      device: Union[str, DeviceClass] = "H100", memory: Optional[RankMemory] = None) -> StepTime:
+                      device: Union[str, DeviceClass] = "H100", memory: Optional[RankMemory] = None,
+                      mesh=None) -> StepTime:
     """The slowest rank's step time of a layout (the arguments as predict_rank_memory takes them)
     on `device` (see the module docstring). `memory`: that layout's RankMemory, if predicted
-    already (its capture is cached, so only the walk of the graph is new)."""
+    already (its capture is cached, so only the walk of the graph is new); `mesh`: as
+    predict_rank_memory's, a real tp mesh inside torchrun."""
     dev = device_class(device)
     rm = memory or predict_rank_memory(model_or_config, tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule,
                                        microbatches=microbatches, seq_len=seq_len, batch_size=batch_size,
-                                       setup=setup, vocab_loss=vocab_loss, passes=passes)
+                                       setup=setup, vocab_loss=vocab_loss, passes=passes, _mesh=mesh)
     spec = ParallelSpec(tp=rm.tp, dp=rm.dp, pp=rm.pp, sp=rm.sp, schedule=schedule,
                         microbatches=rm.microbatches if rm.pp > 1 else None, vocab_loss=vocab_loss)
     ulysses = rm.sp == "ulysses"
     cap = capture_rank(model_or_config, tp=rm.tp, rows=rm.batch_size, seq=seq_len // rm.dp if ulysses else seq_len,
                        dtype=rm.setup.param_dtype, head=head_style(spec), vocab_loss=vocab_loss,
-                       passes=spec.rewrites(passes))
+                       passes=spec.rewrites(passes), mesh=mesh)
     key = ("step time", dev, rm.tp > 1)      # one walk of a capture per device class
     if key not in cap.profiles:
         cap.profiles[key] = (_graph_time(cap.steps.fw, cap.fw_group, dev, rm.tp > 1),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -92,7 +92,9 @@ def _divisors(n: int) -> list[int]:
 
 def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budget], seq_len: int,
                batch_size: int = 1, setup: Any = None, schedule: str = "1f1b", microbatches: Optional[int] = None,
-               max_tp: int = MAX_TP, device: Union[str, DeviceClass, None] = None) -> list[WorldCandidate]:
+               max_tp: int = MAX_TP, device: Union[str, DeviceClass, None] = None,
+               global_rows: Optional[int] = None, tp_mesh: Optional[Callable[[int], Any]] = None
+               ) -> list[WorldCandidate]:
     """The layouts (tp, pp, dp, sp) of `world` ranks, each predicted per rank with its own rewrites
     (fit.try_rewrites: the layout's default, then under dp alone each block recomputed where only
     that fits) and its step time on `device` (default: the GPU a budget preset names, else
@@ -107,7 +109,10 @@ def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budg
 (unless the graph has a region the stream cannot be split around), sp="ulysses" when dp >= 2 without tp and pp (as
     the runtime supports it) and dp divides the heads and the sequence; pp with dp shards each
     stage over the dp ranks (FSDP2). `batch_size`: rows of one rank's
-    micro-batch; pipelines run `microbatches` of them (default pp). One capture per tp (and per
+    micro-batch; pipelines run `microbatches` of them (default pp). `global_rows` instead: every
+    layout trains on that one global batch (as optimize(parallel="auto") feeds it), split as the
+    layout splits it (_split_batch). `tp_mesh`: inside torchrun, tp -> a real mesh of tp ranks to
+    shard the captures on (outside, torch's fake process group). One capture per tp (and per
     head style and sequence slice) serves every dp, so a world of 1,024 costs a few captures.
     Raises BudgetError, naming the smallest peak any layout reaches, when none fits (its
     `candidates` attribute holds the list).
@@ -115,28 +120,33 @@ def plan_world(model_or_config: Any, *, world: int, budget: Union[str, int, Budg
     positive_int("world", world, allow_none=False)
     positive_int("seq_len", seq_len, allow_none=False)
     positive_int("batch_size", batch_size, allow_none=False)
+    positive_int("global_rows", global_rows)
     b = Budget.parse(budget)
     dev = device_class(device if device is not None else b.label if b.arch else "H100")
     s = resolve_setup(setup, param_dtype=param_dtype(model_or_config))
     usable = planner.usable(b.bytes, s.headroom)
-    base = capture_rank(model_or_config, tp=1, rows=batch_size, seq=seq_len, head="vocab", dtype=s.param_dtype)
+    base = capture_rank(model_or_config, tp=1, rows=global_rows or batch_size, seq=seq_len, head="vocab",
+                        dtype=s.param_dtype)
     out: list[WorldCandidate] = []
     for tp, pp, dp, sp in _layouts(world):
         why = _unavailable(model_or_config, tp, pp, dp, sp, base=base, dtype=s.param_dtype, seq_len=seq_len,
                            max_tp=max_tp)
+        why, rows, m = (why, batch_size, microbatches) if why else _split_batch(tp, pp, dp, sp, global_rows, batch_size,
+                                                                               microbatches)
         if why is not None:
             out.append(WorldCandidate(tp, pp, dp, sp, "not available", why))
             continue
         try:   # the layout's own rewrites, then (dp alone) each block recomputed if that is what fits
-            spec = ParallelSpec(tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule, microbatches=microbatches)
-            fit = try_rewrites(model_or_config, spec, usable, seq_len=seq_len, batch_size=batch_size, setup=s)
+            spec = ParallelSpec(tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule, microbatches=m)
+            mesh = tp_mesh(tp) if tp_mesh is not None and tp > 1 else None
+            fit = try_rewrites(model_or_config, spec, usable, seq_len=seq_len, batch_size=rows, setup=s, mesh=mesh)
         except ValueError as e:
             out.append(WorldCandidate(tp, pp, dp, sp, "not available", str(e).splitlines()[0]))
             continue
         rm = fit.memory
         over = "" if fit.fits else f"{format_bytes(rm.peak_bytes)} > {format_bytes(usable)} usable"
         step = predict_step_time(model_or_config, tp=tp, dp=dp, pp=pp, sp=sp, schedule=schedule, seq_len=seq_len,
-                                 batch_size=batch_size, setup=s, passes=list(fit.passes), device=dev, memory=rm)
+                                 batch_size=rows, setup=s, passes=list(fit.passes), device=dev, memory=rm, mesh=mesh)
         out.append(WorldCandidate(tp, pp, dp, sp, "fits" if fit.fits else "over budget", over, rm,
                                   passes=fit.passes, step=step))
     fitting = sorted((c for c in out if c.status == "fits"), key=lambda c: (-c.tokens_per_s, preference(c)))
@@ -157,6 +167,25 @@ def _layouts(world: int):
                 ["ulysses"] if dp >= 2 and tp == pp == 1 else [])
             for sp in layouts:
                 yield tp, pp, dp, sp
+
+
+def _split_batch(tp: int, pp: int, dp: int, sp: Optional[str], global_rows: Optional[int], batch_size: int,
+                 microbatches: Optional[int]) -> tuple[Optional[str], int, Optional[int]]:
+    """(why the layout cannot take the batch or None, rows of a rank's micro-batch, micro-batches):
+    without `global_rows`, `batch_size` and `microbatches` as given; with it, the global batch as
+    the layout splits it: its rows over the dp ranks (under Ulysses every dp rank takes every row
+    and a slice of the sequence), a pipeline's share in micro-batches of one row."""
+    if global_rows is None:
+        return None, batch_size, microbatches
+    if sp == "ulysses":
+        return None, global_rows, None
+    if global_rows % dp:
+        return f"dp={dp} does not divide the global batch's {global_rows} rows", 0, None
+    rows = global_rows // dp
+    if pp > 1 and rows < pp:
+        return (f"a pipeline of {pp} stages needs {pp} micro-batches or more, and each dp rank has {rows} "
+                f"row(s) of the global batch"), 0, None
+    return (None, 1, rows) if pp > 1 else (None, rows, None)
 
 
 def _unavailable(model_or_config: Any, tp: int, pp: int, dp: int, sp: Optional[str], *, base: RankCapture,

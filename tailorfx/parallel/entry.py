@@ -1,0 +1,116 @@
+"""optimize(parallel=...)'s entry: the layout given (a dict or ParallelSpec), its rewrites planned
+under a budget (fit.py), or parallel="auto": the fastest layout of the torchrun world that fits
+(world.plan_world at the global batch, on this machine's device class); then apply.parallelize.
+
+    plan = parallel_plan(model, "auto", (), batch, budget=Budget.parse("H100-80GB"), requested=None,
+                         options=opts)
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from tailorfx.budget import Budget
+from tailorfx.parallel.apply import ParallelPlan, parallelize
+from tailorfx.parallel.calibrate import calibrate
+from tailorfx.parallel.fit import fit_rewrites
+from tailorfx.parallel.spec import ParallelSpec
+from tailorfx.parallel.steptime import DEVICE_CLASSES
+from tailorfx.parallel.world import plan_world
+from tailorfx.runtime.tensor_parallel import device_mesh, rank_device
+
+
+def parallel_plan(model: nn.Module, parallel: Any, args: tuple, kwargs: dict, *, budget: Optional[Budget],
+                  requested: Optional[Sequence[str]], options: dict) -> ParallelPlan:
+    """The layout applied to `model` (apply.parallelize), with the rewrites it takes: the
+    layout's own (spec.rewrites), or under a budget the first that fits (fit.fit_rewrites); for
+    parallel="auto", those of the layout chosen."""
+    if isinstance(parallel, str) and parallel == "auto":
+        return _auto_plan(model, args, kwargs, budget=budget, requested=requested, options=options)
+    spec = ParallelSpec.parse(parallel)
+    policy = options.get("recompute_policy")
+    fit = None
+    if budget is None:
+        passes = spec.rewrites(requested, policy)   # before any capture
+    else:   # each rank's rewrites planned on fake tensors, before the model is sharded
+        rows, seq = tokens_of(args, kwargs)
+        fit = fit_rewrites(model, spec, budget, seq_len=seq, batch_size=rows, setup=options["setup"],
+                           requested=requested, recompute_policy=policy)
+        passes = fit.passes
+    plan = parallelize(model, spec, args, kwargs, passes=passes, options=options)
+    if fit is not None:
+        plan = dataclasses.replace(plan, report=dataclasses.replace(plan.report, budget=fit.describe()))
+    return plan
+
+
+def _auto_plan(model: nn.Module, args: tuple, kwargs: dict, *, budget: Optional[Budget],
+               requested: Optional[Sequence[str]], options: dict) -> ParallelPlan:
+    """parallel="auto": the fastest layout that fits, with its rewrites; every rank is given the
+    same global batch."""
+    if budget is None:
+        raise ValueError("parallel='auto' chooses the fastest layout that fits a budget: give budget= (e.g. "
+                         "budget='H100-80GB'), or name the layout with parallel=dict(tp=..., dp=...)")
+    if requested is not None:
+        raise ValueError("parallel='auto' chooses each rank's rewrites with its layout: drop passes=, or name the "
+                         "layout with parallel=dict(...)")
+    rows, seq = tokens_of(args, kwargs)
+    spec, chosen, fitting = auto_layout(model, budget=budget, seq_len=seq, global_rows=rows, setup=options["setup"])
+    plan = parallelize(model, spec, args, kwargs, passes=chosen.passes, options=options, global_batch=True)
+    note = (f"parallel='auto': {chosen} (the fastest of {fitting} layouts that fit, predicted on "
+            f"{chosen.step.device}); each rank takes its rows of the global batch")
+    return dataclasses.replace(plan, report=dataclasses.replace(plan.report, budget=note))
+
+
+def auto_layout(model: nn.Module, *, budget, seq_len: int, global_rows: int, setup) -> tuple[ParallelSpec, Any, int]:
+    """optimize(parallel="auto"): the fastest layout of the torchrun world that fits `budget`
+    (plan_world at the global batch, on this machine's device class: a GPU's by name, a CPU's
+    measured by calibrate()); rank 0's choice on every rank. Returns (its spec, the candidate,
+    the number of layouts that fit)."""
+    device = rank_device()
+    mesh = device_mesh(dp=_world_size(), device=device)      # the process group, for calibrate and the choice
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        dev = next((k for k in DEVICE_CLASSES if k in name.upper()), "H100")
+    else:
+        dev = calibrate(repeats=3)
+    world, meshes = mesh.size(), {}
+
+    def tp_mesh(tp: int):     # the same meshes on every rank, in the same order (plan_world's)
+        if tp not in meshes:
+            meshes[tp] = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("rest", "tp"))["tp"]
+        return meshes[tp]
+    cands = plan_world(model, world=world, budget=budget, seq_len=seq_len, global_rows=global_rows, setup=setup,
+                       device=dev, tp_mesh=tp_mesh)
+    keys = [[(c.tp, c.pp, c.dp, c.sp)] for c in cands[:1]]
+    dist.broadcast_object_list(keys[0], src=0)
+    chosen = next(c for c in cands if (c.tp, c.pp, c.dp, c.sp) == keys[0][0])
+    m = chosen.memory.microbatches if chosen.pp > 1 else None
+    spec = ParallelSpec(tp=chosen.tp, dp=chosen.dp, pp=chosen.pp, sp=chosen.sp, microbatches=m)
+    return spec, chosen, sum(c.status == "fits" for c in cands)
+
+
+def _world_size() -> int:
+    if dist.is_initialized():
+        return dist.get_world_size()
+    if "WORLD_SIZE" not in os.environ:
+        raise RuntimeError("parallel='auto' lays the model out over a torchrun world: launch with `torchrun "
+                           "--nproc-per-node N your_script.py`")
+    return int(os.environ["WORLD_SIZE"])
+
+
+def tokens_of(args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(rows, tokens) of the example batch's token ids: what each rank's step is planned at."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError("optimize(budget=..., parallel=...) plans each rank at its example batch: give "
+                         "example_inputs with input_ids of shape (rows, tokens)")
+    return int(ids.shape[0]), int(ids.shape[1])
+
+
+__all__ = ["auto_layout", "parallel_plan", "tokens_of"]
