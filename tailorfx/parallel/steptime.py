@@ -297,7 +297,6 @@ def predict_step_time(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: int
     per_group = {g: fw.compute.get(g, 0.0) + bw.compute.get(g, 0.0) for g in range(cap.num_groups)}
     flops = sum(fw.flops.values()) + sum(bw.flops.values())
     tp_comm = sum(_collective_s(dev, kind, nbytes, calls, rm.tp, 1) for kind, nbytes, calls in fw.comm + bw.comm)
-    fsdp = _fsdp_s(cap, dev, rm)
     attentions = len(cap.regions.of_kind("attention"))
     uly = _collective_s(dev, "all_to_all_single", 2 * cap.attn_bytes * attentions, 8 * attentions,
                         rm.dp, rm.tp) if ulysses else 0.0
@@ -306,51 +305,45 @@ def predict_step_time(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: int
     world = rm.tp * rm.dp * rm.pp
     share = max(1.0, world / dev.shared_cores) if dev.shared_cores else 1.0
     if rm.pp == 1:
-        return StepTime(layout, dev.name, sum(per_group.values()) * share, tp_comm, fsdp, uly, 0.0, 0.0, opt * share,
-                        flops, dev.overlap_fsdp)
+        units = [{g} for g in range(cap.num_groups)]
+        return StepTime(layout, dev.name, sum(per_group.values()) * share, tp_comm, _fsdp_s(cap, dev, rm, units), uly,
+                        0.0, 0.0, opt * share, flops, dev.overlap_fsdp)
     m = rm.microbatches
     ranks = _pipeline_ranks(cap, spec, dev, per_group, tp_comm)
-    compute, p2p, tp_share, groups = max(ranks, key=lambda t: t[0] + t[1] + t[2])
+    compute, p2p, tp_share, stages = max(ranks, key=lambda t: t[0] + t[1] + t[2])
+    groups = set().union(*stages)
     busy = (compute + p2p + tp_share) * m
     step = busy / (1 - rm.bubble)
     if dev.shared_cores:        # every rank's compute, on the cores they share
         step = max(step, sum(r[0] for r in ranks) * m * rm.tp * rm.dp / dev.shared_cores + (p2p + tp_share) * m)
     flops = sum(fw.flops.get(g, 0) + bw.flops.get(g, 0) for g in groups)
-    return StepTime(layout, dev.name, compute * m, tp_share * m, fsdp, 0.0, p2p * m, step - busy, opt * share,
-                    flops * m, dev.overlap_fsdp)
+    return StepTime(layout, dev.name, compute * m, tp_share * m, _fsdp_s(cap, dev, rm, stages), 0.0, p2p * m,
+                    step - busy, opt * share, flops * m, dev.overlap_fsdp)
 
 
-def _fsdp_s(cap: RankCapture, dev: DeviceClass, rm: RankMemory) -> float:
-    """FSDP2's collectives over the dp ranks: per block an all-gather in forward and another in
-    backward (reshard_after_forward), per root one; a reduce-scatter of each unit's gradients.
-    Pipeline stages are one unit each, gathered once for all their micro-batches."""
+def _fsdp_s(cap: RankCapture, dev: DeviceClass, rm: RankMemory, units: list[set]) -> float:
+    """FSDP2's collectives over the dp ranks, per unit (its groups): an all-gather in forward and
+    another in backward for a block (reshard_after_forward), one for the root; a reduce-scatter of
+    its gradients. A pipeline stage is one unit, gathered once for all its micro-batches."""
     if rm.dp <= 1:
         return 0.0
-    stride = rm.tp
     grad_ratio = rm.setup.grads.itemsize / rm.setup.param_dtype.itemsize
-    if rm.pp > 1:
-        units = [sum(cap.group_bytes(g) for g in gs) for gs in _rank_stage_groups(cap, rm)]
-        gathers = [(b, 1) for b in units]
-    else:
-        L = len(cap.blocks)
-        units = [cap.group_bytes(g) for g in range(cap.num_groups)]
-        gathers = [(b, 1 if g in (0, L + 1) else 2) for g, b in enumerate(units)]
-    gather = sum(_collective_s(dev, "all_gather_into_tensor", b * k, k, rm.dp, stride) for b, k in gathers if b)
-    scatter = sum(_collective_s(dev, "reduce_scatter_tensor", b * grad_ratio, 1, rm.dp, stride) for b in units if b)
-    return gather + scatter
-
-
-def _rank_stage_groups(cap: RankCapture, rm: RankMemory) -> list[set]:
-    """The groups of each stage the slowest (worst) pipeline rank runs."""
-    groups = stage_groups(cap, [list(st.blocks) for st in rm.stages])
-    worst = int(rm.rank.split()[2]) if rm.rank.startswith("pipeline rank") else 0
-    return [groups[st.stage] for st in rm.stages if st.rank == worst]
+    roots = {0, len(cap.blocks) + 1}
+    total = 0.0
+    for unit in units:
+        nbytes = sum(cap.group_bytes(g) for g in unit)
+        if not nbytes:
+            continue
+        gathers = 1 if rm.pp > 1 or unit <= roots else 2
+        total += _collective_s(dev, "all_gather_into_tensor", nbytes * gathers, gathers, rm.dp, rm.tp)
+        total += _collective_s(dev, "reduce_scatter_tensor", nbytes * grad_ratio, 1, rm.dp, rm.tp)
+    return total
 
 
 def _pipeline_ranks(cap: RankCapture, spec: ParallelSpec, dev: DeviceClass, per_group: dict,
-                    tp_comm: float) -> list[tuple[float, float, float, set]]:
+                    tp_comm: float) -> list[tuple[float, float, float, list[set]]]:
     """Per micro-batch, of each pipeline rank: (compute, sends, its share of tp's collectives, in
-    proportion to its compute; its groups)."""
+    proportion to its compute; its stages' groups)."""
     blocks_of = stage_blocks(cap.stage_costs or block_costs(cap.gm, cap.regions), spec.num_stages)
     groups = stage_groups(cap, blocks_of)
     io = stage_io(cap, blocks_of)
@@ -360,7 +353,7 @@ def _pipeline_ranks(cap: RankCapture, spec: ParallelSpec, dev: DeviceClass, per_
         mine = range(r, spec.num_stages, spec.pp)
         compute = sum(per_group[g] for k in mine for g in groups[k])
         sends = sum(dev.latency * 2 + (io[k][2] + io[k][3]) / dev.link_bandwidth for k in mine)
-        ranks.append((compute, sends, tp_comm * compute / whole, {g for k in mine for g in groups[k]}))
+        ranks.append((compute, sends, tp_comm * compute / whole, [groups[k] for k in mine]))
     return ranks
 
 
@@ -368,7 +361,7 @@ def _optimizer_s(rm: RankMemory, dev: DeviceClass) -> float:
     """AdamW, memory-bound: parameters, gradients, master weights and moments read, all but the
     gradients written."""
     moved = 2 * (rm.param_bytes + rm.master_bytes + rm.optimizer_bytes) + rm.grad_bytes
-    return moved / dev.memory_bandwidth + dev.op_overhead * 10
+    return moved / dev.memory_bandwidth
 
 
 __all__ = ["DEVICE_CLASSES", "RING", "DeviceClass", "StepTime", "device_class", "op_flops", "predict_step_time"]
