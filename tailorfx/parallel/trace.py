@@ -209,7 +209,7 @@ def _traced(gm: fx.GraphModule, local: dict, passes: tuple, scope: Callable) -> 
     with scope():     # AOTAutograd outside the model's fake mode (it makes its own), collectives still known
         steps = memory.trace_step(gm, None, partition_for("dynamo", gm), None)
     steps = replace(steps, eager_autograd=True)
-    return replace(_annotate(gm, steps, local, scope), stage_costs=costs)
+    return replace(_annotate(gm, steps, local, scope, checkpointed="recompute" in passes), stage_costs=costs)
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -261,13 +261,16 @@ def _groups(g: fx.GraphModule, key: str, block_index: dict[str, int], backward: 
     return out
 
 
-def _annotate(gm: fx.GraphModule, steps: memory.StepGraphs, local: dict, scope) -> RankCapture:
+def _annotate(gm: fx.GraphModule, steps: memory.StepGraphs, local: dict, scope,
+              checkpointed: bool = False) -> RankCapture:
     seq = seq_info(gm, None)
     regions = find_regions(gm, seq)
     blocks = [r.path for r in regions.of_kind("block")]
     index = {b: i for i, b in enumerate(blocks)}
     fw = _groups(steps.fw, "nn_module_stack", index, False)
     bw = _groups(steps.bw, "fwd_nn_module_stack", index, True) if steps.bw is not None else {}
+    if checkpointed and bw:
+        _recompute_first(steps.bw, bw)
     attn_paths = {r.path for r in regions.of_kind("attention")}
     fw_attn = frozenset(n.name for n in fw if attn_paths & set(_stack_paths(n.meta.get("nn_module_stack"))))
     bw_attn = frozenset(n.name for n in bw if attn_paths & set(_stack_paths(n.meta.get("fwd_nn_module_stack"))))
@@ -289,6 +292,36 @@ def _annotate(gm: fx.GraphModule, steps: memory.StepGraphs, local: dict, scope) 
     return RankCapture(steps, seq, gm, regions, blocks, {n.name: v for n, v in fw.items()},
                     {n.name: v for n, v in bw.items()}, {**fw, **bw}, fw_attn, bw_attn, params,
                     attn_bytes, (heads, kv_heads), scope, wgrad=_weight_grad_inputs(gm, index))
+
+
+def _recompute_first(bw: fx.GraphModule, group: dict) -> None:
+    """Reorder the backward graph as torch's checkpoint runs it (the runtime's recompute under dp and
+    tp): when a part's backward starts, its forward runs again before any of its gradient ops,
+    where AOTAutograd's partitioner recomputes each value just before its first use. A recomputed
+    op (partitioner_tag "is_forward") belongs to the part whose gradient ops first use it."""
+    nodes = list(bw.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    recomputed = [n for n in nodes if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"]
+    part: dict = {}
+    for n in reversed(recomputed):
+        users = sorted(n.users, key=order.get)
+        owner = next((part[u] if u in part else group.get(u) for u in users
+                      if u in part or u.meta.get("partitioner_tag") != "is_forward"), None)
+        if owner is not None:
+            part[n] = owner
+    first: dict = {}
+    for n in nodes:
+        if n.op == "call_function" and n not in part and n.meta.get("partitioner_tag") != "is_forward":
+            first.setdefault(group.get(n), n)
+    moved = set()
+    for n in recomputed:     # in order: a value's inputs move before it does, or it stays
+        anchor = first.get(part.get(n))
+        if (anchor is not None and order[anchor] < order[n]
+                and all(order[a] < order[anchor] or a in moved for a in n.all_input_nodes)):
+            anchor.prepend(n)
+            moved.add(n)
+    bw.graph.lint()
+    bw.recompile()
 
 
 def _weight_grad_inputs(gm: fx.GraphModule, index: dict[str, int]) -> list[int]:
