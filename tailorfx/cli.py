@@ -142,7 +142,8 @@ def cmd_plan_world(args):
     note("capturing each tensor-parallel width and predicting every layout ...")
     try:
         cands = plan_world(cfg, world=args.world, budget=args.budget, seq_len=args.seq, batch_size=args.batch,
-                           setup=args.setup, schedule=args.schedule, microbatches=args.microbatches)
+                           setup=args.setup, schedule=args.schedule, microbatches=args.microbatches,
+                           device=args.device)
     except BudgetError as e:
         _print_candidates(getattr(e, "candidates", []))
         sys.stderr.write(f"tailorfx plan: {e}\n")
@@ -313,6 +314,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES), help="pipeline schedule (with --world)")
     p.add_argument("--microbatches", type=positive, default=None, help="micro-batches per pipeline step "
                                                                         "(with --world; default pp)")
+    p.add_argument("--device", default=None, choices=["H100", "H200", "A100"],
+                   help="whose figures predict the step time (with --world; default: the budget's GPU, else H100)")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("train", help="train a model built from CONFIG (random init) on local text, packed")

@@ -134,9 +134,9 @@ def test_plan_world_ranks_fitting_layouts_by_predicted_throughput(capsys):
     from tailorfx.cli import main
     main(["plan", "llama", "vocab_size=512", "hidden_size=64", "intermediate_size=128", "num_hidden_layers=2",
           "num_attention_heads=4", "num_key_value_heads=2", "tie_word_embeddings=false", "--world", "8",
-          "--budget", "3MiB", "--seq", str(SEQ), "--setup", "fp32"])
+          "--budget", "3MiB", "--seq", str(SEQ), "--setup", "fp32", "--device", "H200"])
     out = capsys.readouterr().out
-    assert "step (H100)" in out and "the fastest that fits" in out and "tokens/s" in out and " ms " in out
+    assert "step (H200)" in out and "the fastest that fits" in out and "tokens/s" in out and " ms " in out
 
 
 def test_parallel_auto_needs_a_budget_and_chooses_the_rewrites():
