@@ -243,7 +243,8 @@ class ParallelRuntime:
             raise ValueError("under parallel=dict(pp=...) one call is a whole pipelined training step: use "
                              "opt.step(**batch), which runs forward and backward of every micro-batch and "
                              "returns the loss on the last stage's rank")
-        args, kwargs = self._on_device((rank_rows(args, self.rows), self._without_cache(model, rank_rows(kwargs, self.rows))))
+        args, kwargs = rank_rows(args, self.rows), rank_rows(kwargs, self.rows)
+        args, kwargs = self._on_device((args, self._without_cache(model, kwargs)))
         if self.spec.sp == "ulysses":
             return self._run_ulysses(model, args, kwargs)
         if self.head is None:

@@ -1,12 +1,13 @@
 """The step-time model's figures for this machine (a steptime.DeviceClass), measured inside a
-process group by every rank at once, so that ranks sharing cores share them as in a step:
+process group:
 
     # in each of N torchrun processes (gloo):
-    dev = calibrate()          # the same DeviceClass on every rank (the slowest rank's figures)
+    dev = calibrate()          # the same DeviceClass on every rank (rank 0's figures)
 
 One core's figures, measured by rank 0 while the others wait: matmul rate (a 1024 x 512 x 1024
-matmul), fused attention's rate (causal SDPA, forward and backward), memory bandwidth (an elementwise op over 16 MiB), the dispatch overhead of an op on a
-tiny tensor and its extra on a replicated DTensor; the cores the ranks share (this process's CPU
+matmul), fused attention's rate (causal SDPA, forward and backward), memory bandwidth (an
+elementwise op over 16 MiB), the dispatch overhead of an op on a tiny tensor and its extra on a
+replicated DTensor; the cores the ranks share (this process's CPU
 affinity). Each collective kind's latency per ring step and bandwidth, with every rank in it, for
 steps * latency + fraction * bytes / bandwidth (steptime.RING: an all-reduce takes 2(n-1) steps
 and moves 2(n-1)/n of its bytes): the latency from a call of a few bytes, the bandwidth from
@@ -100,7 +101,8 @@ def calibrate(name: str = "cpu-gloo", repeats: int = 9) -> DeviceClass:
     fits = tuple((f[0], float(a), float(b)) for f, (a, b) in zip(fits, link.tolist()))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return DeviceClass(name, matmul_flops=float(core[0]), attention_flops=float(core[1]),
-                       memory_bandwidth=float(core[2]), op_overhead=float(core[3]), dtensor_overhead=float(core[4]), link_bandwidth=fits[0][2], network_bandwidth=fits[0][2],
+                       memory_bandwidth=float(core[2]), op_overhead=float(core[3]), dtensor_overhead=float(core[4]),
+                       link_bandwidth=fits[0][2], network_bandwidth=fits[0][2],
                        latency=fits[0][1], ranks_per_node=n, overlap_fsdp=False, shared_cores=cores, fits=fits,
                        source=f"measured by tailorfx.parallel.calibrate on {n} {dist.get_backend()} processes sharing "
                               f"{cores} cores, {torch.get_num_threads()} thread(s) each")

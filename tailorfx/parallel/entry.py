@@ -69,9 +69,9 @@ def _auto_plan(model: nn.Module, args: tuple, kwargs: dict, *, budget: Optional[
 
 def auto_layout(model: nn.Module, *, budget, seq_len: int, global_rows: int, setup) -> tuple[ParallelSpec, Any, int]:
     """optimize(parallel="auto"): the fastest layout of the torchrun world that fits `budget`
-    (plan_world at the global batch, on this machine's device class: a GPU's by name, a CPU's
-    measured by calibrate()); rank 0's choice on every rank. Returns (its spec, the candidate,
-    the number of layouts that fit)."""
+    (plan_world at the global batch, on this machine's device class: a GPU's by name, H100's for
+    one without figures of its own, a CPU's measured by calibrate()); rank 0's choice on every
+    rank. Returns (its spec, the candidate, the number of layouts that fit)."""
     device = rank_device()
     mesh = device_mesh(dp=_world_size(), device=device)      # the process group, for calibrate and the choice
     if device.type == "cuda":
@@ -87,9 +87,9 @@ def auto_layout(model: nn.Module, *, budget, seq_len: int, global_rows: int, set
         return meshes[tp]
     cands = plan_world(model, world=world, budget=budget, seq_len=seq_len, global_rows=global_rows, setup=setup,
                        device=dev, tp_mesh=tp_mesh)
-    keys = [[(c.tp, c.pp, c.dp, c.sp)] for c in cands[:1]]
-    dist.broadcast_object_list(keys[0], src=0)
-    chosen = next(c for c in cands if (c.tp, c.pp, c.dp, c.sp) == keys[0][0])
+    key = [(cands[0].tp, cands[0].pp, cands[0].dp, cands[0].sp)]
+    dist.broadcast_object_list(key, src=0)
+    chosen = next(c for c in cands if (c.tp, c.pp, c.dp, c.sp) == key[0])
     m = chosen.memory.microbatches if chosen.pp > 1 else None
     spec = ParallelSpec(tp=chosen.tp, dp=chosen.dp, pp=chosen.pp, sp=chosen.sp, microbatches=m)
     return spec, chosen, sum(c.status == "fits" for c in cands)
