@@ -86,21 +86,19 @@ class DeviceClass:
 
 # Datasheet figures times the fraction training sustains (bf16 dense matmuls at 45% of peak,
 # flash attention's forward and backward at 35% on Hopper, 50% on Ampere (FlashAttention-2's
-# published figures through SDPA), memory at 80%); collectives at NCCL's bus bandwidth on 8-GPU NVLink nodes and one 400 (H100) or
-# 200 (A100) Gb/s InfiniBand port per GPU. Modelled, not measured here: benchmarks/gpu_check.py
-# is where they are checked when a GPU is at hand.
+# published figures through SDPA), memory at 80%); collectives at NCCL's bus bandwidth on 8-GPU
+# NVLink nodes and one 400 (H100) or 200 (A100) Gb/s InfiniBand port per GPU. Modelled: no GPU has
+# checked them yet (calibrate() measures a machine's own, on any backend).
+_GPU = dict(op_overhead=5e-6, dtensor_overhead=40e-6, latency=15e-6, ranks_per_node=8, overlap_fsdp=True)
 DEVICE_CLASSES = {
-    "H100": DeviceClass("H100", matmul_flops=0.45 * 989e12, attention_flops=0.35 * 989e12, memory_bandwidth=0.8 * 3.35e12, op_overhead=5e-6,
-                        dtensor_overhead=40e-6, link_bandwidth=360e9, network_bandwidth=40e9, latency=15e-6,
-                        ranks_per_node=8, overlap_fsdp=True,
+    "H100": DeviceClass("H100", matmul_flops=0.45 * 989e12, attention_flops=0.35 * 989e12,
+                        memory_bandwidth=0.8 * 3.35e12, link_bandwidth=360e9, network_bandwidth=40e9, **_GPU,
                         source="H100 SXM datasheet (989 TFLOP/s bf16, 3.35 TB/s), NVLink 4, 400 Gb/s IB per GPU"),
-    "H200": DeviceClass("H200", matmul_flops=0.45 * 989e12, attention_flops=0.35 * 989e12, memory_bandwidth=0.8 * 4.8e12, op_overhead=5e-6,
-                        dtensor_overhead=40e-6, link_bandwidth=360e9, network_bandwidth=40e9, latency=15e-6,
-                        ranks_per_node=8, overlap_fsdp=True,
+    "H200": DeviceClass("H200", matmul_flops=0.45 * 989e12, attention_flops=0.35 * 989e12,
+                        memory_bandwidth=0.8 * 4.8e12, link_bandwidth=360e9, network_bandwidth=40e9, **_GPU,
                         source="H200 SXM datasheet (989 TFLOP/s bf16, 4.8 TB/s), NVLink 4, 400 Gb/s IB per GPU"),
-    "A100": DeviceClass("A100", matmul_flops=0.45 * 312e12, attention_flops=0.5 * 312e12, memory_bandwidth=0.8 * 2.04e12, op_overhead=5e-6,
-                        dtensor_overhead=40e-6, link_bandwidth=230e9, network_bandwidth=20e9, latency=15e-6,
-                        ranks_per_node=8, overlap_fsdp=True,
+    "A100": DeviceClass("A100", matmul_flops=0.45 * 312e12, attention_flops=0.5 * 312e12,
+                        memory_bandwidth=0.8 * 2.04e12, link_bandwidth=230e9, network_bandwidth=20e9, **_GPU,
                         source="A100 SXM 80GB datasheet (312 TFLOP/s bf16, 2.04 TB/s), NVLink 3, 200 Gb/s IB per GPU"),
 }
 
@@ -153,9 +151,12 @@ class StepTime:
 # ---- one op --------------------------------------------------------------------------------------------
 _FREE = {"getitem", "wait_tensor", "detach", "alias", "empty", "zeros", "full", "scalar_tensor", "lift_fresh_copy"}
 # (steps, fraction of the bytes each rank sends) of a ring collective over n ranks
-RING = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n), "all_gather_into_tensor": lambda n: (n - 1, (n - 1) / n),
-         "reduce_scatter_tensor": lambda n: (n - 1, (n - 1) / n), "all_to_all_single": lambda n: (n - 1, (n - 1) / n)}
-_CPU_FLASH = {"_scaled_dot_product_flash_attention_for_cpu": 4, "_scaled_dot_product_flash_attention_for_cpu_backward": 10}
+RING = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
+        "all_gather_into_tensor": lambda n: (n - 1, (n - 1) / n),
+        "reduce_scatter_tensor": lambda n: (n - 1, (n - 1) / n),
+        "all_to_all_single": lambda n: (n - 1, (n - 1) / n)}
+_CPU_FLASH = {"_scaled_dot_product_flash_attention_for_cpu": 4,       # FLOPs per attended pair and head dim
+              "_scaled_dot_product_flash_attention_for_cpu_backward": 10}
 
 
 def _nbytes(x) -> int:
