@@ -88,7 +88,7 @@ class DeviceClass:
 # flash attention's forward and backward at 35% on Hopper, 50% on Ampere (FlashAttention-2's
 # published figures through SDPA), memory at 80%); collectives at NCCL's bus bandwidth on 8-GPU
 # NVLink nodes and one 400 (H100) or 200 (A100) Gb/s InfiniBand port per GPU. Modelled: no GPU has
-# checked them yet (calibrate() measures a machine's own, on any backend).
+# checked them yet (calibrate() measures a CPU machine's own, on gloo).
 _GPU = dict(op_overhead=5e-6, dtensor_overhead=40e-6, latency=15e-6, ranks_per_node=8, overlap_fsdp=True)
 DEVICE_CLASSES = {
     "H100": DeviceClass("H100", matmul_flops=0.45 * 989e12, attention_flops=0.35 * 989e12,
