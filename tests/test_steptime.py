@@ -162,6 +162,12 @@ def test_plan_world_splits_one_global_batch_as_each_layout_does():
     few = {c.layout(): c for c in plan_world(CFG, world=4, budget="1GB", seq_len=SEQ, setup="fp32", global_rows=2)}
     assert few["dp4"].status == "not available" and "dp=4 does not divide the global batch's 2 rows" in few["dp4"].reason
     assert "needs 2 micro-batches or more" in few["pp2xdp2"].reason and few["tp2xdp2"].status == "fits"
+    # the many captures of those layouts' fake copies leave a user's own compile of a Llama to the
+    # tailorfx backend (in Dynamo's default region, where the recompile limit is 8) untouched
+    model = LlamaForCausalLM(CFG)
+    ids = torch.randint(0, CFG.vocab_size, (2, SEQ))
+    out = torch.compile(model, backend="tailorfx", options={"passes": ["minisequence"]})(input_ids=ids, labels=ids)
+    assert out.logits is None       # compiled, and the fused head fired
 
 
 @pytest.mark.multiprocess

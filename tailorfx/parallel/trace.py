@@ -33,7 +33,7 @@ from tailorfx.parallel.shard import shard_model
 from tailorfx.parallel.stages import StageCosts, block_costs
 from tailorfx.parallel.tp_plan import TPPlan
 from tailorfx.rewrite import memory
-from tailorfx.rewrite.capture import node_value, seq_info
+from tailorfx.rewrite.capture import isolated_captures, node_value, seq_info
 from tailorfx.rewrite.regions import find_regions, is_param, normalize_path, param_source
 
 
@@ -185,7 +185,7 @@ def _capture_on(src, *, tp, rows, seq, head, vocab_loss, dtype, mesh, passes) ->
                                 vocab_loss=vocab_loss, scatter=False)
             if vocab is not None:
                 scope = loss_parallel
-        with scope():
+        with scope(), isolated_captures():
             gm, _, _ = capture_static(model, batch)
         local = {}
         for name, p in model.named_parameters():
@@ -226,7 +226,8 @@ def read_tp_plan(src: Any, dtype: torch.dtype, model: Optional[nn.Module] = None
         return hit[0]
     ids = torch.zeros(1, 64, dtype=torch.long)    # long enough for a static capture (capture_graphs)
     with (contextlib.nullcontext(model) if model is not None else _fake_model(src, dtype)) as m:
-        plan, _ = plan_tensor_parallel(m, (), {"input_ids": ids.to(_device(m)), "labels": ids.to(_device(m))})
+        with isolated_captures():
+            plan, _ = plan_tensor_parallel(m, (), {"input_ids": ids.to(_device(m)), "labels": ids.to(_device(m))})
     try:
         owner = weakref.ref(src) if key[0] == "object" else None
     except TypeError:

@@ -6,6 +6,7 @@ one capture.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -333,6 +334,8 @@ def run_recorded(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict
         with compat.capture_config(), compat.fail_on_recompile_limit():
             return torch.compile(model, backend=backend, dynamic=False, fullgraph=fullgraph,
                                  **isolation)(*args, **kwargs)
+    if _ISOLATED and compat.compile_isolation():
+        return _unique(run(lambda gm, example_inputs: _record_runs(gm, example_inputs), **compat.compile_isolation()))
     try:
         out = run(_record_runs)
         # cached frames of a capture with graph breaks; or none ran: Dynamo runs the frame eagerly
@@ -346,6 +349,11 @@ def run_recorded(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict
         afresh = True
     if afresh:
         out = run(lambda gm, example_inputs: _record_runs(gm, example_inputs), **compat.compile_isolation())
+    return _unique(out)
+
+
+def _unique(out: Any) -> tuple[list[tuple[fx.GraphModule, list]], Any]:
+    """The graphs recorded (each once, in order) and the call's output."""
     seen, ran = set(), []
     for gm, inputs in _RAN:
         if id(gm) not in seen:
@@ -355,7 +363,22 @@ def run_recorded(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict
     return ran, out
 
 
+@contextlib.contextmanager
+def isolated_captures():
+    """run_recorded inside traces in a compile region of its own (compat.compile_isolation(); none
+    on torch 2.11), never in Dynamo's default one: a prediction's many captures of fake copies
+    (plan_world's layouts) would fill the recompile limit that a user's own torch.compile of the
+    same model class meets there, and Dynamo would then run the user's model eagerly, unseen."""
+    global _ISOLATED
+    _ISOLATED += 1
+    try:
+        yield
+    finally:
+        _ISOLATED -= 1
+
+
 _RAN: list = []
+_ISOLATED = 0
 
 
 def _record_runs(gm: fx.GraphModule, example_inputs: list) -> Callable:
