@@ -63,6 +63,11 @@ SP = {0: None, 1: "ulysses", 2: "megatron"}
 SCHEDULE = "1f1b"
 
 
+def rank_rows(dp: int, pp: int, sp: int, batch: int) -> int:
+    """Rows of one rank's micro-batch: a pipeline's are one row each, Ulysses' every row."""
+    return 1 if pp > 1 else batch if sp == 1 else batch // dp
+
+
 def microbatches(batch: int, dp: int) -> int:
     """A pipeline's micro-batches: one row each of the dp rank's rows (4 under pp alone)."""
     return batch // dp
@@ -194,7 +199,7 @@ def spearman(xs: list, ys: list) -> float:
 def predict_time(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int, loss: str, device):
     """The layout's forward+backward time, predicted (tailorfx.parallel.predict_step_time)."""
     from tailorfx.parallel import predict_step_time
-    rows = 1 if pp > 1 else batch if sp == 1 else batch // dp
+    rows = rank_rows(dp, pp, sp, batch)
     return predict_step_time(small_config(), tp=tp, dp=dp, pp=pp, sp=SP[sp], schedule=SCHEDULE,
                              microbatches=microbatches(batch, dp) if pp > 1 else None, seq_len=seq, batch_size=rows,
                              setup="fp32", vocab_loss=vocab_loss_of(loss), passes=stage_passes(loss), device=device)
@@ -241,7 +246,7 @@ def predict_layout(tp: int, dp: int, pp: int, sp: int, seq: int, batch: int, los
     """The worst rank of a launched layout, predicted in this process: (its prediction, the
     benchmark's measure of it: parameters + gradients + the forward+backward peak above them)."""
     from tailorfx.parallel import predict_rank_memory
-    rows = 1 if pp > 1 else batch if sp == 1 else batch // dp
+    rows = rank_rows(dp, pp, sp, batch)
     rm = predict_rank_memory(small_config(), tp=tp, dp=dp, pp=pp, sp=SP[sp], schedule=SCHEDULE,
                              microbatches=microbatches(batch, dp) if pp > 1 else None, seq_len=seq, batch_size=rows,
                              setup="fp32", vocab_loss=vocab_loss_of(loss),

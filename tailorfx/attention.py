@@ -34,7 +34,7 @@ __all__ = [
 
 # Matmul FLOPs per attended (query, key) pair and head dim: QK^T and PV forward; recompute of
 # QK^T plus dV, dP, dQ, dK backward.
-_FWD_FLOPS, _BWD_FLOPS = 4, 10
+FORWARD_FLOPS, BACKWARD_FLOPS = 4, 10
 
 
 def masked_attention(
@@ -130,7 +130,7 @@ class AttentionSpec:
 
     def flops(self, B: int, H: int, S: int, D: int, *, backward: bool = True) -> int:
         """Matmul FLOPs of the attended pairs (documents only lower this): forward (+ backward)."""
-        return B * self.num_pairs(S, H) * D * (_FWD_FLOPS + (_BWD_FLOPS if backward else 0))
+        return B * self.num_pairs(S, H) * D * (FORWARD_FLOPS + (BACKWARD_FLOPS if backward else 0))
 
     def extra_bytes(self, B: int, H: int, S: int, D: int, dtype_bytes: int) -> int:
         """Training bytes beyond q/k/v/out (and their grads): O(S), never O(S^2).

@@ -40,6 +40,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from tailorfx import compat
+from tailorfx.attention import BACKWARD_FLOPS, FORWARD_FLOPS
 from tailorfx.parallel.compose import stage_groups, stage_io
 from tailorfx.parallel.memory import RankMemory, predict_rank_memory
 from tailorfx.parallel.plan import head_style
@@ -155,14 +156,14 @@ RING = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
         "all_gather_into_tensor": lambda n: (n - 1, (n - 1) / n),
         "reduce_scatter_tensor": lambda n: (n - 1, (n - 1) / n),
         "all_to_all_single": lambda n: (n - 1, (n - 1) / n)}
-_CPU_FLASH = {"_scaled_dot_product_flash_attention_for_cpu": 4,       # FLOPs per attended pair and head dim
-              "_scaled_dot_product_flash_attention_for_cpu_backward": 10}
+_CPU_FLASH = {"_scaled_dot_product_flash_attention_for_cpu": FORWARD_FLOPS,
+              "_scaled_dot_product_flash_attention_for_cpu_backward": BACKWARD_FLOPS}
 
 
 def _nbytes(x) -> int:
     """Bytes of the tensors in x (nested in lists, tuples and dicts), at their sizes' hints."""
     if isinstance(x, torch.Tensor):
-        return _as_int(x.numel()) * x.element_size()
+        return compat.size_hint(x.numel()) * x.element_size()
     if isinstance(x, (list, tuple)):
         return sum(_nbytes(v) for v in x)
     return sum(_nbytes(v) for v in x.values()) if isinstance(x, dict) else 0
@@ -170,17 +171,6 @@ def _nbytes(x) -> int:
 
 def _short(target) -> str:
     return compat.op_short_name(target) or getattr(target, "__name__", str(target))
-
-
-def _region_flops(key: str) -> int:
-    from tailorfx.runtime import ops
-    region = ops.get_region(key)
-    return sum(cost.node_flops(m, _as_int) for m in region.graph.nodes) if isinstance(region, fx.GraphModule) else 0
-
-
-def _as_int(v) -> int:
-    """A size at its hint (a capture's shapes may be symbolic)."""
-    return int(v.node.hint) if isinstance(v, (torch.SymInt, torch.SymFloat)) else int(v)
 
 
 def _causal(target, args, kwargs) -> bool:
@@ -211,9 +201,9 @@ def op_flops(target, args, kwargs, out) -> int:
         passes = 3 if name.endswith("with_grads") else 1      # logits, then the two gradients' matmuls
         return 2 * passes * rows * weight.numel()
     if name in ("token_chunked", "token_segment", "token_chunked_random"):
-        return _region_flops(args[0])
+        return cost.region_flops(args[0], compat.size_hint)
     if name in ("token_chunked_backward", "token_segment_backward", "token_chunked_random_backward"):
-        return 3 * _region_flops(args[0])       # each chunk's forward again, then its backward
+        return 3 * cost.region_flops(args[0], compat.size_hint)       # each chunk's forward again, then its backward
     return 0
 
 
@@ -248,9 +238,9 @@ def _graph_time(g: fx.GraphModule, group_of: dict, dev: DeviceClass, dtensor: bo
             comm.append((name, _nbytes(args[0]) if name != "all_gather_into_tensor" else _nbytes(out), 1))
             continue
         if name.startswith("vocab_parallel_cross_entropy"):     # max and sums all-reduced per chunk
-            rows = _as_int(args[0].numel() // args[0].shape[-1])
+            rows = compat.size_hint(args[0].numel() // args[0].shape[-1])
             comm.append(("all_reduce", 3 * rows * 4, 2 * max(1, int(args[7]))))
-        f = _as_int(op_flops(n.target, args, kwargs, out))
+        f = compat.size_hint(op_flops(n.target, args, kwargs, out))
         nbytes = _nbytes(args) + _nbytes(out)
         grp = group_of.get(n.name, 0)
         rate = dev.attention_flops if _is_attention(n.target) else dev.matmul_flops

@@ -37,10 +37,15 @@ def node_flops(node: fx.Node, as_int) -> int:
         pairs = B_H * as_int(kk.shape[-2]) // (2 if causal else 1)
         return 4 * pairs * as_int(q.shape[-1])
     if name in ("token_chunked", "token_segment"):
-        from tailorfx.runtime import ops
-        region = ops.get_region(node.args[0])
-        return sum(node_flops(n, as_int) for n in region.graph.nodes) if isinstance(region, fx.GraphModule) else 0
+        return region_flops(node.args[0], as_int)
     return sum(_numel(t, as_int) for t in match.tensors_in(out)) if node.op != "placeholder" else 0
+
+
+def region_flops(key: str, as_int) -> int:
+    """Forward FLOPs of a registered region's graph (a token_chunked / token_segment op's)."""
+    from tailorfx.runtime import ops
+    region = ops.get_region(key)
+    return sum(node_flops(n, as_int) for n in region.graph.nodes) if isinstance(region, fx.GraphModule) else 0
 
 
 def recompute_flops(gm: fx.GraphModule, as_int) -> int:
@@ -71,4 +76,4 @@ def fmt_flops(n: float) -> str:
     return f"{n:.1f} PFLOP"
 
 
-__all__ = ["node_flops", "recompute_flops", "graph_flops", "fmt_flops"]
+__all__ = ["node_flops", "region_flops", "recompute_flops", "graph_flops", "fmt_flops"]
