@@ -302,17 +302,17 @@ def _recompute_first(bw: fx.GraphModule, group: dict) -> None:
     op (partitioner_tag "is_forward") belongs to the part whose gradient ops first use it."""
     nodes = list(bw.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    recomputed = [n for n in nodes if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"]
+    forward = {n for n in nodes if n.meta.get("partitioner_tag") == "is_forward"}
+    recomputed = [n for n in nodes if n.op == "call_function" and n in forward]
     part: dict = {}
     for n in reversed(recomputed):
         users = sorted(n.users, key=order.get)
-        owner = next((part[u] if u in part else group.get(u) for u in users
-                      if u in part or u.meta.get("partitioner_tag") != "is_forward"), None)
+        owner = next((part[u] if u in part else group.get(u) for u in users if u in part or u not in forward), None)
         if owner is not None:
             part[n] = owner
     first: dict = {}
     for n in nodes:
-        if n.op == "call_function" and n not in part and n.meta.get("partitioner_tag") != "is_forward":
+        if n.op == "call_function" and n not in forward:
             first.setdefault(group.get(n), n)
     moved = set()
     for n in recomputed:     # in order: a value's inputs move before it does, or it stays

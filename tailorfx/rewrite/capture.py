@@ -334,8 +334,10 @@ def run_recorded(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict
         with compat.capture_config(), compat.fail_on_recompile_limit():
             return torch.compile(model, backend=backend, dynamic=False, fullgraph=fullgraph,
                                  **isolation)(*args, **kwargs)
+    def afresh_run() -> Any:     # a new backend object: no cached frame was compiled for it
+        return run(lambda gm, example_inputs: _record_runs(gm, example_inputs), **compat.compile_isolation())
     if _ISOLATED and compat.compile_isolation():
-        return _unique(run(lambda gm, example_inputs: _record_runs(gm, example_inputs), **compat.compile_isolation()))
+        return _unique(afresh_run())
     try:
         out = run(_record_runs)
         # cached frames of a capture with graph breaks; or none ran: Dynamo runs the frame eagerly
@@ -348,7 +350,7 @@ def run_recorded(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict
             raise
         afresh = True
     if afresh:
-        out = run(lambda gm, example_inputs: _record_runs(gm, example_inputs), **compat.compile_isolation())
+        out = afresh_run()
     return _unique(out)
 
 
