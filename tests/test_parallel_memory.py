@@ -88,32 +88,35 @@ def test_recompute_under_fsdp_keeps_only_the_blocks_inputs():
     assert rc.forward_backward_peak_bytes < dp.forward_backward_peak_bytes
 
 
-def test_a_budget_under_dp_takes_recompute_only_when_nothing_less_fits():
-    """optimize(budget=..., parallel=...)'s choice (parallel.fit): the layout's default rewrites when
-    the worst rank fits, recompute when only that fits, BudgetError naming the smallest otherwise;
-    the user's own list is the only one tried."""
+def test_a_budget_under_dp_takes_the_least_recompute_that_fits():
+    """optimize(budget=..., parallel=...)'s choice (parallel.fit): under dp alone, no rewrite, then
+    mini-sequence, then each block recomputed, then both: the first whose worst rank fits,
+    BudgetError naming the smallest otherwise; the user's own list is the only one tried."""
     from tailorfx.parallel import ParallelSpec
     from tailorfx.parallel.fit import fit_rewrites
     from tailorfx.setup import resolve
     spec, setup = ParallelSpec(dp=2), resolve("fp32")
-    none, rc = predict(dp=2), predict(dp=2, passes=["recompute"])
-    assert rc.peak_bytes < none.peak_bytes
+    order = [(), ("minisequence",), ("recompute",), ("minisequence", "recompute")]
+    peaks = {p: predict(dp=2, passes=list(p)).peak_bytes for p in order}
+    # each rewrite lowers the peak, and both lower it most
+    assert max(peaks[p] for p in order[1:]) < peaks[()] and peaks[order[3]] == min(peaks.values())
 
     def fit(budget_bytes: int, requested=None):
         return fit_rewrites(CFG, spec, Budget.parse(budget_bytes), seq_len=SEQ, batch_size=2, setup=setup,
                             requested=requested)
     usable = 1 - planner.HEADROOM
-    roomy = fit(int(none.peak_bytes / usable) + 1)
-    assert roomy.passes == () and [p for p, _ in roomy.tried] == [()]
-    assert roomy.memory.peak_bytes == none.peak_bytes
-    between = fit(int((none.peak_bytes + rc.peak_bytes) / 2 / usable))
-    assert between.passes == ("recompute",) and between.memory.peak_bytes == rc.peak_bytes
-    assert "rewrites ['recompute'] fit the budget per rank" in between.describe()
+    for p in order:
+        got = fit(int(peaks[p] / usable) + 1)
+        first = next(q for q in order if peaks[q] <= peaks[p])
+        assert got.passes == first and got.memory.peak_bytes == peaks[first], (p, got.describe())
+        assert [q for q, _ in got.tried] == order[:order.index(first) + 1]
+        assert f"rewrites {list(first) or 'none'} fit the budget per rank" in got.describe()
+    smallest = peaks[order[3]]
     with pytest.raises(BudgetError, match="Use a budget of at least") as e:
-        fit(int(rc.peak_bytes / usable) - 1024)
-    assert e.value.smallest_bytes == rc.peak_bytes and e.value.suggested_bytes >= rc.peak_bytes / usable
-    with pytest.raises(BudgetError):    # the user's own list: recompute not added
-        fit(int((none.peak_bytes + rc.peak_bytes) / 2 / usable), requested=[])
+        fit(int(smallest / usable) - 1024)
+    assert e.value.smallest_bytes == smallest and e.value.suggested_bytes >= smallest / usable
+    with pytest.raises(BudgetError):    # the user's own list: nothing added
+        fit(int(peaks[("recompute",)] / usable) + 1, requested=[])
 
 
 def test_ulysses_adds_all_to_all_buffers_to_fsdp():

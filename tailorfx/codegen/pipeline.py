@@ -65,10 +65,69 @@ def stage_of_nodes(gm: fx.GraphModule, block_stage: dict[str, int]) -> dict[fx.N
     return stage
 
 
+class StagePieces(nn.Module):
+    """Consecutive stages run as one (a pipeline stage made of a piece per block, each of which
+    can be checkpointed): `forward(*received, **graph_inputs)` feeds each piece the values the one
+    before it returns, and returns the last's."""
+
+    def __init__(self, pieces: list[StageModule]):
+        super().__init__()
+        self.pieces = nn.ModuleList(pieces)
+
+    def forward(self, *received, **graph_inputs):
+        values = received
+        for piece in self.pieces:
+            values = piece(*values, **graph_inputs)
+        return values
+
+
+class StageChain(nn.Module):
+    """Stages run one after another in this process (a pipeline of one rank): `forward(**batch)`
+    returns the loss. The graph was captured at one shape (`shapes`); another is refused."""
+
+    def __init__(self, stages: list[StageModule], shapes: dict[str, tuple]):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        self.shapes = shapes
+
+    def forward(self, **batch) -> torch.Tensor:
+        got = {k: tuple(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        if got != self.shapes:
+            raise ValueError(f"the step graph was captured for inputs of shapes {self.shapes}, got {got}: give "
+                             f"every batch that shape (a static graph cut at its blocks runs at one shape)")
+        values: tuple = ()
+        for stage in self.stages:
+            values = stage(*values, **batch)
+        return values[0].clone()    # not a view: FSDP's root hooks its output for backward
+
+
+def loss_only(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a step graph that returns its loss alone, what nothing else needs removed (the
+    logits, a KV cache: a chain's caller gets the loss, as a pipeline's last stage returns it)."""
+    g, env = fx.Graph(), {}
+    g.graph_copy(gm.graph, env)     # the nodes' meta shared, not copied (it holds the parameters)
+    g.output((env[_loss_node(gm)],))
+    g.eliminate_dead_code()
+    return fx.GraphModule(gm, g)
+
+
+def chain_stages(gm: fx.GraphModule, block_nodes: list[list[str]]) -> dict[str, int]:
+    """Node name -> stage for a StageChain: block i's nodes on stage i + 1, every node after the
+    last block's (norm, head, loss) on the stage after it; the rest as stage_of_nodes places them
+    (the embedding on stage 0)."""
+    stage = {name: i + 1 for i, names in enumerate(block_nodes) for name in names}
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    last = max((i for i, n in enumerate(nodes) if n.name in stage), default=len(nodes))
+    stage.update({n.name: len(block_nodes) + 1 for n in nodes[last + 1:]})
+    return stage
+
+
 def cut_stages(gm: fx.GraphModule, example_inputs: list, model: nn.Module, block_stage: dict[str, int],
-               num_stages: int, kwargs: dict) -> list[StageModule]:
+               num_stages: int, kwargs: dict, shared: bool = False) -> list[StageModule]:
     """The graph cut into `num_stages` StageModules (see the module docstring); `kwargs` are the
-    model's keyword inputs the graph was captured with (their names are the stages' keywords)."""
+    model's keyword inputs the graph was captured with (their names are the stages' keywords).
+    `shared`: a parameter may be read on two stages (one process runs them all: its gradient
+    accumulates on the one Parameter)."""
     kw_name = {id(t): k for k, t in kwargs.items() if isinstance(t, torch.Tensor)}
     buffers = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -80,7 +139,8 @@ def cut_stages(gm: fx.GraphModule, example_inputs: list, model: nn.Module, block
     aliases: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(n)
-    _check_shared_params(phs, value, aliases, stage)
+    if not shared:
+        _check_shared_params(phs, value, aliases, stage)
     loss = _loss_node(gm)
     carried: list[fx.Node] = []      # values received by the stage being built, in order
     out = []

@@ -30,21 +30,23 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor.parallel import loss_parallel
 
-from tailorfx.codegen.pipeline import capture_static, cut_stages, pipeline_runtime
+from tailorfx.codegen.pipeline import (StageChain, StagePieces, capture_static, chain_stages, cut_stages, loss_only,
+                                       pipeline_runtime)
 from tailorfx.codegen.schedule import simulate_schedule
 from tailorfx.models.build import fake_copy
+from tailorfx.models.llama import CausalLMOutput
 from tailorfx.parallel.memory import RankPrediction
 from tailorfx.parallel.plan import (accepts_use_cache, describe_rewrites, head_style, plan_tensor_parallel,
-                                    rewrite_step, tp_styles)
+                                    rewrite_step, step_options, tp_styles)
 from tailorfx.parallel.shard import VocabHead, shard_model
-from tailorfx.parallel.spec import ParallelSpec
+from tailorfx.parallel.spec import ParallelSpec, runs_chain
 from tailorfx.parallel.stages import block_costs, stage_blocks
 from tailorfx.parallel.tp_plan import TPPlan
 from tailorfx.rewrite.capture import seq_info
 from tailorfx.rewrite.regions import find_regions
 from tailorfx.runtime import ulysses
-from tailorfx.runtime.tensor_parallel import (apply_checkpoint, apply_fsdp, apply_fsdp_stages, device_mesh, on_device,
-                                              rank_device)
+from tailorfx.runtime.tensor_parallel import (apply_checkpoint, apply_fsdp, apply_fsdp_chain, apply_fsdp_stages,
+                                              device_mesh, on_device, rank_device)
 
 
 def parallelize(model: nn.Module, spec: ParallelSpec, args: tuple, kwargs: dict, *, passes: tuple = (),
@@ -75,23 +77,27 @@ def parallelize(model: nn.Module, spec: ParallelSpec, args: tuple, kwargs: dict,
     dp_group, dp_rank = None, 0
     if spec.sp == "ulysses":
         dp_group, dp_rank = apply_ulysses(model, mesh=mesh["dp"])
-    pipe = None
+    pipe = chain = None
     if spec.pp > 1:     # each stage one FSDP2 unit over the dp ranks
         pipe = apply_pipeline(model, spec=spec, kwargs=kwargs, mesh=mesh, passes=passes, options=options,
                               device=device)
         blocks = pipe.blocks
-    if "recompute" in passes:     # inside FSDP's units, as torchtitan composes them
+    elif runs_chain(spec, passes):     # the step graph rewritten, a chain of its blocks
+        chain = apply_chain(model, kwargs=kwargs, mesh=mesh, passes=passes, options=options)
+    if "recompute" in passes and chain is None and pipe is None:     # inside FSDP's units, as torchtitan does
         apply_checkpoint(model, blocks=blocks)
-    if spec.dp > 1 and spec.pp == 1:
+    if spec.dp > 1 and spec.pp == 1 and chain is None:
         apply_fsdp(model, blocks=blocks, mesh=mesh["dp"])
+    staged = pipe or chain
     report = ParallelReport(spec, styles, dict(plan.replicated) if spec.tp > 1 else {}, blocks,
                             head_note=head.note if head is not None else "", passes=passes,
                             stage_blocks=pipe.stage_blocks if pipe else [], bubble=pipe.bubble if pipe else 0.0,
-                            rewrites=pipe.rewrites if pipe else [])
+                            rewrites=staged.rewrites if staged else [])
     runtime = ParallelRuntime(spec, passes=passes, device=device, head=head, dp_group=dp_group, dp_rank=dp_rank,
-                              pipeline=pipe, rows=rows)
+                              pipeline=pipe, rows=rows, chain=chain.module if chain else None)
     prediction = RankPrediction(spec, dict(kwargs), passes=passes, source=source, tp_mesh=mesh["tp"],
-                                pp_rank=pipe.rank if pipe else 0, captured=pipe.captured if pipe else None, head=head)
+                                pp_rank=pipe.rank if pipe else 0, captured=staged.captured if staged else None,
+                                head=head, options=tuple(sorted(step_options(options).items())))
     return ParallelPlan(report, runtime, prediction)
 
 
@@ -143,12 +149,15 @@ def apply_pipeline(model: nn.Module, *, spec: ParallelSpec, kwargs: dict, mesh, 
     regions = find_regions(gm, seq_info(gm, None))
     costs = block_costs(gm, regions)
     blocks_of = stage_blocks(costs, num_stages)
-    gm, records = rewrite_step(gm, passes, options)
+    gm, records = rewrite_step(gm, tuple(p for p in passes if p != "recompute"), options)
     if records:
         regions = find_regions(gm, seq_info(gm, None))
-    block_stage = {name: i for i, blocks in enumerate(blocks_of) for b in regions.of_kind("block")
-                   if b.path in blocks for name in b.nodes}
-    stages = cut_stages(gm, example, model, block_stage, num_stages, micro)
+    if "recompute" in passes:
+        stages = _checkpointed_stages(gm, example, model, regions.of_kind("block"), blocks_of, micro)
+    else:
+        block_stage = {name: i for i, blocks in enumerate(blocks_of) for b in regions.of_kind("block")
+                       if b.path in blocks for name in b.nodes}
+        stages = cut_stages(gm, example, model, block_stage, num_stages, micro)
     rank = mesh["pp"].get_local_rank()
     mine = [stages[s] for s in range(rank, num_stages, pp)]
     apply_fsdp_stages(mine, model=model, mesh=mesh["dp"])     # a dp mesh of one rank shards nothing
@@ -158,6 +167,55 @@ def apply_pipeline(model: nn.Module, *, spec: ParallelSpec, kwargs: dict, mesh, 
                     rank_params={id(p) for st in mine for p in st.parameters()}, blocks=list(costs.blocks),
                     stage_blocks=blocks_of, bubble=float(simulate_schedule(spec.schedule, pp, m, virtual=spec.virtual).bubble),
                     rewrites=describe_rewrites(records), captured=captured if spec.tp == 1 else None)
+
+
+def _checkpointed_stages(gm: fx.GraphModule, example: list, model: nn.Module, blocks: list, blocks_of: list,
+                         micro: dict) -> list[StagePieces]:
+    """Pipeline stages under recompute: the graph cut into a piece per block and the root's before
+    and after them, each block's piece one activation-checkpointing unit (it saves its input and
+    runs its forward again in backward), the pieces of each stage's blocks run as one stage."""
+    from torch.distributed._composable import checkpoint
+    pieces = cut_stages(gm, example, model, chain_stages(gm, [b.nodes for b in blocks]), len(blocks) + 2, micro)
+    for piece in pieces[1:-1]:
+        checkpoint(piece)
+    index = {b.path: i + 1 for i, b in enumerate(blocks)}
+    last = len(blocks_of) - 1
+    return [StagePieces(([pieces[0]] if k == 0 else []) + [pieces[index[b]] for b in names]
+                        + ([pieces[-1]] if k == last else [])) for k, names in enumerate(blocks_of)]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """dp with mini-sequence (apply_chain): the rewritten step graph as a chain of stages."""
+    module: StageChain
+    rewrites: list                  # (region, what a pass did to it) for the report
+    captured: fx.GraphModule        # the step graph as captured: the prediction traces it
+
+
+def apply_chain(model: nn.Module, *, kwargs: dict, mesh, passes: tuple, options: Optional[dict] = None) -> Chain:
+    """Data parallel with the step graph's rewrites (the LM head fused with its loss, the MLPs in
+    mini-sequence chunks: custom ops eager autograd runs): the step captured (static shapes), its
+    loss alone kept, rewritten, cut into a stage per block and the root's before and after them
+    (codegen.pipeline.cut_stages), run one after another (StageChain). Under recompute each
+    block's stage is one activation-checkpointing unit; each is one FSDP2 unit, the chain the
+    root (as apply_checkpoint and apply_fsdp treat the model's blocks)."""
+    batch = dict(kwargs, use_cache=False) if accepts_use_cache(model) else dict(kwargs)   # no cache is returned
+    gm, example, batch = capture_static(model, batch)
+    gm = captured = loss_only(gm)
+    gm, records = rewrite_step(gm, tuple(p for p in passes if p != "recompute"), options)
+    blocks = find_regions(gm, seq_info(gm, None)).of_kind("block")
+    if not blocks:
+        raise ValueError("parallel= with mini-sequence cuts the step graph at its repeated blocks, and it has none")
+    stages = cut_stages(gm, example, model, chain_stages(gm, [b.nodes for b in blocks]), len(blocks) + 2, batch,
+                        shared=True)
+    units = stages[1:-1]
+    if "recompute" in passes:
+        from torch.distributed._composable import checkpoint
+        for unit in units:
+            checkpoint(unit)
+    chain = StageChain(stages, {k: tuple(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)})
+    apply_fsdp_chain(chain, units=units, model=model, mesh=mesh["dp"])
+    return Chain(chain, describe_rewrites(records), captured)
 
 
 @dataclass(frozen=True)
@@ -220,6 +278,7 @@ class ParallelRuntime:
     dp_rank: int = 0
     pipeline: Optional[Pipeline] = None
     rows: Optional[tuple[int, int]] = None    # (dp rank, dp): each call's batch is global, this rank takes its rows
+    chain: Optional[StageChain] = None        # dp with mini-sequence: the rewritten step graph's stages
 
     @property
     def rank_params(self) -> Optional[set]:
@@ -247,6 +306,10 @@ class ParallelRuntime:
         args, kwargs = self._on_device((args, self._without_cache(model, kwargs)))
         if self.spec.sp == "ulysses":
             return self._run_ulysses(model, args, kwargs)
+        if self.chain is not None:
+            if args:
+                raise ValueError("parallel= with mini-sequence takes the batch as keywords (input_ids=, labels=)")
+            return CausalLMOutput(loss=self.chain(**{k: v for k, v in kwargs.items() if k != "use_cache"}))
         if self.head is None:
             return model(*args, **kwargs)
         fused_loss = self.head.fused

@@ -79,8 +79,10 @@ def _summary(cap: RankCapture, points: list[Point]) -> list[tuple]:
     return out
 
 
-def fsdp_peak(cap: RankCapture, points: list[Point], dp: int, attn_comm: int = 0) -> tuple[int, dict]:
-    """The step's peak above resident under FSDP2 over dp ranks (see the module docstring)."""
+def fsdp_peak(cap: RankCapture, points: list[Point], dp: int, attn_comm: int = 0,
+              gloo: bool = False) -> tuple[int, dict]:
+    """The step's peak above resident under FSDP2 over dp ranks (see memory.py's docstring).
+    `gloo`: the collectives run on gloo, whose reduce-scatter holds a copy of its input."""
     L = len(cap.blocks)
     shard, pad = zip(*(shard_bytes(cap.params[g], dp) for g in range(L + 2)))
     full_blocks = sum(cap.group_bytes(g) for g in range(1, L + 1))
@@ -103,9 +105,17 @@ def fsdp_peak(cap: RankCapture, points: list[Point], dp: int, attn_comm: int = 0
         cands.append((act, grads, root_pad + p_(g), prefetch + rs_held + comm))
     for g, (act, grads) in last_b.items():    # post-backward: whole gradients copied into the reduce-scatter input
         if 1 <= g <= L:
-            cands.append((act, grads + shard[g], root_pad, pad[g] + p_(g - 1)))
+            if gloo:    # the whole gradients freed once copied; gloo's copy of the input
+                cands.append((act, grads - cap.group_bytes(g) + shard[g], root_pad, 2 * pad[g] + p_(g - 1)))
+            else:
+                cands.append((act, grads + shard[g], root_pad, pad[g] + p_(g - 1)))
         elif g == 0:                   # the root's, at the end of backward
-            cands.append((act, grads + shard[0] + shard[L + 1], 0, root_pad))
+            if gloo:    # as a block's; the root's largest gradient was measured still held then
+                whole = cap.group_bytes(0) + cap.group_bytes(L + 1)
+                largest = max((math.prod(s) * b for s, b in cap.params[0] + cap.params[L + 1]), default=0)
+                cands.append((act, grads - whole + largest + shard[0] + shard[L + 1], 0, 2 * root_pad))
+            else:
+                cands.append((act, grads + shard[0] + shard[L + 1], 0, root_pad))
     return _best(cands)
 
 

@@ -15,7 +15,7 @@ from tailorfx import planner
 from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError
 from tailorfx.parallel.memory import RankMemory, predict_rank_memory
-from tailorfx.parallel.spec import SHARDED_PASSES, ParallelSpec
+from tailorfx.parallel.spec import SHARDED_PASSES, STAGE_PASSES, ParallelSpec
 from tailorfx.setup import TrainingSetup
 
 
@@ -36,12 +36,17 @@ class Fit:
 def candidates(spec: ParallelSpec, requested: Optional[Sequence[str]],
                recompute_policy: Optional[str] = None) -> list[tuple[str, ...]]:
     """The rewrites to try, least recompute first: the user's own list (as the layout takes it),
-    else the layout's default and then, under dp alone, each block recomputed (SHARDED_PASSES)."""
+    else the layout's default and then, under dp alone, SHARDED_PASSES' combinations (the LM head
+    fused and the MLPs chunked, each block recomputed, both); in pipeline stages without tp,
+    STAGE_PASSES (but under the zero-bubble schedule)."""
     first = spec.rewrites(requested, recompute_policy)
-    if requested is not None:
+    if requested is not None or spec.tp > 1 or spec.sp:
         return [first]
-    alone = spec.pp == 1 and spec.tp == 1 and not spec.sp
-    return [first] + ([tuple(SHARDED_PASSES)] if alone and tuple(SHARDED_PASSES) != first else [])
+    if spec.pp == 1:
+        more = [("minisequence",), ("recompute",), SHARDED_PASSES]
+    else:
+        more = [STAGE_PASSES] if spec.schedule != "zb_h1" else []
+    return [first] + [p for p in more if p != first]
 
 
 def try_rewrites(model, spec: ParallelSpec, usable: float, *, seq_len: int, batch_size: int,

@@ -85,6 +85,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor.parallel import loss_parallel
@@ -99,7 +100,7 @@ from tailorfx.parallel.compose import fsdp_peak, pipeline_walk, shard_bytes, sha
 from tailorfx.parallel.plan import head_style
 from tailorfx.parallel.profile import Point, profile
 from tailorfx.parallel.shard import VocabHead
-from tailorfx.parallel.spec import ParallelSpec, describe_layout
+from tailorfx.parallel.spec import ParallelSpec, describe_layout, runs_chain
 from tailorfx.parallel.stages import block_costs, stage_blocks
 from tailorfx.parallel.trace import RankCapture, capture_rank, param_dtype
 from tailorfx.rewrite import memory
@@ -192,7 +193,8 @@ class RankMemory:
 def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: int = 1, sp: Optional[str] = None,
                         schedule: str = "1f1b", microbatches: Optional[int] = None, seq_len: int,
                         batch_size: int = 1, setup: Any = None, rank: Optional[int] = None, vocab_loss: str = "fused",
-                        passes: Optional[Sequence[str]] = None, _mesh=None, _graph=None) -> RankMemory:
+                        passes: Optional[Sequence[str]] = None, _mesh=None, _graph=None,
+                        backend: Optional[str] = None, _options: tuple = ()) -> RankMemory:
     """Memory of the worst rank of a parallel layout for one training step, predicted by
     composition on the memory model (see the module docstring); nothing is allocated.
 
@@ -204,8 +206,11 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     instead of the worst's. `vocab_loss`: a vocab-parallel head's loss "fused" with it or under
     DTensor's "loss_parallel". `passes`: the rewrites, as optimize(parallel=..., passes=) takes
     them: of a pipeline's step graph (None: the default, the LM head fused with its loss and the
-    MLPs in mini-sequence chunks under pp without tp), or ["recompute"] under dp alone (each block
-    checkpointed: its ops recomputed in the traced step). The layout is checked as
+    MLPs in mini-sequence chunks under pp without tp); under dp alone ParallelSpec.rewrites'
+    ("minisequence", "recompute": each block checkpointed, its ops recomputed in the traced
+    step), under tp ["recompute"]. `backend`: the collectives' ("nccl" or
+    "gloo", whose reduce-scatter holds a copy of its input; default the process group's inside
+    torchrun, else "nccl"). The layout is checked as
     optimize(parallel=...) checks it (ValueError for one the runtime refuses, such as
     sp="ulysses" with tp).
     """
@@ -217,15 +222,17 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     ulysses = sp == "ulysses"
     if ulysses and seq_len % dp:
         raise ValueError(f"sp='ulysses' over dp={dp} ranks needs a sequence length divisible by {dp}, got {seq_len}")
+    rewrites = spec.rewrites(passes)
     cap = capture_rank(model_or_config, tp=tp, rows=batch_size, seq=seq_len // dp if ulysses else seq_len,
                        dtype=s.param_dtype, head=head_style(spec), vocab_loss=vocab_loss, mesh=_mesh,
-                       passes=spec.rewrites(passes), graph=_graph)
+                       passes=rewrites, graph=_graph, options=_options,
+                       chain=runs_chain(spec, rewrites))
     points = profile(cap, s)
     _check_blocks_attributed(cap, spec)
     if pp > 1:
         worst = _pipeline_worst(cap, spec, s, rank)
     elif dp > 1:
-        worst = _fsdp_worst(cap, points, dp, ulysses)
+        worst = _fsdp_worst(cap, points, dp, ulysses, _backend(backend) == "gloo")
     else:
         worst = _tp_worst(cap, points)
     peak, master, state, grads_held, step_parts = _rank_total(s, worst.numels, worst.param_bytes, worst.fb_peak,
@@ -280,12 +287,22 @@ def _tp_worst(cap: RankCapture, points: list[Point]) -> _WorstRank:
     return _WorstRank("every rank", fb_peak, parts, *_held(_all_shapes(cap)))
 
 
-def _fsdp_worst(cap: RankCapture, points: list[Point], dp: int, ulysses: bool) -> _WorstRank:
+def _backend(backend: Optional[str]) -> str:
+    """The collective backend predicted for: as given, else the process group's inside torchrun,
+    else NCCL's (a plan is for GPUs)."""
+    if backend is not None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend={backend!r} is not valid: 'gloo' or 'nccl'")
+        return backend
+    return dist.get_backend() if dist.is_initialized() else "nccl"
+
+
+def _fsdp_worst(cap: RankCapture, points: list[Point], dp: int, ulysses: bool, gloo: bool = False) -> _WorstRank:
     """dp (FSDP2; with sp="ulysses", its all-to-all buffers too): rank 0, the largest shards."""
     attn = cap.attn_bytes if ulysses else 0
     notes = (("no scaled_dot_product_attention in the graph: Ulysses' all-to-all buffers not counted",)
              if ulysses and not attn else ())
-    fb_peak, parts = fsdp_peak(cap, points, dp, attn)
+    fb_peak, parts = fsdp_peak(cap, points, dp, attn, gloo)
     return _WorstRank("FSDP rank 0 (the largest shards)", fb_peak, parts, *_held(shard_shapes(_all_shapes(cap), dp)),
                       notes=notes)
 
@@ -365,7 +382,8 @@ class RankPrediction:
     source: Optional[nn.Module] = None            # the fake copy taken before sharding (dp/pp/sp/rewrites)
     tp_mesh: Any = None                           # the tp mesh dimension the copy is sharded on
     pp_rank: int = 0
-    captured: Optional[fx.GraphModule] = None     # the pipeline's step graph as captured (tp=1): traced, not captured again
+    captured: Optional[fx.GraphModule] = None     # the pipeline's (tp=1) or chain's step graph: traced, not captured again
+    options: tuple = ()                           # the passes' options (plan.step_options), as items
     head: Optional[VocabHead] = None              # the rank's vocab-parallel head
     cache: dict = field(default_factory=dict)     # repr(setup) -> MemoryEstimate
 
@@ -407,5 +425,5 @@ class RankPrediction:
                                  seq_len=length, batch_size=rows, setup=setup, rank=self.pp_rank if pipelined else None,
                                  vocab_loss="fused" if fused else "loss_parallel",
                                  passes=self.passes, _mesh=self.tp_mesh if spec.tp > 1 else None,
-                                 _graph=self.captured)
+                                 _graph=self.captured, _options=self.options)
         return rm.as_estimate()

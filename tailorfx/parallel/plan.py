@@ -82,6 +82,13 @@ def accepts_use_cache(model: nn.Module) -> bool:
             and "use_cache" in inspect.signature(model.forward).parameters)
 
 
+def step_options(options: Optional[dict]) -> dict:
+    """Of optimize()'s options, those the step graph's passes read: the passes' own (kernels= would
+    add the Triton kernel passes, a budget the planner), given ones only."""
+    return {k: v for k, v in (options or {}).items()
+            if (k.startswith("minisequence") or k == "keep_logits") and v is not None}
+
+
 def rewrite_step(gm: fx.GraphModule, passes: tuple[str, ...], options: Optional[dict] = None):
     """`gm` (a static training-step graph) after `passes`, as optimize() runs them on one device;
     also the pass records (empty when nothing ran)."""
@@ -89,9 +96,7 @@ def rewrite_step(gm: fx.GraphModule, passes: tuple[str, ...], options: Optional[
         return gm, []
     seq = seq_info(gm, None)
     regions = find_regions(gm, seq)
-    # the pass's own options only: kernels= would add the Triton kernel passes, a budget the planner
-    mine = {k: v for k, v in (options or {}).items() if k.startswith("minisequence") or k == "keep_logits"}
-    plan = planner.choose(list(passes), regions, {**mine, "training": True})
+    plan = planner.choose(list(passes), regions, {**step_options(options), "training": True})
     rewritten, records, _ = planner.run_plan(plan, gm, PassContext(regions, seq, plan.options))
     return rewritten, records
 

@@ -43,6 +43,7 @@ class _TaggedPool(memory.Pool):
         # all its weights' gradients together): what a later micro-batch adds beside the held ones
         self.grad_burst = [0] * n
         self._burst_of: tuple = (None, 0)
+        self.rng: dict[int, int] = {}     # checkpointed block -> its saved RNG state's storage
 
     def alloc(self, nbytes: int, holder, grad: bool = False) -> int:
         sid = super().alloc(nbytes, holder, grad)
@@ -80,8 +81,19 @@ class _TaggedPool(memory.Pool):
         if kind != "o":
             names = self.cap.fw_group if kind == "f" else self.cap.bw_group
             self.current = names.get(node, self.current)
+            self._rng_state(kind)
             attn = node in (self.cap.fw_attn if kind == "f" else self.cap.bw_attn)
             self.snapshot(kind, attn, extra)
+
+    def _rng_state(self, kind: str) -> None:
+        """A checkpointed block saves the RNG state as its forward starts; its backward frees it."""
+        g = self.current
+        if not self.cap.rng_bytes or not 1 <= g <= len(self.cap.blocks):
+            return
+        if kind == "f" and g not in self.rng:
+            self.rng[g] = self.alloc(self.cap.rng_bytes, ("rng", g))
+        elif kind == "b" and g in self.rng:
+            self.release(self.rng.pop(g), ("rng", g))
 
     def forward_done(self, k: int) -> None:
         super().forward_done(k)

@@ -3,6 +3,7 @@ as it is made, and the single-device rewrites each layout takes.
 
     ParallelSpec.parse(dict(tp=2, dp=2))      -> ParallelSpec(tp=2, dp=2, pp=1, ..., microbatches=1)
     ParallelSpec(pp=2, schedule="1f1b", microbatches=8).rewrites(None)   -> ("minisequence",)
+    ParallelSpec(dp=2).rewrites(["minisequence", "recompute"])          -> ("minisequence", "recompute")
 """
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from typing import Any, Optional, Sequence
 
 from tailorfx.codegen.schedule import SCHEDULES
 
-# The single-device rewrites a pipeline's step graph takes before it is cut: exact, structural
-# (custom ops that stages run under eager autograd); the others need AOTAutograd's joint graph
-STAGE_PASSES = ("minisequence",)
+# The single-device rewrites a pipeline's step graph takes: "minisequence" before it is cut
+# (exact, structural: custom ops that stages run under eager autograd; the default), "recompute"
+# each block of a stage one activation-checkpointing unit; the others need AOTAutograd's joint graph
+STAGE_PASSES = ("minisequence", "recompute")
+STAGE_DEFAULT = ("minisequence",)
 # What the sharded model takes under dp (FSDP2) alone: "recompute", each repeated block one
-# activation-checkpointing unit (torch's composable checkpoint), which saves only its input
-SHARDED_PASSES = ("recompute",)
+# activation-checkpointing unit (torch's composable checkpoint), which saves only its input; and
+# "minisequence" (the LM head fused with its loss, the MLPs in chunks), whose step graph is run
+# as a chain of its blocks' stages (apply.apply_chain)
+SHARDED_PASSES = ("minisequence", "recompute")
 
 
 @dataclass(frozen=True)
@@ -90,18 +95,20 @@ class ParallelSpec:
 
     def rewrites(self, passes: Optional[Sequence[str]], recompute_policy: Optional[str] = None) -> tuple[str, ...]:
         """The single-device rewrites this layout takes (`passes`, as optimize() got it): None, the
-        default, is STAGE_PASSES under pp without tp, none otherwise; [] none. Under dp alone the
-        sharded model takes SHARDED_PASSES. Any other request says what runs."""
+        default, is STAGE_DEFAULT under pp without tp, none otherwise; [] none. Under dp alone the
+        sharded model takes SHARDED_PASSES, pipeline stages without tp STAGE_PASSES. Any other
+        request says what runs."""
         pipelined = self.pp > 1 and self.tp == 1
         if passes is None:
-            return STAGE_PASSES if pipelined else ()
+            return STAGE_DEFAULT if pipelined else ()
         if not passes:
             return ()
         if self.pp == 1:
             if self.tp > 1 or self.sp:
-                raise ValueError(f"parallel={self} takes no single-device rewrite under tp or sp: "
-                                 f"recompute runs with dp (FSDP2) alone, as under tp its per-rank prediction is "
-                                 f"off by -4% to +11% of the measured peak; drop passes=")
+                raise ValueError(f"parallel={self} takes no single-device rewrite under tp or sp: recompute and "
+                                 f"mini-sequence run with dp (FSDP2) alone and in pipeline stages; under tp the "
+                                 f"per-rank prediction of recompute is off by 3% to 9% of the measured peak; drop "
+                                 f"passes=")
             _only(passes, SHARDED_PASSES, f"parallel={self} takes {list(SHARDED_PASSES)} only",
                   "drop them, or run the passes without parallel=")
             if recompute_policy not in (None, "full"):
@@ -115,7 +122,20 @@ class ParallelSpec:
         _only(passes, STAGE_PASSES, f"passes={list(passes)}: pipeline stages take {list(STAGE_PASSES)} only",
               "they rewrite AOTAutograd's joint graph, which a stage run by torch's pipeline runtime does not "
               "have; drop them")
+        if "recompute" in passes and self.schedule == "zb_h1":
+            raise ValueError(f"recompute under parallel={self}: the zero-bubble schedule splits each backward in "
+                             f"two (input, then weight gradients), which a checkpointed block would run its forward "
+                             f"for twice; use schedule='1f1b' or drop recompute")
+        if recompute_policy not in (None, "full"):
+            raise ValueError(f"recompute={recompute_policy!r} under parallel={self}: each block of a stage is "
+                             f"checkpointed whole (recompute='full'); drop recompute= or give 'full'")
         return tuple(passes)
+
+
+def runs_chain(spec: ParallelSpec, passes: Sequence[str]) -> bool:
+    """Whether the layout runs its rewritten step graph as a chain of its blocks (apply.apply_chain):
+    mini-sequence without pp."""
+    return spec.pp == 1 and "minisequence" in passes
 
 
 def _only(passes: Sequence[str], allowed: Sequence[str], what: str, fix: str) -> None:

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from tailorfx import compat
 from tailorfx.codegen.lower import partition_for
-from tailorfx.codegen.pipeline import capture_static
+from tailorfx.codegen.pipeline import capture_static, loss_only
 from tailorfx.models.build import built_on_fake_tensors, fake_copy, fake_mode_of
 from tailorfx.parallel.plan import accepts_use_cache, plan_tensor_parallel, rewrite_step, tp_styles
 from tailorfx.parallel.shard import shard_model
@@ -97,6 +97,7 @@ class RankCapture:
     owner: Any = None               # a weak reference to the module or factory captured (None: a config)
     wgrad: list = field(default_factory=list)   # per group: output bytes of its ops that take a parameter
     stage_costs: Optional[StageCosts] = None   # block_costs of the graph as captured, before any pass
+    rng_bytes: int = 0              # a checkpointed block's saved RNG state, from its forward to its backward
 
     @property
     def num_groups(self) -> int:
@@ -122,18 +123,21 @@ _MESH_IDS = itertools.count()
 
 def capture_rank(src: Any, *, tp: int, rows: int, seq: int, dtype: torch.dtype, head: str = "vocab",
                  vocab_loss: str = "fused", mesh=None, passes: tuple = (),
-                 graph: Optional[fx.GraphModule] = None) -> RankCapture:
+                 graph: Optional[fx.GraphModule] = None, options: tuple = (), chain: bool = False) -> RankCapture:
     """The rank's step graph (sharded for `tp` on a fake process group, the LM head as
     plan.head_style `head` says and its loss as `vocab_loss`), rewritten by `passes` as a
     layout's step graph is (plan.rewrite_step), traced and tagged by part; cached. `graph`: that
-    step graph already captured at this shape (a pipeline runtime's, tp=1), used instead of a
-    capture of a fake copy when `src` is a module in `dtype`."""
-    key = (_source_key(src), tp, rows, seq, (head, vocab_loss) if tp > 1 else "", dtype, tuple(passes))
+    step graph already captured at this shape (a pipeline's or a chain's, tp=1), used instead of a
+    capture of a fake copy when `src` is a module in `dtype`. `options`: the passes' (plan.step_options,
+    as items); `chain`: the runtime runs the step as a chain (spec.runs_chain), which returns the
+    loss alone and keeps no cache."""
+    key = (_source_key(src), tp, rows, seq, (head, vocab_loss) if tp > 1 else "", dtype, tuple(passes), options,
+           chain)
     hit = _CAPTURES.get(key)
     if hit is not None and (hit.owner is None or hit.owner() is src):
         return hit
     if graph is not None and tp == 1 and isinstance(src, nn.Module) and param_dtype(src) == dtype:
-        cap = _trace_captured(graph, src, passes)
+        cap = _traced(graph, local_params(src), passes, contextlib.nullcontext, dict(options))
         return _remember(key, src, cap)
     own_group = False
     if tp > 1 and mesh is None:
@@ -152,7 +156,7 @@ def capture_rank(src: Any, *, tp: int, rows: int, seq: int, dtype: torch.dtype, 
             mesh = init_device_mesh(on if on == "cpu" or torch.cuda.is_available() else "cpu", (tp,),
                                     mesh_dim_names=(f"tp_capture{next(_MESH_IDS)}",))
         cap = _capture_on(src, tp=tp, rows=rows, seq=seq, head=head, vocab_loss=vocab_loss, dtype=dtype, mesh=mesh,
-                          passes=passes)
+                          passes=passes, options=dict(options), chain=chain)
     finally:
         if own_group:
             dist.destroy_process_group()
@@ -171,12 +175,12 @@ def _remember(key: tuple, src: Any, cap: RankCapture) -> RankCapture:
     return cap
 
 
-def _capture_on(src, *, tp, rows, seq, head, vocab_loss, dtype, mesh, passes) -> RankCapture:
+def _capture_on(src, *, tp, rows, seq, head, vocab_loss, dtype, mesh, passes, options, chain) -> RankCapture:
     scope = contextlib.nullcontext
     with _fake_model(src, dtype) as model:
         ids = torch.zeros(rows, seq, dtype=torch.long, device=_device(model))
         batch = {"input_ids": ids, "labels": ids}
-        if "recompute" in passes and accepts_use_cache(model):    # as the runtime calls it (ParallelRuntime.run)
+        if ("recompute" in passes or chain) and accepts_use_cache(model):    # as the runtime calls it (apply.py)
             batch["use_cache"] = False
         if tp > 1:
             plan = read_tp_plan(src, dtype, model)
@@ -187,29 +191,53 @@ def _capture_on(src, *, tp, rows, seq, head, vocab_loss, dtype, mesh, passes) ->
                 scope = loss_parallel
         with scope(), isolated_captures():
             gm, _, _ = capture_static(model, batch)
-        local = {}
-        for name, p in model.named_parameters():
-            t = p.to_local() if hasattr(p, "to_local") else p
-            local[name] = (tuple(t.shape), t.element_size(), p.requires_grad)
+        local = local_params(model)
     # outside the model's fake mode, as AOTAutograd: the graph's values are Dynamo's fake tensors
-    return _traced(gm, local, passes, scope)
+    return _traced(loss_only(gm) if chain else gm, local, passes, scope, options)
 
 
-def _trace_captured(gm: fx.GraphModule, model: nn.Module, passes: tuple) -> RankCapture:
-    """A RankCapture of a step graph captured already (tp=1: the parameters are whole)."""
-    local = {name: (tuple(p.shape), p.element_size(), p.requires_grad) for name, p in model.named_parameters()}
-    return _traced(gm, local, passes, contextlib.nullcontext)
+def local_params(model: nn.Module) -> dict[str, tuple]:
+    """name -> (shape, itemsize, trained) of each parameter, a tp shard's local one."""
+    local = {}
+    for name, p in model.named_parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        local[name] = (tuple(t.shape), t.element_size(), p.requires_grad)
+    return local
 
 
-def _traced(gm: fx.GraphModule, local: dict, passes: tuple, scope: Callable) -> RankCapture:
+def _traced(gm: fx.GraphModule, local: dict, passes: tuple, scope: Callable, options: Optional[dict] = None
+            ) -> RankCapture:
     """`gm` rewritten by `passes`, traced and tagged by part; the stages are cut by the graph as
     captured (without passes, predict_rank_memory reads the capture's own)."""
     costs = block_costs(gm, find_regions(gm, seq_info(gm, None))) if passes else None
-    gm, _ = rewrite_step(gm, passes)
+    gm, _ = rewrite_step(gm, passes, options)
+    checkpointed = "recompute" in passes
+    if checkpointed:
+        _save_outside_blocks(gm)
     with scope():     # AOTAutograd outside the model's fake mode (it makes its own), collectives still known
         steps = memory.trace_step(gm, None, partition_for("dynamo", gm), None)
     steps = replace(steps, eager_autograd=True)
-    return replace(_annotate(gm, steps, local, scope, checkpointed="recompute" in passes), stage_costs=costs)
+    return replace(_annotate(gm, steps, local, scope, checkpointed=checkpointed), stage_costs=costs,
+                   rng_bytes=_rng_state_bytes(gm) if checkpointed else 0)
+
+
+def _save_outside_blocks(gm: fx.GraphModule) -> None:
+    """Under the runtime's checkpointing only the blocks run again: an op outside them (the final
+    norm, the head) saves for backward what eager autograd saves, where the tag-honouring
+    partitioner would recompute cheap ones on its own."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method") and "recompute" not in n.meta:
+            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def _rng_state_bytes(gm: fx.GraphModule) -> int:
+    """What torch's checkpoint saves of the random number generators per checkpointed block:
+    the CPU generator's state (a host tensor, device memory only when the model runs on the
+    CPU; CUDA's state is a host tensor too)."""
+    on = {v.device.type for n in gm.graph.nodes if n.op == "placeholder"
+          and isinstance(v := node_value(n), torch.Tensor)}
+    return torch.get_rng_state().numel() if on <= {"cpu"} else 0
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -302,7 +330,9 @@ def _recompute_first(bw: fx.GraphModule, group: dict) -> None:
     op (partitioner_tag "is_forward") belongs to the part whose gradient ops first use it."""
     nodes = list(bw.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    forward = {n for n in nodes if n.meta.get("partitioner_tag") == "is_forward"}
+    # a recomputed op that draws random numbers runs under run_with_rng_state, which carries no tag
+    forward = {n for n in nodes if n.meta.get("partitioner_tag") == "is_forward"
+               or (n.op == "call_function" and "run_with_rng_state" in str(n.target))}
     recomputed = [n for n in nodes if n.op == "call_function" and n in forward]
     part: dict = {}
     for n in reversed(recomputed):

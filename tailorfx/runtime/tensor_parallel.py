@@ -5,6 +5,7 @@ Each parallelism is one `apply_*` function; the plan (which module gets which st
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 from typing import Optional
@@ -169,16 +170,38 @@ def apply_fsdp_stages(stages: list[nn.Module], *, model: nn.Module, mesh: Device
     from torch.distributed.fsdp import fully_shard
     if mesh.size() == 1:
         return
+    with _onto_model(model, stages):
+        for stage in stages:
+            # resharding after each micro-batch's forward would gather the stage again for every one
+            fully_shard(stage, mesh=mesh, reshard_after_forward=False)
+
+
+def apply_fsdp_chain(chain: nn.Module, *, units: list[nn.Module], model: nn.Module, mesh: DeviceMesh) -> None:
+    """FSDP2 on a StageChain as apply_fsdp shards a model: each of `units` (a block's stage) one
+    `fully_shard` unit, then the chain the root's (the embedding's and the head's stages); the
+    sharded Parameters put back on the model's modules (apply_fsdp_stages)."""
+    from torch.distributed.fsdp import fully_shard
+    if mesh.size() == 1:
+        return
+    with _onto_model(model, [chain]):
+        for unit in units:
+            fully_shard(unit, mesh=mesh)
+        fully_shard(chain, mesh=mesh)
+
+
+@contextlib.contextmanager
+def _onto_model(model: nn.Module, holders: list[nn.Module]):
+    """Around fully_shard of modules that hold `model`'s Parameters: each sharded Parameter FSDP
+    registers in a holder is put on the model's modules in the place of the one it replaced."""
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for name, mod in model.named_modules(remove_duplicate=False):
+    for _, mod in model.named_modules(remove_duplicate=False):
         for leaf, p in mod.named_parameters(recurse=False):
             owners.setdefault(id(p), []).append((mod, leaf))
-    for stage in stages:
-        before = dict(stage.named_parameters())
-        # resharding after each micro-batch's forward would gather the stage again for every one
-        fully_shard(stage, mesh=mesh, reshard_after_forward=False)
-        for name, sharded in stage.named_parameters():
-            for mod, leaf in owners.get(id(before[name]), ()):
+    before = [dict(h.named_parameters()) for h in holders]
+    yield
+    for h, was in zip(holders, before):
+        for name, sharded in h.named_parameters():
+            for mod, leaf in owners.get(id(was[name]), ()):
                 mod._parameters[leaf] = sharded
 
 

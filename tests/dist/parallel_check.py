@@ -20,15 +20,19 @@ def main(run: str, tp: int, dp: int) -> int:
     spec, *flags = run.split(":")     # "llama:loss_parallel": DTensor's loss on the logits shard
     vocab_loss = "loss_parallel" if "loss_parallel" in flags else ""
     memory = "nomem" not in flags     # ":nomem": no memory measured and predicted (a prediction is a capture)
-    passes = ["recompute"] if "recompute" in flags else None     # ":recompute": each block checkpointed
+    # ":recompute": each block checkpointed; ":ms": the head fused with its loss, the MLPs in chunks
+    passes = [p for f, p in (("ms", "minisequence"), ("recompute", "recompute")) if f in flags] or None
     vocab = next((int(f[1:]) for f in flags if f[:1] == "v" and f[1:].isdigit()), 2048)   # ":v8192": that vocabulary
+    # ":s96": rows of 96 tokens (a static graph's MLP is chunked where no other dim has the sequence's size:
+    # the models' intermediate size is 128)
+    tokens = next((int(f[1:]) for f in flags if f[:1] == "s" and f[1:].isdigit()), 128)
     family, _, sp = spec.partition("+")
     family, untied = family.removesuffix("-untied"), family.endswith("-untied")   # "gemma2-untied": its own head
     kw = dict(vocab_size=vocab, **({"tie_word_embeddings": False} if untied else {}))
     torch.manual_seed(0)
     ref = hf_family(family, **kw)
     model = hf_family(family, **kw)
-    ids = torch.randint(0, vocab, (2 * dp, 128), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, vocab, (2 * dp, tokens), generator=torch.Generator().manual_seed(1))
     out = ref(input_ids=ids, labels=ids)
     out.loss.backward()
     rank = int(os.environ["RANK"])
@@ -38,9 +42,12 @@ def main(run: str, tp: int, dp: int) -> int:
     layout = dict(tp=tp, dp=dp, sp=sp or None, vocab_loss=vocab_loss or "fused")
     # ":budget": planned under a budget between the layout's predicted peaks without and with
     # recompute (no optimizer state: this script takes no optimizer step)
-    budget = _between_peaks(model, layout, rows) if "budget" in flags else None
+    # ":budget60": 60% of the layout's predicted peak without rewrites
+    budget = (_between_peaks(model, layout, rows) if "budget" in flags else
+              int(0.6 * _peak(model, layout, rows, [])) if "budget60" in flags else None)
     opt = tailorfx.optimize(model, example_inputs=dict(input_ids=rows, labels=rows), passes=passes,
-                            parallel=layout, budget=budget, optimizer=None if budget else "adamw")
+                            parallel=layout, budget=budget, optimizer=None if budget else "adamw",
+                            minisequence_chunks=2 if "ms" in flags else None)
     # whether the head's own output (before a soft-cap or scale) is still held when the loss runs
     head_out, held_at_loss = [], []
     hook = model.lm_head.register_forward_hook(lambda m, a, o: head_out.append(weakref.ref(o)))
@@ -71,8 +78,10 @@ def main(run: str, tp: int, dp: int) -> int:
     # this rank's forward+backward peak: the memory model against the allocator, the smallest of
     # three steps, five on a 2 x 2 mesh and under sequence parallelism (on gloo a rank sometimes
     # holds collective buffers longer: README; with three, a tp x FSDP2 rank once held 2.5% more on
-    # each, on a loaded machine, and a Megatron rank 6% more than predicted on each of three)
-    steps, predicted = (measured_and_predicted(opt, model, fwd_bwd, repeats=5 if (tp > 1 and dp > 1) or sp else 3)
+    # each, on a loaded machine, and a Megatron rank 6% more than predicted on each of three; a chain's
+    # FSDP rank held one to three blocks' gathered parameters more on each of three)
+    repeats = 5 if (tp > 1 and dp > 1) or sp or "ms" in flags else 3
+    steps, predicted = (measured_and_predicted(opt, model, fwd_bwd, repeats=repeats)
                         if memory else ([], None))
     measured = min(steps) if steps else None
     bad = grad_mismatches(opt.named_parameters(), ref)
@@ -86,19 +95,27 @@ def main(run: str, tp: int, dp: int) -> int:
            "head_output_held_at_loss": held_at_loss, "fused_calls": fused.fused if fused else 0, "unfused_calls": fused.unfused if fused else 0,
            "checkpointed": [b for b, what in opt.session.parallel.report.describe() if what.startswith("recompute:")],
            "budget": budget, "rewrites": list(opt.session.parallel.report.passes),
+           # the layout's predicted peak without rewrites (no optimizer state), against which rewrites are measured
+           "plain_peak": _peak(ref, layout, rows, []) if "ms" in flags else None,
+           "rewritten": [f"{where}: {what}" for where, what in opt.session.parallel.report.describe()
+                         if what.startswith("minisequence:")],
            "resident": sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())}, run)
     return 0 if ok else 1
 
 
+def _peak(model, layout: dict, rows: torch.Tensor, passes: list) -> int:
+    """The layout's predicted peak per rank with `passes` (no optimizer state: this script takes
+    no optimizer step)."""
+    from tailorfx.parallel import predict_rank_memory
+    from tailorfx.setup import resolve
+    return predict_rank_memory(model, passes=passes, **layout, seq_len=rows.shape[1], batch_size=rows.shape[0],
+                               setup=resolve(None, param_dtype=torch.float32, optimizer=None)).peak_bytes
+
+
 def _between_peaks(model, layout: dict, rows: torch.Tensor) -> int:
     """A budget the layout meets with recompute and not without (the planner's headroom kept)."""
-    from tailorfx.parallel import predict_rank_memory
     from tailorfx.planner import HEADROOM
-    from tailorfx.setup import resolve
-    kw = dict(layout, seq_len=rows.shape[1], batch_size=rows.shape[0],
-              setup=resolve(None, param_dtype=torch.float32, optimizer=None))
-    peaks = [predict_rank_memory(model, passes=p, **kw).peak_bytes for p in ([], ["recompute"])]
-    return int(sum(peaks) / 2 / (1 - HEADROOM))
+    return int((_peak(model, layout, rows, []) + _peak(model, layout, rows, ["recompute"])) / 2 / (1 - HEADROOM))
 
 
 if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[-untied][+SP][:loss_parallel][:nomem][:recompute][:vN] ...: one launch, several models

@@ -13,7 +13,8 @@ from models import hf_family  # noqa: E402
 from results import grad_mismatches, measured_and_predicted, write  # noqa: E402
 
 
-def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1, memory: bool = False) -> int:
+def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1, memory: bool = False,
+         recompute: bool = False) -> int:
     ref = hf_family(family, num_layers=4, vocab_size=512)
     model = hf_family(family, num_layers=4, vocab_size=512)
     ids = torch.randint(0, 512, (dp * microbatches, 32), generator=torch.Generator().manual_seed(1))
@@ -26,7 +27,9 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1
     out.loss.backward()
     own_loss = ref(input_ids=rows, labels=rows).loss.detach() if dp > 1 else out.loss.detach()
     opt = tailorfx.optimize(model, example_inputs=dict(input_ids=rows, labels=rows),
-                            parallel=dict(pp=pp, tp=tp, dp=dp, schedule=schedule, microbatches=microbatches))
+                            parallel=dict(pp=pp, tp=tp, dp=dp, schedule=schedule, microbatches=microbatches),
+                            passes=["minisequence", "recompute"] if recompute else None,
+                            minisequence_chunks=2 if recompute else None)
     for _ in range(2):     # twice: the second step must not see state the first one left
         for p in model.parameters():
             p.grad = None
@@ -51,19 +54,24 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1
            "stages": opt.session.parallel.report.stage_blocks, "bubble": opt.session.parallel.report.bubble,
            "measured": measured, "predicted": predicted, "measured_steps": steps,
            "stage_param_bytes": sum(p.numel() * p.element_size() for p in mine.values()),
-           "report": str(opt.report())}, family, schedule, f"{tp}x{dp}")
+           "report": str(opt.report()), "checkpointed": sum(hasattr(m, "_checkpoint_wrapped_module") or
+                                                            type(m).__name__.startswith("Checkpoint")
+                                                            for m in model.modules())},
+          family, schedule + (":rc" if recompute else ""), f"{tp}x{dp}")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":     # pipeline_check.py TP[xDP] MICROBATCHES FAMILY:SCHEDULE[:mem] [...]: one launch, several runs
     tp, _, dp = sys.argv[1].partition("x")
     m = int(sys.argv[2])
-    # FAMILY:SCHEDULE[:mem][@TPxDP]: with ":mem", also this rank's measured and predicted peak;
+    # FAMILY:SCHEDULE[:mem][:rc][@TPxDP]: with ":mem", also this rank's measured and predicted peak; ":rc",
+    # the MLPs in 2 chunks and each block recomputed;
     # "@TPxDP", a layout other than the launch's (one launch, several layouts: a start costs seconds)
     failed = 0
     for run in sys.argv[3:]:
         spec, _, layout = run.partition("@")
         rtp, _, rdp = (layout or f"{tp}x{dp or 1}").partition("x")
-        failed += main(*spec.split(":")[:2], m, int(rtp), int(rdp or 1), spec.endswith(":mem"))
+        flags = spec.split(":")[2:]
+        failed += main(*spec.split(":")[:2], m, int(rtp), int(rdp or 1), "mem" in flags, "rc" in flags)
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
