@@ -310,7 +310,7 @@ def worlds_8b(worlds=(8, 64), seqs=SEQS_8B) -> tuple[list[list], list[dict], lis
     rank's micro-batch): every layout with the rewrites it takes, its per-rank peak, predicted
     step time and tokens per second; then, on the first world, the longest sequence each layout
     reaches with its most frugal rewrites (under dp alone the head fused, the MLPs chunked and each
-    block recomputed; in pipeline stages the same): the predicted
+    block recomputed): the predicted
     peaks at `seqs` fitted as a + b * seq (flash attention: activations grow linearly) and solved
     for the budget, marked "extrapolated" beyond the longest sequence planned."""
     import time
@@ -340,7 +340,7 @@ def worlds_8b(worlds=(8, 64), seqs=SEQS_8B) -> tuple[list[list], list[dict], lis
                             "step_s": c.step_s, "tokens_per_s": c.tokens_per_s, "status": c.status,
                             "chosen": c.chosen, "step": c.step.breakdown()})
                 if world == worlds[0]:
-                    passes = ["minisequence", "recompute"] if c.tp == 1 and not c.sp else None
+                    passes = ["minisequence", "recompute"] if c.tp == c.pp == 1 and not c.sp else None
                     rm = predict_rank_memory(cfg, tp=c.tp, dp=c.dp, pp=c.pp, sp=c.sp, seq_len=seq, batch_size=1,
                                              setup="amp-bf16", passes=passes)
                     frugal.setdefault((c.layout(), "+".join(passes or c.passes) or "-"), []).append((seq, rm.peak_bytes))

@@ -460,9 +460,8 @@ def test_pipeline_schedules_equal_one_process(tmp_path):
             assert r["report"].count("recompute: activation checkpointing") == 4, r["report"]
             if run.startswith("llama"):
                 assert r["measured"] < 0.9 * rows[(rank, "llama_1f1b_1x1")]["measured"], r
-            # each rank's prediction (the pipeline walk on the recomputed step, each checkpointed block's
-            # saved RNG state): within -2%/+4% of its measured peak (the first stage's is 3.3% over)
-            assert -0.02 <= (r["predicted"] - r["measured"]) / r["measured"] <= 0.04, r
+            # its memory is not predicted, and opt.predict_memory() says so
+            assert r["predicted"] is None and "is not predicted" in r["prediction_refused"], r
             continue
         stages = 4 if r["schedule"] == "interleaved_1f1b" else 2
         assert len(r["stages"]) == stages and all(r["stages"])       # the graph was cut, every stage has blocks

@@ -144,6 +144,8 @@ def apply_pipeline(model: nn.Module, *, spec: ParallelSpec, kwargs: dict, mesh, 
         raise ValueError(f"example_inputs have {sorted(set(rows.values()))} rows, which microbatches={m} does not "
                          f"divide: give a batch of a multiple of {m} rows (every step must have that shape)")
     micro = {k: (t[: t.shape[0] // m] if k in rows else t) for k, t in kwargs.items()}
+    if accepts_use_cache(model):     # a stage returns no cache (and a checkpointed block would fill one twice)
+        micro["use_cache"] = False
     gm, example, micro = capture_static(model, micro)
     captured = gm     # unchanged below: the passes rewrite a copy, and cutting the stages reads it
     regions = find_regions(gm, seq_info(gm, None))

@@ -40,6 +40,8 @@ def parallel_plan(model: nn.Module, parallel: Any, args: tuple, kwargs: dict, *,
         passes = spec.rewrites(requested, policy)   # before any capture
     else:   # each rank's rewrites planned on fake tensors, before the model is sharded
         rows, seq = tokens_of(args, kwargs)
+        if spec.pp > 1:     # predict_rank_memory's rows are one micro-batch's
+            rows //= spec.microbatches
         fit = fit_rewrites(model, spec, budget, seq_len=seq, batch_size=rows, setup=options["setup"],
                            requested=requested, recompute_policy=policy)
         passes = fit.passes

@@ -15,7 +15,7 @@ from tailorfx import planner
 from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError
 from tailorfx.parallel.memory import RankMemory, predict_rank_memory
-from tailorfx.parallel.spec import SHARDED_PASSES, STAGE_PASSES, ParallelSpec
+from tailorfx.parallel.spec import SHARDED_PASSES, ParallelSpec
 from tailorfx.setup import TrainingSetup
 
 
@@ -37,15 +37,12 @@ def candidates(spec: ParallelSpec, requested: Optional[Sequence[str]],
                recompute_policy: Optional[str] = None) -> list[tuple[str, ...]]:
     """The rewrites to try, least recompute first: the user's own list (as the layout takes it),
     else the layout's default and then, under dp alone, SHARDED_PASSES' combinations (the LM head
-    fused and the MLPs chunked, each block recomputed, both); in pipeline stages without tp,
-    STAGE_PASSES (but under the zero-bubble schedule)."""
+    fused and the MLPs chunked, each block recomputed, both). Recompute in pipeline stages is not
+    predicted (memory.predict_rank_memory), so never planned."""
     first = spec.rewrites(requested, recompute_policy)
-    if requested is not None or spec.tp > 1 or spec.sp:
+    if requested is not None or spec.pp > 1 or spec.tp > 1 or spec.sp:
         return [first]
-    if spec.pp == 1:
-        more = [("minisequence",), ("recompute",), SHARDED_PASSES]
-    else:
-        more = [STAGE_PASSES] if spec.schedule != "zb_h1" else []
+    more = [("minisequence",), ("recompute",), SHARDED_PASSES]
     return [first] + [p for p in more if p != first]
 
 

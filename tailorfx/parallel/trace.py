@@ -123,16 +123,15 @@ _MESH_IDS = itertools.count()
 
 def capture_rank(src: Any, *, tp: int, rows: int, seq: int, dtype: torch.dtype, head: str = "vocab",
                  vocab_loss: str = "fused", mesh=None, passes: tuple = (),
-                 graph: Optional[fx.GraphModule] = None, options: tuple = (), chain: bool = False) -> RankCapture:
+                 graph: Optional[fx.GraphModule] = None, options: tuple = (), cut: str = "") -> RankCapture:
     """The rank's step graph (sharded for `tp` on a fake process group, the LM head as
     plan.head_style `head` says and its loss as `vocab_loss`), rewritten by `passes` as a
     layout's step graph is (plan.rewrite_step), traced and tagged by part; cached. `graph`: that
     step graph already captured at this shape (a pipeline's or a chain's, tp=1), used instead of a
     capture of a fake copy when `src` is a module in `dtype`. `options`: the passes' (plan.step_options,
-    as items); `chain`: the runtime runs the step as a chain (spec.runs_chain), which returns the
-    loss alone and keeps no cache."""
-    key = (_source_key(src), tp, rows, seq, (head, vocab_loss) if tp > 1 else "", dtype, tuple(passes), options,
-           chain)
+    as items); `cut`: how the runtime runs the step graph cut at its blocks, "pipeline" (stages,
+    which return no cache) or "chain" (spec.runs_chain: its loss alone, no cache), "" not cut."""
+    key = (_source_key(src), tp, rows, seq, (head, vocab_loss) if tp > 1 else "", dtype, tuple(passes), options, cut)
     hit = _CAPTURES.get(key)
     if hit is not None and (hit.owner is None or hit.owner() is src):
         return hit
@@ -156,7 +155,7 @@ def capture_rank(src: Any, *, tp: int, rows: int, seq: int, dtype: torch.dtype, 
             mesh = init_device_mesh(on if on == "cpu" or torch.cuda.is_available() else "cpu", (tp,),
                                     mesh_dim_names=(f"tp_capture{next(_MESH_IDS)}",))
         cap = _capture_on(src, tp=tp, rows=rows, seq=seq, head=head, vocab_loss=vocab_loss, dtype=dtype, mesh=mesh,
-                          passes=passes, options=dict(options), chain=chain)
+                          passes=passes, options=dict(options), cut=cut)
     finally:
         if own_group:
             dist.destroy_process_group()
@@ -175,12 +174,12 @@ def _remember(key: tuple, src: Any, cap: RankCapture) -> RankCapture:
     return cap
 
 
-def _capture_on(src, *, tp, rows, seq, head, vocab_loss, dtype, mesh, passes, options, chain) -> RankCapture:
+def _capture_on(src, *, tp, rows, seq, head, vocab_loss, dtype, mesh, passes, options, cut) -> RankCapture:
     scope = contextlib.nullcontext
     with _fake_model(src, dtype) as model:
         ids = torch.zeros(rows, seq, dtype=torch.long, device=_device(model))
         batch = {"input_ids": ids, "labels": ids}
-        if ("recompute" in passes or chain) and accepts_use_cache(model):    # as the runtime calls it (apply.py)
+        if ("recompute" in passes or cut) and accepts_use_cache(model):    # as the runtime calls it (apply.py)
             batch["use_cache"] = False
         if tp > 1:
             plan = read_tp_plan(src, dtype, model)
@@ -193,7 +192,7 @@ def _capture_on(src, *, tp, rows, seq, head, vocab_loss, dtype, mesh, passes, op
             gm, _, _ = capture_static(model, batch)
         local = local_params(model)
     # outside the model's fake mode, as AOTAutograd: the graph's values are Dynamo's fake tensors
-    return _traced(loss_only(gm) if chain else gm, local, passes, scope, options)
+    return _traced(loss_only(gm) if cut == "chain" else gm, local, passes, scope, options)
 
 
 def local_params(model: nn.Module) -> dict[str, tuple]:

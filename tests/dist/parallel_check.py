@@ -79,8 +79,8 @@ def main(run: str, tp: int, dp: int) -> int:
     # three steps, five on a 2 x 2 mesh and under sequence parallelism (on gloo a rank sometimes
     # holds collective buffers longer: README; with three, a tp x FSDP2 rank once held 2.5% more on
     # each, on a loaded machine, and a Megatron rank 6% more than predicted on each of three; a chain's
-    # FSDP rank held one to three blocks' gathered parameters more on each of three)
-    repeats = 5 if (tp > 1 and dp > 1) or sp or "ms" in flags else 3
+    # FSDP rank held one to three blocks' gathered parameters more on each of five, on a loaded machine)
+    repeats = 8 if "ms" in flags else 5 if (tp > 1 and dp > 1) or sp else 3
     steps, predicted = (measured_and_predicted(opt, model, fwd_bwd, repeats=repeats)
                         if memory else ([], None))
     measured = min(steps) if steps else None

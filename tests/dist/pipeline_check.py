@@ -14,10 +14,10 @@ from results import grad_mismatches, measured_and_predicted, write  # noqa: E402
 
 
 def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1, memory: bool = False,
-         recompute: bool = False) -> int:
+         recompute: bool = False, budget60: bool = False, tokens: int = 32) -> int:
     ref = hf_family(family, num_layers=4, vocab_size=512)
     model = hf_family(family, num_layers=4, vocab_size=512)
-    ids = torch.randint(0, 512, (dp * microbatches, 32), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 512, (dp * microbatches, tokens), generator=torch.Generator().manual_seed(1))
     rank = int(os.environ["RANK"])
     pp = int(os.environ["WORLD_SIZE"]) // (tp * dp)
     # mesh (pp, dp, tp): each dp rank runs its own rows through the pipeline; FSDP averages the
@@ -26,19 +26,29 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1
     out = ref(input_ids=ids, labels=ids)
     out.loss.backward()
     own_loss = ref(input_ids=rows, labels=rows).loss.detach() if dp > 1 else out.loss.detach()
-    opt = tailorfx.optimize(model, example_inputs=dict(input_ids=rows, labels=rows),
-                            parallel=dict(pp=pp, tp=tp, dp=dp, schedule=schedule, microbatches=microbatches),
+    layout = dict(pp=pp, tp=tp, dp=dp, schedule=schedule, microbatches=microbatches)
+    # ":budget60": 60% of the layout's predicted peak without rewrites (no optimizer state: no step is taken)
+    budget = int(0.6 * _peak(model, layout, rows)) if budget60 else None
+    opt = tailorfx.optimize(model, example_inputs=dict(input_ids=rows, labels=rows), parallel=layout,
                             passes=["minisequence", "recompute"] if recompute else None,
-                            minisequence_chunks=2 if recompute else None)
+                            minisequence_chunks=2 if recompute else None, budget=budget,
+                            optimizer=None if budget60 else "adamw")
     for _ in range(2):     # twice: the second step must not see state the first one left
         for p in model.parameters():
             p.grad = None
         loss = opt.step(input_ids=rows, labels=rows)
     mine = dict(opt.named_parameters())
     bad = grad_mismatches(mine.items(), ref)
-    measured = predicted = None
+    measured = predicted = refused = None
     steps = []
-    if memory:   # this rank's peak over one pipelined step: the memory model walked through the schedule
+    if memory and recompute:    # measured only: recompute in pipeline stages is not predicted (it says so)
+        steps = [tailorfx.measure_peak(lambda: opt.step(input_ids=rows, labels=rows))]
+        measured = steps[0]
+        try:
+            opt.predict_memory()
+        except tailorfx.PredictionError as e:
+            refused = str(e)
+    elif memory:   # this rank's peak over one pipelined step: the memory model walked through the schedule
         # under dp, three steps: gloo sometimes frees a stage's all-gather output late (README)
         steps, predicted = measured_and_predicted(opt, model, lambda: opt.step(input_ids=rows, labels=rows),
                                                   repeats=3 if dp > 1 else 1)
@@ -52,26 +62,37 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1
            "loss": None if loss is None else float(loss), "eager_loss": float(own_loss), "dp": dp,
            "num_params": len(mine), "bad": bad, "sharded": sum(hasattr(p, "full_tensor") for p in mine.values()),
            "stages": opt.session.parallel.report.stage_blocks, "bubble": opt.session.parallel.report.bubble,
-           "measured": measured, "predicted": predicted, "measured_steps": steps,
+           "measured": measured, "predicted": predicted, "measured_steps": steps, "prediction_refused": refused,
            "stage_param_bytes": sum(p.numel() * p.element_size() for p in mine.values()),
-           "report": str(opt.report()), "checkpointed": sum(hasattr(m, "_checkpoint_wrapped_module") or
-                                                            type(m).__name__.startswith("Checkpoint")
-                                                            for m in model.modules())},
-          family, schedule + (":rc" if recompute else ""), f"{tp}x{dp}")
+           "budget": budget, "rewrites": list(opt.session.parallel.report.passes),
+           "resident": sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in mine.values()),
+           "report": str(opt.report())},
+          family, schedule + (":rc" if recompute else "") + (":budget60" if budget60 else ""), f"{tp}x{dp}")
     return 0 if ok else 1
+
+
+def _peak(model, layout: dict, rows: torch.Tensor) -> int:
+    """The layout's predicted peak per rank (the worst) without rewrites, no optimizer state."""
+    from tailorfx.parallel import predict_rank_memory
+    from tailorfx.setup import resolve
+    return predict_rank_memory(model, **layout, seq_len=rows.shape[1], batch_size=rows.shape[0] // layout["microbatches"],
+                               setup=resolve(None, param_dtype=torch.float32, optimizer=None), passes=[]).peak_bytes
 
 
 if __name__ == "__main__":     # pipeline_check.py TP[xDP] MICROBATCHES FAMILY:SCHEDULE[:mem] [...]: one launch, several runs
     tp, _, dp = sys.argv[1].partition("x")
     m = int(sys.argv[2])
-    # FAMILY:SCHEDULE[:mem][:rc][@TPxDP]: with ":mem", also this rank's measured and predicted peak; ":rc",
-    # the MLPs in 2 chunks and each block recomputed;
+    # FAMILY:SCHEDULE[:mem][:rc][:budget60][:sN][@TPxDP]: with ":mem", also this rank's measured and
+    # predicted peak; ":rc", the MLPs in 2 chunks and each block recomputed; ":budget60", planned under 60%
+    # of the layout's peak without rewrites; ":s256", rows of 256 tokens (default 32);
     # "@TPxDP", a layout other than the launch's (one launch, several layouts: a start costs seconds)
     failed = 0
     for run in sys.argv[3:]:
         spec, _, layout = run.partition("@")
         rtp, _, rdp = (layout or f"{tp}x{dp or 1}").partition("x")
         flags = spec.split(":")[2:]
-        failed += main(*spec.split(":")[:2], m, int(rtp), int(rdp or 1), "mem" in flags, "rc" in flags)
+        tokens = next((int(f[1:]) for f in flags if f[:1] == "s" and f[1:].isdigit()), 32)
+        failed += main(*spec.split(":")[:2], m, int(rtp), int(rdp or 1), "mem" in flags, "rc" in flags,
+                       "budget60" in flags, tokens)
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
