@@ -125,7 +125,9 @@ def test_a_blocked_backward_holds_one_blocks_accumulator():
     grads_bytes = (q.numel() + 2 * k.numel()) * 4
     peaks = {}
     for blocks in (0, 8):
-        args = [torch.randn_like(q), q, k, v, out, lse, None, "full", [blocks] if blocks else [], 0.125, True]
+        # the output gradient from the test's own generator: the global one's state is other tests'
+        args = [torch.randn(q.shape, generator=g), q, k, v, out, lse, None, "full", [blocks] if blocks else [], 0.125,
+                True]
         got = torch.ops.tailorfx.sparse_attention_backward(*args)
         ref = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             *args[:6], 0.0, True, scale=0.125)

@@ -40,11 +40,8 @@ def main(run: str, tp: int, dp: int) -> int:
     # shape); FSDP averages the gradients over dp
     rows = ids.chunk(dp)[rank // tp] if dp > 1 else ids
     layout = dict(tp=tp, dp=dp, sp=sp or None, vocab_loss=vocab_loss or "fused")
-    # ":budget": planned under a budget between the layout's predicted peaks without and with
-    # recompute (no optimizer state: this script takes no optimizer step)
-    # ":budget60": 60% of the layout's predicted peak without rewrites
-    budget = (_between_peaks(model, layout, rows) if "budget" in flags else
-              int(0.6 * _peak(model, layout, rows, [])) if "budget60" in flags else None)
+    # ":budget60": planned under 60% of the layout's predicted peak without rewrites
+    budget = int(0.6 * _peak(model, layout, rows, [])) if "budget60" in flags else None
     opt = tailorfx.optimize(model, example_inputs=dict(input_ids=rows, labels=rows), passes=passes,
                             parallel=layout, budget=budget, optimizer=None if budget else "adamw",
                             minisequence_chunks=2 if "ms" in flags else None)
@@ -112,13 +109,7 @@ def _peak(model, layout: dict, rows: torch.Tensor, passes: list) -> int:
                                setup=resolve(None, param_dtype=torch.float32, optimizer=None)).peak_bytes
 
 
-def _between_peaks(model, layout: dict, rows: torch.Tensor) -> int:
-    """A budget the layout meets with recompute and not without (the planner's headroom kept)."""
-    from tailorfx.planner import HEADROOM
-    return int((_peak(model, layout, rows, []) + _peak(model, layout, rows, ["recompute"])) / 2 / (1 - HEADROOM))
-
-
-if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[-untied][+SP][:loss_parallel][:nomem][:recompute][:vN] ...: one launch, several models
+if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[-untied][+SP][:loss_parallel][:nomem][:recompute][:ms][:budget60][:vN][:sN] ...: one launch, several models
     failed = sum(main(f, int(sys.argv[1]), int(sys.argv[2])) for f in sys.argv[3:])
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
