@@ -50,15 +50,30 @@ def try_rewrites(model, spec: ParallelSpec, usable: float, *, seq_len: int, batc
                  setup: TrainingSetup, requested: Optional[Sequence[str]] = None,
                  recompute_policy: Optional[str] = None, mesh=None) -> Fit:
     """The first candidate whose worst rank peaks within `usable` bytes, else the smallest tried
-    (`fits` False). `mesh`: under tp inside torchrun, a real mesh of tp ranks to shard on."""
+    (`fits` False). When the first does not fit the last (the most frugal) is tried next: if it
+    does not fit either, none between is predicted. `mesh`: under tp inside torchrun, a real mesh
+    of tp ranks to shard on."""
     tried = []
-    for passes in candidates(spec, requested, recompute_policy):
+
+    def predict(passes):
         memory = predict_rank_memory(model, tp=spec.tp, dp=spec.dp, pp=spec.pp, sp=spec.sp, schedule=spec.schedule,
                                      microbatches=spec.microbatches, seq_len=seq_len, batch_size=batch_size,
                                      setup=setup, vocab_loss=spec.vocab_loss, passes=list(passes), _mesh=mesh)
         tried.append((passes, memory))
-        if memory.peak_bytes <= usable:
-            return Fit(passes, memory, tuple(tried))
+        return memory
+    cands = candidates(spec, requested, recompute_policy)
+    order = cands[:1] + cands[-1:] + cands[1:-1] if len(cands) > 2 else cands
+    for k, passes in enumerate(order):
+        memory = predict(passes)
+        if memory.peak_bytes > usable:
+            if k == 1 and len(cands) > 2:     # the most frugal does not fit: nothing between does
+                break
+            continue
+        if k == 1 and len(cands) > 2:         # it fits: the least recompute that fits comes first
+            for between in cands[1:-1]:
+                if predict(between).peak_bytes <= usable:
+                    return Fit(between, tried[-1][1], tuple(tried))
+        return Fit(passes, memory, tuple(tried))
     passes, smallest = min(tried, key=lambda t: t[1].peak_bytes)
     return Fit(passes, smallest, tuple(tried), fits=False)
 
