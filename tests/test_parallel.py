@@ -310,7 +310,7 @@ def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
         assert fused["measured"] < 0.8 * lp["measured"], (fused, lp)
 
 
-DP_RUNS = ["llama", "mistral:recompute", "llama:s96:ms:recompute", "qwen3:s96:ms:recompute", "llama:s96:budget60"]
+DP_RUNS = ["mistral:recompute", "llama:s96:ms:recompute", "qwen3:s96:ms:recompute", "llama:s96:budget60"]
 
 
 @pytest.mark.multiprocess
@@ -332,13 +332,13 @@ def test_fsdp2_dp2_equals_one_process(tmp_path):
             assert r["rewritten"] == [f"model.layers.{i}.mlp: minisequence: 2 chunk(s) along the sequence, "
                                       f"intermediates recomputed per chunk in backward" for i in range(2)] + [
                 "lm_head: minisequence: fused with its loss, 2 chunk(s), no logits kept for backward"], r
-            assert r["resident"] + r["measured"] <= 0.6 * r["plain_peak"], r
+        if r["plain_peak"] is not None:     # below the layout's predicted peak without rewrites: 60% with
+            # mini-sequence and recompute, 90% with recompute alone (Mistral, 128 tokens: the logits dominate)
+            assert r["resident"] + r["measured"] <= (0.6 if ":ms" in run else 0.9) * r["plain_peak"], r
         # the per-rank prediction (FSDP2's gathers, prefetch and reduce-scatter buffers composed on the
         # memory model, the blocks' ops recomputed under recompute): within 3% of this rank's
         # measured peak, never 2% under
         assert -0.02 <= (r["predicted"] - r["measured"]) / r["measured"] <= 0.03, r
-    for rank in ("rank0", "rank1"):    # Mistral's sizes are Llama's here: recompute keeps less
-        assert rows[(rank, "mistral:recompute")]["measured"] < 0.9 * rows[(rank, "llama")]["measured"]
 
 
 @pytest.mark.multiprocess
@@ -481,7 +481,7 @@ def test_pipeline_schedules_equal_one_process(tmp_path):
     # memory on Llama's runs (each rank's prediction captures the model again: seconds per run)
     # then Llama and Qwen3 under 1F1B with the MLPs in 2 chunks and each block recomputed (":rc")
     runs = [f"{f}:{s}" + (":mem" if f == "llama" else "") for f, s in PIPELINES]
-    runs += ["llama:1f1b:mem:rc", "qwen3:1f1b:mem:rc"]
+    runs += ["llama:1f1b:mem:rc", "qwen3:1f1b:rc"]
     rows = torchrun(tmp_path, 2, "pipeline_check.py", 1, 4, *runs, runs=len(runs))
     for (rank, run), r in rows.items():
         if run.endswith(":rc_1x1"):
@@ -490,8 +490,8 @@ def test_pipeline_schedules_equal_one_process(tmp_path):
             assert r["report"].count("recompute: activation checkpointing") == 4, r["report"]
             if run.startswith("llama"):
                 assert r["measured"] < 0.9 * rows[(rank, "llama_1f1b_1x1")]["measured"], r
-            # its memory is not predicted, and opt.predict_memory() says so
-            assert r["predicted"] is None and "is not predicted" in r["prediction_refused"], r
+                # its memory is not predicted, and opt.predict_memory() says so
+                assert r["predicted"] is None and "is not predicted" in r["prediction_refused"], r
             continue
         stages = 4 if r["schedule"] == "interleaved_1f1b" else 2
         assert len(r["stages"]) == stages and all(r["stages"])       # the graph was cut, every stage has blocks

@@ -76,8 +76,9 @@ def main(run: str, tp: int, dp: int) -> int:
     # three steps, five on a 2 x 2 mesh and under sequence parallelism (on gloo a rank sometimes
     # holds collective buffers longer: README; with three, a tp x FSDP2 rank once held 2.5% more on
     # each, on a loaded machine, and a Megatron rank 6% more than predicted on each of three; a chain's
-    # FSDP rank held one to three blocks' gathered parameters more on each of five, on a loaded machine)
-    repeats = 8 if "ms" in flags else 5 if (tp > 1 and dp > 1) or sp else 3
+    # FSDP rank held one to three blocks' gathered parameters more on each of five on a loaded machine:
+    # six steps for those)
+    repeats = 6 if "ms" in flags else 5 if (tp > 1 and dp > 1) or sp else 3
     steps, predicted = (measured_and_predicted(opt, model, fwd_bwd, repeats=repeats)
                         if memory else ([], None))
     measured = min(steps) if steps else None
@@ -93,7 +94,7 @@ def main(run: str, tp: int, dp: int) -> int:
            "checkpointed": [b for b, what in opt.session.parallel.report.describe() if what.startswith("recompute:")],
            "budget": budget, "rewrites": list(opt.session.parallel.report.passes),
            # the layout's predicted peak without rewrites (no optimizer state), against which rewrites are measured
-           "plain_peak": _peak(ref, layout, rows, []) if "ms" in flags else None,
+           "plain_peak": _peak(ref, layout, rows, []) if "ms" in flags or "recompute" in flags else None,
            "rewritten": [f"{where}: {what}" for where, what in opt.session.parallel.report.describe()
                          if what.startswith("minisequence:")],
            "resident": sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())}, run)
