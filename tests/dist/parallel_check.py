@@ -95,6 +95,8 @@ def main(run: str, tp: int, dp: int) -> int:
            "budget": budget, "rewrites": list(opt.session.parallel.report.passes),
            # the layout's predicted peak without rewrites (no optimizer state), against which rewrites are measured
            "plain_peak": _peak(ref, layout, rows, []) if "ms" in flags or "recompute" in flags else None,
+           # one block's gathered parameters: what gloo was measured holding past FSDP2's free
+           "block_bytes": sum(p.nbytes for p in ref.model.layers[0].parameters()),
            "rewritten": [f"{where}: {what}" for where, what in opt.session.parallel.report.describe()
                          if what.startswith("minisequence:")],
            "resident": sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())}, run)
