@@ -121,6 +121,48 @@ def test_sparse_attention_spec_runs_on_the_flash_kernel():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def test_on_cuda_a_sparse_spec_and_packed_documents_take_the_flash_kernel(monkeypatch):
+    """On CUDA the attention pass puts a sparse spec (and packed documents) on the Triton flash
+    kernel without kernels=, never on the runtime's tile engine (a Python loop per tile, host
+    copies); exact attention stays torch's SDPA. CUDA is stood in for by the pass's device check,
+    Triton's interpreter runs the kernel: loss and every gradient equal the tile engine's, and a
+    packed batch's equal eager's."""
+    import copy
+    from tailorfx.attention import SlidingWindow, attention_call
+    from tailorfx.passes.attention import rewrite
+    from tailorfx.runtime.packing import PackingCollator
+    spec = SlidingWindow(4, global_tokens=1)
+    a = hf_family("llama", num_layers=1)
+    b, c = copy.deepcopy(a), copy.deepcopy(a)
+    data = batch(S=12, pad=3)
+    ref = tailorfx.optimize(a, attention=spec, passes=["attention"], example_inputs=data)
+    monkeypatch.setattr(rewrite, "_on_cuda", lambda t: True)
+    opt = tailorfx.optimize(b, attention=spec, passes=["attention"], example_inputs=data)
+    graph = opt.graphs["attention"].graph
+    calls = [n for n in graph.nodes if n.target is triton_ops.triton_attention]
+    assert len(calls) == 1 and calls[0].kwargs["kind"] == "SlidingWindow"
+    assert not [n for n in graph.nodes if n.target is attention_call]
+    loss_ref, loss = ref(**data).loss, opt(**data).loss
+    loss_ref.backward()
+    loss.backward()
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-6)
+    for (name, p), q in zip(b.named_parameters(), a.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    exact = tailorfx.optimize(c, passes=["attention"], example_inputs=data).graphs["attention"].graph
+    assert [n.kwargs["kind"] for n in exact.nodes if n.target is attention_call] == ["Exact"]
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(1, 100, (n,), generator=g).tolist() for n in (7, 13, 5, 20, 9, 1, 11)]
+    packed = {k: v for k, v in PackingCollator(seq_len=24)(docs).items() if k != "document_ids"}
+    holder = {}
+
+    def wrap(m):
+        holder["opt"] = tailorfx.optimize(m, passes=["attention"], example_inputs=packed)
+        return holder["opt"]
+    compare_with_eager(hf_family("llama", num_layers=1), packed, wrap, rtol=1e-4, atol=1e-6)
+    calls = [n for n in holder["opt"].graphs["attention"].graph.nodes if n.target is triton_ops.triton_attention]
+    assert calls and all(n.kwargs.get("document_ids") is not None for n in calls)
+
+
 # everything at once on three families: norms, gated MLPs (chunked by the mini-sequence pass, the
 # kernel inside each chunk), flash attention and the fused LM head + loss on the Triton kernel,
 # with Gemma-2's soft-capped logits and Cohere's logit scale inside it

@@ -281,6 +281,26 @@ def test_masked_tiles_are_never_loaded(mask, params, causal):
     assert torch.equal(visited, need[qt, :]), f"key tiles visiting query tile {qt}: {visited} != {need[qt, :]}"
 
 
+@pytest.mark.parametrize("block", [8, 64], ids=["block-mask", "aligned"])
+def test_bigbird_tables_trace_as_constants(block):
+    """Inductor traces a triton_op's host code on fake tensors: BigBird's block tables must come out
+    as constants of the traced graph (equal to the eager launch's), not a copy of a real tensor."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    spec = dict(_spec("bigbird", bigbird_block=block, causal=True, bwd_block_m=32, bwd_block_n=16).params)
+    params = fa.normalize_params("bigbird", (block, 1, 1, 1, 3))
+
+    def tables(x):
+        mode = fa._mode_args(spec, params, True, 256, x.device, by_keys=True)
+        return [t + x for t in mode if isinstance(t, torch.Tensor)]
+    x = torch.zeros((), dtype=torch.int32)
+    graph = make_fx(tables, tracing_mode="fake")(x)
+    assert "_tensor_constant" in graph.code
+    want = tables(x)
+    assert len(want) == (2 if block == 64 else 3)
+    for got, ref in zip(graph(x), want):
+        assert torch.equal(got, ref)
+
+
 # ---- rendering, specs, compile -----------------------------------------------------------------
 
 def _spec(mask, **kw):

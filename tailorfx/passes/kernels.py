@@ -261,10 +261,11 @@ def _match_rope(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swa
 
 def _match_attention(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swap], str, None]:
     from tailorfx.attention import attention_call
-    from tailorfx.runtime.triton_ops import triton_attention, triton_attention_supports
-    swaps = []
+    from tailorfx.runtime.triton_ops import triton_attention, triton_attention_kwargs, triton_attention_supports
+    swaps, on_kernel = [], False
     for name in region.nodes:
         n = nodes.get(name)
+        on_kernel |= n is not None and n.target is triton_attention   # the attention pass chose it (CUDA)
         if n is None or n.target is not attention_call:
             continue
         why = triton_attention_supports(n.kwargs["kind"], dict(n.kwargs["params"]))
@@ -272,10 +273,9 @@ def _match_attention(region: Region, nodes: dict, ctx: PassContext) -> Union[lis
             why = "a per-key bias (ALiBi) runs as a score_mod on the tiles: the Triton kernel has none"
         if why:
             return why
-        kwargs, params = dict(n.kwargs), dict(n.kwargs["params"])
-        if "softcap" in params:   # a field of the exact spec; the kernel takes it as its own argument
-            kwargs["softcap"], kwargs["params"] = params.pop("softcap"), tuple(params.items())
-        swaps.append(Swap(n, triton_attention, n.args, kwargs, "flash_attention"))
+        swaps.append(Swap(n, triton_attention, n.args, triton_attention_kwargs(n.kwargs), "flash_attention"))
+    if on_kernel and not swaps:
+        return None
     return swaps or ("no attention_call in the region: the attention pass did not rewrite it"
                      if region.nodes else None)
 

@@ -49,6 +49,8 @@ def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = Fal
         # per-row losses, the chunk of hidden in fp32 and, for a low-precision weight, its fp32
         # copy and fp32 gradient accumulator
         extra = chunk * vocab * 4 + n_rows * 4
+        if _in_weight_dtype(hidden, weight, cuda):   # beside them the logits or their gradient in 16 bits
+            return int(extra + chunk * vocab * weight.element_size())
         if hidden.dtype != torch.float32:
             extra += 2 * chunk * width * 4
         if weight.dtype != torch.float32:

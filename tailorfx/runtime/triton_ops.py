@@ -183,6 +183,15 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, *, kind: str, params: tupl
     return _attn_fwd(q, k, v, document_ids, mask, _flat(mask, mparams), causal, float(scale), softcap)[0]
 
 
+def triton_attention_kwargs(kwargs: dict) -> dict:
+    """An attention_call's keyword arguments as triton_attention's: a soft-cap, a field of the
+    exact spec, is the kernel's own argument."""
+    kwargs, params = dict(kwargs), dict(kwargs["params"])
+    if "softcap" in params:
+        kwargs["softcap"], kwargs["params"] = params.pop("softcap"), tuple(params.items())
+    return kwargs
+
+
 def triton_attention_supports(kind: str, params: dict) -> Optional[str]:
     """None when the kernel runs this attention spec, else why not."""
     if kind not in _MASKS:

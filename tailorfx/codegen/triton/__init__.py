@@ -144,7 +144,8 @@ def _load(spec: KernelSpec, interpret: bool) -> Kernel:
 ARCHS = (80, 90)
 
 
-def compile_many(jobs: list[tuple[KernelSpec, int]], num_warps: Optional[int] = None) -> list[dict]:
+def compile_many(jobs: list[tuple[KernelSpec, int]], num_warps: Optional[int] = None,
+                 float_type: str = "fp32") -> list[dict]:
     """compile_kernel for each (spec, arch). A process whose Triton runs the interpreter cannot
     also compile (the interpreter patches triton.language when it is imported), so there the
     jobs run in one fresh Python process without TRITON_INTERPRET."""
@@ -152,13 +153,13 @@ def compile_many(jobs: list[tuple[KernelSpec, int]], num_warps: Optional[int] = 
         if arch not in ARCHS:
             raise ValueError(f"arch={arch!r} is not supported: one of {list(ARCHS)} (sm80 = A100, sm90 = H100)")
     if not interpreted():
-        return [compile_kernel(_load(spec, False), arch, num_warps) for spec, arch in jobs]
+        return [compile_kernel(_load(spec, False), arch, num_warps, float_type) for spec, arch in jobs]
     import base64
     import json
     import subprocess
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     request = json.dumps({"jobs": [[spec.family, list(spec.params), arch] for spec, arch in jobs],
-                          "num_warps": num_warps})
+                          "num_warps": num_warps, "float_type": float_type})
     r = subprocess.run([sys.executable, "-c", f"from {__name__} import _compile_main; _compile_main()"],
                        input=request, capture_output=True, text=True, env=env)
     if r.returncode:
@@ -176,7 +177,8 @@ def _compile_main() -> None:
     request = json.loads(sys.stdin.read())
     out = []
     for fam, params, arch in request["jobs"]:
-        res = compile_kernel(_load(KernelSpec(fam, **dict(params)), False), arch, request["num_warps"])
+        res = compile_kernel(_load(KernelSpec(fam, **dict(params)), False), arch, request["num_warps"],
+                             request["float_type"])
         res["cubin"] = {k: base64.b64encode(v).decode() for k, v in res["cubin"].items()}
         out.append(res)
     print(json.dumps(out))
@@ -188,8 +190,10 @@ def warps(spec: KernelSpec) -> int:
     return fn(spec) if fn is not None else 4
 
 
-def compile_kernel(kernel: Kernel, arch: int, num_warps: Optional[int] = None) -> dict:
-    """triton.compile for CUDA sm`arch` without a GPU; registers and spills from the bundled ptxas."""
+def compile_kernel(kernel: Kernel, arch: int, num_warps: Optional[int] = None, float_type: str = "fp32") -> dict:
+    """triton.compile for CUDA sm`arch` without a GPU; registers and spills from the bundled ptxas.
+    float_type: how a launch types the kernels' float scalars (Triton's launcher "fp32", Inductor's
+    "fp64" on CUDA)."""
     num_warps = num_warps or warps(kernel.spec)
     import re
     import subprocess
@@ -203,7 +207,8 @@ def compile_kernel(kernel: Kernel, arch: int, num_warps: Optional[int] = None) -
     for name, signature in kernel.signatures().items():
         fn = kernel.jit(name)
         constexprs = {k: v for k, v in signature.items() if not isinstance(v, str)}
-        sig = {k: ("constexpr" if not isinstance(v, str) else v) for k, v in signature.items()}
+        sig = {k: ("constexpr" if not isinstance(v, str) else float_type if v == "fp32" else v)
+               for k, v in signature.items()}
         compiled = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", arch, 32),
                                   options={"num_warps": num_warps})
         with tempfile.TemporaryDirectory() as d:

@@ -31,10 +31,11 @@ dilated attention by loading only the strided positions of a branch.
 
 Numerics: scores, softmax and accumulators are fp32. fp32 specs run their dots as IEEE fp32
 (FMAs: exact, and at the small tiles they need fewer registers than tf32x3's split operands);
-bf16 specs convert to fp32 right after loading (Triton's interpreter cannot compute on bf16) and
-use tf32 dots, exact on bf16 operands (tf32 keeps 10 mantissa bits; P and dS are rounded to
-tf32); fp16 specs feed fp16 operands to the dots (P and dS rounded to fp16, as FA2). Outputs are
-rounded to the input dtype once, on store.
+bf16 specs compiled for a GPU (`precision=None`, what `spec_for` picks outside the interpreter)
+and fp16 specs feed 16-bit operands to the dots (P and dS rounded to 16 bits, as FA2); under
+Triton's interpreter, which computes bf16 on raw bits, bf16 specs convert to fp32 right after
+loading and use tf32 dots, exact on bf16 operands (P and dS rounded to tf32). Outputs are rounded
+to the input dtype once, on store.
 The backward is flash-style: a preprocess computes delta = rowsum(dout * out), one kernel
 recomputes P per query tile for dq, one per key tile for dk and dv, looping over the query heads
 that share the kv head, so GQA gradients are summed in fp32 inside the kernel.
@@ -130,24 +131,29 @@ class _Cfg:
         self.dilated = self.mode == "dilated"
         # fp32 dots: IEEE for fp32 inputs (FMAs: exact and, at small tiles, fewer registers than
         # tf32x3's split operands), tf32 MMAs for bf16 inputs (exact on bf16 operands)
+        # bf16 with precision None: bf16 operands (P and dS rounded to bf16, as FA2), compiled only:
+        # the interpreter computes bf16 on raw bits
         self.precision = spec.get("precision", {"fp32": "ieee", "bf16": "tf32", "fp16": None}[self.dtype])
         if self.dtype == "fp16" and self.precision is not None:
             raise ValueError("fp16 specs feed fp16 operands to the dots: no precision to choose")
+        if self.dtype == "fp32" and self.precision is None:
+            raise ValueError("fp32 specs need a dot precision: 'ieee', 'tf32x3' or 'tf32'")
         if self.precision not in (None, "tf32", "tf32x3", "ieee"):
-            raise ValueError(f"flash_attention precision {self.precision!r}: 'tf32', 'tf32x3' or 'ieee'")
+            raise ValueError(f"flash_attention precision {self.precision!r}: 'tf32', 'tf32x3', 'ieee' or None")
+        self.low = self.precision is None   # 16-bit dot operands
 
     # -- fragments --
     @property
-    def load_cvt(self) -> str:   # bf16 is never computed on (the interpreter cannot): fp32 after the load
-        return ".to(tl.float32)" if self.dtype == "bf16" else ""
+    def load_cvt(self) -> str:   # bf16 into fp32 dots: fp32 after the load
+        return ".to(tl.float32)" if self.dtype == "bf16" and not self.low else ""
 
     @property
     def dot_cast(self) -> str:   # fp32 probabilities into the dot's operand type
-        return ".to(tl.float16)" if self.dtype == "fp16" else ""
+        return {"fp16": ".to(tl.float16)", "bf16": ".to(tl.bfloat16)"}[self.dtype] if self.low else ""
 
     @property
     def prec(self) -> str:
-        return "" if self.dtype == "fp16" else ", input_precision=PRECISION"
+        return "" if self.low else ", input_precision=PRECISION"
 
     @property
     def dmask(self) -> str:
@@ -197,9 +203,15 @@ def _softcap_lines(c: _Cfg, s: str) -> str:
             f"{s} = SOFTCAP * t")
 
 
+# Inductor passes a Python float to a user kernel typed fp64 (`config._use_fp64_for_unbacked_floats`),
+# Triton's own launcher fp32: every dot and every stored value stays fp32 either way
+_SCALE_FP32 = "scale = tl.cast(scale, tl.float32)"
+
+
 def _row_prologue(c: _Cfg, fn: str) -> str:
     """Program -> (batch, head, query rows) for attn_fwd and attn_bwd_dq."""
-    out = ["bh = tl.program_id(1)",
+    out = [_SCALE_FP32,
+           "bh = tl.program_id(1)",
            "b = bh // num_heads",
            "h = bh % num_heads",
            "kv_bh = b * (num_heads // GROUP) + h // GROUP"]
@@ -414,7 +426,7 @@ n_tiles = tl.load(count_ptr + tl.program_id(0))"""
 def _dkdv(c: _Cfg) -> str:
     args = (["q_ptr", "k_ptr", "v_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dk_ptr", "dv_ptr"] + c.doc_args()
             + c.mode_args() + ["scale", "seq_len", "num_heads"])
-    pre = ["num_kv = num_heads // GROUP"]
+    pre = [_SCALE_FP32, "num_kv = num_heads // GROUP"]
     if c.dilated:
         pre += ["# one dilated branch: this kv head's query heads with one offset (h % rate), at most",
                 "# min(GROUP, rate) offsets per kv head, one program each",
@@ -497,7 +509,7 @@ def attn_bwd_dkdv({", ".join(args)}):
 def render(spec) -> str:
     c = _Cfg(spec)
     extra = []
-    if c.dtype != "fp16":
+    if not c.low:
         extra.append(f'PRECISION = tl.constexpr("{c.precision}")')
     if c.softcap is not None:
         extra.append(f"SOFTCAP = tl.constexpr({float(c.softcap)!r})")
@@ -600,7 +612,7 @@ def spec_for(q, k, *, mask: str = "full", params=(), causal: bool = False, docum
     """The spec that serves q (B, H, S, D), k (B, H_kv, S, D) with this mask. `blocks`:
     (block_m, block_n) for every kernel, or (block_m, block_n, bwd_block_m, bwd_block_n);
     default `default_blocks`."""
-    from tailorfx.codegen.triton import KernelSpec
+    from tailorfx.codegen.triton import KernelSpec, interpreted
     params = normalize_params(mask, params)
     dtype = _dtype_name(q.dtype)
     head_dim = q.shape[-1]
@@ -612,6 +624,8 @@ def spec_for(q, k, *, mask: str = "full", params=(), causal: bool = False, docum
     extra = {"bigbird_block": params[0]} if mask == "bigbird" else {}
     if softcap is not None:
         extra["softcap"] = float(softcap)
+    if dtype == "bf16" and not interpreted():   # compiled: bf16 tensor-core dots
+        extra["precision"] = None
     return KernelSpec("flash_attention", dtype=dtype, head_dim=head_dim, mask=mask, causal=bool(causal),
                       documents=bool(documents), group=q.shape[1] // k.shape[1], block_m=bm, block_n=bn,
                       bwd_block_m=bm2, bwd_block_n=bn2, **extra)
@@ -630,6 +644,9 @@ def examples() -> list:
         return KernelSpec("flash_attention", dtype=dtype, head_dim=d, mask=mask, causal=causal, documents=documents,
                           group=group, block_m=bm, block_n=bn, bwd_block_m=bm2, bwd_block_n=bn2, **extra)
     return [spec("bf16", 128, "full", True, group=4),
+            spec("bf16", 128, "full", True, group=4, precision=None),
+            spec("bf16", 128, "window", True, documents=True, softcap=30.0, precision=None),
+            spec("bf16", 64, "bigbird", True, bigbird_block=16, precision=None),
             spec("fp16", 128, "full", True, documents=True),
             spec("fp32", 64, "full", False),
             spec("fp32", 128, "full", True, softcap=50.0),
@@ -686,6 +703,29 @@ def _check(q, k, v, document_ids):
         raise ValueError(f"flash_attention: document_ids must be (B, S) = {(q.shape[0], q.shape[2])}")
 
 
+def _host_only():
+    """Real tensors, untraced, while a trace is active (the tables are built from ints alone)."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+    stack = contextlib.ExitStack()
+    stack.enter_context(unset_fake_temporarily())
+    stack.enter_context(disable_proxy_modes_tracing())
+    return stack
+
+
+def _on_device(table, device):
+    """A host-built table on the launch's device. Inside a trace (Inductor tracing the triton_op
+    on fake tensors) a real tensor cannot be copied: there it is built from its values, a constant
+    of the traced graph."""
+    import torch
+    from torch._guards import detect_fake_mode
+    if detect_fake_mode() is not None:
+        return torch.tensor(table.tolist(), dtype=table.dtype, device=device)
+    return table.to(device)
+
+
 def _mode_args(spec, params, causal, seq_len, device, by_keys=False):
     """attn_fwd/attn_bwd_dq's mode arguments (by_keys: attn_bwd_dkdv's); none for dilated, whose
     (segment, rate) change per launch."""
@@ -694,10 +734,11 @@ def _mode_args(spec, params, causal, seq_len, device, by_keys=False):
         return list(params)
     if mask == "bigbird":
         tiles = (spec["bwd_block_m"], spec["bwd_block_n"]) if by_keys else (spec["block_m"], spec["block_n"])
-        table, count, block_mask = bigbird_tables(params, bool(causal), seq_len, *tiles, by_keys)
-        out = [table.to(device), count.to(device), table.shape[1]]
+        with _host_only():
+            table, count, block_mask = bigbird_tables(params, bool(causal), seq_len, *tiles, by_keys)
+        out = [_on_device(table, device), _on_device(count, device), table.shape[1]]
         if not _Cfg(spec).aligned:
-            out += [block_mask.to(device), block_mask.shape[0]]
+            out += [_on_device(block_mask, device), block_mask.shape[0]]
         return out
     return []
 

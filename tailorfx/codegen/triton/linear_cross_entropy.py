@@ -210,7 +210,8 @@ def forward(hidden, weight, bias, labels, ignore_index: int = -100, reduction: s
     hidden (N, H), weight (V, H), bias (V,) or None, labels (N,) integer. `chunk`: rows per chunk
     (default `default_chunk`). `normalizer` (number or 0-d tensor, reduction "mean" only) replaces
     the count of non-ignored rows as the divisor. Logits, softmax and the gradient accumulators
-    are fp32 (the weight is upcast once, as the torch reference does); grad_hidden is in hidden's
+    are fp32 (off CUDA the weight is upcast once, as the torch reference does; on CUDA bf16/fp16
+    GEMMs accumulate in fp32 and the weight's gradient is summed in its dtype); grad_hidden is in hidden's
     dtype, grad_weight/grad_bias in weight's/bias's, the loss in promote(hidden, weight).
     Mean over zero non-ignored rows is nan (as torch), its grads zero. `grads=False`: the
     loss-only kernel, grads returned as None. Labels out of [0, V) other than ignore_index are not
@@ -242,8 +243,11 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, log
     k = load(spec_for(vocab, softcap=softcap, logit_scale=logit_scale, z_loss=z_loss, grad=grads, block=block))
     chunk = max(1, int(chunk) if chunk else default_chunk(n_rows, n_hidden, vocab))
     labels = labels.reshape(-1).to(torch.int64).contiguous()
-    w = weight.to(f32)
-    b = bias.to(f32) if bias is not None else None
+    # on CUDA, bf16/fp16 hidden and weight: the GEMMs in that dtype (tensor cores, fp32 accumulation),
+    # each chunk's logits upcast as eager's logits.float(), no fp32 copy of the weight
+    low = dev.type == "cuda" and hidden.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)
+    w = weight if low else weight.to(f32)
+    b = bias if bias is None or low else bias.to(f32)
     count = (labels != ignore_index).sum()
     if reduction == "mean":
         denom = (torch.as_tensor(normalizer, dtype=f32, device=dev) if normalizer is not None
@@ -255,26 +259,30 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, log
         scale = torch.ones(1, dtype=f32, device=dev)
     loss_rows = torch.empty(n_rows, dtype=f32, device=dev)
     grad_h = torch.empty_like(hidden) if grads else None
-    grad_w = torch.zeros_like(w) if grads else None
-    grad_b = torch.zeros_like(b) if grads and b is not None else None
+    grad_w = torch.zeros_like(w) if grads else None   # low: summed over the chunks in the weight's dtype
+    grad_b = torch.zeros(b.shape, dtype=f32, device=dev) if grads and b is not None else None
     fn, warps = k.fn("lce_fwd"), num_warps(k.spec)
     for start in range(0, n_rows, chunk):
         end = min(n_rows, start + chunk)
-        h = hidden[start:end].to(f32)
-        z = torch.addmm(b, h, w.t()) if b is not None else torch.mm(h, w.t())   # the chunk's fp32 logits
+        h = hidden[start:end] if low else hidden[start:end].to(f32)
+        if low:
+            z = torch.nn.functional.linear(h, w, b).float()   # the chunk's fp32 logits
+        else:
+            z = torch.addmm(b, h, w.t()) if b is not None else torch.mm(h, w.t())
         fn[(end - start,)](z, labels[start:end], loss_rows[start:end], scale, vocab, z.stride(0), ignore_index,
                            num_warps=warps)
         if not grads:
             continue
-        g = z   # now d(loss)/d(logits)
-        if grad_h.dtype == f32 and grad_h.is_contiguous():
+        g = z.to(w.dtype) if low else z   # now d(loss)/d(logits)
+        del z
+        if grad_h.dtype == g.dtype and grad_h.is_contiguous():
             torch.mm(g, w, out=grad_h[start:end])
         else:
             grad_h[start:end].copy_(g @ w)
         grad_w.addmm_(g.t(), h)
         if grad_b is not None:
-            grad_b.add_(g.sum(0))
-        del z, g, h
+            grad_b.add_(g.sum(0, dtype=f32))
+        del g, h
     total = loss_rows.sum()
     loss = total / denom if denom is not None else total
     loss = loss.to(torch.promote_types(hidden.dtype, weight.dtype))

@@ -1,9 +1,11 @@
 """The one rewriter: a Match becomes one attention_call (document ids and a dropout seed computed
-in the graph where it needs them), and what only the old attention read is erased.
+in the graph where it needs them; on CUDA, a mask SDPA has no kernel for goes to the Triton flash
+kernel), and what only the old attention read is erased.
 """
 from __future__ import annotations
 
 import contextlib
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -60,6 +62,23 @@ def _document_ids(gm: fx.GraphModule, positions: fx.Node, rule: str, made: dict)
     return doc
 
 
+def _on_cuda(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cuda"
+
+
+def _kernel_for(m: Match, kind: str, params: tuple, kwargs: dict) -> tuple[Callable, dict]:
+    """attention_call, or on CUDA the Triton flash kernel for what torch's SDPA has no kernel for
+    (a sparse spec, packed documents, a soft-cap): the runtime's tile engine is the CPU path (a
+    Python loop per tile, host copies of the document ids)."""
+    sdpa = kind == "Exact" and not params and "document_ids" not in kwargs
+    if sdpa or m.key_bias is not None or not _on_cuda(node_value(m.q)):
+        return attention_call, kwargs
+    from tailorfx.runtime.triton_ops import triton_attention, triton_attention_kwargs, triton_attention_supports
+    if triton_attention_supports(kind, dict(params)) is not None:
+        return attention_call, kwargs
+    return triton_attention, triton_attention_kwargs(kwargs)
+
+
 def rewrite_match(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased: set[str],
                   made: dict) -> fx.Node:
     """m.out replaced by one attention_call of the spec (kind, params); what only the old attention
@@ -74,8 +93,9 @@ def rewrite_match(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased
             seed = gm.graph.call_function(draw_seed, ())
         annotate(seed, m.out, val=_fake_seed(m.q), pass_name=NAME)
         kwargs["dropout_seed"] = seed
+    target, kwargs = _kernel_for(m, kind, params, kwargs)
     with gm.graph.inserting_before(m.out):
-        new = gm.graph.call_function(attention_call, (m.q, m.k, m.v), kwargs)
+        new = gm.graph.call_function(target, (m.q, m.k, m.v), kwargs)
         if m.folded:   # the (B, H, S, D) result as the (B * H, S, D) the bmm made
             annotate(new, m.out, val=node_value(m.q).new_empty(node_value(m.q).shape), pass_name=NAME)
             new = gm.graph.call_method("flatten", (new, 0, 1))

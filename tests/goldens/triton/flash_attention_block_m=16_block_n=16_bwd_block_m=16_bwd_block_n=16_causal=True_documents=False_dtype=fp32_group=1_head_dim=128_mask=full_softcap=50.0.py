@@ -18,6 +18,7 @@ SOFTCAP = tl.constexpr(50.0)
 
 @triton.jit
 def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale, seq_len, num_heads):
+    scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(1)
     b = bh // num_heads
     h = bh % num_heads
@@ -78,6 +79,7 @@ def attn_bwd_preprocess(out_ptr, do_ptr, delta_ptr, n_rows):
 
 @triton.jit
 def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, seq_len, num_heads):
+    scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(1)
     b = bh // num_heads
     h = bh % num_heads
@@ -121,6 +123,7 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, 
 
 @triton.jit
 def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, scale, seq_len, num_heads):
+    scale = tl.cast(scale, tl.float32)
     num_kv = num_heads // GROUP
     bkv = tl.program_id(1)
     start_n = tl.program_id(0) * BWD_BLOCK_N

@@ -16,6 +16,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, segment, rate, scale, seq_len, num_heads):
+    scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(1)
     b = bh // num_heads
     h = bh % num_heads
@@ -88,6 +89,7 @@ def attn_bwd_preprocess(out_ptr, do_ptr, delta_ptr, n_rows):
 
 @triton.jit
 def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, segment, rate, scale, seq_len, num_heads):
+    scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(1)
     b = bh // num_heads
     h = bh % num_heads
@@ -134,6 +136,7 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, segment
 
 @triton.jit
 def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, segment, rate, scale, seq_len, num_heads):
+    scale = tl.cast(scale, tl.float32)
     num_kv = num_heads // GROUP
     # one dilated branch: this kv head's query heads with one offset (h % rate), at most
     # min(GROUP, rate) offsets per kv head, one program each

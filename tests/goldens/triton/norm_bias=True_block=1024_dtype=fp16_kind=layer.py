@@ -16,7 +16,7 @@ def norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, rstd_ptr, mean_ptr, n_cols, stride, eps
     b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=0) / n_cols
     xc = tl.where(mask, x - mean, 0.0)
-    rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
+    rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=0) / n_cols + tl.cast(eps, tl.float32))  # fp64 from Inductor
     y = xc * rstd * w + b
     tl.store(y_ptr + row * stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + row, rstd)

@@ -13,7 +13,7 @@ def norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, rstd_ptr, n_cols, stride, eps):
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / n_cols + tl.cast(eps, tl.float32))  # fp64 from Inductor
     y = x * rstd * (w + OFFSET)
     tl.store(y_ptr + row * stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + row, rstd)
