@@ -283,8 +283,9 @@ def test_masked_tiles_are_never_loaded(mask, params, causal):
 
 @pytest.mark.parametrize("block", [8, 64], ids=["block-mask", "aligned"])
 def test_bigbird_tables_trace_as_constants(block):
-    """Inductor traces a triton_op's host code on fake tensors: BigBird's block tables must come out
-    as constants of the traced graph (equal to the eager launch's), not a copy of a real tensor."""
+    """Inductor traces a triton_op's host code on fake tensors (Dynamo first runs it under its own
+    fake mode): BigBird's block tables, cached as real tensors by an eager launch, must come out
+    as constants of the traced graph, equal to the eager launch's."""
     from torch.fx.experimental.proxy_tensor import make_fx
     spec = dict(_spec("bigbird", bigbird_block=block, causal=True, bwd_block_m=32, bwd_block_n=16).params)
     params = fa.normalize_params("bigbird", (block, 1, 1, 1, 3))
@@ -293,12 +294,28 @@ def test_bigbird_tables_trace_as_constants(block):
         mode = fa._mode_args(spec, params, True, 256, x.device, by_keys=True)
         return [t + x for t in mode if isinstance(t, torch.Tensor)]
     x = torch.zeros((), dtype=torch.int32)
+    want = tables(x)   # an eager launch first: its tables are cached, real tensors
     graph = make_fx(tables, tracing_mode="fake")(x)
     assert "_tensor_constant" in graph.code
-    want = tables(x)
     assert len(want) == (2 if block == 64 else 3)
     for got, ref in zip(graph(x), want):
         assert torch.equal(got, ref)
+    # as Dynamo runs an op's host code on its fake tensors (on CUDA: triton_attention's)
+    op = _TABLE_OPS.setdefault(block, _table_op(f"bigbird_tables_{block}", tables))
+    compiled = torch.compile(lambda x: op(x) * 1, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), op(x))
+
+
+_TABLE_OPS: dict = {}
+
+
+def _table_op(name, tables):
+    """A custom op whose fake kernel runs `tables` (host code) under Dynamo's fake mode."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return sum(t.sum() for t in tables(x)) + x
+    op = torch.library.custom_op(f"tailorfx_test::{name}", fn, mutates_args=())
+    op.register_fake(fn)
+    return op
 
 
 # ---- rendering, specs, compile -----------------------------------------------------------------

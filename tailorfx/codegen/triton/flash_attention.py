@@ -721,9 +721,11 @@ def _on_device(table, device):
     of the traced graph."""
     import torch
     from torch._guards import detect_fake_mode
-    if detect_fake_mode() is not None:
-        return torch.tensor(table.tolist(), dtype=table.dtype, device=device)
-    return table.to(device)
+    if detect_fake_mode() is None:
+        return table.to(device)
+    with _host_only():   # Dynamo's fake mode refuses even tolist() of a real tensor
+        values = table.tolist()
+    return torch.tensor(values, dtype=table.dtype, device=device)
 
 
 def _mode_args(spec, params, causal, seq_len, device, by_keys=False):
