@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-long demo bench-deps clean
+.PHONY: setup test test-torch211 test-long demo bench-deps clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,24 @@ setup: $(STAMP)
 
 # two workers for the two cores (tests/conftest.py gives each one intra-op thread)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 tests
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 --ignore=tests/cuda_build tests
+
+# torch 2.11 (the GPU machines' release; its CUDA build, which runs on CPU) in a second virtualenv:
+# the package installed over it must keep that torch; a smoke subset, and the fake-CUDA captures
+# of tests/cuda_build, which need a torch linked with CUDA (`make test`'s CPU wheel is not)
+VENV211 := .venv-torch211
+SMOKE211 := tests/cuda_build tests/test_api.py tests/test_minisequence.py tests/test_recompute.py \
+	tests/test_attention_packed.py
+$(VENV211)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV211)
+	$(VENV211)/bin/pip install --upgrade pip
+	$(VENV211)/bin/pip install torch==2.11.0
+	$(VENV211)/bin/pip install -e '.[dev]'
+	$(VENV211)/bin/python -c "import torch; v = torch.__version__; assert v.startswith('2.11.'), f'pip replaced torch 2.11 with {v}'"
+	touch $@
+
+test-torch211: $(VENV211)/.installed
+	$(VENV211)/bin/python -m pytest -q -n 2 --dist worksteal $(SMOKE211)
 
 # the property test's long profile (200 random models; CI runs its short profile in `make test`)
 test-long: $(STAMP)
@@ -32,4 +49,4 @@ bench-deps: $(STAMP)
 	DS_BUILD_OPS=0 $(BIN)/pip install --no-build-isolation deepspeed==0.19.8
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VENV211) .pytest_cache

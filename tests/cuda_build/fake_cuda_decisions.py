@@ -1,0 +1,156 @@
+"""What optimize() decides for a model on fake CUDA tensors, forward only, as JSON on stdout.
+
+    python tests/cuda_build/fake_cuda_decisions.py DEVICE      # DEVICE: cpu or cuda
+
+For HF Llama, Qwen3 and Gemma-2 (tests/models.py's tiny configs, bf16, batch 1 x 64 tokens,
+parameters without gradients) under optimize()'s default plan, kernels="triton" and
+attention=SlidingWindow(16), each graph's decisions (passes that changed it, the attention calls'
+specs, chunk counts, the head's dtypes) and what its rewritten graph calls when run on fake
+tensors of DEVICE at the captured sizes: the dispatched ops and torch's SDPA calls. Needs a torch
+linked with CUDA (a CPU wheel cannot index a fake CUDA tensor) but no GPU; an op that records
+autograd on a fake CUDA tensor can abort the process, hence a script of its own.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tailorfx  # noqa: E402
+from models import hf_config  # noqa: E402
+from tailorfx.models.build import built_on_fake_tensors, fake_mode_of  # noqa: E402
+from tailorfx.rewrite.capture import node_value  # noqa: E402
+
+FAMILIES = ("llama", "qwen3", "gemma2")
+VARIANTS = {"default": {}, "triton": {"kernels": "triton"},
+            "window": {"attention": tailorfx.attention.SlidingWindow(16)}}
+SEQ = 64
+
+
+class Dispatched(TorchDispatchMode):
+    """The ops dispatched, and the dtypes and device of the fused head's inputs."""
+    def __init__(self):
+        super().__init__()
+        self.ops, self.head = set(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.ops.add(name)
+        if "linear_cross_entropy" in name:   # and whether the runtime runs its GEMMs in bf16
+            from tailorfx.runtime.linear_ops import _in_weight_dtype
+            self.head.append([str(a.dtype) for a in args[:2]] + [args[0].device.type, _in_weight_dtype(*args[:2])])
+        return func(*args, **(kwargs or {}))
+
+
+class Sdpa(TorchFunctionMode):
+    """Each F.scaled_dot_product_attention call: whether it has a mask, is causal, and its dtype."""
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.calls.append({"mask": kwargs.get("attn_mask", args[3] if len(args) > 3 else None) is not None,
+                               "causal": bool(kwargs.get("is_causal", False)), "dtype": str(args[0].dtype)})
+        return func(*args, **kwargs)
+
+
+def on_device(model, device: str):
+    """The fake model's parameters and buffers as fake tensors of `device`, without gradients."""
+    mode = fake_mode_of(model)
+
+    def fake(t):
+        f = FakeTensor(mode, torch.empty(t.shape, dtype=t.dtype, device="meta"), torch.device(device))
+        return torch.nn.Parameter(f, requires_grad=False) if isinstance(t, torch.nn.Parameter) else f
+    memo = {id(t): fake(t) for t in [*model.parameters(), *model.buffers()]}
+    return copy.deepcopy(model, memo), fake(torch.empty(1, SEQ, dtype=torch.long))
+
+
+def _int(a) -> int:
+    """An int argument of a node: a constant, or another node's value at its hint."""
+    v = node_value(a) if isinstance(a, torch.fx.Node) else a
+    return v.node.hint if isinstance(v, torch.SymInt) else int(v)
+
+
+def _target(n) -> str:
+    return getattr(n.target, "__name__", str(n.target))
+
+
+def graph_decisions(gm) -> list:
+    """The rewritten graph's calls that carry a decision, in order."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        t = _target(n)
+        if t in ("attention_call", "triton_attention"):
+            out.append(["attention", t, n.kwargs["kind"], [list(p) for p in n.kwargs["params"]],
+                        n.kwargs.get("softcap"), bool(n.kwargs["causal"]), str(node_value(n.args[0]).dtype)])
+        elif t.startswith("triton_"):
+            out.append(["kernel", t])
+        elif "token_chunked" in t:
+            out.append(["chunked", t, _int(n.args[4])])
+        elif "linear_cross_entropy" in t:
+            out.append(["head", t, _int(n.kwargs.get("num_chunks", n.args[6] if len(n.args) > 6 else 0))])
+    return out
+
+
+def run_static(gm, device: str) -> dict:
+    """Run the rewritten graph on fresh fake tensors at the captured sizes (their hints)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def static(v):
+        if isinstance(v, torch.SymInt):
+            return v.node.hint
+        if isinstance(v, torch.Tensor):
+            shape = [d.node.hint if isinstance(d, torch.SymInt) else d for d in v.shape]
+            return FakeTensor(mode, torch.empty(shape, dtype=v.dtype, device="meta"), v.device)
+        return v
+    args = [static(node_value(n)) for n in gm.graph.nodes if n.op == "placeholder"]
+    assert all(a.device.type == device for a in args if isinstance(a, torch.Tensor) and a.is_floating_point())
+    ops, sdpa = Dispatched(), Sdpa()
+    with mode, sdpa, ops:
+        torch.fx.Interpreter(gm).run(*args)
+    return {"ops": sorted(ops.ops), "head_inputs": ops.head, "sdpa": sdpa.calls}
+
+
+def case(family: str, variant: str, device: str) -> dict:
+    cfg = hf_config(family)
+    with built_on_fake_tensors(cfg, torch.bfloat16) as model:
+        model, ids = on_device(model, device)
+        opt = tailorfx.optimize(model, example_inputs={"input_ids": ids, "labels": ids}, lowering="eager",
+                                predict=False, verify=False, **VARIANTS[variant])
+    graphs = []
+    for g in opt.session.graphs:
+        rec = {"failed": g.failed, "warnings": g.warnings[:3],
+               "passes": [[r.name, bool(r.changed)] for r in g.records], "calls": graph_decisions(g.rewritten)}
+        if not g.failed:
+            rec.update(run_static(g.rewritten, device))
+        graphs.append(rec)
+    return {"graphs": graphs}
+
+
+def main() -> None:
+    device = sys.argv[1]
+    out = {}
+    for family in FAMILIES:
+        for variant in VARIANTS:
+            try:
+                out[f"{family}/{variant}"] = case(family, variant, device)
+            except Exception as e:   # noqa: BLE001  (reported per case; the test names it)
+                out[f"{family}/{variant}"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
