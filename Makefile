@@ -17,7 +17,7 @@ setup: $(STAMP)
 
 # two workers for the two cores (tests/conftest.py gives each one intra-op thread)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 --ignore=tests/cuda_build tests
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=40 --ignore=tests/cuda_build tests
 
 # torch 2.11 (the GPU machines' release; its CUDA build, which runs on CPU) in a second virtualenv:
 # the package installed over it must keep that torch; a smoke subset, and the fake-CUDA captures

@@ -81,24 +81,24 @@ class StagePieces(nn.Module):
         return values
 
 
-class StageChain(nn.Module):
+class StageChain(StagePieces):
     """Stages run one after another in this process (a pipeline of one rank): `forward(**batch)`
     returns the loss. The graph was captured at one shape (`shapes`); another is refused."""
 
     def __init__(self, stages: list[StageModule], shapes: dict[str, tuple]):
-        super().__init__()
-        self.stages = nn.ModuleList(stages)
+        super().__init__(stages)
         self.shapes = shapes
+
+    @property
+    def stages(self) -> nn.ModuleList:
+        return self.pieces
 
     def forward(self, **batch) -> torch.Tensor:
         got = {k: tuple(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)}
         if got != self.shapes:
             raise ValueError(f"the step graph was captured for inputs of shapes {self.shapes}, got {got}: give "
                              f"every batch that shape (a static graph cut at its blocks runs at one shape)")
-        values: tuple = ()
-        for stage in self.stages:
-            values = stage(*values, **batch)
-        return values[0].clone()    # not a view: FSDP's root hooks its output for backward
+        return super().forward(**batch)[0].clone()    # not a view: FSDP's root hooks its output for backward
 
 
 def loss_only(gm: fx.GraphModule) -> fx.GraphModule:

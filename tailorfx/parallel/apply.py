@@ -171,15 +171,25 @@ def apply_pipeline(model: nn.Module, *, spec: ParallelSpec, kwargs: dict, mesh, 
                     rewrites=describe_rewrites(records), captured=captured if spec.tp == 1 else None)
 
 
+def block_pieces(gm: fx.GraphModule, example: list, model: nn.Module, blocks: list, batch: dict,
+                 recompute: bool, shared: bool = False) -> list:
+    """The graph cut into a piece per block and the root's before and after them
+    (codegen.pipeline.cut_stages); under recompute each block's piece is one activation-checkpointing
+    unit (it saves its input and runs its forward again in backward)."""
+    pieces = cut_stages(gm, example, model, chain_stages(gm, [b.nodes for b in blocks]), len(blocks) + 2, batch,
+                        shared=shared)
+    if recompute:
+        from torch.distributed._composable import checkpoint
+        for piece in pieces[1:-1]:
+            checkpoint(piece)
+    return pieces
+
+
 def _checkpointed_stages(gm: fx.GraphModule, example: list, model: nn.Module, blocks: list, blocks_of: list,
                          micro: dict) -> list[StagePieces]:
-    """Pipeline stages under recompute: the graph cut into a piece per block and the root's before
-    and after them, each block's piece one activation-checkpointing unit (it saves its input and
-    runs its forward again in backward), the pieces of each stage's blocks run as one stage."""
-    from torch.distributed._composable import checkpoint
-    pieces = cut_stages(gm, example, model, chain_stages(gm, [b.nodes for b in blocks]), len(blocks) + 2, micro)
-    for piece in pieces[1:-1]:
-        checkpoint(piece)
+    """Pipeline stages under recompute: block_pieces, the pieces of each stage's blocks run as one
+    stage."""
+    pieces = block_pieces(gm, example, model, blocks, micro, recompute=True)
     index = {b.path: i + 1 for i, b in enumerate(blocks)}
     last = len(blocks_of) - 1
     return [StagePieces(([pieces[0]] if k == 0 else []) + [pieces[index[b]] for b in names]
@@ -208,13 +218,8 @@ def apply_chain(model: nn.Module, *, kwargs: dict, mesh, passes: tuple, options:
     blocks = find_regions(gm, seq_info(gm, None)).of_kind("block")
     if not blocks:
         raise ValueError("parallel= with mini-sequence cuts the step graph at its repeated blocks, and it has none")
-    stages = cut_stages(gm, example, model, chain_stages(gm, [b.nodes for b in blocks]), len(blocks) + 2, batch,
-                        shared=True)
+    stages = block_pieces(gm, example, model, blocks, batch, recompute="recompute" in passes, shared=True)
     units = stages[1:-1]
-    if "recompute" in passes:
-        from torch.distributed._composable import checkpoint
-        for unit in units:
-            checkpoint(unit)
     chain = StageChain(stages, {k: tuple(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)})
     apply_fsdp_chain(chain, units=units, model=model, mesh=mesh["dp"])
     return Chain(chain, describe_rewrites(records), captured)
