@@ -201,6 +201,16 @@ _AUTOGRAD_KEYS = (
 
 
 @contextlib.contextmanager
+def untraced_real_tensors() -> Iterator[None]:
+    """Real tensors, neither faked nor recorded, while a trace is active (host-side tables a
+    triton_op builds from ints while Dynamo or Inductor runs it on fake tensors)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        yield
+
+
+@contextlib.contextmanager
 def autograd_enabled() -> Iterator[None]:
     """Re-enable autograd inside a custom-op kernel (the dispatcher runs kernels below Autograd,
     so `torch.enable_grad()` alone records nothing); used to recompute a chunk in backward."""

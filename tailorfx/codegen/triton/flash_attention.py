@@ -703,27 +703,15 @@ def _check(q, k, v, document_ids):
         raise ValueError(f"flash_attention: document_ids must be (B, S) = {(q.shape[0], q.shape[2])}")
 
 
-def _host_only():
-    """Real tensors, untraced, while a trace is active (the tables are built from ints alone)."""
-    import contextlib
-
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-    stack = contextlib.ExitStack()
-    stack.enter_context(unset_fake_temporarily())
-    stack.enter_context(disable_proxy_modes_tracing())
-    return stack
-
-
 def _on_device(table, device):
     """A host-built table on the launch's device. Inside a trace (Inductor tracing the triton_op
     on fake tensors) a real tensor cannot be copied: there it is built from its values, a constant
     of the traced graph."""
     import torch
-    from torch._guards import detect_fake_mode
-    if detect_fake_mode() is None:
+    from tailorfx import compat
+    if compat.detect_fake_mode() is None:
         return table.to(device)
-    with _host_only():   # Dynamo's fake mode refuses even tolist() of a real tensor
+    with compat.untraced_real_tensors():   # Dynamo's fake mode refuses even tolist() of a real tensor
         values = table.tolist()
     return torch.tensor(values, dtype=table.dtype, device=device)
 
@@ -736,7 +724,8 @@ def _mode_args(spec, params, causal, seq_len, device, by_keys=False):
         return list(params)
     if mask == "bigbird":
         tiles = (spec["bwd_block_m"], spec["bwd_block_n"]) if by_keys else (spec["block_m"], spec["block_n"])
-        with _host_only():
+        from tailorfx import compat
+        with compat.untraced_real_tensors():   # built from ints: real, untraced, under a trace too
             table, count, block_mask = bigbird_tables(params, bool(causal), seq_len, *tiles, by_keys)
         out = [_on_device(table, device), _on_device(count, device), table.shape[1]]
         if not _Cfg(spec).aligned:
