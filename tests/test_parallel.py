@@ -486,17 +486,19 @@ def test_pipeline_schedules_equal_one_process(tmp_path):
     # memory on Llama's runs (each rank's prediction captures the model again: seconds per run)
     # then Llama and Qwen3 under 1F1B with the MLPs in 2 chunks and each block recomputed (":rc")
     runs = [f"{f}:{s}" + (":mem" if f == "llama" else "") for f, s in PIPELINES]
-    runs += ["llama:1f1b:mem:rc", "qwen3:1f1b:rc"]
+    runs += ["llama:1f1b:mem:rc", "qwen3:1f1b:rc", "llama:1f1b:mem:rc:s256"]
     rows = torchrun(tmp_path, 2, "pipeline_check.py", 1, 4, *runs, runs=len(runs))
     for (rank, run), r in rows.items():
-        if run.endswith(":rc_1x1"):
+        if ":rc" in run:
             # the rewrites happened: 2 chunks, each block checkpointed (its rank keeps less than without)
             assert "fused with its loss, 2 chunk(s)" in r["report"] and "2 chunk(s) along the sequence" in r["report"]
             assert r["report"].count("recompute: activation checkpointing") == 4, r["report"]
             if run.startswith("llama"):
-                assert r["measured"] < 0.9 * rows[(rank, "llama_1f1b_1x1")]["measured"], r
-                # its memory is not predicted, and opt.predict_memory() says so
-                assert r["predicted"] is None and "is not predicted" in r["prediction_refused"], r
+                if ":s256" not in run:
+                    assert r["measured"] < 0.9 * rows[(rank, "llama_1f1b_1x1")]["measured"], r
+                # each rank's prediction within 3% of its measured peak, never 2% under (32 and 256
+                # tokens: the recomputed blocks walked through the schedule)
+                assert -0.02 <= (r["predicted"] - r["measured"]) / r["measured"] <= 0.03, r
             continue
         stages = 4 if r["schedule"] == "interleaved_1f1b" else 2
         assert len(r["stages"]) == stages and all(r["stages"])       # the graph was cut, every stage has blocks

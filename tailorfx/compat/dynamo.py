@@ -201,6 +201,14 @@ _AUTOGRAD_KEYS = (
 
 
 @contextlib.contextmanager
+def aot_without_cse() -> Iterator[None]:
+    """AOTAutograd tracing without its common-subexpression elimination (functorch's `cse`)."""
+    import torch._functorch.config as functorch_config
+    with functorch_config.patch(cse=False):
+        yield
+
+
+@contextlib.contextmanager
 def untraced_real_tensors() -> Iterator[None]:
     """Real tensors, neither faked nor recorded, while a trace is active (host-side tables a
     triton_op builds from ints while Dynamo or Inductor runs it on fake tensors)."""

@@ -223,11 +223,6 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     if ulysses and seq_len % dp:
         raise ValueError(f"sp='ulysses' over dp={dp} ranks needs a sequence length divisible by {dp}, got {seq_len}")
     rewrites = spec.rewrites(passes)
-    if pp > 1 and "recompute" in rewrites:
-        raise PredictionError(f"recompute in pipeline stages (parallel={spec}) is not predicted: measured on 2 gloo "
-                              f"processes the prediction was within 2% at 32 tokens but -10% to +8% of the peak at "
-                              f"256 (the recomputed blocks under the schedule's walk); measure it "
-                              f"(tailorfx.measure_peak around opt.step), or drop recompute")
     cap = capture_rank(model_or_config, tp=tp, rows=batch_size, seq=seq_len // dp if ulysses else seq_len,
                        dtype=s.param_dtype, head=head_style(spec), vocab_loss=vocab_loss, mesh=_mesh,
                        passes=rewrites, graph=_graph, options=_options,

@@ -213,7 +213,11 @@ def _traced(gm: fx.GraphModule, local: dict, passes: tuple, scope: Callable, opt
     checkpointed = "recompute" in passes
     if checkpointed:
         _save_outside_blocks(gm)
-    with scope():     # AOTAutograd outside the model's fake mode (it makes its own), collectives still known
+    # Under recompute each block runs its own ops again (torch's checkpoint, eager): AOTAutograd's CSE
+    # would merge the blocks' identical ops (each SDPA's float mask from the one bool mask) into one
+    # value the partitioner stashes at a block boundary, where the runtime passes the bool mask
+    cse = contextlib.nullcontext() if not checkpointed else compat.aot_without_cse()
+    with scope(), cse:     # AOTAutograd outside the model's fake mode (it makes its own), collectives still known
         steps = memory.trace_step(gm, None, partition_for("dynamo", gm), None)
     steps = replace(steps, eager_autograd=True)
     return replace(_annotate(gm, steps, local, scope, checkpointed=checkpointed), stage_costs=costs,

@@ -39,16 +39,9 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1
         loss = opt.step(input_ids=rows, labels=rows)
     mine = dict(opt.named_parameters())
     bad = grad_mismatches(mine.items(), ref)
-    measured = predicted = refused = None
+    measured = predicted = None
     steps = []
-    if memory and recompute:    # measured only: recompute in pipeline stages is not predicted (it says so)
-        steps = [tailorfx.measure_peak(lambda: opt.step(input_ids=rows, labels=rows))]
-        measured = steps[0]
-        try:
-            opt.predict_memory()
-        except tailorfx.PredictionError as e:
-            refused = str(e)
-    elif memory:   # this rank's peak over one pipelined step: the memory model walked through the schedule
+    if memory:   # this rank's peak over one pipelined step: the memory model walked through the schedule
         # under dp, three steps: gloo sometimes frees a stage's all-gather output late (README)
         steps, predicted = measured_and_predicted(opt, model, lambda: opt.step(input_ids=rows, labels=rows),
                                                   repeats=3 if dp > 1 else 1)
@@ -62,12 +55,13 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1
            "loss": None if loss is None else float(loss), "eager_loss": float(own_loss), "dp": dp,
            "num_params": len(mine), "bad": bad, "sharded": sum(hasattr(p, "full_tensor") for p in mine.values()),
            "stages": opt.session.parallel.report.stage_blocks, "bubble": opt.session.parallel.report.bubble,
-           "measured": measured, "predicted": predicted, "measured_steps": steps, "prediction_refused": refused,
+           "measured": measured, "predicted": predicted, "measured_steps": steps,
            "stage_param_bytes": sum(p.numel() * p.element_size() for p in mine.values()),
            "budget": budget, "rewrites": list(opt.session.parallel.report.passes),
            "resident": sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in mine.values()),
            "report": str(opt.report())},
-          family, schedule + (":rc" if recompute else "") + (":budget60" if budget60 else ""), f"{tp}x{dp}")
+          family, schedule + (":rc" if recompute else "") + (":budget60" if budget60 else "")
+          + (f":s{tokens}" if tokens != 32 else ""), f"{tp}x{dp}")
     return 0 if ok else 1
 
 
