@@ -107,7 +107,7 @@ class ParallelSpec:
             if self.tp > 1 or self.sp:
                 raise ValueError(f"parallel={self} takes no single-device rewrite under tp or sp: recompute and "
                                  f"mini-sequence run with dp (FSDP2) alone and in pipeline stages; under tp the "
-                                 f"per-rank prediction of recompute is off by 3% to 9% of the measured peak; drop "
+                                 f"per-rank prediction of recompute is off by -4% to +14% of the measured peak; drop "
                                  f"passes=")
             _only(passes, SHARDED_PASSES, f"parallel={self} takes {list(SHARDED_PASSES)} only",
                   "drop them, or run the passes without parallel=")
