@@ -180,6 +180,10 @@ def test_calibrate_measures_this_machine_on_two_processes(tmp_path):
                       "d = calibrate(repeats=3)\n"
                       "if dist.get_rank() == 0:\n"
                       f"    json.dump(d.as_dict(), open({str(tmp_path / 'dev.json')!r}, 'w'))\n"
+                      # both ranks past every collective before either tears gloo down: a rank
+                      # destroyed while its peer still wrote aborted ("terminate called without an
+                      # active exception", twice in fresh-clone runs under load)
+                      "dist.barrier()\n"
                       "dist.destroy_process_group()\n")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           str(script)], capture_output=True, text=True, timeout=300,
