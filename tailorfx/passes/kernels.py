@@ -268,9 +268,7 @@ def _match_attention(region: Region, nodes: dict, ctx: PassContext) -> Union[lis
         on_kernel |= n is not None and n.target is triton_attention   # the attention pass chose it (CUDA)
         if n is None or n.target is not attention_call:
             continue
-        why = triton_attention_supports(n.kwargs["kind"], dict(n.kwargs["params"]))
-        if n.kwargs.get("key_bias") is not None:
-            why = "a per-key bias (ALiBi) runs as a score_mod on the tiles: the Triton kernel has none"
+        why = triton_attention_supports(n.kwargs)
         if why:
             return why
         swaps.append(Swap(n, triton_attention, n.args, triton_attention_kwargs(n.kwargs), "flash_attention"))

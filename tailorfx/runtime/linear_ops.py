@@ -22,7 +22,7 @@ def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = Fal
         hidden, weight = args[0], args[1]
         n_rows, vocab = as_int(hidden.shape[0]), as_int(weight.shape[0])
         n = max(1, min(as_int(args[6]), n_rows))
-        if _in_weight_dtype(hidden, weight, cuda):
+        if gemms_in_weight_dtype(hidden, weight, cuda):
             # the chunk's fp32 logits (x2 under a soft-cap: tanh's output in place, and the capped
             # logits) and, beside them, the chunk's logits or their gradient in the weight's dtype
             return int(-(-n_rows // n) * vocab * (4 * (2 if args[7] is not None else 1) + weight.element_size()))
@@ -49,7 +49,7 @@ def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = Fal
         # per-row losses, the chunk of hidden in fp32 and, for a low-precision weight, its fp32
         # copy and fp32 gradient accumulator
         extra = chunk * vocab * 4 + n_rows * 4
-        if _in_weight_dtype(hidden, weight, cuda):   # beside them the logits or their gradient in 16 bits
+        if gemms_in_weight_dtype(hidden, weight, cuda):   # beside them the logits or their gradient in 16 bits
             return int(extra + chunk * vocab * weight.element_size())
         if hidden.dtype != torch.float32:
             extra += 2 * chunk * width * 4
@@ -142,7 +142,7 @@ def lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks
         raise ValueError(f"chunked_linear_cross_entropy: reduction {reduction!r} not in mean/sum")
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     n = max(1, min(num_chunks, hidden.size(0)))
-    if in_weight_dtype if in_weight_dtype is not None else _in_weight_dtype(hidden, weight):
+    if in_weight_dtype if in_weight_dtype is not None else gemms_in_weight_dtype(hidden, weight):
         w, b, h_dtype = weight, bias, hidden.dtype
     else:
         w, b, h_dtype = weight.to(dtype), bias.to(dtype) if bias is not None else None, dtype
@@ -164,7 +164,7 @@ def lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks
     return loss.to(_loss_dtype(hidden, weight)), grad_h, grad_w, grad_b
 
 
-def _in_weight_dtype(hidden: Tensor, weight: Tensor, cuda: bool = False) -> bool:
+def gemms_in_weight_dtype(hidden: Tensor, weight: Tensor, cuda: bool = False) -> bool:
     """The head's GEMMs run in the weight's own low precision (see lce_chunks): on CUDA (tensor
     cores). CPU upcasts: its bf16 GEMMs allocate fp32 scratch of their own, and run no faster."""
     return (hidden.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)

@@ -192,8 +192,11 @@ def triton_attention_kwargs(kwargs: dict) -> dict:
     return kwargs
 
 
-def triton_attention_supports(kind: str, params: dict) -> Optional[str]:
-    """None when the kernel runs this attention spec, else why not."""
+def triton_attention_supports(kwargs: dict) -> Optional[str]:
+    """None when the kernel runs an attention_call with these keyword arguments, else why not."""
+    kind, params = kwargs["kind"], dict(kwargs["params"])
+    if kwargs.get("key_bias") is not None:
+        return "a per-key bias (ALiBi) runs as a score_mod on the tiles: the Triton kernel has none"
     if kind not in _MASKS:
         return f"no Triton kernel for attention spec {kind!r}"
     if params.get("dropout"):

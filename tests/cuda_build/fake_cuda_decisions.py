@@ -46,8 +46,8 @@ class Dispatched(TorchDispatchMode):
         name = str(func.overloadpacket)
         self.ops.add(name)
         if "linear_cross_entropy" in name:   # and whether the runtime runs its GEMMs in bf16
-            from tailorfx.runtime.linear_ops import _in_weight_dtype
-            self.head.append([str(a.dtype) for a in args[:2]] + [args[0].device.type, _in_weight_dtype(*args[:2])])
+            from tailorfx.runtime.linear_ops import gemms_in_weight_dtype
+            self.head.append([str(a.dtype) for a in args[:2]] + [args[0].device.type, gemms_in_weight_dtype(*args[:2])])
         return func(*args, **(kwargs or {}))
 
 

@@ -226,6 +226,7 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, log
              block, grads):
     import torch
     from tailorfx.codegen.triton import load
+    from tailorfx.runtime.linear_ops import gemms_in_weight_dtype
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy: reduction {reduction!r} not in mean/sum")
     if normalizer is not None and reduction != "mean":
@@ -245,7 +246,7 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, log
     labels = labels.reshape(-1).to(torch.int64).contiguous()
     # on CUDA, bf16/fp16 hidden and weight: the GEMMs in that dtype (tensor cores, fp32 accumulation),
     # each chunk's logits upcast as eager's logits.float(), no fp32 copy of the weight
-    low = dev.type == "cuda" and hidden.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)
+    low = gemms_in_weight_dtype(hidden, weight)
     w = weight if low else weight.to(f32)
     b = bias if bias is None or low else bias.to(f32)
     count = (labels != ignore_index).sum()

@@ -66,15 +66,15 @@ def _on_cuda(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "cuda"
 
 
-def _kernel_for(m: Match, kind: str, params: tuple, kwargs: dict) -> tuple[Callable, dict]:
+def _kernel_for(m: Match, kwargs: dict) -> tuple[Callable, dict]:
     """attention_call, or on CUDA the Triton flash kernel for what torch's SDPA has no kernel for
     (a sparse spec, packed documents, a soft-cap): the runtime's tile engine is the CPU path (a
     Python loop per tile, host copies of the document ids)."""
-    sdpa = kind == "Exact" and not params and "document_ids" not in kwargs
-    if sdpa or m.key_bias is not None or not _on_cuda(node_value(m.q)):
+    sdpa = kwargs["kind"] == "Exact" and not kwargs["params"] and "document_ids" not in kwargs
+    if sdpa or not _on_cuda(node_value(m.q)):
         return attention_call, kwargs
     from tailorfx.runtime.triton_ops import triton_attention, triton_attention_kwargs, triton_attention_supports
-    if triton_attention_supports(kind, dict(params)) is not None:
+    if triton_attention_supports(kwargs) is not None:   # a per-key bias, dropout: the tiles
         return attention_call, kwargs
     return triton_attention, triton_attention_kwargs(kwargs)
 
@@ -93,7 +93,7 @@ def rewrite_match(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased
             seed = gm.graph.call_function(draw_seed, ())
         annotate(seed, m.out, val=_fake_seed(m.q), pass_name=NAME)
         kwargs["dropout_seed"] = seed
-    target, kwargs = _kernel_for(m, kind, params, kwargs)
+    target, kwargs = _kernel_for(m, kwargs)
     with gm.graph.inserting_before(m.out):
         new = gm.graph.call_function(target, (m.q, m.k, m.v), kwargs)
         if m.folded:   # the (B, H, S, D) result as the (B * H, S, D) the bmm made
