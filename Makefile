@@ -1,9 +1,10 @@
 PY ?= python3
 VENV := .venv
+VENV211 := .venv-torch211
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-torch211 test-long demo bench-deps clean
+.PHONY: setup test test-slow test-torch211 test-long demo bench-deps clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -15,15 +16,20 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# two workers for the two cores (tests/conftest.py gives each one intra-op thread)
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=40 --ignore=tests/cuda_build tests
+# two workers for the two cores (tests/conftest.py gives each one intra-op thread). `make test`
+# runs the suite but for the tests marked slow or multiprocess (`make test-slow`; CI runs both):
+# tests/test_fake_cuda.py's fake-CUDA captures run on .venv-torch211's Python (torch 2.11's CUDA
+# build, which runs on CPU; `make test`'s CPU wheel cannot index a fake CUDA tensor)
+PYTEST := -m pytest -q -n 2 --dist worksteal --durations=30
+test: $(STAMP) $(VENV211)/.installed
+	TAILORFX_CUDA_PYTHON=$(VENV211)/bin/python $(BIN)/python $(PYTEST) -m "not slow and not multiprocess" tests
 
-# torch 2.11 (the GPU machines' release; its CUDA build, which runs on CPU) in a second virtualenv:
-# the package installed over it must keep that torch; a smoke subset, and the fake-CUDA captures
-# of tests/cuda_build, which need a torch linked with CUDA (`make test`'s CPU wheel is not)
-VENV211 := .venv-torch211
-SMOKE211 := tests/cuda_build tests/test_api.py tests/test_minisequence.py tests/test_recompute.py \
+test-slow: $(STAMP)
+	$(BIN)/python $(PYTEST) -m "slow or multiprocess" tests
+
+# torch 2.11 (the GPU machines' release) in a second virtualenv: the package installed over it must
+# keep that torch; CI runs a smoke subset of the suite on it after `make test`
+SMOKE211 := tests/test_api.py tests/test_minisequence.py tests/test_recompute.py \
 	tests/test_attention_packed.py
 $(VENV211)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV211)
@@ -34,7 +40,7 @@ $(VENV211)/.installed: pyproject.toml
 	touch $@
 
 test-torch211: $(VENV211)/.installed
-	$(VENV211)/bin/python -m pytest -q -n 2 --dist worksteal $(SMOKE211)
+	$(VENV211)/bin/python $(PYTEST) $(SMOKE211)
 
 # the property test's long profile (200 random models; CI runs its short profile in `make test`)
 test-long: $(STAMP)

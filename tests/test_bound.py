@@ -32,6 +32,7 @@ def test_bound_parts_are_the_blocks_inputs_the_residual_gradient_and_the_attenti
     assert tied.parts["tied weights' gradient"] == 2048 * H * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "gemma2"])
 def test_no_measured_plan_beats_the_bound(family):
     """The plans that save the most (max_seq_len's: segments, full recompute, the attention

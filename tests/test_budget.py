@@ -87,6 +87,7 @@ def test_optimize_under_a_device_preset_counts_the_example_batch():
     assert plain.setup.device is None and plain.predict_memory(32).device_bytes == 0
 
 
+@pytest.mark.slow
 def test_a_device_preset_counts_flash_attentions_backward_scratch_once():
     """On CPU fake tensors a GPU budget's attention backward is the CPU flash kernel's node: its
     fp32 dq accumulator is CUDA's flash_backward_scratch (the device term), so the node itself adds

@@ -20,6 +20,7 @@ def test_inspect_a_config_on_fake_tensors(capsys):
     assert "logits=None" in out   # the fused head fired
 
 
+@pytest.mark.slow
 def test_plan_names_the_passes_and_the_longest_sequence(monkeypatch, capsys):
     monkeypatch.setenv("TAILORFX_PROGRESS", "1")   # the bars, also when stderr is not a terminal
     main(["plan", *TINY, "--budget", "16MiB", "--seq", "1024", "--setup", "fp32"])
@@ -45,6 +46,7 @@ def test_plan_a_budget_no_plan_meets_exits_1_and_says_what_fits(capsys):
     assert "the static part alone does not fit 1MiB" in err and "Setups whose static part fits: pure-bf16" in err
 
 
+@pytest.mark.slow
 def test_train_logs_checkpoints_and_resumes(tmp_path, capsys):
     data = tmp_path / "text"
     data.mkdir()

@@ -75,7 +75,8 @@ def test_strict_turns_a_skipped_request_into_an_error():
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])   # gemma2: soft-capped logits, dropout(p=0) in the cache's chain
-@pytest.mark.parametrize("kw", [{"passes": []}, {"passes": ["minisequence"], "keep_logits": True}], ids=["none", "ms"])
+@pytest.mark.parametrize("kw", [pytest.param({"passes": []}, marks=pytest.mark.slow, id="none"),
+                                {"passes": ["minisequence"], "keep_logits": True}], ids=["none", "ms"])
 def test_capture_costs_nothing_and_logits_keep_their_gradient(family, kw):
     """passes=[]: the graph runs as Dynamo captured it, under eager autograd (no AOTAutograd).
     With a rewrite (the MLPs chunked, logits kept), the returned logits and KV cache leave the

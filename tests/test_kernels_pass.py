@@ -185,6 +185,7 @@ def test_a_training_step_on_every_kernel_equals_eager(family, head):
     assert families == want, sorted(opt.kernels())
 
 
+@pytest.mark.slow
 def test_packed_documents_run_the_flash_kernel_with_document_ids():
     """A packed batch (restarting position_ids): the attention pass proves the document mask, the
     flash kernel takes the document ids, and the step equals eager on the packed batch."""

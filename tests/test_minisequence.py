@@ -73,7 +73,7 @@ def test_reference_model_tied_head_exact():
                        rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("M,pad", [(3, 5), (8, 5)])   # uneven chunks, padded (two chunks: the reference model's)
+@pytest.mark.parametrize("M,pad", [(3, 5), pytest.param(8, 5, marks=pytest.mark.slow)])   # uneven chunks, padded (two chunks: the reference model's)
 def test_hf_llama_exact(M, pad):
     opt = exact_ms(hf_llama(), M, pad=pad)
     rec = opt.graph_records[0].records[0]
@@ -84,7 +84,7 @@ def test_hf_llama_exact(M, pad):
     assert opt(**batch(S=37, pad=pad)).logits is None
 
 
-@pytest.mark.parametrize("M,pad", [(3, 5), (8, 5)])
+@pytest.mark.parametrize("M,pad", [(3, 5), pytest.param(8, 5, marks=pytest.mark.slow)])
 def test_hf_gpt2_exact(M, pad):
     """GPT-2's Conv1D MLPs, tied head; one graph (transformers' warning_once no longer breaks it)."""
     opt = exact_ms(hf_gpt2(), M, pad=pad)
@@ -256,6 +256,7 @@ def _peak(module, params, inputs):
     return tailorfx.measure_peak(step)
 
 
+@pytest.mark.slow
 def test_measured_peak_drops_and_prediction_holds():
     """Reference-style model at S=2048 (fp32): eager vs mini-sequence, measured in one run (HF
     Llama at 2048 and 8192 tokens: benchmarks/minisequence.py)."""

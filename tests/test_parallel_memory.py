@@ -192,6 +192,7 @@ def test_plan_world_recomputes_a_dp_layout_only_where_that_is_what_fits():
     assert "dp2 + recompute: fits" in str(dp2)
 
 
+@pytest.mark.slow
 def test_an_impossible_budget_names_the_smallest_reachable_peak():
     with pytest.raises(BudgetError) as e:
         plan_world(CFG, world=8, budget="64KiB", seq_len=SEQ, setup="fp32")

@@ -35,6 +35,7 @@ def steady_state_total(opt, m, inputs) -> int:
     return step_total(opt, m, inputs, o)
 
 
+@pytest.mark.slow
 def test_planner_meets_a_loose_budget_and_the_one_budget_error_suggests():
     """A loose budget: only the LM head is fused with the loss (it recomputes nothing and never
     materialises the logits), and the measured step is within the planner's headroom of its
@@ -70,6 +71,7 @@ def test_planner_meets_a_loose_budget_and_the_one_budget_error_suggests():
     assert measured <= suggested, (measured, suggested, str(opt.plan[0]))
 
 
+@pytest.mark.slow
 def test_max_seq_len_orders_the_plans():
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=3,
                       num_attention_heads=8, num_key_value_heads=2)
@@ -80,6 +82,7 @@ def test_max_seq_len_orders_the_plans():
     assert tailorfx.max_seq_len(cfg, "1GiB") > lens[("minisequence", "recompute")]
 
 
+@pytest.mark.slow
 def test_max_seq_len_is_what_fits_when_measured():
     """The predicted longest length really fits, measured on a real step (vanilla plan)."""
     base = model()

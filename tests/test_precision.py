@@ -286,6 +286,7 @@ def runs_4096():
     return out
 
 
+@pytest.mark.slow
 def test_measured_memory_at_4096_drops_20_percent(runs_4096):
     """Against fp32 run as captured (the unchanged graph runs under eager autograd: eager's peak)."""
     fp32, bf16 = runs_4096["fp32"]["peak"], runs_4096["bf16"]["peak"]

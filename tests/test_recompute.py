@@ -74,6 +74,7 @@ def _fwd_bwd_peak(opt, model, inputs):
     return tailorfx.measure_peak(step)
 
 
+@pytest.mark.slow
 def test_recompute_lowers_measured_peak_as_predicted():
     base = _mem_model()
     inputs = _lm(1024)

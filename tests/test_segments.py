@@ -83,6 +83,7 @@ def test_a_parallel_block_is_one_segment_before_attention():
     assert len(first) == 2, [(s.nodes[0], s.outputs) for s in segs]
 
 
+@pytest.mark.slow
 def test_segments_prediction_holds_and_long_sequences_peak_lower():
     """Segments + full recompute (with and without the attention backward in blocks), vocab 32000,
     hidden 256: at 2048 tokens the measured peak of forward + backward is what the memory model

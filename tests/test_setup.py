@@ -96,6 +96,7 @@ def test_optimize_refuses_a_setup_the_model_is_not_in():
                                 TrainingSetup(param_dtype=torch.bfloat16, optimizer="adamw8bit"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CPU_PRESETS)
 @pytest.mark.parametrize("S, passes", [(16, ()), (512, ("minisequence",))])
 def test_full_step_prediction_within_3_percent(name, S, passes):

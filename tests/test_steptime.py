@@ -120,6 +120,7 @@ def test_device_classes_are_named_by_gpu_or_budget():
     assert DeviceClass.from_dict(json.loads(json.dumps(d.as_dict()))) == d
 
 
+@pytest.mark.slow
 def test_plan_world_ranks_fitting_layouts_by_predicted_throughput(capsys):
     """Fastest in tokens per second first (each layout trains on its own number of rows per step)."""
     budget = Budget.parse("3MiB")

@@ -45,6 +45,7 @@ def test_goldens_have_examples():
     assert sorted(set(os.listdir(GOLDENS)) - names) == []
 
 
+@pytest.mark.slow
 def test_every_example_compiles_for_sm80_and_sm90():
     """sm80 with float scalars typed as Triton's launcher types them (fp32), sm90 as Inductor's
     (fp64): a kernel must keep its dots and stores fp32 under both."""

@@ -6,8 +6,9 @@ bf16), windows, packed masks and soft-caps on the Triton flash kernel where the 
 engine, and the fused head's GEMMs in bf16.
 
 Needs a torch linked with CUDA (no GPU): the CPU wheel cannot index a fake CUDA tensor ("PyTorch is
-not linked with support for cuda devices"), so `make test-torch211` runs this directory in a
-second virtualenv with torch 2.11's CUDA build; `make test`'s CPU wheel does not collect it.
+not linked with support for cuda devices"), so under `make test`'s CPU wheel the script runs on the
+Python of `.venv-torch211` (torch 2.11's CUDA build, which `make test` sets up), or on
+$TAILORFX_CUDA_PYTHON.
 """
 import json
 import os
@@ -17,21 +18,47 @@ import sys
 import pytest
 import torch
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "fake_cuda_decisions.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "fake_cuda_decisions.py")
 CASES = [f"{f}/{v}" for f in ("llama", "qwen3", "gemma2") for v in ("default", "triton", "window")]
 
 
-def _decisions(device: str) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, SCRIPT, device], capture_output=True, text=True, env=env, timeout=900)
-    assert r.returncode == 0, f"{device}: exit {r.returncode}\n{r.stderr[-3000:]}"
-    return json.loads(r.stdout.strip().splitlines()[-1])
+def _cuda_python() -> str:
+    """A Python whose torch is linked with CUDA: this one's, else $TAILORFX_CUDA_PYTHON, else
+    `make test`'s .venv-torch211."""
+    if torch.backends.cuda.is_built():
+        return sys.executable
+    exe = os.environ.get("TAILORFX_CUDA_PYTHON") or os.path.join(os.path.dirname(HERE), ".venv-torch211", "bin", "python")
+    assert os.path.exists(exe), (f"the fake-CUDA capture needs a torch linked with CUDA and this one is a CPU build: "
+                                 f"no {exe}; run `make test` (it sets up .venv-torch211) or set TAILORFX_CUDA_PYTHON")
+    return exe
+
+
+def _run_both(exe: str, folder) -> dict:
+    """Both devices' decisions, the two scripts side by side on the same torch."""
+    env, procs = {**os.environ, "TRITON_INTERPRET": "1"}, {}
+    for d in ("cpu", "cuda"):
+        with open(folder / f"{d}.out", "w") as out, open(folder / f"{d}.err", "w") as err:
+            procs[d] = subprocess.Popen([exe, SCRIPT, d], stdout=out, stderr=err, text=True, env=env)
+    got = {}
+    for d, p in procs.items():
+        rc = p.wait(timeout=900)
+        assert rc == 0, f"{d} ({exe}): exit {rc}\n{(folder / f'{d}.err').read_text()[-3000:]}"
+        got[d] = json.loads((folder / f"{d}.out").read_text().strip().splitlines()[-1])
+    return got
 
 
 @pytest.fixture(scope="module")
-def runs():
-    assert torch.backends.cuda.is_built(), "needs a torch built with CUDA (make test-torch211)"
-    return {"cpu": _decisions("cpu"), "cuda": _decisions("cuda")}
+def runs(tmp_path_factory):
+    """Run once per session, whichever xdist worker comes first (the others read its JSON)."""
+    from filelock import FileLock
+    shared = tmp_path_factory.getbasetemp().parent / "fake_cuda"
+    shared.mkdir(exist_ok=True)
+    with FileLock(str(shared / "lock")):
+        done = shared / "decisions.json"
+        if not done.exists():
+            done.write_text(json.dumps(_run_both(_cuda_python(), shared)))
+        return json.loads(done.read_text())
 
 
 def _graph(runs, device, case):

@@ -1,6 +1,6 @@
 """What optimize() decides for a model on fake CUDA tensors, forward only, as JSON on stdout.
 
-    python tests/cuda_build/fake_cuda_decisions.py DEVICE      # DEVICE: cpu or cuda
+    python tests/fake_cuda_decisions.py DEVICE         # DEVICE: cpu or cuda
 
 For HF Llama, Qwen3 and Gemma-2 (tests/models.py's tiny configs, bf16, batch 1 x 64 tokens,
 parameters without gradients) under optimize()'s default plan, kernels="triton" and
@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tailorfx  # noqa: E402
 from models import hf_config  # noqa: E402
