@@ -251,3 +251,21 @@ def test_config_from_a_local_json_and_from_a_factory(tmp_path):
     assert make().num_hidden_layers == 3
     with pytest.raises(ValueError, match="has no callable 'nope'"):
         load_config("models:nope")
+
+
+def test_tp_recompute_is_traced_as_the_eager_modules_run_it():
+    """Under tp each block is checkpointed in the eager model: the rank's trace drops the S x S float
+    mask transformers builds when traced without a KV cache (its eager forward calls SDPA with
+    is_causal=True), and a planner under tp tries each block recomputed after no rewrite."""
+    from tailorfx.parallel import ParallelSpec
+    from tailorfx.parallel.fit import candidates
+    from tailorfx.parallel.trace import capture_rank
+    assert candidates(ParallelSpec(tp=2), None) == [(), ("recompute",)]
+    assert candidates(ParallelSpec(tp=2, sp="megatron"), None) == [()]
+    cap = capture_rank(CFG, tp=2, rows=2, seq=SEQ, dtype=torch.float32, head="vocab", passes=("recompute",))
+    sdpa = [n for n in cap.gm.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert len(sdpa) == 2 and all(n.kwargs.get("is_causal") is True and n.kwargs.get("attn_mask") is None
+                                  for n in sdpa), [n.kwargs for n in sdpa]
+    assert not [n for n in cap.gm.graph.nodes if "where" in str(n.target)]    # the mask is gone
+    rc, none = predict(tp=2, passes=["recompute"]), predict(tp=2)
+    assert rc.peak_bytes < none.peak_bytes

@@ -297,3 +297,5 @@ def _quiet_metrics_logging(ignored_ids: frozenset) -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(drop)
+
+

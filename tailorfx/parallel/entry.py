@@ -42,8 +42,10 @@ def parallel_plan(model: nn.Module, parallel: Any, args: tuple, kwargs: dict, *,
         rows, seq = tokens_of(args, kwargs)
         if spec.pp > 1:     # predict_rank_memory's rows are one micro-batch's
             rows //= spec.microbatches
+        # under tp each prediction shards a fake copy on this world's tp ranks
+        mesh = device_mesh(tp=spec.tp, dp=spec.dp, pp=spec.pp)["tp"] if spec.tp > 1 else None
         fit = fit_rewrites(model, spec, budget, seq_len=seq, batch_size=rows, setup=options["setup"],
-                           requested=requested, recompute_policy=policy)
+                           requested=requested, recompute_policy=policy, mesh=mesh)
         passes = fit.passes
     plan = parallelize(model, spec, args, kwargs, passes=passes, options=options)
     if fit is not None:

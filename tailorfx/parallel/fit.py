@@ -15,7 +15,7 @@ from tailorfx import planner
 from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError
 from tailorfx.parallel.memory import RankMemory, predict_rank_memory
-from tailorfx.parallel.spec import SHARDED_PASSES, STAGE_PASSES, ParallelSpec
+from tailorfx.parallel.spec import SHARDED_PASSES, STAGE_PASSES, TP_PASSES, ParallelSpec
 from tailorfx.setup import TrainingSetup
 
 
@@ -37,11 +37,14 @@ def candidates(spec: ParallelSpec, requested: Optional[Sequence[str]],
                recompute_policy: Optional[str] = None) -> list[tuple[str, ...]]:
     """The rewrites to try, least recompute first: the user's own list (as the layout takes it),
     else the layout's default and then, under dp alone, SHARDED_PASSES' combinations (the LM head
-    fused and the MLPs chunked, each block recomputed, both); in pipeline stages (without tp, not
-    under the zero-bubble schedule) mini-sequence with each block recomputed after the default."""
+    fused and the MLPs chunked, each block recomputed, both); under tp (without sp or pp) each block
+    recomputed; in pipeline stages (without tp, not under the zero-bubble schedule) mini-sequence
+    with each block recomputed after the default."""
     first = spec.rewrites(requested, recompute_policy)
     if spec.pp > 1 and requested is None and spec.tp == 1 and not spec.sp and spec.schedule != "zb_h1":
         return [first] + ([STAGE_PASSES] if first != STAGE_PASSES else [])
+    if spec.tp > 1 and spec.pp == 1 and requested is None and not spec.sp:
+        return [first, TP_PASSES]
     if requested is not None or spec.pp > 1 or spec.tp > 1 or spec.sp:
         return [first]
     more = [("minisequence",), ("recompute",), SHARDED_PASSES]
@@ -82,11 +85,12 @@ def try_rewrites(model, spec: ParallelSpec, usable: float, *, seq_len: int, batc
 
 def fit_rewrites(model, spec: ParallelSpec, budget: Budget, *, seq_len: int, batch_size: int,
                  setup: TrainingSetup, requested: Optional[Sequence[str]] = None,
-                 recompute_policy: Optional[str] = None) -> Fit:
+                 recompute_policy: Optional[str] = None, mesh=None) -> Fit:
     """try_rewrites against `budget` less the planner's headroom (and the setup's allocator
-    headroom); BudgetError with the smallest peak tried when none fits."""
+    headroom); BudgetError with the smallest peak tried when none fits. `mesh`: as try_rewrites'."""
     fit = try_rewrites(model, spec, planner.usable(budget.bytes, setup.headroom), seq_len=seq_len,
-                       batch_size=batch_size, setup=setup, requested=requested, recompute_policy=recompute_policy)
+                       batch_size=batch_size, setup=setup, requested=requested, recompute_policy=recompute_policy,
+                       mesh=mesh)
     if fit.fits:
         return fit
     passes, smallest = fit.passes, fit.memory

@@ -22,6 +22,9 @@ STAGE_DEFAULT = ("minisequence",)
 # "minisequence" (the LM head fused with its loss, the MLPs in chunks), whose step graph is run
 # as a chain of its blocks' stages (apply.apply_chain)
 SHARDED_PASSES = ("minisequence", "recompute")
+# What the sharded model takes under tp (with or without dp): "recompute", each block checkpointed
+# as under dp alone (the runtime runs transformers' eager modules on DTensor shards)
+TP_PASSES = ("recompute",)
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,8 @@ class ParallelSpec:
     def rewrites(self, passes: Optional[Sequence[str]], recompute_policy: Optional[str] = None) -> tuple[str, ...]:
         """The single-device rewrites this layout takes (`passes`, as optimize() got it): None, the
         default, is STAGE_DEFAULT under pp without tp, none otherwise; [] none. Under dp alone the
-        sharded model takes SHARDED_PASSES, pipeline stages without tp STAGE_PASSES. Any other
+        sharded model takes SHARDED_PASSES, under tp TP_PASSES, pipeline stages without tp
+        STAGE_PASSES. Any other
         request says what runs."""
         pipelined = self.pp > 1 and self.tp == 1
         if passes is None:
@@ -104,11 +108,13 @@ class ParallelSpec:
         if not passes:
             return ()
         if self.pp == 1:
-            if self.tp > 1 or self.sp:
-                raise ValueError(f"parallel={self} takes no single-device rewrite under tp or sp: recompute and "
-                                 f"mini-sequence run with dp (FSDP2) alone and in pipeline stages; under tp the "
-                                 f"per-rank prediction of recompute is off by -4% to +14% of the measured peak; drop "
-                                 f"passes=")
+            if self.sp:
+                raise ValueError(f"parallel={self} takes no single-device rewrite under sp: recompute and "
+                                 f"mini-sequence run with dp (FSDP2) alone and in pipeline stages, recompute under "
+                                 f"tp; drop passes=")
+            if self.tp > 1:
+                _only(passes, TP_PASSES, f"parallel={self} takes {list(TP_PASSES)} only (mini-sequence under tp "
+                      f"is not in this version)", "drop them, or use dp or pp for mini-sequence")
             _only(passes, SHARDED_PASSES, f"parallel={self} takes {list(SHARDED_PASSES)} only",
                   "drop them, or run the passes without parallel=")
             if recompute_policy not in (None, "full"):

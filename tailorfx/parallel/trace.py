@@ -27,11 +27,13 @@ from torch.distributed.tensor.parallel import loss_parallel
 from tailorfx import compat
 from tailorfx.codegen.lower import partition_for
 from tailorfx.codegen.pipeline import capture_static, loss_only
+from tailorfx.errors import PredictionError
 from tailorfx.models.build import built_on_fake_tensors, fake_copy, fake_mode_of
 from tailorfx.parallel.plan import accepts_use_cache, plan_tensor_parallel, rewrite_step, tp_styles
 from tailorfx.parallel.shard import shard_model
 from tailorfx.parallel.stages import StageCosts, block_costs
 from tailorfx.parallel.tp_plan import TPPlan
+from tailorfx.passes.attention.rules import drop_causal_sdpa_masks
 from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import isolated_captures, node_value, seq_info
 from tailorfx.rewrite.regions import find_regions, is_param, normalize_path, param_source
@@ -191,8 +193,13 @@ def _capture_on(src, *, tp, rows, seq, head, vocab_loss, dtype, mesh, passes, op
         with scope(), isolated_captures():
             gm, _, _ = capture_static(model, batch)
         local = local_params(model)
+    if batch.get("use_cache") is False and not cut:
+        # without a KV cache transformers checks position_ids for packed sequences, which reads
+        # their values: traced, it builds an S x S mask its eager forward drops when the batch is
+        # not packed (a captured graph, as pipeline stages and chains run it, keeps the mask)
+        drop_causal_sdpa_masks(gm)
     # outside the model's fake mode, as AOTAutograd: the graph's values are Dynamo's fake tensors
-    return _traced(loss_only(gm) if cut == "chain" else gm, local, passes, scope, options)
+    return _traced(loss_only(gm) if cut == "chain" else gm, local, passes, scope, options, modules=not cut)
 
 
 def local_params(model: nn.Module) -> dict[str, tuple]:
@@ -204,8 +211,8 @@ def local_params(model: nn.Module) -> dict[str, tuple]:
     return local
 
 
-def _traced(gm: fx.GraphModule, local: dict, passes: tuple, scope: Callable, options: Optional[dict] = None
-            ) -> RankCapture:
+def _traced(gm: fx.GraphModule, local: dict, passes: tuple, scope: Callable, options: Optional[dict] = None,
+            modules: bool = False) -> RankCapture:
     """`gm` rewritten by `passes`, traced and tagged by part; the stages are cut by the graph as
     captured (without passes, predict_rank_memory reads the capture's own)."""
     costs = block_costs(gm, find_regions(gm, seq_info(gm, None))) if passes else None
@@ -218,8 +225,18 @@ def _traced(gm: fx.GraphModule, local: dict, passes: tuple, scope: Callable, opt
     # value the partitioner stashes at a block boundary, where the runtime passes the bool mask
     cse = contextlib.nullcontext() if not checkpointed else compat.aot_without_cse()
     with scope(), cse:     # AOTAutograd outside the model's fake mode (it makes its own), collectives still known
-        steps = memory.trace_step(gm, None, partition_for("dynamo", gm), None)
+        try:
+            steps = memory.trace_step(gm, None, partition_for("dynamo", gm), None)
+        except AssertionError as e:
+            if "was invalid, but is output" not in str(e):
+                raise
+            raise PredictionError(
+                "cannot predict this rank's memory: Dynamo made the DeviceMesh a graph input (torch 2.13 does in a "
+                "process that has captured other sharded models, e.g. after DTensor's loss_parallel), and "
+                "AOTAutograd gives the DTensor logits' mesh a tangent no partition can place; predict in a process "
+                "of its own (one model per torchrun job)") from e
     steps = replace(steps, eager_autograd=True)
+    checkpointed = "modules" if checkpointed and modules else "pieces" if checkpointed else ""
     return replace(_annotate(gm, steps, local, scope, checkpointed=checkpointed), stage_costs=costs,
                    rng_bytes=_rng_state_bytes(gm) if checkpointed else 0)
 
@@ -227,10 +244,12 @@ def _traced(gm: fx.GraphModule, local: dict, passes: tuple, scope: Callable, opt
 def _save_outside_blocks(gm: fx.GraphModule) -> None:
     """Under the runtime's checkpointing only the blocks run again: an op outside them (the final
     norm, the head) saves for backward what eager autograd saves, where the tag-honouring
-    partitioner would recompute cheap ones on its own."""
+    partitioner would recompute cheap ones on its own. Only tensors: a DeviceMesh the graph takes
+    apart (Dynamo traces `mesh["tp"]` once the mesh is an input) cannot be saved."""
     from torch.utils.checkpoint import CheckpointPolicy
     for n in gm.graph.nodes:
-        if n.op in ("call_function", "call_method") and "recompute" not in n.meta:
+        if (n.op in ("call_function", "call_method") and "recompute" not in n.meta
+                and any(isinstance(v, torch.Tensor) for v in compat.tree_leaves(node_value(n)))):
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
@@ -294,7 +313,10 @@ def _groups(g: fx.GraphModule, key: str, block_index: dict[str, int], backward: 
 
 
 def _annotate(gm: fx.GraphModule, steps: memory.StepGraphs, local: dict, scope,
-              checkpointed: bool = False) -> RankCapture:
+              checkpointed: str = "") -> RankCapture:
+    """The traced step tagged by part. `checkpointed`: how the runtime recomputes each block, "" not
+    at all, "modules" torch's checkpoint around the model's own blocks (tp, dp alone), "pieces"
+    around the graph's block pieces (pipeline stages, a dp chain)."""
     seq = seq_info(gm, None)
     regions = find_regions(gm, seq)
     blocks = [r.path for r in regions.of_kind("block")]
@@ -302,7 +324,7 @@ def _annotate(gm: fx.GraphModule, steps: memory.StepGraphs, local: dict, scope,
     fw = _groups(steps.fw, "nn_module_stack", index, False)
     bw = _groups(steps.bw, "fwd_nn_module_stack", index, True) if steps.bw is not None else {}
     if checkpointed and bw:
-        _recompute_first(steps.bw, bw)
+        _recompute_first(steps.bw, bw, hold_inputs=checkpointed == "modules")
     attn_paths = {r.path for r in regions.of_kind("attention")}
     fw_attn = frozenset(n.name for n in fw if attn_paths & set(_stack_paths(n.meta.get("nn_module_stack"))))
     bw_attn = frozenset(n.name for n in bw if attn_paths & set(_stack_paths(n.meta.get("fwd_nn_module_stack"))))
@@ -326,7 +348,7 @@ def _annotate(gm: fx.GraphModule, steps: memory.StepGraphs, local: dict, scope,
                     attn_bytes, (heads, kv_heads), scope, wgrad=_weight_grad_inputs(gm, index))
 
 
-def _recompute_first(bw: fx.GraphModule, group: dict) -> None:
+def _recompute_first(bw: fx.GraphModule, group: dict, hold_inputs: bool = False) -> None:
     """Reorder the backward graph as torch's checkpoint runs it (the runtime's recompute under dp and
     tp): when a part's backward starts, its forward runs again before any of its gradient ops,
     where AOTAutograd's partitioner recomputes each value just before its first use. A recomputed
@@ -354,8 +376,26 @@ def _recompute_first(bw: fx.GraphModule, group: dict) -> None:
                 and all(order[a] < order[anchor] or a in moved for a in n.all_input_nodes)):
             anchor.prepend(n)
             moved.add(n)
+    if hold_inputs:
+        _hold_block_inputs(bw, part, group, forward)
     bw.graph.lint()
     bw.recompile()
+
+
+def _hold_block_inputs(bw: fx.GraphModule, part: dict, group: dict, forward: set) -> None:
+    """torch's checkpoint saves a block's inputs until the block's backward has run (its frame holds
+    them), where AOTAutograd's graph lets a saved value go after its last use: each saved value a
+    part's recomputed ops read (an attention mask, rotary tables) is read once more, as a view, by
+    the part's last gradient op."""
+    last: dict = {}
+    for n in bw.graph.nodes:
+        if n.op == "call_function" and n not in forward and group.get(n) is not None:
+            last[group[n]] = n
+    for g, end in last.items():
+        inputs = {a: None for n, p in part.items() if p == g for a in n.all_input_nodes if a.op == "placeholder"}
+        with bw.graph.inserting_after(end):
+            for a in inputs:
+                bw.graph.call_function(torch.ops.aten.alias.default, (a,)).meta.update(a.meta)
 
 
 def _weight_grad_inputs(gm: fx.GraphModule, index: dict[str, int]) -> list[int]:

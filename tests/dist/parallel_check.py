@@ -3,6 +3,7 @@
 Every rank builds the same model (same seed), computes the single-process loss and gradients on
 the whole batch, then the parallel run; it writes one JSON file per rank and model to
 $TAILORFX_RESULTS (results.write), and exits 1 if loss or any gradient differs (fp32, rtol 1e-4)."""
+import itertools
 import os
 import sys
 import weakref
@@ -26,9 +27,11 @@ def main(run: str, tp: int, dp: int) -> int:
     # ":s96": rows of 96 tokens (a static graph's MLP is chunked where no other dim has the sequence's size:
     # the models' intermediate size is 128)
     tokens = next((int(f[1:]) for f in flags if f[:1] == "s" and f[1:].isdigit()), 128)
+    # ":l4": that many blocks (under recompute a rank keeps one block's activations and every block's input)
+    layers = next((int(f[1:]) for f in flags if f[:1] == "l" and f[1:].isdigit()), 2)
     family, _, sp = spec.partition("+")
     family, untied = family.removesuffix("-untied"), family.endswith("-untied")   # "gemma2-untied": its own head
-    kw = dict(vocab_size=vocab, **({"tie_word_embeddings": False} if untied else {}))
+    kw = dict(vocab_size=vocab, num_layers=layers, **({"tie_word_embeddings": False} if untied else {}))
     torch.manual_seed(0)
     ref = hf_family(family, **kw)
     model = hf_family(family, **kw)
@@ -76,9 +79,10 @@ def main(run: str, tp: int, dp: int) -> int:
     # three steps, five on a 2 x 2 mesh and under sequence parallelism (on gloo a rank sometimes
     # holds collective buffers longer: README; with three, a tp x FSDP2 rank once held 2.5% more on
     # each, on a loaded machine, and a Megatron rank 6% more than predicted on each of three; a chain's
-    # FSDP rank held one to three blocks' gathered parameters more on each of five on a loaded machine:
+    # FSDP rank held one to three blocks' gathered parameters more on each of five on a loaded machine,
+    # and a tp rank under recompute one or two activations' all-reduce buffers on each of three:
     # six steps for those)
-    repeats = 6 if "ms" in flags else 5 if (tp > 1 and dp > 1) or sp else 3
+    repeats = 6 if {"ms", "recompute", "budget60"} & set(flags) else 5 if (tp > 1 and dp > 1) or sp else 3
     steps, predicted = (measured_and_predicted(opt, model, fwd_bwd, repeats=repeats)
                         if memory else ([], None))
     measured = min(steps) if steps else None
@@ -94,9 +98,11 @@ def main(run: str, tp: int, dp: int) -> int:
            "checkpointed": [b for b, what in opt.session.parallel.report.describe() if what.startswith("recompute:")],
            "budget": budget, "rewrites": list(opt.session.parallel.report.passes),
            # the layout's predicted peak without rewrites (no optimizer state), against which rewrites are measured
-           "plain_peak": _peak(ref, layout, rows, []) if "ms" in flags or "recompute" in flags else None,
+           "plain_peak": _peak(ref, layout, rows, []) if {"ms", "recompute", "budget60"} & set(flags) else None,
            # one block's gathered parameters: what gloo was measured holding past FSDP2's free
            "block_bytes": sum(p.nbytes for p in ref.model.layers[0].parameters()),
+           # one hidden state of the rank's rows: what gloo's all-reduce was measured holding past its use
+           "hidden_bytes": rows.numel() * ref.config.hidden_size * 4,
            "rewritten": [f"{where}: {what}" for where, what in opt.session.parallel.report.describe()
                          if what.startswith("minisequence:")],
            "resident": sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())}, run)
@@ -105,14 +111,22 @@ def main(run: str, tp: int, dp: int) -> int:
 
 def _peak(model, layout: dict, rows: torch.Tensor, passes: list) -> int:
     """The layout's predicted peak per rank with `passes` (no optimizer state: this script takes
-    no optimizer step)."""
+    no optimizer step); under tp sharded on a mesh of this world's tp ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
     from tailorfx.parallel import predict_rank_memory
     from tailorfx.setup import resolve
+    mesh = None
+    if layout["tp"] > 1:     # every rank makes it (new process groups), in the same order
+        k = next(_MESHES)
+        mesh = init_device_mesh("cpu", (layout["dp"], layout["tp"]), mesh_dim_names=(f"dp{k}", f"tp{k}"))[f"tp{k}"]
     return predict_rank_memory(model, passes=passes, **layout, seq_len=rows.shape[1], batch_size=rows.shape[0],
-                               setup=resolve(None, param_dtype=torch.float32, optimizer=None)).peak_bytes
+                               setup=resolve(None, param_dtype=torch.float32, optimizer=None), _mesh=mesh).peak_bytes
 
 
-if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[-untied][+SP][:loss_parallel][:nomem][:recompute][:ms][:budget60][:vN][:sN] ...: one launch, several models
+_MESHES = itertools.count()
+
+
+if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[-untied][+SP][:loss_parallel][:nomem][:recompute][:ms][:budget60][:vN][:sN][:lN] ...: one launch, several models
     failed = sum(main(f, int(sys.argv[1]), int(sys.argv[2])) for f in sys.argv[3:])
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
