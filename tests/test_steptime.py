@@ -60,13 +60,13 @@ def test_flops_of_a_step_are_torchs_flop_counter_plus_attention():
 
 def test_recompute_adds_each_blocks_forward_again():
     """Each block's linears run forward once more, but the last (down_proj: only the residual add
-    reads its output, and its backward needs its input); its attention too, and (use_cache=False,
-    as the runtime calls a recomputed model) HF passes the causal mask to SDPA as a tensor, so
-    every pair is attended in the recomputed step, where the plain one (is_causal) attends half."""
+    reads its output, and its backward needs its input); its attention's forward too, causal: traced
+    with use_cache=False (as the runtime calls a recomputed model) HF builds the causal mask as a
+    tensor, which its eager forward drops and so does the rank's trace (every pair attended before)."""
     plain, recomputed = step(FLOPS, dp=2), step(FLOPS, dp=2, passes=["recompute"])
     model = LlamaForCausalLM(CFG)
     rerun = linear_params(model, inside="layers.") - linear_params(model, inside="down_proj")
-    attention = 2 * attention_flops(ROWS, 4 + 4, 10) - attention_flops(ROWS)
+    attention = attention_flops(ROWS, forward=4, backward=0)
     assert recomputed.flops - plain.flops == 2 * ROWS * SEQ * rerun + attention
 
 
