@@ -4,7 +4,6 @@ Default TrainingArguments except gradient accumulation (2 micro-batches), so the
 goes through `num_items_in_batch` (token-mean over the whole accumulated batch), and labels padded
 with -100 so the micro-batches hold different numbers of tokens.
 """
-import contextlib
 import copy
 import tempfile
 
@@ -37,7 +36,6 @@ def _train(model, data, **overrides):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-@pytest.mark.slow
 def test_trainer_logs_the_losses_of_the_unoptimized_model():
     data = _data()
     base = hf_llama()
@@ -54,26 +52,14 @@ def test_trainer_logs_the_losses_of_the_unoptimized_model():
         model = copy.deepcopy(base)
         wrapped = wrap(model)
         extra = {"remove_unused_columns": False} if name == "torch.compile" else {}
-        # torch.compile runs under the user's Dynamo config: past recompile_limit (8) or
-        # accumulated_recompile_limit (256) compiles of transformers' shared forward, which a test
-        # worker reaches, Dynamo runs the model eagerly; a user in that state raises both
-        # (tests/test_one_process.py), as optimize() does inside its own calls
-        limits = (torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096)
-                  if name == "torch.compile" else contextlib.nullcontext())
-        with limits:
-            losses = _train(wrapped, data, **extra)
-            _check_trained(name, wrapped, model, eager_model, losses, eager, example)
-
-
-def _check_trained(name, wrapped, model, eager_model, losses, eager, example):
-    """Trainer's losses and weights equal eager's, and the rewrites fired in its loop."""
-    assert len(losses) == len(eager) == 2
-    torch.testing.assert_close(losses, eager, rtol=1e-5, atol=0, msg=name)
-    for (pname, p), q in zip(model.named_parameters(), eager_model.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=f"{name}: {pname}")
-    # the rewrites fired inside Trainer's loop: training mode with labels returns no logits
-    model.train()
-    assert wrapped(**example).logits is None, name
-    if name == "optimize":
-        touched = [t for g in wrapped.graph_records for r in g.records for t in r.touched]
-        assert any("lm_head" in t for t in touched), touched
+        losses = _train(wrapped, data, **extra)
+        assert len(losses) == len(eager) == 2
+        torch.testing.assert_close(losses, eager, rtol=1e-5, atol=0, msg=name)
+        for (pname, p), q in zip(model.named_parameters(), eager_model.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=f"{name}: {pname}")
+        # the rewrites fired inside Trainer's loop: training mode with labels returns no logits
+        model.train()
+        assert wrapped(**example).logits is None, name
+        if name == "optimize":
+            touched = [t for g in wrapped.graph_records for r in g.records for t in r.touched]
+            assert any("lm_head" in t for t in touched), touched

@@ -297,5 +297,3 @@ def _quiet_metrics_logging(ignored_ids: frozenset) -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(drop)
-
-

@@ -100,8 +100,7 @@ class ParallelSpec:
         """The single-device rewrites this layout takes (`passes`, as optimize() got it): None, the
         default, is STAGE_DEFAULT under pp without tp, none otherwise; [] none. Under dp alone the
         sharded model takes SHARDED_PASSES, under tp TP_PASSES, pipeline stages without tp
-        STAGE_PASSES. Any other
-        request says what runs."""
+        STAGE_PASSES. Any other request says what runs."""
         pipelined = self.pp > 1 and self.tp == 1
         if passes is None:
             return STAGE_DEFAULT if pipelined else ()
