@@ -244,8 +244,8 @@ def _traced(gm: fx.GraphModule, local: dict, passes: tuple, scope: Callable, opt
 def _save_outside_blocks(gm: fx.GraphModule) -> None:
     """Under the runtime's checkpointing only the blocks run again: an op outside them (the final
     norm, the head) saves for backward what eager autograd saves, where the tag-honouring
-    partitioner would recompute cheap ones on its own. Only tensors: a DeviceMesh the graph takes
-    apart (Dynamo traces `mesh["tp"]` once the mesh is an input) cannot be saved."""
+    partitioner would recompute cheap ones on its own. Only ops that make tensors: nothing else is
+    a value backward could be handed (a DeviceMesh op, once Dynamo made the mesh a graph input)."""
     from torch.utils.checkpoint import CheckpointPolicy
     for n in gm.graph.nodes:
         if (n.op in ("call_function", "call_method") and "recompute" not in n.meta
