@@ -5,7 +5,10 @@ Dynamo cache entries and automatic-dynamic history, other tailorfx modules alive
 import contextlib
 import copy
 import gc
+import os
 import re
+import subprocess
+import sys
 import warnings
 import weakref
 
@@ -191,30 +194,51 @@ def test_a_deleted_module_releases_its_graphs():
     assert [r() for r in refs] == [None, None, None]
 
 
+# its own process: once Dynamo hits the recompile limit on transformers' shared forward code it runs
+# that code eagerly in the default region for the rest of the process, and with the limit hit in a
+# test worker every later test's torch.compile(model, backend="tailorfx") ran eagerly there
+# (tests/test_trainer.py, test_validation.py::test_backend_options, test_steptime.py's plan_world)
+_AFTER_THE_LIMIT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+import tailorfx
+import tailorfx.compat
+from models import hf_family
+from tailorfx.codegen.pipeline import capture_static
+from tailorfx.parallel.plan import plan_tensor_parallel
+compiled = []
+
+def counting(gm, example_inputs):
+    compiled.append(gm)
+    return gm.forward
+with torch._dynamo.config.patch(recompile_limit=1):
+    for hidden in (32, 48):   # the second size is past the limit
+        m = hf_family("llama", vocab_size=512, hidden_size=hidden, intermediate_size=64)
+        ids = torch.randint(0, 512, (1, 16))
+        torch.compile(m, backend=counting)(input_ids=ids, labels=ids)
+assert len(compiled) == 1, len(compiled)     # the limit was hit: the second model ran eagerly
+model = hf_family("llama", vocab_size=512)
+ids = torch.randint(0, 512, (1, 32))
+late = torch.compile(hf_family("llama", vocab_size=512), backend="tailorfx")(input_ids=ids, labels=ids)
+assert late.logits is not None      # the user's default region: eager from now on, whatever the limit
+isolated = torch.compile(hf_family("llama", vocab_size=512), backend="tailorfx", **tailorfx.compat.compile_isolation())
+assert isolated(input_ids=ids, labels=ids).logits is None or not tailorfx.compat.compile_isolation()   # its own region
+gm, _, _ = capture_static(model, {{"input_ids": ids, "labels": ids}})    # fullgraph: Dynamo would raise
+assert sum(n.op == "placeholder" for n in gm.graph.nodes) > len(list(model.parameters()))   # weights and inputs
+plan, blocks = plan_tensor_parallel(model, (), dict(input_ids=ids, labels=ids))
+assert blocks == ["model.layers.0", "model.layers.1"], blocks
+assert plan.styles["model.layers.0.mlp.down_proj"].startswith("rowwise"), plan.styles
+opt = tailorfx.optimize(model, example_inputs={{"input_ids": ids, "labels": ids}})
+assert opt(input_ids=ids, labels=ids).logits is None
+print("ok")
+"""
+
+
 def test_captures_after_a_users_compile_hit_its_recompile_limit():
     """Once a compile of transformers' shared forward hits Dynamo's recompile limit in the default
     region (the user's torch.compile), Dynamo runs that frame eagerly there: tailorfx's static
     captures (the tensor-parallel plan, pipeline stages) then trace in a region of their own
     instead of reading an empty capture, and optimize() still rewrites."""
-    from tailorfx.codegen.pipeline import capture_static
-    from tailorfx.parallel.plan import plan_tensor_parallel
-    compiled = []
-
-    def counting(gm, example_inputs):
-        compiled.append(gm)
-        return gm.forward
-    with torch._dynamo.config.patch(recompile_limit=1):
-        for hidden in (32, 48):   # the second size is past the limit (the first too if the worker compiled some)
-            m = hf_family("llama", vocab_size=512, hidden_size=hidden, intermediate_size=64)
-            ids = torch.randint(0, 512, (1, 16))
-            torch.compile(m, backend=counting)(input_ids=ids, labels=ids)
-    assert len(compiled) <= 1            # the limit was hit: the second model ran eagerly
-    model = hf_family("llama", vocab_size=512)
-    ids = torch.randint(0, 512, (1, 32))
-    gm, _, _ = capture_static(model, {"input_ids": ids, "labels": ids})    # fullgraph: Dynamo would raise
-    assert sum(n.op == "placeholder" for n in gm.graph.nodes) > len(list(model.parameters()))   # weights and inputs
-    plan, blocks = plan_tensor_parallel(model, (), dict(input_ids=ids, labels=ids))
-    assert blocks == ["model.layers.0", "model.layers.1"]
-    assert plan.styles["model.layers.0.mlp.down_proj"].startswith("rowwise")
-    opt = tailorfx.optimize(model, example_inputs={"input_ids": ids, "labels": ids})
-    assert opt(input_ids=ids, labels=ids).logits is None
+    code = _AFTER_THE_LIMIT.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
