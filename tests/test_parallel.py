@@ -179,9 +179,8 @@ def test_bad_parallel_options_name_the_problem(bad, msg):
 
 
 @pytest.mark.parametrize("kw, msg", [
-    (dict(parallel=dict(tp=2), passes=["minisequence"]),
-     r"parallel=dict\(tp=2\) takes \['recompute'\] only \(mini-sequence under tp is not in this version\), not \['minisequence'\]"),
-    (dict(parallel=ParallelSpec(tp=2), passes=["recompute", "attention"]), r"takes \['recompute'\] only .*not \['attention'\]"),
+    (dict(parallel=ParallelSpec(tp=2), passes=["recompute", "attention"]),
+     r"parallel=dict\(tp=2\) takes \['minisequence', 'recompute'\] only, not \['attention'\]"),
     (dict(parallel=dict(pp=2), passes=["minisequence", "attention"]),
      r"pipeline stages take \['minisequence', 'recompute'\] only.*not \['attention'\].*joint graph"),
     (dict(parallel=dict(pp=2, schedule="zb_h1"), passes=["recompute"]), r"zero-bubble schedule splits each backward"),
@@ -264,20 +263,22 @@ def torchrun(tmp_path, nproc: int, script: str, *args, runs: int = 1) -> dict:
 TP_FAMILIES = ["llama", "gemma2-untied", "gemma3_text:nomem", "cohere-untied:nomem", "llama:loss_parallel"]
 # each block checkpointed on its tp shards (Llama, Qwen3, Gemma-2 at 256 tokens); and 4 blocks of Llama
 # planned under 60% of the layout's peak without rewrites (the planner takes recompute)
-TP_RECOMPUTE = ["llama:recompute:s256", "qwen3:recompute:s256", "gemma2-untied:recompute:s256",
-                "llama:budget60:v512:s256:l4"]
+# the fused vocab-parallel head (always under tp), each MLP module in 2 sequence chunks, each block
+# checkpointed; then the chunks alone; then the planner under 60% of the layout's plain peak
+TP_REWRITES = ["llama:ms:recompute:s256", "qwen3:ms:recompute:s256", "gemma2-untied:ms:recompute:s256",
+               "qwen3:ms:s256", "llama:budget60:v512:s256:l4"]
 SP_FAMILIES = ["llama"]     # sp="megatron": the same launch (Qwen3 runs it on the 2 x 2 mesh below)
 
 
 @pytest.mark.multiprocess
 def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
-    # the recompute runs in a launch of their own: after some captures of sharded models in one process
+    # the rewrites run in a launch of their own: after some captures of sharded models in one process
     # torch 2.13 makes the mesh a graph input, and a prediction refuses it (PredictionError, docs/parallel.md)
     runs = TP_FAMILIES + [f"{f}+megatron" for f in SP_FAMILIES]
     rows = torchrun(tmp_path, 2, "parallel_check.py", 2, 1, *runs, runs=len(runs))
     (tmp_path / "recompute").mkdir()
-    rows |= torchrun(tmp_path / "recompute", 2, "parallel_check.py", 2, 1, *TP_RECOMPUTE, runs=len(TP_RECOMPUTE))
-    runs += TP_RECOMPUTE
+    rows |= torchrun(tmp_path / "recompute", 2, "parallel_check.py", 2, 1, *TP_REWRITES, runs=len(TP_REWRITES))
+    runs += TP_REWRITES
     assert sorted(rows) == sorted((f"rank{r}", f) for r in range(2) for f in runs)
     for (_, run), r in rows.items():
         styles = r["styles"]
@@ -312,10 +313,12 @@ def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
             assert -0.05 <= err <= 0.05, r
             continue
         assert "rowwise" in styles.values()
-        if run in TP_RECOMPUTE:
-            # every block checkpointed (what the planner chose under the budget), below the layout's
-            # peak without rewrites, and under the budget when measured
-            assert r["checkpointed"] == [f"model.layers.{i}" for i in range(4 if ":l4" in run else 2)], r
+        if run in TP_REWRITES:
+            # every block checkpointed (what the planner chose under the budget), every MLP in chunks,
+            # below the layout's peak without rewrites, and under the budget when measured
+            blocks = [f"model.layers.{i}" for i in range(4 if ":l4" in run else 2)]
+            assert r["checkpointed"] == (blocks if ":recompute" in run or ":budget60" in run else []), r
+            assert [w.split(":")[0] for w in r["rewritten"]] == ([f"{b}.mlp" for b in blocks] if ":ms" in run else []), r
             assert r["resident"] + r["measured"] < r["plain_peak"], r
             if ":budget60" in run:
                 assert r["rewrites"] == ["recompute"] and r["resident"] + r["measured"] <= r["budget"], r
@@ -382,12 +385,13 @@ def test_parallel_auto_lays_out_a_world_and_equals_one_process(tmp_path):
 def test_tp2_x_dp2_on_four_processes_equals_one_process(tmp_path):
     # Qwen3 on a 2 x 2 mesh, then with Megatron's sequence parallelism on its tp dimension
     # (memory on that one: a prediction is a capture, four processes on two cores); then Llama with
-    # each block checkpointed inside its FSDP unit on the 2 x 2 mesh
-    rows = torchrun(tmp_path, 4, "parallel_check.py", 2, 2, "qwen3:nomem", "qwen3+megatron", "llama:recompute:s256",
+    # each MLP in sequence chunks and each block checkpointed inside its FSDP unit on the 2 x 2 mesh
+    rows = torchrun(tmp_path, 4, "parallel_check.py", 2, 2, "qwen3:nomem", "qwen3+megatron", "llama:ms:recompute:s256",
                     runs=3)
     for (_, run), r in rows.items():
         if run.startswith("llama"):
             assert r["checkpointed"] == ["model.layers.0", "model.layers.1"] and r["sharded_params"] > 0, r
+            assert [w.split(":")[0] for w in r["rewritten"]] == ["model.layers.0.mlp", "model.layers.1.mlp"], r
             assert r["resident"] + r["measured"] < r["plain_peak"], r
             late = r["measured"] - r["block_bytes"] // 2     # as below
             assert any(-0.02 <= (r["predicted"] - m) / m <= 0.03 for m in (r["measured"], late)), r

@@ -118,3 +118,11 @@ def reduce_scatter_single(output, input_) -> None:
     """dist.reduce_scatter_single (torch 2.13; reduce_scatter_tensor, deprecated there, before)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     fn(output, input_)
+
+
+def collective_waited(t):
+    """`t` with an in-flight functional collective's result waited for (the AsyncCollectiveTensor
+    DTensor's redistribute returns), differentiably: a copy, as any op but a view makes (its
+    `wait()` would leave autograd's graph). Any other tensor as it is."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    return t.clone() if isinstance(t, AsyncCollectiveTensor) else t

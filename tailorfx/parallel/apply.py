@@ -38,7 +38,7 @@ from tailorfx.models.llama import CausalLMOutput
 from tailorfx.parallel.memory import RankPrediction
 from tailorfx.parallel.plan import (accepts_use_cache, describe_rewrites, head_style, plan_tensor_parallel,
                                     rewrite_step, step_options, tp_styles)
-from tailorfx.parallel.shard import VocabHead, shard_model
+from tailorfx.parallel.shard import CHUNKED_MLP, VocabHead, chunk_mlps, shard_model
 from tailorfx.parallel.spec import ParallelSpec, runs_chain
 from tailorfx.parallel.stages import block_costs, stage_blocks
 from tailorfx.parallel.tp_plan import TPPlan
@@ -74,6 +74,7 @@ def parallelize(model: nn.Module, spec: ParallelSpec, args: tuple, kwargs: dict,
     styles, head = {}, None
     if spec.tp > 1:     # first: the pipeline cuts the sharded model's graph
         styles, head = apply_tensor_parallel(model, spec=spec, plan=plan, mesh=mesh["tp"])
+    chunked = chunk_mlps(model, plan.mlps, options) if spec.tp > 1 and spec.pp == 1 and "minisequence" in passes else []
     dp_group, dp_rank = None, 0
     if spec.sp == "ulysses":
         dp_group, dp_rank = apply_ulysses(model, mesh=mesh["dp"])
@@ -92,7 +93,8 @@ def parallelize(model: nn.Module, spec: ParallelSpec, args: tuple, kwargs: dict,
     report = ParallelReport(spec, styles, dict(plan.replicated) if spec.tp > 1 else {}, blocks,
                             head_note=head.note if head is not None else "", passes=passes,
                             stage_blocks=pipe.stage_blocks if pipe else [], bubble=pipe.bubble if pipe else 0.0,
-                            rewrites=staged.rewrites if staged else [])
+                            rewrites=staged.rewrites if staged else [(path, f"minisequence: {CHUNKED_MLP}, "
+                                                                              f"up to {m} chunk(s)") for path, m in chunked])
     runtime = ParallelRuntime(spec, passes=passes, device=device, head=head, dp_group=dp_group, dp_rank=dp_rank,
                               pipeline=pipe, rows=rows, chain=chain.module if chain else None)
     prediction = RankPrediction(spec, dict(kwargs), passes=passes, source=source, tp_mesh=mesh["tp"],

@@ -15,7 +15,7 @@ from tailorfx import planner
 from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError
 from tailorfx.parallel.memory import RankMemory, predict_rank_memory
-from tailorfx.parallel.spec import SHARDED_PASSES, STAGE_PASSES, TP_PASSES, ParallelSpec
+from tailorfx.parallel.spec import SHARDED_PASSES, STAGE_PASSES, ParallelSpec
 from tailorfx.setup import TrainingSetup
 
 
@@ -36,16 +36,14 @@ class Fit:
 def candidates(spec: ParallelSpec, requested: Optional[Sequence[str]],
                recompute_policy: Optional[str] = None) -> list[tuple[str, ...]]:
     """The rewrites to try, least recompute first: the user's own list (as the layout takes it),
-    else the layout's default and then, under dp alone, SHARDED_PASSES' combinations (the LM head
-    fused and the MLPs chunked, each block recomputed, both); under tp (without sp or pp) each block
-    recomputed; in pipeline stages (without tp, not under the zero-bubble schedule) mini-sequence
-    with each block recomputed after the default."""
+    else the layout's default and then, without pp or sp (dp, tp or both), SHARDED_PASSES'
+    combinations (the MLPs chunked, with the LM head fused under dp alone, as it always is under
+    tp; each block recomputed; both); in pipeline stages (without tp, not under the zero-bubble
+    schedule) mini-sequence with each block recomputed after the default."""
     first = spec.rewrites(requested, recompute_policy)
     if spec.pp > 1 and requested is None and spec.tp == 1 and not spec.sp and spec.schedule != "zb_h1":
         return [first] + ([STAGE_PASSES] if first != STAGE_PASSES else [])
-    if spec.tp > 1 and spec.pp == 1 and requested is None and not spec.sp:
-        return [first, TP_PASSES]
-    if requested is not None or spec.pp > 1 or spec.tp > 1 or spec.sp:
+    if requested is not None or spec.pp > 1 or spec.sp:
         return [first]
     more = [("minisequence",), ("recompute",), SHARDED_PASSES]
     return [first] + [p for p in more if p != first]

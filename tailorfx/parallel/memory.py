@@ -206,9 +206,9 @@ def predict_rank_memory(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: i
     instead of the worst's. `vocab_loss`: a vocab-parallel head's loss "fused" with it or under
     DTensor's "loss_parallel". `passes`: the rewrites, as optimize(parallel=..., passes=) takes
     them: of a pipeline's step graph (None: the default, the LM head fused with its loss and the
-    MLPs in mini-sequence chunks under pp without tp); under dp alone ParallelSpec.rewrites'
+    MLPs in mini-sequence chunks under pp without tp); under dp, tp or both ParallelSpec.rewrites'
     ("minisequence", "recompute": each block checkpointed, its ops recomputed in the traced
-    step), under tp ["recompute"]. `backend`: the collectives' ("nccl" or
+    step). `backend`: the collectives' ("nccl" or
     "gloo", whose reduce-scatter holds a copy of its input; default the process group's inside
     torchrun, else "nccl"). The layout is checked as
     optimize(parallel=...) checks it (ValueError for one the runtime refuses, such as

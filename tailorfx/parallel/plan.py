@@ -31,7 +31,7 @@ def plan_tensor_parallel(model: nn.Module, args: tuple, kwargs: dict) -> tuple[T
     graphs, _ = capture_graphs(model, args, kwargs, static=True)
     styles: dict[str, str] = {}
     replicated: dict[str, str] = {}
-    groups, blocks = [], []
+    groups, blocks, mlps = [], [], []
     sequence: dict[str, str] = {}
     sequence_error = None
     head_loss: Any = "no LM head feeding a loss"
@@ -50,9 +50,10 @@ def plan_tensor_parallel(model: nn.Module, args: tuple, kwargs: dict) -> tuple[T
         replicated.update(plan.replicated)
         groups += plan.groups
         blocks += [r.path for r in regions.of_kind("block") if r.path not in blocks]
+        mlps += [r.path for r in regions.of_kind("mlp") if r.token_wise and r.path and r.path not in mlps]
     return TPPlan(styles, groups, {k: v for k, v in replicated.items() if k not in styles},
                   sequence={} if sequence_error else sequence, sequence_error=sequence_error,
-                  head_loss=head_loss), blocks
+                  head_loss=head_loss, mlps=tuple(mlps)), blocks
 
 
 def head_style(spec: ParallelSpec) -> str:

@@ -5,6 +5,7 @@ the fake copy a prediction traces (trace.py), so the traced graph is the one the
     head = shard_model(model, styles=tp_styles(plan, 2, "vocab"), mesh=mesh["tp"],
                        head_loss=plan.head_loss, vocab_loss="fused")
     head.note    -> "loss fused with it (8 row chunks, no logits-sized tensor kept for backward)"
+    chunk_mlps(model, plan.mlps, options)     # mini-sequence under tp: each MLP in sequence chunks
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Any, Optional
 import torch.nn as nn
 
 from tailorfx.passes.minisequence import MAX_CHUNKS
+from tailorfx.passes.minisequence.chunks import MIN_CHUNK_TOKENS
+from tailorfx.runtime.chunked_modules import chunk_modules
 from tailorfx.runtime.tensor_parallel import LossParallelScope, apply_loss_parallel, apply_tp
 from tailorfx.runtime.vocab_parallel import FusedVocabParallelLoss, install_fused_loss
 
@@ -58,3 +61,30 @@ def fuse_head_loss(model: nn.Module, head: str, transform: Any, choice: str = "f
     if fused is None:
         return None, "loss under DTensor's loss_parallel: the model's loss is not transformers' ForCausalLMLoss"
     return fused, f"loss fused with it ({chunks} row chunks, no logits-sized tensor kept for backward)"
+
+
+CHUNKED_MLP = "sequence chunks, each checkpointed (its intermediates one chunk's at a time, in forward and backward)"
+
+
+def chunk_mlps(model: nn.Module, mlps, options: Optional[dict] = None) -> list[tuple[str, int]]:
+    """Mini-sequence on a sharded model: each token-wise MLP (plan.mlps) runs in sequence chunks,
+    each chunk checkpointed (runtime/chunked_modules.py); `options`: minisequence_chunks and
+    minisequence_min_tokens as the graph pass reads them. The ideal count makes one chunk's
+    intermediates (the outputs of the linears that read the MLP's input, as this rank holds them)
+    no larger than its input. Returns (path, ideal) per MLP."""
+    options = options or {}
+    mods = dict(model.named_modules())
+    ideal = {}
+    for path in mlps:
+        width = [m.in_features for m in mods[path].modules() if isinstance(m, nn.Linear)]
+        hidden = width[0] if width else 1
+        inner = sum(_local_rows(m.weight) for m in mods[path].modules() if isinstance(m, nn.Linear)
+                    and m.in_features == hidden)
+        ideal[path] = max(1, min(MAX_CHUNKS, -(-inner // hidden)))
+    chunk_modules(model, list(mlps), ideal=ideal, num_chunks=options.get("minisequence_chunks"),
+                  min_tokens=options.get("minisequence_min_tokens") or MIN_CHUNK_TOKENS)
+    return list(ideal.items())
+
+
+def _local_rows(weight) -> int:
+    return weight.to_local().shape[0] if hasattr(weight, "to_local") else weight.shape[0]

@@ -17,14 +17,13 @@ from tailorfx.codegen.schedule import SCHEDULES
 # each block of a stage one activation-checkpointing unit; the others need AOTAutograd's joint graph
 STAGE_PASSES = ("minisequence", "recompute")
 STAGE_DEFAULT = ("minisequence",)
-# What the sharded model takes under dp (FSDP2) alone: "recompute", each repeated block one
+# What the sharded model takes under dp (FSDP2), tp or both: "recompute", each repeated block one
 # activation-checkpointing unit (torch's composable checkpoint), which saves only its input; and
-# "minisequence" (the LM head fused with its loss, the MLPs in chunks), whose step graph is run
-# as a chain of its blocks' stages (apply.apply_chain)
+# "minisequence": under dp alone the LM head fused with its loss and the MLPs in chunks, the step
+# graph run as a chain of its blocks' stages (apply.apply_chain); under tp each MLP module in
+# sequence chunks, each chunk checkpointed (shard.chunk_mlps: the runtime runs transformers' eager
+# modules on DTensor shards, and the LM head's loss is fused with it whatever the passes)
 SHARDED_PASSES = ("minisequence", "recompute")
-# What the sharded model takes under tp (with or without dp): "recompute", each block checkpointed
-# as under dp alone (the runtime runs transformers' eager modules on DTensor shards)
-TP_PASSES = ("recompute",)
 
 
 @dataclass(frozen=True)
@@ -98,9 +97,8 @@ class ParallelSpec:
 
     def rewrites(self, passes: Optional[Sequence[str]], recompute_policy: Optional[str] = None) -> tuple[str, ...]:
         """The single-device rewrites this layout takes (`passes`, as optimize() got it): None, the
-        default, is STAGE_DEFAULT under pp without tp, none otherwise; [] none. Under dp alone the
-        sharded model takes SHARDED_PASSES, under tp TP_PASSES, pipeline stages without tp
-        STAGE_PASSES. Any other request says what runs."""
+        default, is STAGE_DEFAULT under pp without tp, none otherwise; [] none. The sharded model
+        takes SHARDED_PASSES under dp, tp or both, pipeline stages without tp STAGE_PASSES. Any other request says what runs."""
         pipelined = self.pp > 1 and self.tp == 1
         if passes is None:
             return STAGE_DEFAULT if pipelined else ()
@@ -109,11 +107,7 @@ class ParallelSpec:
         if self.pp == 1:
             if self.sp:
                 raise ValueError(f"parallel={self} takes no single-device rewrite under sp: recompute and "
-                                 f"mini-sequence run with dp (FSDP2) alone and in pipeline stages, recompute under "
-                                 f"tp; drop passes=")
-            if self.tp > 1:
-                _only(passes, TP_PASSES, f"parallel={self} takes {list(TP_PASSES)} only (mini-sequence under tp "
-                      f"is not in this version)", "drop them, or use dp or pp for mini-sequence")
+                                 f"mini-sequence run under dp (FSDP2), tp and in pipeline stages; drop passes=")
             _only(passes, SHARDED_PASSES, f"parallel={self} takes {list(SHARDED_PASSES)} only",
                   "drop them, or run the passes without parallel=")
             if recompute_policy not in (None, "full"):
@@ -122,7 +116,7 @@ class ParallelSpec:
             return tuple(passes)
         if not pipelined:
             raise ValueError(f"parallel={self} takes no single-device rewrite: drop passes= (pipeline "
-                             f"stages without tp take {list(STAGE_PASSES)}, dp alone {list(SHARDED_PASSES)}), or "
+                             f"stages without tp take {list(STAGE_PASSES)}, dp and tp {list(SHARDED_PASSES)}), or "
                              f"run the passes without parallel=")
         _only(passes, STAGE_PASSES, f"passes={list(passes)}: pipeline stages take {list(STAGE_PASSES)} only",
               "they rewrite AOTAutograd's joint graph, which a stage run by torch's pipeline runtime does not "
@@ -139,8 +133,8 @@ class ParallelSpec:
 
 def runs_chain(spec: ParallelSpec, passes: Sequence[str]) -> bool:
     """Whether the layout runs its rewritten step graph as a chain of its blocks (apply.apply_chain):
-    mini-sequence without pp."""
-    return spec.pp == 1 and "minisequence" in passes
+    mini-sequence without pp or tp (under tp the MLPs' modules run in chunks: shard.chunk_mlps)."""
+    return spec.pp == 1 and spec.tp == 1 and "minisequence" in passes
 
 
 def _only(passes: Sequence[str], allowed: Sequence[str], what: str, fix: str) -> None:

@@ -60,6 +60,7 @@ class TPPlan:
     # a vocab-parallel head's loss fused with it (runtime/vocab_parallel.py): the (softcap, logit
     # scale) between them, or why the loss runs on the logits shard under loss_parallel instead
     head_loss: Any = None
+    mlps: tuple = ()      # the token-wise MLPs' module paths (mini-sequence under tp chunks them)
 
     def check(self, tp: int) -> None:
         """ValueError naming the first count `tp` does not divide, and the tp values that work."""

@@ -30,7 +30,7 @@ from tailorfx.codegen.pipeline import capture_static, loss_only
 from tailorfx.errors import PredictionError
 from tailorfx.models.build import built_on_fake_tensors, fake_copy, fake_mode_of
 from tailorfx.parallel.plan import accepts_use_cache, plan_tensor_parallel, rewrite_step, tp_styles
-from tailorfx.parallel.shard import shard_model
+from tailorfx.parallel.shard import chunk_mlps, shard_model
 from tailorfx.parallel.stages import StageCosts, block_costs
 from tailorfx.parallel.tp_plan import TPPlan
 from tailorfx.passes.attention.rules import drop_causal_sdpa_masks
@@ -190,6 +190,9 @@ def _capture_on(src, *, tp, rows, seq, head, vocab_loss, dtype, mesh, passes, op
                                 vocab_loss=vocab_loss, scatter=False)
             if vocab is not None:
                 scope = loss_parallel
+            if "minisequence" in passes and not cut:     # as the rank's model runs its MLPs (apply.py)
+                chunk_mlps(model, plan.mlps, options)
+                passes = tuple(p for p in passes if p != "minisequence")
         with scope(), isolated_captures():
             gm, _, _ = capture_static(model, batch)
         local = local_params(model)
@@ -352,7 +355,11 @@ def _recompute_first(bw: fx.GraphModule, group: dict, hold_inputs: bool = False)
     """Reorder the backward graph as torch's checkpoint runs it (the runtime's recompute under dp and
     tp): when a part's backward starts, its forward runs again before any of its gradient ops,
     where AOTAutograd's partitioner recomputes each value just before its first use. A recomputed
-    op (partitioner_tag "is_forward") belongs to the part whose gradient ops first use it."""
+    op (partitioner_tag "is_forward") belongs to the part whose gradient ops first use it. An op of
+    a checkpoint inside a part (a chunked MLP's chunk: PREFER_RECOMPUTE, torch's checkpoint's own
+    tag, where the recompute pass tags MUST_*) stays where it is: torch runs it again when that
+    chunk's backward starts."""
+    from torch.utils.checkpoint import CheckpointPolicy
     nodes = list(bw.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     # a recomputed op that draws random numbers runs under run_with_rng_state, which carries no tag
@@ -371,6 +378,8 @@ def _recompute_first(bw: fx.GraphModule, group: dict, hold_inputs: bool = False)
             first.setdefault(group.get(n), n)
     moved = set()
     for n in recomputed:     # in order: a value's inputs move before it does, or it stays
+        if n.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE:
+            continue
         anchor = first.get(part.get(n))
         if (anchor is not None and order[anchor] < order[n]
                 and all(order[a] < order[anchor] or a in moved for a in n.all_input_nodes)):
