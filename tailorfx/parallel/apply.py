@@ -50,17 +50,18 @@ from tailorfx.runtime.tensor_parallel import (apply_checkpoint, apply_fsdp, appl
 
 
 def parallelize(model: nn.Module, spec: ParallelSpec, args: tuple, kwargs: dict, *, passes: tuple = (),
-                options: Optional[dict] = None, global_batch: bool = False) -> ParallelPlan:
+                options: Optional[dict] = None, global_batch: bool = False, mesh=None) -> ParallelPlan:
     """Shard `model` in place as `spec` asks; returns what was done. `passes`: the rewrites the
     layout takes (spec.rewrites: the pipeline's step graph's, or "recompute" under dp alone);
     `options`: optimize()'s pass options (the pipeline's rewrites read theirs). `global_batch`:
     every rank is given the same batch (the example and each call), and takes its dp rank's rows
-    of it (Ulysses: all of them, and its slice of the sequence)."""
+    of it (Ulysses: all of them, and its slice of the sequence). `mesh`: the (pp, dp, tp) device
+    mesh already made for the layout (a budget's predictions shard on it), else one is made."""
     if not args and not kwargs:
         raise ValueError("parallel= needs example_inputs: the tensor-parallel plan is read off the graph "
                          "of one forward pass")
     device = rank_device()
-    mesh = device_mesh(tp=spec.tp, dp=spec.dp, pp=spec.pp, device=device)
+    mesh = mesh if mesh is not None else device_mesh(tp=spec.tp, dp=spec.dp, pp=spec.pp, device=device)
     rows = (mesh["dp"].get_local_rank(), spec.dp) if global_batch and spec.dp > 1 and spec.sp != "ulysses" else None
     if rows is not None:
         args, kwargs = rank_rows(args, rows), rank_rows(kwargs, rows)

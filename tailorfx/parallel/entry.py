@@ -35,19 +35,20 @@ def parallel_plan(model: nn.Module, parallel: Any, args: tuple, kwargs: dict, *,
         return _auto_plan(model, args, kwargs, budget=budget, requested=requested, options=options)
     spec = ParallelSpec.parse(parallel)
     policy = options.get("recompute_policy")
-    fit = None
+    fit = mesh = None
     if budget is None:
         passes = spec.rewrites(requested, policy)   # before any capture
     else:   # each rank's rewrites planned on fake tensors, before the model is sharded
         rows, seq = tokens_of(args, kwargs)
         if spec.pp > 1:     # predict_rank_memory's rows are one micro-batch's
             rows //= spec.microbatches
-        # under tp each prediction shards a fake copy on this world's tp ranks
-        mesh = device_mesh(tp=spec.tp, dp=spec.dp, pp=spec.pp)["tp"] if spec.tp > 1 else None
+        # under tp each prediction shards a fake copy on this world's tp ranks: the mesh the model
+        # is then sharded on (one set of process groups)
+        mesh = device_mesh(tp=spec.tp, dp=spec.dp, pp=spec.pp, device=rank_device()) if spec.tp > 1 else None
         fit = fit_rewrites(model, spec, budget, seq_len=seq, batch_size=rows, setup=options["setup"],
-                           requested=requested, recompute_policy=policy, mesh=mesh)
+                           requested=requested, recompute_policy=policy, mesh=mesh["tp"] if mesh else None)
         passes = fit.passes
-    plan = parallelize(model, spec, args, kwargs, passes=passes, options=options)
+    plan = parallelize(model, spec, args, kwargs, passes=passes, options=options, mesh=mesh)
     if fit is not None:
         plan = dataclasses.replace(plan, report=dataclasses.replace(plan.report, budget=fit.describe()))
     return plan
