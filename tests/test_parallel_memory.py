@@ -295,7 +295,9 @@ def test_tp_minisequence_chunks_each_mlp_module_and_is_traced_as_it_runs():
     model = LlamaForCausalLM(CFG)
     names = [n for n, _ in model.named_parameters()]
     paths = [f"model.layers.{i}.mlp" for i in range(CFG.num_hidden_layers)]
-    assert chunk_mlps(model, paths, {"minisequence_chunks": 4}) == [(p, 4) for p in paths]   # 2 x 128 / 64
+    assert chunk_mlps(model, paths, {"minisequence_chunks": 4}) == [(p, "4 chunk(s)") for p in paths]
+    assert model.get_submodule(paths[0])._tailorfx_chunking == (4, 4, 1024)    # ideal: 2 x 128 / 64
+    assert chunk_mlps(model, paths) == [(p, "up to 4 chunk(s) of 1024 tokens or more") for p in paths]
     assert all(isinstance(model.get_submodule(p), SequenceChunked) for p in paths)
     assert [n for n, _ in model.named_parameters()] == names
 

@@ -94,8 +94,8 @@ def parallelize(model: nn.Module, spec: ParallelSpec, args: tuple, kwargs: dict,
     report = ParallelReport(spec, styles, dict(plan.replicated) if spec.tp > 1 else {}, blocks,
                             head_note=head.note if head is not None else "", passes=passes,
                             stage_blocks=pipe.stage_blocks if pipe else [], bubble=pipe.bubble if pipe else 0.0,
-                            rewrites=staged.rewrites if staged else [(path, f"minisequence: {CHUNKED_MLP}, "
-                                                                              f"up to {m} chunk(s)") for path, m in chunked])
+                            rewrites=staged.rewrites if staged else [(path, f"minisequence: {CHUNKED_MLP}, {n}")
+                                                                     for path, n in chunked])
     runtime = ParallelRuntime(spec, passes=passes, device=device, head=head, dp_group=dp_group, dp_rank=dp_rank,
                               pipeline=pipe, rows=rows, chain=chain.module if chain else None)
     prediction = RankPrediction(spec, dict(kwargs), passes=passes, source=source, tp_mesh=mesh["tp"],

@@ -71,7 +71,7 @@ def chunk_mlps(model: nn.Module, mlps, options: Optional[dict] = None) -> list[t
     each chunk checkpointed (runtime/chunked_modules.py); `options`: minisequence_chunks and
     minisequence_min_tokens as the graph pass reads them. The ideal count makes one chunk's
     intermediates (the outputs of the linears that read the MLP's input, as this rank holds them)
-    no larger than its input. Returns (path, ideal) per MLP."""
+    no larger than its input. Returns (path, how many chunks) per MLP, for the report."""
     options = options or {}
     mods = dict(model.named_modules())
     ideal = {}
@@ -81,9 +81,10 @@ def chunk_mlps(model: nn.Module, mlps, options: Optional[dict] = None) -> list[t
         inner = sum(_local_rows(m.weight) for m in mods[path].modules() if isinstance(m, nn.Linear)
                     and m.in_features == hidden)
         ideal[path] = max(1, min(MAX_CHUNKS, -(-inner // hidden)))
-    chunk_modules(model, list(mlps), ideal=ideal, num_chunks=options.get("minisequence_chunks"),
-                  min_tokens=options.get("minisequence_min_tokens") or MIN_CHUNK_TOKENS)
-    return list(ideal.items())
+    given, min_tokens = options.get("minisequence_chunks"), options.get("minisequence_min_tokens") or MIN_CHUNK_TOKENS
+    chunk_modules(model, list(mlps), ideal=ideal, num_chunks=given, min_tokens=min_tokens)
+    return [(p, f"{given} chunk(s)" if given else f"up to {m} chunk(s) of {min_tokens} tokens or more")
+            for p, m in ideal.items()]
 
 
 def _local_rows(weight) -> int:

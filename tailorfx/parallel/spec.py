@@ -98,7 +98,8 @@ class ParallelSpec:
     def rewrites(self, passes: Optional[Sequence[str]], recompute_policy: Optional[str] = None) -> tuple[str, ...]:
         """The single-device rewrites this layout takes (`passes`, as optimize() got it): None, the
         default, is STAGE_DEFAULT under pp without tp, none otherwise; [] none. The sharded model
-        takes SHARDED_PASSES under dp, tp or both, pipeline stages without tp STAGE_PASSES. Any other request says what runs."""
+        takes SHARDED_PASSES under dp, tp or both, pipeline stages without tp STAGE_PASSES. Any
+        other request says what runs."""
         pipelined = self.pp > 1 and self.tp == 1
         if passes is None:
             return STAGE_DEFAULT if pipelined else ()
