@@ -325,8 +325,9 @@ def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
             # each block's forward run again in its backward, on the sharded graph: within 3% of this
             # rank's measured peak, never 2% under (the smallest of six steps; gloo held one or two
             # hidden states of its all-reduces past their use in every step of a rank's 4-block run,
-            # which torch's in-process fake backend never does: -0.2% there)
-            held = (r["measured"], r["measured"] - 2 * r["hidden_bytes"])
+            # which torch's in-process fake backend never does: -0.2% there; Llama with chunks and
+            # recompute held one in every step of rank 1 in a CI run: -2.9% with it, +0.1% without)
+            held = [r["measured"] - k * r["hidden_bytes"] for k in (0, 1, 2)]
             assert any(-0.02 <= (r["predicted"] - m) / m <= 0.03 for m in held), r
             continue
         # the memory model on the sharded graph: within 5% of this rank's measured peak (the smallest
