@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from tailorfx.passes.minisequence import MAX_CHUNKS
+from tailorfx.passes.minisequence import auto_chunks
 from tailorfx.passes.minisequence.chunks import MIN_CHUNK_TOKENS
 from tailorfx.runtime.chunked_modules import chunk_modules
 from tailorfx.runtime.tensor_parallel import LossParallelScope, apply_loss_parallel, apply_tp
@@ -55,7 +55,7 @@ def fuse_head_loss(model: nn.Module, head: str, transform: Any, choice: str = "f
         return None, f"loss under DTensor's loss_parallel: {transform}"
     mod = dict(model.named_modules())[head]
     rows = mod.weight.to_local().shape[0] if hasattr(mod.weight, "to_local") else mod.weight.shape[0]
-    chunks = max(1, min(MAX_CHUNKS, -(-rows // mod.weight.shape[1])))   # a chunk's logits <= its hidden states
+    chunks = auto_chunks(rows, mod.weight.shape[1])   # a chunk's logits <= its hidden states
     softcap, scale = transform
     fused = install_fused_loss(model, head=head, num_chunks=chunks, logit_softcap=softcap, logit_scale=scale)
     if fused is None:
@@ -76,11 +76,9 @@ def chunk_mlps(model: nn.Module, mlps, options: Optional[dict] = None) -> list[t
     mods = dict(model.named_modules())
     ideal = {}
     for path in mlps:
-        width = [m.in_features for m in mods[path].modules() if isinstance(m, nn.Linear)]
-        hidden = width[0] if width else 1
-        inner = sum(_local_rows(m.weight) for m in mods[path].modules() if isinstance(m, nn.Linear)
-                    and m.in_features == hidden)
-        ideal[path] = max(1, min(MAX_CHUNKS, -(-inner // hidden)))
+        linears = [m for m in mods[path].modules() if isinstance(m, nn.Linear)]
+        hidden = linears[0].in_features if linears else 1
+        ideal[path] = auto_chunks(sum(_local_rows(m.weight) for m in linears if m.in_features == hidden), hidden)
     given, min_tokens = options.get("minisequence_chunks"), options.get("minisequence_min_tokens") or MIN_CHUNK_TOKENS
     chunk_modules(model, list(mlps), ideal=ideal, num_chunks=given, min_tokens=min_tokens)
     return [(p, f"{given} chunk(s)" if given else f"up to {m} chunk(s) of {min_tokens} tokens or more")

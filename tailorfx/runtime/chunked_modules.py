@@ -24,7 +24,7 @@ __all__ = ["chunk_modules", "chunk_count", "SequenceChunked"]
 
 def chunk_count(tokens: int, ideal: int, num_chunks: Optional[int], min_tokens: int) -> int:
     """M: `num_chunks` when given, else min(ideal, tokens // min_tokens), at least 1 (the graph
-    pass's rule, minisequence.chunks.Chunking)."""
+    pass's rule too: minisequence.chunks.Chunking, at a static length)."""
     if num_chunks:
         return num_chunks
     return max(1, min(ideal, tokens // min_tokens))
@@ -58,17 +58,14 @@ def _waited(run, *args, **kwargs):
 
 
 def chunk_modules(model: nn.Module, paths: list[str], *, ideal: dict[str, int], num_chunks: Optional[int] = None,
-                  min_tokens: int = 1024) -> list[str]:
+                  min_tokens: int = 1024) -> None:
     """Each module at `paths` runs in sequence chunks (SequenceChunked; its parameters and their
     names stay as they are); `ideal`: the chunk count that makes one chunk's intermediates no
-    larger than its input, per path. Returns the paths chunked."""
+    larger than its input, per path."""
     mods = dict(model.named_modules())
-    done = []
     for path in paths:
         mod = mods[path]
         if not isinstance(mod, SequenceChunked):
             cls = type(mod)
             mod.__class__ = type(f"SequenceChunked{cls.__name__}", (SequenceChunked, cls), {})
         mod._tailorfx_chunking = (ideal.get(path, 1), num_chunks, min_tokens)
-        done.append(path)
-    return done

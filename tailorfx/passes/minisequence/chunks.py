@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from tailorfx.rewrite.capture import node_value
+from tailorfx.runtime.chunked_modules import chunk_count
 from tailorfx.rewrite.passes import annotate
 from tailorfx.rewrite.regions import Region
 
@@ -55,7 +56,7 @@ class Chunking:
         other = math.prod(int(d) for i, d in enumerate(xv.shape[:seq_dim + 1]) if i != seq_dim)
         length = xv.shape[seq_dim]
         if not isinstance(length, torch.SymInt):
-            return max(1, min(ideal, int(length) * other // self.min_tokens))
+            return chunk_count(int(length) * other, ideal, None, self.min_tokens)
         g = gm.graph
         with g.inserting_before(before):
             n_len = g.call_method("size", (x, seq_dim))
