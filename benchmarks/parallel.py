@@ -305,13 +305,19 @@ def predict_8b(seq: int = 8192, match: str = "") -> tuple[list[list], list[dict]
 SEQS_8B = (8192, 32768, 131072)
 
 
+def frugal_passes(c) -> tuple[str, ...]:
+    """The most frugal rewrites a world candidate's layout takes (parallel.fit's last candidate)."""
+    from tailorfx.parallel.fit import candidates
+    from tailorfx.parallel.spec import ParallelSpec
+    return candidates(ParallelSpec(tp=c.tp, dp=c.dp, pp=c.pp, sp=c.sp), None)[-1]
+
+
 def worlds_8b(worlds=(8, 64), seqs=SEQS_8B) -> tuple[list[list], list[dict], list[list]]:
     """`tailorfx plan --world N --budget H100-80GB --seq S` for Llama-3-8B (amp-bf16, one row per
     rank's micro-batch): every layout with the rewrites it takes, its per-rank peak, predicted
     step time and tokens per second; then, on the first world, the longest sequence each layout
-    reaches with its most frugal rewrites (under dp alone the head fused, the MLPs chunked and each
-    block recomputed): the predicted
-    peaks at `seqs` fitted as a + b * seq (flash attention: activations grow linearly) and solved
+    reaches with its most frugal rewrites (`frugal_passes`: without sp the MLPs chunked and each
+    block recomputed, but under zero-bubble or tp inside pipeline stages): the predicted peaks at `seqs` fitted as a + b * seq (flash attention: activations grow linearly) and solved
     for the budget, marked "extrapolated" beyond the longest sequence planned."""
     import time
     from tailorfx import planner
@@ -340,10 +346,11 @@ def worlds_8b(worlds=(8, 64), seqs=SEQS_8B) -> tuple[list[list], list[dict], lis
                             "step_s": c.step_s, "tokens_per_s": c.tokens_per_s, "status": c.status,
                             "chosen": c.chosen, "step": c.step.breakdown()})
                 if world == worlds[0]:
-                    passes = ["minisequence", "recompute"] if c.tp == c.pp == 1 and not c.sp else None
-                    rm = predict_rank_memory(cfg, tp=c.tp, dp=c.dp, pp=c.pp, sp=c.sp, seq_len=seq, batch_size=1,
-                                             setup="amp-bf16", passes=passes)
-                    frugal.setdefault((c.layout(), "+".join(passes or c.passes) or "-"), []).append((seq, rm.peak_bytes))
+                    passes = list(frugal_passes(c))
+                    peak = c.peak_bytes if passes == list(c.passes) else predict_rank_memory(
+                        cfg, tp=c.tp, dp=c.dp, pp=c.pp, sp=c.sp, seq_len=seq, batch_size=1, setup="amp-bf16",
+                        passes=passes).peak_bytes
+                    frugal.setdefault((c.layout(), "+".join(passes) or "-"), []).append((seq, peak))
     longest = []
     for (layout, rewrites), pts in frugal.items():
         if len(pts) < 2:
