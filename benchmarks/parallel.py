@@ -380,13 +380,14 @@ def main() -> None:
     ap.add_argument("--calibrate-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worlds-8b", action="store_true", help="only tailorfx plan --world 8 and 64 for Llama-3-8B on "
                                                              "H100-80GB at 8K, 32K and 128K tokens (no launches)")
+    ap.add_argument("--worlds", nargs="+", type=int, default=[8, 64], help="with --worlds-8b: these worlds only")
     a = ap.parse_args()
     if a.worker:
         return worker(*a.worker, a.seq, a.batch, a.vocab_loss)
     if a.calibrate_worker:
         return calibrate_worker()
     if a.worlds_8b:
-        return print_worlds_8b()
+        return print_worlds_8b(tuple(a.worlds))
     sys.path.insert(0, HERE)
     from common import print_table, write_json
     mib = lambda b: f"{b / 2**20:.1f}"
@@ -444,16 +445,17 @@ def main() -> None:
     print("wrote", write_json("parallel.json", {"layouts": results, "step_time": timing, "llama3_8b": llama}))
 
 
-def print_worlds_8b() -> None:
+def print_worlds_8b(worlds=(8, 64)) -> None:
     sys.path.insert(0, HERE)
     from common import print_table, write_json
-    rows, out, longest = worlds_8b()
+    rows, out, longest = worlds_8b(worlds)
     print_table("Llama-3-8B on H100-80GB, predicted (amp-bf16, 1 row per rank's micro-batch): each layout with its "
                 "rewrites, fastest first (tokens/s)", ["GPUs", "seq", "layout", "rewrites", "peak GiB", "step ms",
                                                        "tokens/s", "status"], rows)
     print_table("The longest sequence each layout of 8 H100-80GB reaches, predicted (peaks at 8K, 32K and 128K fitted "
                 "linearly)", ["layout", "rewrites", "longest sequence", "", "fit's largest error"], longest)
-    print("wrote", write_json("parallel_worlds_8b.json", {"plans": out, "longest_8": longest}))
+    name = "parallel_worlds_8b.json" if worlds == (8, 64) else f"parallel_worlds_8b_{'_'.join(map(str, worlds))}.json"
+    print("wrote", write_json(name, {"plans": out, "longest_8": longest}))
 
 
 def step_times(results: list, a, saved: dict) -> dict:

@@ -242,7 +242,7 @@ def predict_graphs(graphs: Sequence[tuple[fx.GraphModule, str, Optional[memory.S
     at the captured length only, so a graph not traced yet is traced on static shapes (faster)."""
     static = captured and seq_len is None
     steps = [replace(step if step is not None else traced_step(gm, partition_for(lowering, gm), setup, static),
-                     eager_autograd=lowering == "dynamo")
+                     eager_autograd=lowering == "dynamo", loss_tangent_only=lowering == "dynamo")
              for gm, lowering, step in graphs]
     return memory.simulate_step(steps, list(seqs), seq_len or seqs[0].length or None, setup=setup)
 

@@ -351,3 +351,29 @@ def test_a_checkpoint_inside_a_block_is_recomputed_where_its_backward_uses_it():
     bw = fx.GraphModule(torch.nn.Module(), g)
     _recompute_first(bw, {grad: 1, use: 1})
     assert [n.target for n in bw.graph.nodes if n.op == "call_function"] == [torch.sin, torch.neg, torch.cos, torch.add]
+
+
+@pytest.mark.multiprocess
+def test_tp_rank_prediction_holds_at_fine_chunks(tmp_path):
+    """tp=2 (torch's fake process group, in a process of its own): Llama at 2,048 tokens with each
+    MLP in 8 chunks, with and without each block recomputed, and recompute alone; each step's allocator peak against the
+    prediction within the claim (3%, never 2% under). Eager autograd's holdings the trace does not
+    show: a chunk's slice keeps the hidden state it was cut from until the chunk's backward has run,
+    an autograd node's inputs and a short formula's temporaries live until it returns, no gradient
+    for the fused head's input (were +3.2% with 8 chunks, -2.7% with the chunks alone, and
+    recompute alone -3.0% at 256 tokens once that gradient was dropped)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist", "fake_tp_check.py")
+    out = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, script, str(out), "llama", "2048", "8",
+                          "minisequence+recompute,minisequence,recompute"], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["passes"] for r in rows] == [["minisequence", "recompute"], ["minisequence"], ["recompute"]]
+    for r in rows:
+        assert ("8 chunk(s)" in r["report"]) == ("minisequence" in r["passes"]), r["report"]   # chunked as asked
+        assert -0.02 <= (r["predicted"] - r["measured"]) / r["measured"] <= 0.03, r
+    assert rows[0]["measured"] < min(rows[1]["measured"], rows[2]["measured"])    # both rewrites took effect

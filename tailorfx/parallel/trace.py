@@ -238,7 +238,7 @@ def _traced(gm: fx.GraphModule, local: dict, passes: tuple, scope: Callable, opt
                 "process that has captured other sharded models, e.g. after DTensor's loss_parallel), and "
                 "AOTAutograd gives the DTensor logits' mesh a tangent no partition can place; predict in a process "
                 "of its own (one model per torchrun job)") from e
-    steps = replace(steps, eager_autograd=True)
+    steps = replace(steps, eager_autograd=True, loss_tangent_only=modules, checkpoint_args_held=modules)
     checkpointed = "modules" if checkpointed and modules else "pieces" if checkpointed else ""
     return replace(_annotate(gm, steps, local, scope, checkpointed=checkpointed), stage_costs=costs,
                    rng_bytes=_rng_state_bytes(gm) if checkpointed else 0)

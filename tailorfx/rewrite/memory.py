@@ -21,7 +21,7 @@ import torch.fx as fx
 from tailorfx import compat
 from tailorfx.rewrite.capture import SeqInfo, node_value
 from tailorfx.rewrite.memory_estimate import MemoryEstimate, Timeline
-from tailorfx.rewrite.memory_graph import Pool, placeholders, run_graph, run_schedule
+from tailorfx.rewrite.memory_graph import Pool, eager_last_uses, placeholders, run_graph, run_schedule
 from tailorfx.rewrite.optimizer_step import storage_root
 from tailorfx.rewrite.trace import (Sizer, StepGraphs, fake_inputs, graph_outputs, make_step,  # noqa: F401
                                     trace_step, trainable_inputs)
@@ -151,7 +151,8 @@ def _backward(pool: Pool, st: StepGraphs, k: int, saved: dict, sizer: Sizer, set
         if n.name in saved:
             env[n.name] = saved[n.name]
         elif n.name.startswith("tangents") and isinstance(node_value(n), torch.Tensor):
-            env[n.name] = [pool.alloc(sizer(node_value(n)), ("tangent", k))]
+            t = node_value(n)
+            env[n.name] = [] if st.loss_tangent_only and t.dim() > 0 else [pool.alloc(sizer(t), ("tangent", k))]
 
     def release_saved():
         for name, sids in saved.items():
@@ -174,7 +175,7 @@ def _backward(pool: Pool, st: StepGraphs, k: int, saved: dict, sizer: Sizer, set
                              dropped=dropped)
     else:
         grads = run_graph(st.bw, pool, env, sizer, f"backward[{k}]", setup, _grad_nodes(st.bw),
-                          release_saved, consumed)
+                          release_saved, consumed, eager_last_uses(st.bw, st.checkpoint_args_held) if eager else None)
     for n in placeholders(st.bw):
         for sid in env.get(n.name, []):
             pool.release(sid, ("tangent", k))

@@ -127,18 +127,70 @@ def _replayed_value(n: fx.Node):
         return n.args[1](*args, **kwargs)
 
 
+def eager_last_uses(g: fx.GraphModule, checkpoint_args: bool = False) -> dict[fx.Node, int]:
+    """Where eager autograd holds a backward graph's values past their last use in it (the index
+    of the op after which each is freed): an autograd node's saved tensors, incoming gradient and
+    temporaries until the whole node has run (the ops its AOTAutograd `seq_nr` makes; a custom
+    op's saved tensor measured held while its next gradient is made, PowBackward's `self.pow(1)`
+    while it multiplies: a formula of at most three ops); with `checkpoint_args` (torch's
+    checkpoint wraps the modules themselves), a checkpointed region's inputs until the backward of
+    every op it recomputes has run (the checkpoint keeps the arguments it replays the region from:
+    a sequence chunk's slice keeps the whole hidden state it was cut from)."""
+    nodes = list(g.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    last = {n: max((index[u] for u in n.users), default=index[n]) for n in nodes}
+    run_end, ends = {}, {}
+    for i in range(len(nodes) - 1, -1, -1):
+        nr, nxt = nodes[i].meta.get("seq_nr"), nodes[i + 1] if i + 1 < len(nodes) else None
+        run_end[i] = run_end[i + 1] if nr is not None and nxt is not None and nxt.meta.get("seq_nr") == nr else i
+    made: dict[int, list[fx.Node]] = {}      # run end -> the tensors its ops make (not views)
+    for i, n in enumerate(nodes):
+        if n.op == "placeholder" and n.users:
+            ends[n] = run_end[last[n]]
+        elif n.op == "call_function" and n.meta.get("seq_nr") is not None:
+            if not aliases_input(n):
+                made.setdefault(run_end[i], []).append(n)
+            if n.meta.get("partitioner_tag") != "is_forward":      # not a checkpoint's replay
+                for a in n.all_input_nodes:     # the node's saved (or recomputed) inputs and gradient
+                    if run_end[index[a]] != run_end[i] and run_end[i] > ends.get(a, last[a]):
+                        ends[a] = run_end[i]
+    for end, temps in made.items():
+        # one C++ formula (a few ops: pow's, rsqrt's, mm's backward) frees its temporaries as it
+        # returns; a longer run is Python (DTensor's loss_parallel handlers), freed as it goes
+        if len(temps) <= 3:
+            ends.update({t: end for t in temps if last[t] < end})
+    backward_of, regions = {}, {}
+    for i, n in enumerate(nodes):
+        tag, nr = n.meta.get("partitioner_tag"), n.meta.get("seq_nr")
+        if tag == "is_backward" and nr is not None:
+            backward_of[nr] = i
+        elif tag == "is_forward" and n.meta.get("ac_graph_id") is not None:
+            regions.setdefault(n.meta["ac_graph_id"], []).append(n)
+    for members in regions.values() if checkpoint_args else ():
+        end = max((backward_of.get(m.meta.get("seq_nr"), -1) for m in members), default=-1)
+        inside = set(members)
+        for a in {a for m in members for a in m.all_input_nodes} - inside:
+            if end > ends.get(a, last[a]):
+                ends[a] = end
+    return ends
+
+
 def run_graph(g: fx.GraphModule, pool: Pool, env: dict, sizer: Sizer, phase: str, setup: TrainingSetup,
               grad_nodes: frozenset = frozenset(), inputs_held: Optional[Callable[[], None]] = None,
-              grads_consumed: bool = False) -> list:
+              grads_consumed: bool = False, last_use: Optional[dict[fx.Node, int]] = None) -> list:
     """Simulate one graph. `env` maps placeholder names to storage-id lists (pre-existing values);
     values of `grad_nodes` are counted as gradients; `inputs_held` runs once the graph holds its
-    inputs (each then lives until its last use in the graph, unless held elsewhere);
-    `grads_consumed`: each gradient is consumed as it is made (eager autograd adding it into an
-    accumulated .grad), not returned with the others."""
+    inputs (each then lives until its last use in the graph, or the index `last_use` gives,
+    unless held elsewhere); `grads_consumed`: each gradient is consumed as it is made (eager
+    autograd adding it into an accumulated .grad), not returned with the others."""
     nodes = list(g.graph.nodes)
     forward = phase.startswith("forward")
     index = {n: i for i, n in enumerate(nodes)}
     last = {n: max((index[u] for u in n.users), default=index[n]) for n in nodes}
+    last.update({a: max(i, last[a]) for a, i in (last_use or {}).items()})
+    ending: dict[int, list] = {}
+    for a in last_use or {}:
+        ending.setdefault(last[a], []).append(a)
     out_node = nodes[-1]
     held: dict[fx.Node, list[int]] = {}
     for i, n in enumerate(nodes):
@@ -178,7 +230,7 @@ def run_graph(g: fx.GraphModule, pool: Pool, env: dict, sizer: Sizer, phase: str
         for sid in held[n]:
             pool.hold(sid, n)
         pool.mark(phase, n.name, _op_transient(n, sizer, setup))
-        for a in set(n.all_input_nodes) | {n}:
+        for a in set(n.all_input_nodes) | {n} | set(ending.get(i, ())):
             if last[a] <= i and (a not in out_node.all_input_nodes or (grads_consumed and a in grad_nodes)):
                 for sid in held.get(a, []):
                     pool.release(sid, a)

@@ -36,6 +36,12 @@ class StepGraphs:
     # run under eager autograd (the "dynamo" lowering), not as AOTAutograd's backward: each saved
     # tensor is freed once the backward no longer needs it, not when the whole backward returns
     eager_autograd: bool = False
+    # the graph traces modules that run eagerly and whose step calls loss.backward(): autograd hands
+    # the backward the loss's gradient alone, none for another output (a tensor a hook kept)
+    loss_tangent_only: bool = False
+    # torch's checkpoint wraps the modules themselves (tp and dp ranks): it keeps the arguments it
+    # replays a block or a sequence chunk from until their backward has run
+    checkpoint_args_held: bool = False
     # lowered by Inductor: each graph's kernel order and buffers (rewrite/inductor_schedule.py)
     fw_schedule: Optional["Schedule"] = None
     bw_schedule: Optional["Schedule"] = None
