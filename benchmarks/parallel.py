@@ -317,8 +317,9 @@ def worlds_8b(worlds=(8, 64), seqs=SEQS_8B) -> tuple[list[list], list[dict], lis
     rank's micro-batch): every layout with the rewrites it takes, its per-rank peak, predicted
     step time and tokens per second; then, on the first world, the longest sequence each layout
     reaches with its most frugal rewrites (`frugal_passes`: without sp the MLPs chunked and each
-    block recomputed, but under zero-bubble or tp inside pipeline stages): the predicted peaks at `seqs` fitted as a + b * seq (flash attention: activations grow linearly) and solved
-    for the budget, marked "extrapolated" beyond the longest sequence planned."""
+    block recomputed, but under zero-bubble or tp inside pipeline stages): the predicted peaks at
+    `seqs` fitted as a + b * seq (flash attention: activations grow linearly) and solved for the
+    budget, marked "extrapolated" beyond the longest sequence planned."""
     import time
     from tailorfx import planner
     from tailorfx.budget import Budget

@@ -12,9 +12,9 @@ import torch
 import torch.fx as fx
 
 from tailorfx.rewrite.capture import node_value
-from tailorfx.runtime.chunked_modules import chunk_count
 from tailorfx.rewrite.passes import annotate
 from tailorfx.rewrite.regions import Region
+from tailorfx.runtime.chunked_modules import chunk_count
 
 NAME = "minisequence"
 MAX_CHUNKS = 64
