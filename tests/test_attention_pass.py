@@ -13,10 +13,16 @@ import torch.nn.functional as F
 
 import tailorfx
 from harness import compare_with_eager
-from models import batch, hf_gpt2, hf_llama, tiny_llama
+from models import batch, hf_family, hf_gpt2, hf_llama, tiny_llama
 from tailorfx.attention import Dilated, Exact, SlidingWindow
+from tailorfx.codegen.pipeline import capture_static, loss_only
 from tailorfx.models.llama import Attention
+from tailorfx.parallel.plan import rewrite_step
+from tailorfx.passes.attention.mask_eval import STATIC_EVAL_LEN
+from tailorfx.passes.attention.rules import _match_softmax_chain
 from tailorfx.rewrite import match
+from tailorfx.rewrite.capture import seq_info
+from tailorfx.rewrite.passes import PassContext
 from tailorfx.rewrite.regions import find_regions
 
 GOLDENS = os.path.join(os.path.dirname(__file__), "goldens")
@@ -217,6 +223,8 @@ class ToyAttention(nn.Module):
             s = (s - 0.5 * (i[:, None] - i[None, :]).clamp(min=0)).masked_fill(future, float("-inf"))
         elif self.mode in ("causal", "chain_dropout"):
             s = s.masked_fill(future, float("-inf"))
+        elif self.mode == "last_row_sees_all":   # causal but the last query, at S - 1 (a constant once static)
+            s = s.masked_fill(future & (i[:, None] < S - 1), float("-inf"))
         p = s.softmax(-1)
         if self.mode == "chain_dropout":
             p = F.dropout(p, 0.1, self.training)
@@ -310,6 +318,51 @@ def test_must_not_fire(mode, spec, reason):
         rec.skipped
     assert ops_in(opt.graphs["attention"]) & {"softmax", "scaled_dot_product_attention"}
     assert opt.graphs["attention"].code == opt.graphs["capture"].code
+
+
+# ---- static graphs (pipeline stages, tp ranks) past STATIC_EVAL_LEN: proved at small lengths ----
+def static_step(model: nn.Module, S: int, **batch_kw):
+    """The model's step captured with static shapes at length S and rewritten by the attention
+    pass, as pipeline stages and tp ranks are (capture_static, rewrite_step); its loss and every
+    gradient checked against eager (fp32, rtol 1e-4); the pass's record."""
+    ref, b = copy.deepcopy(model), {**batch(B=1, S=S), **batch_kw}
+    gm, example, _ = capture_static(model, b)
+    rewritten, records = rewrite_step(loss_only(gm), ("attention",))
+    rewritten(*example)[0].backward()
+    loss_ref = ref(**b).loss
+    loss_ref.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    return next(r for r in records if r.name == "attention")
+
+
+@pytest.mark.parametrize("family,config,mask", [
+    ("llama", {"attn_implementation": "eager"}, "proved causal at S=1,2,3,5,8,13 (static length {S} replaced by each)"),
+    ("mistral", {"sliding_window": 5}, "attn_mask proved a causal sliding window of 5 (5->3: window 3 at "
+     "S=1,2,3,4,5,7,8,13; 5->5: window 5 at S=1,2,3,5,6,7,8,11,13,19; static length {S} replaced by each)"),
+])
+def test_a_long_static_graphs_mask_is_proved_at_small_lengths(family, config, mask):
+    """Past STATIC_EVAL_LEN a static graph's mask is evaluated as a dynamic one's is, its length
+    replaced by each small one: at the length itself the evaluator's S x S tensors took 17 GB at
+    32K tokens (planning an 8B tp layout at 32K was killed so on a 24 GiB machine)."""
+    S = STATIC_EVAL_LEN + 4
+    rec = static_step(hf_family(family, max_position_embeddings=2 * S, **config), S)
+    assert rec.touched == ("model.layers.0.self_attn", "model.layers.1.self_attn"), rec.skipped
+    assert {st["mask"] for st in rec.stats.values()} == {mask.format(S=S)}
+
+
+@pytest.mark.parametrize("mode,mask", [
+    ("causal", "proved causal at S=1,2,3,5,8,13 (static length {S} replaced by each)"),
+    # S - 1 is a constant the length's replacement does not reach: the last query sees every key
+    ("last_row_sees_all", "mask uses the constant {S1}: proving it causal needs lengths past it"),
+])
+def test_a_long_static_graphs_derived_constant_is_not_replaced(mode, mask):
+    S = STATIC_EVAL_LEN + 4
+    gm, _, _ = capture_static(ToyModel(mode), toy_inputs(S))
+    seq = seq_info(gm, None)
+    (softmax,) = [n for n in gm.graph.nodes if match.op_name(n) == "softmax"]
+    got = _match_softmax_chain(softmax, PassContext(find_regions(gm, seq), seq))
+    assert (got if isinstance(got, str) else got.mask).startswith(mask.format(S=S, S1=S - 1)), got
 
 
 def test_unknown_spec_is_a_clear_error():

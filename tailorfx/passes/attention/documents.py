@@ -124,18 +124,16 @@ def document_proof(ctx: PassContext, sub: Subgraph, x: Optional[fx.Node], out: f
     """(what was checked, the DOC_RULES key) if the mask, evaluated on position patterns from
     `src`, is causal within the documents of a rule (prove_mask says how); else why not."""
     # position_ids of a symbolic length: every length, even for a mask that reads no size
-    lengths = check_lengths(ctx, sub.nodes, sub.leaves or isinstance(node_value(src.node).shape[1], torch.SymInt))
+    S = node_value(src.node).shape[1]
+    lengths = check_lengths(ctx, sub.nodes, None if sub.leaves or isinstance(S, torch.SymInt) else int(S))
     if isinstance(lengths, str):
         return lengths
-    text = ",".join(map(str, lengths)) or "static"
-    if not lengths:
-        lengths = [int(node_value(src.node).shape[1])]
     B = src.batch if src.batch is not None else DOC_BATCH
     pos_dtype = node_value(src.node).dtype
-    fn = evaluator(sub, x, out)
     gen = torch.Generator().manual_seed(0)
     cases = []
-    for L in lengths:
+    for L in lengths.values:
+        fn = evaluator(sub, x, out, lengths.subst(L))
         xs = torch.randn(1, 1, L, L, generator=gen).to(dtype) * 4
         value = {sym: (L if role == "L" else B) for sym, role in src.sizes.items()}
         sizes = [int(compat.sym_expr(node_value(leaf)).subs(value)) for leaf in sub.leaves]
@@ -158,6 +156,6 @@ def document_proof(ctx: PassContext, sub: Subgraph, x: Optional[fx.Node], out: f
                 failed[rule] = (c, why)
                 break
         else:
-            return f"{text} ({len(cases) // len(lengths)} position patterns of {B} rows each)", rule
+            return f"{lengths.text} ({len(cases) // len(lengths.values)} position patterns of {B} rows each)", rule
     rule = max(failed, key=lambda r: failed[r][0])   # the rule the mask came closest to (the first on ties)
     return f"{failed[rule][1]} (documents: {DOC_RULE_TEXT[rule]})"

@@ -14,8 +14,8 @@ import torch.fx as fx
 
 from tailorfx.passes.attention.documents import document_proof, position_source
 from tailorfx.passes.attention.mask_eval import (CHECK_LENGTHS, Subgraph, check_lengths, compare, evaluator,
-                                                 largest_constant, mask_subgraph, masked_floor, masked_scores)
-from tailorfx.rewrite.capture import node_value
+                                                 largest_constant, length_subst, mask_subgraph, masked_floor,
+                                                 masked_scores, static_length)
 from tailorfx.rewrite.passes import PassContext
 
 
@@ -48,7 +48,7 @@ def prove_mask(ctx: PassContext, x: Optional[fx.Node], out: fx.Node, scale: floa
     if found.blocker is None:
         text, why = _causal_proof(ctx, found, x, out, scale, dtype, combine)
         if why and why.startswith(("mask uses the constant", "mask hides past keys")):
-            window = _window_proof(ctx, found, x, out, scale, dtype, combine)
+            window = _window_proof(found, x, out, scale, dtype, combine, static_length(found, x, out))
             if isinstance(window, str):
                 return f"{why}; {window}"
             return MaskProof(window[0], window=window[1])
@@ -65,44 +65,40 @@ def prove_mask(ctx: PassContext, x: Optional[fx.Node], out: fx.Node, scale: floa
 
 def _causal_proof(ctx: PassContext, sub: Subgraph, x: Optional[fx.Node], out: fx.Node, scale: float,
                   dtype: torch.dtype, combine: Optional[Callable]) -> tuple[str, Optional[str]]:
-    lengths = check_lengths(ctx, sub.nodes, sub.leaves)
+    lengths = check_lengths(ctx, sub.nodes, static_length(sub, x, out))
     if isinstance(lengths, str):
         return "", lengths
-    text = ",".join(map(str, lengths)) or "static"
-    fn = evaluator(sub, x, out)
-    if not lengths:   # static shapes: the length the graph was traced at
-        ref = node_value(x if x is not None else out)
-        lengths = [int(ref.shape[-1])]
     gen = torch.Generator().manual_seed(0)
-    for L in lengths:
+    for L in lengths.values:
         try:
+            fn = evaluator(sub, x, out, lengths.subst(L))
             xs, got = masked_scores(fn, [L] * len(sub.leaves), L, gen, dtype, scale, combine)
         except Exception as e:  # a mask we cannot run on its own is a mask we cannot prove
             return "", f"mask could not be evaluated at S={L}: {type(e).__name__}: {str(e)[:80]}"
         why = compare(got, xs, scale, torch.ones(L, L, dtype=torch.bool).tril(), L)
         if why:
             return "", why
-    return text, None
+    return lengths.text, None
 
 
 # ---- sliding windows: a mask whose constant is too large to evaluate past -------------------------
 WINDOW_PROBES = (3, 5)   # the constant replaced by each of these; the mask must be that window each time
 
 
-def _window_proof(ctx: PassContext, sub: Subgraph, x: Optional[fx.Node], out: fx.Node, scale: float,
-                  dtype: torch.dtype, combine: Optional[Callable]) -> Union[tuple[str, int], str]:
+def _window_proof(sub: Subgraph, x: Optional[fx.Node], out: fx.Node, scale: float, dtype: torch.dtype,
+                  combine: Optional[Callable], static: Optional[int]) -> Union[tuple[str, int], str]:
     """(lengths checked, w) if the mask is a causal sliding window of w keys (query i keeps keys
     i - w < j <= i), w its largest integer constant c plus a fixed offset (`j > i - c`: w = c;
     `j >= i - c`: w = c + 1): with c replaced by each of WINDOW_PROBES, c', the mask evaluated at
     lengths past its window is exactly a window of c' + d, the same d for every probe (a constant
-    used as a window is used the same way whatever its value); else why not."""
-    c = largest_constant(sub.nodes)
+    used as a window is used the same way whatever its value); else why not. A static graph's
+    length, `static`, is replaced by each length evaluated."""
+    c = largest_constant(sub.nodes, skip=static)
     texts, offsets = [], set()
     gen = torch.Generator().manual_seed(0)
     for probe in WINDOW_PROBES:
-        fn = evaluator(sub, x, out, {c: probe, -c: -probe})
-
         def masked(L: int):
+            fn = evaluator(sub, x, out, {**length_subst(static, L), c: probe, -c: -probe})
             return masked_scores(fn, [L] * len(sub.leaves), L, gen, dtype, scale, combine)
         lengths = sorted(set(CHECK_LENGTHS) | {probe + 1, probe + 2, 2 * probe + 1, 3 * probe + 4})
         try:
@@ -124,4 +120,6 @@ def _window_proof(ctx: PassContext, sub: Subgraph, x: Optional[fx.Node], out: fx
         texts.append(f"{c}->{probe}: window {w} at S={','.join(map(str, lengths))}")
     if len(offsets) != 1 or c + next(iter(offsets)) < 1:
         return f"its window does not follow its constant {c} ({'; '.join(texts)})"
+    if static is not None:
+        texts.append(f"static length {static} replaced by each")
     return "; ".join(texts), c + offsets.pop()

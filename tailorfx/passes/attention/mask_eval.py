@@ -21,6 +21,9 @@ from tailorfx.rewrite.regions import is_param
 # subgraph (a window, an offset) add lengths past them, up to MAX_CHECK_LEN.
 CHECK_LENGTHS = (1, 2, 3, 5, 8, 13)
 MAX_CHECK_LEN = 512
+# A static graph's mask is evaluated at the graph's own length up to this; past it (S x S tensors
+# of gigabytes at 32K), at the lengths above, that length replaced by each in the mask's arguments.
+STATIC_EVAL_LEN = 2048
 
 
 @dataclass(frozen=True)
@@ -121,12 +124,13 @@ def _writes(u: fx.Node, n: fx.Node) -> bool:
         and not name.startswith("_")
 
 
-def largest_constant(nodes: list[fx.Node]) -> int:
-    """The largest |integer| in the nodes' arguments (a window, an offset, a size), 0 if none."""
+def largest_constant(nodes: list[fx.Node], skip: Optional[int] = None) -> int:
+    """The largest |integer| in the nodes' arguments (a window, an offset, a size) other than
+    +-`skip` (a static graph's length), 0 if none."""
     consts: list[int] = []
     for n in nodes:
         fx.node.map_aggregate((n.args, n.kwargs), lambda a: consts.append(abs(a)) if type(a) is int else None)
-    return max(consts, default=0)
+    return max((c for c in consts if skip is None or c != abs(skip)), default=0)
 
 
 def masked_scores(fn: fx.GraphModule, args: list, L: int, gen: torch.Generator, dtype: torch.dtype,
@@ -139,17 +143,45 @@ def masked_scores(fn: fx.GraphModule, args: list, L: int, gen: torch.Generator, 
         return xs, (combine(got, xs * scale) if combine is not None else got)
 
 
-def check_lengths(ctx: PassContext, nodes: list[fx.Node], dynamic: Any) -> Union[list[int], str]:
-    """Lengths that decide causality: small ones, and ones past every integer constant used; []
-    for a mask whose length is not `dynamic` (a static graph: its one length is checked)."""
-    if not dynamic:
-        return []
-    c = largest_constant(nodes)
+@dataclass(frozen=True)
+class Lengths:
+    """The lengths a mask is evaluated at. `static`: a static graph's length, replaced by each of
+    them in the mask's arguments (None: the mask reads the length as a SymInt, or is evaluated at
+    its own static length)."""
+    values: list
+    text: str
+    static: Optional[int] = None
+
+    def subst(self, L: int) -> dict:
+        """The integer arguments to replace when evaluating at L."""
+        return length_subst(self.static, L)
+
+
+def length_subst(static: Optional[int], L: int) -> dict:
+    """A static graph's length (and its negation) -> L, to evaluate its mask at L; {} for None."""
+    return {} if static is None else {static: L, -static: -L}
+
+
+def static_length(sub: Subgraph, x: Optional[fx.Node], out: fx.Node) -> Optional[int]:
+    """The length of a mask that reads no size (a static graph's), None for one that does."""
+    return None if sub.leaves else int(node_value(x if x is not None else out).shape[-1])
+
+
+def check_lengths(ctx: PassContext, nodes: list[fx.Node], static: Optional[int]) -> Union[Lengths, str]:
+    """Lengths that decide causality: small ones, and ones past every integer constant used. A
+    static graph's mask (of length `static`) is evaluated at that length up to STATIC_EVAL_LEN,
+    past it as a dynamic one is, with its length replaced."""
+    dynamic = static is None
+    if not dynamic and static <= STATIC_EVAL_LEN:
+        return Lengths([static], "static")
+    c = largest_constant(nodes, skip=static)
     if 2 * c + 1 > MAX_CHECK_LEN:
         return (f"mask uses the constant {c}: proving it causal needs lengths past it "
                 f"(over {MAX_CHECK_LEN}); a window or offset, left unchanged")
-    return sorted(set(CHECK_LENGTHS) | {c + 1, c + 2, 2 * c + 1} |
-                  ({ctx.seq.length} if 0 < ctx.seq.length <= MAX_CHECK_LEN else set()))
+    values = sorted(set(CHECK_LENGTHS) | {c + 1, c + 2, 2 * c + 1} |
+                    ({ctx.seq.length} if dynamic and 0 < ctx.seq.length <= MAX_CHECK_LEN else set()))
+    text = ",".join(map(str, values))
+    return Lengths(values, text if dynamic else f"{text} (static length {static} replaced by each)", static)
 
 
 def masked_floor(dtype: torch.dtype) -> float:
@@ -175,9 +207,11 @@ def evaluator(sub: Subgraph, x: Optional[fx.Node], out: fx.Node, subst: Optional
     """The mask's nodes on their own: (*size leaves, *graph inputs, scores) -> masked scores, on
     the CPU whatever device the model is on (the proof evaluates it on small CPU tensors; the
     `device=` of a CUDA model's aranges and `.to(device)` calls would mix the two). `subst`
-    replaces integer constants in the nodes' arguments (a window, by a small one)."""
+    replaces integer constants in the nodes' arguments (a window by a small one, a static graph's
+    length by the one evaluated)."""
     g = fx.Graph()
-    env: dict[fx.Node, Any] = {k: _to_cpu(v) for k, v in sub.consts.items()}
+    env: dict[fx.Node, Any] = {k: _to_cpu(subst.get(v, v) if subst and type(v) is int else v)
+                               for k, v in sub.consts.items()}
     for leaf in sub.leaves:
         env[leaf] = g.placeholder(leaf.name)
     for inp in sub.inputs:

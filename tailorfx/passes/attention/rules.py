@@ -93,10 +93,11 @@ def _match_sdpa(node: fx.Node, ctx: PassContext) -> Union[Match, str, None]:
             return "attn_mask together with is_causal"
         dtype = node_value(q).dtype
         bias = _masked_bias(mask)
-        if bias is not None:   # masked_fill(bias, hidden, min): the bias proved per key, the fill a mask
-            proof = prove_mask(ctx, bias, mask, 1.0, node_value(mask).dtype, None)
-        else:
-            proof = prove_mask(ctx, None, mask, 1.0, dtype, _sdpa_mask_fn(node_value(mask).dtype, dtype))
+        key = ("attn_mask proof", mask, bias, dtype)   # every layer's attention shares one mask
+        if key not in ctx.memo:   # masked_fill(bias, hidden, min): the bias proved per key, the fill a mask
+            ctx.memo[key] = (prove_mask(ctx, bias, mask, 1.0, node_value(mask).dtype, None) if bias is not None
+                             else prove_mask(ctx, None, mask, 1.0, dtype, _sdpa_mask_fn(node_value(mask).dtype, dtype)))
+        proof = ctx.memo[key]
         if isinstance(proof, str):
             return proof
         how = _described(proof, "attn_mask") + (f"; key bias {bias.name} (ALiBi)" if bias is not None else "")
