@@ -379,16 +379,18 @@ def test_tp_rank_prediction_holds_at_fine_chunks(tmp_path):
     assert rows[0]["measured"] < min(rows[1]["measured"], rows[2]["measured"])    # both rewrites took effect
 
 
-def test_planning_a_long_sequence_proves_its_mask_without_an_s_by_s_tensor():
-    """A tp rank's step graph is static: the attention mask transformers builds at this length is
-    proved causal (then dropped, as its eager forward drops it) at small lengths, the graph's
-    length replaced by each. At the length itself the proof's S x S tensors took 17 GB at 32K
-    tokens: planning an 8B layout at 32K was killed so on a 24 GiB machine. In a process of its
-    own, to read its peak resident memory."""
+@pytest.mark.parametrize("layout", [dict(tp=2, passes=["recompute"]), dict(dp=2, passes=["minisequence", "recompute"])])
+def test_planning_a_long_sequence_proves_its_mask_without_an_s_by_s_tensor(layout):
+    """A tp rank's step graph and a dp chain's (mini-sequence under FSDP2) are static: the attention
+    mask transformers builds at this length is proved causal (then dropped, as its eager forward
+    drops it) at small lengths, the graph's length replaced by each. At the length itself the
+    proof's S x S tensors took 17 GB at 32K tokens: planning an 8B layout at 32K was killed so on a
+    24 GiB machine; and a chain kept the mask, 16 GiB of a rank's step at 128K. In a process of
+    its own, to read its peak resident memory."""
     import json
     import subprocess
     import sys
-    S = 16384    # one S x S float32 tensor: 1 GiB; the rank's whole predicted step: about 80 MB
+    S = 16384    # one S x S float32 tensor: 1 GiB; the rank's whole predicted step: under 100 MB
     code = f"""if True:
         import json, resource
         from transformers import LlamaConfig
@@ -396,7 +398,7 @@ def test_planning_a_long_sequence_proves_its_mask_without_an_s_by_s_tensor():
         cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings={S})
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        rm = predict_rank_memory(cfg, tp=2, seq_len={S}, setup="fp32", passes=["recompute"])
+        rm = predict_rank_memory(cfg, seq_len={S}, setup="fp32", **{layout!r})
         grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
         print(json.dumps(dict(peak=rm.peak_bytes, grew=grew)))"""
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
