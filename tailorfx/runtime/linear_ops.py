@@ -162,8 +162,8 @@ def lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks
     grad_h_chunks = grad_h.tensor_split(n) if need_hidden else [None] * n
     # One logits buffer for every chunk, the same bytes as one chunk's logits: a new one per chunk
     # is a fresh mmap on the CPU (glibc maps blocks over 32 MiB anew), whose page faults made the
-    # logits GEMM 25% slower at 1,024 x 32,000. fp32 logits only: lower
-    # precision ones are upcast into a buffer of their own.
+    # logits GEMM 25% slower at 1,024 x 32,000. fp32 and fp64 logits only: lower precision ones
+    # are upcast into a buffer of their own.
     rows = -(-hidden.size(0) // n)
     out = (torch.empty(rows, w.shape[0], dtype=w.dtype, device=w.device)
            if w.dtype in (torch.float32, torch.float64) and hidden.size(0) else None)
