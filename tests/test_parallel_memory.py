@@ -385,7 +385,7 @@ def test_planning_a_long_sequence_proves_its_mask_without_an_s_by_s_tensor(layou
     mask transformers builds at this length is proved causal (then dropped, as its eager forward
     drops it) at small lengths, the graph's length replaced by each. At the length itself the
     proof's S x S tensors took 17 GB at 32K tokens: planning an 8B layout at 32K was killed so on a
-    24 GiB machine; and a chain kept the mask, 16 GiB of a rank's step at 128K. In a process of
+    24 GiB machine; and a chain kept the mask, 48 GiB of an 8B rank's step at 128K. In a process of
     its own, to read its peak resident memory."""
     import json
     import subprocess

@@ -219,7 +219,7 @@ def apply_chain(model: nn.Module, *, kwargs: dict, mesh, passes: tuple, options:
     gm, example, batch = capture_static(model, batch)
     gm = captured = loss_only(gm)
     # the S x S mask transformers traces without a KV cache (see trace.py), dropped as its eager
-    # forward drops it: 16 GiB of a rank's step at 128K tokens otherwise
+    # forward drops it: 48 GiB of an 8B dp rank's step at 128K tokens otherwise
     drop_causal_sdpa_masks(gm)
     gm, records = rewrite_step(gm, tuple(p for p in passes if p != "recompute"), options)
     blocks = find_regions(gm, seq_info(gm, None)).of_kind("block")
