@@ -170,6 +170,7 @@ def lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks
     for h, y, gh in zip(hidden.tensor_split(n), labels.tensor_split(n), grad_h_chunks):
         total += _lce_chunk(h.to(h_dtype), y, w, b, ignore_index, softcap, logit_scale, scale, gh, grad_w, grad_b,
                             vocab_start, group, out)
+    del out     # before the gradients' casts below allocate
     loss = total / count if reduction == "mean" else total
     grad_w = grad_w.to(weight.dtype) if need_weight else weight.new_empty(0)
     grad_b = grad_b.to(bias.dtype) if need_bias else weight.new_empty(0)
