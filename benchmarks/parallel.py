@@ -453,10 +453,10 @@ def print_worlds_8b(worlds=(8, 64)) -> None:
     print_table("Llama-3-8B on H100-80GB, predicted (amp-bf16, 1 row per rank's micro-batch): each layout with its "
                 "rewrites, fastest first (tokens/s)", ["GPUs", "seq", "layout", "rewrites", "peak GiB", "step ms",
                                                        "tokens/s", "status"], rows)
-    print_table("The longest sequence each layout of 8 H100-80GB reaches, predicted (peaks at 8K, 32K and 128K fitted "
-                "linearly)", ["layout", "rewrites", "longest sequence", "", "fit's largest error"], longest)
+    print_table(f"The longest sequence each layout of {worlds[0]} H100-80GB reaches, predicted (peaks at 8K, 32K and "
+                "128K fitted linearly)", ["layout", "rewrites", "longest sequence", "", "fit's largest error"], longest)
     name = "parallel_worlds_8b.json" if worlds == (8, 64) else f"parallel_worlds_8b_{'_'.join(map(str, worlds))}.json"
-    print("wrote", write_json(name, {"plans": out, "longest_8": longest}))
+    print("wrote", write_json(name, {"plans": out, f"longest_{worlds[0]}": longest}))
 
 
 def step_times(results: list, a, saved: dict) -> dict:
