@@ -379,14 +379,16 @@ def test_tp_rank_prediction_holds_at_fine_chunks(tmp_path):
     assert rows[0]["measured"] < min(rows[1]["measured"], rows[2]["measured"])    # both rewrites took effect
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2, passes=["recompute"]), dict(dp=2, passes=["minisequence", "recompute"])])
+@pytest.mark.parametrize("layout", [dict(tp=2, passes=["recompute"]), dict(dp=2, passes=["minisequence", "recompute"]),
+                                    dict(pp=2, microbatches=2), dict(pp=2, microbatches=2, passes=["minisequence", "recompute"])])
 def test_planning_a_long_sequence_proves_its_mask_without_an_s_by_s_tensor(layout):
-    """A tp rank's step graph and a dp chain's (mini-sequence under FSDP2) are static: the attention
-    mask transformers builds at this length is proved causal (then dropped, as its eager forward
-    drops it) at small lengths, the graph's length replaced by each. At the length itself the
-    proof's S x S tensors took 17 GB at 32K tokens: planning an 8B layout at 32K was killed so on a
-    24 GiB machine; and a chain kept the mask, 48 GiB of an 8B rank's step at 128K. In a process of
-    its own, to read its peak resident memory."""
+    """A tp rank's step graph, a dp chain's (mini-sequence under FSDP2) and a pipeline's are static:
+    the attention mask transformers builds at this length is proved causal (then dropped, as its
+    eager forward drops it) at small lengths, the graph's length replaced by each. At the length
+    itself the proof's S x S tensors took 17 GB at 32K tokens: planning an 8B layout at 32K was
+    killed so on a 24 GiB machine; a chain kept the mask, 48 GiB of an 8B rank's step at 128K, and
+    pipeline stages too (pp=2: 736 MB predicted at 8K tokens here, against 65 MB without). In a
+    process of its own, to read its peak resident memory."""
     import json
     import subprocess
     import sys

@@ -151,7 +151,9 @@ def apply_pipeline(model: nn.Module, *, spec: ParallelSpec, kwargs: dict, mesh, 
     if accepts_use_cache(model):     # a stage returns no cache (and a checkpointed block would fill one twice)
         micro["use_cache"] = False
     gm, example, micro = capture_static(model, micro)
-    captured = gm     # unchanged below: the passes rewrite a copy, and cutting the stages reads it
+    # unchanged below: the passes rewrite a copy, and cutting the stages reads it; without the S x S
+    # mask, as apply_chain (else each stage's step holds it and sends it on to the next)
+    gm = captured = drop_causal_sdpa_masks(gm)
     regions = find_regions(gm, seq_info(gm, None))
     costs = block_costs(gm, regions)
     blocks_of = stage_blocks(costs, num_stages)
@@ -217,10 +219,9 @@ def apply_chain(model: nn.Module, *, kwargs: dict, mesh, passes: tuple, options:
     root (as apply_checkpoint and apply_fsdp treat the model's blocks)."""
     batch = dict(kwargs, use_cache=False) if accepts_use_cache(model) else dict(kwargs)   # no cache is returned
     gm, example, batch = capture_static(model, batch)
-    gm = captured = loss_only(gm)
     # the S x S mask transformers traces without a KV cache (see trace.py), dropped as its eager
     # forward drops it: 48 GiB of an 8B dp rank's step at 128K tokens otherwise
-    drop_causal_sdpa_masks(gm)
+    gm = captured = drop_causal_sdpa_masks(loss_only(gm))
     gm, records = rewrite_step(gm, tuple(p for p in passes if p != "recompute"), options)
     blocks = find_regions(gm, seq_info(gm, None)).of_kind("block")
     if not blocks:

@@ -196,11 +196,11 @@ def _capture_on(src, *, tp, rows, seq, head, vocab_loss, dtype, mesh, passes, op
         with scope(), isolated_captures():
             gm, _, _ = capture_static(model, batch)
         local = local_params(model)
-    if batch.get("use_cache") is False and cut != "pipeline":
+    if batch.get("use_cache") is False:
         # without a KV cache transformers checks position_ids for packed sequences, which reads
         # their values: traced, it builds an S x S mask its eager forward drops when the batch is
-        # not packed; a chain drops it too (apply.apply_chain), pipeline stages keep it
-        drop_causal_sdpa_masks(gm)
+        # not packed; a chain and pipeline stages drop it too (apply.apply_chain, apply_pipeline)
+        gm = drop_causal_sdpa_masks(gm)
     # outside the model's fake mode, as AOTAutograd: the graph's values are Dynamo's fake tensors
     return _traced(loss_only(gm) if cut == "chain" else gm, local, passes, scope, options, modules=not cut)
 

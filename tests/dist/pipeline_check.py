@@ -60,10 +60,20 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1
            "stage_param_bytes": sum(p.numel() * p.element_size() for p in mine.values()),
            "budget": budget, "rewrites": list(opt.session.parallel.report.passes),
            "resident": sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in mine.values()),
-           "report": str(opt.report())},
+           "report": str(opt.report()), "sdpa_masks": _sdpa_masks(opt)},
           family, schedule + (":rc" if recompute else "") + (":budget60" if budget60 else "")
           + (f":s{tokens}" if tokens != 32 else ""), f"{tp}x{dp}")
     return 0 if ok else 1
+
+
+def _sdpa_masks(opt) -> list:
+    """attn_mask given to each SDPA call of the graph the stages were cut from (tp=1): None where
+    the mask transformers traces was proved causal and dropped."""
+    captured = opt.session.parallel.runtime.pipeline.captured
+    if captured is None:
+        return []
+    return [str(n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)) for n in captured.graph.nodes
+            if n.target is torch.nn.functional.scaled_dot_product_attention]
 
 
 def _peak(model, layout: dict, rows: torch.Tensor) -> int:

@@ -14,7 +14,7 @@ from tailorfx.passes.attention.chain import key_bias_shape, probs_matmul, scores
 from tailorfx.passes.attention.documents import DOC_RULE_TEXT
 from tailorfx.passes.attention.mask import MaskProof, prove_mask
 from tailorfx.rewrite import match
-from tailorfx.rewrite.capture import node_value, seq_info
+from tailorfx.rewrite.capture import clone, node_value, seq_info
 from tailorfx.rewrite.passes import PassContext
 from tailorfx.rewrite.regions import find_regions
 
@@ -204,10 +204,12 @@ def _match_softmax_chain(node: fx.Node, ctx: PassContext) -> Union[Match, str, N
 rules_attention = (Rule("sdpa", _match_sdpa), Rule("softmax_chain", _match_softmax_chain))
 
 
-def drop_causal_sdpa_masks(gm: fx.GraphModule) -> None:
-    """Each F.scaled_dot_product_attention call whose attn_mask is proved plainly causal (no
-    document, window or per-key bias) takes is_causal=True without it, as transformers' eager
-    forward calls it: what a traced forward runs where it could not drop the mask."""
+def drop_causal_sdpa_masks(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` where each F.scaled_dot_product_attention call whose attn_mask is proved
+    plainly causal (no document, window or per-key bias) takes is_causal=True without it, as
+    transformers' eager forward calls it: what a traced forward runs where it could not drop the
+    mask. A copy: a static capture is Dynamo's, reused by the next capture at these shapes."""
+    gm = clone(gm)
     seq = seq_info(gm, None)
     ctx = PassContext(regions=find_regions(gm, seq), seq=seq)
     for n in list(gm.graph.nodes):
@@ -220,3 +222,4 @@ def drop_causal_sdpa_masks(gm: fx.GraphModule) -> None:
             n.kwargs = {**a, "attn_mask": None, "is_causal": True}
     gm.graph.eliminate_dead_code()
     gm.recompile()
+    return gm
