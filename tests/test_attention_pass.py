@@ -19,9 +19,9 @@ from tailorfx.codegen.pipeline import capture_static, loss_only
 from tailorfx.models.llama import Attention
 from tailorfx.parallel.plan import rewrite_step
 from tailorfx.passes.attention.mask_eval import STATIC_EVAL_LEN
-from tailorfx.passes.attention.rules import _match_softmax_chain
+from tailorfx.passes.attention.rules import _match_softmax_chain, drop_causal_sdpa_masks
 from tailorfx.rewrite import match
-from tailorfx.rewrite.capture import seq_info
+from tailorfx.rewrite.capture import node_value, seq_info
 from tailorfx.rewrite.passes import PassContext
 from tailorfx.rewrite.regions import find_regions
 
@@ -363,6 +363,29 @@ def test_a_long_static_graphs_derived_constant_is_not_replaced(mode, mask):
     (softmax,) = [n for n in gm.graph.nodes if match.op_name(n) == "softmax"]
     got = _match_softmax_chain(softmax, PassContext(find_regions(gm, seq), seq))
     assert (got if isinstance(got, str) else got.mask).startswith(mask.format(S=S, S1=S - 1)), got
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+def test_a_traced_causal_mask_is_dropped_as_transformers_eager_forward_drops_it(family):
+    """Without a KV cache transformers traces an S x S mask, and with a mask it repeats k and v to
+    every head (autograd saves them so: 3.3 GiB of an 8B pp=8 rank at 8K tokens). Pipeline stages
+    and dp's chain run that graph: drop_causal_sdpa_masks calls SDPA as the eager forward does, no
+    mask, is_causal, k and v grouped (enable_gqa), on a copy (the capture is Dynamo's, reused at
+    these shapes). The loss is unchanged."""
+    model = hf_family(family)
+    ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    gm, example, _ = capture_static(model, dict(input_ids=ids, labels=ids, use_cache=False))
+
+    def calls(g):
+        return [match.named_args(n, ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                                     "enable_gqa")) for n in g.graph.nodes if n.target is F.scaled_dot_product_attention]
+    assert [a.get("attn_mask") is not None for a in calls(gm)] == [True, True]    # traced with the mask
+    dropped = drop_causal_sdpa_masks(gm)
+    for a in calls(dropped):
+        assert a.get("attn_mask") is None and a.get("is_causal") is True and a.get("enable_gqa") is True, a
+        assert node_value(a["key"]).shape[1] == node_value(a["value"]).shape[1] == model.config.num_key_value_heads
+    assert [a.get("attn_mask") is not None for a in calls(gm)] == [True, True]    # the capture untouched
+    torch.testing.assert_close(loss_only(dropped)(*example)[0], loss_only(gm)(*example)[0], rtol=1e-6, atol=0)
 
 
 def test_unknown_spec_is_a_clear_error():

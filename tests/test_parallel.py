@@ -527,8 +527,9 @@ def test_pipeline_schedules_equal_one_process(tmp_path):
     rows = torchrun(tmp_path, 2, "pipeline_check.py", 1, 4, *runs, runs=len(runs))
     for (rank, run), r in rows.items():
         # the S x S mask transformers traces without a KV cache, proved causal and dropped from the
-        # graph the stages are cut from (each stage held it and sent it on to the next)
-        assert len(r["sdpa_masks"]) == 4 and set(r["sdpa_masks"]) == {"None"}, r["sdpa_masks"]
+        # graph the stages are cut from (each stage held it and sent it on to the next), k and v
+        # grouped as the eager forward passes them (traced with the mask, they were repeated)
+        assert len(r["sdpa_masks"]) == 4 and set(r["sdpa_masks"]) == {"None/True"}, r["sdpa_masks"]
         if ":budget60" in run:
             # 60% of the layout's predicted peak without rewrites: the default (mini-sequence) does not
             # fit, mini-sequence with each block recomputed does, and each rank's measured step stays within

@@ -67,13 +67,14 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1
 
 
 def _sdpa_masks(opt) -> list:
-    """attn_mask given to each SDPA call of the graph the stages were cut from (tp=1): None where
-    the mask transformers traces was proved causal and dropped."""
+    """attn_mask and enable_gqa of each SDPA call of the graph the stages were cut from (tp=1):
+    "None/True" where the mask transformers traces was proved causal and dropped, and k, v left
+    grouped, as its eager forward calls it."""
     captured = opt.session.parallel.runtime.pipeline.captured
     if captured is None:
         return []
-    return [str(n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)) for n in captured.graph.nodes
-            if n.target is torch.nn.functional.scaled_dot_product_attention]
+    return [f"{n.kwargs.get('attn_mask', n.args[3] if len(n.args) > 3 else None)}/{n.kwargs.get('enable_gqa', False)}"
+            for n in captured.graph.nodes if n.target is torch.nn.functional.scaled_dot_product_attention]
 
 
 def _peak(model, layout: dict, rows: torch.Tensor) -> int:

@@ -206,9 +206,11 @@ rules_attention = (Rule("sdpa", _match_sdpa), Rule("softmax_chain", _match_softm
 
 def drop_causal_sdpa_masks(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of `gm` where each F.scaled_dot_product_attention call whose attn_mask is proved
-    plainly causal (no document, window or per-key bias) takes is_causal=True without it, as
-    transformers' eager forward calls it: what a traced forward runs where it could not drop the
-    mask. A copy: a static capture is Dynamo's, reused by the next capture at these shapes."""
+    plainly causal (no document, window or per-key bias) takes is_causal=True without it, and its
+    grouped k, v unrepeated (enable_gqa=True), as transformers' eager forward calls it: what a
+    traced forward runs where it could not drop the mask (with a mask transformers repeats k and v
+    to every head, and autograd saves them so). A copy: a static capture is Dynamo's, reused by the
+    next capture at these shapes."""
     gm = clone(gm)
     seq = seq_info(gm, None)
     ctx = PassContext(regions=find_regions(gm, seq), seq=seq)
@@ -218,7 +220,10 @@ def drop_causal_sdpa_masks(gm: fx.GraphModule) -> fx.GraphModule:
                 and m.key_bias is None):
             a = match.named_args(n, ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
                                      "enable_gqa"))
-            n.args = (a.pop("query"), a.pop("key"), a.pop("value"))
+            q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+            if m.k is not k and m.v is not v:
+                k, v, a["enable_gqa"] = m.k, m.v, True
+            n.args = (q, k, v)
             n.kwargs = {**a, "attn_mask": None, "is_causal": True}
     gm.graph.eliminate_dead_code()
     gm.recompile()
