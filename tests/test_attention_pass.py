@@ -19,7 +19,7 @@ from tailorfx.codegen.pipeline import capture_static, loss_only
 from tailorfx.models.llama import Attention
 from tailorfx.parallel.plan import rewrite_step
 from tailorfx.passes.attention.mask_eval import STATIC_EVAL_LEN
-from tailorfx.passes.attention.rules import _match_softmax_chain, drop_causal_sdpa_masks
+from tailorfx.passes.attention.rules import SDPA_ARGS, _match_softmax_chain, drop_causal_sdpa_masks
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value, seq_info
 from tailorfx.rewrite.passes import PassContext
@@ -377,8 +377,7 @@ def test_a_traced_causal_mask_is_dropped_as_transformers_eager_forward_drops_it(
     gm, example, _ = capture_static(model, dict(input_ids=ids, labels=ids, use_cache=False))
 
     def calls(g):
-        return [match.named_args(n, ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-                                     "enable_gqa")) for n in g.graph.nodes if n.target is F.scaled_dot_product_attention]
+        return [match.named_args(n, SDPA_ARGS) for n in g.graph.nodes if n.target is F.scaled_dot_product_attention]
     assert [a.get("attn_mask") is not None for a in calls(gm)] == [True, True]    # traced with the mask
     dropped = drop_causal_sdpa_masks(gm)
     for a in calls(dropped):

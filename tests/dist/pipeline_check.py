@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tailorfx  # noqa: E402
+from tailorfx.passes.attention.rules import SDPA_ARGS  # noqa: E402
+from tailorfx.rewrite.match import named_args  # noqa: E402
 from models import hf_family  # noqa: E402
 from results import grad_mismatches, measured_and_predicted, write  # noqa: E402
 
@@ -73,8 +75,9 @@ def _sdpa_masks(opt) -> list:
     captured = opt.session.parallel.runtime.pipeline.captured
     if captured is None:
         return []
-    return [f"{n.kwargs.get('attn_mask', n.args[3] if len(n.args) > 3 else None)}/{n.kwargs.get('enable_gqa', False)}"
-            for n in captured.graph.nodes if n.target is torch.nn.functional.scaled_dot_product_attention]
+    calls = [named_args(n, SDPA_ARGS) for n in captured.graph.nodes
+             if n.target is torch.nn.functional.scaled_dot_product_attention]
+    return [f"{a.get('attn_mask')}/{a.get('enable_gqa', False)}" for a in calls]
 
 
 def _peak(model, layout: dict, rows: torch.Tensor) -> int:

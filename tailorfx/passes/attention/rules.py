@@ -65,11 +65,14 @@ def _check_qkv(q: fx.Node, k: fx.Node, v: fx.Node) -> Optional[str]:
     return None
 
 
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")   # its signature
+
+
 def _match_sdpa(node: fx.Node, ctx: PassContext) -> Union[Match, str, None]:
     """F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)."""
     if not match.is_functional_call(node, F.scaled_dot_product_attention):
         return None
-    a = match.named_args(node, ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"))
+    a = match.named_args(node, SDPA_ARGS)
     p = a.get("dropout_p", 0.0)
     if not isinstance(p, (int, float)) or not 0 <= p < 1:
         return f"attention dropout p={p} is not a constant in [0, 1)"
@@ -218,8 +221,7 @@ def drop_causal_sdpa_masks(gm: fx.GraphModule) -> fx.GraphModule:
         m = _match_sdpa(n, ctx)
         if (isinstance(m, Match) and m.causal and m.removes_dense and m.positions is None and m.window is None
                 and m.key_bias is None):
-            a = match.named_args(n, ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-                                     "enable_gqa"))
+            a = match.named_args(n, SDPA_ARGS)
             q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
             if m.k is not k and m.v is not v:
                 k, v, a["enable_gqa"] = m.k, m.v, True
