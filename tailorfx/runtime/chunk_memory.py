@@ -21,6 +21,12 @@ def _copies(as_int: Callable, tensors: list) -> int:
                if isinstance(t, Tensor) and t.is_contiguous() and any(as_int(d) != 1 for d in t.shape[:dim]))
 
 
+def _held(lines: tuple, tokens: int) -> int:
+    """Bytes a chunk of `tokens` holds in backward: the most of the region's cost lines
+    (passes/minisequence/cost.py) at that many tokens."""
+    return int(max(p * tokens + c for p, c in lines))
+
+
 def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = False) -> int:
     """Bytes an op of this module allocates and frees inside itself (invisible to the graph).
 
@@ -34,7 +40,7 @@ def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = Fal
         seq = args[1] if op_name == "token_chunked" else args[2]
         seq_dim, n = (args[3], args[4]) if op_name == "token_chunked" else (args[4], args[5])
         region = live_region(key)
-        fwd, bwd, bwd_const = region.cost if region is not None else (0.0, 0.0, 0.0)
+        fwd, lines = region.cost if region is not None else (0.0, ((0.0, 0.0),))
         tokens = as_int(seq[0].numel()) // max(1, as_int(seq[0].shape[-1])) if seq else 0
         n = max(1, min(as_int(n), tokens or 1))
         if op_name == "token_chunked":
@@ -42,13 +48,13 @@ def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = Fal
         # the chunk costs were simulated with each chunk (and its output gradient) copied; one
         # chunk is the whole tensor, which .contiguous() returns as it is
         whole = _copies(as_int, [(seq[0], seq_dim), (args[1], seq_dim)]) if n == 1 and seq else 0
-        return max(0, int(bwd * -(-tokens // n) + bwd_const) - whole)
+        return max(0, _held(lines, -(-tokens // n)) - whole)
     if op_name in ("token_segment", "token_segment_backward"):
         fwd_op = op_name == "token_segment"
         key, seq = args[0], (args[1] if fwd_op else args[2])
         in_dims, n = (args[3], args[5]) if fwd_op else (args[4], args[6])
         region = live_region(key)
-        fwd, bwd, bwd_const = region.cost if region is not None else (0.0, 0.0, 0.0)
+        fwd, lines = region.cost if region is not None else (0.0, ((0.0, 0.0),))
         tokens = math.prod(as_int(d) for d in seq[0].shape[:in_dims[0] + 1]) if seq else 0
         n = max(1, min(as_int(n), as_int(seq[0].shape[in_dims[0]]) if seq else 1))
         per_chunk = -(-tokens // n)
@@ -58,7 +64,7 @@ def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = Fal
         whole = _copies(as_int, list(zip(seq, in_dims))) + sum(
             as_int(g.numel()) * g.element_size() for g in args[1] if isinstance(g, Tensor) and g.is_contiguous()
         ) if n == 1 else 0
-        return max(0, int(bwd * per_chunk + bwd_const) - whole)
+        return max(0, _held(lines, per_chunk) - whole)
     if op_name.startswith("vocab_parallel_cross_entropy"):
         return vocab_parallel.transient_bytes(op_name, args, as_int)
     return linear_ops.transient_bytes(op_name, args, as_int, cuda)

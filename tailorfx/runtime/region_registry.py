@@ -24,15 +24,15 @@ class ChunkedRegion:
     what the memory model and the backward need to know about it. The rewritten graph that calls
     it owns it (rewrite.passes.own): it lives exactly as long as a graph that can run it.
 
-    `cost`: (forward, backward) bytes a chunk holds inside the op per token of the chunk, and the
-    bytes a chunk's backward holds whatever its length (weight-sized), so the memory model sees
-    the transients. `tail`: (pre, weight index, bias index or -1) when the region is
+    `cost`: the bytes a chunk holds inside the op, so the memory model sees the transients: in
+    forward per token of the chunk; in backward as lines ((per token, constant), ...), a chunk of
+    t tokens holding the most of them at t (passes/minisequence/cost.py). `tail`: (pre, weight index, bias index or -1) when the region is
     ``F.linear(pre(*inputs), whole[weight_index], whole[bias_index])``: backward then recomputes
     only `pre`, not the last matmul whose output it never needs.
     """
     key: str
     fn: Callable[..., Tensor]
-    cost: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    cost: tuple[float, tuple] = (0.0, ((0.0, 0.0),))
     tail: Optional[tuple[Callable[..., Tensor], int, int]] = None
 
 

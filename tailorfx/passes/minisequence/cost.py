@@ -17,6 +17,10 @@ from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PassContext
 from tailorfx.runtime import ops
 
+Lines = tuple   # ((bytes per token, constant bytes), ...): held by a chunk of t tokens is the most of p * t + c
+ENVELOPE_TOKENS = 16384   # backward costs sampled up to chunks of this many tokens (past it: the last line)
+MIN_TOKENS = 64           # and down to this many (below it: the first line)
+
 
 def hint_tokens(t, seq_dim: int, ctx: PassContext) -> int:
     """Tokens (batch x sequence positions) a (B, S, ...) fake tensor holds at the captured length."""
@@ -56,7 +60,7 @@ def region_cost(members: list[fx.Node], out, ctx: PassContext, tokens: int) -> t
 
 
 def cached_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, ctx: PassContext,
-                         tokens: int) -> Optional[tuple[float, float]]:
+                         tokens: int) -> Optional[Lines]:
     """_simulated_backward_cost, memoised in ctx.memo: the planner runs this pass once per
     candidate plan, and the key already hashes the region's code and recorded shapes."""
     memo = (NAME, "backward_cost", chunked.key, str(ctx.seq.symbol), ctx.seq.length, tokens)
@@ -66,12 +70,12 @@ def cached_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, ctx: P
 
 
 def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
-                             tokens: int) -> Optional[tuple[float, float]]:
-    """(bytes per token, bytes per chunk) one chunk holds in backward: the runtime's own chunk
+                             tokens: int) -> Optional[Lines]:
+    """The bytes one chunk holds in backward, as lines (_per_token_and_constant): the runtime's own chunk
     backward (ops.region_chunk_grads: the chunk's contiguous copies, the recompute, what eager
     autograd saves, the grads) run on fake tensors under memory.LiveBytes, at the captured length
-    and twice it, so weight-sized transients are not scaled with the chunk. None when the region
-    cannot run alone on fake tensors."""
+    and its doublings, so weight-sized transients are not scaled with the chunk. None when the
+    region cannot run alone on fake tensors."""
     from tailorfx.rewrite import memory
     phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
     vals = [node_value(n) for n in phs]
@@ -105,23 +109,39 @@ def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
     return _per_token_and_constant(held, length, tokens)
 
 
-def _per_token_and_constant(held: Callable[[int], int], length: int, tokens: int) -> Optional[tuple[float, float]]:
-    """(bytes per token, constant bytes) from `held` at the captured length and twice it, so
-    weight-sized transients are not scaled with the chunk; None when `held` cannot run (the
-    estimate by hand, region_cost, stands in)."""
+def _per_token_and_constant(held: Callable[[int], int], length: int, tokens: int) -> Optional[Lines]:
+    """The backward's bytes as lines (bytes per token, constant bytes), one through each pair of
+    neighbouring samples of `held` at the captured length halved down to MIN_TOKENS tokens and
+    doubled up to ENVELOPE_TOKENS;
+    a chunk of t tokens holds the most of them at t (chunk_memory.transient_bytes). `held` is
+    the most of a few phases each linear in the tokens (the weight gradients' phase at small
+    chunks, the activations' at large ones): a convex function, which each line bounds from above
+    between its samples, so the most of them is exact at the samples and above it between (one
+    line through two small samples, extended, fell 16% under at 512-token chunks). None when
+    `held` cannot run (the estimate by hand, region_cost, stands in)."""
+    lengths = [length]
+    while lengths[0] % 2 == 0 and lengths[0] // 2 * tokens // length >= MIN_TOKENS:   # shorter chunks too
+        lengths.insert(0, lengths[0] // 2)
+    while lengths[-1] * tokens // length < ENVELOPE_TOKENS or len(lengths) < 2:
+        lengths.append(2 * lengths[-1])
     try:
-        one, two = held(length), held(2 * length)
+        samples = [(n * tokens // length, held(n)) for n in lengths]
     except Exception:
         return None
-    per_token = max(0.0, (two - one) / tokens)
-    return per_token, max(0.0, one - per_token * tokens)
+    lines = []
+    for (t1, b1), (t2, b2) in zip(samples, samples[1:]):
+        per_token = max(0.0, (b2 - b1) / (t2 - t1))
+        line = (per_token, max(0.0, b1 - per_token * t1))
+        if not lines or lines[-1] != line:
+            lines.append(line)
+    return tuple(lines)
 
 
 def cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, xs, whole, x_dims,
-                                 ctx: PassContext, tokens: int) -> Optional[tuple[float, float]]:
-    """(bytes per token, bytes per chunk) one chunk of a token segment holds in backward: the
-    runtime's own ops.segment_chunk_grads run on fake tensors under memory.LiveBytes at the
-    captured length and twice it (memoised like cached_backward_cost). None when it cannot run."""
+                                 ctx: PassContext, tokens: int) -> Optional[Lines]:
+    """The bytes one chunk of a token segment holds in backward, as lines: the runtime's own
+    ops.segment_chunk_grads run on fake tensors under memory.LiveBytes at the captured length
+    and its doublings (memoised like cached_backward_cost). None when it cannot run."""
     from tailorfx.rewrite import memory
     memo = (NAME, "segment_backward_cost", chunked.key, str(ctx.seq.symbol), ctx.seq.length, tokens)
     if memo in ctx.memo:

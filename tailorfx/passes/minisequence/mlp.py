@@ -54,8 +54,7 @@ def rewrite_mlp(gm, nodes, region: Region, ctx: PassContext, chunking: Chunking,
     _declare_linear_tail(gm, chunked, members, xs, region, nodes, out, ctx, x_dims[0])
     tokens = hint_tokens(xv, x_dims[0], ctx)
     fwd, bwd = region_cost(members, out, ctx, tokens)
-    bwd, bwd_const = cached_backward_cost(chunked, sub, ctx, tokens) or (bwd, 0.0)
-    chunked.cost = (fwd, bwd, bwd_const)
+    chunked.cost = (fwd, cached_backward_cost(chunked, sub, ctx, tokens) or ((bwd, 0.0),))
     m = chunking.count(gm, x, x_dims[0], auto_chunks(inner, hint_bytes(xv, ctx)), out)
     op = torch.ops.tailorfx.token_chunked_random.default if random else torch.ops.tailorfx.token_chunked.default
     with gm.graph.inserting_after(out):

@@ -65,8 +65,7 @@ def rewrite_segment(gm, nodes, seg: Segment, ctx: PassContext, chunking: Chunkin
     own(gm, chunked.key, chunked)
     tokens = hint_tokens(node_value(xs[0]), x_dims[0], ctx)
     fwd, bwd = region_cost(members, set(outs), ctx, tokens)
-    bwd, bwd_const = cached_segment_backward_cost(chunked, sub, xs, whole, x_dims, ctx, tokens) or (bwd, 0.0)
-    chunked.cost = (fwd, bwd, bwd_const)
+    chunked.cost = (fwd, cached_segment_backward_cost(chunked, sub, xs, whole, x_dims, ctx, tokens) or ((bwd, 0.0),))
     anchor = members[-1].next
     # as many chunks as min_tokens allows (up to MAX_CHUNKS): in backward a chunk's recompute
     # (a whole MLP's intermediates) is live beside the block's full-length tensors
