@@ -27,6 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 import tailorfx  # noqa: E402
 from common import print_table, write_json  # noqa: E402
+from tailorfx.sizing import plan_for_budget  # noqa: E402
 
 def _hf(model_type: str, **kw):
     from transformers import AutoConfig
@@ -58,13 +59,25 @@ MODELS = {
 PLANS = {"vanilla": [], "recompute only": ["recompute"], "mini-sequence + recompute": ["minisequence", "recompute"],
          # max_seq_len's passes=None: exact attention, every block's token-wise segments chunked, full
          # recompute, the optimizer step in backward where that fits longer
-         "saves the most": None}
+         "saves the most": None,
+         # the same with each block's checkpoint in host memory between forward and backward (ALST's
+         # checkpoint offload); its host bytes are reported beside it
+         "saves the most, checkpoints offloaded": None}
+OFFLOADED = "saves the most, checkpoints offloaded"
 # Published figures for Llama-3-8B (not tailorfx's): the MST paper (Luo et al., NeurIPS 2024) trains
 # 60K tokens on one A100-80GB with mini-sequence + activation checkpointing; ALST (Snowflake, 2025)
 # 500K on one H100-80GB with DeepSpeed ZeRO-3 offloading optimizer state and weights to host memory
 # and activation checkpoints offloaded to host (bytes a device-only plan must hold on the device).
 PUBLISHED = {("Llama-3-8B", "A100-80GB"): "60K (MST paper)",
              ("Llama-3-8B", "H100-80GB"): "500K (ALST, host offload)"}
+
+
+def host_bytes(name: str, budget: str, setup: str, seq_len: int) -> int:
+    """The planner's plan at `seq_len` under `budget` (on fake tensors), and the host memory its
+    offloaded checkpoints take (the memory model's host peak)."""
+    opt = plan_for_budget(MODELS[name](), budget, seq_len, setup=setup)
+    print(f"{setup:26s} {name:12s} planner at {seq_len:,}: {opt.plan[0].chosen.label if opt.plan[0].chosen else opt.plan[0].reason}", flush=True)
+    return opt.predict_memory().host_bytes
 
 
 def table(setup: str, budget: str, models: list[str], plans: list[str], bound: bool) -> dict:
@@ -76,7 +89,8 @@ def table(setup: str, budget: str, models: list[str], plans: list[str], bound: b
             passes = PLANS[plan]
             t0 = time.perf_counter()
             try:
-                res[plan] = tailorfx.max_seq_len(MODELS[name](), budget, passes=passes, setup=setup)
+                res[plan] = tailorfx.max_seq_len(MODELS[name](), budget, passes=passes, setup=setup,
+                                                 offload="checkpoints" if plan == OFFLOADED else None)
             except tailorfx.BudgetError as e:
                 res[plan] = 0
                 note = "static part does not fit" if e.dominant == "static" else "does not fit"
@@ -86,12 +100,21 @@ def table(setup: str, budget: str, models: list[str], plans: list[str], bound: b
             if note == "static part does not fit":   # no plan changes weights and optimizer state
                 res = {p: 0 for p in plans}
                 break
-        res["planner's best"] = max(res.values())
-        if bound:   # the longest any plan of these rewrites could fit (tailorfx.sequence_bound)
+        res["planner's best"] = max(v for p, v in res.items() if p != OFFLOADED)
+        if bound:   # the longest any plan of these rewrites could fit (tailorfx.sequence_bound), on the device alone
             t0 = time.perf_counter()
-            res["bound"] = 0 if note else tailorfx.sequence_bound(MODELS[name](), budget, setup=setup).seq_len
+            res["bound"] = 0 if note else tailorfx.sequence_bound(MODELS[name](), budget, setup=setup,
+                                                                  offload=False).seq_len
             print(f"{setup:26s} {name:12s} {'bound':28s} {res['bound']:>8d} tokens ({time.perf_counter() - t0:.0f}s)",
                   flush=True)
+        if OFFLOADED in plans and res.get(OFFLOADED):
+            t0 = time.perf_counter()
+            res["host GiB"] = round(host_bytes(name, budget, setup, res[OFFLOADED]) / 2**30, 1)
+            if bound and not note:   # with checkpoints in host memory
+                res["bound, offloaded"] = tailorfx.sequence_bound(MODELS[name](), budget, setup=setup,
+                                                                  offload=True).seq_len
+            print(f"{setup:26s} {name:12s} {'host, offload bound':28s} {res['host GiB']} GiB "
+                  f"{res.get('bound, offloaded', 0):>8d} tokens ({time.perf_counter() - t0:.0f}s)", flush=True)
         out[name] = res
         v, best = res.get("vanilla"), res["planner's best"]
         rows.append([name] + [f"{res[p]:,}" for p in plans] + [f"{best:,}"]

@@ -212,14 +212,20 @@ class OptimizedModule(nn.Module):
         return Report(self.session, self.budget, self._eager_reason,
                       lambda S, rewritten: self.predict_memory(S, rewritten=rewritten), self.limit)
 
-    def bound_at(self) -> Optional[Callable[[int], bound.Bound]]:
+    def bound_at(self, offload: Optional[bool] = None) -> Optional[Callable[[int], bound.Bound]]:
         """The lower bound on any plan's peak (rewrite/bound.py) as a function of the length, read
-        off the one captured graph; None with several graphs, no blocks or no sequence symbol."""
+        off the one captured graph; None with several graphs, no blocks or no sequence symbol.
+        `offload`: plans may keep checkpoints in host memory (default: when asked for, or on a
+        GPU budget, where the planner's last candidate does)."""
         gs = self.session.graphs
         if len(gs) != 1 or gs[0].failed or self.session.parallel is not None:
             return None
         est = self.predict_memory(1)
-        return bound.bound_at(gs[0].rewritten, gs[0].seq, est.static_bytes + est.device_bytes)
+        # a GPU's plans may keep checkpoints in host memory (the planner's last candidate there)
+        if offload is None:
+            offload = self.options.options_dict().get("offload") is not None or (
+                self.setup is not None and self.setup.device is not None)
+        return bound.bound_at(gs[0].rewritten, gs[0].seq, est.static_bytes + est.device_bytes, offload)
 
     def limit(self) -> Optional[tuple[bound.Bound, Optional[int]]]:
         """(the bound at the last length seen, the longest length whose bound fits the budget, None
@@ -337,7 +343,7 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
              example_kwargs: Optional[dict] = None, minisequence_chunks: Optional[int] = None,
              minisequence: Optional[str] = None, attention: Any = None, precision: Optional[str] = None,
              precision_policy: Optional[dict] = None, setup: Any = None,
-             optimizer: Optional[str] = "adamw", recompute: Optional[str] = None,
+             optimizer: Optional[str] = "adamw", recompute: Optional[str] = None, offload: Optional[str] = None,
              keep_logits: bool = False, strict: bool = False, lowering: str = "auto", verify: bool = True,
              predict: bool = True, parallel: Union[dict, ParallelSpec, str, None] = None,
              kernels: Optional[str] = None) -> OptimizedModule:
@@ -353,7 +359,9 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     head returns `logits=None` (Liger's skip_logits); `keep_logits=True` keeps them, head unfused.
     A pass named in `passes` that leaves a region unchanged warns with the region and the reason;
     `strict=True` raises instead. `precision_policy` overrides entries
-    of the precision pass's policy. `recompute="full"|"selective"` sets the recompute policy.
+    of the precision pass's policy. `recompute="full"|"selective"` sets the recompute policy;
+    `offload="checkpoints"` keeps each recomputed block's saved input in host memory between
+    forward and backward (ALST's checkpoint offload; recompute "full" unless `recompute` says).
     `minisequence="segments"` chunks each block's whole token-wise segments (norm, projections and
     rotary before attention; output projection, residual, norm and MLP after it), not only MLPs.
     Capture happens at the first call, or now when example inputs are given (their forward runs
@@ -380,7 +388,7 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     b, opts = pass_options(budget=budget, minisequence_chunks=minisequence_chunks, minisequence=minisequence,
                            attention=attention,
                            precision=precision, precision_policy=precision_policy, setup=setup,
-                           recompute=recompute, keep_logits=keep_logits, strict=strict, kernels=kernels)
+                           recompute=recompute, offload=offload, keep_logits=keep_logits, strict=strict, kernels=kernels)
     if kernels == "triton":
         check_triton(model)
     options = Options(passes=check_passes(passes), pass_options=tuple(sorted(opts.items())),

@@ -273,7 +273,8 @@ def _requested(passes, opts: dict) -> set[str]:
     """The passes the user asked for: named ones, and those an option asks for (an attention
     spec, a precision, a recompute policy) when the planner chooses."""
     asked = {name for name, key in (("attention", "attention"), ("precision", "precision"),
-                                    ("recompute", "recompute_policy")) if opts.get(key) is not None}
+                                    ("recompute", "recompute_policy"), ("recompute", "offload"))
+             if opts.get(key) is not None}
     return set(passes) if passes is not None else asked
 
 

@@ -13,7 +13,7 @@ RECOMPUTE_POLICIES = (None, "full", "selective")
 PRECISIONS = (None, "bf16", "fp16", "fp32")
 # what torch.compile(..., backend="tailorfx", options=...) accepts: optimize()'s keywords
 BACKEND_OPTIONS = ("passes", "budget", "minisequence_chunks", "minisequence", "attention", "precision", "precision_policy",
-                   "setup", "recompute", "keep_logits", "strict", "lowering", "kernels")
+                   "setup", "recompute", "offload", "keep_logits", "strict", "lowering", "kernels")
 
 
 @dataclass(frozen=True)
@@ -64,13 +64,16 @@ def check_flag(name: str, value: Any) -> bool:
 
 
 def pass_options(*, budget=None, minisequence_chunks=None, minisequence=None, attention=None, precision=None,
-                 precision_policy=None, setup=None, recompute=None, keep_logits=False,
+                 precision_policy=None, setup=None, recompute=None, offload=None, keep_logits=False,
                  strict=False, kernels=None) -> tuple[Optional[Budget], dict]:
     """The checked options every pass may read (ctx.options), and the parsed budget."""
     if precision not in PRECISIONS:
         raise _bad("precision", precision, "'bf16', 'fp16', 'fp32' or None")
     if recompute not in RECOMPUTE_POLICIES:
         raise _bad("recompute", recompute, "'full', 'selective' or None")
+    if offload not in (None, "checkpoints"):
+        raise _bad("offload", offload, "'checkpoints' (each recomputed block's saved input waits for the backward "
+                   "in host memory) or None")
     positive_int("minisequence_chunks", minisequence_chunks)
     if minisequence not in (None, "mlp", "segments"):
         raise _bad("minisequence", minisequence, "'mlp' (MLPs and the LM head), 'segments' (each block's whole "
@@ -84,7 +87,7 @@ def pass_options(*, budget=None, minisequence_chunks=None, minisequence=None, at
                "budget_bytes": b.bytes if b else None,
                "budget_label": str(b) if b else None, "attention": attention, "precision": precision,
                "precision_policy": policy_items(precision, precision_policy),
-               "setup": setup, "recompute_policy": recompute, "keep_logits": keep_logits, "strict": strict,
+               "setup": setup, "recompute_policy": recompute, "offload": offload, "keep_logits": keep_logits, "strict": strict,
                "kernels": kernels}
 
 

@@ -102,7 +102,7 @@ def choose(requested: Optional[Sequence[str]], regions: RegionMap, options: dict
         # scores): less memory, and on CPU faster (Falcon: docs/passes.md#attention)
         chosen.append("attention")
         options["attention_only_dense"] = True
-    if options.get("recompute_policy") is not None:
+    if options.get("recompute_policy") is not None or options.get("offload") is not None:
         chosen.append("recompute")
     if "minisequence" in pass_registry.available() and (
             regions.of_kind("mlp") or regions.of_kind("lm_head_loss")):
@@ -120,7 +120,7 @@ def budget_candidates(base: Plan, num_blocks: int, has_head: bool = False, cpu: 
     The fused LM head recomputes nothing (its gradient is taken in forward) and never
     materialises the logits, so it is both smaller and faster than no rewrite: with room to spare
     the planner keeps it. `cpu`: the model runs on the CPU, where the last candidate's blocked
-    attention backward runs."""
+    attention backward runs (elsewhere, offloading checkpoints to host memory is the last)."""
     keep = tuple(p for p in base.passes if p not in ("minisequence", "recompute"))
     out = [Candidate("no memory rewrite", _order(keep))]
     if has_head:
@@ -145,13 +145,19 @@ def budget_candidates(base: Plan, num_blocks: int, has_head: bool = False, cpu: 
                                  ms_rc, (("attention", Exact(backward_blocks=ATTENTION_BACKWARD_BLOCKS)),
                                          ("minisequence_segments", True), ("recompute_policy", "full"),
                                          ("recompute_blocks", None))))
+        if not cpu and base.options.get("offload") is None:
+            # last on a GPU: each block's checkpoint in host memory (ALST's offload; a copy each
+            # way over the host link, time the FLOP count does not show)
+            out.append(Candidate("minisequence segments + full recompute, all blocks, checkpoints offloaded to host",
+                                 ms_rc, (("minisequence_segments", True), ("offload", "checkpoints"),
+                                         ("recompute_policy", "full"), ("recompute_blocks", None))))
     return out
 
 
 def last_resort(c: Candidate) -> bool:
     """Tried only when no other candidate fits: it costs speed the FLOP count does not show."""
     spec = dict(c.options).get("attention")
-    return isinstance(spec, Exact) and spec.backward_blocks > 1
+    return (isinstance(spec, Exact) and spec.backward_blocks > 1) or dict(c.options).get("offload") is not None
 
 
 Evaluate = Callable[[Candidate], tuple[Candidate, object]]

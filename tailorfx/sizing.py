@@ -72,7 +72,8 @@ def _capture(model: nn.Module, passes: Optional[Sequence[str]], seq_len: int, ba
 
 def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_size: Optional[int] = None,
                 passes: Optional[Sequence[str]] = None, setup: Any = None, optimizer: Optional[str] = "adamw",
-                dtype: Optional[torch.dtype] = None, limit: int = 1 << 21, granularity: int = 128) -> int:
+                dtype: Optional[torch.dtype] = None, limit: int = 1 << 21, granularity: int = 128,
+                offload: Optional[str] = None) -> int:
     """Longest sequence whose training step fits `budget`, by the memory model (nothing is run).
 
     A config or factory is built under a FakeTensorMode, so an 8B model costs no memory. One
@@ -81,6 +82,7 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
     "recompute"]; None: the plan that saves the most (exact O(S) attention with its backward in
     blocks, mini-sequence of every block's token-wise segments, full recompute of every block,
     and the optimizer step in backward where that fits longer, as the planner would move it).
+    `offload="checkpoints"`: each block's checkpoint waits for the backward in host memory.
     `setup` (a TrainingSetup or preset name) says how the model trains: dtypes, optimizer
     state, optimizer in backward, micro-batch size, allocator headroom; without it, `dtype`
     weights and `optimizer`. The budget holds the steady state of that setup, less the headroom
@@ -110,7 +112,7 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
             saves_most = {} if passes is not None else {"minisequence": "segments"} if s.device is not None else {
                 "minisequence": "segments", "attention": Exact(backward_blocks=planner.ATTENTION_BACKWARD_BLOCKS)}
             opt = _capture(model, chosen, 256, batch_size or s.micro_batch_size, setup=s,
-                           recompute="full" if "recompute" in chosen else None, **saves_most)
+                           recompute="full" if "recompute" in chosen else None, offload=offload, **saves_most)
             bar.update(1)
     if opt.session.graphs and opt.session.graphs[0].seq.symbol is None:
         raise PredictionError("the capture did not keep the sequence length symbolic (a graph break before the "
@@ -145,13 +147,15 @@ def _check_static(model: nn.Module, s: TrainingSetup, b: Budget, usable: float) 
 
 def sequence_bound(model_or_config: Any, budget: Union[str, int, Budget, None], batch_size: Optional[int] = None,
                    setup: Any = None, optimizer: Optional[str] = "adamw", dtype: Optional[torch.dtype] = None,
-                   limit: int = 1 << 21, granularity: int = 128, seq_len: Optional[int] = None) -> bound.Bound:
+                   limit: int = 1 << 21, granularity: int = 128, seq_len: Optional[int] = None,
+                   offload: Optional[bool] = None) -> bound.Bound:
     """The longest sequence any plan of tailorfx's rewrites could fit in `budget`, from a lower
     bound on every plan's peak (rewrite/bound.py: static bytes + each block's input + the residual
     stream's gradient + the last attention's operands and their gradients at full length). The
     result's `parts` say what the bound is made of at that length; max_seq_len() / its seq_len
     is how close the best plan comes. With `seq_len` (budget then may be None): the bound at that
-    length."""
+    length. `offload`: plans may keep checkpoints in host memory (default: on a GPU budget, where
+    the planner may offload them; False: the device-only bound)."""
     if budget is None and seq_len is None:
         raise ValueError("sequence_bound needs a budget (the longest length) or seq_len (the bound there)")
     b = Budget.parse(budget if budget is not None else 1 << 60)
@@ -168,7 +172,7 @@ def sequence_bound(model_or_config: Any, budget: Union[str, int, Budget, None], 
         _check_static(model, s, b, usable)
         opt = _capture(model, ["attention", "minisequence", "recompute"], 256, batch_size or s.micro_batch_size,
                        setup=s, recompute="full", minisequence="segments")
-    at = opt.bound_at()
+    at = opt.bound_at(offload)
     if at is None:
         raise PredictionError("sequence_bound needs a model with transformer blocks captured with a symbolic length")
     if seq_len is not None:

@@ -15,6 +15,8 @@ from tailorfx.rewrite.lazy_outputs import Split, split_lazy_outputs
 from tailorfx.rewrite.trace import captured_inputs, fake_inputs, trainable_inputs
 from tailorfx.rewrite.optimizer_step import fuse_into_backward
 from tailorfx.rewrite.passes import own, owned
+from tailorfx.rewrite import offload
+from tailorfx.rewrite.offload import offload_saved
 from tailorfx.rewrite.saved_dtype import store_saved_low
 from tailorfx.runtime.lazy_grad import reattach
 from tailorfx.runtime.optim import GraphInputs
@@ -78,6 +80,9 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     split = split_lazy_outputs(gm)
     gm = split.gm
     if lowering == "inductor":
+        if any(offload.tagged(n) for n in gm.graph.nodes):
+            warnings.warn("tailorfx: offload='checkpoints' runs under the eager lowering only: under Inductor the "
+                          "checkpoints stay on the device (lowering='eager' offloads them)")
         with compile_context(gm):
             return _with_lazy_outputs(compat.compile_fx()(gm, list(example_inputs)), split)
     compile_on = _aot_compiler(gm, lowering, needs, on_partition, steps_in_backward)
@@ -117,6 +122,7 @@ def _aot_compiler(gm: fx.GraphModule, lowering: str, needs: dict, on_partition: 
         def partition(joint, joint_inputs, *, num_fwd_outputs, **kw):
             fw, bw = partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
             store_saved_low(fw, bw, num_fwd_outputs)
+            offload_saved(fw, bw, num_fwd_outputs)
             if steps_in_backward is not None and bw is not None:
                 fuse_into_backward(fw, bw, num_fwd_outputs, trainable_inputs(gm), steps_in_backward.handle)
             if on_partition is not None:

@@ -10,6 +10,8 @@ min-cut partitioner, which must recompute what is tagged so and must save what i
                         only its input (the block before's output)
     policy "selective": matmuls and attention are saved, pointwise ops and norms recomputed
                         (Megatron's selective recompute, torch SAC's usual policy)
+    offload "checkpoints": each block's saved output waits for the backward in host memory
+                        (ALST's checkpoint offload; rewrite/offload.py)
 
     before:  %mm_4 = mm(%view_8, %t_4)                       (saved for backward)
     after:   %mm_4 = mm(%view_8, %t_4)  {recompute: MUST_RECOMPUTE, ac_graph_id: 1}
@@ -23,13 +25,14 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from tailorfx.passes import register
-from tailorfx.rewrite import match
+from tailorfx.rewrite import match, offload
 from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.regions import module_paths
 
 NAME = "recompute"
 POLICIES = ("full", "selective")
+OFFLOADS = (None, "checkpoints")
 SAVE_OPS = match.MATMUL_OPS | match.ATTENTION_OPS | {"token_chunked", "token_segment", "chunked_linear_cross_entropy",
                                                      "triton_linear_cross_entropy", "triton_attention"}
 
@@ -50,6 +53,9 @@ class Recompute:
             raise ValueError(f"recompute_policy must be one of {POLICIES}, got {self.policy!r}")
         blocks = options.get("recompute_blocks")   # None: all blocks; an int k: the first k
         self.num_blocks: Optional[int] = blocks
+        self.offload: Optional[str] = options.get("offload")
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"offload must be one of {OFFLOADS}, got {self.offload!r}")
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         blocks = [r.path for r in ctx.regions.of_kind("block")]
@@ -78,11 +84,15 @@ class Recompute:
                 continue
             save = n in outputs or (self.policy == "selective" and match.op_name(n) in SAVE_OPS)
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
+            if self.offload and n in outputs:
+                offload.tag(n)
+                counts["offloaded"] = counts.get("offloaded", 0) + 1
             n.meta["ac_graph_id"] = index[block] + 1
             n.meta[PASS_META] = n.meta.get(PASS_META, NAME)
             counts["saved" if save else "recomputed"] += 1
         stats = {"policy": self.policy, "blocks": len(chosen), **counts}
-        return PassResult(gm, True, stats, tuple(f"{p} ({self.policy})" for p in chosen))
+        how = self.policy + (", its checkpoint offloaded to host" if self.offload else "")
+        return PassResult(gm, True, stats, tuple(f"{p} ({how})" for p in chosen))
 
 
 @register(NAME)

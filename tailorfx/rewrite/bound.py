@@ -13,7 +13,8 @@ fuses, the optimizer step in backward included) holds at once:
                tied embedding and LM head): the head's share exists, the embedding's not yet, so
                no optimizer step can have consumed it.
 Token-wise segments chunked to the finest grain remove everything else; recompute cannot drop
-these. So `static + sum(parts)` is what a plan would peak at if nothing else were live: no plan's
+these. Where checkpoints may be offloaded to host memory (rewrite/offload.py), the device holds
+only the last block's input of the boundaries. So `static + sum(parts)` is what a plan would peak at if nothing else were live: no plan's
 measured peak is below it (tests/test_bound.py), and the longest sequence whose bound fits a
 budget is the longest any plan of these rewrites could reach.
 
@@ -64,9 +65,9 @@ class BoundShape:
     attention: tuple       # the last block's attention operands and output
     tied: tuple = ()       # trained weights used before the first block and after the last
 
-    def parts(self, sizer: Sizer) -> dict[str, int]:
+    def parts(self, sizer: Sizer, offload: bool = False) -> dict[str, int]:
         size = lambda ts: sum(sizer(t) for t in ts)   # noqa: E731
-        out = {"block boundaries": size(self.boundaries),
+        out = {"block boundaries": size(self.boundaries[-1:] if offload else self.boundaries),
                "residual-stream gradient": sizer(self.residual) if self.residual is not None else 0,
                "attention operands and their gradients": 2 * size(self.attention)}
         if self.tied:
@@ -114,10 +115,12 @@ def bound_shape(gm: fx.GraphModule, regions: RegionMap, seq: SeqInfo) -> Optiona
     return BoundShape(tuple(boundaries), residual, tuple(attention), tuple(tied))
 
 
-def bound_at(gm: fx.GraphModule, seq: SeqInfo, static_bytes: int) -> Optional[Callable[[int], Bound]]:
+def bound_at(gm: fx.GraphModule, seq: SeqInfo, static_bytes: int,
+             offload: bool = False) -> Optional[Callable[[int], Bound]]:
     """The bound of a graph captured with a symbolic length, as a function of the length (None
-    without transformer blocks or a sequence symbol); `static_bytes`: what the setup holds."""
+    without transformer blocks or a sequence symbol); `static_bytes`: what the setup holds;
+    `offload`: plans may keep checkpoints in host memory."""
     shape = bound_shape(gm, find_regions(gm, seq), seq) if seq.symbol is not None else None
     if shape is None:
         return None
-    return lambda S: Bound(S, static_bytes, shape.parts(Sizer(seq, S)))
+    return lambda S: Bound(S, static_bytes, shape.parts(Sizer(seq, S), offload))

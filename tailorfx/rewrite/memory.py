@@ -94,7 +94,8 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
         param_bytes += sum(sizer(node_value(n)) for n, static in zip(placeholders(st.fw), st.static_inputs)
                            if static and isinstance(node_value(n), torch.Tensor))
         saved, user = _forward(pool, st, k, sizer, setup, hold)
-        saved_total += sum(pool.bytes.get(s, 0) for s in {s for sids in saved.values() for s in sids})
+        saved_total += sum(pool.bytes.get(s, 0) for s in {s for sids in saved.values() for s in sids}
+                           if s not in pool.host_sids)
         pending.append((k, st, saved, user))
     for k, st, saved, user in reversed(pending):
         if st.bw is not None:
@@ -117,7 +118,7 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
                           optimizer_bytes=state, dynamic_peak_bytes=dyn_peak,
                           saved_bytes=saved_total, peak_phase=phase, peak_node=node,
                           timeline=timeline, master_bytes=master,
-                          grads_at_peak=timeline.grads_at_peak(), setup=setup)
+                          grads_at_peak=timeline.grads_at_peak(), setup=setup, host_bytes=timeline.host_peak)
 
 
 def _forward(pool: Pool, st: StepGraphs, k: int, sizer: Sizer, setup: TrainingSetup,

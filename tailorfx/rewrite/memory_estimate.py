@@ -13,6 +13,7 @@ class Timeline:
     """Live bytes after each op of the simulated step (above what existed before the step)."""
     points: list[tuple[str, str, int]] = field(default_factory=list)   # (phase, node, bytes)
     grads: list[int] = field(default_factory=list)                     # gradient bytes live at each point
+    host_peak: int = 0      # the most bytes held in host memory at once (offloaded activations)
 
     def peak(self) -> tuple[int, str, str]:
         if not self.points:
@@ -48,6 +49,7 @@ class MemoryEstimate:
     grads_at_peak: int = 0     # gradient bytes live at the peak (part of the dynamic peak)
     setup: Optional[TrainingSetup] = None
     device_bytes: int = 0      # a CUDA device's workspaces the graphs do not show (setup.device; part of peak)
+    host_bytes: int = 0        # the most bytes of offloaded activations in host memory at once (not in peak)
 
     @property
     def forward_backward_peak_bytes(self) -> int:
@@ -61,7 +63,7 @@ class MemoryEstimate:
                 "master_weights": self.master_bytes, "grads": self.grad_bytes,
                 "optimizer_state": self.optimizer_bytes, "dynamic_peak": self.dynamic_peak_bytes,
                 "grads_at_peak": self.grads_at_peak, "saved_activations": self.saved_bytes,
-                "cuda_workspaces": self.device_bytes}
+                "cuda_workspaces": self.device_bytes, "host_offloaded": self.host_bytes}
 
     def breakdown(self) -> dict[str, int]:
         """The peak split into what it is made of (sums to peak_bytes)."""

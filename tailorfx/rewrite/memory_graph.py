@@ -15,6 +15,7 @@ from tailorfx import compat
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.memory_estimate import Timeline
+from tailorfx.rewrite.offload import HOST_OPS
 from tailorfx.rewrite.optimizer_step import aliases_input
 from tailorfx.rewrite.trace import Sizer, graph_outputs
 from tailorfx.setup import TrainingSetup
@@ -30,23 +31,31 @@ class Pool:
     with the part of the model that made it); it must call the base methods. Holders: the fx
     node whose value it is, `("saved", k, name)` (a forward output saved for backward k),
     `("user", k)` (an output the caller holds), `("grad", k)`, `("tangent", k)`, "__out__" (a
-    graph's output on its way to the caller).
+    graph's output on its way to the caller). A host storage (an offloaded activation,
+    rewrite/offload.py) counts apart: in `host_total` and the timeline's host peak, not in `total`.
     """
 
     def __init__(self, timeline: Timeline):
         self.bytes: dict[int, int] = {}
         self.holders: dict[int, set] = {}
         self.grad_sids: set[int] = set()
+        self.host_sids: set[int] = set()
+        self.host_total = 0
         self.total = 0
         self.grad_total = 0
         self.next_id = 0
         self.timeline = timeline
 
-    def alloc(self, nbytes: int, holder, grad: bool = False) -> int:
+    def alloc(self, nbytes: int, holder, grad: bool = False, host: bool = False) -> int:
         sid = self.next_id
         self.next_id += 1
         self.bytes[sid] = nbytes
         self.holders[sid] = {holder}
+        if host:
+            self.host_sids.add(sid)
+            self.host_total += nbytes
+            self.timeline.host_peak = max(self.timeline.host_peak, self.host_total)
+            return sid
         self.total += nbytes
         if grad:
             self.grad_sids.add(sid)
@@ -64,8 +73,12 @@ class Pool:
         h.discard(holder)
         if not h:
             nbytes = self.bytes.pop(sid)
-            self.total -= nbytes
             del self.holders[sid]
+            if sid in self.host_sids:
+                self.host_sids.discard(sid)
+                self.host_total -= nbytes
+                return
+            self.total -= nbytes
             if sid in self.grad_sids:
                 self.grad_sids.discard(sid)
                 self.grad_total -= nbytes
@@ -224,8 +237,9 @@ def run_graph(g: fx.GraphModule, pool: Pool, env: dict, sizer: Sizer, phase: str
             # when the getitem taking it out is one
             picked = {u.args[1] for u in n.users if u in grad_nodes and u.op == "call_function"
                       and u.target.__name__ == "getitem"}
-            held[n] = [pool.alloc(sizer(v), n, n in grad_nodes or k in picked) if isinstance(v, torch.Tensor) else -1
-                       for k, v in enumerate(vals)]
+            host = n.target in HOST_OPS
+            held[n] = [pool.alloc(sizer(v), n, n in grad_nodes or k in picked, host) if isinstance(v, torch.Tensor)
+                       else -1 for k, v in enumerate(vals)]
             held[n] = [s for s in held[n] if s >= 0] if not isinstance(val, (list, tuple)) else held[n]
         for sid in held[n]:
             pool.hold(sid, n)

@@ -18,6 +18,7 @@ from tailorfx import compat
 from tailorfx.rewrite.capture import node_value, without_identity_dropout
 from tailorfx.rewrite.lazy_outputs import split_lazy_outputs
 from tailorfx.rewrite.optimizer_step import fuse_into_backward
+from tailorfx.rewrite.offload import offload_saved
 from tailorfx.rewrite.saved_dtype import store_saved_low
 from tailorfx.rewrite.regions import is_param
 from tailorfx.setup import TrainingSetup
@@ -105,6 +106,7 @@ def trace_step(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None,
     def part(joint, joint_inputs, *, num_fwd_outputs, **kw):
         fw, bw = partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
         store_saved_low(fw, bw, num_fwd_outputs)
+        offload_saved(fw, bw, num_fwd_outputs)
         if setup is not None and setup.optimizer_in_backward and bw is not None:
             fuse_into_backward(fw, bw, num_fwd_outputs, trainable_inputs(gm), handle=-1)
         rec.update(fw=fw, bw=bw, n=num_fwd_outputs)
