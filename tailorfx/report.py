@@ -101,6 +101,9 @@ class Report:
         t.add_row("static (held across steps)", "", _fmt(before.static_bytes), _fmt(after.static_bytes))
         t.add_row("dynamic (at the peak)", "", _fmt(before.dynamic_peak_bytes), _fmt(after.dynamic_peak_bytes))
         t.add_row("peak", "", _fmt(before.peak_bytes), _fmt(after.peak_bytes))
+        if after.host_bytes:
+            t.add_row("host memory (offloaded checkpoints, not in the peak)", "host", _fmt(before.host_bytes),
+                      _fmt(after.host_bytes))
         return t
 
     def lines(self) -> list[str]:
@@ -119,7 +122,8 @@ class Report:
             head.append(f"at the last length seen (S={S}): predicted peak {_fmt(before.peak_bytes)} as captured, "
                         f"{_fmt(after.peak_bytes)} rewritten = params {_fmt(after.param_bytes)} + "
                         f"{_fmt(after.dynamic_peak_bytes)} allocated by the step at its peak "
-                        f"({after.peak_phase}, {after.peak_node}; grads {_fmt(after.grad_bytes)})")
+                        f"({after.peak_phase}, {after.peak_node}; grads {_fmt(after.grad_bytes)})"
+                        + (f"; host memory {_fmt(after.host_bytes)} (offloaded checkpoints)" if after.host_bytes else ""))
         warns = list(self.session.warnings) + [w for g in self.session.graphs for w in g.warnings]
         if self.eager_reason:
             warns.insert(0, self.eager_reason)

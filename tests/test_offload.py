@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tailorfx
+from tailorfx.budget import format_bytes
 from harness import compare_with_eager, peak_of_step, tailorfx_ops
 from models import batch, hf_family
 
@@ -61,3 +62,32 @@ def test_offload_lowers_the_measured_device_peak_as_predicted():
 def test_offload_option_is_checked():
     with pytest.raises(ValueError, match="offload='all' is not valid: 'checkpoints'"):
         tailorfx.optimize(hf_family("llama"), offload="all")
+
+
+@pytest.mark.slow
+def test_the_planner_offloads_on_a_gpu_budget_no_device_only_plan_meets():
+    """An 8-layer Llama on fake tensors at 8192 tokens under a GPU budget (CUDA's costs modelled):
+    the smallest budget any plan meets (BudgetError's suggestion) is met only by offloading
+    checkpoints, the planner's last candidate; every device-only plan is over it. The host then
+    holds each block's output, bf16."""
+    from models import hf_config
+    from tailorfx.budget import Budget
+    from tailorfx.sizing import plan_for_budget
+    L, S = 8, 8192
+    cfg = hf_config("llama", num_layers=L, hidden_size=256, intermediate_size=688, num_attention_heads=4,
+                    num_key_value_heads=1, use_cache=False)
+    with pytest.raises(tailorfx.BudgetError, match="checkpoints offloaded to host") as err:
+        plan_for_budget(cfg, Budget(50 << 20, "50 MiB GPU", "sm90"), S, setup="pure-bf16")
+    opt = plan_for_budget(cfg, Budget(err.value.suggested_bytes, "GPU", "sm90"), S, setup="pure-bf16")
+    plan = opt.plan[0]
+    assert plan.chosen.label.endswith("checkpoints offloaded to host"), plan
+    assert plan.runners_up and all(not c.fits for c in plan.runners_up), plan
+    assert opt.predict_memory().host_bytes == L * S * 256 * 2
+
+
+def test_the_report_shows_the_host_bytes():
+    opt = tailorfx.optimize(hf_family("llama"), passes=["recompute"], offload="checkpoints", example_inputs=batch())
+    text = str(opt.report())
+    est = opt.predict_memory()
+    assert est.host_bytes == 2 * 2 * 40 * 64 * 4   # 2 blocks' outputs, batch 2 x 40 tokens x hidden 64, fp32
+    assert f"host memory {format_bytes(est.host_bytes)} (offloaded checkpoints)" in text, text
