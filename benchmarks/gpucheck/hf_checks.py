@@ -235,6 +235,9 @@ def section_hf(run: Run, sec: dict) -> None:
         ("bf16/setup=pure-bf16-fused-optimizer", "bf16-fused", "bfloat16", 2048,
          {"setup": "pure-bf16-fused-optimizer"}, 60),
         ("fp32/default", "fp32-default", "float32", 2048, {}, 60),
+        # checkpoints in pinned host memory (tailorfx::offload / reload on the compute stream)
+        ("fp32/lowering=eager/offload=checkpoints", "fp32-offload", "float32", 2048,
+         {"lowering": "eager", "recompute": "full", "offload": "checkpoints"}, 60),
         ("bf16/default/S=8192", "bf16-default-8192", "bfloat16", 8192, {}, 75),
     ]
     for name, key, dt, seq, kw, need in plan:
