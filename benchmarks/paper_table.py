@@ -29,6 +29,7 @@ import tailorfx  # noqa: E402
 from common import print_table, write_json  # noqa: E402
 from tailorfx.sizing import plan_for_budget  # noqa: E402
 
+
 def _hf(model_type: str, **kw):
     from transformers import AutoConfig
     # use_cache=False: a training step keeps no KV cache (HF builds one in train mode otherwise,
@@ -100,7 +101,7 @@ def table(setup: str, budget: str, models: list[str], plans: list[str], bound: b
             if note == "static part does not fit":   # no plan changes weights and optimizer state
                 res = {p: 0 for p in plans}
                 break
-        res["planner's best"] = max(v for p, v in res.items() if p != OFFLOADED)
+        res["device-only best"] = max(v for p, v in res.items() if p != OFFLOADED)
         if bound:   # the longest any plan of these rewrites could fit (tailorfx.sequence_bound), on the device alone
             t0 = time.perf_counter()
             res["bound"] = 0 if note else tailorfx.sequence_bound(MODELS[name](), budget, setup=setup,
@@ -116,13 +117,20 @@ def table(setup: str, budget: str, models: list[str], plans: list[str], bound: b
             print(f"{setup:26s} {name:12s} {'host, offload bound':28s} {res['host GiB']} GiB "
                   f"{res.get('bound, offloaded', 0):>8d} tokens ({time.perf_counter() - t0:.0f}s)", flush=True)
         out[name] = res
-        v, best = res.get("vanilla"), res["planner's best"]
-        rows.append([name] + [f"{res[p]:,}" for p in plans] + [f"{best:,}"]
+        v, best = res.get("vanilla"), res["device-only best"]
+        off = OFFLOADED in plans
+        off_bound = res.get("bound, offloaded")
+        rows.append([name] + [f"{res[p]:,}" for p in plans] + ([f"{res.get('host GiB', 0)}"] if off else [])
+                    + [f"{best:,}"]
                     + ([f"{res['bound']:,}", f"{best / res['bound']:.0%}" if res["bound"] else "-"] if bound else [])
+                    + ([f"{off_bound:,}" if off_bound else "-",
+                        f"{res[OFFLOADED] / off_bound:.0%}" if off_bound else "-"] if bound and off else [])
                     + ([f"{best / v:.1f}x" if v else note or "-"] if v is not None else [])
                     + [PUBLISHED.get((name, budget), "-")])
     print_table(f"Longest sequence, one {budget}, {tailorfx.PRESETS[setup].describe()}, batch 1 (predicted)",
-                ["model", *plans, "planner's best"] + (["bound", "best / bound"] if bound else [])
+                ["model", *plans] + (["host GiB (offloaded)"] if OFFLOADED in plans else [])
+                + ["device-only best"] + (["bound (device only)", "best / bound"] if bound else [])
+                + (["bound, offloaded", "offloaded / its bound"] if bound and OFFLOADED in plans else [])
                 + (["best / vanilla"] if "vanilla" in plans else []) + ["published (not predicted)"], rows)
     return out
 

@@ -29,8 +29,9 @@ def test_checkpoint_offload_is_exact_and_fires(family):
     rec = next(r for r in opt.graph_records[0].records if r.name == "recompute")
     assert rec.stats["offloaded"] == 2 and all("offloaded to host" in t for t in rec.touched), rec
     ops = tailorfx_ops(lambda: opt(**inputs).loss.backward())
-    # one copy out per block's checkpoint in the forward, one back in the backward
-    assert ops["tailorfx::offload"] == 2 and ops["tailorfx::reload"] == 2, ops
+    # a copy out per block's checkpoint in the forward, one back in the backward; the first block's
+    # (the embedding's output) only where the partitioner saves it rather than looking it up again
+    assert ops["tailorfx::offload"] == ops["tailorfx::reload"] in (1, 2), ops
 
 
 def _lm(S, vocab):

@@ -10,7 +10,7 @@ min-cut partitioner, which must recompute what is tagged so and must save what i
                         only its input (the block before's output)
     policy "selective": matmuls and attention are saved, pointwise ops and norms recomputed
                         (Megatron's selective recompute, torch SAC's usual policy)
-    offload "checkpoints": each block's saved output waits for the backward in host memory
+    offload "checkpoints": each block's input (its checkpoint) waits for the backward in host memory
                         (ALST's checkpoint offload; rewrite/offload.py)
 
     before:  %mm_4 = mm(%view_8, %t_4)                       (saved for backward)
@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from tailorfx import compat
 from tailorfx.passes import register
 from tailorfx.rewrite import match, offload
 from tailorfx.rewrite.passes import PASS_META, PassContext, PassResult
@@ -84,15 +85,34 @@ class Recompute:
                 continue
             save = n in outputs or (self.policy == "selective" and match.op_name(n) in SAVE_OPS)
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
-            if self.offload and n in outputs:
-                offload.tag(n)
-                counts["offloaded"] = counts.get("offloaded", 0) + 1
             n.meta["ac_graph_id"] = index[block] + 1
             n.meta[PASS_META] = n.meta.get(PASS_META, NAME)
             counts["saved" if save else "recomputed"] += 1
+        if self.offload:
+            counts["offloaded"] = self._tag_checkpoints(gm, [r for r in ctx.regions.of_kind("block") if r.path in index])
         stats = {"policy": self.policy, "blocks": len(chosen), **counts}
         how = self.policy + (", its checkpoint offloaded to host" if self.offload else "")
         return PassResult(gm, True, stats, tuple(f"{p} ({how})" for p in chosen))
+
+
+    @staticmethod
+    def _tag_checkpoints(gm: fx.GraphModule, blocks: list) -> int:
+        """Tag each block's input on the residual stream (its largest input: the embedding's
+        output, or the block before's) for host memory: the checkpoint the block is recomputed
+        from. The last block's output is not one (the final norm reads it first in backward)."""
+        nodes = {n.name: n for n in gm.graph.nodes}
+        count = 0
+        for b in blocks:
+            ins = [nodes[i] for i in b.inputs if i in nodes and isinstance(node_value(nodes[i]), torch.Tensor)
+                   and node_value(nodes[i]).is_floating_point()]
+            if not ins:
+                continue
+            x = max(ins, key=lambda n: compat.size_hint(node_value(n).numel()))
+            offload.tag(x)
+            if match.is_getitem(x) and isinstance(x.args[0], fx.Node):
+                offload.tag(x.args[0])
+            count += 1
+        return count
 
 
 @register(NAME)
