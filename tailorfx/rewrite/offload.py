@@ -23,6 +23,7 @@ import torch.fx as fx
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.optimizer_step import aliases_input
+from tailorfx.rewrite.saved_route import Route, reroute_saved
 from tailorfx.runtime.offload import OFFLOAD, RELOAD
 
 OFFLOAD_TAG = "tailorfx_offload"   # key in node.meta["custom"]: offload what it computes if saved
@@ -50,39 +51,16 @@ def _offloadable(o: fx.Node) -> bool:
 def offload_saved(fw: fx.GraphModule, bw: Optional[fx.GraphModule], num_fwd_outputs: int) -> int:
     """Rewrite `fw` and `bw` in place (and recompile them); returns how many saved tensors now
     wait for the backward in host memory."""
-    if bw is None:
-        return 0
     out = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
-    outs = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    outs = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
     user_outputs = {o for o in outs[:num_fwd_outputs] if isinstance(o, fx.Node)}
-    bw_ph = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
-    fw_order = {n: i for i, n in enumerate(fw.graph.nodes)}
-    bw_order = {n: i for i, n in enumerate(bw.graph.nodes)}
-    count = 0
-    for i in range(num_fwd_outputs, len(outs)):
-        o = outs[i]
-        ph = bw_ph.get(o.name) if isinstance(o, fx.Node) else None
-        if ph is None or not ph.users or o in user_outputs or o.op == "placeholder" or not _offloadable(o):
-            continue
+    order = {n: i for i, n in enumerate(fw.graph.nodes)}
+
+    def route(o: fx.Node) -> Optional[Route]:
+        if o in user_outputs or o.op == "placeholder" or not _offloadable(o):
+            return None
         v = node_value(o)
-        readers = [u for u in o.users if u is not out]
-        with fw.graph.inserting_after(max(readers, key=fw_order.__getitem__) if readers else o):
-            host = fw.graph.call_function(OFFLOAD, (o,))
-        host.meta["val"] = v.new_empty(v.shape, device="cpu") if v.device.type != "cpu" else v
-        outs[i] = host
-        with bw.graph.inserting_before(min(ph.users, key=bw_order.__getitem__)):
-            dev = bw.graph.call_function(RELOAD, (ph, v.device))
-        ph.replace_all_uses_with(dev, delete_user_cb=lambda u: u is not dev)
-        dev.meta["val"] = node_value(ph)
-        count += 1
-    if count:
-        out.args = (tuple(outs),)
-        for g in (fw, bw):
-            g.graph.lint()
-            g.recompile()
-    return count
-
-
-def offloaded(g: fx.GraphModule) -> int:
-    """How many tensors `g` (a partitioned forward) sends to host memory."""
-    return sum(1 for n in g.graph.nodes if n.op == "call_function" and n.target is OFFLOAD)
+        readers = [u for u in o.users if u is not out]    # the copy goes out after the last of them
+        return Route(max(readers, key=order.__getitem__) if readers else o, OFFLOAD, (),
+                     v.new_empty(v.shape, device="cpu") if v.device.type != "cpu" else v, RELOAD, (v.device,))
+    return reroute_saved(fw, bw, num_fwd_outputs, route)

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from tailorfx.rewrite.capture import node_value
+from tailorfx.rewrite.saved_route import Route, reroute_saved
 
 SAVE_AS = "tailorfx_save_as"   # key in node.meta["custom"]: the dtype's name ("bfloat16")
 _convert = torch.ops.prims.convert_element_type.default
@@ -44,36 +45,12 @@ def _save_as(node: fx.Node) -> Optional[torch.dtype]:
 def store_saved_low(fw: fx.GraphModule, bw: Optional[fx.GraphModule], num_fwd_outputs: int) -> int:
     """Rewrite `fw` and `bw` in place (and recompile them); returns how many saved tensors now
     cross from forward to backward in their tagged dtype."""
-    if bw is None:
-        return 0
-    out = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
-    outs = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
-    bw_ph = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
-    order = {n: i for i, n in enumerate(bw.graph.nodes)}
-    count = 0
-    for i in range(num_fwd_outputs, len(outs)):
-        o = outs[i]
-        dtype = _save_as(o) if isinstance(o, fx.Node) else None
-        v = node_value(o) if dtype is not None else None
-        ph = bw_ph.get(o.name) if dtype is not None else None
-        if not (isinstance(v, torch.Tensor) and v.dtype == torch.float32 and ph is not None and ph.users):
-            continue
-        with fw.graph.inserting_before(out):
-            low = fw.graph.call_function(_convert, (o, dtype))
-        low.meta["val"] = v.to(dtype)
-        outs[i] = low
-        with bw.graph.inserting_before(min(ph.users, key=order.__getitem__)):   # upcast when first read
-            up = bw.graph.call_function(_convert, (ph, torch.float32))
-        ph.replace_all_uses_with(up, delete_user_cb=lambda u: u is not up)
-        up.meta["val"] = node_value(ph)
-        ph.meta["val"] = node_value(ph).to(dtype)
-        count += 1
-    if count:
-        out.args = (tuple(outs),)
-        for g in (fw, bw):
-            g.graph.lint()
-            g.recompile()
-    return count
+    def route(o: fx.Node) -> Optional[Route]:
+        dtype, v = _save_as(o), node_value(o)
+        if dtype is None or not isinstance(v, torch.Tensor) or v.dtype != torch.float32:
+            return None
+        return Route(None, _convert, (dtype,), v.to(dtype), _convert, (torch.float32,))   # upcast when first read
+    return reroute_saved(fw, bw, num_fwd_outputs, route)
 
 
 def tagged(gm: fx.GraphModule) -> bool:
