@@ -45,8 +45,10 @@ class _TaggedPool(memory.Pool):
         self._burst_of: tuple = (None, 0)
         self.rng: dict[int, int] = {}     # checkpointed block -> its saved RNG state's storage
 
-    def alloc(self, nbytes: int, holder, grad: bool = False) -> int:
-        sid = super().alloc(nbytes, holder, grad)
+    def alloc(self, nbytes: int, holder, grad: bool = False, host: bool = False) -> int:
+        sid = super().alloc(nbytes, holder, grad, host)
+        if host:   # host memory: no part of the device's bytes
+            return sid
         g = self.cap.node_group.get(holder, self.current) if isinstance(holder, fx.Node) else self.current
         self.sid_group[sid] = g
         self.live[g] += nbytes
@@ -65,8 +67,9 @@ class _TaggedPool(memory.Pool):
 
     def release(self, sid: int, holder) -> None:
         nbytes, was_grad = self.bytes.get(sid), sid in self.grad_sids
+        host = sid in self.host_sids
         super().release(sid, holder)
-        if nbytes is not None and sid not in self.bytes:
+        if nbytes is not None and sid not in self.bytes and not host:
             g = self.sid_group.pop(sid)
             self.live[g] -= nbytes
             if was_grad:
