@@ -94,7 +94,6 @@ class Recompute:
         how = self.policy + (", its checkpoint offloaded to host" if self.offload else "")
         return PassResult(gm, True, stats, tuple(f"{p} ({how})" for p in chosen))
 
-
     @staticmethod
     def _tag_checkpoints(gm: fx.GraphModule, blocks: list) -> int:
         """Tag each block's input on the residual stream (its largest input: the embedding's

@@ -1,7 +1,7 @@
 """Saved activations offloaded to host memory between forward and backward (ALST's checkpoint offload).
 
-A pass tags Dynamo nodes (``node.meta["custom"][OFFLOAD]``; the recompute pass tags each block's
-output, the checkpoint the next block is recomputed from); AOTAutograd copies the tag onto the
+A pass tags Dynamo nodes (``node.meta["custom"][OFFLOAD_TAG]``; the recompute pass tags each
+block's input, the checkpoint the block is recomputed from); AOTAutograd copies the tag onto the
 ATen nodes traced from them. After partitioning, every tagged tensor the forward saves is copied
 to host memory after its last use in the forward, and back where the backward first reads it:
 
@@ -12,6 +12,7 @@ to host memory after its last use in the forward, and back where the backward fi
 Values are unchanged (a copy each way). The device holds the tensor from its making to its last
 forward use and from its reload to its last backward use; the host holds the copy in between. The
 memory model counts the copies as host bytes (rewrite/memory_graph.py), apart from the device's.
+The reload is not prefetched: on a GPU each copy waits for the compute before it (no overlap yet).
 """
 from __future__ import annotations
 
