@@ -71,7 +71,8 @@ def pass_options(*, budget=None, minisequence_chunks=None, minisequence=None, at
         raise _bad("precision", precision, "'bf16', 'fp16', 'fp32' or None")
     if recompute not in RECOMPUTE_POLICIES:
         raise _bad("recompute", recompute, "'full', 'selective' or None")
-    if offload not in (None, "checkpoints"):
+    from tailorfx.passes.recompute import OFFLOADS
+    if offload not in OFFLOADS:
         raise _bad("offload", offload, "'checkpoints' (each recomputed block's saved input waits for the backward "
                    "in host memory) or None")
     positive_int("minisequence_chunks", minisequence_chunks)
@@ -87,8 +88,8 @@ def pass_options(*, budget=None, minisequence_chunks=None, minisequence=None, at
                "budget_bytes": b.bytes if b else None,
                "budget_label": str(b) if b else None, "attention": attention, "precision": precision,
                "precision_policy": policy_items(precision, precision_policy),
-               "setup": setup, "recompute_policy": recompute, "offload": offload, "keep_logits": keep_logits, "strict": strict,
-               "kernels": kernels}
+               "setup": setup, "recompute_policy": recompute, "offload": offload, "keep_logits": keep_logits,
+               "strict": strict, "kernels": kernels}
 
 
 def policy_items(precision: Optional[str], policy: Optional[dict]) -> Optional[tuple]:

@@ -16,7 +16,6 @@ from tailorfx.rewrite.trace import captured_inputs, fake_inputs, trainable_input
 from tailorfx.rewrite.optimizer_step import fuse_into_backward
 from tailorfx.rewrite.passes import own, owned
 from tailorfx.rewrite import offload
-from tailorfx.rewrite.offload import offload_saved
 from tailorfx.rewrite.saved_dtype import store_saved_low
 from tailorfx.runtime.lazy_grad import reattach
 from tailorfx.runtime.optim import GraphInputs
@@ -122,7 +121,7 @@ def _aot_compiler(gm: fx.GraphModule, lowering: str, needs: dict, on_partition: 
         def partition(joint, joint_inputs, *, num_fwd_outputs, **kw):
             fw, bw = partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
             store_saved_low(fw, bw, num_fwd_outputs)
-            offload_saved(fw, bw, num_fwd_outputs)
+            offload.offload_saved(fw, bw, num_fwd_outputs)
             if steps_in_backward is not None and bw is not None:
                 fuse_into_backward(fw, bw, num_fwd_outputs, trainable_inputs(gm), steps_in_backward.handle)
             if on_partition is not None:

@@ -14,9 +14,9 @@ fuses, the optimizer step in backward included) holds at once:
                no optimizer step can have consumed it.
 Token-wise segments chunked to the finest grain remove everything else; recompute cannot drop
 these. Where checkpoints may be offloaded to host memory (rewrite/offload.py), the device holds
-only the last block's input of the boundaries. So `static + sum(parts)` is what a plan would peak at if nothing else were live: no plan's
-measured peak is below it (tests/test_bound.py), and the longest sequence whose bound fits a
-budget is the longest any plan of these rewrites could reach.
+only the last block's input of the boundaries. So `static + sum(parts)` is what a plan would peak
+at if nothing else were live: no plan's measured peak is below it (tests/test_bound.py), and the
+longest sequence whose bound fits a budget is the longest any plan of these rewrites could reach.
 
 The attention operands are found as the tensors crossing between the block's token-wise segments
 (rewrite.regions.token_segments) and the ops that mix positions, so any attention form counts

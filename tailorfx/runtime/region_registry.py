@@ -26,7 +26,8 @@ class ChunkedRegion:
 
     `cost`: the bytes a chunk holds inside the op, so the memory model sees the transients: in
     forward per token of the chunk; in backward as lines ((per token, constant), ...), a chunk of
-    t tokens holding the most of them at t (passes/minisequence/cost.py). `tail`: (pre, weight index, bias index or -1) when the region is
+    t tokens holding the most of them at t (passes/minisequence/cost.py). `tail`: (pre, weight
+    index, bias index or -1) when the region is
     ``F.linear(pre(*inputs), whole[weight_index], whole[bias_index])``: backward then recomputes
     only `pre`, not the last matmul whose output it never needs.
     """

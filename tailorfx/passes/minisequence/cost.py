@@ -71,10 +71,10 @@ def cached_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, ctx: P
 
 def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
                              tokens: int) -> Optional[Lines]:
-    """The bytes one chunk holds in backward, as lines (_per_token_and_constant): the runtime's own chunk
+    """The bytes one chunk holds in backward, as lines (_cost_lines): the runtime's own chunk
     backward (ops.region_chunk_grads: the chunk's contiguous copies, the recompute, what eager
     autograd saves, the grads) run on fake tensors under memory.LiveBytes, at the captured length
-    and its doublings, so weight-sized transients are not scaled with the chunk. None when the
+    halved and doubled, so weight-sized transients are not scaled with the chunk. None when the
     region cannot run alone on fake tensors."""
     from tailorfx.rewrite import memory
     phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
@@ -106,19 +106,19 @@ def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
                 ops.region_chunk_grads(sub, [xc.requires_grad_(x.requires_grad)], whole,
                                        go.clone() if copied else go, seq_grad, acc, tail)
             return live.peak
-    return _per_token_and_constant(held, length, tokens)
+    return _cost_lines(held, length, tokens)
 
 
-def _per_token_and_constant(held: Callable[[int], int], length: int, tokens: int) -> Optional[Lines]:
+def _cost_lines(held: Callable[[int], int], length: int, tokens: int) -> Optional[Lines]:
     """The backward's bytes as lines (bytes per token, constant bytes), one through each pair of
     neighbouring samples of `held` at the captured length halved down to MIN_TOKENS tokens and
-    doubled up to ENVELOPE_TOKENS;
-    a chunk of t tokens holds the most of them at t (chunk_memory.transient_bytes). `held` is
-    the most of a few phases each linear in the tokens (the weight gradients' phase at small
-    chunks, the activations' at large ones): a convex function, which each line bounds from above
-    between its samples, so the most of them is exact at the samples and above it between (one
-    line through two small samples, extended, fell 16% under at 512-token chunks). None when
-    `held` cannot run (the estimate by hand, region_cost, stands in)."""
+    doubled up to ENVELOPE_TOKENS; a chunk of t tokens holds the most of them at t
+    (chunk_memory.transient_bytes). `held` is the most of a few phases each linear in the tokens
+    (the weight gradients' phase at small chunks, the activations' at large ones): a convex
+    function, which each line bounds from above between its samples, so the most of them is exact
+    at the samples and above it between (one line through two small samples, extended, fell 16%
+    under at 512-token chunks). None when `held` cannot run (the estimate by hand, region_cost,
+    stands in)."""
     lengths = [length]
     while lengths[0] % 2 == 0 and lengths[0] // 2 * tokens // length >= MIN_TOKENS:   # shorter chunks too
         lengths.insert(0, lengths[0] // 2)
@@ -141,7 +141,7 @@ def cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule
                                  ctx: PassContext, tokens: int) -> Optional[Lines]:
     """The bytes one chunk of a token segment holds in backward, as lines: the runtime's own
     ops.segment_chunk_grads run on fake tensors under memory.LiveBytes at the captured length
-    and its doublings (memoised like cached_backward_cost). None when it cannot run."""
+    halved and doubled (memoised like cached_backward_cost). None when it cannot run."""
     from tailorfx.rewrite import memory
     memo = (NAME, "segment_backward_cost", chunked.key, str(ctx.seq.symbol), ctx.seq.length, tokens)
     if memo in ctx.memo:
@@ -173,7 +173,7 @@ def cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule
                 ops.segment_chunk_grads(sub, [c.requires_grad_(t.requires_grad) for c, t in zip(xc, x)], w,
                                         [g.clone() for g in grads], seq_grads, acc)
             return live.peak
-    ctx.memo[memo] = _per_token_and_constant(held, length, tokens)
+    ctx.memo[memo] = _cost_lines(held, length, tokens)
     return ctx.memo[memo]
 
 
