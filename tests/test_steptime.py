@@ -180,12 +180,16 @@ def test_calibrate_measures_this_machine_on_two_processes(tmp_path):
                       "dist.init_process_group('gloo')\n"
                       "d = calibrate(repeats=3)\n"
                       "if dist.get_rank() == 0:\n"
-                      f"    json.dump(d.as_dict(), open({str(tmp_path / 'dev.json')!r}, 'w'))\n"
-                      # both ranks past every collective before either tears gloo down: a rank
-                      # destroyed while its peer still wrote aborted ("terminate called without an
-                      # active exception", twice in fresh-clone runs under load)
+                      f"    with open({str(tmp_path / 'dev.json')!r}, 'w') as f:\n"
+                      "        json.dump(d.as_dict(), f)\n"
+                      # both ranks past every collective before either tears gloo down, then no
+                      # interpreter finalization: gloo objects freed while Python's modules are
+                      # cleared abort the process ("terminate called without an active exception";
+                      # pytorch#65231's trace: _PyModule_ClearDict), thrice in fresh-clone CI runs
+                      # under load, after the figures were measured and written
                       "dist.barrier()\n"
-                      "dist.destroy_process_group()\n")
+                      "dist.destroy_process_group()\n"
+                      "os._exit(0)\n")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           str(script)], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
