@@ -18,7 +18,8 @@ Sections (default: all, in this order):
   hf       HF LlamaForCausalLM from a config (hidden 1024, 4 layers, vocab 32000; random
            weights) at 2048 tokens under optimize() default (lowering "auto": Inductor on CUDA),
            lowering="eager", kernels="triton", fp32, setup="pure-bf16-fused-optimizer", fp32 with
-           checkpoints offloaded to pinned host memory (offload="checkpoints"), and 8192
+           checkpoints offloaded to pinned host memory (offload="checkpoints", under the eager
+           lowering and under Inductor), and 8192
            tokens while time is left: loss and gradients vs eager, the measured peak of one
            steady-state step vs opt.predict_memory(), step time.
 

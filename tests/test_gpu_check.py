@@ -37,6 +37,7 @@ def test_dry_run_passes_every_section(tmp_path):
     hf = {c["name"]: c for c in data["sections"]["hf"]["checks"]}
     assert hf["bf16/default"]["status"] == "pass" and hf["fp32/default"]["grad_rel"] < 1e-5
     assert hf["bf16/setup=pure-bf16-fused-optimizer"]["predicted"]["grads"] == 0   # consumed in backward
-    offload = hf["fp32/lowering=eager/offload=checkpoints"]
-    assert offload["status"] == "pass" and offload["grad_rel"] < 1e-5 and offload["predicted"]["host_offloaded"] > 0
+    for lowering in ("eager", "inductor"):
+        offload = hf[f"fp32/lowering={lowering}/offload=checkpoints"]
+        assert offload["status"] == "pass" and offload["grad_rel"] < 1e-5 and offload["predicted"]["host_offloaded"] > 0
     assert "[hf] ok" in r.stdout   # the closing table

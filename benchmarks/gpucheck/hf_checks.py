@@ -238,6 +238,8 @@ def section_hf(run: Run, sec: dict) -> None:
         # checkpoints in pinned host memory (tailorfx::offload / reload on the compute stream)
         ("fp32/lowering=eager/offload=checkpoints", "fp32-offload", "float32", 2048,
          {"lowering": "eager", "recompute": "full", "offload": "checkpoints"}, 60),
+        ("fp32/lowering=inductor/offload=checkpoints", "fp32-offload-inductor", "float32", 2048,
+         {"lowering": "inductor", "recompute": "full", "offload": "checkpoints"}, 60),
         ("bf16/default/S=8192", "bf16-default-8192", "bfloat16", 8192, {}, 75),
     ]
     for name, key, dt, seq, kw, need in plan:

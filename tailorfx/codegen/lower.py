@@ -79,9 +79,6 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     split = split_lazy_outputs(gm)
     gm = split.gm
     if lowering == "inductor":
-        if any(offload.tagged(n) for n in gm.graph.nodes):
-            warnings.warn("tailorfx: offload='checkpoints' runs under the eager lowering only: under Inductor the "
-                          "checkpoints stay on the device (lowering='eager' offloads them)")
         with compile_context(gm):
             return _with_lazy_outputs(compat.compile_fx()(gm, list(example_inputs)), split)
     compile_on = _aot_compiler(gm, lowering, needs, on_partition, steps_in_backward)

@@ -6,6 +6,7 @@ from typing import Iterator
 
 import torch
 from torch._guards import detect_fake_mode
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch._subclasses.fake_tensor import FakeTensor
 
 
@@ -60,6 +61,36 @@ def inductor_joint_pass(fn, version: str):
         def uuid(self):
             return version
     return inductor_config.patch(joint_custom_post_pass=_Pass())
+
+
+def inductor_partitioner(after, version: str) -> contextlib.AbstractContextManager:
+    """A config patch under which Inductor partitions its joint graph as it does by default
+    (min-cut, for Inductor) and then calls `after(fw, bw, num_fwd_outputs)` on the two graphs
+    before it compiles them; `after` is a module-level function (the patch is pickled into
+    Inductor's cache key) and `version` keys the caches."""
+    import torch._inductor.config as inductor_config
+    return inductor_config.patch(custom_partitioner_fn=_Partition(after, version))
+
+
+class _Partition(CustomPartitionerFn):
+    """Inductor's default partition, then `after` on its forward and backward (inductor_partitioner)."""
+
+    def __init__(self, after, version: str):
+        self.after, self.version = after, version
+
+    def __call__(self, gm, joint_inputs, **kw):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kw)
+        self.after(fw, bw, kw["num_fwd_outputs"])
+        return fw, bw
+
+    def uuid(self):
+        return self.version
+
+
+def extern_kernel_op(node):
+    """The op an Inductor IR node runs as an extern fallback kernel (a custom op), else None."""
+    return getattr(node, "op_overload", None)
 
 
 def backward_compiled_with_forward():

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from tailorfx import compat
-from tailorfx.rewrite import saved_dtype
+from tailorfx.rewrite import offload, saved_dtype
 
 
 @dataclass
@@ -34,7 +34,8 @@ class Schedule:
     allocs: list[sympy.Expr] = field(default_factory=list)
     frees: list[sympy.Expr] = field(default_factory=list)
     origins: list[list[fx.Node]] = field(default_factory=list)   # per step: the fx nodes it runs
-    # per output: ("input", placeholder index), ("buffer", bytes), or None (not a tensor)
+    # per output: ("input", placeholder index), ("buffer", bytes), ("host", bytes): a buffer in host
+    # memory (an offloaded activation, not in allocs), or None (not a tensor)
     outputs: list[Optional[tuple[str, object]]] = field(default_factory=list)
     output_keys: list[Optional[str]] = field(default_factory=list)   # the buffer behind each output
     # per step: the inputs (placeholder indices) the generated code drops after it (it clears its
@@ -60,6 +61,7 @@ class _Walk:
         self.placeholders = placeholders
         self.out = Schedule(gm=None)
         self.live: dict[str, sympy.Expr] = {}     # the graph's own storages, by the name holding each
+        self.host: dict[str, sympy.Expr] = {}     # its storages in host memory (offloaded activations)
         self.pending = sympy.Integer(0)            # allocated since the last kernel
         self.reused: list[int] = []                # inputs a kernel will overwrite in place
 
@@ -78,6 +80,8 @@ class _Walk:
         self.pending += nbytes
 
     def free(self, name: str) -> None:
+        if self.host.pop(name, None) is not None:
+            return
         if name in self.live:
             if not self.out.names:
                 self.kernel("start", [])
@@ -126,7 +130,9 @@ def _walk(graph, placeholders: dict[str, int]) -> Schedule:
         elif isinstance(line, w.FreeLine):
             walk.free(line.node.get_name())
         elif isinstance(line, w.MultiOutputLine):
-            if line.arg_name in walk.live:
+            if line.arg_name in walk.host:
+                walk.host[line.result_name] = walk.host.pop(line.arg_name)
+            elif line.arg_name in walk.live:
                 part = _storage_bytes(graph.get_buffer(line.result_name))
                 walk.live[line.arg_name] -= part
                 walk.live[line.result_name] = part
@@ -137,9 +143,12 @@ def _walk(graph, placeholders: dict[str, int]) -> Schedule:
                 if isinstance(node.get_output_spec(), ir.MultiOutputLayout):
                     total = sum((_storage_bytes(o) for o in getattr(node, "outputs", ()) or ()
                                  if isinstance(o, ir.IRNode)), sympy.Integer(0))
-                    walk.alloc(name, total)
                 else:
-                    walk.alloc(name, _storage_bytes(node))
+                    total = _storage_bytes(node)
+                if compat.extern_kernel_op(node) in offload.HOST_OPS:
+                    walk.host[name] = total
+                else:
+                    walk.alloc(name, total)
             origins = [o for o in getattr(node, "origins", ()) if isinstance(o, fx.Node)] if node is not None else []
             walk.kernel(getattr(line, "kernel_name", None) or (node.get_name() if node is not None else "kernel"), origins)
     if walk.pending != 0 or walk.reused:
@@ -153,6 +162,9 @@ def _walk(graph, placeholders: dict[str, int]) -> Schedule:
             out.output_keys.append(name)
         elif name in walk.live:
             out.outputs.append(("buffer", walk.live[name]))
+            out.output_keys.append(name)
+        elif name in walk.host:
+            out.outputs.append(("host", walk.host[name]))
             out.output_keys.append(name)
         else:
             out.outputs.append(None)
@@ -173,13 +185,17 @@ def compile_context(gm: fx.GraphModule) -> contextlib.AbstractContextManager:
     not show: values tagged to be saved in bf16 cross to the backward in bf16 (a joint-graph pass,
     rewrite/saved_dtype.py), and a graph with recompute or save tags compiles with AOTAutograd's
     cache off (its key is the code, blind to the tags: a tagged graph compiled after the same
-    graph untagged loaded the untagged artifact). Used alike by the lowering and the prediction."""
+    graph untagged loaded the untagged artifact); tensors tagged for host memory are offloaded after
+    Inductor's partitioner (rewrite/offload.py). Used alike by the lowering and the prediction."""
     stack = contextlib.ExitStack()
     low = saved_dtype.tagged(gm)
-    if low or any("recompute" in n.meta for n in gm.graph.nodes):
+    host = any(offload.tagged(n) for n in gm.graph.nodes)
+    if low or host or any("recompute" in n.meta for n in gm.graph.nodes):
         stack.enter_context(compat.autograd_cache_off())
     if low:
         stack.enter_context(compat.inductor_joint_pass(saved_dtype.round_trip_backward_reads, "tailorfx-saved-low-1"))
+    if host:
+        stack.enter_context(compat.inductor_partitioner(offload.offload_saved, "tailorfx-offload-1"))
     return stack
 
 

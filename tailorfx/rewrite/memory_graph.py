@@ -292,9 +292,10 @@ def run_schedule(g: fx.GraphModule, sched, pool: Pool, env: dict, sizer: Sizer, 
             outs.append(list(env.get(inputs[o[1]].name, [])))
         else:   # a buffer the graph made leaves it as a storage the caller holds
             if key not in made:
-                nbytes = sizer.bytes(o[1])
-                pool.total -= nbytes
-                made[key] = pool.alloc(nbytes, "__made__", grad=grads)
+                nbytes, host = sizer.bytes(o[1]), o[0] == "host"
+                if not host:    # already counted by the schedule's allocations
+                    pool.total -= nbytes
+                made[key] = pool.alloc(nbytes, "__made__", grad=grads, host=host)
             outs.append([made[key]])
     for sids in outs:
         for sid in sids:
