@@ -5,6 +5,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch._subclasses.fake_tensor import FakeTensor
@@ -79,7 +80,6 @@ class _Partition(CustomPartitionerFn):
         self.after, self.version = after, version
 
     def __call__(self, gm, joint_inputs, **kw):
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kw)
         self.after(fw, bw, kw["num_fwd_outputs"])
         return fw, bw
