@@ -185,8 +185,8 @@ def test_calibrate_measures_this_machine_on_two_processes(tmp_path):
                       # both ranks past every collective before either tears gloo down, then no
                       # interpreter finalization: gloo objects freed while Python's modules are
                       # cleared abort the process ("terminate called without an active exception";
-                      # pytorch#65231's trace: _PyModule_ClearDict), thrice in fresh-clone CI runs
-                      # under load, after the figures were measured and written
+                      # pytorch#65231's trace: _PyModule_ClearDict), thrice in CI and fresh-clone
+                      # runs under load
                       "dist.barrier()\n"
                       "dist.destroy_process_group()\n"
                       "os._exit(0)\n")
