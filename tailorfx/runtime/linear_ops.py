@@ -92,19 +92,16 @@ def _lce_chunk(h, y, w, b, ignore_index, softcap, logit_scale, scale, grad_h, gr
     # the labels in this rank's rows (all of them on one device)
     mine = valid if group is None else valid & (y >= vocab_start) & (y < vocab_start + w.shape[0])
     target = torch.where(mine, y - vocab_start, 0).unsqueeze(1)
-    no_grads = grad_h is None and grad_w is None and grad_b is None
     if group is None:
         # log_softmax in place over z, as eager's cross_entropy computes it: one fused pass where
         # max, subtract, exp, sum and divide were five over the chunk x V logits
-        logp = torch.log_softmax(z, dim=1, out=z)
-        loss = torch.where(valid, -logp.gather(1, target).squeeze(1), 0).sum()
-        if no_grads:
-            return loss
-        g = logp.exp_()
+        torch.log_softmax(z, dim=1, out=z)
+        loss = torch.where(valid, -z.gather(1, target).squeeze(1), 0).sum()
     else:
-        g, loss = _vocab_parallel_softmax(z, target, mine, valid, group)
-        if no_grads:
-            return loss
+        loss, sum_exp = _vocab_parallel_loss(z, target, mine, valid, group)
+    if grad_h is None and grad_w is None and grad_b is None:
+        return loss
+    g = z.exp_() if group is None else z.div_(sum_exp)     # the softmax, in z's buffer
     g.scatter_add_(1, target, -mine.to(g.dtype).unsqueeze(1))
     row_scale = valid.to(g.dtype) if scale is None else valid.to(g.dtype) * scale
     g.mul_(row_scale.unsqueeze(1))
@@ -129,18 +126,18 @@ def _lce_chunk(h, y, w, b, ignore_index, softcap, logit_scale, scale, grad_h, gr
     return loss
 
 
-def _vocab_parallel_softmax(z, target, mine, valid, group):
-    """(softmax in place over z, summed loss) of logits whose vocabulary is split over `group`'s
-    ranks: the rows' max, sum of exponentials and target logit all-reduced."""
+def _vocab_parallel_loss(z, target, mine, valid, group):
+    """(summed loss, each row's sum of exponentials) of logits whose vocabulary is split over
+    `group`'s ranks: the rows' max, sum of exponentials and target logit all-reduced; z is left
+    holding exp(z - the row's max)."""
     picked = z.gather(1, target)
     z_max = z.amax(dim=1, keepdim=True)
     dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
-    g = z.sub_(z_max).exp_()
-    stats = torch.cat([g.sum(dim=1, keepdim=True), torch.where(mine.unsqueeze(1), picked, 0)], dim=1)
+    z.sub_(z_max).exp_()
+    stats = torch.cat([z.sum(dim=1, keepdim=True), torch.where(mine.unsqueeze(1), picked, 0)], dim=1)
     dist.all_reduce(stats, group=group)
     sum_exp, picked = stats[:, :1], stats[:, 1:]
-    loss = torch.where(valid, (z_max + sum_exp.log() - picked).squeeze(1), 0).sum()
-    return g.div_(sum_exp), loss
+    return torch.where(valid, (z_max + sum_exp.log() - picked).squeeze(1), 0).sum(), sum_exp
 
 
 def lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, softcap, logit_scale,
