@@ -305,6 +305,32 @@ def test_lce_no_bias_frozen_weight_and_all_ignored():
                                    torch.autograd.grad(ref, hidden)[0])
 
 
+@pytest.mark.parametrize("logit_scale", [None, 0.5])
+def test_lce_is_exact_where_the_targets_probability_underflows(logit_scale):
+    """With gradients the CPU head takes each row's loss from its softmax (-log p_target); rows
+    whose target logit sits so far below the max that p_target underflows in fp32 take theirs
+    from the row's max logit instead (linear_ops._underflowed_losses): eager's finite loss, not inf."""
+    from tailorfx.runtime.linear_ops import lce_chunks
+    hidden, weight, bias, labels = _lce_inputs(n=64, h=16, v=50, dtype=torch.float64)
+    hidden, weight, bias = hidden.detach(), weight.detach(), bias.detach()
+    far = [3, 10, 40]
+    for i in far:   # the target's weight row points away from the hidden row: logit about -160
+        labels[i] = i % 50
+        weight[labels[i]] = -hidden[i] / hidden[i].norm()
+        hidden[i] *= 160 / hidden[i].norm() / (logit_scale or 1)
+    inputs = [t.float().requires_grad_() for t in (hidden, weight, bias)]
+    logits = F.linear(*inputs) * (logit_scale or 1)
+    assert (torch.softmax(logits[far], 1).gather(1, labels[far, None]) == 0).all()   # fp32 underflows
+    ref = F.cross_entropy(logits, labels)
+    ref_grads = torch.autograd.grad(ref, inputs)
+    loss, *grads = lce_chunks(*[t.detach() for t in inputs], labels, -100, "mean", 3, None, logit_scale,
+                              True, True, True)
+    assert torch.isfinite(loss) and ref.item() > 10
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_lce_bf16_close_to_fp32():
     hidden, weight, bias, labels = _lce_inputs(n=300, h=64, v=500, dtype=torch.bfloat16)
     loss = ops.chunked_linear_cross_entropy(hidden, weight, bias, labels, num_chunks=3)

@@ -32,6 +32,10 @@ def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = Fal
         extra = -(-n_rows // n) * vocab * item * (2 if args[7] is not None else 1)
         if op_name.endswith("_with_grads") and args[9] and hidden.dtype != dtype:
             extra += -(-n_rows // n) * as_int(hidden.shape[-1]) * item   # g @ w before its cast
+        if op_name.endswith("_with_grads"):
+            # each row's factor on the chunk of hidden (the weight's gradient), and the bias's
+            # gradient as a product with those factors (see _lce_chunk)
+            extra += -(-n_rows // n) * as_int(hidden.shape[-1]) * item * bool(args[10]) + vocab * item * bool(args[11])
         if weight.dtype != dtype:
             w_up = as_int(weight.numel()) * item          # the weight, upcast once
             if op_name.endswith("_with_grads") and args[10]:
@@ -92,38 +96,75 @@ def _lce_chunk(h, y, w, b, ignore_index, softcap, logit_scale, scale, grad_h, gr
     # the labels in this rank's rows (all of them on one device)
     mine = valid if group is None else valid & (y >= vocab_start) & (y < vocab_start + w.shape[0])
     target = torch.where(mine, y - vocab_start, 0).unsqueeze(1)
-    if group is None:
-        # log_softmax in place over z, as eager's cross_entropy computes it: one fused pass where
-        # max, subtract, exp, sum and divide were five over the chunk x V logits
+    grads = grad_h is not None or grad_w is not None or grad_b is not None
+    if group is not None:
+        loss, sum_exp = _vocab_parallel_loss(z, target, mine, valid, group)
+        if not grads:
+            return loss
+        g = z.div_(sum_exp)      # the softmax, in z's buffer
+    elif grads and z.device.type == "cpu":
+        # the softmax in one pass over z (log_softmax and exp made two); the loss from the target's
+        # probability, exact where that underflowed (see _underflowed_losses)
+        g = torch.softmax(z, dim=1, out=z)
+        p_t = g.gather(1, target).squeeze(1)
+        losses = -p_t.log()
+        lost = valid & (p_t < torch.finfo(g.dtype).tiny)
+        if lost.any():          # a host check, free on the CPU (a stall per chunk on CUDA)
+            rows = lost.nonzero().squeeze(1)
+            losses[rows] = _underflowed_losses(g, rows, h, w, b, target, logit_scale, softcap)
+        loss = torch.where(valid, losses, 0).sum()
+    else:
+        # log_softmax in place over z, as eager's cross_entropy computes it
         torch.log_softmax(z, dim=1, out=z)
         loss = torch.where(valid, -z.gather(1, target).squeeze(1), 0).sum()
-    else:
-        loss, sum_exp = _vocab_parallel_loss(z, target, mine, valid, group)
-    if grad_h is None and grad_w is None and grad_b is None:
-        return loss
-    g = z.exp_() if group is None else z.div_(sum_exp)     # the softmax, in z's buffer
+        if not grads:
+            return loss
+        g = z.exp_()
     g.scatter_add_(1, target, -mine.to(g.dtype).unsqueeze(1))
-    row_scale = valid.to(g.dtype) if scale is None else valid.to(g.dtype) * scale
-    g.mul_(row_scale.unsqueeze(1))
     if softcap is not None:
         g.mul_(t.mul_(t).neg_().add_(1))  # d(c*tanh(z/c))/dz = 1 - tanh^2
+    # each row's factor (1/count, 0 for ignored rows, the logit scale) goes on the chunk x H
+    # operands and results of the GEMMs below, not on the chunk x V gradient: a pass fewer over it
+    rs = valid.to(g.dtype) if scale is None else valid.to(g.dtype) * scale
     if logit_scale is not None:
-        g.mul_(logit_scale)
+        rs = rs * logit_scale
+    rs = rs.unsqueeze(1)
     if w.dtype != g.dtype:    # the backward GEMMs in the weight's dtype too, as eager's autograd runs them
-        g_w = g.to(w.dtype)
+        g_w, rs = g.mul_(rs).to(w.dtype), None    # scaled before the cast, as eager's gradient
         del g
     else:
         g_w = g
     if grad_h is not None:
         if grad_h.dtype == g_w.dtype:
             torch.mm(g_w, w, out=grad_h)   # straight into the chunk of grad_hidden: no chunk x H temporary
+            if rs is not None:
+                grad_h.mul_(rs)
         else:
-            grad_h.copy_(g_w @ w)
+            grad_h.copy_(g_w @ w if rs is None else (g_w @ w).mul_(rs))
     if grad_w is not None:
-        grad_w.addmm_(g_w.t(), h)
+        grad_w.addmm_(g_w.t(), h if rs is None else h * rs.to(h.dtype))
     if grad_b is not None:
-        grad_b.add_(g_w.sum(0, dtype=grad_b.dtype))
+        grad_b.add_(g_w.sum(0, dtype=grad_b.dtype) if rs is None else (g_w.t() @ rs).squeeze(1).to(grad_b.dtype))
     return loss
+
+
+def _underflowed_losses(p, rows, h, w, b, target, logit_scale, softcap):
+    """Losses of `rows` whose target's probability underflowed in the softmax `p`: with m the
+    row's largest logit (at the largest probability p_max = exp(m - lse), at least 1/V),
+    loss = lse - z_t = (m - z_t) - log(p_max), the two logits recomputed as dot products."""
+    out = []
+    for i in rows.tolist():      # rare rows; no copy of a row of p
+        top = p[i].argmax()
+        cols = torch.stack([top, target[i, 0]])
+        z = (w[cols] @ h[i].to(w.dtype)).to(p.dtype)
+        if b is not None:
+            z = z + b[cols].to(p.dtype)
+        if logit_scale is not None:
+            z = z * logit_scale
+        if softcap is not None:
+            z = torch.tanh(z / softcap) * softcap
+        out.append(z[0] - z[1] - p[i, top].log())
+    return torch.stack(out)
 
 
 def _vocab_parallel_loss(z, target, mine, valid, group):
