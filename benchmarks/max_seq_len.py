@@ -48,14 +48,16 @@ Each variant is first checked against eager at --check-len tokens (fp32; the los
 parameter's gradient within rtol 1e-4, atol 1e-6) and for whether its feature fired in that step
 and in the longest step that fit (checkpoint recompute: each layer's attention runs twice; TiledMLP
 and TiledFusedLogitsLoss applications and shard counts; Inductor: compiled graphs that ran;
-tailorfx: the chosen plan). --time-at S then times a full step (median of --time-reps after one
-warm-up) of `alst-tuned` and `tailorfx` at S, one after the other in this process.
+tailorfx: the chosen plan). --time-at S then times a full step of `alst-tuned` and `tailorfx` at S
+in this process: both warmed up, then --time-reps rounds of one step each, alternated (A B, B A,
+...); each one's median and the median of the rounds' ratios.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import os
+import statistics
 import sys
 import time
 from collections import Counter
@@ -69,7 +71,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import tailorfx  # noqa: E402
 from tailorfx.budget import Budget, format_bytes  # noqa: E402
-from common import lm_batch, print_table, time_it, write_json  # noqa: E402
+from common import lm_batch, print_table, write_json  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
 STATE_LEN = 512   # tokens of the unmeasured step that creates the optimizer's state
@@ -423,9 +425,12 @@ def run_family(family: str, a, headroom: int) -> dict:
 
 
 def time_pair(base: nn.Module, makers: dict, a, budget: int, static: int) -> dict:
-    """Seconds per full step (forward, backward, optimizer step) at --time-at of each timed variant,
-    one after the other, the median of --time-reps after one measured steady-state step."""
-    S, out = a.time_at, {}
+    """Seconds per full step (forward, backward, optimizer step) at --time-at of each timed variant:
+    both built, measured once in the steady state and warmed up, then --time-reps rounds of one
+    step each, alternated (A B, B A, ...) so that the machine's drift falls on both alike; each
+    variant's median, and the median of the rounds' ratios."""
+    S, out, steps = a.time_at, {}, {}
+    inputs = lm_batch(S, a.vocab)
     for key in a.time_variants:
         if key.startswith("alst") and (why := deepspeed_missing()):
             out[key] = {"skipped": why}
@@ -436,29 +441,40 @@ def time_pair(base: nn.Module, makers: dict, a, budget: int, static: int) -> dic
             out[key] = {"fits": False, "why": "no plan fits"}
             print(f"time at S={S}: {key}: no plan fits", flush=True)
             continue
-        inputs = lm_batch(S, a.vocab)
         state, peak, first = steady_step(runner, inputs, a.vocab)
         peak += state
         optimizer = runner.optimizer()
 
-        def step():
+        def step(runner=runner, optimizer=optimizer):
             for p in runner.module.parameters():
                 p.grad = None
             runner.loss(inputs).backward()
             optimizer.step()
         step()   # warm-up, optimizer state created
-        secs = time_it(step, a.time_reps)
+        steps[key] = (step, optimizer, runner)
+        out[key] = {"fits": static + peak <= budget, "total_bytes": static + peak, "measured_step_seconds": first}
+    times: dict = {key: [] for key in steps}
+    for i in range(a.time_reps):
+        for key in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
+            t0 = time.perf_counter()
+            steps[key][0]()
+            times[key].append(time.perf_counter() - t0)
+    for key, (_, optimizer, runner) in steps.items():
         close(optimizer)
         for p in runner.module.parameters():
             p.grad = None
-        out[key] = {"fits": static + peak <= budget, "total_bytes": static + peak, "measured_step_seconds": first,
-                    "seconds_per_step": secs}
-        print(f"time at S={S}: {key}: {secs:.2f}s per step (median of {a.time_reps}); steady-state step "
-              f"{format_bytes(static + peak)} ({'fits' if static + peak <= budget else 'over'})", flush=True)
-    secs = [out[k].get("seconds_per_step") for k in a.time_variants if k in out]
-    if len(secs) == 2 and all(secs):
-        out["ratio"] = secs[1] / secs[0]
-        print(f"time at S={S}: {a.time_variants[1]} / {a.time_variants[0]} = {out['ratio']:.2f}x", flush=True)
+        total = out[key]["total_bytes"]
+        out[key].update(seconds_per_step=statistics.median(times[key]), seconds=times[key])
+        print(f"time at S={S}: {key}: {out[key]['seconds_per_step']:.2f}s per step (median of {a.time_reps}: "
+              f"{', '.join(f'{t:.2f}' for t in times[key])}); steady-state step {format_bytes(total)} "
+              f"({'fits' if total <= budget else 'over'})", flush=True)
+    if len(steps) == 2:
+        first_key, second_key = a.time_variants
+        ratios = [t1 / t0 for t0, t1 in zip(times[first_key], times[second_key])]
+        out["ratio"] = statistics.median(ratios)
+        out["ratios"] = ratios
+        print(f"time at S={S}: {second_key} / {first_key} = {out['ratio']:.2f}x (median of the rounds' ratios: "
+              f"{', '.join(f'{r:.2f}' for r in ratios)})", flush=True)
     return out
 
 
@@ -526,7 +542,7 @@ def main():
                     help="only the exactness and fired checks (and --time-at)")
     ap.add_argument("--time-at", type=int, default=16384, help="0: no timing")
     ap.add_argument("--time-variants", nargs=2, default=["alst-tuned", "tailorfx"], choices=list(LABELS))
-    ap.add_argument("--time-reps", type=int, default=3)
+    ap.add_argument("--time-reps", type=int, default=6)
     ap.add_argument("--out", default="max_seq_len.json", help="file name under benchmarks/out/")
     a = ap.parse_args()
     a.start = parse_starts(a.start)
