@@ -450,9 +450,10 @@ def time_pair(base: nn.Module, makers: dict, a, budget: int, static: int) -> dic
                 p.grad = None
             runner.loss(inputs).backward()
             optimizer.step()
-        step()   # warm-up, optimizer state created
         steps[key] = (step, optimizer, runner)
         out[key] = {"fits": static + peak <= budget, "total_bytes": static + peak, "measured_step_seconds": first}
+    for step, _, _ in steps.values():
+        step()   # warm-up once all are built (a later build's dynamo reset recompiles an earlier one here)
     times: dict = {key: [] for key in steps}
     for i in range(a.time_reps):
         for key in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
