@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py                    # every section, ~4 min on an H100
     PYTHONPATH=. python3 benchmarks/gpu_check.py --section kernels --section nccl
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --section hf --variant fp32/default   # hf: these variants only
     python benchmarks/gpu_check.py --dry-run                        # CPU, tiny shapes, < 1 min (CI)
 
 Sections (default: all, in this order):
@@ -118,6 +119,7 @@ def table(data: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--section", action="append", choices=SECTIONS, help="repeatable; default: all")
+    ap.add_argument("--variant", action="append", help="hf section: only these variants (repeatable; names as printed)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton's interpreter")
     ap.add_argument("--out", default=os.path.join(BENCH_DIR, "out", "gpu_check.json"))
     ap.add_argument("--budget-s", type=float, default=240.0,

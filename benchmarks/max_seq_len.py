@@ -51,6 +51,9 @@ and TiledFusedLogitsLoss applications and shard counts; Inductor: compiled graph
 tailorfx: the chosen plan). --time-at S then times a full step of `alst-tuned` and `tailorfx` at S
 in this process: both warmed up, then --time-reps rounds of one step each, alternated (A B, B A,
 ...); each one's median and the median of the rounds' ratios.
+
+--device cuda runs the same on a GPU (the model and batches on it; a step's peak is the caching
+allocator's max_memory_allocated above what was allocated before it; timed steps synchronize).
 """
 from __future__ import annotations
 
@@ -75,6 +78,7 @@ from common import lm_batch, print_table, write_json  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
 STATE_LEN = 512   # tokens of the unmeasured step that creates the optimizer's state
+DEVICE = torch.device("cpu")   # --device
 DEFAULT_STARTS = {"eager": 1536, "hf-ckpt": 1536, "inductor": 2048, "alst": 1024, "alst-tuned": 28672}
 LABELS = {"eager": "eager", "hf-ckpt": "HF activation checkpointing",
           "inductor": "torch.compile Inductor, activation_memory_budget={amb}",
@@ -89,7 +93,29 @@ def build(family: str, vocab: int, hidden: int, layers: int) -> nn.Module:
                 max_position_embeddings=1 << 18, head_dim=64)   # (tests' tiny Gemma configs set 16)
     m = hf_family(family, num_layers=layers, **size)
     m.config.use_cache = False   # as every call passes it (and max_seq_len predicts the step as configured)
-    return m
+    return m.to(DEVICE)
+
+
+def batch(S: int, vocab: int) -> dict:
+    return {k: v.to(DEVICE) for k, v in lm_batch(S, vocab).items()}
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_peak(step: Callable[[], Any]) -> int:
+    """Peak bytes allocated during step() above what was live before it: tailorfx.measure_peak on the
+    CPU, the caching allocator's high-water mark on CUDA."""
+    if DEVICE.type != "cuda":
+        return tailorfx.measure_peak(step)
+    sync()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    sync()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def counting_inductor(counts: Counter) -> Callable:
@@ -194,7 +220,7 @@ def tailorfx_runner(base: nn.Module, budget: int, S: int, vocab: int) -> Optiona
     torch._dynamo.reset()   # the benchmark re-plans many lengths in one process
     try:
         opt = tailorfx.optimize(copy.deepcopy(base), budget=budget, optimizer="adamw",
-                                example_inputs={**lm_batch(S, vocab), "use_cache": False})
+                                example_inputs={**batch(S, vocab), "use_cache": False})
     except tailorfx.BudgetError as e:
         print(f"    S={S}: no plan fits ({str(e).splitlines()[0][:100]})", flush=True)
         return None
@@ -259,7 +285,7 @@ def steady_step(runner: Runner, inputs: dict, vocab: int) -> tuple[int, int, flo
         p.grad = None
     optimizer = runner.optimizer()
     try:
-        runner.loss(lm_batch(STATE_LEN, vocab)).backward()
+        runner.loss(batch(STATE_LEN, vocab)).backward()
         optimizer.step()
         for p in params:
             p.grad = None
@@ -271,7 +297,7 @@ def steady_step(runner: Runner, inputs: dict, vocab: int) -> tuple[int, int, flo
             loss.backward()
             optimizer.step()
         t0 = time.perf_counter()
-        peak = tailorfx.measure_peak(step)
+        peak = step_peak(step)
         return state, peak, time.perf_counter() - t0
     finally:
         close(optimizer)
@@ -289,7 +315,7 @@ def fits(make, S: int, budget: int, vocab: int, static: int, log: Callable, reco
         record.append({"S": S, "fits": False, "why": "no plan fits"})
         return False
     try:
-        state, peak, secs = steady_step(runner, lm_batch(S, vocab), vocab)
+        state, peak, secs = steady_step(runner, batch(S, vocab), vocab)
     except RuntimeError as e:   # an allocation failure counts as not fitting
         log(f"    S={S}: failed ({str(e).splitlines()[0][:80]})")
         record.append({"S": S, "fits": False, "why": str(e).splitlines()[0][:200]})
@@ -339,7 +365,7 @@ def longest(check, start: int, granularity: int, limit: int) -> tuple[int, bool]
 def check_exact(base: nn.Module, make, S: int, vocab: int) -> dict:
     """The variant's loss and every parameter gradient against eager's at length S, fp32, and what
     fired in that step. Runs before the variant's first measured step, so both hold base's weights."""
-    inputs = lm_batch(S, vocab)
+    inputs = batch(S, vocab)
     ref = copy.deepcopy(base)
     ref_loss = ref(**inputs, use_cache=False).loss
     ref_loss.backward()
@@ -430,7 +456,7 @@ def time_pair(base: nn.Module, makers: dict, a, budget: int, static: int) -> dic
     step each, alternated (A B, B A, ...) so that the machine's drift falls on both alike; each
     variant's median, and the median of the rounds' ratios."""
     S, out, steps = a.time_at, {}, {}
-    inputs = lm_batch(S, a.vocab)
+    inputs = batch(S, a.vocab)
     for key in a.time_variants:
         if key.startswith("alst") and (why := deepspeed_missing()):
             out[key] = {"skipped": why}
@@ -457,8 +483,10 @@ def time_pair(base: nn.Module, makers: dict, a, budget: int, static: int) -> dic
     times: dict = {key: [] for key in steps}
     for i in range(a.time_reps):
         for key in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
+            sync()
             t0 = time.perf_counter()
             steps[key][0]()
+            sync()
             times[key].append(time.perf_counter() - t0)
     for key, (_, optimizer, runner) in steps.items():
         close(optimizer)
@@ -544,8 +572,11 @@ def main():
     ap.add_argument("--time-at", type=int, default=16384, help="0: no timing")
     ap.add_argument("--time-variants", nargs=2, default=["alst-tuned", "tailorfx"], choices=list(LABELS))
     ap.add_argument("--time-reps", type=int, default=6)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (peaks from the caching allocator)")
     ap.add_argument("--out", default="max_seq_len.json", help="file name under benchmarks/out/")
     a = ap.parse_args()
+    global DEVICE
+    DEVICE = torch.device(a.device)
     a.start = parse_starts(a.start)
     a.alst_slice = Budget.parse(a.alst_slice).bytes
     headroom = Budget.parse(a.headroom).bytes

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from tailorfx.runtime.attention_kernels import (
     dilated_attention, dilated_workspace_bytes, score_mod_attention, sparse_attention,
 )
 from tailorfx.runtime.attention_tiles import KV_CHUNK, TILE, bigbird_random_blocks
+from tailorfx.runtime.flash_cpu import grouped_sdpa
 
 __all__ = [
     "AttentionSpec", "Exact", "SlidingWindow", "BigBird", "Dilated",
@@ -213,9 +213,7 @@ class Exact(AttentionSpec):
             repeat = self.repeat_kv and k.shape[1] != q.shape[1]
             if (self.backward_blocks > 1 or repeat) and q.device.type == "cpu":
                 return self._sparse(q, k, v, None, scale, "full", [self.backward_blocks, int(repeat)])
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=self.causal, scale=scale, enable_gqa=True
-            )
+            return grouped_sdpa(q, k, v, is_causal=self.causal, scale=scale)
         return self._sparse(q, k, v, document_ids, scale, "full", [])
 
 

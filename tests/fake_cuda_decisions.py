@@ -4,7 +4,7 @@
 
 For HF Llama, Qwen3 and Gemma-2 (tests/models.py's tiny configs, bf16, batch 1 x 64 tokens,
 parameters without gradients) under optimize()'s default plan, kernels="triton" and
-attention=SlidingWindow(16), each graph's decisions (passes that changed it, the attention calls'
+attention=SlidingWindow(16), and Llama's default plan in fp32, each graph's decisions (passes that changed it, the attention calls'
 specs, chunk counts, the head's dtypes) and what its rewritten graph calls when run on fake
 tensors of DEVICE at the captured sizes: the dispatched ops and torch's SDPA calls. Needs a torch
 linked with CUDA (a CPU wheel cannot index a fake CUDA tensor) but no GPU; an op that records
@@ -33,6 +33,7 @@ from tailorfx.rewrite.capture import node_value  # noqa: E402
 FAMILIES = ("llama", "qwen3", "gemma2")
 VARIANTS = {"default": {}, "triton": {"kernels": "triton"},
             "window": {"attention": tailorfx.attention.SlidingWindow(16)}}
+DTYPES = {"fp32": torch.float32}   # variants in another dtype than bf16 (llama's only, below)
 SEQ = 64
 
 
@@ -52,7 +53,8 @@ class Dispatched(TorchDispatchMode):
 
 
 class Sdpa(TorchFunctionMode):
-    """Each F.scaled_dot_product_attention call: whether it has a mask, is causal, and its dtype."""
+    """Each F.scaled_dot_product_attention call: whether it has a mask, is causal, its dtype, and
+    the heads of q and k (k's fewer: grouped, as SDPA's enable_gqa takes them)."""
     def __init__(self):
         super().__init__()
         self.calls = []
@@ -60,8 +62,10 @@ class Sdpa(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
+            q, k = args[:2]
             self.calls.append({"mask": kwargs.get("attn_mask", args[3] if len(args) > 3 else None) is not None,
-                               "causal": bool(kwargs.get("is_causal", False)), "dtype": str(args[0].dtype)})
+                               "causal": bool(kwargs.get("is_causal", False)), "dtype": str(q.dtype),
+                               "heads": [q.shape[1], k.shape[1]]})
         return func(*args, **kwargs)
 
 
@@ -126,10 +130,10 @@ def run_static(gm, device: str) -> dict:
 
 def case(family: str, variant: str, device: str) -> dict:
     cfg = hf_config(family)
-    with built_on_fake_tensors(cfg, torch.bfloat16) as model:
+    with built_on_fake_tensors(cfg, DTYPES.get(variant, torch.bfloat16)) as model:
         model, ids = on_device(model, device)
         opt = tailorfx.optimize(model, example_inputs={"input_ids": ids, "labels": ids}, lowering="eager",
-                                predict=False, verify=False, **VARIANTS[variant])
+                                predict=False, verify=False, **VARIANTS.get(variant, {}))
     graphs = []
     for g in opt.session.graphs:
         rec = {"failed": g.failed, "warnings": g.warnings[:3],
@@ -143,12 +147,11 @@ def case(family: str, variant: str, device: str) -> dict:
 def main() -> None:
     device = sys.argv[1]
     out = {}
-    for family in FAMILIES:
-        for variant in VARIANTS:
-            try:
-                out[f"{family}/{variant}"] = case(family, variant, device)
-            except Exception as e:   # noqa: BLE001  (reported per case; the test names it)
-                out[f"{family}/{variant}"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    for family, variant in [*((f, v) for f in FAMILIES for v in VARIANTS), ("llama", "fp32")]:
+        try:
+            out[f"{family}/{variant}"] = case(family, variant, device)
+        except Exception as e:   # noqa: BLE001  (reported per case; the test names it)
+            out[f"{family}/{variant}"] = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
     print(json.dumps(out))
 
 

@@ -52,7 +52,8 @@ def _run_both(exe: str, folder) -> dict:
 def runs(tmp_path_factory):
     """Run once per session, whichever xdist worker comes first (the others read its JSON)."""
     from filelock import FileLock
-    shared = tmp_path_factory.getbasetemp().parent / "fake_cuda"
+    base = tmp_path_factory.getbasetemp()   # under xdist each worker's: their parent is this run's
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "fake_cuda"
     shared.mkdir(exist_ok=True)
     with FileLock(str(shared / "lock")):
         done = shared / "decisions.json"
@@ -95,7 +96,8 @@ def test_exact_attention_is_one_flash_eligible_sdpa_call_and_the_head_runs_bf16_
     cpu, cuda = _graph(runs, "cpu", f"{family}/default"), _graph(runs, "cuda", f"{family}/default")
     attn = [c for c in cuda["calls"] if c[0] == "attention"]
     assert [c[1:4] for c in attn] == [["attention_call", "Exact", []]] * 2
-    assert cuda["sdpa"] == [{"mask": False, "causal": True, "dtype": "torch.bfloat16"}] * 2
+    # k, v grouped (2 heads for 4): flash takes them so
+    assert cuda["sdpa"] == [{"mask": False, "causal": True, "dtype": "torch.bfloat16", "heads": [4, 2]}] * 2
     assert "aten._scaled_dot_product_flash_attention_for_cpu" in cpu["ops"]
     assert cuda["head_inputs"] == [["torch.bfloat16", "torch.bfloat16", "cuda", True]]
     assert cpu["head_inputs"] == [["torch.bfloat16", "torch.bfloat16", "cpu", False]]
@@ -120,3 +122,14 @@ def test_kernels_triton_runs_every_triton_op_on_cuda(runs, family):
             "tailorfx.triton_linear_cross_entropy"}
     assert want <= set(cuda["ops"])
     assert ["kernels", True] in cuda["passes"]
+
+
+def test_fp32_exact_attention_repeats_grouped_kv_on_cuda_only(runs):
+    """On CUDA neither flash (fp16/bf16 only) nor the memory-efficient kernel (no grouped heads)
+    takes grouped k, v in fp32: SDPA's math kernel would hold (B, H, S, S) scores (8.4 GiB at 16K
+    tokens on an H200). Exact attention repeats them there; the CPU's flash takes them grouped."""
+    cpu, cuda = _graph(runs, "cpu", "llama/fp32"), _graph(runs, "cuda", "llama/fp32")
+    assert [c[1:4] for c in cuda["calls"] if c[0] == "attention"] == [["attention_call", "Exact", []]] * 2
+    assert cuda["sdpa"] == [{"mask": False, "causal": True, "dtype": "torch.float32", "heads": [4, 4]}] * 2
+    assert cpu["sdpa"] == [{"mask": False, "causal": True, "dtype": "torch.float32", "heads": [4, 2]}] * 2
+    assert "aten.repeat_interleave" in cuda["ops"] or "aten.index_select" in cuda["ops"] or "aten.expand" in cuda["ops"]

@@ -1,6 +1,7 @@
 """The ATen CPU flash attention kernel as the attention ops run it: one call, one per document
 of a packed row, per (query block, key block) pair, or with grouped k, v repeated to every query
-head; and the bytes each way holds beyond its outputs (the memory model's transients).
+head; and the bytes each way holds beyond its outputs (the memory model's transients). Also
+`grouped_sdpa`: torch's SDPA with grouped k, v as exact attention calls it on every device.
 
 ATen's kernel is O(S) memory, returns the log-sum-exp, and its backward accepts a merged out and
 lse, so a row's documents and a backward's block pairs are exact pieces of one call.
@@ -10,12 +11,14 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from tailorfx.runtime.attention_tiles import Pattern, tile_backward, tile_forward
 
 __all__ = ["FLASH", "FLASH_BACKWARD", "MIN_BLOCK_TOKENS", "lse_dtype", "flash_runs", "dense_forward", "dense_backward",
-           "one_flash_call", "block_step", "flash_backward", "blocked_flash_backward", "flash_transient_bytes"]
+           "one_flash_call", "block_step", "flash_backward", "blocked_flash_backward", "flash_transient_bytes",
+           "grouped_sdpa"]
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -27,6 +30,17 @@ FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 MAX_FLASH_CALLS = 256  # beyond this many documents, batched tile matmuls beat per-call overhead
 MIN_BLOCK_TOKENS = 256  # a blocked flash backward's blocks are at least this long (per-call overhead)
+
+
+def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float]) -> Tensor:
+    """F.scaled_dot_product_attention with k, v of H_kv <= H heads. On CUDA where flash cannot run
+    (fp32, fp64; head dim over 256) k and v are repeated to every query head first: with grouped
+    heads SDPA would fall to its math kernel there, whose (B, H, S, S) scores made a 16K-token fp32
+    Qwen2 step need 8.4 GiB on an H200; repeated, the memory-efficient kernel runs in O(S)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and q.device.type == "cuda" and (q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 256):
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def document_runs(doc: Tensor) -> Optional[list[tuple[int, int, int]]]:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single
 
+from tailorfx.runtime.flash_cpu import grouped_sdpa
+
 ATTENTION_NAME = "tailorfx_ulysses"
 
 
@@ -49,8 +51,7 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
             raise ValueError(f"sp='ulysses' over {size} ranks must divide the {t.shape[1]} {name} heads: "
                              f"use dp in {good}")
     q, k, v = (_seq_to_heads(t, size, group) for t in (query, key, value))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    out = grouped_sdpa(q, k, v, is_causal=True, scale=scaling)
     return _heads_to_seq(out, size, group).transpose(1, 2).contiguous(), None
 
 
