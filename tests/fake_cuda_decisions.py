@@ -4,11 +4,12 @@
 
 For HF Llama, Qwen3 and Gemma-2 (tests/models.py's tiny configs, bf16, batch 1 x 64 tokens,
 parameters without gradients) under optimize()'s default plan, kernels="triton" and
-attention=SlidingWindow(16), and Llama's default plan in fp32, each graph's decisions (passes that changed it, the attention calls'
-specs, chunk counts, the head's dtypes) and what its rewritten graph calls when run on fake
-tensors of DEVICE at the captured sizes: the dispatched ops and torch's SDPA calls. Needs a torch
-linked with CUDA (a CPU wheel cannot index a fake CUDA tensor) but no GPU; an op that records
-autograd on a fake CUDA tensor can abort the process, hence a script of its own.
+attention=SlidingWindow(16), and Llama's default plan in fp32, each graph's decisions (passes that
+changed it, the attention calls' specs, chunk counts, the head's dtypes) and what its rewritten
+graph calls when run on fake tensors of DEVICE at the captured sizes: the dispatched ops and
+torch's SDPA calls. Needs a torch linked with CUDA (a CPU wheel cannot index a fake CUDA tensor)
+but no GPU; an op that records autograd on a fake CUDA tensor can abort the process, hence a
+script of its own.
 """
 from __future__ import annotations
 
