@@ -189,6 +189,9 @@ def test_bad_parallel_options_name_the_problem(bad, msg):
     (dict(parallel=dict(dp=2), passes=["attention"]),
      r"takes \['minisequence', 'recompute'\] only, not \['attention'\]"),
     (dict(parallel=dict(dp=2), passes=["recompute"], recompute="selective"), r"blocks are checkpointed whole"),
+    (dict(parallel=dict(dp=2), passes=["recompute"], offload="checkpoints"),
+     r"offload='checkpoints' under parallel=dict\(dp=2\).*nothing would be offloaded"),
+    (dict(parallel="auto", budget="H100-80GB", offload="checkpoints"), r"offload='checkpoints' under parallel='auto'"),
 ])
 def test_passes_and_budgets_under_parallel_say_what_runs(kw, msg):
     # refused before anything is captured or launched

@@ -31,6 +31,11 @@ def parallel_plan(model: nn.Module, parallel: Any, args: tuple, kwargs: dict, *,
     """The layout applied to `model` (apply.parallelize), with the rewrites it takes: the
     layout's own (spec.rewrites), or under a budget the first that fits (fit.fit_rewrites); for
     parallel="auto", those of the layout chosen."""
+    if options.get("offload") is not None:
+        shown = repr(parallel) if isinstance(parallel, str) else str(ParallelSpec.parse(parallel))
+        raise ValueError(f"offload={options['offload']!r} under parallel={shown}: the layouts checkpoint each block "
+                         f"with torch's checkpointing, which keeps its saved input on the device, so nothing would "
+                         f"be offloaded; drop offload=, or offload without parallel=")
     if isinstance(parallel, str) and parallel == "auto":
         return _auto_plan(model, args, kwargs, budget=budget, requested=requested, options=options)
     spec = ParallelSpec.parse(parallel)
