@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from models import hf_family
+from tailorfx.attention import SlidingWindow
 from tailorfx.parallel.plan import plan_tensor_parallel
 from tailorfx.parallel.spec import ParallelSpec
 
@@ -192,6 +193,10 @@ def test_bad_parallel_options_name_the_problem(bad, msg):
     (dict(parallel=dict(dp=2), passes=["recompute"], offload="checkpoints"),
      r"offload='checkpoints' under parallel=dict\(dp=2\).*nothing would be offloaded"),
     (dict(parallel="auto", budget="H100-80GB", offload="checkpoints"), r"offload='checkpoints' under parallel='auto'"),
+    (dict(parallel=dict(tp=2), attention=SlidingWindow(16)),
+     r"attention=SlidingWindow\(.*under parallel=dict\(tp=2\): the layouts run the model's own attention"),
+    (dict(parallel=dict(dp=2), precision="bf16"), r"precision='bf16' under parallel=dict\(dp=2\)"),
+    (dict(parallel=dict(pp=2), kernels="triton"), r"kernels='triton' under parallel=dict\(pp=2\)"),
 ])
 def test_passes_and_budgets_under_parallel_say_what_runs(kw, msg):
     # refused before anything is captured or launched

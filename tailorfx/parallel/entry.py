@@ -31,11 +31,7 @@ def parallel_plan(model: nn.Module, parallel: Any, args: tuple, kwargs: dict, *,
     """The layout applied to `model` (apply.parallelize), with the rewrites it takes: the
     layout's own (spec.rewrites), or under a budget the first that fits (fit.fit_rewrites); for
     parallel="auto", those of the layout chosen."""
-    if options.get("offload") is not None:
-        shown = repr(parallel) if isinstance(parallel, str) else str(ParallelSpec.parse(parallel))
-        raise ValueError(f"offload={options['offload']!r} under parallel={shown}: the layouts checkpoint each block "
-                         f"with torch's checkpointing, which keeps its saved input on the device, so nothing would "
-                         f"be offloaded; drop offload=, or offload without parallel=")
+    _refuse_unhonoured(parallel, options)
     if isinstance(parallel, str) and parallel == "auto":
         return _auto_plan(model, args, kwargs, budget=budget, requested=requested, options=options)
     spec = ParallelSpec.parse(parallel)
@@ -57,6 +53,26 @@ def parallel_plan(model: nn.Module, parallel: Any, args: tuple, kwargs: dict, *,
     if fit is not None:
         plan = dataclasses.replace(plan, report=dataclasses.replace(plan.report, budget=fit.describe()))
     return plan
+
+
+# optimize()'s options the layouts do not run: given with parallel=, refused rather than ignored
+UNHONOURED = {
+    "offload": "the layouts checkpoint each block with torch's checkpointing, which keeps its saved input on "
+               "the device, so nothing would be offloaded",
+    "attention": "the layouts run the model's own attention (pipeline stages and sharded blocks take "
+                 "mini-sequence and recompute only)",
+    "precision": "the layouts train in the model's own dtypes (call model.to(...) first, or use torch.autocast)",
+    "kernels": "the layouts run torch's own ops, not the Triton kernels",
+}
+
+
+def _refuse_unhonoured(parallel: Any, options: dict) -> None:
+    given = [k for k in UNHONOURED if options.get(k) is not None]
+    if given:
+        shown = repr(parallel) if isinstance(parallel, str) else str(ParallelSpec.parse(parallel))
+        k = given[0]
+        raise ValueError(f"{k}={options[k]!r} under parallel={shown}: {UNHONOURED[k]}; drop {k}=, or run it "
+                         f"without parallel=")
 
 
 def _auto_plan(model: nn.Module, args: tuple, kwargs: dict, *, budget: Optional[Budget],
