@@ -12,7 +12,9 @@ Sections (default: all, in this order):
            ||out - ref|| / ||ref|| against an fp64 reference on the same rounded inputs (torch's
            own error in the same dtype beside it), pass/fail per tolerance, median ms vs eager.
   memory   the CUDA allocator's history of one training step (HF Llama, bf16, optimize()
-           default): its peak and largest allocations with their Python frames, not the snapshot.
+           default): its peak and largest allocations with their Python frames, not the snapshot;
+           exact attention's SDPA call on grouped k, v in fp32 (k, v repeated on CUDA) against
+           SDPA's enable_gqa: peaks, kernels, agreement.
   nccl     a world-size-1 NCCL process group (file:// store): all_reduce, a DeviceMesh; then one
            training step under torch.cuda.set_sync_debug_mode ("warn": every sync and where;
            "error": the first one raises, recorded, not fatal).

@@ -1,5 +1,7 @@
 """The memory section: the CUDA allocator's history of one training step, summarised (peak above
-the step's start, what is live there, the largest allocations, each with its Python frames)."""
+the step's start, what is live there, the largest allocations, each with its Python frames); and
+exact attention's SDPA call on grouped k, v in fp32 against SDPA's own enable_gqa (its math kernel
+on CUDA): peak, kernels and agreement."""
 from __future__ import annotations
 
 import os
@@ -84,3 +86,47 @@ def section_memory(run: Run, sec: dict) -> None:
         res["max_allocated"] = torch.cuda.max_memory_allocated()
         return res
     run.check(sec, "one bf16 training step (optimize() default, HF Llama)", history)
+    run.check(sec, "grouped k, v in fp32: grouped_sdpa against SDPA's enable_gqa", lambda: grouped_fp32(run))
+
+
+def grouped_fp32(run: Run) -> dict:
+    """Forward and backward of causal attention with Llama's 16 query and 4 kv heads (head dim 64,
+    fp32, 8192 tokens; 256 on the CPU) through runtime.flash_cpu.grouped_sdpa (on CUDA: k, v repeated,
+    the memory-efficient kernel) and through SDPA with enable_gqa (on CUDA: the math kernel, (B, H,
+    S, S) scores): each one's peak above its start and its attention kernels, and the largest
+    relative difference of output and gradients. ok: they agree to 1e-5 and, on CUDA,
+    grouped_sdpa's peak is under one fp32 (B, H, S, S) score tensor's bytes / 8."""
+    import torch
+    import torch.nn.functional as F
+    from tailorfx.runtime.flash_cpu import grouped_sdpa
+    dev = "cuda" if run.cuda else "cpu"
+    S, H, Hkv, D = (8192 if run.cuda else 256), 16, 4, 64
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(1, h, S, D, device=dev, generator=g, requires_grad=True) for h in (H, Hkv, Hkv))
+    dout = torch.randn(1, H, S, D, device=dev, generator=g)
+    calls = {"grouped_sdpa": lambda: grouped_sdpa(q, k, v, is_causal=True, scale=None),
+             "enable_gqa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)}
+    res, grads = {"shape": [1, H, Hkv, S, D]}, {}
+    for name, fn in calls.items():
+        for t in (q, k, v):
+            t.grad = None
+        if run.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = fn()
+            out.backward(dout)
+        grads[name] = [out.detach(), q.grad, k.grad, v.grad]
+        res[name] = {"kernels": sorted({e.key for e in prof.key_averages() if "attention" in e.key})}
+        if run.cuda:
+            torch.cuda.synchronize()
+            res[name]["peak_above_start_bytes"] = torch.cuda.max_memory_allocated() - before
+        del out
+    rel = max(((a - b).norm() / b.norm()).item() for a, b in zip(grads["grouped_sdpa"], grads["enable_gqa"]))
+    res["max_rel_diff"] = rel
+    res["ok"] = rel <= 1e-5
+    if run.cuda:
+        scores = 4 * H * S * S
+        res["ok"] = res["ok"] and res["grouped_sdpa"]["peak_above_start_bytes"] < scores / 8
+    return res
