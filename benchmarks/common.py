@@ -13,6 +13,18 @@ import torch
 OUT_DIR = os.path.join(os.path.dirname(__file__), "out")
 
 
+def cuda_peak(fn: Callable, return_result: bool = False):
+    """Peak bytes the CUDA caching allocator held during `fn()` above what was allocated when it
+    started (synchronized on both sides); tailorfx.measure_peak's counterpart for a GPU."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    return (peak, result) if return_result else peak
+
+
 def reference_model(vocab=32000, hidden=512, layers=4, heads=8, kv_heads=2, seed=0):
     """The benchmarks' default model: HF LlamaForCausalLM, vocab 32000, hidden 512, 4 layers, 8 heads /
     2 KV heads, fp32 (random weights). It returns logits with the loss, as users' models do."""

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import OUT_DIR  # noqa: E402
+from common import OUT_DIR, cuda_peak  # noqa: E402
 
 
 def bench(fn, warmup=10, rep=50) -> float:
@@ -85,12 +85,7 @@ def rows(args) -> list[dict]:
              "torch eager": eager, "inductor": torch.compile(eager)}
     for name, f in cands.items():
         ms = bench(fwd_bwd(f, [h, wv]))
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fwd_bwd(f, [h, wv])()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        peak = cuda_peak(fwd_bwd(f, [h, wv])) / 2**20
         out.append({"kernel": "linear_cross_entropy", "impl": name, "ms": ms, "TFLOP/s": 6 * T * H * V / ms / 1e9,
                     "peak_MiB": peak})
     del h, wv

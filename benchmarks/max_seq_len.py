@@ -74,7 +74,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import tailorfx  # noqa: E402
 from tailorfx.budget import Budget, format_bytes  # noqa: E402
-from common import lm_batch, print_table, write_json  # noqa: E402
+from common import cuda_peak, lm_batch, print_table, write_json  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-6
 STATE_LEN = 512   # tokens of the unmeasured step that creates the optimizer's state
@@ -108,14 +108,7 @@ def sync() -> None:
 def step_peak(step: Callable[[], Any]) -> int:
     """Peak bytes allocated during step() above what was live before it: tailorfx.measure_peak on the
     CPU, the caching allocator's high-water mark on CUDA."""
-    if DEVICE.type != "cuda":
-        return tailorfx.measure_peak(step)
-    sync()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    step()
-    sync()
-    return torch.cuda.max_memory_allocated() - before
+    return cuda_peak(step) if DEVICE.type == "cuda" else tailorfx.measure_peak(step)
 
 
 def counting_inductor(counts: Counter) -> Callable:

@@ -55,6 +55,7 @@ def eager_baseline(run: Run, entry: dict, reps: int) -> dict:
     to compare against: its peak above what was allocated before the step, and the median time."""
     import torch
     import tailorfx
+    from common import cuda_peak
     eager, batch = entry["eager"], entry["batch"]
     o = tailorfx.SetupOptimizer(eager.parameters(), entry["opt"].setup.with_(optimizer_in_backward=False))
 
@@ -66,12 +67,7 @@ def eager_baseline(run: Run, entry: dict, reps: int) -> dict:
     step()
     res = {}
     if run.cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        res["dynamic_peak"] = torch.cuda.max_memory_allocated() - before
+        res["dynamic_peak"] = cuda_peak(step)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()

@@ -98,6 +98,7 @@ def grouped_fp32(run: Run) -> dict:
     grouped_sdpa's peak is under one fp32 (B, H, S, S) score tensor's bytes / 8."""
     import torch
     import torch.nn.functional as F
+    from common import cuda_peak
     from tailorfx.runtime.flash_cpu import grouped_sdpa
     dev = "cuda" if run.cuda else "cpu"
     S, H, Hkv, D = (8192 if run.cuda else 256), 16, 4, 64
@@ -107,22 +108,20 @@ def grouped_fp32(run: Run) -> dict:
     calls = {"grouped_sdpa": lambda: grouped_sdpa(q, k, v, is_causal=True, scale=None),
              "enable_gqa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)}
     res, grads = {"shape": [1, H, Hkv, S, D]}, {}
-    for name, fn in calls.items():
-        for t in (q, k, v):
-            t.grad = None
-        if run.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
+    def profiled(fn):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             out = fn()
             out.backward(dout)
-        grads[name] = [out.detach(), q.grad, k.grad, v.grad]
+        return prof, out.detach()
+
+    for name, fn in calls.items():
+        for t in (q, k, v):
+            t.grad = None
+        peak, (prof, out) = cuda_peak(lambda: profiled(fn), return_result=True) if run.cuda else (None, profiled(fn))
+        grads[name] = [out, q.grad, k.grad, v.grad]
         res[name] = {"kernels": sorted({e.key for e in prof.key_averages() if "attention" in e.key})}
-        if run.cuda:
-            torch.cuda.synchronize()
-            res[name]["peak_above_start_bytes"] = torch.cuda.max_memory_allocated() - before
-        del out
+        if peak is not None:
+            res[name]["peak_above_start_bytes"] = peak
     rel = max(((a - b).norm() / b.norm()).item() for a, b in zip(grads["grouped_sdpa"], grads["enable_gqa"]))
     res["max_rel_diff"] = rel
     res["ok"] = rel <= 1e-5
