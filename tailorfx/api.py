@@ -215,16 +215,17 @@ class OptimizedModule(nn.Module):
     def bound_at(self, offload: Optional[bool] = None) -> Optional[Callable[[int], bound.Bound]]:
         """The lower bound on any plan's peak (rewrite/bound.py) as a function of the length, read
         off the one captured graph; None with several graphs, no blocks or no sequence symbol.
-        `offload`: plans may keep checkpoints in host memory (default: when asked for, or on a
-        GPU budget, where the planner's last candidate does)."""
+        `offload`: plans may keep checkpoints in host memory (default: when asked for, or when
+        planned for a GPU, a model there or a GPU budget preset, where the planner's last
+        candidate does)."""
         gs = self.session.graphs
         if len(gs) != 1 or gs[0].failed or self.session.parallel is not None:
             return None
         est = self.predict_memory(1)
         # a GPU's plans may keep checkpoints in host memory (the planner's last candidate there)
         if offload is None:
-            offload = self.options.options_dict().get("offload") is not None or (
-                self.setup is not None and self.setup.device is not None)
+            offload = self.options.options_dict().get("offload") is not None or not planner.plans_for_cpu(
+                planner.graph_device(gs[0].rewritten), self.setup)
         return bound.bound_at(gs[0].rewritten, gs[0].seq, est.static_bytes + est.device_bytes, offload)
 
     def limit(self) -> Optional[tuple[bound.Bound, Optional[int]]]:

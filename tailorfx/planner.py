@@ -303,6 +303,22 @@ def run_plan(plan: Plan, gm: fx.GraphModule, ctx: PassContext, verify: bool = Tr
 
 
 # ---- planning against a budget ------------------------------------------------------------------
+def graph_device(gm: fx.GraphModule) -> torch.device:
+    """Where a captured graph's tensors live: its first tensor input's device (the CPU without one)."""
+    for n in gm.graph.nodes:
+        v = node_value(n) if n.op == "placeholder" else None
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return torch.device("cpu")
+
+
+def plans_for_cpu(device: torch.device, setup: Optional[TrainingSetup]) -> bool:
+    """Whether a step is planned for the CPU's kernels (the blocked attention backward as the last
+    candidate) or for a GPU's (checkpoints offloaded to host last): a model on the CPU without a
+    GPU budget preset. max_seq_len, sequence_bound and the planner decide alike."""
+    return torch.device(device).type == "cpu" and (setup is None or setup.device is None)
+
+
 def plan_for_budget(gm: fx.GraphModule, ctx: PassContext, base: Plan, lowering: str,
                     verify: bool = True) -> tuple[Plan, Optional[str]]:
     """Search plans against the budget at the captured length (see search). When no plan fits
@@ -311,9 +327,7 @@ def plan_for_budget(gm: fx.GraphModule, ctx: PassContext, base: Plan, lowering: 
     opts = base.options
     setup = opts.get("setup")
     label = opts.get("budget_label", "")
-    on_cpu = all(v.device.type == "cpu" for n in gm.graph.nodes if n.op == "placeholder"
-                 for v in [node_value(n)] if isinstance(v, torch.Tensor))
-    cpu = on_cpu and (setup is None or setup.device is None)
+    cpu = plans_for_cpu(graph_device(gm), setup)
     cands = budget_candidates(base, len(ctx.regions.of_kind("block")), bool(ctx.regions.of_kind("lm_head_loss")), cpu=cpu)
     rewritten: dict = {}      # candidate -> its rewritten graph: the second search predicts the same graphs
     try:

@@ -109,7 +109,8 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
         _check_static(model, s, b, usable)   # before the capture: an 8B capture takes half a minute
         with progress(total=1, desc="capturing the step on fake tensors", unit="graph") as bar:
             # the plan that saves the most; the attention backward in blocks runs on the CPU only
-            saves_most = {} if passes is not None else {"minisequence": "segments"} if s.device is not None else {
+            cpu = planner.plans_for_cpu(next(model.parameters()).device, s)
+            saves_most = {} if passes is not None else {"minisequence": "segments"} if not cpu else {
                 "minisequence": "segments", "attention": Exact(backward_blocks=planner.ATTENTION_BACKWARD_BLOCKS)}
             opt = _capture(model, chosen, 256, batch_size or s.micro_batch_size, setup=s,
                            recompute="full" if "recompute" in chosen else None, offload=offload, **saves_most)
@@ -154,8 +155,9 @@ def sequence_bound(model_or_config: Any, budget: Union[str, int, Budget, None], 
     stream's gradient + the last attention's operands and their gradients at full length). The
     result's `parts` say what the bound is made of at that length; max_seq_len() / its seq_len
     is how close the best plan comes. With `seq_len` (budget then may be None): the bound at that
-    length. `offload`: plans may keep checkpoints in host memory (default: on a GPU budget, where
-    the planner may offload them; False: the device-only bound)."""
+    length. `offload`: plans may keep checkpoints in host memory (default: planned for a GPU, a
+    model there or a GPU budget preset, where the planner may offload them; False: the
+    device-only bound)."""
     if budget is None and seq_len is None:
         raise ValueError("sequence_bound needs a budget (the longest length) or seq_len (the bound there)")
     b = Budget.parse(budget if budget is not None else 1 << 60)

@@ -95,6 +95,28 @@ def test_max_seq_len_is_what_fits_when_measured():
     assert steady_state_total(opt, m, lm(int(S / (1 - HEADROOM)) + 256)) > 300 * 2**20
 
 
+def test_max_seq_len_and_the_bound_plan_for_the_device_the_planner_plans_for(monkeypatch):
+    """Planned for a GPU (a model on one, without a budget preset: this CPU plays it by
+    planner.plans_for_cpu answering False), max_seq_len predicts without the CPU's blocked
+    attention backward, which the planner does not offer there, so optimize() fits its length;
+    and the bound lets checkpoints wait in host memory, as the planner's last candidate there does."""
+    from models import hf_family
+    base = hf_family("qwen2", vocab_size=2048, hidden_size=128, intermediate_size=344, num_attention_heads=2,
+                     num_key_value_heads=1, max_position_embeddings=1 << 16)
+    budget = 4 * sum(p.numel() * 4 for p in base.parameters()) + (40 << 20)
+    cpu = tailorfx.max_seq_len(copy.deepcopy(base), budget, granularity=256)
+    cpu_bound = tailorfx.sequence_bound(copy.deepcopy(base), budget, granularity=256).seq_len
+    monkeypatch.setattr(tailorfx.planner, "plans_for_cpu", lambda device, setup: False)
+    gpu = tailorfx.max_seq_len(copy.deepcopy(base), budget, granularity=256)
+    assert gpu < cpu   # the full-length fp32 accumulator of the unblocked backward
+    ids = torch.randint(0, 2048, (1, gpu))
+    opt = tailorfx.optimize(copy.deepcopy(base), budget=budget, optimizer="adamw", verify=False,
+                            example_inputs={"input_ids": ids, "labels": ids.clone(), "use_cache": False})
+    assert "attention backward in blocks" not in str(opt.plan[0]) and opt.plan[0].chosen is not None, str(opt.plan[0])
+    gpu_bound = tailorfx.sequence_bound(copy.deepcopy(base), budget, granularity=256)
+    assert gpu_bound.seq_len > cpu_bound == tailorfx.sequence_bound(base, budget, granularity=256, offload=False).seq_len
+
+
 def test_static_part_too_large_is_a_clear_error():
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                       num_attention_heads=16, num_key_value_heads=4)
