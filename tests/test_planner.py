@@ -95,6 +95,7 @@ def test_max_seq_len_is_what_fits_when_measured():
     assert steady_state_total(opt, m, lm(int(S / (1 - HEADROOM)) + 256)) > 300 * 2**20
 
 
+@pytest.mark.slow
 def test_max_seq_len_and_the_bound_plan_for_the_device_the_planner_plans_for(monkeypatch):
     """Planned for a GPU (a model on one, without a budget preset: this CPU plays it by
     planner.plans_for_cpu answering False), max_seq_len predicts without the CPU's blocked
