@@ -4,7 +4,8 @@
 
 For HF Llama, Qwen3 and Gemma-2 (tests/models.py's tiny configs, bf16, batch 1 x 64 tokens,
 parameters without gradients) under optimize()'s default plan, kernels="triton" and
-attention=SlidingWindow(16), and Llama's default plan in fp32, each graph's decisions (passes that
+attention=SlidingWindow(16), and in fp32 Llama's default plan and a model of its own whose SDPA
+call takes grouped k, v without a mask (GroupedSdpaLM), each graph's decisions (passes that
 changed it, the attention calls' specs, chunk counts, the head's dtypes) and what its rewritten
 graph calls when run on fake tensors of DEVICE at the captured sizes: the dispatched ops and
 torch's SDPA calls. Needs a torch linked with CUDA (a CPU wheel cannot index a fake CUDA tensor)
@@ -129,8 +130,54 @@ def run_static(gm, device: str) -> dict:
     return {"ops": sorted(ops.ops), "head_inputs": ops.head, "sdpa": sdpa.calls}
 
 
+class GroupedSdpaAttention(torch.nn.Module):
+    """Causal self-attention calling SDPA on grouped k, v without a mask (is_causal, enable_gqa), as
+    hand-written models do: 4 query heads, 1 kv head."""
+    def __init__(self, hidden: int, heads: int = 4):
+        super().__init__()
+        self.heads, self.d = heads, hidden // heads
+        self.q, self.kv, self.o = (torch.nn.Linear(hidden, hidden), torch.nn.Linear(hidden, 2 * self.d),
+                                   torch.nn.Linear(hidden, hidden))
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q = self.q(x).view(B, S, self.heads, self.d).transpose(1, 2)
+        k, v = (t.transpose(1, 2) for t in self.kv(x).view(B, S, 2, 1, self.d).unbind(2))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(a.transpose(1, 2).reshape(B, S, -1))
+
+
+class GroupedSdpaBlock(torch.nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.attn = GroupedSdpaAttention(hidden)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GroupedSdpaLM(torch.nn.Module):
+    """A model of its own, not transformers': two blocks of GroupedSdpaAttention and an MLP."""
+    def __init__(self, vocab: int = 256, hidden: int = 64):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        self.layers = torch.nn.ModuleList(GroupedSdpaBlock(hidden) for _ in range(2))
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
 def case(family: str, variant: str, device: str) -> dict:
-    cfg = hf_config(family)
+    cfg = GroupedSdpaLM if family == "grouped_sdpa" else hf_config(family)
     with built_on_fake_tensors(cfg, DTYPES.get(variant, torch.bfloat16)) as model:
         model, ids = on_device(model, device)
         opt = tailorfx.optimize(model, example_inputs={"input_ids": ids, "labels": ids}, lowering="eager",
@@ -148,7 +195,7 @@ def case(family: str, variant: str, device: str) -> dict:
 def main() -> None:
     device = sys.argv[1]
     out = {}
-    for family, variant in [*((f, v) for f in FAMILIES for v in VARIANTS), ("llama", "fp32")]:
+    for family, variant in [*((f, v) for f in FAMILIES for v in VARIANTS), ("llama", "fp32"), ("grouped_sdpa", "fp32")]:
         try:
             out[f"{family}/{variant}"] = case(family, variant, device)
         except Exception as e:   # noqa: BLE001  (reported per case; the test names it)

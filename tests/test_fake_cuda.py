@@ -133,3 +133,15 @@ def test_fp32_exact_attention_repeats_grouped_kv_on_cuda_only(runs):
     assert cuda["sdpa"] == [{"mask": False, "causal": True, "dtype": "torch.float32", "heads": [4, 4]}] * 2
     assert cpu["sdpa"] == [{"mask": False, "causal": True, "dtype": "torch.float32", "heads": [4, 2]}] * 2
     assert "aten.repeat_interleave" in cuda["ops"] or "aten.index_select" in cuda["ops"] or "aten.expand" in cuda["ops"]
+
+
+def test_a_maskless_grouped_sdpa_call_is_swapped_where_cuda_would_run_it_on_the_math_kernel(runs):
+    """A model's own SDPA call on grouped k, v without a mask (is_causal, enable_gqa) makes no S x S
+    tensor on the CPU (its flash takes grouped heads), so the default plan leaves it; on CUDA in
+    fp32 it would run the math kernel's (B, H, S, S) scores, so the exact swap runs there, on
+    repeated k, v."""
+    cpu, cuda = _graph(runs, "cpu", "grouped_sdpa/fp32"), _graph(runs, "cuda", "grouped_sdpa/fp32")
+    assert [c[1:4] for c in cuda["calls"] if c[0] == "attention"] == [["attention_call", "Exact", []]] * 2
+    assert cuda["sdpa"] == [{"mask": False, "causal": True, "dtype": "torch.float32", "heads": [4, 4]}] * 2
+    assert not [c for c in cpu["calls"] if c[0] == "attention"], cpu["calls"]
+    assert cpu["sdpa"] == [{"mask": False, "causal": True, "dtype": "torch.float32", "heads": [4, 1]}] * 2

@@ -32,13 +32,20 @@ MAX_FLASH_CALLS = 256  # beyond this many documents, batched tile matmuls beat p
 MIN_BLOCK_TOKENS = 256  # a blocked flash backward's blocks are at least this long (per-call overhead)
 
 
+def grouped_on_cuda_math(q: Tensor, k: Tensor) -> bool:
+    """Whether CUDA's SDPA takes these grouped k, v (fewer heads than q) on its math kernel only,
+    (B, H, S, S) scores: flash runs fp16/bf16 up to head dim 256, the memory-efficient kernel no
+    grouped heads (16K fp32 tokens of Qwen2 needed 8.4 GiB on an H200)."""
+    return (k.shape[1] != q.shape[1] and q.device.type == "cuda"
+            and (q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 256))
+
+
 def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float]) -> Tensor:
-    """F.scaled_dot_product_attention with k, v of H_kv <= H heads. On CUDA where flash cannot run
-    (fp32, fp64; head dim over 256) k and v are repeated to every query head first: with grouped
-    heads SDPA would fall to its math kernel there, whose (B, H, S, S) scores made a 16K-token fp32
-    Qwen2 step need 8.4 GiB on an H200; repeated, the memory-efficient kernel runs in O(S)."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1 and q.device.type == "cuda" and (q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 256):
+    """F.scaled_dot_product_attention with k, v of H_kv <= H heads; where CUDA would run them on
+    its math kernel (grouped_on_cuda_math) k and v are repeated to every query head first, so the
+    memory-efficient kernel runs in O(S)."""
+    if grouped_on_cuda_math(q, k):
+        group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 

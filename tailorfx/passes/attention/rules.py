@@ -17,6 +17,7 @@ from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import clone, node_value, seq_info
 from tailorfx.rewrite.passes import PassContext
 from tailorfx.rewrite.regions import find_regions
+from tailorfx.runtime.flash_cpu import grouped_on_cuda_math
 
 
 @dataclass(frozen=True)
@@ -108,9 +109,11 @@ def _match_sdpa(node: fx.Node, ctx: PassContext) -> Union[Match, str, None]:
             return "a per-key bias in a packed-document mask"
         return Match("sdpa", node, q, k, v, True, float(scale), how, True, proof.positions, proof.rule,
                      window=proof.window, key_bias=bias, dropout=float(p))
-    # with dropout, SDPA on the CPU takes its math path: S x S probabilities and mask
-    on_cpu = node_value(q).device.type == "cpu"
-    return Match("sdpa", node, q, k, v, causal, float(scale), how, bool(p) and on_cpu, dropout=float(p))
+    # SDPA's math kernel makes S x S scores: on the CPU with dropout, on CUDA for grouped k, v
+    # that neither flash nor the memory-efficient kernel takes (fp32 ones)
+    qv, kv = node_value(q), node_value(k)
+    dense = (bool(p) and qv.device.type == "cpu") or grouped_on_cuda_math(qv, kv)
+    return Match("sdpa", node, q, k, v, causal, float(scale), how, dense, dropout=float(p))
 
 
 def _masked_bias(mask: fx.Node) -> Optional[fx.Node]:
