@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tailorfx  # noqa: E402
 from models import hf_config  # noqa: E402
 from tailorfx.models.build import built_on_fake_tensors, fake_mode_of  # noqa: E402
+from tailorfx.passes.attention.rules import drop_causal_sdpa_masks  # noqa: E402
 from tailorfx.rewrite.capture import node_value  # noqa: E402
 
 FAMILIES = ("llama", "qwen3", "gemma2")
@@ -188,6 +189,8 @@ def case(family: str, variant: str, device: str) -> dict:
                "passes": [[r.name, bool(r.changed)] for r in g.records], "calls": graph_decisions(g.rewritten)}
         if not g.failed:
             rec.update(run_static(g.rewritten, device))
+        if variant in DTYPES:   # what the parallel layouts run: the captured graph, its causal masks dropped
+            rec["masks_dropped_sdpa"] = run_static(drop_causal_sdpa_masks(g.original), device)["sdpa"]
         graphs.append(rec)
     return {"graphs": graphs}
 

@@ -127,12 +127,16 @@ def test_kernels_triton_runs_every_triton_op_on_cuda(runs, family):
 def test_fp32_exact_attention_repeats_grouped_kv_on_cuda_only(runs):
     """On CUDA neither flash (fp16/bf16 only) nor the memory-efficient kernel (no grouped heads)
     takes grouped k, v in fp32: SDPA's math kernel would hold (B, H, S, S) scores (8.4 GiB at 16K
-    tokens on an H200). Exact attention repeats them there; the CPU's flash takes them grouped."""
+    tokens on an H200). Exact attention repeats them there, and so does the parallel layouts' graph
+    whose causal masks are dropped; the CPU's flash takes them grouped."""
     cpu, cuda = _graph(runs, "cpu", "llama/fp32"), _graph(runs, "cuda", "llama/fp32")
     assert [c[1:4] for c in cuda["calls"] if c[0] == "attention"] == [["attention_call", "Exact", []]] * 2
     assert cuda["sdpa"] == [{"mask": False, "causal": True, "dtype": "torch.float32", "heads": [4, 4]}] * 2
     assert cpu["sdpa"] == [{"mask": False, "causal": True, "dtype": "torch.float32", "heads": [4, 2]}] * 2
     assert "aten.repeat_interleave" in cuda["ops"] or "aten.index_select" in cuda["ops"] or "aten.expand" in cuda["ops"]
+    # the parallel layouts' graph (the captured one, its causal masks dropped): k, v stay repeated on CUDA
+    assert cuda["masks_dropped_sdpa"] == [{"mask": False, "causal": True, "dtype": "torch.float32", "heads": [4, 4]}] * 2
+    assert cpu["masks_dropped_sdpa"] == [{"mask": False, "causal": True, "dtype": "torch.float32", "heads": [4, 2]}] * 2
 
 
 def test_a_maskless_grouped_sdpa_call_is_swapped_where_cuda_would_run_it_on_the_math_kernel(runs):

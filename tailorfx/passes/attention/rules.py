@@ -215,8 +215,9 @@ def drop_causal_sdpa_masks(gm: fx.GraphModule) -> fx.GraphModule:
     plainly causal (no document, window or per-key bias) takes is_causal=True without it, and its
     grouped k, v unrepeated (enable_gqa=True), as transformers' eager forward calls it: what a
     traced forward runs where it could not drop the mask (with a mask transformers repeats k and v
-    to every head, and autograd saves them so). A copy: a static capture is Dynamo's, reused by the
-    next capture at these shapes."""
+    to every head, and autograd saves them so); kept repeated where CUDA would run grouped ones on
+    its math kernel (fp32). A copy: a static capture is Dynamo's, reused by the next capture at
+    these shapes."""
     gm = clone(gm)
     seq = seq_info(gm, None)
     ctx = PassContext(regions=find_regions(gm, seq), seq=seq)
@@ -226,7 +227,7 @@ def drop_causal_sdpa_masks(gm: fx.GraphModule) -> fx.GraphModule:
                 and m.key_bias is None):
             a = match.named_args(n, SDPA_ARGS)
             q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
-            if m.k is not k and m.v is not v:
+            if m.k is not k and m.v is not v and not grouped_on_cuda_math(node_value(q), node_value(m.k)):
                 k, v, a["enable_gqa"] = m.k, m.v, True
             n.args = (q, k, v)
             n.kwargs = {**a, "attn_mask": None, "is_causal": True}
