@@ -36,7 +36,7 @@ def grouped_on_cuda_math(q: Tensor, k: Tensor) -> bool:
     """Whether CUDA's SDPA takes these grouped k, v (fewer heads than q) on its math kernel only,
     (B, H, S, S) scores: flash runs fp16/bf16 up to head dim 256, the memory-efficient kernel no
     grouped heads (16K fp32 tokens of Qwen2 needed 8.4 GiB on an H200)."""
-    return (k.shape[1] != q.shape[1] and q.device.type == "cuda"
+    return (q.dim() == k.dim() == 4 and k.shape[1] != q.shape[1] and q.device.type == "cuda"
             and (q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 256))
 
 

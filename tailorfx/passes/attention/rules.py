@@ -111,8 +111,8 @@ def _match_sdpa(node: fx.Node, ctx: PassContext) -> Union[Match, str, None]:
                      window=proof.window, key_bias=bias, dropout=float(p))
     # SDPA's math kernel makes S x S scores: on the CPU with dropout, on CUDA for grouped k, v
     # that neither flash nor the memory-efficient kernel takes (fp32 ones)
-    qv, kv = node_value(q), node_value(k)
-    dense = (bool(p) and qv.device.type == "cpu") or grouped_on_cuda_math(qv, kv)
+    qv, given_k = node_value(q), node_value(a["key"])   # the k SDPA is given (grouped, or repeated by the model)
+    dense = (bool(p) and qv.device.type == "cpu") or grouped_on_cuda_math(qv, given_k)
     return Match("sdpa", node, q, k, v, causal, float(scale), how, dense, dropout=float(p))
 
 
