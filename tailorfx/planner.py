@@ -304,10 +304,10 @@ def run_plan(plan: Plan, gm: fx.GraphModule, ctx: PassContext, verify: bool = Tr
 
 # ---- planning against a budget ------------------------------------------------------------------
 def graph_device(gm: fx.GraphModule) -> torch.device:
-    """Where a captured graph's tensors live: its first tensor input's device (the CPU without one)."""
+    """Where a captured graph runs: the device of its first tensor input not on the CPU, else the CPU."""
     for n in gm.graph.nodes:
         v = node_value(n) if n.op == "placeholder" else None
-        if isinstance(v, torch.Tensor):
+        if isinstance(v, torch.Tensor) and v.device.type != "cpu":
             return v.device
     return torch.device("cpu")
 
