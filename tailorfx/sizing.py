@@ -18,6 +18,7 @@ from tailorfx.models.build import built_on_fake_tensors
 from tailorfx.options import check_passes, positive_int
 from tailorfx.progress import progress
 from tailorfx.rewrite import bound, memory
+from tailorfx.runtime.accumulation import model_device
 from tailorfx.setup import TrainingSetup, with_device_costs
 from tailorfx.setup import resolve as resolve_setup
 
@@ -109,7 +110,7 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
         _check_static(model, s, b, usable)   # before the capture: an 8B capture takes half a minute
         with progress(total=1, desc="capturing the step on fake tensors", unit="graph") as bar:
             # the plan that saves the most; the attention backward in blocks runs on the CPU only
-            cpu = planner.plans_for_cpu(next(model.parameters()).device, s)
+            cpu = planner.plans_for_cpu(model_device(model), s)
             saves_most = {} if passes is not None else {"minisequence": "segments"} if not cpu else {
                 "minisequence": "segments", "attention": Exact(backward_blocks=planner.ATTENTION_BACKWARD_BLOCKS)}
             opt = _capture(model, chosen, 256, batch_size or s.micro_batch_size, setup=s,

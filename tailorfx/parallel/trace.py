@@ -37,6 +37,7 @@ from tailorfx.passes.attention.rules import drop_causal_sdpa_masks
 from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import isolated_captures, node_value, seq_info
 from tailorfx.rewrite.regions import find_regions, is_param, normalize_path, param_source
+from tailorfx.runtime.accumulation import model_device
 
 
 def _source_key(src: Any) -> tuple:
@@ -150,7 +151,7 @@ def capture_rank(src: Any, *, tp: int, rows: int, seq: int, dtype: torch.dtype, 
         own_group = True
     try:
         if own_group:
-            on = _device(src).type if isinstance(src, nn.Module) else "cpu"
+            on = model_device(src).type if isinstance(src, nn.Module) else "cpu"
             # a new name each time: DTensor caches sharding decisions by mesh equality, and a decision
             # cached from an earlier capture's (destroyed) mesh leaks that mesh into this graph, where
             # AOTAutograd then fails ("Node tangents_4 was invalid, but is output")
@@ -179,7 +180,7 @@ def _remember(key: tuple, src: Any, cap: RankCapture) -> RankCapture:
 def _capture_on(src, *, tp, rows, seq, head, vocab_loss, dtype, mesh, passes, options, cut) -> RankCapture:
     scope = contextlib.nullcontext
     with _fake_model(src, dtype) as model:
-        ids = torch.zeros(rows, seq, dtype=torch.long, device=_device(model))
+        ids = torch.zeros(rows, seq, dtype=torch.long, device=model_device(model))
         batch = {"input_ids": ids, "labels": ids}
         if ("recompute" in passes or cut) and accepts_use_cache(model):    # as the runtime calls it (apply.py)
             batch["use_cache"] = False
@@ -265,11 +266,6 @@ def _rng_state_bytes(gm: fx.GraphModule) -> int:
     return torch.get_rng_state().numel() if on <= {"cpu"} else 0
 
 
-def _device(model: nn.Module) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
 def read_tp_plan(src: Any, dtype: torch.dtype, model: Optional[nn.Module] = None) -> TPPlan:
     """The TP plan read off the model's graph (plan.plan_tensor_parallel), once per model: it does
     not depend on tp. `model`: an already built fake copy to read it from."""
@@ -280,7 +276,7 @@ def read_tp_plan(src: Any, dtype: torch.dtype, model: Optional[nn.Module] = None
     ids = torch.zeros(1, 64, dtype=torch.long)    # long enough for a static capture (capture_graphs)
     with (contextlib.nullcontext(model) if model is not None else _fake_model(src, dtype)) as m:
         with isolated_captures():
-            plan, _ = plan_tensor_parallel(m, (), {"input_ids": ids.to(_device(m)), "labels": ids.to(_device(m))})
+            plan, _ = plan_tensor_parallel(m, (), {"input_ids": ids.to(model_device(m)), "labels": ids.to(model_device(m))})
     try:
         owner = weakref.ref(src) if key[0] == "object" else None
     except TypeError:
