@@ -17,20 +17,21 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # two workers for the two cores (tests/conftest.py gives each one intra-op thread). `make test`
-# runs the suite but for the tests marked slow or multiprocess (`make test-slow`; CI runs both):
-# tests/test_fake_cuda.py's fake-CUDA captures run on .venv-torch211's Python (torch 2.11's CUDA
-# build, which runs on CPU; `make test`'s CPU wheel cannot index a fake CUDA tensor)
+# runs the suite in one virtualenv (the CPU wheel) but for the tests marked slow or multiprocess
+# (`make test-slow`) and those marked cuda_build (`make test-torch211`); CI runs all three
 PYTEST := -m pytest -q -n 2 --dist worksteal --durations=30
-test: $(STAMP) $(VENV211)/.installed
-	TAILORFX_CUDA_PYTHON=$(VENV211)/bin/python $(BIN)/python $(PYTEST) -m "not slow and not multiprocess" tests
+test: $(STAMP)
+	$(BIN)/python $(PYTEST) -m "not slow and not multiprocess and not cuda_build" tests
 
 test-slow: $(STAMP)
-	$(BIN)/python $(PYTEST) -m "slow or multiprocess" tests
+	$(BIN)/python $(PYTEST) -m "(slow or multiprocess) and not cuda_build" tests
 
-# torch 2.11 (the GPU machines' release) in a second virtualenv: the package installed over it must
-# keep that torch; CI runs a smoke subset of the suite on it after `make test`
+# torch 2.11 (the GPU machines' release, its CUDA build, which runs on CPU) in a second virtualenv:
+# the package installed over it must keep that torch; CI runs on it, after `make test`, a smoke
+# subset of the suite and the tests marked cuda_build (tests/test_fake_cuda.py: captures on fake
+# CUDA tensors, which a CPU wheel of torch cannot index)
 SMOKE211 := tests/test_api.py tests/test_minisequence.py tests/test_recompute.py \
-	tests/test_attention_packed.py
+	tests/test_attention_packed.py tests/test_fake_cuda.py
 $(VENV211)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV211)
 	$(VENV211)/bin/pip install --upgrade pip

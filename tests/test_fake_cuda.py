@@ -6,9 +6,9 @@ bf16), windows, packed masks and soft-caps on the Triton flash kernel where the 
 engine, and the fused head's GEMMs in bf16.
 
 Needs a torch linked with CUDA (no GPU): the CPU wheel cannot index a fake CUDA tensor ("PyTorch is
-not linked with support for cuda devices"), so under `make test`'s CPU wheel the script runs on the
-Python of `.venv-torch211` (torch 2.11's CUDA build, which `make test` sets up), or on
-$TAILORFX_CUDA_PYTHON.
+not linked with support for cuda devices"). Marked cuda_build: `make test-torch211` runs it on
+`.venv-torch211` (torch 2.11's CUDA build); under a CPU wheel the script runs on
+$TAILORFX_CUDA_PYTHON's Python, and without one the tests fail (they never skip).
 """
 import json
 import os
@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.cuda_build
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "fake_cuda_decisions.py")
 CASES = [f"{f}/{v}" for f in ("llama", "qwen3", "gemma2") for v in ("default", "triton", "window")]
@@ -25,12 +26,12 @@ CASES = [f"{f}/{v}" for f in ("llama", "qwen3", "gemma2") for v in ("default", "
 
 def _cuda_python() -> str:
     """A Python whose torch is linked with CUDA: this one's, else $TAILORFX_CUDA_PYTHON, else
-    `make test`'s .venv-torch211."""
+    `make test-torch211`'s .venv-torch211."""
     if torch.backends.cuda.is_built():
         return sys.executable
     exe = os.environ.get("TAILORFX_CUDA_PYTHON") or os.path.join(os.path.dirname(HERE), ".venv-torch211", "bin", "python")
     assert os.path.exists(exe), (f"the fake-CUDA capture needs a torch linked with CUDA and this one is a CPU build: "
-                                 f"no {exe}; run `make test` (it sets up .venv-torch211) or set TAILORFX_CUDA_PYTHON")
+                                 f"no {exe}; run `make test-torch211` (it sets up .venv-torch211) or set TAILORFX_CUDA_PYTHON")
     return exe
 
 
