@@ -14,6 +14,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs two workers on two cores: one intra-op thread each, else OpenMP threads
     # spin-wait against the other worker's
     torch.set_num_threads(1)
+if os.environ.get("TAILORFX_TEST_THREADS"):
+    # the intra-op thread count asked for (the exact comparisons' determinism across counts)
+    torch.set_num_threads(int(os.environ["TAILORFX_TEST_THREADS"]))
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +38,30 @@ def _seeded():
     test that needs a clean cache resets it itself and says why)."""
     torch.manual_seed(0)
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """TAILORFX_REVERSE_ORDER=1 runs the collected tests last to first: a test that passes only
+    after (or before) another shows."""
+    if os.environ.get("TAILORFX_REVERSE_ORDER") == "1":
+        items.reverse()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """TAILORFX_RATIO_LOG=path: every exact comparison's worst error / tolerance (harness.RATIO_LOG)
+    as JSON at `path`, or `path.<worker>` from each xdist worker (tests/ratio_table.py merges them)."""
+    path = os.environ.get("TAILORFX_RATIO_LOG")
+    if not path:
+        return
+    import json
+
+    import harness
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        path = f"{path}.{worker}"
+    elif hasattr(session.config, "workerinput") or session.config.pluginmanager.has_plugin("dsession"):
+        return   # the xdist controller: its workers wrote theirs
+    config = {"threads": torch.get_num_threads(), "capability": torch.backends.cpu.get_cpu_capability(),
+              "reverse": os.environ.get("TAILORFX_REVERSE_ORDER") == "1"}
+    with open(path, "w") as f:
+        json.dump({"config": config, "comparisons": harness.RATIO_LOG}, f, indent=1)
