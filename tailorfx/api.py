@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+import weakref
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -23,6 +24,7 @@ from tailorfx.rewrite.capture import mark_sequence_dims
 from tailorfx.rewrite.regions import Region
 from tailorfx.setup import OPTIMIZERS, TrainingSetup, with_device_costs
 from tailorfx.setup import resolve as resolve_setup
+from tailorfx import trainers
 
 
 class OptimizedModule(nn.Module):
@@ -50,6 +52,90 @@ class OptimizedModule(nn.Module):
         def forward(*args, **kwargs):
             return run(*args, **kwargs)
         self.__dict__["forward"] = forward
+        self.__dict__["_replaced_forward"] = None   # what replaced forward, when tailorfx cannot serve it
+        self.__dict__["_trl_step"] = None   # (TrlHead, its compiled LogProbStep, whether a training call ran it)
+        me = weakref.ref(self)
+        watch = trainers.BypassWatch(model.parameters(), lambda: me() is not None and me()._on_bypass())
+        self.__dict__["_bypass"] = watch
+        weakref.finalize(self, trainers.BypassWatch.close, watch)
+
+    def __setattr__(self, name: str, value) -> None:
+        """A replaced `forward` (TRL's add_fused_lm_head replaces it on the object it is given) is
+        served by tailorfx's graph where tailorfx knows what it computes (TRL's fused head), else
+        kept and, once a training step runs through it without tailorfx's graph, said."""
+        if name == "forward" and "forward" in self.__dict__:
+            self._replace_forward(value)
+        else:
+            super().__setattr__(name, value)
+
+    def _replace_forward(self, fn) -> None:
+        head = trainers.trl_fused_head(fn, self.model)
+        if not isinstance(head, trainers.TrlHead):
+            self.__dict__["forward"] = fn
+            self.__dict__["_replaced_forward"] = trainers.describe(fn) + (f" ({head})" if head else "")
+            if head:   # TRL's, with options tailorfx's head lacks: its head runs on the unoptimized backbone
+                trainers.warn_once(self.session, f"TRL's fused LM head is not served by tailorfx: {head}; "
+                                                 f"TRL's head will run on the unoptimized backbone")
+            return
+        serve = self._trl_forward
+
+        @functools.wraps(fn)
+        def forward(*args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+            if not fused_lm_head:   # TRL's function, which calls tailorfx's forward
+                return fn(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
+                          **kwargs)
+            return serve(head, args, kwargs, labels, shift_labels, num_items_in_batch)
+        self.__dict__["forward"] = forward
+        self.__dict__["_replaced_forward"] = None
+        note = (f"TRL's fused LM head ({trainers.describe(fn)}, outputs {', '.join(head.outputs)}) is served by "
+                f"tailorfx: fused_lm_head=True calls run the backbone's rewritten graph and tailorfx's chunked "
+                f"log-prob head (one fused head, sized by the plan), not TRL's")
+        if note not in self.session.notes:
+            self.session.notes.append(note)
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: Optional[dict] = None,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
+        """What trainers call for activation checkpointing (HF Trainer, TRL's default
+        `gradient_checkpointing=True`): tailorfx's recompute pass recomputes the blocks (every
+        block in full, or under a budget the blocks the planner picks; `offload=True` keeps their
+        checkpoints in host memory, offload="checkpoints"), not torch.utils.checkpoint around the
+        layers, which no pass can see into. Graphs compiled from now on take it."""
+        self._set_checkpointing(True, offload)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: Optional[dict] = None,
+                                      every_n_layers: int = 1, offload: bool = False) -> None:
+        """transformers' older name of activation_checkpointing_enable."""
+        self._set_checkpointing(True, offload)
+
+    def activation_checkpointing_disable(self) -> None:
+        """Undoes activation_checkpointing_enable (graphs compiled from now on)."""
+        self._set_checkpointing(False)
+
+    gradient_checkpointing_disable = activation_checkpointing_disable
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return bool(self.__dict__.get("_checkpointing"))
+
+    is_gradient_checkpointing = is_activation_checkpointing
+
+    def _set_checkpointing(self, on: bool, offload: bool = False) -> None:
+        if on == self.is_activation_checkpointing or self.session.parallel is not None:
+            return
+        self.__dict__["_checkpointing"] = on
+        base = self.__dict__.setdefault("_options_before_checkpointing", self.options)
+        self.options = trainers.with_checkpointing(base, self.budget is not None, offload) if on else base
+        self.__dict__["_compiled"] = torch.compile(self.model, backend=TailorBackend(
+            self.options, self.session, owner_holds_session=True), dynamic=None, **compat.compile_isolation())
+        self.__dict__["_trl_step"] = None
+        note = trainers.CHECKPOINTING_NOTE
+        if on and note not in self.session.notes:
+            self.session.notes.append(note)
+        elif not on and note in self.session.notes:
+            self.session.notes.remove(note)
+
+    def _on_bypass(self) -> None:
+        trainers.warn_once(self.session, trainers.bypass_message(self._replaced_forward))
 
     def __getattr__(self, name: str):
         """Attributes the wrapper lacks come from the model (`config`, `generate`, ...), as for
@@ -94,6 +180,7 @@ class OptimizedModule(nn.Module):
         return loss.detach()
 
     def _forward(self, *args, **kwargs):
+        self._bypass.graph_ran |= self.model.training and torch.is_grad_enabled()
         if self.session.parallel is not None:   # sharded by DTensor/FSDP2: runs as torch.distributed runs it
             return self.session.parallel.runtime.run(self.model, args, kwargs)
         self.session.seq_len = mark_sequence_dims(args, kwargs)
@@ -103,7 +190,7 @@ class OptimizedModule(nn.Module):
             return self.model(*args, **kwargs)
         try:
             with compat.capture_config():
-                out = self._observed_call(args, kwargs)
+                out = self._observed_call(self._compiled, args, kwargs)
             if not self.session.graphs and not self.session.warnings:
                 self.session.warnings.append("Dynamo handed no graph to tailorfx (a skipped frame or its "
                                              "recompile limit): the model ran eagerly, nothing rewritten")
@@ -117,16 +204,46 @@ class OptimizedModule(nn.Module):
             self._fall_back(e)
         return self.model(*args, **kwargs)
 
-    def _observed_call(self, args: tuple, kwargs: dict):
-        """Run the compiled model; in a training call, record which graphs ran and whether they
+    def _trl_forward(self, head: trainers.TrlHead, args: tuple, kwargs: dict, labels, shift_labels,
+                     num_items_in_batch):
+        """TRL's `fused_lm_head=True` call through tailorfx: LogProbStep compiled by the same
+        backend and session (planned under the same budget), its outputs as TRL's."""
+        self._bypass.graph_ran |= self.model.training and torch.is_grad_enabled()
+        if self.session.parallel is not None or self._eager_reason is not None:
+            trainers.warn_once(self.session, "TRL's fused LM head runs as TRL wrote it (its head on the backbone): "
+                               + ("tailorfx does not serve it under parallel=" if self.session.parallel is not None
+                                  else self._eager_reason))
+            return head.patched(*args, fused_lm_head=True, labels=labels, shift_labels=shift_labels,
+                                num_items_in_batch=num_items_in_batch, **kwargs)
+        call = {**kwargs, **({"labels": labels} if shift_labels is None else {"shift_labels": shift_labels})}
+        self.session.seq_len = mark_sequence_dims(args, call)
+        self.session.training = self.model.training
+        # the lengths a trainer feeds are its own (a packed row holds a whole batch): a length the
+        # plan made does not fit gets a plan of its own, compiled at it (or BudgetError there)
+        if self._trl_step is None or self._trl_step[0] is not head or (
+                self._trl_step[2] and self._over_budget_at(self.session.seq_len) is not None):
+            step = trainers.LogProbStep(self.model, head)
+            self.__dict__["_trl_step"] = (head, torch.compile(
+                step, backend=TailorBackend(self.options, self.session, owner_holds_session=True), dynamic=None,
+                **compat.compile_isolation()), False)
+            self.__dict__.pop("_checked_lengths", None)
+        with compat.capture_config():
+            out = self._observed_call(self._trl_step[1], args, call)
+        if self.model.training and torch.is_grad_enabled():
+            self.__dict__["_trl_step"] = (*self._trl_step[:2], True)   # its training graph is observed
+        return trainers.trl_output(head, *out, num_items_in_batch)
+
+    def _observed_call(self, compiled: Callable, args: tuple, kwargs: dict):
+        """Run a compiled callable; in a training call, record which graphs ran and whether they
         are the whole step (warn once if not: predictions and budgets then cannot cover it)."""
         observed = self.session.last_step
         if not (self.model.training and torch.is_grad_enabled()) or (
-                observed is not None and observed.num_graphs == len(self.session.graphs)):
-            return self._compiled(*args, **kwargs)   # observed already, and nothing recompiled since
-        obs = self.session.observing = StepObservation()
+                observed is not None and observed.num_graphs == len(self.session.graphs)
+                and observed.source == id(compiled)):
+            return compiled(*args, **kwargs)   # observed already, and nothing recompiled since
+        obs = self.session.observing = StepObservation(source=id(compiled))
         try:
-            out = self._compiled(*args, **kwargs)
+            out = compiled(*args, **kwargs)
         finally:
             self.session.observing = None
         if obs.calls:
@@ -145,23 +262,32 @@ class OptimizedModule(nn.Module):
 
     def _check_budget_at(self, seq_len: Optional[int]) -> None:
         """A length other than the one planned for is re-checked against the budget (before it runs)."""
-        gs = self.session.graphs
-        if self.budget is None or not seq_len or not gs or any(g.failed for g in gs) or gs[0].seq.symbol is None:
-            return
-        checked = self.__dict__.setdefault("_checked_lengths", {gs[0].seq.length})
-        if seq_len in checked:
-            return
-        try:
-            peak = self.predict_memory(seq_len).peak_bytes
-        except PredictionError:   # the step is not all captured: already warned at capture
-            return
-        if peak > self.budget.bytes:
+        peak = self._over_budget_at(seq_len)
+        if peak is not None:
+            planned = self.session.graphs[0].seq.length
             raise BudgetError(
-                f"at sequence length {seq_len} the plan made for {gs[0].seq.length} predicts a peak of "
+                f"at sequence length {seq_len} the plan made for {planned} predicts a peak of "
                 f"{format_bytes(peak)}, over the budget {self.budget}: call tailorfx.optimize again with "
                 f"example inputs of this length (the planner then plans for it), or use shorter sequences",
                 peak, "activations")
+
+    def _over_budget_at(self, seq_len: Optional[int]) -> Optional[int]:
+        """The step's predicted peak at `seq_len` under the plans made, when over the budget; None
+        when it fits, was checked before, or cannot be predicted."""
+        gs = self.session.graphs
+        if self.budget is None or not seq_len or not gs or any(g.failed for g in gs) or gs[0].seq.symbol is None:
+            return None
+        checked = self.__dict__.setdefault("_checked_lengths", {gs[0].seq.length})
+        if seq_len in checked:
+            return None
+        try:
+            peak = self.predict_memory(seq_len).peak_bytes
+        except PredictionError:   # the step is not all captured: already warned at capture
+            return None
+        if peak > self.budget.bytes:
+            return peak
         checked.add(seq_len)
+        return None
 
     def _fall_back(self, e: Exception) -> None:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
@@ -399,6 +525,7 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     opt = OptimizedModule(model, options, b)
     if example_inputs is not None or example_kwargs is not None:
         opt(*examples[0], **examples[1])
+        opt._bypass.graph_ran = False    # no backward follows the example call
     return opt
 
 

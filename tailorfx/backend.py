@@ -61,6 +61,7 @@ class StepObservation:
     params: set = field(default_factory=set)       # id() of every nn.Parameter the graphs read
     outside: list = field(default_factory=list)    # trainable parameter names no graph read
     num_graphs: int = 0                            # graphs compiled when it was taken
+    source: int = 0                                # id() of the compiled callable observed
 
     def run(self, idx: int, args: tuple) -> None:
         self.calls[idx] = self.calls.get(idx, 0) + 1
@@ -88,10 +89,12 @@ class Session:
     seq_len: Optional[int] = None
     training: Optional[bool] = None    # the model's .training at the call (None: not known)
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)    # how callers reach the graphs (a trainer's head served)
     param_readers: dict = field(default_factory=dict)      # id(param) -> graphs reading it
     graph_inputs: list = field(default_factory=list)       # runtime.optim.GraphInputs per graph
     parallel: Any = None        # parallel.ParallelPlan under optimize(parallel=...)
     compiled: dict = field(default_factory=dict)   # graph index -> the callable that runs it
+    runs: dict = field(default_factory=dict)       # graph index -> times it ran
 
 
 class TailorBackend:
@@ -235,6 +238,7 @@ class TailorBackend:
 
         def run(*args):
             session = _live(ref)
+            session.runs[idx] = session.runs.get(idx, 0) + 1
             if session.observing is not None:
                 session.observing.run(idx, args)
             return session.compiled[idx](*args)

@@ -124,6 +124,7 @@ class Report:
                         f"{_fmt(after.dynamic_peak_bytes)} allocated by the step at its peak "
                         f"({after.peak_phase}, {after.peak_node}; grads {_fmt(after.grad_bytes)})"
                         + (f"; host memory {_fmt(after.host_bytes)} (offloaded checkpoints)" if after.host_bytes else ""))
+        head += [f"note: {n}" for n in self.session.notes]
         warns = list(self.session.warnings) + [w for g in self.session.graphs for w in g.warnings]
         if self.eager_reason:
             warns.insert(0, self.eager_reason)

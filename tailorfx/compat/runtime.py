@@ -126,3 +126,9 @@ def collective_waited(t):
     `wait()` would leave autograd's graph). Any other tensor as it is."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
     return t.clone() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+def backward_pass_id() -> int:
+    """An id of the autograd backward running now (-1 outside one): which gradients one
+    `backward()` accumulates (torch.utils.checkpoint reads the same)."""
+    return torch._C._current_graph_task_id()

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from tailorfx.runtime import linear_ops, vocab_parallel
+from tailorfx.runtime import linear_ops, log_prob_ops, vocab_parallel
 from tailorfx.runtime.region_registry import live_region
 
 __all__ = ["transient_bytes"]
@@ -67,4 +67,6 @@ def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = Fal
         return max(0, _held(lines, per_chunk) - whole)
     if op_name.startswith("vocab_parallel_cross_entropy"):
         return vocab_parallel.transient_bytes(op_name, args, as_int)
+    if op_name.startswith("chunked_token_log_probs"):
+        return log_prob_ops.transient_bytes(op_name, args, as_int, cuda)
     return linear_ops.transient_bytes(op_name, args, as_int, cuda)

@@ -22,7 +22,8 @@ from tailorfx import compat
 from tailorfx.passes import register
 from tailorfx.passes.minisequence.chunks import (MAX_CHUNKS, MIN_CHUNK_TOKENS, MIN_SEGMENT_CHUNK_TOKENS, NAME, Chunking,
                                                  Rewrite, auto_chunks)
-from tailorfx.passes.minisequence.head import LOGITS_NOTE, ByRequest, head_loss_transform, rewrite_head
+from tailorfx.passes.minisequence.head import (LOGITS_NOTE, ByRequest, head_loss_transform, rewrite_head,
+                                               size_log_prob_heads)
 from tailorfx.passes.minisequence.mlp import rewrite_mlp
 from tailorfx.passes.minisequence.segment import TooSmall, rewrite_segment
 from tailorfx.rewrite import match
@@ -78,6 +79,7 @@ class MiniSequence:
                 by_request[region.path] = {"kind": region.kind, "note": str(why)}
             elif why:
                 skipped.append(f"{region.path}: {why}")
+        size_log_prob_heads(gm, ctx, chunking, self.segments, done)
         if done:
             gm.graph.eliminate_dead_code()
         stats = {r.region.path: {"kind": r.region.kind, "num_chunks": _describe(r.num_chunks),

@@ -184,3 +184,23 @@ def _logit_transform(chain: list[fx.Node]):
                     "and a soft-cap c*tanh(z/c) after them are fused")
         scale = scale * c if name == "mul" else scale / c
     return softcap, (scale if scaled else None)
+
+
+def size_log_prob_heads(gm: fx.GraphModule, ctx: PassContext, chunking: Chunking, segments: bool, done) -> None:
+    """Chunk the per-token log-prob heads a trainer's step already calls (tailorfx.trainers: TRL's
+    fused_lm_head) as this pass chunks a fused loss: M from the tokens at run time, finer when
+    segments are chunked."""
+    for node in list(gm.graph.nodes):
+        if match.op_name(node) != "chunked_token_log_probs":
+            continue
+        h, w = node.args[0], node.args[1]
+        hv, wv = node_value(h), node_value(w)
+        if ctx.seq.dims(hv) != (0,):
+            continue      # its rows are not the tokens (no sequence dimension found): left as called
+        ideal = SEGMENTS_HEAD_CHUNKS if segments else auto_chunks(
+            hint_bytes(hv.new_empty(hv.shape[0], wv.shape[0]), ctx), hint_bytes(hv, ctx))
+        m = chunking.count(gm, h, 0, ideal, node)
+        node.args = (*node.args[:5], m, *node.args[6:])
+        annotate(node, node, pass_name=NAME)
+        region = Region("lm_head_loss", "lm_head (per-token log-probs)", (node.name,), True)
+        done.append(Rewrite(region, m, 0))

@@ -1,0 +1,192 @@
+"""How an optimized model meets the trainers that call it: TRL's fused LM head, served by
+tailorfx's graph, and the watch that says when a training step ran without that graph.
+
+TRL's trainers (SFT, DPO, KTO, GRPO, RLOO) call `trl.trainer.utils.add_fused_lm_head(model)`,
+which replaces `model.forward` with a function that runs `model.base_model` and TRL's own chunked
+log-prob head; given an OptimizedModule, that backbone is the unoptimized one. OptimizedModule
+recognizes the replacement (`trl_fused_head`) and serves `fused_lm_head=True` calls with
+`LogProbStep` compiled through tailorfx: the planner's rewrites on the backbone and one fused head,
+ours (runtime/log_prob_ops.py), sized by the budget and counted by the memory model, which TRL's
+fixed 4,096-token x 32,768-column fp32 tiles are not. Every other call goes through TRL's
+function as before.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from tailorfx import compat
+from tailorfx.options import Options
+from tailorfx.runtime.log_prob_ops import chunked_token_log_probs
+
+# TRL's per-token outputs this head computes; TRL's other optional ones are not
+SUPPORTED_OUTPUTS = frozenset({"log_probs", "entropy", "is_top1"})
+
+
+@dataclass(frozen=True)
+class TrlHead:
+    """What TRL's fused forward computes, read off the function `add_fused_lm_head` made."""
+    patched: Callable            # TRL's function, bound to the module it patched
+    output_type: type            # trl's FusedCausalLMOutput
+    temperature: float
+    softcap: Optional[float]
+    logit_scale: float
+    outputs: tuple
+    cast_to_fp32: bool
+
+
+def trl_fused_head(fn: Any, model: nn.Module) -> Union[TrlHead, str, None]:
+    """A TrlHead when `fn` is the forward TRL's `add_fused_lm_head` made; the reason it cannot be
+    served (a str) when it is one with options this head lacks; None when it is not TRL's."""
+    func = getattr(fn, "__func__", fn)
+    code = getattr(func, "__code__", None)
+    # TRL wraps it as the model class's forward (functools.wraps): its own code and module tell it
+    if code is None or code.co_name != "_fused_forward" or \
+            not getattr(func, "__globals__", {}).get("__name__", "").startswith("trl."):
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in func.__closure__ or ())))
+    needed = {"temperature", "final_logit_softcapping", "logit_scale", "outputs", "cast_lm_head_to_fp32",
+              "backbone_attr", "text_config"}
+    output_type = func.__globals__.get("FusedCausalLMOutput")
+    if not needed <= cells.keys() or output_type is None:
+        return f"TRL's fused forward keeps {sorted(cells)}, not what this TRL release's was read for"
+    outputs = tuple(cells["outputs"])
+    if not set(outputs) <= SUPPORTED_OUTPUTS:
+        return f"TRL asked for {sorted(set(outputs) - SUPPORTED_OUTPUTS)}, which tailorfx's head does not compute"
+    if cells["backbone_attr"] != "base_model":
+        return f"TRL reads the backbone as {cells['backbone_attr']!r} (a vision-language model)"
+    if getattr(cells["text_config"], "output_router_logits", False):
+        return "the model returns router logits (MoE auxiliary loss), which tailorfx's head does not add"
+    if not (hasattr(model, "base_model") and hasattr(model, "get_output_embeddings")):
+        return "the model has no base_model / get_output_embeddings"
+    return TrlHead(fn, output_type, float(cells["temperature"]), cells["final_logit_softcapping"],
+                   float(cells["logit_scale"]), outputs, bool(cells["cast_lm_head_to_fp32"]))
+
+
+class LogProbStep(nn.Module):
+    """The step TRL's fused forward describes, as one module tailorfx captures: the backbone, then
+    per-token log-probs of the next-token labels (and the entropy and is_top1 TRL asked for).
+    Returns (log_probs, entropy or None, is_top1 or None, label_mask), each (B, S - 1) (or the
+    shape of `shift_labels`); the loss is left to the caller, as TRL computes it."""
+
+    def __init__(self, model: nn.Module, head: TrlHead):
+        super().__init__()
+        self.model = model
+        self.head = head
+
+    def forward(self, *args, labels=None, shift_labels=None, **kwargs):
+        kwargs["use_cache"] = False
+        hidden = self.model.base_model(*args, **kwargs).last_hidden_state
+        if shift_labels is None:
+            hidden, labels = hidden[:, :-1], labels[:, 1:]
+        else:
+            labels = shift_labels
+        lm_head = self.model.get_output_embeddings()
+        if self.head.cast_to_fp32:
+            hidden = hidden.float()
+        h = self.head
+        lp, ent, top = chunked_token_log_probs(
+            hidden.reshape(-1, hidden.shape[-1]), lm_head.weight, lm_head.bias, labels.reshape(-1),
+            softcap=h.softcap, logit_scale=h.logit_scale, temperature=h.temperature,
+            entropy="entropy" in h.outputs, top1="is_top1" in h.outputs)
+        mask = labels != -100
+        return (lp.view(mask.shape), None if ent is None else ent.view(mask.shape),
+                None if top is None else top.view(mask.shape), mask)
+
+
+CHECKPOINTING_NOTE = ("gradient checkpointing asked for (gradient_checkpointing_enable, as trainers call it): run by "
+                      "tailorfx's recompute pass (every block recomputed in full, or under a budget the blocks the "
+                      "planner picks), not by torch.utils.checkpoint around the layers, which no pass can see into")
+
+
+def with_checkpointing(options: Options, budgeted: bool, offload: bool = False) -> Options:
+    """`options` with the blocks recomputed, as a trainer's activation checkpointing asks: the
+    recompute pass added to named passes, the policy "full" unless given or a budget lets the
+    planner choose, and the checkpoints in host memory when it asks for offload."""
+    opts = options.options_dict()
+    if options.passes is not None and "recompute" not in options.passes:
+        options = replace(options, passes=(*options.passes, "recompute"))
+    if opts.get("recompute_policy") is None and not budgeted:
+        opts["recompute_policy"] = "full"
+    if offload and opts.get("offload") is None:
+        opts["offload"] = "checkpoints"
+    return replace(options, pass_options=tuple(sorted(opts.items(), key=lambda kv: kv[0])))
+
+
+def trl_output(head: TrlHead, log_probs, entropy, is_top1, mask, num_items_in_batch):
+    """TRL's FusedCausalLMOutput from LogProbStep's values, its loss as TRL's forward makes it."""
+    count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return head.output_type(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
+                            log_sum_sq_probs=None, mean_logits=None, is_top1=is_top1, label_mask=mask,
+                            aux_loss=None)
+
+
+def describe(fn: Any) -> str:
+    """A replaced forward, as a message names it: where its code is (functools.wraps may have
+    given it another function's name)."""
+    func = getattr(fn, "__func__", fn)
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return type(fn).__qualname__
+    return f"{getattr(func, '__globals__', {}).get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}"
+
+
+class BypassWatch:
+    """Says, once, when a training backward accumulated gradients into the model's parameters
+    with no training call of tailorfx's graph since the previous backward: a replaced `forward`,
+    a submodule called directly, or a trainer's own head around the backbone. It cannot live in
+    `forward` (what gets replaced), so it sits on the parameters' post-accumulate-grad hooks."""
+
+    def __init__(self, params, on_bypass: Callable[[], None]):
+        self.graph_ran = False
+        self.backward_id: Optional[int] = None
+        self.said = False
+        self.on_bypass = on_bypass
+        me = weakref.ref(self)
+        self.handles = [p.register_post_accumulate_grad_hook(lambda p, me=me: _check(me)) for p in params
+                        if p.requires_grad]
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def _check(ref: Callable[[], Optional[BypassWatch]]) -> None:
+    watch = ref()
+    if watch is None:
+        return
+    pass_id = compat.backward_pass_id()
+    if pass_id == watch.backward_id:
+        return          # the same backward, already checked
+    watch.backward_id = pass_id
+    if watch.graph_ran:
+        watch.graph_ran = False
+    elif not watch.said:
+        watch.said = True
+        watch.on_bypass()
+
+
+def bypass_message(replaced: Optional[str]) -> str:
+    """What the bypass warning says: what happened and how to wire it."""
+    what = (f"model.forward was replaced by {replaced}, which does not call tailorfx's forward"
+            if replaced else "the model's parameters got gradients from code that did not call the optimized "
+                             "module (a submodule such as opt.model.model called directly, or work outside "
+                             "the captured graph)")
+    return (f"a training step ran without tailorfx's graph: {what}. Nothing of that step was rewritten, "
+            "and budgets and predictions do not cover it. Call the module optimize() returned for the whole "
+            "forward (`opt(**batch).loss.backward()`); a trainer's own head goes in front of it only through "
+            "what tailorfx serves (TRL's fused_lm_head is served; docs/usage.md lists the wirings)")
+
+
+
+
+def warn_once(session, msg: str) -> None:
+    if msg not in session.warnings:
+        session.warnings.append(msg)
+        warnings.warn(msg, stacklevel=3)
