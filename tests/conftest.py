@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 
@@ -5,6 +6,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+import harness  # noqa: E402
 
 # CI has no GPU: every Triton kernel in the suite runs through Triton's CPU interpreter (set
 # before anything imports triton; the kernels' ahead-of-time compile for sm80/sm90 still runs)
@@ -17,6 +19,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 if os.environ.get("TAILORFX_TEST_THREADS"):
     # the intra-op thread count asked for (the exact comparisons' determinism across counts)
     torch.set_num_threads(int(os.environ["TAILORFX_TEST_THREADS"]))
+# how this session computes, for the ratio log (pytest_sessionfinish)
+RUN_CONFIG = {"threads": torch.get_num_threads(), "capability": torch.backends.cpu.get_cpu_capability(),
+              "reverse": os.environ.get("TAILORFX_REVERSE_ORDER") == "1"}
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +58,10 @@ def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("TAILORFX_RATIO_LOG")
     if not path:
         return
-    import json
-
-    import harness
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
         path = f"{path}.{worker}"
-    elif hasattr(session.config, "workerinput") or session.config.pluginmanager.has_plugin("dsession"):
+    elif session.config.pluginmanager.has_plugin("dsession"):
         return   # the xdist controller: its workers wrote theirs
-    config = {"threads": torch.get_num_threads(), "capability": torch.backends.cpu.get_cpu_capability(),
-              "reverse": os.environ.get("TAILORFX_REVERSE_ORDER") == "1"}
     with open(path, "w") as f:
-        json.dump({"config": config, "comparisons": harness.RATIO_LOG}, f, indent=1)
+        json.dump({"config": RUN_CONFIG, "comparisons": harness.RATIO_LOG}, f, indent=1)

@@ -27,20 +27,31 @@ def loss_of(model: nn.Module, inputs: dict) -> torch.Tensor:
 
 class _Float64(TorchFunctionMode):
     """Float32 asked for inside a model (HF norms, softmax and rotary embeddings upcast with
-    `.float()` or `dtype=torch.float32`) is float64; counts the ops that still return a narrower
-    float, so a reference that is not all float64 says so."""
+    `.float()` or `dtype=torch.float32`) or made by default (a Python float times an integer
+    tensor) is float64; counts the ops that still return float32, so a reference that is not all
+    float64 says so. A half-precision step a model takes on purpose (Falcon's bfloat16 ALiBi
+    slopes) is part of its definition, the same in its float32 run, and is kept."""
 
     def __init__(self):
         super().__init__()
-        self.num_narrow_ops = 0
+        self.num_float32_ops = 0
+
+    def __enter__(self):
+        self._default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.set_default_dtype(self._default_dtype)
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.float:
             func = torch.Tensor.double
         wide = lambda a: torch.float64 if a is torch.float32 else a   # noqa: E731
         out = func(*map(wide, args), **{k: wide(v) for k, v in (kwargs or {}).items()})
-        narrow = (torch.float32, torch.float16, torch.bfloat16)
-        self.num_narrow_ops += any(isinstance(t, torch.Tensor) and t.dtype in narrow for t in tree_flatten(out)[0])
+        self.num_float32_ops += any(isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                                    for t in tree_flatten(out)[0])
         return out
 
 
@@ -85,8 +96,8 @@ def float64_reference(model: nn.Module, inputs: dict, loss_fn: Callable = loss_o
             loss.backward()
     except Exception as e:   # an op without a float64 kernel: check_exact falls back to its bound
         return Reference(None, k, f"analytic ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-    if mode.num_narrow_ops:
-        return Reference(None, k, f"analytic ({mode.num_narrow_ops} ops of the float64 run returned float32)")
+    if mode.num_float32_ops:
+        return Reference(None, k, f"analytic ({mode.num_float32_ops} ops of the float64 run returned float32)")
     values = {"loss": loss.detach()}
     values.update((name, p.grad) for name, p in m.named_parameters() if p.grad is not None)
     return Reference(values, k, "float64")

@@ -15,6 +15,15 @@ from harness import Reference, check_exact, compare_with_eager, float64_referenc
 from models import batch, hf_llama, tiny_llama
 
 
+@pytest.fixture(autouse=True)
+def _unlogged():
+    """The ratios of this file's comparisons are planted (errors made on purpose): kept out of the
+    session's ratio log, which is about the rewrites."""
+    before = len(harness.RATIO_LOG)
+    yield
+    del harness.RATIO_LOG[before:]
+
+
 def perturb_largest(rel):
     """A wrap that makes the rewrite's embedding gradient wrong on one element: its largest,
     scaled by 1 + rel (before accumulation, as a wrong kernel would write it)."""
