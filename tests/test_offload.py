@@ -27,7 +27,7 @@ def test_checkpoint_offload_is_exact_and_fires(family, lowering):
                                           lowering=lowering, example_inputs=batch(pad=4))
         return holder["opt"]
     inputs = batch(pad=4)
-    compare_with_eager(hf_family(family), inputs, wrap, rtol=1e-4, atol=1e-6, steps=2)
+    compare_with_eager(hf_family(family), inputs, wrap, steps=2)
     opt = holder["opt"]
     rec = next(r for r in opt.graph_records[0].records if r.name == "recompute")
     assert rec.stats["offloaded"] == 2 and all("offloaded to host" in t for t in rec.touched), rec

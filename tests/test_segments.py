@@ -35,7 +35,7 @@ def _segmented(recompute, chunks=3):
                          + [("falcon", None), ("qwen2", None)])
 def test_segments_are_chunked_and_exact(family, recompute):
     holder, wrap = _segmented(recompute)
-    compare_with_eager(hf_family(family), batch(B=2, S=45, pad=4), wrap, rtol=1e-4, atol=1e-6)
+    compare_with_eager(hf_family(family), batch(B=2, S=45, pad=4), wrap)
     calls = _segment_calls(holder["opt"])
     blocks = holder["opt"].model.config.num_hidden_layers
     # every block: the segment before attention and (but in Falcon, whose MLP runs beside
@@ -67,7 +67,7 @@ def test_the_plan_that_saves_the_most_is_exact(family, monkeypatch):
         holder["opt"] = tailorfx.optimize(m, passes=["attention", "minisequence", "recompute"], recompute="full",
                                           minisequence="segments", attention=tailorfx.attention.Exact(backward_blocks=16))
         return holder["opt"]
-    compare_with_eager(hf_family(family), batch(B=1, S=600), wrap, rtol=1e-4, atol=1e-6)
+    compare_with_eager(hf_family(family), batch(B=1, S=600), wrap)
     assert calls == [600] * holder["opt"].model.config.num_hidden_layers
     assert _segment_calls(holder["opt"])
 
