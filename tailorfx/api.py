@@ -1,17 +1,15 @@
 """optimize(): capture -> plan -> passes -> codegen -> OptimizedModule."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
-import weakref
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
-from tailorfx.backend import GraphRecord, Session, StepObservation, TailorBackend
-from tailorfx.options import Options, check_flag, check_passes, pass_options
+from tailorfx.backend import GraphRecord, Session, StepObservation
+from tailorfx.options import Options, batch_of, check_flag, check_passes, pass_options, split_examples
 from tailorfx import planner
 from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError, PredictionError
@@ -27,7 +25,7 @@ from tailorfx.setup import resolve as resolve_setup
 from tailorfx import trainers
 
 
-class OptimizedModule(nn.Module):
+class OptimizedModule(trainers.TrainerHooks, nn.Module):
     """The model, compiled through tailorfx; shares the model's parameters.
 
     Inspect what was done with `.regions`, `.plan`, `.graphs`, `.report()`, `.diff(name)`,
@@ -42,8 +40,7 @@ class OptimizedModule(nn.Module):
         self.options = options
         self.session = Session()
         # kept out of the module tree: the compiled wrapper holds the same parameters
-        self.__dict__["_compiled"] = torch.compile(model, backend=TailorBackend(options, self.session, owner_holds_session=True),
-                                                   dynamic=None, **compat.compile_isolation())
+        self.__dict__["_compiled"] = self._compile(model)
         self.__dict__["_eager_reason"] = None
         # look like the model to the ecosystem (Trainer and accelerate read forward's signature)
         run = self._forward
@@ -52,90 +49,7 @@ class OptimizedModule(nn.Module):
         def forward(*args, **kwargs):
             return run(*args, **kwargs)
         self.__dict__["forward"] = forward
-        self.__dict__["_replaced_forward"] = None   # what replaced forward, when tailorfx cannot serve it
-        self.__dict__["_trl_step"] = None   # (TrlHead, its compiled LogProbStep, whether a training call ran it)
-        me = weakref.ref(self)
-        watch = trainers.BypassWatch(model.parameters(), lambda: me() is not None and me()._on_bypass())
-        self.__dict__["_bypass"] = watch
-        weakref.finalize(self, trainers.BypassWatch.close, watch)
-
-    def __setattr__(self, name: str, value) -> None:
-        """A replaced `forward` (TRL's add_fused_lm_head replaces it on the object it is given) is
-        served by tailorfx's graph where tailorfx knows what it computes (TRL's fused head), else
-        kept and, once a training step runs through it without tailorfx's graph, said."""
-        if name == "forward" and "forward" in self.__dict__:
-            self._replace_forward(value)
-        else:
-            super().__setattr__(name, value)
-
-    def _replace_forward(self, fn) -> None:
-        head = trainers.trl_fused_head(fn, self.model)
-        if not isinstance(head, trainers.TrlHead):
-            self.__dict__["forward"] = fn
-            self.__dict__["_replaced_forward"] = trainers.describe(fn) + (f" ({head})" if head else "")
-            if head:   # TRL's, with options tailorfx's head lacks: its head runs on the unoptimized backbone
-                trainers.warn_once(self.session, f"TRL's fused LM head is not served by tailorfx: {head}; "
-                                                 f"TRL's head will run on the unoptimized backbone")
-            return
-        serve = self._trl_forward
-
-        @functools.wraps(fn)
-        def forward(*args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
-            if not fused_lm_head:   # TRL's function, which calls tailorfx's forward
-                return fn(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
-                          **kwargs)
-            return serve(head, args, kwargs, labels, shift_labels, num_items_in_batch)
-        self.__dict__["forward"] = forward
-        self.__dict__["_replaced_forward"] = None
-        note = (f"TRL's fused LM head ({trainers.describe(fn)}, outputs {', '.join(head.outputs)}) is served by "
-                f"tailorfx: fused_lm_head=True calls run the backbone's rewritten graph and tailorfx's chunked "
-                f"log-prob head (one fused head, sized by the plan), not TRL's")
-        if note not in self.session.notes:
-            self.session.notes.append(note)
-
-    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: Optional[dict] = None,
-                                        every_n_layers: int = 1, offload: bool = False) -> None:
-        """What trainers call for activation checkpointing (HF Trainer, TRL's default
-        `gradient_checkpointing=True`): tailorfx's recompute pass recomputes the blocks (every
-        block in full, or under a budget the blocks the planner picks; `offload=True` keeps their
-        checkpoints in host memory, offload="checkpoints"), not torch.utils.checkpoint around the
-        layers, which no pass can see into. Graphs compiled from now on take it."""
-        self._set_checkpointing(True, offload)
-
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: Optional[dict] = None,
-                                      every_n_layers: int = 1, offload: bool = False) -> None:
-        """transformers' older name of activation_checkpointing_enable."""
-        self._set_checkpointing(True, offload)
-
-    def activation_checkpointing_disable(self) -> None:
-        """Undoes activation_checkpointing_enable (graphs compiled from now on)."""
-        self._set_checkpointing(False)
-
-    gradient_checkpointing_disable = activation_checkpointing_disable
-
-    @property
-    def is_activation_checkpointing(self) -> bool:
-        return bool(self.__dict__.get("_checkpointing"))
-
-    is_gradient_checkpointing = is_activation_checkpointing
-
-    def _set_checkpointing(self, on: bool, offload: bool = False) -> None:
-        if on == self.is_activation_checkpointing or self.session.parallel is not None:
-            return
-        self.__dict__["_checkpointing"] = on
-        base = self.__dict__.setdefault("_options_before_checkpointing", self.options)
-        self.options = trainers.with_checkpointing(base, self.budget is not None, offload) if on else base
-        self.__dict__["_compiled"] = torch.compile(self.model, backend=TailorBackend(
-            self.options, self.session, owner_holds_session=True), dynamic=None, **compat.compile_isolation())
-        self.__dict__["_trl_step"] = None
-        note = trainers.CHECKPOINTING_NOTE
-        if on and note not in self.session.notes:
-            self.session.notes.append(note)
-        elif not on and note in self.session.notes:
-            self.session.notes.remove(note)
-
-    def _on_bypass(self) -> None:
-        trainers.warn_once(self.session, trainers.bypass_message(self._replaced_forward))
+        self._watch_trainers()
 
     def __getattr__(self, name: str):
         """Attributes the wrapper lacks come from the model (`config`, `generate`, ...), as for
@@ -203,35 +117,6 @@ class OptimizedModule(nn.Module):
         except compat.dynamo_unsupported() as e:
             self._fall_back(e)
         return self.model(*args, **kwargs)
-
-    def _trl_forward(self, head: trainers.TrlHead, args: tuple, kwargs: dict, labels, shift_labels,
-                     num_items_in_batch):
-        """TRL's `fused_lm_head=True` call through tailorfx: LogProbStep compiled by the same
-        backend and session (planned under the same budget), its outputs as TRL's."""
-        self._bypass.graph_ran |= self.model.training and torch.is_grad_enabled()
-        if self.session.parallel is not None or self._eager_reason is not None:
-            trainers.warn_once(self.session, "TRL's fused LM head runs as TRL wrote it (its head on the backbone): "
-                               + ("tailorfx does not serve it under parallel=" if self.session.parallel is not None
-                                  else self._eager_reason))
-            return head.patched(*args, fused_lm_head=True, labels=labels, shift_labels=shift_labels,
-                                num_items_in_batch=num_items_in_batch, **kwargs)
-        call = {**kwargs, **({"labels": labels} if shift_labels is None else {"shift_labels": shift_labels})}
-        self.session.seq_len = mark_sequence_dims(args, call)
-        self.session.training = self.model.training
-        # the lengths a trainer feeds are its own (a packed row holds a whole batch): a length the
-        # plan made does not fit gets a plan of its own, compiled at it (or BudgetError there)
-        if self._trl_step is None or self._trl_step[0] is not head or (
-                self._trl_step[2] and self._over_budget_at(self.session.seq_len) is not None):
-            step = trainers.LogProbStep(self.model, head)
-            self.__dict__["_trl_step"] = (head, torch.compile(
-                step, backend=TailorBackend(self.options, self.session, owner_holds_session=True), dynamic=None,
-                **compat.compile_isolation()), False)
-            self.__dict__.pop("_checked_lengths", None)
-        with compat.capture_config():
-            out = self._observed_call(self._trl_step[1], args, call)
-        if self.model.training and torch.is_grad_enabled():
-            self.__dict__["_trl_step"] = (*self._trl_step[:2], True)   # its training graph is observed
-        return trainers.trl_output(head, *out, num_items_in_batch)
 
     def _observed_call(self, compiled: Callable, args: tuple, kwargs: dict):
         """Run a compiled callable; in a training call, record which graphs ran and whether they
@@ -453,18 +338,6 @@ def _carries_sequence(g: GraphRecord) -> bool:
                if n.op == "placeholder" and not is_param(n))
 
 
-def _split_examples(example_inputs: Any, example_kwargs: Optional[dict]) -> tuple[tuple, dict]:
-    kwargs = dict(example_kwargs or {})
-    if example_inputs is None:
-        return (), kwargs
-    if isinstance(example_inputs, dict) or hasattr(example_inputs, "keys"):
-        kwargs.update(dict(example_inputs))
-        return (), kwargs
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), kwargs
-    return tuple(example_inputs), kwargs
-
-
 def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
              passes: Optional[Sequence[str]] = None, example_inputs: Any = None,
              example_kwargs: Optional[dict] = None, minisequence_chunks: Optional[int] = None,
@@ -508,10 +381,10 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
     setup = _setup_for(model, setup, optimizer)
-    examples = _split_examples(example_inputs, example_kwargs)
+    examples = split_examples(example_inputs, example_kwargs)
     if budget is not None:   # a device preset: CUDA's workspaces at the example inputs' batch (1 without them)
         budget = Budget.parse(budget)
-        setup = with_device_costs(setup, budget, model, _batch_of(*examples))
+        setup = with_device_costs(setup, budget, model, batch_of(*examples))
     b, opts = pass_options(budget=budget, minisequence_chunks=minisequence_chunks, minisequence=minisequence,
                            attention=attention,
                            precision=precision, precision_policy=precision_policy, setup=setup,
@@ -527,12 +400,6 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
         opt(*examples[0], **examples[1])
         opt._bypass.graph_ran = False    # no backward follows the example call
     return opt
-
-
-def _batch_of(args: tuple, kwargs: dict) -> int:
-    """The batch size of the example inputs (the first tensor's first dim), 1 without them."""
-    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() >= 2]
-    return tensors[0].shape[0] if tensors else 1
 
 
 def check_triton(model: nn.Module) -> None:

@@ -7,6 +7,8 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import torch
+
 from tailorfx.budget import Budget
 
 RECOMPUTE_POLICIES = (None, "full", "selective")
@@ -117,3 +119,23 @@ def backend_options(options: Optional[dict]) -> tuple[Options, Optional[Budget]]
         setup = resolve(setup)
     b, opts = pass_options(setup=setup, **options)
     return Options(passes=passes, pass_options=tuple(sorted(opts.items())), lowering=lowering), b
+
+
+def split_examples(example_inputs: Any, example_kwargs: Optional[dict]) -> tuple[tuple, dict]:
+    """optimize()'s example inputs as (args, kwargs): a dict (or a BatchEncoding) is keyword
+    arguments, a tensor one positional argument, a sequence positional arguments."""
+    kwargs = dict(example_kwargs or {})
+    if example_inputs is None:
+        return (), kwargs
+    if isinstance(example_inputs, dict) or hasattr(example_inputs, "keys"):
+        kwargs.update(dict(example_inputs))
+        return (), kwargs
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), kwargs
+    return tuple(example_inputs), kwargs
+
+
+def batch_of(args: tuple, kwargs: dict) -> int:
+    """The batch size of the example inputs (the first tensor's first dim), 1 without them."""
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    return tensors[0].shape[0] if tensors else 1

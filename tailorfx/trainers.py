@@ -12,6 +12,7 @@ function as before.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from dataclasses import dataclass, replace
@@ -21,7 +22,9 @@ import torch
 import torch.nn as nn
 
 from tailorfx import compat
+from tailorfx.backend import TailorBackend
 from tailorfx.options import Options
+from tailorfx.rewrite.capture import mark_sequence_dims
 from tailorfx.runtime.log_prob_ops import chunked_token_log_probs
 
 # TRL's per-token outputs this head computes; TRL's other optional ones are not
@@ -190,3 +193,126 @@ def warn_once(session, msg: str) -> None:
     if msg not in session.warnings:
         session.warnings.append(msg)
         warnings.warn(msg, stacklevel=3)
+
+
+class TrainerHooks:
+    """OptimizedModule's side that trainers meet: TRL's fused head served (a replaced `forward`
+    watched), activation checkpointing run as the recompute pass, and the bypass watch. Reads
+    the module's `model`, `options`, `budget` and `session`."""
+
+    def _watch_trainers(self) -> None:
+        self.__dict__["_replaced_forward"] = None   # what replaced forward, when tailorfx cannot serve it
+        self.__dict__["_trl_step"] = None   # (TrlHead, its compiled LogProbStep, whether a training call ran it)
+        me = weakref.ref(self)
+        watch = BypassWatch(self.model.parameters(), lambda: me() is not None and me()._on_bypass())
+        self.__dict__["_bypass"] = watch
+        weakref.finalize(self, BypassWatch.close, watch)
+
+    def _compile(self, module: nn.Module):
+        """`module` compiled by a tailorfx backend of this module's options and session."""
+        return torch.compile(module, backend=TailorBackend(self.options, self.session, owner_holds_session=True),
+                             dynamic=None, **compat.compile_isolation())
+
+    def __setattr__(self, name: str, value) -> None:
+        """A replaced `forward` (TRL's add_fused_lm_head replaces it on the object it is given) is
+        served by tailorfx's graph where tailorfx knows what it computes (TRL's fused head), else
+        kept and, once a training step runs through it without tailorfx's graph, said."""
+        if name == "forward" and "forward" in self.__dict__:
+            self._replace_forward(value)
+        else:
+            super().__setattr__(name, value)
+
+    def _replace_forward(self, fn) -> None:
+        head = trl_fused_head(fn, self.model)
+        if not isinstance(head, TrlHead):
+            self.__dict__["forward"] = fn
+            self.__dict__["_replaced_forward"] = describe(fn) + (f" ({head})" if head else "")
+            if head:   # TRL's, with options tailorfx's head lacks: its head runs on the unoptimized backbone
+                warn_once(self.session, f"TRL's fused LM head is not served by tailorfx: {head}; "
+                                                 f"TRL's head will run on the unoptimized backbone")
+            return
+        serve = self._trl_forward
+
+        @functools.wraps(fn)
+        def forward(*args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+            if not fused_lm_head:   # TRL's function, which calls tailorfx's forward
+                return fn(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
+                          **kwargs)
+            return serve(head, args, kwargs, labels, shift_labels, num_items_in_batch)
+        self.__dict__["forward"] = forward
+        self.__dict__["_replaced_forward"] = None
+        note = (f"TRL's fused LM head ({describe(fn)}, outputs {', '.join(head.outputs)}) is served by "
+                f"tailorfx: fused_lm_head=True calls run the backbone's rewritten graph and tailorfx's chunked "
+                f"log-prob head (one fused head, sized by the plan), not TRL's")
+        if note not in self.session.notes:
+            self.session.notes.append(note)
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: Optional[dict] = None,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
+        """What trainers call for activation checkpointing (HF Trainer, TRL's default
+        `gradient_checkpointing=True`): tailorfx's recompute pass recomputes the blocks (every
+        block in full, or under a budget the blocks the planner picks; `offload=True` keeps their
+        checkpoints in host memory, offload="checkpoints"), not torch.utils.checkpoint around the
+        layers, which no pass can see into. Graphs compiled from now on take it."""
+        self._set_checkpointing(True, offload)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: Optional[dict] = None,
+                                      every_n_layers: int = 1, offload: bool = False) -> None:
+        """transformers' older name of activation_checkpointing_enable."""
+        self._set_checkpointing(True, offload)
+
+    def activation_checkpointing_disable(self) -> None:
+        """Undoes activation_checkpointing_enable (graphs compiled from now on)."""
+        self._set_checkpointing(False)
+
+    gradient_checkpointing_disable = activation_checkpointing_disable
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return bool(self.__dict__.get("_checkpointing"))
+
+    is_gradient_checkpointing = is_activation_checkpointing
+
+    def _set_checkpointing(self, on: bool, offload: bool = False) -> None:
+        if on == self.is_activation_checkpointing or self.session.parallel is not None:
+            return
+        self.__dict__["_checkpointing"] = on
+        base = self.__dict__.setdefault("_options_before_checkpointing", self.options)
+        self.options = with_checkpointing(base, self.budget is not None, offload) if on else base
+        self.__dict__["_compiled"] = self._compile(self.model)
+        self.__dict__["_trl_step"] = None
+        note = CHECKPOINTING_NOTE
+        if on and note not in self.session.notes:
+            self.session.notes.append(note)
+        elif not on and note in self.session.notes:
+            self.session.notes.remove(note)
+
+    def _on_bypass(self) -> None:
+        warn_once(self.session, bypass_message(self._replaced_forward))
+
+    def _trl_forward(self, head: TrlHead, args: tuple, kwargs: dict, labels, shift_labels,
+                     num_items_in_batch):
+        """TRL's `fused_lm_head=True` call through tailorfx: LogProbStep compiled by the same
+        backend and session (planned under the same budget), its outputs as TRL's."""
+        self._bypass.graph_ran |= self.model.training and torch.is_grad_enabled()
+        if self.session.parallel is not None or self._eager_reason is not None:
+            warn_once(self.session, "TRL's fused LM head runs as TRL wrote it (its head on the backbone): "
+                               + ("tailorfx does not serve it under parallel=" if self.session.parallel is not None
+                                  else self._eager_reason))
+            return head.patched(*args, fused_lm_head=True, labels=labels, shift_labels=shift_labels,
+                                num_items_in_batch=num_items_in_batch, **kwargs)
+        call = {**kwargs, **({"labels": labels} if shift_labels is None else {"shift_labels": shift_labels})}
+        self.session.seq_len = mark_sequence_dims(args, call)
+        self.session.training = self.model.training
+        # the lengths a trainer feeds are its own (a packed row holds a whole batch): a length the
+        # plan made does not fit gets a plan of its own, compiled at it (or BudgetError there)
+        if self._trl_step is None or self._trl_step[0] is not head or (
+                self._trl_step[2] and self._over_budget_at(self.session.seq_len) is not None):
+            step = LogProbStep(self.model, head)
+            self.__dict__["_trl_step"] = (head, self._compile(step), False)
+            self.__dict__.pop("_checked_lengths", None)
+        with compat.capture_config():
+            out = self._observed_call(self._trl_step[1], args, call)
+        if self.model.training and torch.is_grad_enabled():
+            self.__dict__["_trl_step"] = (*self._trl_step[:2], True)   # its training graph is observed
+        return trl_output(head, *out, num_items_in_batch)

@@ -1,0 +1,38 @@
+"""`make test` keeps at least one test of every pass and of every HF family it covers; the
+tests moved to `make test-slow` (CI runs both) to keep it under 10 minutes may not take the last."""
+import os
+import subprocess
+import sys
+
+from tailorfx import passes
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+MAKE_TEST = "not slow and not multiprocess and not cuda_build"     # the Makefile's selection
+# each pass's own tests
+PASS_TESTS = {"attention": "test_attention_pass.py", "kernels": "test_kernels_pass.py",
+              "minisequence": "test_minisequence.py", "precision": "test_precision.py",
+              "recompute": "test_recompute.py"}
+# the families `make test` names in its tests' parameters (tests/models.py builds them; the
+# property test adds random ones)
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "starcoder2", "gpt_neox", "falcon", "gemma2",
+            "gemma3_text", "cohere", "mixtral", "qwen2_moe", "olmoe", "gpt2"]
+
+
+def make_test_selection(request) -> list[str]:
+    """The node ids `make test` runs: this session's when it is that run, else collected anew."""
+    config = request.config
+    if config.option.markexpr == MAKE_TEST and [os.path.abspath(a) for a in config.args] == [TESTS]:
+        return [item.nodeid for item in request.session.items]
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "-m", MAKE_TEST, TESTS], capture_output=True, text=True, cwd=os.path.dirname(TESTS))
+    return [line.strip() for line in out.stdout.splitlines() if "::" in line]
+
+
+def test_make_test_keeps_a_test_of_every_pass_and_family(request):
+    ids = make_test_selection(request)
+    assert sorted(PASS_TESTS) == passes.available(), "a pass without its tests listed here"
+    missing = [p for p, f in PASS_TESTS.items() if not any(i.startswith(f"tests/{f}::") for i in ids)]
+    assert not missing, f"make test runs no test of the passes {missing}"
+    params = [i.split("[", 1)[1] for i in ids if "[" in i]
+    missing = [f for f in FAMILIES if not any(f in p.replace("]", "-").split("-") for p in params)]
+    assert not missing, f"make test runs no test of the families {missing}"
