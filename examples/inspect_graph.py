@@ -11,8 +11,7 @@ import tailorfx
 
 S = 64 if "--tiny" in sys.argv else 1024
 config = Gemma2Config(vocab_size=4096, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, use_cache=False,
-                      attn_implementation="sdpa")
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, use_cache=False)
 torch.manual_seed(0)
 model = Gemma2ForCausalLM(config).train()
 batch = {"input_ids": torch.randint(0, 4096, (1, S))}

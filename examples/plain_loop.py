@@ -19,10 +19,16 @@ model = LlamaForCausalLM(config).train()
 batch = {"input_ids": torch.randint(0, 4096, (2, S))}
 batch["labels"] = batch["input_ids"].clone()
 
-# the step's predicted peak with no rewrite, then a budget of 60% of it
-plain = tailorfx.optimize(model, passes=[], example_inputs=batch).predict_memory().peak_bytes
-opt = tailorfx.optimize(model, budget=int(0.6 * plain), example_inputs=batch)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+# the step's predicted memory with no rewrite; a budget that leaves half of its activations
+plain = tailorfx.optimize(model, passes=[], example_inputs=batch).predict_memory()
+budget = plain.static_bytes + (plain.peak_bytes - plain.static_bytes) // 2
+try:
+    opt = tailorfx.optimize(model, budget=budget, example_inputs=batch)
+except tailorfx.BudgetError as e:           # names the smallest budget any plan meets, and what dominates it
+    print(e)
+    opt = tailorfx.optimize(model, budget=e.suggested_bytes, example_inputs=batch)
+# AdamW as the plan set it up (the planner may move its step into backward to fit the budget)
+optimizer = tailorfx.SetupOptimizer(model.parameters(), opt.setup)
 for step in range(3):
     loss = opt(**batch).loss        # logits=None in training: the LM head is fused with the loss
     loss.backward()

@@ -18,6 +18,6 @@ config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1433
                      max_position_embeddings=131072, rope_theta=500000.0, use_cache=False)
 setup = "pure-bf16-fused-optimizer"
 for offload in (None, "checkpoints"):
-    n = tailorfx.max_seq_len(config, "H100-80GB", setup=setup, offload=offload,
-                             limit=1 << (16 if tiny else 21))
-    print(f"longest sequence on one H100-80GB ({setup}, checkpoints {offload or 'on the device'}): {n:,} tokens")
+    n = tailorfx.max_seq_len(config, "H100-80GB", setup=setup, offload=offload)
+    where = "in host memory" if offload else "on the device"
+    print(f"longest sequence on one H100-80GB ({setup}, block checkpoints {where}): {n:,} tokens")

@@ -94,7 +94,7 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         return loss.detach()
 
     def _forward(self, *args, **kwargs):
-        self._bypass.graph_ran |= self.model.training and torch.is_grad_enabled()
+        trainers.BypassWatch.ran(self.model.training and torch.is_grad_enabled())
         if self.session.parallel is not None:   # sharded by DTensor/FSDP2: runs as torch.distributed runs it
             return self.session.parallel.runtime.run(self.model, args, kwargs)
         self.session.seq_len = mark_sequence_dims(args, kwargs)
@@ -398,7 +398,7 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     opt = OptimizedModule(model, options, b)
     if example_inputs is not None or example_kwargs is not None:
         opt(*examples[0], **examples[1])
-        opt._bypass.graph_ran = False    # no backward follows the example call
+        opt._bypass.forget_calls()    # no backward follows the example call
     return opt
 
 

@@ -141,18 +141,30 @@ def describe(fn: Any) -> str:
 
 class BypassWatch:
     """Says, once, when a training backward accumulated gradients into the model's parameters
-    with no training call of tailorfx's graph since the previous backward: a replaced `forward`,
+    with no training call of a tailorfx graph since the previous backward: a replaced `forward`,
     a submodule called directly, or a trainer's own head around the backbone. It cannot live in
-    `forward` (what gets replaced), so it sits on the parameters' post-accumulate-grad hooks."""
+    `forward` (what gets replaced), so it sits on the parameters' post-accumulate-grad hooks.
+    Training calls are counted over every optimized module of the process (`calls`), so a module
+    a user made and dropped before training another over the same parameters says nothing."""
+    calls = 0        # training calls of any OptimizedModule's graphs in this process
 
     def __init__(self, params, on_bypass: Callable[[], None]):
-        self.graph_ran = False
+        self.seen = BypassWatch.calls        # the count at the last backward checked
         self.backward_id: Optional[int] = None
         self.said = False
         self.on_bypass = on_bypass
         me = weakref.ref(self)
         self.handles = [p.register_post_accumulate_grad_hook(lambda p, me=me: _check(me)) for p in params
                         if p.requires_grad]
+
+    @staticmethod
+    def ran(training: bool) -> None:
+        """A call of a tailorfx graph (counted when it trains: the model in train mode, grads on)."""
+        BypassWatch.calls += bool(training)
+
+    def forget_calls(self) -> None:
+        """The calls so far are followed by no backward (optimize()'s example call)."""
+        self.seen = BypassWatch.calls
 
     def close(self) -> None:
         for h in self.handles:
@@ -168,8 +180,8 @@ def _check(ref: Callable[[], Optional[BypassWatch]]) -> None:
     if pass_id == watch.backward_id:
         return          # the same backward, already checked
     watch.backward_id = pass_id
-    if watch.graph_ran:
-        watch.graph_ran = False
+    if watch.seen != BypassWatch.calls:
+        watch.seen = BypassWatch.calls
     elif not watch.said:
         watch.said = True
         watch.on_bypass()
@@ -294,7 +306,7 @@ class TrainerHooks:
                      num_items_in_batch):
         """TRL's `fused_lm_head=True` call through tailorfx: LogProbStep compiled by the same
         backend and session (planned under the same budget), its outputs as TRL's."""
-        self._bypass.graph_ran |= self.model.training and torch.is_grad_enabled()
+        BypassWatch.ran(self.model.training and torch.is_grad_enabled())
         if self.session.parallel is not None or self._eager_reason is not None:
             warn_once(self.session, "TRL's fused LM head runs as TRL wrote it (its head on the backbone): "
                                + ("tailorfx does not serve it under parallel=" if self.session.parallel is not None

@@ -1,4 +1,5 @@
-"""Every script in examples/ runs, at tiny size, in a process of its own (as a user runs it)."""
+"""Every script in examples/ runs, at tiny size, in a process of its own (as a user runs it).
+Marked slow (each is a fresh process that compiles: 40-100 s on 2 cores); CI runs them."""
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ def test_every_example_is_tested():
         f for f in os.listdir(EXAMPLES) if f.endswith(".py"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ONE_PROCESS)
 def test_example_runs(script):
     out = run([sys.executable, os.path.join(EXAMPLES, script), "--tiny"])
