@@ -18,6 +18,7 @@ def _inputs(S, vocab=2048):
     return {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_bound_parts_are_the_blocks_inputs_the_residual_gradient_and_the_attention_operands():
     """Qwen2 at 4096 tokens, hidden 128 (2 query heads, 1 KV head of 64): by hand, 2 block inputs
     and a residual gradient of S x 128 fp32, and q, k, v, o (S x 128, S x 64, S x 64, S x 128) and

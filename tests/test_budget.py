@@ -71,6 +71,7 @@ def test_a_device_preset_plans_with_cuda_costs_and_a_byte_budget_does_not():
     assert "modelled for CUDA (sm80)" in preset.setup.describe()
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_optimize_under_a_device_preset_counts_the_example_batch():
     """optimize(budget="A100-80GB") plans with the CUDA costs at its example inputs' batch (the
     flash scratch grows with it); a byte budget plans with none."""

@@ -111,6 +111,7 @@ def test_demo_and_bench_are_reached_through_the_cli(capsys):
 
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_plan_for_a_cuda_preset_says_its_prediction_is_modelled_for_cuda(capsys):
     main(["plan", *TINY, "--budget", "H100-80GB", "--seq", "2048", "--setup", "pure-bf16"])
     out = capsys.readouterr().out

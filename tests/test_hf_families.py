@@ -186,6 +186,7 @@ class _BrokenLM(torch.nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_inspection_of_a_multi_graph_capture():
     model = _BrokenLM()
     opt = tailorfx.optimize(model, passes=[], example_inputs=batch(B=1, S=64))
@@ -205,6 +206,7 @@ def test_inspection_of_a_multi_graph_capture():
     assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_max_seq_len_of_a_gpt2_config():
     """GPT-2 from a config (was: 'tensor size 2*s3 + 2 depends on symbols with no known value')."""
     cfg = hf_config("gpt2", n_positions=1 << 16)
@@ -282,6 +284,7 @@ def test_default_plan_swaps_attention_only_where_it_removes_a_dense_tensor():
     assert len(touched["falcon"]) == 2 and touched["llama"] == [], touched
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_default_plan_warns_once_naming_an_attention_it_left():
     """A padding attention_mask (a graph input) makes a mask the exact swap cannot prove: with no
     passes named, optimize() warns naming each such attention and why, and the report's first
@@ -302,6 +305,7 @@ def test_default_plan_warns_once_naming_an_attention_it_left():
     assert "the default plan left as captured" in head, head
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_alibi_attention_becomes_a_key_bias_score_mod():
     """Bloom's attention, alibi.baddbmm(q, k^T, beta=1, alpha=c) over heads folded into the batch,
     viewed to (B, H, S, S), a causal mask added, softmax, bmm with v: the default plan swaps it for
@@ -377,6 +381,7 @@ def test_a_sliding_window_mask_becomes_the_sliding_window_spec(family):
     assert "sliding window of 8" in rec.stats["model.layers.0.self_attn"]["mask"]
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_gemma2_default_plan_at_a_quarter_of_eagers_peak():
     """Gemma-2 as configured (window 4096 on its sliding layers, soft-capped attention and
     logits), vocab 16384, 2048 tokens: every attention swapped, the head fused; peak at most 0.25x
@@ -434,6 +439,7 @@ def test_seed_oss_with_dropout_on_swaps_attention_and_chunks_its_mlps():
     assert -0.02 * measured <= predicted - measured <= 0.03 * measured, (predicted, measured)
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_dropout_under_recompute_draws_the_forwards_masks():
     """Seed-OSS with residual and attention dropout on, its attention swapped (the kernels' own
     masks, one seed per call, drawn by a node of its own) and its MLPs chunked with their

@@ -108,6 +108,7 @@ def sparse_step(spec):
     return loss_fn
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_sparse_attention_spec_runs_on_the_flash_kernel():
     """A sliding window asked for by the user: the kernel's window mask, against the runtime's own
     sparse kernel (tailorfx.attention.SlidingWindow without kernels=), both against that kernel's
@@ -129,6 +130,7 @@ def test_sparse_attention_spec_runs_on_the_flash_kernel():
     check_exact(step_values(b, loss), step_values(a, loss_ref), truth)
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_on_cuda_a_sparse_spec_and_packed_documents_take_the_flash_kernel(monkeypatch):
     """On CUDA the attention pass puts a sparse spec (and packed documents) on the Triton flash
     kernel without kernels=, never on the runtime's tile engine (a Python loop per tile, host
@@ -211,6 +213,7 @@ def test_packed_documents_run_the_flash_kernel_with_document_ids():
     assert any("documents=True" in name for name in holder["opt"].kernels())
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_kernels_of_the_model_have_source_and_compile():
     opt = run_triton("llama")
     kernels = opt.kernels()

@@ -120,6 +120,7 @@ def test_keep_logits_returns_them_exact_head_unfused():
     check_exact(got, ref, truth)
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_eval_and_no_grad_return_logits():
     """Must not fire on the head in eval mode or under no_grad: the logits come back as eager's."""
     model = hf_llama()
@@ -291,6 +292,7 @@ def test_batch_size_change_keeps_mlps_chunked():
 
 
 @pytest.mark.parametrize("mode", ["mlp", "segments"])
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_a_prediction_at_another_length_holds_with_full_recompute(mode):
     """Captured at 64 tokens, predicted at 2048 (512-token chunks): within -2%/+3% of the measured
     peak. A chunk's backward holds the most of a few phases, each linear in its tokens (weight

@@ -43,6 +43,7 @@ def _lm(S, vocab):
 
 
 @pytest.mark.parametrize("lowering", ["eager", "inductor"])
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_offload_lowers_the_measured_device_peak_as_predicted(lowering):
     """Measured fwd+bwd peak of the device (torch's allocator) with and without offload, each
     within the memory model's -2%/+3%; the host holds every block's output, hidden-sized fp32

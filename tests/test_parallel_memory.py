@@ -175,6 +175,7 @@ def test_plan_world_chooses_the_fastest_layout_that_fits():
     assert preference(by["tp2xdp4 (sp=megatron)"]) < preference(by["tp2xdp4"])
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_plan_world_recomputes_a_dp_layout_only_where_that_is_what_fits():
     """Each layout with the rewrites it takes (parallel.fit): dp=2 alone fits a budget between its
     peaks without and with recompute only by recomputing, and its predicted step time counts the
@@ -201,6 +202,7 @@ def test_an_impossible_budget_names_the_smallest_reachable_peak():
     assert format_bytes(min(peaks)) in str(e.value) and "cannot be met on 8 ranks" in str(e.value)
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_a_world_of_1024_is_planned_in_seconds_after_the_captures():
     plan_world(CFG, world=8, budget="1GB", seq_len=SEQ, setup="fp32")     # captures (cached)
     t = time.time()
@@ -271,6 +273,7 @@ def test_tp_recompute_is_traced_as_the_eager_modules_run_it():
     assert rc.peak_bytes < none.peak_bytes
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_tp_minisequence_chunks_each_mlp_module_and_is_traced_as_it_runs():
     """Mini-sequence under tp: each MLP module runs in sequence chunks, each one checkpoint (the
     sharded linears' gathers and reductions inside), in the rank's model and in its trace."""
@@ -381,6 +384,7 @@ def test_tp_rank_prediction_holds_at_fine_chunks(tmp_path):
 
 @pytest.mark.parametrize("layout", [dict(tp=2, passes=["recompute"]), dict(dp=2, passes=["minisequence", "recompute"]),
                                     dict(pp=2, microbatches=2), dict(pp=2, microbatches=2, passes=["minisequence", "recompute"])])
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_planning_a_long_sequence_proves_its_mask_without_an_s_by_s_tensor(layout):
     """A tp rank's step graph, a dp chain's (mini-sequence under FSDP2) and a pipeline's are static:
     the attention mask transformers builds at this length is proved causal (then dropped, as its

@@ -296,6 +296,7 @@ def test_measured_memory_at_4096_drops_20_percent(runs_4096):
     assert -0.02 <= (predicted - bf16) / bf16 <= 0.03, (predicted, bf16)
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_with_minisequence_chunked_ops_accumulate_in_fp32(runs_4096):
     opt = runs_4096["bf16+ms"]["opt"]
     gm = record(opt, "minisequence").gm
@@ -315,6 +316,7 @@ def test_with_minisequence_chunked_ops_accumulate_in_fp32(runs_4096):
     assert max(rel(ms[k], plain[k]) for k in ms if ".mlp." in k) < 2e-2
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_fp32_glue_saves_for_backward_in_bf16(runs_4096):
     """matmul_output="fp32" without mini-sequence: SiLU and the gating run in fp32, but what they
     save for backward crosses in bf16 (rewrite/saved_dtype.py), so the saved activations cost what

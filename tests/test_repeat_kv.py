@@ -34,6 +34,7 @@ def test_repeated_kv_backward_is_exact_on_hf_families(family):
     assert _backward_calls(opt, inputs) == opt.model.config.num_hidden_layers
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_the_planner_repeats_kv_only_where_it_fits():
     """Qwen2, 4 query heads of 1 kv head, 1024 tokens, fp32, forward + backward: with room the
     planner adds the repeated backward to the plan it chose (its measured peak within -2%..+3%

@@ -111,6 +111,7 @@ def test_segments_prediction_holds_and_long_sequences_peak_lower():
     assert long["segments", 16] < long["segments", 0], long
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_full_recompute_saves_block_outputs_not_the_first_blocks_recompute():
     """Under full recompute a block's output is saved (the next block's recompute starts there):
     the backward reruns each block's chunks once, not every block from the first."""

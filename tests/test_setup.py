@@ -107,6 +107,7 @@ def test_full_step_prediction_within_3_percent(name, S, passes):
     assert -0.02 <= (est.peak_bytes - measured) / measured <= 0.03, (name, S, est.peak_bytes, measured, est.peak_node)
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_optimizer_in_backward_lowers_the_measured_peak():
     """Where the step is the peak (short sequences), updating in backward frees each gradient:
     the measured peak drops by about one set of gradients, as predicted."""
@@ -219,6 +220,7 @@ def test_max_seq_len_names_setups_whose_static_part_fits():
     assert 0 <= e.value.smallest_bytes - 16 * n <= 4096   # + the RoPE frequency buffer
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_planner_moves_the_step_into_backward_when_nothing_else_fits():
     """At 16 tokens the optimizer step (all gradients + state + update temporaries) is the peak:
     no activation rewrite helps, updating in backward does. The budget sits between the two

@@ -152,6 +152,7 @@ def test_parallel_auto_needs_a_budget_and_chooses_the_rewrites():
         tailorfx.optimize(model, example_inputs=batch, parallel="fast")
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_plan_world_splits_one_global_batch_as_each_layout_does():
     """plan_world(global_rows=4): dp=2 takes 2 rows a rank, a pipeline of 2 over dp=2 two
     micro-batches of one row, Ulysses every row; 2 rows do not split over dp=4, nor make 2

@@ -77,7 +77,7 @@ def ops_of(fn):
 
 
 @pytest.mark.parametrize("family,packing", [
-    ("llama", True), ("llama", False),
+    ("llama", True), pytest.param("llama", False, marks=pytest.mark.slow),
     pytest.param("qwen2", True, marks=pytest.mark.slow), pytest.param("qwen2", False, marks=pytest.mark.slow)])
 def test_sft_trainer_runs_tailorfx_on_every_step(family, packing):
     base = hf_family(family)

@@ -52,6 +52,7 @@ def test_budget_with_named_passes_is_checked():
         tailorfx.optimize(hf_llama(), budget="1KiB", passes=["minisequence"], example_inputs=batch())
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_a_new_length_is_rechecked_against_the_budget():
     model = hf_llama()
     planned = tailorfx.optimize(model, passes=["minisequence"], example_inputs=batch(B=1, S=64))
