@@ -16,7 +16,7 @@ LAYERS = (
     ("codegen",),
     ("planner", "options", "report"),
     ("backend",),
-    ("parallel",),
+    ("parallel", "trainers"),
     ("api", "sizing", "configs", "demo", "cli", "cli_args", ""),   # "" is the package itself (tailorfx/__init__.py)
 )
 PRIVATE = re.compile(r"torch\._|(?<![A-Za-z0-9])_dynamo\b|_functorch|_inductor|_subclasses|_guards|\._schema|\._opname|"

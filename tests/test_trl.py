@@ -121,6 +121,29 @@ def test_sft_trainer_runs_tailorfx_on_every_step(family, packing):
         assert err <= RTOL, f"{name}: normwise relative error {err:.2e}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_sft_trainer_under_a_budget_holds_it_on_every_step(family):
+    """optimize(budget=...) handed to SFTTrainer: the measured memory of the whole training run
+    (weights + the peak bytes allocated during trainer.train(): gradients, AdamW's state, each
+    step) stays within the budget, half of TRL alone's measured run (its head's fixed fp32 tile of
+    up to 4,096 tokens x 32,768 vocabulary columns dominates it), at the lengths the trainer feeds,
+    with the losses TRL logs."""
+    base = hf_family(family)
+    weights = sum(p.numel() * p.element_size() for p in base.parameters())
+    eager_model = copy.deepcopy(base)
+    eager_peak, (eager, _) = tailorfx.measure_peak(lambda: sft(eager_model, eager_model, True), return_result=True)
+    budget = (weights + eager_peak) // 2
+    model = copy.deepcopy(base)
+    example = {"input_ids": torch.randint(2, 256, (1, 256)), "labels": torch.randint(2, 256, (1, 256))}
+    opt = tailorfx.optimize(model, budget=budget, example_inputs=example)
+    peak, (got, _) = tailorfx.measure_peak(lambda: sft(opt, model, True), return_result=True)
+    assert weights + peak <= budget, (weights + peak, budget)
+    steps = [g for g in opt.graph_records if "chunked_token_log_probs" in str([n.target for n in g.rewritten.graph.nodes])]
+    assert steps and sum(opt.session.runs[g.index] for g in steps) == STEPS
+    torch.testing.assert_close(got[0], eager[0], rtol=RTOL, atol=0)
+
+
 def test_trl_head_outputs_and_gradients_match_trls_head_under_any_token_weights():
     """fused_lm_head=True through tailorfx returns what TRL's head returns (log_probs, entropy,
     is_top1, label_mask, loss), and a loss that weighs tokens unequally (TRL's DFT) and the entropy
