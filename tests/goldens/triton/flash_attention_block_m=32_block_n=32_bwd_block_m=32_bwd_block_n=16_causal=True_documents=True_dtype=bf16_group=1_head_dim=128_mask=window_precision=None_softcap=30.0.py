@@ -59,7 +59,13 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, doc_ptr, window, num_global,
         v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0)
         doc_n = tl.load(doc_ptr + b * seq_len + pos_n, mask=col_ok, other=-2)
         s = tl.dot(q, tl.trans(k)) * scale
-        t = 1.0 - 2.0 / (tl.math.exp2(s * (2.0 * LOG2E / SOFTCAP)) + 1.0)
+        xc = s / SOFTCAP
+        axc = tl.abs(xc)
+        ec = tl.math.exp2(axc * (-2.0 * LOG2E))
+        tc = (1.0 - ec) / (1.0 + ec)
+        x2c = xc * xc
+        small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
+        t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
         s = SOFTCAP * t
         mask = col_ok[None, :]
         mask = mask & (offs_n[None, :] <= offs_m[:, None])
@@ -137,7 +143,13 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr
         v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0)
         doc_n = tl.load(doc_ptr + b * seq_len + pos_n, mask=col_ok, other=-2)
         s = tl.dot(q, tl.trans(k)) * scale
-        t = 1.0 - 2.0 / (tl.math.exp2(s * (2.0 * LOG2E / SOFTCAP)) + 1.0)
+        xc = s / SOFTCAP
+        axc = tl.abs(xc)
+        ec = tl.math.exp2(axc * (-2.0 * LOG2E))
+        tc = (1.0 - ec) / (1.0 + ec)
+        x2c = xc * xc
+        small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
+        t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
         s = SOFTCAP * t
         mask = col_ok[None, :]
         mask = mask & (offs_n[None, :] <= offs_m[:, None])
@@ -188,7 +200,13 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
             delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
             doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)
             st = tl.dot(k, tl.trans(q)) * scale
-            t = 1.0 - 2.0 / (tl.math.exp2(st * (2.0 * LOG2E / SOFTCAP)) + 1.0)
+            xc = st / SOFTCAP
+            axc = tl.abs(xc)
+            ec = tl.math.exp2(axc * (-2.0 * LOG2E))
+            tc = (1.0 - ec) / (1.0 + ec)
+            x2c = xc * xc
+            small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
+            t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
             st = SOFTCAP * t
             mask = col_ok[:, None] & row_ok[None, :]
             mask = mask & (offs_n[:, None] <= offs_m[None, :])
