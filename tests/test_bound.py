@@ -53,6 +53,7 @@ def test_no_measured_plan_beats_the_bound(family):
         assert peak >= floor, (kw, peak, floor)
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_the_report_states_the_limit():
     """opt.report() next to the chosen plan: the bound at the length seen (the plan's peak is at
     least that), and the longest length the bound fits in the budget (sequence_bound's)."""

@@ -45,6 +45,7 @@ def test_cuda_workspace_formulas_follow_torchs_defaults():
             == 2 * 2 * 1000 * 8 * 80 * 2)
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_a_device_preset_plans_with_cuda_costs_and_a_byte_budget_does_not():
     """A budget named for a CUDA device predicts with its workspaces (the peak grows by exactly
     CudaCosts.bytes at the length) and keeps the allocator's headroom; the same bytes as a number

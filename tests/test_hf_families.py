@@ -77,6 +77,7 @@ def test_strict_turns_a_skipped_request_into_an_error():
 @pytest.mark.parametrize("family", ["llama", "gemma2"])   # gemma2: soft-capped logits, dropout(p=0) in the cache's chain
 @pytest.mark.parametrize("kw", [pytest.param({"passes": []}, marks=pytest.mark.slow, id="none"),
                                 {"passes": ["minisequence"], "keep_logits": True}], ids=["none", "ms"])
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_capture_costs_nothing_and_logits_keep_their_gradient(family, kw):
     """passes=[]: the graph runs as Dynamo captured it, under eager autograd (no AOTAutograd).
     With a rewrite (the MLPs chunked, logits kept), the returned logits and KV cache leave the
@@ -156,6 +157,7 @@ def test_moe_capture_runs_eagers_expert_kernel(family):
     assert any(r.changed for g in ms.session.graphs for r in g.records)
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_dynamic_true_backend_is_rewritten_and_exact():
     """torch.compile(..., dynamic=True) makes every size a symbol and module floats tensors read
     with .item(): the backend pins them to the model (Dynamo traces again with the floats
@@ -416,6 +418,7 @@ def test_prediction_holds_with_attention_dropout_on():
     assert -0.02 * measured <= predicted - measured <= 0.03 * measured, (predicted, measured)
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_seed_oss_with_dropout_on_swaps_attention_and_chunks_its_mlps():
     """Seed-OSS as some configs ship it (residual_dropout 0.1, attention_dropout 0.1), vocab 8192,
     1024 tokens (benchmarks/families.py: vocab 16384, 2048 tokens), default plan: SDPA's dropout (on

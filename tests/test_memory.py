@@ -52,6 +52,7 @@ def test_static_parts_match_parameter_arithmetic():
     assert est.static_bytes == nbytes + buffers + 2 * nbytes
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_one_symbolic_trace_equals_a_fresh_trace_at_that_length():
     model = mid_llama()
     opt_a = tailorfx.optimize(model, passes=[], example_inputs=batch(B=1, S=48))
@@ -95,6 +96,7 @@ def test_measure_peak_sees_a_known_allocation():
     assert 6_000_000 <= peak < 6_100_000
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_measure_peak_sees_inductor_buffers():
     """Compiled code allocates through the same allocator: the profiler sees its buffers."""
     fn = torch.compile(lambda a: torch.mm(a.sin(), a.cos().t()), backend="inductor")

@@ -277,6 +277,7 @@ def test_measured_peak_drops_and_prediction_holds():
     assert -0.02 <= (predicted - peak_ms) / peak_ms <= 0.03, (predicted, peak_ms)
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_batch_size_change_keeps_mlps_chunked():
     """A second batch size makes Dynamo's batch dim dynamic: regions read that size from outside,
     and it is re-read from the chunk (was: "uses s52 from outside the region", MLPs left whole)."""

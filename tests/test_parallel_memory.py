@@ -156,6 +156,7 @@ def by_layout(cands) -> dict:
     return {c.layout(): c for c in cands}
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_plan_world_chooses_the_fastest_layout_that_fits():
     budget = Budget.parse("3MiB")
     cands = plan_world(CFG, world=8, budget=budget, seq_len=SEQ, setup="fp32")

@@ -183,6 +183,7 @@ def test_passes_hold_no_module_state():
         torch.testing.assert_close(g, grads_ref[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_optimized_modules_leave_no_regions_behind():
     """Once every optimized module is gone (Dynamo drops the compiled code it keeps in the model's
     module globals only at reset), none of their regions is registered; a backward still pending

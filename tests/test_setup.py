@@ -254,6 +254,7 @@ def test_planner_moves_the_step_into_backward_when_nothing_else_fits():
     assert peaks[0] == peaks[1]
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_headroom_and_micro_batch_shorten_max_seq_len():
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)

@@ -81,6 +81,7 @@ def test_fsdp_moves_each_unit_as_fsdp2_gathers_and_reduces_it():
     assert st.tp_comm_s == st.ulysses_comm_s == st.p2p_s == 0
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_tensor_parallel_collectives_follow_the_ring():
     """At least Megatron's four all-reduces of the hidden states per layer (two each way); at tp=4
     the same calls move 2(n-1)/n = 1.5x the bytes of tp=2; with latency alone, an all-reduce

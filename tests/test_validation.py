@@ -63,6 +63,7 @@ def test_a_new_length_is_rechecked_against_the_budget():
         opt(**batch(B=1, S=256))
 
 
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_requested_sparse_attention_that_cannot_apply_warns():
     """A padded batch's mask cannot be proved causal: the sliding window the user asked for is not
     applied, and that is a warning naming the region and the reason (an error with strict=True)."""
