@@ -241,7 +241,7 @@ class TrainerHooks:
             self.__dict__["_replaced_forward"] = describe(fn) + (f" ({head})" if head else "")
             if head:   # TRL's, with options tailorfx's head lacks: its head runs on the unoptimized backbone
                 warn_once(self.session, f"TRL's fused LM head is not served by tailorfx: {head}; "
-                                                 f"TRL's head will run on the unoptimized backbone")
+                                        f"TRL's head will run on the unoptimized backbone")
             return
         serve = self._trl_forward
 
@@ -309,8 +309,8 @@ class TrainerHooks:
         BypassWatch.ran(self.model.training and torch.is_grad_enabled())
         if self.session.parallel is not None or self._eager_reason is not None:
             warn_once(self.session, "TRL's fused LM head runs as TRL wrote it (its head on the backbone): "
-                               + ("tailorfx does not serve it under parallel=" if self.session.parallel is not None
-                                  else self._eager_reason))
+                      + ("tailorfx does not serve it under parallel=" if self.session.parallel is not None
+                         else self._eager_reason))
             return head.patched(*args, fused_lm_head=True, labels=labels, shift_labels=shift_labels,
                                 num_items_in_batch=num_items_in_batch, **kwargs)
         call = {**kwargs, **({"labels": labels} if shift_labels is None else {"shift_labels": shift_labels})}
