@@ -7,6 +7,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import harness  # noqa: E402
+import suite_time  # noqa: E402
 
 # CI has no GPU: every Triton kernel in the suite runs through Triton's CPU interpreter (set
 # before anything imports triton; the kernels' ahead-of-time compile for sm80/sm90 still runs)
@@ -45,9 +46,13 @@ def _seeded():
     yield
 
 
+@pytest.hookimpl(tryfirst=True)   # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """TAILORFX_REVERSE_ORDER=1 runs the collected tests last to first: a test that passes only
-    after (or before) another shows."""
+    """The tests of suite_time.MOVED are marked slow (`make test-slow`). TAILORFX_REVERSE_ORDER=1
+    runs the collected tests last to first: a test that passes only after (or before) another shows."""
+    for item in items:
+        if item.nodeid in suite_time.MOVED:
+            item.add_marker(pytest.mark.slow)
     if os.environ.get("TAILORFX_REVERSE_ORDER") == "1":
         items.reverse()
 

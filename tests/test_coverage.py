@@ -36,3 +36,18 @@ def test_make_test_keeps_a_test_of_every_pass_and_family(request):
     params = [i.split("[", 1)[1] for i in ids if "[" in i]
     missing = [f for f in FAMILIES if not any(f in p.replace("]", "-").split("-") for p in params)]
     assert not missing, f"make test runs no test of the families {missing}"
+
+
+def test_every_test_moved_to_make_test_slow_exists():
+    """suite_time.MOVED names tests by node id: one renamed away would silently run in neither
+    target's selection as intended."""
+    import re
+    import suite_time
+    stale = []
+    for node in suite_time.MOVED:
+        path, name = node.split("::", 1)
+        func = name.split("[", 1)[0]
+        full = os.path.join(os.path.dirname(TESTS), path)
+        if not os.path.exists(full) or not re.search(rf"^def {re.escape(func)}\(", open(full).read(), re.M):
+            stale.append(node)
+    assert not stale, f"tests/suite_time.py names tests that do not exist: {stale}"
