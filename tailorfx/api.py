@@ -232,17 +232,23 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         gs = self.session.graphs
         if len(gs) != 1 or gs[0].failed or self.session.parallel is not None:
             return None
-        est = self.predict_memory(1)
+        # the static part at the captured length, whose trace the lowering kept (static bytes do not
+        # follow the length), and the device's terms at one token
+        est, setup = self.predict_memory(), self.setup
+        fixed = est.static_bytes + (setup.device.bytes(1) if setup.device is not None else 0)
         # a GPU's plans may keep checkpoints in host memory (the planner's last candidate there)
         if offload is None:
             offload = self.options.options_dict().get("offload") is not None or not planner.plans_for_cpu(
                 planner.graph_device(gs[0].rewritten), self.setup)
-        return bound.bound_at(gs[0].rewritten, gs[0].seq, est.static_bytes + est.device_bytes, offload)
+        return bound.bound_at(gs[0].rewritten, gs[0].seq, fixed, offload)
 
-    def limit(self) -> Optional[tuple[bound.Bound, Optional[int]]]:
+    def limit(self, offload: Optional[bool] = None) -> Optional[tuple[bound.Bound, Optional[int]]]:
         """(the bound at the last length seen, the longest length whose bound fits the budget, None
-        without one); None when the graph gives no bound (see bound_at)."""
-        at = self.bound_at() if self.session.seq_len else None
+        without one); None when the graph gives no bound (see bound_at). `offload`: the bound's
+        kind (default: the plan's own, with host offload where the plan offloads checkpoints)."""
+        if offload is None:
+            offload = any(g.plan.options.get("offload") is not None for g in self.session.graphs)
+        at = self.bound_at(offload) if self.session.seq_len else None
         if at is None:
             return None
         longest = None

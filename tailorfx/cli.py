@@ -114,16 +114,20 @@ def cmd_plan(args):
         print(f"\nchosen: passes {list(graph_plan.passes)} ({graph_plan.reason})")
     if opt.setup.device is not None:
         print(f"predictions {opt.setup.device.describe(args.seq)}")
-    print(f"longest sequence under {budget}: {longest:,} tokens at batch {args.batch} "
+    print(f"longest sequence under {budget}: {longest:,} tokens at batch {args.batch}, device-only "
           f"(the plan that saves the most: segments + full recompute, attention backward in blocks)")
-    limit = opt.limit()
-    if limit is not None:
+    # each bound beside the plans of its own kind: the longest sequence above is device-only
+    for offload in (False, True) if opt.setup.device is not None else (False,):
+        limit = opt.limit(offload=offload)
+        if limit is None:
+            continue
         here, bound_len = limit
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in here.parts.items())
-        print(f"the limit: no plan of these rewrites fits more than {bound_len:,} tokens (the best plan reaches "
-              f"{longest / bound_len:.0%} of it); at {args.seq:,} tokens no plan peaks below "
-              f"{format_bytes(here.peak_bytes)} (static {format_bytes(here.static_bytes)} + {parts}; "
-              f"dominated by {here.dominant})")
+        reach = (f"the best device-only plan reaches {longest / bound_len:.0%} of it" if not offload else
+                 "tailorfx.max_seq_len(..., offload='checkpoints') gives the best such plan's")
+        print(f"the {here.kind} limit: no {here.kind} plan of these rewrites fits more than {bound_len:,} tokens "
+              f"({reach}); at {args.seq:,} tokens no {here.kind} plan peaks below {format_bytes(here.peak_bytes)} "
+              f"(static {format_bytes(here.static_bytes)} + {parts}; dominated by {here.dominant})")
 
 
 def cmd_plan_world(args):

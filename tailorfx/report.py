@@ -133,11 +133,12 @@ class Report:
         if limit is not None:
             b, longest = limit
             parts = ", ".join(f"{k} {_fmt(v)}" for k, v in b.parts.items())
-            head.append(f"the limit at S={b.seq_len}: no plan of these rewrites peaks below {_fmt(b.peak_bytes)} "
+            head.append(f"the limit at S={b.seq_len} ({b.kind}): no {b.kind} plan of these rewrites peaks below "
+                        f"{_fmt(b.peak_bytes)} "
                         f"(static {_fmt(b.static_bytes)} + {parts}; dominated by {b.dominant}); this plan's "
                         f"peak is {est[2].peak_bytes / b.peak_bytes:.2f}x that")
             if longest is not None:
-                head.append(f"the longest sequence any plan could fit in {self.budget}: {longest:,} tokens "
+                head.append(f"the longest sequence any {b.kind} plan could fit in {self.budget}: {longest:,} tokens "
                             f"(tailorfx.sequence_bound; tailorfx.max_seq_len says how close the best plan comes)")
         return head
 

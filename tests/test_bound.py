@@ -27,6 +27,10 @@ def test_bound_parts_are_the_blocks_inputs_the_residual_gradient_and_the_attenti
     b = tailorfx.sequence_bound(hf_family("qwen2", **SIZES), None, seq_len=S, optimizer=None)
     assert b.parts == {"block boundaries": 2 * S * H * 4, "residual-stream gradient": S * H * 4,
                        "attention operands and their gradients": 2 * (2 * S * H + 2 * S * 64) * 4}
+    assert b.kind == "device-only"
+    # checkpoints in host memory: the device holds only the last block's input of the boundaries
+    off = tailorfx.sequence_bound(hf_family("qwen2", **SIZES), None, seq_len=S, optimizer=None, offload=True)
+    assert off.parts["block boundaries"] == S * H * 4 and off.kind == "host-offload"
     # a tied embedding and head (Gemma-2): the head's share of the weight's gradient waits for the
     # embedding's, through every block's backward
     tied = tailorfx.sequence_bound(hf_family("gemma2", **SIZES, head_dim=64), None, seq_len=S, optimizer=None)
@@ -61,7 +65,8 @@ def test_the_report_states_the_limit():
     budget = 4 * sum(p.numel() * 4 for p in m.parameters()) + (64 << 20)
     opt = tailorfx.optimize(m, budget=budget, example_inputs=_inputs(1024), verify=False)
     text = " ".join(str(opt.report()).split())
-    assert "the limit at S=1024: no plan of these rewrites peaks below" in text, text[:2000]
+    # the plan keeps its checkpoints on the device: the bound it is compared with is the device-only one
+    assert "the limit at S=1024 (device-only): no device-only plan of these rewrites peaks below" in text, text[:2000]
     assert float(text.split("this plan's peak is ")[1].split("x that")[0]) >= 1.0
-    longest = int(text.split("any plan could fit in ")[1].split(": ")[1].split(" tokens")[0].replace(",", ""))
+    longest = int(text.split("any device-only plan could fit in ")[1].split(": ")[1].split(" tokens")[0].replace(",", ""))
     assert longest == tailorfx.sequence_bound(hf_family("qwen2", **SIZES), budget).seq_len

@@ -33,7 +33,8 @@ def test_plan_names_the_passes_and_the_longest_sequence(monkeypatch, capsys):
     assert no_rewrite.rstrip().endswith("no") and "chosen: passes ['attention', 'minisequence'" in out
     longest = int(out.split("longest sequence under 16MiB (16.00 MiB): ")[1].split(" tokens")[0].replace(",", ""))
     assert longest >= 1024   # the plan chosen at 1024 fits, so 1024 tokens fit
-    bound = int(out.split("no plan of these rewrites fits more than ")[1].split(" tokens")[0].replace(",", ""))
+    bound = int(out.split("the device-only limit: no device-only plan of these rewrites fits more than ")[1]
+                .split(" tokens")[0].replace(",", ""))
     assert longest <= bound, out   # a bound: no plan, the best included, fits more
 
 
@@ -118,3 +119,14 @@ def test_plan_for_a_cuda_preset_says_its_prediction_is_modelled_for_cuda(capsys)
     line = next(l for l in out.splitlines() if l.startswith("predictions modelled for CUDA (sm90)"))
     for formula in ("cublas_workspace 64.00 MiB", "flash_backward_scratch", "allocator_headroom 5%"):
         assert formula in line, line
+    # on a GPU the planner may offload checkpoints: each bound is named, the device-only one beside the
+    # device-only longest sequence, and the one with host offload fits more
+    longest = int(out.split("tokens at batch 1, device-only")[0].split(": ")[-1].replace(",", ""))
+    device = int(out.split("the device-only limit: no device-only plan of these rewrites fits more than ")[1]
+                 .split(" tokens")[0].replace(",", ""))
+    host = int(out.split("the host-offload limit: no host-offload plan of these rewrites fits more than ")[1]
+               .split(" tokens")[0].replace(",", ""))
+    assert longest <= device <= host, out
+    floor = {kind: out.split(f"tokens no {kind} plan peaks below ")[1].split(" (")[0]
+             for kind in ("device-only", "host-offload")}
+    assert float(floor["host-offload"].split()[0]) < float(floor["device-only"].split()[0]), floor

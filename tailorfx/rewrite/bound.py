@@ -43,6 +43,12 @@ class Bound:
     seq_len: int
     static_bytes: int
     parts: dict[str, int] = field(default_factory=dict)
+    offload: bool = False    # plans may keep checkpoints in host memory (else: on the device only)
+
+    @property
+    def kind(self) -> str:
+        """Which plans the bound is over, as the report and the CLI name it."""
+        return "host-offload" if self.offload else "device-only"   # host-offload: checkpoints in host memory
 
     @property
     def dynamic_bytes(self) -> int:
@@ -123,4 +129,4 @@ def bound_at(gm: fx.GraphModule, seq: SeqInfo, static_bytes: int,
     shape = bound_shape(gm, find_regions(gm, seq), seq) if seq.symbol is not None else None
     if shape is None:
         return None
-    return lambda S: Bound(S, static_bytes, shape.parts(Sizer(seq, S), offload))
+    return lambda S: Bound(S, static_bytes, shape.parts(Sizer(seq, S), offload), offload)

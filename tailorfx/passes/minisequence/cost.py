@@ -61,9 +61,9 @@ def region_cost(members: list[fx.Node], out, ctx: PassContext, tokens: int) -> t
 
 def cached_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, ctx: PassContext,
                          tokens: int) -> Optional[Lines]:
-    """_simulated_backward_cost, memoised in ctx.memo: the planner runs this pass once per
-    candidate plan, and the key already hashes the region's code and recorded shapes."""
-    memo = (NAME, "backward_cost", chunked.key, str(ctx.seq.symbol), ctx.seq.length, tokens)
+    """_simulated_backward_cost, memoised in ctx.memo by the region's structure: the planner runs
+    this pass once per candidate plan, and every block of a model has a region like it."""
+    memo = (NAME, "backward_cost", structure_key(sub), str(ctx.seq.symbol), ctx.seq.length, tokens)
     if memo not in ctx.memo:
         ctx.memo[memo] = _simulated_backward_cost(sub, chunked.tail, ctx, tokens)
     return ctx.memo[memo]
@@ -141,12 +141,14 @@ def cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule
                                  ctx: PassContext, tokens: int) -> Optional[Lines]:
     """The bytes one chunk of a token segment holds in backward, as lines: the runtime's own
     ops.segment_chunk_grads run on fake tensors under memory.LiveBytes at the captured length
-    halved and doubled (memoised like cached_backward_cost). None when it cannot run."""
+    halved and doubled (memoised like cached_backward_cost, with its inputs' shapes). None when it
+    cannot run."""
     from tailorfx.rewrite import memory
-    memo = (NAME, "segment_backward_cost", chunked.key, str(ctx.seq.symbol), ctx.seq.length, tokens)
+    xvs, wvs = [node_value(x) for x in xs], [node_value(w) for w in whole]
+    memo = (NAME, "segment_backward_cost", structure_key(sub), tuple(x_dims), _values_key(xvs + wvs),
+            str(ctx.seq.symbol), ctx.seq.length, tokens)
     if memo in ctx.memo:
         return ctx.memo[memo]
-    xvs, wvs = [node_value(x) for x in xs], [node_value(w) for w in whole]
     length = ctx.seq.length
     ctx.memo[memo] = None
     if not length or ctx.seq.symbol is None:
@@ -192,3 +194,37 @@ def hint_bytes(t, ctx: PassContext) -> int:
         return int(e) * t.element_size()
     except TypeError:
         return 0
+
+
+def structure_key(gm: fx.GraphModule) -> str:
+    """A hash of what a region computes, blind to its nodes' names (each block of a model names its
+    own): every op with its arguments by position, the shapes, dtypes and strides it recorded, and
+    its attributes' (a tensor's shape and dtype, a subgraph's structure). Equal keys run the same
+    ops on the same fake shapes, so a cost simulated for one block holds for every block like it:
+    a 32-layer model's segments are costed once, not 32 times."""
+    import hashlib
+    index: dict[fx.Node, int] = {}
+    h = hashlib.sha256()
+    for i, n in enumerate(gm.graph.nodes):
+        index[n] = i
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")
+        if n.op == "get_attr":
+            attr = gm
+            for part in str(n.target).split("."):
+                attr = getattr(attr, part)
+            target = (structure_key(attr) if isinstance(attr, fx.GraphModule)
+                      else _values_key([attr]) if isinstance(attr, torch.Tensor) else repr(attr))
+        elif n.op == "call_function":
+            target = f"{getattr(n.target, '__module__', '')}.{getattr(n.target, '__qualname__', n.target)}"
+        else:
+            target = str(n.target)
+        h.update(f"{n.op}|{target}|{args}|{_values_key(match.tensors_in(node_value(n)))}\n".encode())
+    return h.hexdigest()[:24]
+
+
+def _values_key(values) -> str:
+    """Shapes, strides, dtypes and requires_grad of tensors, symbolic sizes as expressions."""
+    def dims(ds):
+        return ",".join(str(compat.sym_expr(d)) for d in ds)
+    return ";".join(f"{dims(v.shape)}/{dims(v.stride())}/{v.dtype}/{int(v.requires_grad)}"
+                    if isinstance(v, torch.Tensor) else repr(v) for v in values)
