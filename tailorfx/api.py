@@ -217,11 +217,12 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
             raise KeyError(f"no pass named {name!r} ran; passes that ran: {ran or 'none'}")
         return "\n".join(r.diff() or f"(pass {name} left graph {r.graph_index} unchanged)" for r in recs)
 
-    def report(self) -> Report:
+    def report(self, outputs_held: bool = True) -> Report:
         """A table of what was rewritten and the predicted peak before/after each pass, and how far
-        the plan is from the bound on every plan's peak (rewrite/bound.py)."""
+        the plan is from the bound on every plan's peak (rewrite/bound.py); `outputs_held`: predict_memory's."""
         return Report(self.session, self.budget, self._eager_reason,
-                      lambda S, rewritten: self.predict_memory(S, rewritten=rewritten), self.limit)
+                      lambda S, rewritten: self.predict_memory(S, rewritten=rewritten, outputs_held=outputs_held),
+                      self.limit, outputs_held)
 
     def bound_at(self, offload: Optional[bool] = None) -> Optional[Callable[[int], bound.Bound]]:
         """The lower bound on any plan's peak (rewrite/bound.py) as a function of the length, read
@@ -267,10 +268,12 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         return self.options.options_dict()["setup"]
 
     def predict_memory(self, seq_len: Optional[int] = None, optimizer: Optional[str] = None,
-                       rewritten: bool = True, setup: Any = None) -> memory.MemoryEstimate:
+                       rewritten: bool = True, setup: Any = None, outputs_held: bool = True) -> memory.MemoryEstimate:
         """Predicted memory of one training step at `seq_len` (default: the captured length).
 
         Under the module's TrainingSetup unless `setup` (or, for short, `optimizer`) is given.
+        `outputs_held=False`: the loop keeps only the loss (`loss = model(...).loss`, HF Trainer,
+        tailorfx's train()), so the model's other outputs (logits, as captured) die with the forward.
         """
         if setup is not None:
             setup = resolve_setup(setup)
@@ -289,7 +292,7 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         lowered = setup.optimizer_in_backward == self.setup.optimizer_in_backward   # g.step is what runs
         graphs = [(g.rewritten, g.lowering, g.step if lowered and (not g.step_static or seq_len in (None, g.seq.length))
                    else None) if rewritten else (g.original, g.lowering, None) for g in gs]
-        return planner.predict_graphs(graphs, [g.seq for g in gs], seq_len, setup)
+        return planner.predict_graphs(graphs, [g.seq for g in gs], seq_len, setup, outputs_held=outputs_held)
 
     def _step_graphs(self, seq_len: Optional[int]) -> list[GraphRecord]:
         """The graphs one training step runs (those the last training call ran, else every graph),

@@ -22,6 +22,7 @@ from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import SeqInfo, pin_to_model, seq_info, strip_identity_dropout
 from tailorfx.rewrite.passes import LazyPeak, PassContext, PassRecord, peak_of
 from tailorfx.rewrite.regions import RegionMap, find_regions
+from tailorfx.progress import stage
 from tailorfx.runtime.optim import GraphInputs
 
 
@@ -122,7 +123,8 @@ class TailorBackend:
         strip_identity_dropout(gm)
         seq = seq_info(gm, self.session.seq_len)
         lowering = lowering_mod.resolve_lowering(self.options.lowering, example_inputs)
-        regions = find_regions(gm, seq)
+        with stage(f"graph {idx}: finding regions"):
+            regions = find_regions(gm, seq)
         notes: list[str] = []
         try:
             ctx = PassContext(regions, seq, {}, idx)   # shared by the plans tried and the one run
@@ -206,8 +208,9 @@ class TailorBackend:
             else:
                 rec.warnings.append(f"graph {rec.index}: {rec.lowering} lowering: the optimizer steps in backward "
                                     f"run from post-accumulate-grad hooks after the graph's backward, not inside it")
-        return lowering_mod.lower(rec.rewritten, example_inputs, rec.lowering, on_partition=keep,
-                                  steps_in_backward=steps_in_backward)
+        with stage(f"graph {rec.index}: lowering ({rec.lowering})"):
+            return lowering_mod.lower(rec.rewritten, example_inputs, rec.lowering, on_partition=keep,
+                                      steps_in_backward=steps_in_backward)
 
     def _check_captured_fits(self, gm: fx.GraphModule, seq: SeqInfo, idx: int, why: str, lowering: str) -> None:
         """Under a budget, the passes of graph idx failed (`why`): running it as captured keeps

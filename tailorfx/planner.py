@@ -241,16 +241,20 @@ def with_result(c: Candidate, peak: int, flops: int, budget: int, allocator_head
 # ---- prediction: the one place that runs the memory model on a graph --------------------------
 def predict_graphs(graphs: Sequence[tuple[fx.GraphModule, str, Optional[memory.StepGraphs]]],
                    seqs: Sequence[SeqInfo], seq_len: Optional[int] = None,
-                   setup: Optional[TrainingSetup] = None, captured: bool = False) -> memory.MemoryEstimate:
+                   setup: Optional[TrainingSetup] = None, captured: bool = False,
+                   outputs_held: bool = True) -> memory.MemoryEstimate:
     """The memory model's estimate of one training step made of `graphs`, each (graph, its
     lowering, its lowered forward/backward if already known), at `seq_len` (default: the
     captured length). Each graph is traced with the partition its lowering runs; `captured`:
-    at the captured length only, so a graph not traced yet is traced on static shapes (faster)."""
+    at the captured length only, so a graph not traced yet is traced on static shapes (faster).
+    `outputs_held`: the loop holds the model's output (logits) through backward, as
+    `out = model(...); out.loss.backward()` does; else only the loss outlives the forward."""
     static = captured and seq_len is None
     steps = [replace(step if step is not None else traced_step(gm, partition_for(lowering, gm), setup, static),
                      eager_autograd=lowering == "dynamo", loss_tangent_only=lowering == "dynamo")
              for gm, lowering, step in graphs]
-    return memory.simulate_step(steps, list(seqs), seq_len or seqs[0].length or None, setup=setup)
+    return memory.simulate_step(steps, list(seqs), seq_len or seqs[0].length or None, setup=setup,
+                                hold=memory.all_outputs if outputs_held else memory.scalar_outputs)
 
 
 def traced_step(gm: fx.GraphModule, partition: str, setup: Optional[TrainingSetup],

@@ -13,8 +13,10 @@ from tailorfx.budget import Budget, format_bytes
 class Report:
     """A readable report (rich tables); str() gives plain text, rich renders it in colour."""
 
-    def __init__(self, session, budget: Optional[Budget], eager_reason: Optional[str], predict=None, limit=None):
+    def __init__(self, session, budget: Optional[Budget], eager_reason: Optional[str], predict=None, limit=None,
+                 outputs_held: bool = True):
         self.session = session
+        self.outputs_held = outputs_held   # the predictions' loop holds the model's output through backward
         self.budget = budget
         self.eager_reason = eager_reason
         self.predict = predict   # (seq_len, rewritten) -> MemoryEstimate
@@ -119,7 +121,8 @@ class Report:
         est = self._estimates()
         if est is not None:
             S, before, after = est
-            head.append(f"at the last length seen (S={S}): predicted peak {_fmt(before.peak_bytes)} as captured, "
+            held = "the model's output held through backward" if self.outputs_held else "only the loss held"
+            head.append(f"at the last length seen (S={S}, {held}): predicted peak {_fmt(before.peak_bytes)} as captured, "
                         f"{_fmt(after.peak_bytes)} rewritten = params {_fmt(after.param_bytes)} + "
                         f"{_fmt(after.dynamic_peak_bytes)} allocated by the step at its peak "
                         f"({after.peak_phase}, {after.peak_node}; grads {_fmt(after.grad_bytes)})"

@@ -16,7 +16,7 @@ from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError, PredictionError
 from tailorfx.models.build import built_on_fake_tensors
 from tailorfx.options import check_passes, positive_int
-from tailorfx.progress import progress
+from tailorfx.progress import stage
 from tailorfx.rewrite import bound, memory
 from tailorfx.runtime.accumulation import model_device
 from tailorfx.setup import TrainingSetup, with_device_costs
@@ -59,7 +59,9 @@ def plan_for_budget(model_or_config: Any, budget: Union[str, int, Budget], seq_l
     with _prediction_model(model_or_config, s.param_dtype) as model:
         s = with_device_costs(s, b, model, batch_size or s.micro_batch_size)
         _check_static(model, s, b, planner.usable(b.bytes, s.headroom))   # before an 8B model's captures
-        return _capture(model, None, seq_len, batch_size or s.micro_batch_size, budget=b, setup=s, **optimize_kwargs)
+        with stage("capturing and planning the step on fake tensors"):
+            return _capture(model, None, seq_len, batch_size or s.micro_batch_size, budget=b, setup=s,
+                            **optimize_kwargs)
 
 
 def _capture(model: nn.Module, passes: Optional[Sequence[str]], seq_len: int, batch_size: int,
@@ -108,14 +110,13 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
         s = with_device_costs(s, b, model, batch_size or s.micro_batch_size)
         usable = planner.usable(b.bytes, s.headroom)
         _check_static(model, s, b, usable)   # before the capture: an 8B capture takes half a minute
-        with progress(total=1, desc="capturing the step on fake tensors", unit="graph") as bar:
+        with stage("capturing the step on fake tensors"):
             # the plan that saves the most; the attention backward in blocks runs on the CPU only
             cpu = planner.plans_for_cpu(model_device(model), s)
             saves_most = {} if passes is not None else {"minisequence": "segments"} if not cpu else {
                 "minisequence": "segments", "attention": Exact(backward_blocks=planner.ATTENTION_BACKWARD_BLOCKS)}
             opt = _capture(model, chosen, 256, batch_size or s.micro_batch_size, setup=s,
                            recompute="full" if "recompute" in chosen else None, offload=offload, **saves_most)
-            bar.update(1)
     if opt.session.graphs and opt.session.graphs[0].seq.symbol is None:
         raise PredictionError("the capture did not keep the sequence length symbolic (a graph break before the "
                               "model's first layer?); max_seq_len cannot extrapolate from it")

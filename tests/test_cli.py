@@ -25,8 +25,9 @@ def test_plan_names_the_passes_and_the_longest_sequence(monkeypatch, capsys):
     monkeypatch.setenv("TAILORFX_PROGRESS", "1")   # the bars, also when stderr is not a terminal
     main(["plan", *TINY, "--budget", "16MiB", "--seq", "1024", "--setup", "fp32"])
     out, err = capsys.readouterr()
-    for bar in ("planning", "capturing the step on fake tensors", "longest sequence that fits"):
-        assert f"tailorfx: {bar}" in err, err     # long calls show progress on stderr
+    for bar in ("capturing and planning the step on fake tensors", "graph 0: finding regions", "planning",
+                "graph 0: lowering", "capturing the step on fake tensors", "longest sequence that fits"):
+        assert f"tailorfx: {bar}" in err, err     # long calls show each stage on stderr
     chosen = [l for l in out.splitlines() if l.startswith("* ")]
     assert len(chosen) == 1 and chosen[0].rstrip().endswith("yes"), out
     no_rewrite = next(l for l in out.splitlines() if "no memory rewrite" in l)
