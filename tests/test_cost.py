@@ -24,3 +24,24 @@ def test_exact_is_quadratic_and_window_linear():
     assert 1.9 < window[1] / window[0] < 2.1
     # causal exact attention: 4 * D FLOPs per attended (query, key) pair, S(S+1)/2 pairs per head
     assert exact[0] == B * H * (1024 * 1025 // 2) * 4 * D
+
+
+def test_a_regions_cost_is_keyed_by_what_it_computes_not_by_its_names():
+    """Every block of a model has a segment like its neighbour's under other node names: the
+    backward cost, simulated once, is memoised under a key blind to names but not to shapes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from tailorfx.passes.minisequence.cost import structure_key
+
+    def layer0(x, w):
+        return torch.nn.functional.silu(x @ w) * x.sum()
+
+    def layer1(hidden, weight):
+        return torch.nn.functional.silu(hidden @ weight) * hidden.sum()
+
+    a = make_fx(layer0)(torch.randn(4, 8), torch.randn(8, 8))
+    b = make_fx(layer1)(torch.randn(4, 8), torch.randn(8, 8))
+    assert [n.name for n in a.graph.nodes] != [n.name for n in b.graph.nodes]
+    assert structure_key(a) == structure_key(b)
+    assert structure_key(a) != structure_key(make_fx(layer0)(torch.randn(4, 16), torch.randn(16, 16)))
+    assert structure_key(a) != structure_key(make_fx(lambda x, w: torch.relu(x @ w) * x.sum())(
+        torch.randn(4, 8), torch.randn(8, 8)))

@@ -216,8 +216,10 @@ def structure_key(gm: fx.GraphModule) -> str:
                       else _values_key([attr]) if isinstance(attr, torch.Tensor) else repr(attr))
         elif n.op == "call_function":
             target = f"{getattr(n.target, '__module__', '')}.{getattr(n.target, '__qualname__', n.target)}"
-        else:
-            target = str(n.target)
+            if getattr(n.target, "__closure__", None) or not hasattr(n.target, "__qualname__"):
+                target += f"@{id(n.target)}"   # a closure or partial: its captured values are part of it
+        else:   # a placeholder is known by its position; a method by its name
+            target = "" if n.op == "placeholder" else str(n.target)
         h.update(f"{n.op}|{target}|{args}|{_values_key(match.tensors_in(node_value(n)))}\n".encode())
     return h.hexdigest()[:24]
 
