@@ -114,8 +114,9 @@ def cmd_plan(args):
         print(f"\nchosen: passes {list(graph_plan.passes)} ({graph_plan.reason})")
     if opt.setup.device is not None:
         print(f"predictions {opt.setup.device.describe(args.seq)}")
+    blocked = ", attention backward in blocks" if opt.setup.device is None else ""   # on the CPU only
     print(f"longest sequence under {budget}: {longest:,} tokens at batch {args.batch}, device-only "
-          f"(the plan that saves the most: segments + full recompute, attention backward in blocks)")
+          f"(the plan that saves the most: segments + full recompute{blocked})")
     # each bound beside the plans of its own kind: the longest sequence above is device-only
     for offload in (False, True) if opt.setup.device is not None else (False,):
         limit = opt.limit(offload=offload)
