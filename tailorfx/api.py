@@ -15,6 +15,7 @@ from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError, PredictionError
 from tailorfx.parallel import ParallelSpec
 from tailorfx.parallel.entry import parallel_plan
+from tailorfx.passes.attention.rules import drop_causal_sdpa_masks
 from tailorfx.report import Report
 from tailorfx import compat
 from tailorfx.rewrite import bound, memory
@@ -217,12 +218,11 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
             raise KeyError(f"no pass named {name!r} ran; passes that ran: {ran or 'none'}")
         return "\n".join(r.diff() or f"(pass {name} left graph {r.graph_index} unchanged)" for r in recs)
 
-    def report(self, outputs_held: bool = True) -> Report:
-        """A table of what was rewritten and the predicted peak before/after each pass, and how far
-        the plan is from the bound on every plan's peak (rewrite/bound.py); `outputs_held`: predict_memory's."""
-        return Report(self.session, self.budget, self._eager_reason,
-                      lambda S, rewritten: self.predict_memory(S, rewritten=rewritten, outputs_held=outputs_held),
-                      self.limit, outputs_held)
+    def report(self, **how) -> Report:
+        """What was rewritten, the predicted peak before/after each pass, and how far the plan is from the
+        bound on every plan's peak (rewrite/bound.py); `how`: predict_memory's outputs_held and as_eager."""
+        return Report(self.session, self.budget, self._eager_reason, lambda S, rewritten: self.predict_memory(
+            S, rewritten=rewritten, **how), self.limit, how.get("outputs_held", True))
 
     def bound_at(self, offload: Optional[bool] = None) -> Optional[Callable[[int], bound.Bound]]:
         """The lower bound on any plan's peak (rewrite/bound.py) as a function of the length, read
@@ -267,14 +267,14 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
                 return g.plan.options["setup"]
         return self.options.options_dict()["setup"]
 
-    def predict_memory(self, seq_len: Optional[int] = None, optimizer: Optional[str] = None,
-                       rewritten: bool = True, setup: Any = None, outputs_held: bool = True) -> memory.MemoryEstimate:
-        """Predicted memory of one training step at `seq_len` (default: the captured length).
-
-        Under the module's TrainingSetup unless `setup` (or, for short, `optimizer`) is given.
+    def predict_memory(self, seq_len: Optional[int] = None, optimizer: Optional[str] = None, rewritten: bool = True,
+                       setup: Any = None, outputs_held: bool = True, as_eager: bool = False) -> memory.MemoryEstimate:
+        """Predicted memory of one training step at `seq_len` (default: the captured length), under the
+        module's TrainingSetup unless `setup` (or, for short, `optimizer`) is given.
         `outputs_held=False`: the loop keeps only the loss (`loss = model(...).loss`, HF Trainer,
         tailorfx's train()), so the model's other outputs (logits, as captured) die with the forward.
-        """
+        `as_eager` (with rewritten=False): the model as eager PyTorch runs it, not as traced: a causal
+        mask transformers skips outside tracing dropped, k and v left grouped (drop_causal_sdpa_masks)."""
         if setup is not None:
             setup = resolve_setup(setup)
         elif optimizer is not None:
@@ -285,13 +285,13 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
             return self.session.parallel.prediction.predict(self.model, seq_len, setup)
         if not self.session.graphs:
             raise RuntimeError("nothing captured yet: call the module once or pass example_inputs")
-        failed = [w for g in self.session.graphs if g.failed for w in g.warnings]
-        if failed:
+        if failed := [w for g in self.session.graphs if g.failed for w in g.warnings]:
             raise PredictionError("cannot predict memory: " + "; ".join(failed))
         gs = self._step_graphs(seq_len)
         lowered = setup.optimizer_in_backward == self.setup.optimizer_in_backward   # g.step is what runs
         graphs = [(g.rewritten, g.lowering, g.step if lowered and (not g.step_static or seq_len in (None, g.seq.length))
-                   else None) if rewritten else (g.original, g.lowering, None) for g in gs]
+                   else None) if rewritten else (drop_causal_sdpa_masks(g.original) if as_eager else g.original,
+                                                 g.lowering, None) for g in gs]
         return planner.predict_graphs(graphs, [g.seq for g in gs], seq_len, setup, outputs_held=outputs_held)
 
     def _step_graphs(self, seq_len: Optional[int]) -> list[GraphRecord]:

@@ -212,13 +212,14 @@ def _memory(model: torch.nn.Module, batches: Batches, args, out: Path) -> Memory
     opt, budget, budget_label = plan(model, batches.example, budget, budget_label, eager.total)
     plan_seconds = time.perf_counter() - t
     say(f"    planned in {plan_seconds:.1f}s\n")
-    report = opt.report(outputs_held=False)   # train() keeps the loss only: the logits die with the forward
+    # train() keeps the loss only (the logits die with the forward); eager runs the model untraced
+    report = opt.report(outputs_held=False, as_eager=True)
     if report.predict is not None:   # each prediction traces the step: the report asks for each twice
         report.predict = functools.lru_cache(maxsize=None)(report.predict)
     say(str(report).rstrip())
     rewritten = measure_step(opt, model, batches.batch, args.lr)
     predict = report.predict or (lambda seq, rewritten: opt.predict_memory(seq, rewritten=rewritten,
-                                                                            outputs_held=False))
+                                                                            outputs_held=False, as_eager=True))
     predicted, predicted_eager = predict(S, True), predict(S, False)
     model.load_state_dict(init_state)      # the measured steps trained it: start from the init again
     fits = rewritten.total <= budget
