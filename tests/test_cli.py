@@ -128,6 +128,8 @@ def test_plan_for_a_cuda_preset_says_its_prediction_is_modelled_for_cuda(capsys)
     host = int(out.split("the host-offload limit: no host-offload plan of these rewrites fits more than ")[1]
                .split(" tokens")[0].replace(",", ""))
     assert longest <= device <= host, out
-    floor = {kind: out.split(f"tokens no {kind} plan peaks below ")[1].split(" (")[0]
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    floor = {kind: out.split(f"tokens no {kind} plan peaks below ")[1].split(" (")[0].split()
              for kind in ("device-only", "host-offload")}
-    assert float(floor["host-offload"].split()[0]) < float(floor["device-only"].split()[0]), floor
+    floor = {kind: float(n) * units[unit] for kind, (n, unit) in floor.items()}
+    assert floor["host-offload"] < floor["device-only"], floor
