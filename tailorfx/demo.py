@@ -214,13 +214,11 @@ def _memory(model: torch.nn.Module, batches: Batches, args, out: Path) -> Memory
     say(f"    planned in {plan_seconds:.1f}s\n")
     # train() keeps the loss only (the logits die with the forward); eager runs the model untraced
     report = opt.report(outputs_held=False, as_eager=True)
-    if report.predict is not None:   # each prediction traces the step: the report asks for each twice
-        report.predict = functools.lru_cache(maxsize=None)(report.predict)
+    # each prediction traces the step: the report asks for each twice, and the lines below once more
+    report.predict = functools.lru_cache(maxsize=None)(report.predict)
     say(str(report).rstrip())
     rewritten = measure_step(opt, model, batches.batch, args.lr)
-    predict = report.predict or (lambda seq, rewritten: opt.predict_memory(seq, rewritten=rewritten,
-                                                                            outputs_held=False, as_eager=True))
-    predicted, predicted_eager = predict(S, True), predict(S, False)
+    predicted, predicted_eager = report.predict(S, True), report.predict(S, False)
     model.load_state_dict(init_state)      # the measured steps trained it: start from the init again
     fits = rewritten.total <= budget
     say(f"\n    rewritten: {_fmt(rewritten.total)} measured ({_fmt(rewritten.dynamic)} at the step's peak), "

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from tailorfx.budget import Budget
 from tailorfx.cli import main
 
 TINY = ["llama", "vocab_size=512", "hidden_size=64", "intermediate_size=128", "num_hidden_layers=2",
@@ -128,8 +129,6 @@ def test_plan_for_a_cuda_preset_says_its_prediction_is_modelled_for_cuda(capsys)
     host = int(out.split("the host-offload limit: no host-offload plan of these rewrites fits more than ")[1]
                .split(" tokens")[0].replace(",", ""))
     assert longest <= device <= host, out
-    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-    floor = {kind: out.split(f"tokens no {kind} plan peaks below ")[1].split(" (")[0].split()
+    floor = {kind: Budget.parse(out.split(f"tokens no {kind} plan peaks below ")[1].split(" (")[0]).bytes
              for kind in ("device-only", "host-offload")}
-    floor = {kind: float(n) * units[unit] for kind, (n, unit) in floor.items()}
     assert floor["host-offload"] < floor["device-only"], floor
