@@ -95,7 +95,7 @@ def test_the_planner_offloads_on_a_gpu_budget_no_device_only_plan_meets():
 
 def test_the_report_shows_the_host_bytes():
     opt = tailorfx.optimize(hf_family("llama"), passes=["recompute"], offload="checkpoints", example_inputs=batch())
-    text = str(opt.report())
+    text = " ".join(str(opt.report()).split())   # the report wraps its lines at the console's width
     est = opt.predict_memory()
     assert est.host_bytes == 2 * 2 * 40 * 64 * 4   # 2 blocks' outputs, batch 2 x 40 tokens x hidden 64, fp32
     assert f"host memory {format_bytes(est.host_bytes)} (offloaded checkpoints)" in text, text
