@@ -29,6 +29,7 @@ import tailorfx  # noqa: E402
 from common import print_table, write_json  # noqa: E402
 from harness import compare_with_eager, peak_of_step  # noqa: E402
 from models import _COMMON, FAMILIES, batch  # noqa: E402
+from table_models import TableLM  # noqa: E402
 
 # name -> (model_type, overrides of tests/models.py's sizes). The five first, then families
 # not named there that carry the same forms.
@@ -48,6 +49,10 @@ CASES = {
                                   "intermediate_size": 64}),
     "exaone4": ("exaone4", {"sliding_window": WINDOW}),
     "mistral-window": ("mistral", {"sliding_window": WINDOW}),
+    # tables built once at a maximum length (4096) and sliced to the sequence
+    "mpt": ("mpt", {"max_seq_len": 4096, "attn_config": {"alibi": True}}),   # ALiBi sliced to the last s keys
+    "tables-mask": ("TableLM", {"form": "mask", "max_len": 4096}),      # tests/table_models.py: M x M mask
+    "tables-alibi": ("TableLM", {"form": "alibi", "max_len": 4096}),    # ALiBi table, rotary cache buffers
 }
 DROPOUT = {"seed_oss+dropout"}
 
@@ -55,8 +60,11 @@ DROPOUT = {"seed_oss+dropout"}
 def build(name: str, vocab: int):
     from transformers import AutoConfig, AutoModelForCausalLM
     model_type, overrides = CASES[name]
-    kw = {k: v for k, v in {**_COMMON, **overrides, "vocab_size": vocab}.items() if v is not None}
     torch.manual_seed(0)
+    if model_type == "TableLM":
+        return TableLM(vocab=vocab, hidden=_COMMON["hidden_size"], layers=_COMMON["num_hidden_layers"],
+                       heads=_COMMON["num_attention_heads"], **overrides).train()
+    kw = {k: v for k, v in {**_COMMON, **overrides, "vocab_size": vocab}.items() if v is not None}
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw)).train()
 
 

@@ -160,6 +160,25 @@ def sym_expr(x):
     return sympy.Integer(int(x))
 
 
+def sym_equal(a, b) -> bool:
+    """Whether two sizes are equal wherever the graph is valid: the same expression, or equal
+    under the ShapeEnv's guards (a table of a fixed length M sliced from Max(0, M - s) is s long
+    once the graph guards s <= M). ShapeEnv._maybe_evaluate_static, checked on torch 2.11-2.13;
+    it adds no guard."""
+    ea, eb = sym_expr(a), sym_expr(b)
+    if ea == eb:
+        return True
+    sym = next((x for x in (a, b) if isinstance(x, torch.SymInt)), None)
+    if sym is None:
+        return False
+    import sympy
+    env = sym.node.shape_env
+    try:
+        return env._maybe_evaluate_static(sympy.Eq(ea, eb)) is sympy.true
+    except Exception:   # an expression the ShapeEnv cannot decide: not proved equal
+        return False
+
+
 def size_hint(x) -> int:
     """An int, or a SymInt's traced value, without adding a guard (int(symint) would specialize
     the shape to it)."""

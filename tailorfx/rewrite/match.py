@@ -145,8 +145,9 @@ def named_args(node: fx.Node, names: tuple[str, ...]) -> dict:
 
 
 def same_size(a, b) -> bool:
-    """Two sizes (ints or SymInts) that are the same expression."""
-    return compat.sym_expr(a) == compat.sym_expr(b)
+    """Two sizes (ints or SymInts) that are the same expression, or equal under the graph's
+    shape guards."""
+    return compat.sym_equal(a, b)
 
 
 def unwrap_repeat_kv(x: fx.Node) -> fx.Node:

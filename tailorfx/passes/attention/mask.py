@@ -72,7 +72,7 @@ def _causal_proof(ctx: PassContext, sub: Subgraph, x: Optional[fx.Node], out: fx
     for L in lengths.values:
         try:
             fn = evaluator(sub, x, out, lengths.subst(L))
-            xs, got = masked_scores(fn, [L] * len(sub.leaves), L, gen, dtype, scale, combine)
+            xs, got = masked_scores(fn, sub.sizes(L), L, gen, dtype, scale, combine)
         except Exception as e:  # a mask we cannot run on its own is a mask we cannot prove
             return "", f"mask could not be evaluated at S={L}: {type(e).__name__}: {str(e)[:80]}"
         why = compare(got, xs, scale, torch.ones(L, L, dtype=torch.bool).tril(), L)
@@ -99,7 +99,7 @@ def _window_proof(sub: Subgraph, x: Optional[fx.Node], out: fx.Node, scale: floa
     for probe in WINDOW_PROBES:
         def masked(L: int):
             fn = evaluator(sub, x, out, {**length_subst(static, L), c: probe, -c: -probe})
-            return masked_scores(fn, [L] * len(sub.leaves), L, gen, dtype, scale, combine)
+            return masked_scores(fn, sub.sizes(L), L, gen, dtype, scale, combine)
         lengths = sorted(set(CHECK_LENGTHS) | {probe + 1, probe + 2, 2 * probe + 1, 3 * probe + 4})
         try:
             _, got = masked(lengths[-1])

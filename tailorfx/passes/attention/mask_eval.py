@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Collection, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -33,6 +33,12 @@ class Subgraph:
     consts: dict           # int-valued nodes -> their value
     inputs: list           # graph-input tensors the mask reads (a padding mask, position_ids)
     blocker: Optional[str]  # why the mask is not a function of the sequence length alone, if so
+    symbol: Any = None     # the sequence length's symbol, which the size leaves are functions of
+
+    def sizes(self, L: int) -> list[int]:
+        """The size leaves' values at sequence length L (s, or Max(0, M - s) for a table of M
+        sliced to its last s entries)."""
+        return [int(compat.sym_expr(node_value(leaf)).subs(self.symbol, L)) for leaf in self.leaves]
 
 
 def mask_subgraph(ctx: PassContext, out: fx.Node, x: Optional[fx.Node]) -> Union[Subgraph, str]:
@@ -49,7 +55,7 @@ def mask_subgraph(ctx: PassContext, out: fx.Node, x: Optional[fx.Node]) -> Union
         seen.add(n)
         val = node_value(n)
         if isinstance(val, torch.SymInt):
-            if ctx.seq.symbol is None or compat.sym_expr(val) != ctx.seq.symbol:
+            if ctx.seq.symbol is None or not compat.sym_expr(val).free_symbols <= {ctx.seq.symbol}:
                 first = first or f"mask depends on size {n.name} = {compat.sym_expr(val)}, not the sequence length"
             leaves.append(n)
             continue
@@ -74,7 +80,7 @@ def mask_subgraph(ctx: PassContext, out: fx.Node, x: Optional[fx.Node]) -> Union
     why = _mutation(nodes)
     if why:
         return first or why
-    return Subgraph(nodes, leaves, consts, inputs, first)
+    return Subgraph(nodes, leaves, consts, inputs, first, ctx.seq.symbol)
 
 
 _VIEW_OPS = frozenset({"getitem", "view", "reshape", "expand", "expand_as", "view_as", "transpose",
@@ -126,11 +132,32 @@ def _writes(u: fx.Node, n: fx.Node) -> bool:
 
 def largest_constant(nodes: list[fx.Node], skip: Optional[int] = None) -> int:
     """The largest |integer| in the nodes' arguments (a window, an offset, a size) other than
-    +-`skip` (a static graph's length), 0 if none."""
+    +-`skip` (a static graph's length) and the bounds of a table sliced to the length (its extent
+    M, M - 1 and M + 1: `table_extents`), 0 if none."""
     consts: list[int] = []
     for n in nodes:
         fx.node.map_aggregate((n.args, n.kwargs), lambda a: consts.append(abs(a)) if type(a) is int else None)
-    return max((c for c in consts if skip is None or c != abs(skip)), default=0)
+    bounds = {abs(skip)} if skip is not None else set()
+    bounds |= {b for m in table_extents(nodes) for b in (m - 1, m, m + 1)}
+    return max((c for c in consts if c not in bounds), default=0)
+
+
+_SLICES = frozenset({"getitem", "slice", "narrow"})
+
+
+def table_extents(nodes: Collection[fx.Node]) -> set[int]:
+    """The fixed lengths M of tables built at a maximum and sliced to the sequence (a mask of
+    M x M sliced [:s, :s], an ALiBi table sliced to its last s keys): a dim of static size M that
+    a slice among `nodes` cuts to a symbolic size. Its M is the table's bound, not a window: the
+    mask is evaluated as built, at lengths up to M (the graph's guards hold s <= M)."""
+    out: set[int] = set()
+    for n in nodes:
+        if match.op_name(n) not in _SLICES or not n.args or not isinstance(n.args[0], fx.Node):
+            continue
+        src, val = node_value(n.args[0]), node_value(n)
+        if isinstance(src, torch.Tensor) and isinstance(val, torch.Tensor) and src.dim() == val.dim():
+            out |= {a for a, b in zip(src.shape, val.shape) if type(a) is int and isinstance(b, torch.SymInt)}
+    return out
 
 
 def masked_scores(fn: fx.GraphModule, args: list, L: int, gen: torch.Generator, dtype: torch.dtype,
@@ -180,7 +207,10 @@ def check_lengths(ctx: PassContext, nodes: list[fx.Node], static: Optional[int])
                 f"(over {MAX_CHECK_LEN}); a window or offset, left unchanged")
     values = sorted(set(CHECK_LENGTHS) | {c + 1, c + 2, 2 * c + 1} |
                     ({ctx.seq.length} if dynamic and 0 < ctx.seq.length <= MAX_CHECK_LEN else set()))
-    text = ",".join(map(str, values))
+    extents = table_extents(nodes)
+    values = [v for v in values if v <= min(extents, default=v)]   # the lengths its tables hold
+    text = ",".join(map(str, values)) + (f" (tables of {','.join(map(str, sorted(extents)))} sliced to each)"
+                                         if extents else "")
     return Lengths(values, text if dynamic else f"{text} (static length {static} replaced by each)", static)
 
 
