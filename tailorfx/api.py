@@ -273,8 +273,8 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         module's TrainingSetup unless `setup` (or, for short, `optimizer`) is given.
         `outputs_held=False`: the loop keeps only the loss (`loss = model(...).loss`, HF Trainer,
         tailorfx's train()), so the model's other outputs (logits, as captured) die with the forward.
-        `as_eager` (with rewritten=False): the model as eager PyTorch runs it, not as traced: a causal
-        mask transformers skips outside tracing dropped, k and v left grouped (drop_causal_sdpa_masks)."""
+        `as_eager` (with rewritten=False): as eager PyTorch runs it, not as traced: a causal mask (or a
+        document mask of a batch of one document a row) that transformers skips dropped, k, v grouped."""
         if setup is not None:
             setup = resolve_setup(setup)
         elif optimizer is not None:
@@ -290,7 +290,7 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         gs = self._step_graphs(seq_len)
         lowered = setup.optimizer_in_backward == self.setup.optimizer_in_backward   # g.step is what runs
         graphs = [(g.rewritten, g.lowering, g.step if lowered and (not g.step_static or seq_len in (None, g.seq.length))
-                   else None) if rewritten else (drop_causal_sdpa_masks(g.original) if as_eager else g.original,
+                   else None) if rewritten else (drop_causal_sdpa_masks(g.original, g.single_document) if as_eager else g.original,
                                                  g.lowering, None) for g in gs]
         return planner.predict_graphs(graphs, [g.seq for g in gs], seq_len, setup, outputs_held=outputs_held)
 

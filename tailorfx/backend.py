@@ -43,6 +43,8 @@ class GraphRecord:
     step: Optional[memory.StepGraphs] = None   # forward/backward graphs as lowered (eager lowering)
     step_static: bool = False                  # ... at the captured sizes only (lower.lower)
     failed: bool = False                       # passes failed: the graph runs as captured
+    # position_ids inputs whose example batch holds one document a row (as_eager predictions)
+    single_document: frozenset = frozenset()
 
     @property
     def peak_captured(self) -> Optional[int]:
@@ -144,7 +146,8 @@ class TailorBackend:
         setup = plan.options.get("setup")
         lowering = lowering_mod.settle(lowering, any(r.changed for r in records),
                                        setup is not None and setup.optimizer_in_backward)
-        rec = GraphRecord(idx, gm, rewritten, regions, seq, plan, records, lowering, notes, *peaks)
+        rec = GraphRecord(idx, gm, rewritten, regions, seq, plan, records, lowering, notes, *peaks,
+                          single_document=_single_document(gm, example_inputs))
         self.session.graphs.append(rec)
         try:
             lowered = self._lower(rec, example_inputs)
@@ -296,6 +299,13 @@ def _check_requested(requested, records: list[PassRecord], idx: int, strict: boo
         raise RewriteNotApplied(msg + " (strict=True; drop strict to run the rest)")
     notes.append(msg)
     warnings.warn(msg)
+
+
+def _single_document(gm: fx.GraphModule, example_inputs: list) -> frozenset:
+    """Names of gm's placeholders whose example value is position_ids of one document a row."""
+    from tailorfx.passes.attention.documents import one_document_per_row
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return frozenset(n.name for n, v in zip(phs, example_inputs) if one_document_per_row(v))
 
 
 def _check_default(regions, records: list[PassRecord], idx: int, notes: list[str]) -> None:

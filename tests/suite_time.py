@@ -4,7 +4,8 @@ file keeps another test in `make test`, and whose HF families keep one elsewhere
 tests/test_coverage.py fails if a pass or family is left without one. conftest.py marks them slow."""
 
 MOVED = frozenset({
-    "tests/test_memory.py::test_eager_step_predicted_as_eager_runs_it[qwen2]",
+    "tests/test_memory.py::test_eager_step_predicted_as_eager_runs_it[qwen2-False]",
+    "tests/test_memory.py::test_eager_step_predicted_as_eager_runs_it[llama-True]",
     "tests/test_api.py::test_report_lists_regions_and_passes",
     "tests/test_attention_kernels.py::test_dense_masked_peak_memory_grows_quadratically",
     "tests/test_attention_pass.py::test_padding_mask_is_left_unchanged[eager]",

@@ -24,6 +24,8 @@ def test_quick_demo_trains_inside_the_budget_and_learns(tmp_path, capfd):
     assert mem["measured"] <= mem["budget"] < mem["eager_measured"], mem   # the planner met it, below eager
     # the rewritten step predicted as train() runs it (the loss held, not the logits): -2%..+3%, the claim's
     assert -0.02 <= (mem["predicted"] - mem["measured"]) / mem["measured"] <= 0.03, mem
+    # and eager's step as eager runs it (no traced masks, k and v grouped), to the same claim
+    assert -0.02 <= (mem["eager_predicted"] - mem["eager_measured"]) / mem["eager_measured"] <= 0.03, mem
     held = [h["loss"] for h in summary["held_out"]]
     assert held[-1] < held[0] - 0.5, held          # seeded: learns the held-out files' statistics too
     assert records[-1]["loss"] < records[0]["loss"]

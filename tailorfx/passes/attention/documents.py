@@ -19,6 +19,18 @@ from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PassContext
 
 
+def one_document_per_row(position_ids) -> bool:
+    """Whether a real (B, S) integer position_ids tensor steps by 1 along every row: no row packs a
+    second document (transformers' find_packed_sequence_indices finds none and skips the mask);
+    False for anything else, fake tensors included."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.is_floating_point():
+        return False
+    try:
+        return bool((torch.diff(position_ids, dim=-1) == 1).all())
+    except Exception:   # a fake tensor holds no values
+        return False
+
+
 def _documents_by_step(position_ids: torch.Tensor) -> torch.Tensor:
     """transformers' find_packed_sequence_indices: a document starts wherever a position is not
     the previous position + 1 (the first token continues document 0)."""

@@ -210,21 +210,23 @@ def _match_softmax_chain(node: fx.Node, ctx: PassContext) -> Union[Match, str, N
 rules_attention = (Rule("sdpa", _match_sdpa), Rule("softmax_chain", _match_softmax_chain))
 
 
-def drop_causal_sdpa_masks(gm: fx.GraphModule) -> fx.GraphModule:
+def drop_causal_sdpa_masks(gm: fx.GraphModule, single_document: frozenset = frozenset()) -> fx.GraphModule:
     """A copy of `gm` where each F.scaled_dot_product_attention call whose attn_mask is proved
     plainly causal (no document, window or per-key bias) takes is_causal=True without it, and its
     grouped k, v unrepeated (enable_gqa=True), as transformers' eager forward calls it: what a
     traced forward runs where it could not drop the mask (with a mask transformers repeats k and v
     to every head, and autograd saves them so); kept repeated where CUDA would run grouped ones on
     its math kernel (fp32). A copy: a static capture is Dynamo's, reused by the next capture at
-    these shapes."""
+    these shapes. `single_document`: names of position_ids inputs whose batch holds one document a
+    row; eager transformers finds no packed rows there and skips their document mask too (for a
+    prediction of that batch only: a later batch may be packed)."""
     gm = clone(gm)
     seq = seq_info(gm, None)
     ctx = PassContext(regions=find_regions(gm, seq), seq=seq)
     for n in list(gm.graph.nodes):
         m = _match_sdpa(n, ctx)
-        if (isinstance(m, Match) and m.causal and m.removes_dense and m.positions is None and m.window is None
-                and m.key_bias is None):
+        if (isinstance(m, Match) and m.causal and m.removes_dense and m.window is None and m.key_bias is None
+                and (m.positions is None or m.positions.name in single_document)):
             a = match.named_args(n, SDPA_ARGS)
             q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
             if m.k is not k and m.v is not v and not grouped_on_cuda_math(node_value(q), node_value(m.k)):
