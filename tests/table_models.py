@@ -12,28 +12,18 @@ built in __init__ as non-persistent buffers ("alibi", as older rotary caches are
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tailorfx.models.llama import CausalLMOutput as Output, rotate_half
+
 FORMS = ("mask", "alibi")
 # "shifted": the mask table sliced one row down ([1:S + 1, :S]), so query i sees key i + 1: a
 # table form that is not causal, which the proof must refuse
 ALL_FORMS = FORMS + ("shifted",)
-
-
-@dataclass
-class Output:
-    loss: Optional[torch.Tensor] = None
-    logits: Optional[torch.Tensor] = None
-
-
-def _rotate(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class Attention(nn.Module):
@@ -47,7 +37,7 @@ class Attention(nn.Module):
                 bias: Optional[torch.Tensor]) -> torch.Tensor:
         B, S, D = x.shape
         q, k, v = self.qkv(x).view(B, S, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        q, k = q * cos + _rotate(q) * sin, k * cos + _rotate(k) * sin
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         scores = q @ k.transpose(-2, -1) / math.sqrt(D // self.heads)
         if bias is not None:
             scores = (scores + bias).masked_fill(mask, torch.finfo(scores.dtype).min)
