@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from tailorfx import compat
-from tailorfx.passes.attention.mask_eval import Subgraph, check_lengths, compare, evaluator
+from tailorfx.passes.attention.mask_eval import Subgraph, check_lengths, compare, evaluator, leaf_sizes
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PassContext
 
@@ -26,7 +26,7 @@ def one_document_per_row(position_ids) -> bool:
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.is_floating_point():
         return False
     try:
-        return bool((torch.diff(position_ids, dim=-1) == 1).all())
+        return not bool(_documents_by_step(position_ids).any())   # every token in document 0
     except Exception:   # a fake tensor holds no values
         return False
 
@@ -148,7 +148,7 @@ def document_proof(ctx: PassContext, sub: Subgraph, x: Optional[fx.Node], out: f
         fn = evaluator(sub, x, out, lengths.subst(L))
         xs = torch.randn(1, 1, L, L, generator=gen).to(dtype) * 4
         value = {sym: (L if role == "L" else B) for sym, role in src.sizes.items()}
-        sizes = [int(compat.sym_expr(node_value(leaf)).subs(value)) for leaf in sub.leaves]
+        sizes = leaf_sizes(sub.leaves, value)
         for pos in _position_patterns(B, L, gen):
             pos = pos.to(pos_dtype)
             try:

@@ -38,7 +38,12 @@ class Subgraph:
     def sizes(self, L: int) -> list[int]:
         """The size leaves' values at sequence length L (s, or Max(0, M - s) for a table of M
         sliced to its last s entries)."""
-        return [int(compat.sym_expr(node_value(leaf)).subs(self.symbol, L)) for leaf in self.leaves]
+        return leaf_sizes(self.leaves, {self.symbol: L})
+
+
+def leaf_sizes(leaves: list, values: dict) -> list[int]:
+    """The values of size leaves (SymInt nodes) with their symbols replaced by `values`."""
+    return [int(compat.sym_expr(node_value(leaf)).subs(values)) for leaf in leaves]
 
 
 def mask_subgraph(ctx: PassContext, out: fx.Node, x: Optional[fx.Node]) -> Union[Subgraph, str]:
