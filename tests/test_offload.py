@@ -37,6 +37,41 @@ def test_checkpoint_offload_is_exact_and_fires(family, lowering):
     assert ops["tailorfx::offload"] == ops["tailorfx::reload"] in (1, 2), ops
 
 
+def test_each_reload_is_prefetched_one_block_ahead_and_counted():
+    """The backward issues each block's reload when the block after it starts its backward (all
+    but the first reload, which has no block before it), waits for it (`reloaded`) just before its
+    first reader, and the memory model holds the prefetched checkpoint from its issue: its timeline
+    rises by one checkpoint, batch x tokens x hidden fp32, at each reload."""
+    from tailorfx.runtime.offload import RELOAD, RELOADED
+    inputs = batch(pad=4)
+    opt = tailorfx.optimize(hf_family("llama", num_layers=3), passes=PASSES, recompute="full",
+                            offload="checkpoints", example_inputs=inputs)
+    opt(**inputs).loss.backward()
+    bw = opt.graph_records[0].step.bw.graph
+    order = {n: i for i, n in enumerate(bw.nodes)}
+    reloads = sorted((n for n in bw.nodes if n.target is RELOAD), key=order.__getitem__)
+    assert len(reloads) == 3, bw
+
+    def wait_and_readers(r):
+        waits = [u for u in r.users if u.target is RELOADED]
+        readers = sorted((u for u in r.users if u.target is not RELOADED), key=order.__getitem__)
+        assert len(waits) == 1 and order[waits[0]] < order[readers[0]], (r, r.users)
+        return waits[0], readers
+    for prev, r in zip(reloads, reloads[1:]):
+        prev_wait, prev_readers = wait_and_readers(prev)
+        wait, _ = wait_and_readers(r)
+        # issued before the previous block's recompute and backward, waited for after them
+        assert order[prev_wait] < order[r] < order[prev_readers[0]] < order[prev_readers[-1]] < order[wait]
+        matmuls = [n for n in bw.nodes if order[r] < order[n] < order[wait] and n.target is torch.ops.aten.mm.default]
+        assert len(matmuls) >= 7, matmuls   # the block's q, k, v, o, gate, up, down projections at least
+    checkpoint = 2 * 40 * 64 * 4
+    points = opt.predict_memory().timeline.points
+    at = {name: k for k, (phase, name, _) in enumerate(points) if phase.startswith("backward")}
+    for r in reloads:
+        k = at[r.name]
+        assert points[k][2] - points[k - 1][2] == checkpoint, points[k - 1:k + 1]
+
+
 def _lm(S, vocab):
     ids = torch.randint(0, vocab, (1, S), generator=torch.Generator().manual_seed(1))
     return {"input_ids": ids, "labels": ids.clone()}

@@ -226,7 +226,7 @@ def section_hf(run: Run, sec: dict) -> None:
     reps = 1 if run.dry else 3
     plan = [  # (name, key, dtype, seq, kwargs, seconds it needs left)
         ("bf16/default", "bf16-default", "bfloat16", 2048, {}, 0),
-        # checkpoints in pinned host memory (tailorfx::offload / reload on the compute stream): not
+        # checkpoints in pinned host memory (tailorfx::offload / reload on a copy stream, prefetched): not
         # yet measured on a GPU, so before the variants earlier runs measured (11-28: the time
         # budget ran out before these)
         ("fp32/lowering=eager/offload=checkpoints", "fp32-offload", "float32", 2048,

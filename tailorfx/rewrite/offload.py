@@ -9,10 +9,18 @@ to host memory after its last use in the forward, and back where the backward fi
     --> fw: add_3 = add(...); ...(last use of add_3); add_3_host = offload(add_3); return (loss, add_3_host)
     bw: add_3 (placeholder)  -->  bw: add_3 (placeholder, on host); add_3_dev = reload(add_3, device)
 
-Values are unchanged (a copy each way). The device holds the tensor from its making to its last
-forward use and from its reload to its last backward use; the host holds the copy in between. The
-memory model counts the copies as host bytes (rewrite/memory_graph.py), apart from the device's.
-The reload is not prefetched: on a GPU each copy waits for the compute before it (no overlap yet).
+Values are unchanged (a copy each way). Each reload is issued one block early, when the backward
+first reads the reload before it, and `reloaded` (a wait) stands before its own first reader: on a
+GPU the copies run on a stream of their own (runtime/offload.py), so the next block's checkpoint
+arrives while the current block's backward computes:
+
+    bw: add_3_dev = reload(add_3); reloaded(add_3_dev); ...block 3...; add_2_dev = reload(add_2)  -->
+    bw: add_3_dev = reload(add_3); reloaded(add_3_dev); add_2_dev = reload(add_2); ...block 3...; reloaded(add_2_dev)
+
+The device holds the tensor from its making to its last forward use and from its reload (the
+prefetch) to its last backward use; the host holds the copy in between. The memory model counts the
+copies as host bytes (rewrite/memory_graph.py), apart from the device's, and the prefetched
+checkpoint where the graph now holds it.
 """
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.optimizer_step import aliases_input
 from tailorfx.rewrite.saved_route import Route, reroute_saved
-from tailorfx.runtime.offload import OFFLOAD, RELOAD
+from tailorfx.runtime.offload import OFFLOAD, RELOAD, RELOADED
 
 OFFLOAD_TAG = "tailorfx_offload"   # key in node.meta["custom"]: offload what it computes if saved
 HOST_OPS = frozenset({OFFLOAD})    # ops whose outputs live in host memory
@@ -51,7 +59,7 @@ def _offloadable(o: fx.Node) -> bool:
 
 def offload_saved(fw: fx.GraphModule, bw: Optional[fx.GraphModule], num_fwd_outputs: int) -> int:
     """Rewrite `fw` and `bw` in place (and recompile them); returns how many saved tensors now
-    wait for the backward in host memory."""
+    wait for the backward in host memory. The backward reloads them one block ahead."""
     out = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
     outs = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
     user_outputs = {o for o in outs[:num_fwd_outputs] if isinstance(o, fx.Node)}
@@ -64,4 +72,27 @@ def offload_saved(fw: fx.GraphModule, bw: Optional[fx.GraphModule], num_fwd_outp
         readers = [u for u in o.users if u is not out]    # the copy goes out after the last of them
         return Route(max(readers, key=order.__getitem__) if readers else o, OFFLOAD, (),
                      v.new_empty(v.shape, device="cpu") if v.device.type != "cpu" else v, RELOAD, (v.device,))
-    return reroute_saved(fw, bw, num_fwd_outputs, route)
+    count = reroute_saved(fw, bw, num_fwd_outputs, route)
+    if count:
+        prefetch_reloads(bw)
+    return count
+
+
+def prefetch_reloads(bw: fx.GraphModule) -> None:
+    """Put a `reloaded` wait before each reload's first reader, then move each reload but the first
+    to just after the previous one's wait: the copy of the next block's checkpoint is issued when the
+    current block's backward starts (a reload's inputs are a placeholder and a device, so it can
+    move anywhere after the placeholders)."""
+    order = {n: i for i, n in enumerate(bw.graph.nodes)}
+    reloads = [n for n in bw.graph.nodes if n.target is RELOAD and n.users]
+    reloads.sort(key=lambda r: min(order[u] for u in r.users))
+    waits = []
+    for r in reloads:
+        with bw.graph.inserting_before(min(r.users, key=order.__getitem__)):
+            wait = bw.graph.call_function(RELOADED, (r,))
+        wait.meta["val"] = None
+        waits.append(wait)
+    for wait, nxt in zip(waits, reloads[1:]):
+        wait.append(nxt)
+    bw.graph.lint()
+    bw.recompile()
