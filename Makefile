@@ -4,7 +4,7 @@ VENV211 := .venv-torch211
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-slow test-torch211 test-long demo bench-deps clean
+.PHONY: setup test test-slow test-torch211 test-long demo bench-deps gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -54,6 +54,17 @@ demo: $(STAMP)
 # against the venv's torch (no build isolation, so pip never fetches another torch)
 bench-deps: $(STAMP)
 	DS_BUILD_OPS=0 $(BIN)/pip install --no-build-isolation deepspeed==0.19.8
+
+# the peers of benchmarks/gpu_scale.py as wheels for the GPU machine (no network there; Python 3.12,
+# x86-64): Liger-Kernel, DeepSpeed built here with none of its ops, and DeepSpeed's own
+# requirements; the device call carries .gpu-wheels and installs them with --no-index (docs/gpu.md)
+GPU_WHEELS := .gpu-wheels
+gpu-wheels: $(STAMP)
+	mkdir -p $(GPU_WHEELS)
+	$(BIN)/pip download --no-deps -d $(GPU_WHEELS) liger-kernel==0.8.5
+	DS_BUILD_OPS=0 $(BIN)/pip wheel --no-deps --no-build-isolation -w $(GPU_WHEELS) deepspeed==0.19.8
+	$(BIN)/pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+		--platform manylinux_2_17_x86_64 -d $(GPU_WHEELS) einops hjson msgpack ninja psutil py-cpuinfo pydantic
 
 clean:
 	rm -rf $(VENV) $(VENV211) .pytest_cache

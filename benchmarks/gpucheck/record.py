@@ -49,9 +49,9 @@ def error_chain_text(e: BaseException) -> str:
 class Run:
     """The results so far (written after every check) and what the sections share."""
 
-    def __init__(self, args, device: str):
+    def __init__(self, args, device: str, sections: tuple = SECTIONS):
         self.args, self.dry, self.device = args, args.dry_run, device
-        self.sections = [s for s in SECTIONS if s in (args.section or SECTIONS)]
+        self.sections = [s for s in sections if s in (args.section or sections)]
         self.cuda = device == "cuda"
         self.start = time.time()
         self.shared: dict = {}   # trained models the sections reuse (compiling costs most of the time)
