@@ -1,12 +1,13 @@
 """The runtime's ops with Triton implementations (`optimize(..., kernels="triton")`).
 
-    tailorfx::triton_norm(x, weight, bias, eps, kind, offset) -> (y, rstd, mean)   + _backward
+    tailorfx::triton_norm(x, weight, bias, eps, kind, offset) -> (y, stats)          + _backward
     tailorfx::triton_attention(q, k, v, document_ids, mask, params, causal, scale, softcap)
         -> (out, lse)                                                          + _backward
     tailorfx::triton_glu(gate, up, act) -> act(gate) * up                     + _backward
     tailorfx::triton_linear_cross_entropy(hidden, weight, bias, labels, ...)
         -> (loss, grad_hidden, grad_weight, grad_bias)     gradient taken in the forward
     tailorfx::triton_rope(x, cos, sin, backward) -> x * cos + rotate_half(x) * sin (or its transpose)
+    tailorfx::triton_rope_qk(q, k, cos, sin, backward) -> (q's rotation, k's)   one launch for both
 
 Each op launches kernels rendered by `codegen.triton` and has an autograd registration, so a
 rewritten graph keeps one node per op through AOTAutograd. On a GPU the ops are
@@ -51,45 +52,50 @@ def _fake(op):
 
 
 # ---- norms ---------------------------------------------------------------------------------
+# The statistics output (rstd, and LayerNorm's mean) is not differentiable: marked so, with grads
+# not materialized, autograd hands the backward None for it instead of a zero-filled tensor.
 
 @_op("triton_norm")
 def _norm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float, kind: str,
-              offset: float) -> tuple[Tensor, Tensor, Tensor]:
-    y, rstd, mean = _norm.forward(x, weight, bias, eps, kind, offset)
-    return y, rstd, (mean if mean is not None else rstd.new_empty(0))
+              offset: float) -> tuple[Tensor, Tensor]:
+    return _norm.forward_stats(x, weight, bias, eps, kind, offset)
 
 
 @_fake(_norm_fwd)
 def _norm_fwd_fake(x, weight, bias, eps, kind, offset):
     rows = x.numel() // x.shape[-1]
-    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(rows, dtype=torch.float32),
-            x.new_empty(rows if kind == "layer" else 0, dtype=torch.float32))
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty((rows,) if kind == "rms" else (2, rows), dtype=torch.float32))
 
 
 @_op("triton_norm_backward")
-def _norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, mean: Tensor, kind: str,
-              offset: float, has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    dx, dw, db = _norm.backward(dy, x, weight, rstd, mean if kind == "layer" else None, kind, offset, has_bias)
-    return dx, dw, (db if db is not None else dw.new_empty(0))
+def _norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, stats: Tensor, kind: str, offset: float,
+              has_bias: bool) -> list[Tensor]:
+    dx, dw, db = _norm.backward_stats(dy, x, weight, stats, kind, offset, has_bias)
+    return [dx, dw] if db is None else [dx, dw, db]
 
 
 @_fake(_norm_bwd)
-def _norm_bwd_fake(dy, x, weight, rstd, mean, kind, offset, has_bias):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
-            weight.new_empty(weight.shape if has_bias else 0))
+def _norm_bwd_fake(dy, x, weight, stats, kind, offset, has_bias):
+    return [torch.empty_like(x, memory_format=torch.contiguous_format)] + \
+        [torch.empty_like(weight) for _ in range(2 if has_bias else 1)]
 
 
 def _norm_setup(ctx, inputs, output):
     x, weight, bias, eps, kind, offset = inputs
-    _, rstd, mean = output
-    ctx.save_for_backward(x, weight, rstd, mean)
+    stats = output[1]
+    ctx.mark_non_differentiable(stats)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, weight, stats)
     ctx.kind, ctx.offset, ctx.has_bias = kind, offset, bias is not None
 
 
-def _norm_grad(ctx, dy, _drstd, _dmean):
-    x, weight, rstd, mean = ctx.saved_tensors
-    dx, dw, db = _norm_bwd(dy.contiguous(), x, weight, rstd, mean, ctx.kind, ctx.offset, ctx.has_bias)
-    return dx, dw, (db if ctx.has_bias else None), None, None, None
+def _norm_grad(ctx, dy, _dstats):
+    if dy is None:   # y took no part in what was differentiated
+        return None, None, None, None, None, None
+    x, weight, stats = ctx.saved_tensors
+    grads = _norm_bwd(dy.contiguous(), x, weight, stats, ctx.kind, ctx.offset, ctx.has_bias)
+    return grads[0], grads[1], (grads[2] if ctx.has_bias else None), None, None, None
 
 
 _norm_fwd.register_autograd(_norm_grad, setup_context=_norm_setup)
@@ -99,7 +105,6 @@ def triton_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], *, eps: float
     """RMSNorm (`kind="rms"`, `x * rsqrt(mean(x^2) + eps) * (offset + w)`) or LayerNorm over the
     last dim, computed in fp32 and returned in x's dtype."""
     return _norm_fwd(x, weight, bias, eps, kind, offset)[0]
-
 
 
 # ---- attention -----------------------------------------------------------------------------
@@ -162,11 +167,15 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, document_ids, mask, params, causal, 
 def _attn_setup(ctx, inputs, output):
     q, k, v, document_ids, mask, params, causal, scale, softcap = inputs
     out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)   # no zero-filled (B, H, S) gradient for lse
     ctx.save_for_backward(q, k, v, out, lse, document_ids)
     ctx.args = (mask, params, causal, scale, softcap)
 
 
 def _attn_grad(ctx, dout, _dlse):
+    if dout is None:   # out took no part in what was differentiated
+        return (None,) * 9
     q, k, v, out, lse, document_ids = ctx.saved_tensors
     dq, dk, dv = _attn_bwd(dout.contiguous(), q, k, v, out, lse, document_ids, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None
@@ -260,9 +269,9 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Ten
     grads = grad_hidden or grad_weight or grad_bias
     loss, gh, gw, gb = _lce.forward(hidden, weight, bias, labels, ignore_index, reduction, logit_softcap,
                                     logit_scale, 0.0, chunk, grads=grads)
-    empty = weight.new_empty(0)
-    return (loss, gh if grad_hidden else hidden.new_empty(0), gw if grad_weight else empty,
-            gb if grad_bias and gb is not None else empty)
+    # the schema's outputs for gradients not taken are empty tensors
+    return (loss, gh if grad_hidden else hidden.new_empty(0), gw if grad_weight else weight.new_empty(0),
+            gb if grad_bias and gb is not None else weight.new_empty(0))
 
 
 @_fake(_lce_fwd)
@@ -321,3 +330,42 @@ def triton_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     or (B or 1, S, D), all of x's dtype; the backward is the transposed rotation (no gradient for
     cos and sin, which HF builds from position ids without one)."""
     return _rope_fwd(x, cos, sin, False)
+
+
+@_op("triton_rope_qk")
+def _rope_qk_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[Tensor, Tensor]:
+    return _rope.apply_pair(q, k, cos, sin, backward=backward)
+
+
+@_fake(_rope_qk_fwd)
+def _rope_qk_fwd_fake(q, k, cos, sin, backward):
+    return _rope.output_like(q), _rope.output_like(k)
+
+
+def _rope_qk_setup(ctx, inputs, output):
+    q, k, cos, sin, backward = inputs
+    ctx.set_materialize_grads(False)   # an unused q or k output: no zero-filled gradient to rotate
+    ctx.save_for_backward(cos, sin)
+    ctx.backward = backward
+
+
+def _rope_qk_grad(ctx, dq, dk):
+    cos, sin = ctx.saved_tensors
+    dq, dk = (g if need else None for g, need in zip((dq, dk), ctx.needs_input_grad[:2]))
+    if dq is not None and dk is not None:
+        dq, dk = _rope_qk_fwd(dq, dk, cos, sin, not ctx.backward)
+    elif dq is not None:
+        dq = _rope_fwd(dq, cos, sin, not ctx.backward)
+    elif dk is not None:
+        dk = _rope_fwd(dk, cos, sin, not ctx.backward)
+    return dq, dk, None, None, None
+
+
+_rope_qk_fwd.register_autograd(_rope_qk_grad, setup_context=_rope_qk_setup)
+
+
+def triton_rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """`triton_rope` of q (B, H, S, D) and k (B, H_kv, S, D) in one launch per direction, as HF's
+    `apply_rotary_pos_emb(q, k, cos, sin)` (the kernels pass still emits one `triton_rope` per
+    tensor)."""
+    return _rope_qk_fwd(q, k, cos, sin, False)

@@ -8,7 +8,9 @@
 
 A family is a module in this package with `render(spec) -> str` (the source, spec values baked in
 as module-level `tl.constexpr`s) and `signatures(spec) -> {fn name: {arg: type}}` (what
-`triton.compile` needs for each jit function it compiles ahead of time).
+`triton.compile` needs for each jit function it compiles ahead of time). Its launch code gets
+kernels through `cached_kernel`, keyed by the static arguments a spec is built from, so a warm
+launch builds no KernelSpec.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Optional
 
-FAMILIES: tuple[str, ...] = ("norm", "glu", "rope", "linear_cross_entropy", "flash_attention")
+FAMILIES: tuple[str, ...] = ("norm", "partials", "glu", "rope", "linear_cross_entropy", "flash_attention")
 
 
 @dataclass(frozen=True)
@@ -76,11 +78,14 @@ class Kernel:
 
     def __init__(self, spec: KernelSpec, source: str, module):
         self.spec, self.source, self.module = spec, source, module
+        self.interpreted = module.__name__.endswith("_interpreted")
 
     def fn(self, name: str):
         """The launchable kernel: `fn[grid](*args)`. On a GPU it goes through
         torch.library.wrap_triton, so a torch.library.triton_op calling it stays traceable
-        (Inductor sees into it); the interpreter's functions are launched as they are."""
+        (Inductor sees into it). wrap_triton returns the jit function itself outside a trace and
+        a traceable wrapper inside one, so it is called per launch (a cached eager result would
+        launch untraced under Inductor). The interpreter's functions are launched as they are."""
         jit = self.jit(name)
         if self.interpreted:
             return jit
@@ -90,10 +95,6 @@ class Kernel:
     def jit(self, name: str):
         """The @triton.jit function itself."""
         return getattr(self.module, name)
-
-    @property
-    def interpreted(self) -> bool:
-        return self.module.__name__.endswith("_interpreted")
 
     def signatures(self) -> dict[str, dict[str, str]]:
         return family(self.spec.family).signatures(self.spec)
@@ -113,6 +114,20 @@ def load(spec: KernelSpec) -> Kernel:
     source from its file, so the rendered text has to live in one). Under TRITON_INTERPRET=1 its
     functions run on CPU through Triton's interpreter."""
     return _load(spec, interpreted())
+
+
+def cached_kernel(spec_of):
+    """`spec_of(*static) -> KernelSpec` turned into `kernel(*static) -> Kernel`, loaded once per
+    static arguments (hashable values: dtypes' names, sizes, flags) and interpreter setting: a
+    launch after the first builds, hashes and looks up no KernelSpec."""
+    @functools.lru_cache(maxsize=None)
+    def by_static(interpret: bool, *static) -> Kernel:
+        return _load(spec_of(*static), interpret)
+
+    def kernel(*static) -> Kernel:
+        return by_static(interpreted(), *static)
+    kernel.cache_info = by_static.cache_info
+    return kernel
 
 
 @functools.lru_cache(maxsize=None)

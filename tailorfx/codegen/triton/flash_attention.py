@@ -48,6 +48,8 @@ import functools
 from string import Template
 from typing import Optional, Sequence
 
+from tailorfx.codegen.triton import KernelSpec, cached_kernel, interpreted
+
 MODES = ("full", "window", "bigbird", "dilated")
 _DTYPES = ("fp32", "fp16", "bf16")
 
@@ -621,10 +623,12 @@ def spec_for(q, k, *, mask: str = "full", params=(), causal: bool = False, docum
     """The spec that serves q (B, H, S, D), k (B, H_kv, S, D) with this mask. `blocks`:
     (block_m, block_n) for every kernel, or (block_m, block_n, bwd_block_m, bwd_block_n);
     default `default_blocks`."""
-    from tailorfx.codegen.triton import KernelSpec, interpreted
-    params = normalize_params(mask, params)
-    dtype = _dtype_name(q.dtype)
-    head_dim = q.shape[-1]
+    return _spec(_dtype_name(q.dtype), q.shape[-1], q.shape[1] // k.shape[1], mask, normalize_params(mask, params),
+                 causal, documents, softcap, blocks, interpreted())
+
+
+def _spec(dtype: str, head_dim: int, group: int, mask: str, params: tuple, causal: bool, documents: bool,
+          softcap: Optional[float], blocks: Optional[Sequence[int]], interpret: bool):
     if blocks is None:
         blocks = default_blocks(dtype, head_dim, mask)
     elif len(blocks) == 2:
@@ -633,10 +637,10 @@ def spec_for(q, k, *, mask: str = "full", params=(), causal: bool = False, docum
     extra = {"bigbird_block": params[0]} if mask == "bigbird" else {}
     if softcap is not None:
         extra["softcap"] = float(softcap)
-    if dtype == "bf16" and not interpreted():   # compiled: bf16 tensor-core dots
+    if dtype == "bf16" and not interpret:   # compiled: bf16 tensor-core dots
         extra["precision"] = None
     return KernelSpec("flash_attention", dtype=dtype, head_dim=head_dim, mask=mask, causal=bool(causal),
-                      documents=bool(documents), group=q.shape[1] // k.shape[1], block_m=bm, block_n=bn,
+                      documents=bool(documents), group=group, block_m=bm, block_n=bn,
                       bwd_block_m=bm2, bwd_block_n=bn2, **extra)
 
 
@@ -644,7 +648,6 @@ def examples() -> list:
     """Representative specs: the goldens and the sm80/sm90 compile checks run over these
     (every mask, causal or not, documents, GQA, softcap, fp32/fp16/bf16, head dims 64 and 128,
     BigBird blocks covering whole tiles or not)."""
-    from tailorfx.codegen.triton import KernelSpec
 
     def spec(dtype, d, mask, causal, documents=False, group=1, softcap=None, **extra):
         bm, bn, bm2, bn2 = default_blocks(dtype, d, mask)
@@ -743,16 +746,27 @@ def _mode_args(spec, params, causal, seq_len, device, by_keys=False):
     return []
 
 
+def _spec_here(*static):
+    return _spec(*static, interpreted())
+
+
+_kernel = cached_kernel(_spec_here)   # a warm launch builds no KernelSpec
+
+
 def _setup(q, k, v, mask, params, causal, document_ids, softcap, blocks, scale):
     import torch
-    from tailorfx.codegen.triton import load
     _check(q, k, v, document_ids)
     params = normalize_params(mask, params)
-    spec = spec_for(q, k, mask=mask, params=params, causal=causal, documents=document_ids is not None,
-                    softcap=softcap, blocks=blocks)
+    kern = _kernel(_dtype_name(q.dtype), q.shape[-1], q.shape[1] // k.shape[1], mask, params, bool(causal),
+                   document_ids is not None, softcap, None if blocks is None else tuple(blocks))
+    spec = kern.spec
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    doc = [] if document_ids is None else [document_ids.to(device=q.device, dtype=torch.int32).contiguous()]
-    return load(spec), spec, params, scale, doc
+    doc = []
+    if document_ids is not None:
+        if document_ids.dtype != torch.int32 or document_ids.device != q.device:
+            document_ids = document_ids.to(device=q.device, dtype=torch.int32)
+        doc = [document_ids.contiguous()]
+    return kern, spec, params, scale, doc
 
 
 def forward(q, k, v, *, mask: str = "full", params=(), causal: bool = False, scale: Optional[float] = None,
@@ -787,7 +801,9 @@ def backward(dout, q, k, v, out, lse, *, mask: str = "full", params=(), causal: 
     import torch
     kern, spec, params, scale, doc = _setup(q, k, v, mask, params, causal, document_ids, softcap, blocks, scale)
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
-    lse = lse.to(torch.float32).contiguous()
+    if lse.dtype != torch.float32:
+        lse = lse.to(torch.float32)
+    lse = lse.contiguous()
     batch, heads, seq, _ = q.shape
     num_kv = k.shape[1]
     bm, bn2, warps = spec["block_m"], spec["bwd_block_n"], num_warps(spec)

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from string import Template
 
+import torch
+
+from tailorfx.codegen.triton import KernelSpec, cached_kernel
+
 _SRC = '''"""tailorfx generated: ${name}"""
 import triton
 import triton.language as tl
@@ -105,18 +109,21 @@ def num_warps(spec) -> int:
     return max(4, min(16, spec["block"] // 256))
 
 
-def _dtype_name(dtype) -> str:
-    import torch
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def spec_for(gate, act: str, block: int = 1024):
-    from tailorfx.codegen.triton import KernelSpec
-    return KernelSpec("glu", act=act, block=block, dtype=_dtype_name(gate.dtype))
+def _spec(act: str, block: int, dtype: str) -> KernelSpec:
+    return KernelSpec("glu", act=act, block=block, dtype=dtype)
+
+
+_kernel = cached_kernel(_spec)
+
+
+def spec_for(gate, act: str, block: int = 1024) -> KernelSpec:
+    return _spec(act, block, _DTYPE_NAMES[gate.dtype])
 
 
 def examples() -> list:
-    from tailorfx.codegen.triton import KernelSpec
     return [KernelSpec("glu", act="silu", block=1024, dtype="bf16"),
             KernelSpec("glu", act="gelu_tanh", block=1024, dtype="fp16"),
             KernelSpec("glu", act="silu", block=1024, dtype="fp32"),
@@ -131,26 +138,26 @@ def _check(gate, up):
 
 
 def forward(gate, up, act: str, block: int = 1024):
-    """act(gate) * up, in gate's dtype (act "silu" | "gelu_tanh" | "gelu")."""
-    import torch
-    from tailorfx.codegen.triton import load
+    """act(gate) * up, in gate's dtype (act "silu" | "gelu_tanh" | "gelu"). One launch; the output
+    is its only allocation."""
     _check(gate, up)
-    k = load(spec_for(gate, act, block))
+    k = _kernel(act, block, _DTYPE_NAMES[gate.dtype])
     g, u = gate.contiguous(), up.contiguous()
     out = torch.empty_like(g)
     n = g.numel()
-    k.fn("glu_fwd")[(-(-n // k.spec["block"]),)](g, u, out, n, num_warps=num_warps(k.spec))
+    k.fn("glu_fwd")[(-(-n // block),)](g, u, out, n, num_warps=num_warps(k.spec))
     return out
 
 
 def backward(dout, gate, up, act: str, block: int = 1024):
-    """(dgate, dup) of forward, recomputing act(gate)."""
-    import torch
-    from tailorfx.codegen.triton import load
+    """(dgate, dup) of forward, recomputing act(gate). One launch; the two gradients are its only
+    allocations."""
     _check(gate, up)
-    k = load(spec_for(gate, act, block))
-    g, u, do = gate.contiguous(), up.contiguous(), dout.contiguous().to(gate.dtype)
+    k = _kernel(act, block, _DTYPE_NAMES[gate.dtype])
+    g, u, do = gate.contiguous(), up.contiguous(), dout.contiguous()
+    if do.dtype != g.dtype:
+        do = do.to(g.dtype)
     dg, du = torch.empty_like(g), torch.empty_like(u)
     n = g.numel()
-    k.fn("glu_bwd")[(-(-n // k.spec["block"]),)](do, g, u, dg, du, n, num_warps=num_warps(k.spec))
+    k.fn("glu_bwd")[(-(-n // block),)](do, g, u, dg, du, n, num_warps=num_warps(k.spec))
     return dg, du

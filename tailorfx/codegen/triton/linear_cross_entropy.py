@@ -34,6 +34,8 @@ from __future__ import annotations
 from string import Template
 from typing import Optional
 
+from tailorfx.codegen.triton import KernelSpec, cached_kernel
+
 _HEADER = '''"""tailorfx generated: ${name}"""
 import triton
 import triton.language as tl
@@ -165,9 +167,12 @@ def spec_for(vocab: int, *, softcap: Optional[float] = None, logit_scale: Option
              z_loss: float = 0.0, grad: bool = True, block: Optional[int] = None):
     """The spec serving a vocabulary of `vocab` (block: 4096, or the next power of two >= vocab
     when smaller, at least 16)."""
-    from tailorfx.codegen.triton import KernelSpec
     if block is None:
         block = max(16, min(4096, 1 << max(0, int(vocab) - 1).bit_length()))
+    return _spec(int(block), softcap, logit_scale, z_loss, bool(grad))
+
+
+def _spec(block: int, softcap: Optional[float], logit_scale: Optional[float], z_loss: float, grad: bool):
     extra = {}
     if softcap is not None:
         extra["softcap"] = float(softcap)
@@ -175,13 +180,22 @@ def spec_for(vocab: int, *, softcap: Optional[float] = None, logit_scale: Option
         extra["logit_scale"] = float(logit_scale)
     if z_loss:
         extra["z_loss"] = float(z_loss)
-    return KernelSpec("linear_cross_entropy", block=int(block), grad=bool(grad), **extra)
+    return KernelSpec("linear_cross_entropy", block=block, grad=grad, **extra)
+
+
+_kernel = cached_kernel(_spec)
+
+
+def _kernel_for(vocab: int, softcap, logit_scale, z_loss, grad: bool, block: Optional[int]):
+    """`spec_for`'s kernel, loaded once per static arguments: a warm call builds no KernelSpec."""
+    if block is None:
+        block = max(16, min(4096, 1 << max(0, int(vocab) - 1).bit_length()))
+    return _kernel(int(block), softcap, logit_scale, z_loss, bool(grad))
 
 
 def examples() -> list:
     """Representative specs: plain (Llama), Gemma-2's soft-cap 30, Cohere's logit scale 0.0625,
     z-loss 1e-4, every feature at once, a loss-only (eval) kernel; blocks 2048 to 8192."""
-    from tailorfx.codegen.triton import KernelSpec
 
     def spec(block, grad=True, **extra):
         return KernelSpec("linear_cross_entropy", block=block, grad=grad, **extra)
@@ -222,10 +236,23 @@ def forward(hidden, weight, bias, labels, ignore_index: int = -100, reduction: s
                         normalizer, block, grads)
 
 
+def _denominator(labels, ignore_index: int, reduction: str, normalizer):
+    """(the loss's divisor, None for "sum"; the gradient's scale as a 0-d fp32 device tensor, which
+    the kernel reads: no host sync)."""
+    import torch
+    f32, dev = torch.float32, labels.device
+    if reduction == "sum":
+        return None, torch.ones((), dtype=f32, device=dev)
+    if normalizer is not None:
+        denom = torch.as_tensor(normalizer, dtype=f32, device=dev)
+        return denom, torch.reciprocal(denom)
+    denom = (labels != ignore_index).sum().to(f32)
+    return denom, torch.reciprocal(denom.clamp(min=1))   # torch: mean over zero valid rows is nan, its grads zero
+
+
 def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, logit_scale, z_loss, chunk, normalizer,
              block, grads):
     import torch
-    from tailorfx.codegen.triton import load
     from tailorfx.runtime.linear_ops import gemms_in_weight_dtype
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy: reduction {reduction!r} not in mean/sum")
@@ -241,53 +268,59 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, log
     if labels.numel() != n_rows:
         raise ValueError(f"linear_cross_entropy: {labels.numel()} labels for {n_rows} rows")
     dev, f32 = hidden.device, torch.float32
-    k = load(spec_for(vocab, softcap=softcap, logit_scale=logit_scale, z_loss=z_loss, grad=grads, block=block))
+    k = _kernel_for(vocab, softcap, logit_scale, z_loss, grads, block)
     chunk = max(1, int(chunk) if chunk else default_chunk(n_rows, n_hidden, vocab))
-    labels = labels.reshape(-1).to(torch.int64).contiguous()
+    if labels.dim() != 1:
+        labels = labels.reshape(-1)
+    if labels.dtype != torch.int64:
+        labels = labels.to(torch.int64)
+    labels = labels.contiguous()
     # on CUDA, bf16/fp16 hidden and weight: the GEMMs in that dtype (tensor cores, fp32 accumulation),
     # each chunk's logits upcast as eager's logits.float(), no fp32 copy of the weight
     low = gemms_in_weight_dtype(hidden, weight)
-    w = weight if low else weight.to(f32)
-    b = bias if bias is None or low else bias.to(f32)
-    count = (labels != ignore_index).sum()
-    if reduction == "mean":
-        denom = (torch.as_tensor(normalizer, dtype=f32, device=dev) if normalizer is not None
-                 else count.to(f32))
-        # torch: mean over zero valid rows is nan, its grads zero (not nan)
-        scale = (1.0 / (denom.clamp(min=1) if normalizer is None else denom)).reshape(1)
-    else:
-        denom = None
-        scale = torch.ones(1, dtype=f32, device=dev)
+    w = weight if low or weight.dtype == f32 else weight.to(f32)
+    b = bias if bias is None or low or bias.dtype == f32 else bias.to(f32)
+    denom, scale = _denominator(labels, ignore_index, reduction, normalizer)
     loss_rows = torch.empty(n_rows, dtype=f32, device=dev)
     grad_h = torch.empty_like(hidden) if grads else None
     grad_w = torch.zeros_like(w) if grads else None   # low: summed over the chunks in the weight's dtype
     grad_b = torch.zeros(b.shape, dtype=f32, device=dev) if grads and b is not None else None
     fn, warps = k.fn("lce_fwd"), num_warps(k.spec)
-    for start in range(0, n_rows, chunk):
-        end = min(n_rows, start + chunk)
-        h = hidden[start:end] if low else hidden[start:end].to(f32)
+    # each chunk's rows as views made once (split), the weight's transpose once
+    w_t = None if low else w.t()
+    chunk_labels, chunk_loss = labels.split(chunk), loss_rows.split(chunk)
+    chunk_grad_h = grad_h.split(chunk) if grads else None
+    for i, h in enumerate(hidden.split(chunk)):
         if low:
             z = torch.nn.functional.linear(h, w, b).float()   # the chunk's fp32 logits
         else:
-            z = torch.addmm(b, h, w.t()) if b is not None else torch.mm(h, w.t())
-        fn[(end - start,)](z, labels[start:end], loss_rows[start:end], scale, vocab, z.stride(0), ignore_index,
-                           num_warps=warps)
+            if h.dtype != f32:
+                h = h.to(f32)
+            z = torch.addmm(b, h, w_t) if b is not None else torch.mm(h, w_t)
+        fn[(h.shape[0],)](z, chunk_labels[i], chunk_loss[i], scale, vocab, z.stride(0), ignore_index,
+                          num_warps=warps)
         if not grads:
             continue
         g = z.to(w.dtype) if low else z   # now d(loss)/d(logits)
         del z
         if grad_h.dtype == g.dtype and grad_h.is_contiguous():
-            torch.mm(g, w, out=grad_h[start:end])
+            torch.mm(g, w, out=chunk_grad_h[i])
         else:
-            grad_h[start:end].copy_(g @ w)
+            chunk_grad_h[i].copy_(g @ w)
         grad_w.addmm_(g.t(), h)
         if grad_b is not None:
             grad_b.add_(g.sum(0, dtype=f32))
         del g, h
-    total = loss_rows.sum()
-    loss = total / denom if denom is not None else total
-    loss = loss.to(torch.promote_types(hidden.dtype, weight.dtype))
+    loss = loss_rows.sum()
+    if denom is not None:
+        loss = loss / denom
+    out_dtype = hidden.dtype if hidden.dtype == weight.dtype else torch.promote_types(hidden.dtype, weight.dtype)
+    if loss.dtype != out_dtype:
+        loss = loss.to(out_dtype)
     if not grads:
         return loss, None, None, None
-    return (loss, grad_h, grad_w.to(weight.dtype),
-            grad_b.to(bias.dtype) if grad_b is not None else None)
+    if grad_w.dtype != weight.dtype:
+        grad_w = grad_w.to(weight.dtype)
+    if grad_b is not None and grad_b.dtype != bias.dtype:
+        grad_b = grad_b.to(bias.dtype)
+    return loss, grad_h, grad_w, grad_b

@@ -2,12 +2,18 @@
 
 Spec: kind ("rms" | "layer"), block (power of two >= the row length), offset (RMSNorm's weight
 offset: 0.0, or 1.0 for Gemma's `x * (1 + w)`), bias (LayerNorm: whether it adds one). Inputs are loaded and computed in fp32 and
-stored in the output's dtype; the backward accumulates the weight (and bias) gradient per
-program over `rows_per_program` rows in fp32 and the host sums the partials.
+stored in the output's dtype. The forward writes one fp32 statistics buffer: rstd (rows,), or
+for LayerNorm (2, rows), rstd then mean. The backward accumulates the weight (and bias) gradient
+per program over `rows_per_program` rows in fp32 partials, and `partials`' kernel sums them in a
+fixed order into the weight's dtype: two launches, no host arithmetic.
 """
 from __future__ import annotations
 
 from string import Template
+
+import torch
+
+from tailorfx.codegen.triton import KernelSpec, cached_kernel, partials
 
 _HEADER = '''"""tailorfx generated: ${name}"""
 import triton
@@ -20,7 +26,7 @@ OFFSET = tl.constexpr(${offset})
 _RMS = '''
 
 @triton.jit
-def norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, rstd_ptr, n_cols, stride, eps):
+def norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, stats_ptr, n_cols, stride, eps):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -29,11 +35,11 @@ def norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, rstd_ptr, n_cols, stride, eps):
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / n_cols + tl.cast(eps, tl.float32))  # fp64 from Inductor
     y = x * rstd * (w + OFFSET)
     tl.store(y_ptr + row * stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
+    tl.store(stats_ptr + row, rstd)
 
 
 @triton.jit
-def norm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, n_rows, n_cols, stride, rows_per_program):
+def norm_bwd(dy_ptr, x_ptr, w_ptr, stats_ptr, dx_ptr, part_ptr, n_rows, n_cols, stride, rows_per_program):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -44,19 +50,19 @@ def norm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, n_rows, n_c
         if row < n_rows:
             x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + row)
+            rstd = tl.load(stats_ptr + row)
             xhat = x * rstd
             wdy = w * dy
             dx = rstd * (wdy - xhat * (tl.sum(wdy * xhat, axis=0) / n_cols))
             tl.store(dx_ptr + row * stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             dw += dy * xhat
-    tl.store(dw_ptr + pid * n_cols + cols, dw, mask=mask)
+    tl.store(part_ptr + pid * n_cols + cols, dw, mask=mask)
 '''
 
 _LAYER = '''
 
 @triton.jit
-def norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, rstd_ptr, mean_ptr, n_cols, stride, eps):
+def norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, stats_ptr, n_cols, stride, eps):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -68,13 +74,12 @@ ${load_bias}
     rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=0) / n_cols + tl.cast(eps, tl.float32))  # fp64 from Inductor
     y = xc * rstd * w${add_bias}
     tl.store(y_ptr + row * stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
-    tl.store(mean_ptr + row, mean)
+    tl.store(stats_ptr + row, rstd)
+    tl.store(stats_ptr + tl.num_programs(0) + row, mean)   # stats (2, rows): rstd, then mean
 
 
 @triton.jit
-def norm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, mean_ptr, dx_ptr, dw_ptr, db_ptr, n_rows, n_cols, stride,
-             rows_per_program):
+def norm_bwd(dy_ptr, x_ptr, w_ptr, stats_ptr, dx_ptr, part_ptr, n_rows, n_cols, stride, rows_per_program):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -86,15 +91,15 @@ ${zero_bias}
         if row < n_rows:
             x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + row)
-            mean = tl.load(mean_ptr + row)
+            rstd = tl.load(stats_ptr + row)
+            mean = tl.load(stats_ptr + n_rows + row)
             xhat = tl.where(mask, (x - mean) * rstd, 0.0)
             wdy = w * dy
             dx = rstd * (wdy - (tl.sum(wdy, axis=0) + xhat * tl.sum(wdy * xhat, axis=0)) / n_cols)
             tl.store(dx_ptr + row * stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             dw += dy * xhat
 ${acc_bias}
-    tl.store(dw_ptr + pid * n_cols + cols, dw, mask=mask)
+    tl.store(part_ptr + pid * n_cols + cols, dw, mask=mask)
 ${store_bias}
 '''
 
@@ -120,22 +125,16 @@ def render(spec) -> str:
         add_bias=" + b" if bias else "",
         zero_bias=f"{i4}db = tl.zeros([BLOCK], dtype=tl.float32)" if bias else "",
         acc_bias=f"{i12}db += dy" if bias else "",
-        store_bias=f"{i4}tl.store(db_ptr + pid * n_cols + cols, db, mask=mask)" if bias else "")
+        store_bias=f"{i4}tl.store(part_ptr + (tl.num_programs(0) + pid) * n_cols + cols, db, mask=mask)  # below dw's"
+        if bias else "")
 
 
 def signatures(spec) -> dict[str, dict[str, str]]:
     t = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}[spec.get("dtype", "fp32")]
-    if spec["kind"] == "rms":
-        fwd = {"x_ptr": t, "w_ptr": t, "b_ptr": t, "y_ptr": t, "rstd_ptr": "*fp32", "n_cols": "i32", "stride": "i32",
-               "eps": "fp32"}
-        bwd = {"dy_ptr": t, "x_ptr": t, "w_ptr": t, "rstd_ptr": "*fp32", "dx_ptr": t, "dw_ptr": "*fp32",
-               "db_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride": "i32", "rows_per_program": "i32"}
-    else:
-        fwd = {"x_ptr": t, "w_ptr": t, "b_ptr": t, "y_ptr": t, "rstd_ptr": "*fp32", "mean_ptr": "*fp32",
-               "n_cols": "i32", "stride": "i32", "eps": "fp32"}
-        bwd = {"dy_ptr": t, "x_ptr": t, "w_ptr": t, "rstd_ptr": "*fp32", "mean_ptr": "*fp32", "dx_ptr": t,
-               "dw_ptr": "*fp32", "db_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride": "i32",
-               "rows_per_program": "i32"}
+    fwd = {"x_ptr": t, "w_ptr": t, "b_ptr": t, "y_ptr": t, "stats_ptr": "*fp32", "n_cols": "i32", "stride": "i32",
+           "eps": "fp32"}
+    bwd = {"dy_ptr": t, "x_ptr": t, "w_ptr": t, "stats_ptr": "*fp32", "dx_ptr": t, "part_ptr": "*fp32",
+           "n_rows": "i32", "n_cols": "i32", "stride": "i32", "rows_per_program": "i32"}
     return {"norm_fwd": fwd, "norm_bwd": bwd}
 
 
@@ -144,68 +143,89 @@ def num_warps(spec) -> int:
     return 4 if spec["block"] <= 1024 else 8 if spec["block"] <= 4096 else 16
 
 
-def spec_for(x, kind: str, offset: float = 0.0, bias: bool = False):
+def _spec(kind: str, block: int, dtype: str, offset: float, bias: bool) -> KernelSpec:
+    extra = {"bias": bias} if kind == "layer" else {"offset": offset}
+    return KernelSpec("norm", kind=kind, block=block, dtype=dtype, **extra)
+
+
+_kernel = cached_kernel(_spec)
+
+
+def spec_for(x, kind: str, offset: float = 0.0, bias: bool = False) -> KernelSpec:
     """The spec that serves rows of `x`'s last dim."""
-    from tailorfx.codegen.triton import KernelSpec
-    import triton
-    extra = {"bias": bool(bias)} if kind == "layer" else {"offset": float(offset)}
-    return KernelSpec("norm", kind=kind, block=triton.next_power_of_2(x.shape[-1]), dtype=_dtype_name(x.dtype),
-                      **extra)
+    return _spec(kind, _next_pow2(x.shape[-1]), _DTYPE_NAMES[x.dtype], float(offset), bool(bias))
+
+
+def _kernel_for(x, kind: str, offset: float, bias: bool):
+    return _kernel(kind, _next_pow2(x.shape[-1]), _DTYPE_NAMES[x.dtype], float(offset), bool(bias))
 
 
 def examples() -> list:
     """Representative specs: the goldens and the sm80/sm90 compile checks run over these."""
-    from tailorfx.codegen.triton import KernelSpec
     return [KernelSpec("norm", kind="rms", block=4096, dtype="bf16", offset=0.0),
             KernelSpec("norm", kind="rms", block=2048, dtype="fp32", offset=1.0),
             KernelSpec("norm", kind="layer", block=1024, dtype="fp16", bias=True),
             KernelSpec("norm", kind="layer", block=8192, dtype="bf16", bias=False)]
 
 
-def _dtype_name(dtype) -> str:
-    import torch
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def forward(x, weight, bias, eps: float, kind: str, offset: float = 0.0):
-    """y, rstd, mean (None for RMSNorm) over the last dim of `x` (contiguous rows)."""
-    import torch
-    from tailorfx.codegen.triton import load
-    k = load(spec_for(x, kind, offset, bias is not None))
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    rows, n = x2.shape
-    y = torch.empty_like(x2)
-    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-    b = bias if bias is not None else weight
-    if kind == "rms":
-        k.fn("norm_fwd")[(rows,)](x2, weight, b, y, rstd, n, x2.stride(0), eps, num_warps=num_warps(k.spec))
-        return y.view_as(x), rstd, None
-    mean = torch.empty(rows, dtype=torch.float32, device=x.device)
-    k.fn("norm_fwd")[(rows,)](x2, weight, b, y, rstd, mean, n, x2.stride(0), eps, num_warps=num_warps(k.spec))
-    return y.view_as(x), rstd, mean
+    """y, rstd, mean (None for RMSNorm) over the last dim of `x`; rstd and mean are rows of
+    `forward_stats`'s statistics."""
+    y, stats = forward_stats(x, weight, bias, eps, kind, offset)
+    return (y, stats, None) if kind == "rms" else (y, stats[0], stats[1])
+
+
+def forward_stats(x, weight, bias, eps: float, kind: str, offset: float = 0.0):
+    """y (x's shape and dtype, contiguous) and the fp32 statistics the backward reads: rstd
+    (rows,), or for LayerNorm (2, rows), rstd then mean. One launch; the two outputs are its only
+    allocations."""
+    k = _kernel_for(x, kind, offset, bias is not None)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    n = x.shape[-1]
+    rows = x.numel() // n if n else 0
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    stats = torch.empty((rows,) if kind == "rms" else (2, rows), dtype=torch.float32, device=x.device)
+    k.fn("norm_fwd")[(rows,)](x, weight, bias if bias is not None else weight, y, stats, n, n, eps,
+                              num_warps=num_warps(k.spec))
+    return y, stats
 
 
 def backward(dy, x, weight, rstd, mean, kind: str, offset: float = 0.0, bias: bool = False,
              rows_per_program: int = 32):
-    """dx, dw (fp32 sum of per-program partials, cast to the weight's dtype), db (LayerNorm with
-    a bias, else None)."""
-    import torch
-    from tailorfx.codegen.triton import load
-    k = load(spec_for(x, kind, offset, bias))
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    dy2 = dy.reshape(-1, x.shape[-1]).contiguous()
-    rows, n = x2.shape
+    """dx, dw and db (LayerNorm with a bias, else None) from `forward`'s rstd and mean."""
+    stats = rstd if kind == "rms" else torch.stack((rstd, mean))
+    return backward_stats(dy, x, weight, stats, kind, offset, bias, rows_per_program)
+
+
+def backward_stats(dy, x, weight, stats, kind: str, offset: float = 0.0, bias: bool = False,
+                   rows_per_program: int = 32):
+    """dx (x's dtype), dw and db (the weight's dtype; db None without a bias) from
+    `forward_stats`'s statistics. Two launches: the rows, writing dx and fp32 partial sums of dw
+    (and db) per program, then their column sums into dw (and db) (`partials.column_sums`)."""
+    k = _kernel_for(x, kind, offset, bias)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if not dy.is_contiguous():
+        dy = dy.contiguous()
+    n = x.shape[-1]
+    rows = x.numel() // n if n else 0
     programs = triton_cdiv(rows, rows_per_program)
-    dx = torch.empty_like(x2)
-    dw = torch.empty(programs, n, dtype=torch.float32, device=x.device)
-    db = torch.empty(programs, n, dtype=torch.float32, device=x.device)
-    if kind == "rms":
-        k.fn("norm_bwd")[(programs,)](dy2, x2, weight, rstd, dx, dw, db, rows, n, x2.stride(0), rows_per_program,
-                                      num_warps=num_warps(k.spec))
-        return dx.view_as(x), dw.sum(0).to(weight.dtype), None
-    k.fn("norm_bwd")[(programs,)](dy2, x2, weight, rstd, mean, dx, dw, db, rows, n, x2.stride(0), rows_per_program,
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    parts = torch.empty((2 * programs if bias else programs, n), dtype=torch.float32, device=x.device)
+    dw = torch.empty(n, dtype=weight.dtype, device=weight.device)
+    db = torch.empty(n, dtype=weight.dtype, device=weight.device) if bias else None
+    k.fn("norm_bwd")[(programs,)](dy, x, weight, stats, dx, parts, rows, n, n, rows_per_program,
                                   num_warps=num_warps(k.spec))
-    return dx.view_as(x), dw.sum(0).to(weight.dtype), (db.sum(0).to(weight.dtype) if bias else None)
+    partials.column_sums(parts, dw, db)
+    return dx, dw, db
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -2,8 +2,8 @@
 
     out = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x[..., R/2:R], x[..., :R/2])
 
-x (B, H, S, D) (q, or k with its own H_kv: one launch per tensor), cos/sin (B or 1, S, R) broadcast
-over heads (HF's `unsqueeze_dim=1`; (S, R) and (B, 1, S, R) are taken too). Partial rotary
+x (B, H, S, D) (q, and k with its own H_kv: one launch rotates both), cos/sin (B or 1, S, R)
+broadcast over heads (HF's `unsqueeze_dim=1`; (S, R) and (B, 1, S, R) are taken too). Partial rotary
 (Phi, StableLM, GPT-NeoX): only the first R = rotary_dim of D channels rotate, the rest pass
 through. With x1, x2 the two halves of the rotated part and c1, c2 / s1, s2 those of cos / sin:
 
@@ -15,14 +15,19 @@ computed for cos/sin (HF's are built under no_grad from position ids).
 
 Spec: dtype ("fp32" | "fp16" | "bf16", of x, out, cos and sin), head_dim D, rotary_dim R (even,
 <= D), block_h (heads per program, a power of two). One program per (batch, position) row and
-block of heads; x and out may have any strides but a contiguous last dim (HF's q is a
-(B, S, H, D) buffer transposed). Computed in fp32, rounded once on store; the pass-through
-channels are copied as they are (their code is rendered only when R < D).
+block of heads, q's blocks then k's (a single tensor has no k blocks); x and out may have any
+strides but a contiguous last dim (HF's q is a (B, S, H, D) buffer transposed). Computed in fp32,
+rounded once on store; the pass-through channels are copied as they are (their code is rendered
+only when R < D).
 """
 from __future__ import annotations
 
 from string import Template
 from typing import Optional
+
+import torch
+
+from tailorfx.codegen.triton import KernelSpec, cached_kernel
 
 _HEADER = '''"""tailorfx generated: ${name}"""
 import triton
@@ -36,19 +41,10 @@ ${extra_constants}'''
 _KERNEL = '''
 
 @triton.jit
-def ${fn}(x_ptr, cos_ptr, sin_ptr, out_ptr, seq_len, n_heads, sxb, sxh, sxs, sob, soh, sos, scb, scs):
+def _${fn}_heads(x_ptr, out_ptr, b, s, heads, n_heads, sxb, sxh, sxs, sob, soh, sos, c1, c2, s1, s2):
     # ${what}
-    pid = tl.program_id(0)
-    b = (pid // seq_len).to(tl.int64)
-    s = (pid % seq_len).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)
     dmask = d < HALF
-    cs = b * scb + s * scs + d
-    c1 = tl.load(cos_ptr + cs, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + cs + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + cs, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + cs + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
     hmask = heads < n_heads
     hh = heads.to(tl.int64)[:, None]
     x_row = x_ptr + b * sxb + s * sxs + hh * sxh
@@ -58,7 +54,31 @@ def ${fn}(x_ptr, cos_ptr, sin_ptr, out_ptr, seq_len, n_heads, sxb, sxh, sxs, sob
     x2 = tl.load(x_row + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(o_row + d[None, :], (${o1}).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(o_row + HALF + d[None, :], (${o2}).to(out_ptr.dtype.element_ty), mask=mask)
-${pass_through}'''
+${pass_through}
+
+@triton.jit
+def ${fn}(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_heads_q, n_heads_k, sqb, sqh, sqs, skb, skh, sks,
+          sqob, sqoh, sqos, skob, skoh, skos, scb, scs):
+    # program (row, head block): q's head blocks first, then k's; each reads its row's cos/sin
+    pid = tl.program_id(0)
+    b = (pid // seq_len).to(tl.int64)
+    s = (pid % seq_len).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
+    cs = b * scb + s * scs + d
+    c1 = tl.load(cos_ptr + cs, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + cs + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + cs, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + cs + HALF, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    q_blocks = tl.cdiv(n_heads_q, BLOCK_H)
+    hb = tl.program_id(1)
+    if hb < q_blocks:
+        _${fn}_heads(q_ptr, qo_ptr, b, s, hb * BLOCK_H + tl.arange(0, BLOCK_H), n_heads_q, sqb, sqh, sqs, sqob, sqoh,
+                     sqos, c1, c2, s1, s2)
+    else:
+        _${fn}_heads(k_ptr, ko_ptr, b, s, (hb - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H), n_heads_k, skb, skh,
+                     sks, skob, skoh, skos, c1, c2, s1, s2)
+'''
 
 _PASS = '''    # channels [ROT_DIM, HEAD_DIM) pass through
     p = tl.arange(0, BLOCK_PASS)
@@ -103,9 +123,9 @@ def render(spec) -> str:
 
 def signatures(spec) -> dict[str, dict[str, str]]:
     t = "*" + spec.get("dtype", "fp32")
-    sig = {"x_ptr": t, "cos_ptr": t, "sin_ptr": t, "out_ptr": t, "seq_len": "i32", "n_heads": "i32",
-           "sxb": "i32", "sxh": "i32", "sxs": "i32", "sob": "i32", "soh": "i32", "sos": "i32",
-           "scb": "i32", "scs": "i32"}
+    sig = {"q_ptr": t, "k_ptr": t, "cos_ptr": t, "sin_ptr": t, "qo_ptr": t, "ko_ptr": t, "seq_len": "i32",
+           "n_heads_q": "i32", "n_heads_k": "i32",
+           **{f"s{x}{d}": "i32" for x in ("q", "k", "qo", "ko") for d in "bhs"}, "scb": "i32", "scs": "i32"}
     return {"rope_fwd": dict(sig), "rope_bwd": dict(sig)}
 
 
@@ -114,25 +134,26 @@ def num_warps(spec) -> int:
     return 4 if bh * _next_pow2(r // 2) >= 256 else 2 if bh * _next_pow2(r // 2) >= 64 else 1
 
 
-def _dtype_name(dtype) -> str:
-    import torch
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def spec_for(x, rotary_dim: Optional[int] = None, block_h: int = 4):
+def _spec(dtype: str, head_dim: int, rotary_dim: int, block_h: int) -> KernelSpec:
+    return KernelSpec("rope", dtype=dtype, head_dim=head_dim, rotary_dim=rotary_dim, block_h=block_h)
+
+
+_kernel = cached_kernel(_spec)
+
+
+def spec_for(x, rotary_dim: Optional[int] = None, block_h: int = 4) -> KernelSpec:
     """The spec serving x (..., D) with the first `rotary_dim` (default D) channels rotated."""
-    from tailorfx.codegen.triton import KernelSpec
-    d = x.shape[-1]
-    return KernelSpec("rope", dtype=_dtype_name(x.dtype), head_dim=int(d),
-                      rotary_dim=int(d if rotary_dim is None else rotary_dim), block_h=int(block_h))
+    d = int(x.shape[-1])
+    return _spec(_DTYPE_NAMES[x.dtype], d, d if rotary_dim is None else int(rotary_dim), int(block_h))
 
 
 def examples() -> list:
     """Representative specs: Llama/Qwen head dim 128 (fp32, bf16, 8 heads a program), head dim 64
     (fp16), Phi-3's 96 (R/2 = 48: a masked half block), and partial rotary: Phi-2 (D 80, R 32),
     StableLM (D 64, R 16), NeoX-style D 256 / R 64."""
-    from tailorfx.codegen.triton import KernelSpec
-
     def spec(dtype, d, r=None, bh=4):
         return KernelSpec("rope", dtype=dtype, head_dim=d, rotary_dim=d if r is None else r, block_h=bh)
     return [spec("fp32", 128), spec("bf16", 128, bh=8), spec("fp16", 64), spec("bf16", 96),
@@ -140,22 +161,25 @@ def examples() -> list:
 
 
 def _cos_sin(t, batch: int, seq: int, rot: int, dtype, name: str):
-    """cos/sin as (B or 1, S, R) with a contiguous last dim, in x's dtype (HF's rotary embedding
-    returns them in x's dtype already)."""
-    if t.dim() == 2:
-        t = t.unsqueeze(0)
-    elif t.dim() == 4 and t.shape[1] == 1:
-        t = t.squeeze(1)
-    if t.dim() != 3 or t.shape[0] not in (1, batch) or t.shape[1] != seq or t.shape[2] != rot:
-        raise ValueError(f"rope: {name} {tuple(t.shape)} is not ({batch} or 1, {seq}, {rot})")
-    t = t.to(dtype)
-    return t if t.stride(-1) == 1 else t.contiguous()
+    """cos/sin, (B or 1, S, R) as (S, R), (B or 1, S, R) or (B or 1, 1, S, R), read where it lies:
+    the tensor (in x's dtype, as HF's rotary embedding returns it already; a contiguous last dim)
+    and its batch (0 when broadcast) and position strides. No view is made."""
+    shape = tuple(t.shape)
+    rows = (1, *shape) if len(shape) == 2 else (shape[0], *shape[2:]) if len(shape) == 4 and shape[1] == 1 \
+        else shape
+    if len(rows) != 3 or rows[0] not in (1, batch) or rows[1] != seq or rows[2] != rot:
+        raise ValueError(f"rope: {name} {rows} is not ({batch} or 1, {seq}, {rot})")
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    batch_stride, seq_stride = (0, t.stride(0)) if t.dim() == 2 else (t.stride(0), t.stride(-2))
+    return t, (batch_stride if rows[0] > 1 else 0), seq_stride
 
 
 def output_like(x):
     """The tensor `apply` writes for x: x's layout when its last dim is contiguous, else a
     contiguous one (the runtime op's fake kernel allocates the same)."""
-    import torch
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty_like(x)
@@ -166,35 +190,48 @@ def apply(x, cos, sin, rotary_dim: Optional[int] = None, *, backward: bool = Fal
     """The rotation of x (B, H, S, D) (its transpose with `backward`: x is then the incoming grad),
     a new tensor with x's dtype and layout. `rotary_dim` defaults to cos's last dim, as in HF (a
     partial rotary's cos/sin are (.., S, R))."""
-    from tailorfx.codegen.triton import load
-    if x.dim() != 4:
-        raise ValueError(f"rope: x {tuple(x.shape)} is not (B, H, S, D)")
-    bsz, heads, seq, d = x.shape
-    k = load(spec_for(x, cos.shape[-1] if rotary_dim is None else rotary_dim, block_h))
-    rot = k.spec["rotary_dim"]
-    c = _cos_sin(cos, bsz, seq, rot, x.dtype, "cos")
-    s = _cos_sin(sin, bsz, seq, rot, x.dtype, "sin")
-    if c.stride() != s.stride():
-        c, s = c.expand(bsz, seq, rot).contiguous(), s.expand(bsz, seq, rot).contiguous()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = output_like(x)
-    if x.numel() == 0:
-        return out
-    scb = c.stride(0) if c.shape[0] > 1 else 0
-    grid = (bsz * seq, -(-heads // k.spec["block_h"]))
-    k.fn("rope_bwd" if backward else "rope_fwd")[grid](
-        x, c, s, out, seq, heads, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        scb, c.stride(1), num_warps=num_warps(k.spec))
-    return out
+    return apply_pair(x, None, cos, sin, rotary_dim, backward=backward, block_h=block_h)[0]
+
+
+def apply_pair(q, k, cos, sin, rotary_dim: Optional[int] = None, *, backward: bool = False, block_h: int = 4):
+    """`apply` to q (B, H, S, D) and k (B, H_kv, S, D) in one launch: (q's rotation, k's), new
+    tensors with their dtype and layout; k may be None (q's alone, None for k)."""
+    for name, x in (("q", q), ("k", k)):
+        if x is not None and x.dim() != 4:
+            raise ValueError(f"rope: {name} {tuple(x.shape)} is not (B, H, S, D)")
+    bsz, heads_q, seq, d = q.shape
+    if k is not None and (k.shape[0] != bsz or k.shape[2:] != q.shape[2:] or k.dtype != q.dtype):
+        raise ValueError(f"rope: k {tuple(k.shape)} {k.dtype} does not match q {tuple(q.shape)} {q.dtype}")
+    rot = int(cos.shape[-1] if rotary_dim is None else rotary_dim)
+    kern = _kernel(_DTYPE_NAMES[q.dtype], int(d), rot, int(block_h))
+    c, cb, cs = _cos_sin(cos, bsz, seq, rot, q.dtype, "cos")
+    s, sb, ss = _cos_sin(sin, bsz, seq, rot, q.dtype, "sin")
+    if (cb, cs) != (sb, ss):   # one set of offsets serves both
+        c, s = (t.reshape(-1, seq, rot).expand(bsz, seq, rot).contiguous() for t in (c, s))
+        cb, cs = seq * rot, rot
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    qo = output_like(q)
+    heads_k, ko = 0, None
+    if k is not None:
+        if k.stride(-1) != 1:
+            k = k.contiguous()
+        heads_k, ko = k.shape[1], output_like(k)
+    if bsz * seq == 0:
+        return qo, ko
+    kk, kko = (k, ko) if k is not None else (q, qo)   # no k: no k blocks, its pointers unread
+    grid = (bsz * seq, -(-heads_q // block_h) - (-heads_k // block_h))
+    kern.fn("rope_bwd" if backward else "rope_fwd")[grid](
+        q, kk, c, s, qo, kko, seq, heads_q, heads_k, *q.stride()[:3], *kk.stride()[:3], *qo.stride()[:3],
+        *kko.stride()[:3], cb, cs, num_warps=num_warps(kern.spec))
+    return qo, ko
 
 
 def forward(q, k, cos, sin, rotary_dim: Optional[int] = None):
-    """(q_embed, k_embed) as HF's `apply_rotary_pos_emb(q, k, cos, sin)`; k may be None."""
-    return apply(q, cos, sin, rotary_dim), (apply(k, cos, sin, rotary_dim) if k is not None else None)
+    """(q_embed, k_embed) as HF's `apply_rotary_pos_emb(q, k, cos, sin)`, one launch; k may be None."""
+    return apply_pair(q, k, cos, sin, rotary_dim)
 
 
 def backward(dq, dk, cos, sin, rotary_dim: Optional[int] = None):
-    """(dq, dk) of forward's inputs from the grads of its outputs; dk may be None."""
-    return (apply(dq, cos, sin, rotary_dim, backward=True),
-            apply(dk, cos, sin, rotary_dim, backward=True) if dk is not None else None)
+    """(dq, dk) of forward's inputs from the grads of its outputs, one launch; dk may be None."""
+    return apply_pair(dq, dk, cos, sin, rotary_dim, backward=True)
