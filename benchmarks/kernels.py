@@ -170,8 +170,9 @@ def cases(dev: str, dry: bool) -> list[Case]:
             q2, k2 = liger(q, k, cos, sin)
             return torch.cat([q2.flatten(1, 2), k2.flatten(1, 2)], 1)
 
-        def ours(q, k, cos=cos, sin=sin):
-            return torch.cat([ops.triton_rope(q, cos, sin).flatten(1, 2), ops.triton_rope(k, cos, sin).flatten(1, 2)], 1)
+        def ours(q, k, cos=cos, sin=sin):   # what the kernels pass emits: q and k in one launch
+            q2, k2 = ops.triton_rope_qk(q, k, cos, sin)
+            return torch.cat([q2.flatten(1, 2), k2.flatten(1, 2)], 1)
         qk_bytes = (NH + NKV) * S * D * 2
         out.append(Case("rope", f"q,k {S}x{NH}/{NKV}x{D}",
                         lambda S=S: [rnd(1, NH, S, D, dtype=dt), rnd(1, NKV, S, D, dtype=dt)],

@@ -119,7 +119,7 @@ def test_windows_and_soft_caps_take_the_triton_kernel_on_cuda_the_tiles_on_cpu(r
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
 def test_kernels_triton_runs_every_triton_op_on_cuda(runs, family):
     cuda = _graph(runs, "cuda", f"{family}/triton")
-    want = {"tailorfx.triton_norm", "tailorfx.triton_rope", "tailorfx.triton_attention",
+    want = {"tailorfx.triton_norm", "tailorfx.triton_rope_qk", "tailorfx.triton_attention",
             "tailorfx.triton_linear_cross_entropy"}
     assert want <= set(cuda["ops"])
     assert ["kernels", True] in cuda["passes"]

@@ -80,9 +80,9 @@ def test_every_region_of_a_family_becomes_its_kernel(name):
         assert not [n for n in nodes if match.op_name(n) in ("silu", "gelu")]
     else:
         assert not calls(triton_ops.triton_glu)
-    ropes = calls(triton_ops.triton_rope)
+    ropes = calls(triton_ops.triton_rope) + calls(triton_ops.triton_rope_qk)
     if want["rope"]:
-        assert len(ropes) == 2 * len(attn)                     # q and k of each attention
+        assert len(calls(triton_ops.triton_rope_qk)) == len(attn) and not calls(triton_ops.triton_rope)  # q and k at once
         assert not [n for n in nodes if match.op_name(n) == "neg"]   # no rotate_half left
         head_dim = opt.model.config.hidden_size // opt.model.config.num_attention_heads
         assert {int(node_value(n.args[0]).shape[-1]) for n in ropes} == {int(head_dim * want["rope"])}

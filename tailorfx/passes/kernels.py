@@ -10,8 +10,8 @@ reference formula, so a norm spelled in an unexpected way is left as it was and 
     after:   y = triton_norm(x, w, None, eps=1e-06, kind='rms', offset=0.0)
 
     before:  y = mul(silu(gate), up)                 after:  y = triton_glu(gate, up, act='silu')
-    before:  q2 = q * cos + cat((-q[..., 8:], q[..., :8]), -1) * sin
-    after:   q2 = triton_rope(q, cos, sin)
+    before:  q2 = q * cos + cat((-q[..., 8:], q[..., :8]), -1) * sin;  k2 = (the same of k)
+    after:   q2, k2 = triton_rope_qk(q, k, cos, sin)      (one rotation alone: triton_rope(q, cos, sin))
     before:  o = attention_call(q, k, v, kind='Exact', params=(), causal=True, scale=0.125)
     after:   o = triton_attention(q, k, v, causal=True, scale=0.125, ...)
 """
@@ -38,12 +38,14 @@ KERNELS = (None, "triton")
 
 @dataclass(frozen=True)
 class Swap:
-    """A region to replace by one kernel call: `fn(*args, **kwargs)` in place of `out`."""
+    """A region to replace by one kernel call: `fn(*args, **kwargs)` in place of `out` (with
+    `more`: a call returning a tuple, its items in place of `out` and then each of `more`)."""
     out: fx.Node
     fn: Callable
     args: tuple
     kwargs: dict
     kernel: str          # the kernel family, for the report and opt.kernels()
+    more: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -254,7 +256,28 @@ def _match_rope(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swa
             why = f"{n.name}: its values differ from x * cos + rotate_half(x) * sin"
             continue
         swaps.append(Swap(n, triton_rope, (x, cos, sin), {}, "rope"))
-    return swaps or why
+    return _paired(swaps, order) or why
+
+
+def _paired(swaps: list[Swap], order: Optional[dict]) -> list[Swap]:
+    """Two rotations by the same cos and sin (an attention's q and k) as one `triton_rope_qk`
+    call, one launch each way, where both inputs exist before the first rotation's result."""
+    from tailorfx.runtime.triton_ops import triton_rope_qk
+    by_table: dict = {}
+    for sw in swaps:
+        by_table.setdefault(sw.args[1:], []).append(sw)
+    out = []
+    for group in by_table.values():
+        first, second = (sorted(group, key=lambda sw: order[sw.out]) + [None])[:2] if len(group) == 2 else (None, None)
+        qv = node_value(first.args[0]) if first is not None else None
+        kv = node_value(second.args[0]) if second is not None else None
+        if (first is None or kv.shape[0] != qv.shape[0] or kv.shape[2:] != qv.shape[2:]
+                or order[second.args[0]] > order[first.out]):
+            out += group
+            continue
+        out.append(Swap(first.out, triton_rope_qk, (first.args[0], second.args[0], *first.args[1:]), {}, "rope",
+                        more=(second.out,)))
+    return out
 
 
 # ---- attention ------------------------------------------------------------------------------
@@ -325,8 +348,16 @@ class KernelsPass:
                     with gm.graph.inserting_before(swap.out):
                         new = gm.graph.call_function(swap.fn, swap.args, swap.kwargs)
                     annotate(new, swap.out, pass_name=NAME)
-                    swap.out.replace_all_uses_with(new)
-                    _erase_dead(gm, swap.out)
+                    if not swap.more:
+                        swap.out.replace_all_uses_with(new)
+                        _erase_dead(gm, swap.out)
+                    for i, old in enumerate((swap.out, *swap.more) if swap.more else ()):
+                        with gm.graph.inserting_before(swap.out):
+                            item = gm.graph.call_function(operator.getitem, (new, i))
+                        annotate(item, old, pass_name=NAME)
+                        old.replace_all_uses_with(item)
+                    for old in (swap.out, *swap.more) if swap.more else ():
+                        _erase_dead(gm, old)
                     stats.setdefault(swap.kernel, []).append(region.path)
                 touched.append(region.path)
         return PassResult(gm, bool(touched), {k: len(v) for k, v in stats.items()},
@@ -348,7 +379,7 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
     none."""
     from tailorfx.codegen.triton import flash_attention, glu, linear_cross_entropy, norm, rope
     from tailorfx.runtime.triton_ops import (attention_params, triton_attention, triton_glu,
-                                             triton_linear_cross_entropy, triton_norm, triton_rope)
+                                             triton_linear_cross_entropy, triton_norm, triton_rope, triton_rope_qk)
     if node.op != "call_function":
         return []
     kw = node.kwargs
@@ -366,11 +397,14 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
         gate = node_value(node.args[0])
         spec = glu.spec_for(gate, kw["act"])
         return [(spec, f"({_cdiv(_int(gate.numel()), spec['block'])},)")]
-    if node.target is triton_rope:
+    if node.target in (triton_rope, triton_rope_qk):
         x = node_value(node.args[0])
         spec = rope.spec_for(x)
         batch, heads, seq = (_int(d) for d in x.shape[:3])
-        return [(spec, f"({batch * seq}, {_cdiv(heads, spec['block_h'])})")]
+        blocks = _cdiv(heads, spec["block_h"])
+        if node.target is triton_rope_qk:   # q's head blocks, then k's, in one launch
+            blocks += _cdiv(_int(node_value(node.args[1]).shape[1]), spec["block_h"])
+        return [(spec, f"({batch * seq}, {blocks})")]
     if node.target is triton_linear_cross_entropy:
         rows, vocab = _int(node_value(node.args[0]).shape[0]), _int(node_value(node.args[1]).shape[0])
         grad = any(isinstance(a, fx.Node) and node_value(a).requires_grad for a in node.args[:3])

@@ -366,6 +366,5 @@ _rope_qk_fwd.register_autograd(_rope_qk_grad, setup_context=_rope_qk_setup)
 
 def triton_rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """`triton_rope` of q (B, H, S, D) and k (B, H_kv, S, D) in one launch per direction, as HF's
-    `apply_rotary_pos_emb(q, k, cos, sin)` (the kernels pass still emits one `triton_rope` per
-    tensor)."""
+    `apply_rotary_pos_emb(q, k, cos, sin)`: what the kernels pass emits for an attention's q and k."""
     return _rope_qk_fwd(q, k, cos, sin, False)
