@@ -18,8 +18,8 @@ Providers, in one interleaved run (every provider of a case runs before the next
 - `flex`: FlexAttention (torch.compile'd) with the mask as a BlockMask, ALiBi as a score_mod;
 - `liger`: Liger-Kernel's functional ops (liger_rms_norm, liger_layer_norm, liger_swiglu,
   liger_rope, liger_fused_linear_cross_entropy), when installed (`make gpu-wheels` on the GPU);
-- `tailorfx`: tailorfx.runtime.triton_ops (what the kernels pass emits; ALiBi through the
-  attention spec's own path, as the pass runs it).
+- `tailorfx`: tailorfx.runtime.triton_ops (what the kernels pass emits, and on CUDA the attention
+  pass for masks, documents and ALiBi).
 
 Per provider: device time (the CUDA kernels' own time per call, from the profiler, so host
 overheads do not count), wall time of an eager call (triton.testing.do_bench: host launch costs
@@ -238,9 +238,9 @@ def attention_cases(dev, dry, S, NH, NKV, D, window, rnd, compiled) -> list[Case
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             prov["sdpa flash"] = flash if cuda else "needs CUDA (dry run on CPU)"
         prov["flex"] = flex_provider(name, keep, bias, S, scale) if cuda else "needs CUDA (dry run on CPU)"
-        if name == "alibi":
-            spec = attention.Exact(score_mod="key_bias")
-            prov["tailorfx"] = lambda q, k, v, spec=spec: spec(q, k, v, score_tensor=bias.expand(1, NH, S))
+        if name == "alibi":   # attention_call's form of the bias: (B, H, 1, S), as the attention pass passes it
+            prov["tailorfx"] = (lambda q, k, v: ops.triton_attention(q, k, v, kind="Exact", params=(), causal=True,
+                                                                     scale=scale, key_bias=bias[:, :, None, :]))
         else:
             spec = attention.SlidingWindow(window) if name.startswith("window") else attention.Exact()
             kind, params = attention.spec_params(spec)

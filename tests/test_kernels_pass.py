@@ -213,6 +213,24 @@ def test_packed_documents_run_the_flash_kernel_with_document_ids():
     assert any("documents=True" in name for name in holder["opt"].kernels())
 
 
+@pytest.mark.slow
+def test_alibi_runs_the_flash_kernel_with_its_key_bias():
+    """Bloom's ALiBi (the attention pass's key bias, one value per key): the flash kernel adds it to
+    the scores (no tile engine), the listed kernel is the key-bias one, and the step equals eager."""
+    holder = {}
+    inputs = batch(S=48, pad=5)
+
+    def wrap(m):
+        holder["opt"] = tailorfx.optimize(m, passes=["attention"], kernels="triton", example_inputs=inputs)
+        return holder["opt"]
+    compare_with_eager(hf_family("bloom"), inputs, wrap)
+    nodes = list(kernels_record(holder["opt"]).gm.graph.nodes)
+    calls = [n for n in nodes if n.target is triton_ops.triton_attention]
+    assert len(calls) == 2 and all(n.kwargs.get("key_bias") is not None for n in calls)
+    assert not [n for n in nodes if "attention_call" in str(n.target)]
+    assert any("key_bias=True" in name for name in holder["opt"].kernels()), sorted(holder["opt"].kernels())
+
+
 @pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_kernels_of_the_model_have_source_and_compile():
     opt = run_triton("llama")

@@ -54,14 +54,17 @@ def dense_mask(mask, params, causal, seq, doc=None):
     return m
 
 
-def masked_attention(q, k, v, allowed, scale, softcap=None):
+def masked_attention(q, k, v, allowed, scale, softcap=None, key_bias=None):
     """(out, lse) of softmax attention under a bool mask broadcasting to (B, H, S, S); K/V
-    repeated over the query heads of their group; empty rows: out 0, lse -inf."""
+    repeated over the query heads of their group; a per-key bias (B, H, S) added after the
+    soft-cap; empty rows: out 0, lse -inf."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = q @ k.transpose(-1, -2) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
+    if key_bias is not None:
+        s = s + key_bias.to(s.dtype)[:, :, None, :]
     s = s.masked_fill(~allowed, NEG_INF)
     top = s.amax(-1, keepdim=True).detach()
     top = top.masked_fill(top == NEG_INF, 0.0)
@@ -90,14 +93,15 @@ def dilated_reference(q, k, v, segments, rates, causal, scale, doc=None, softcap
     return sum(o * torch.exp(l - safe)[..., None] for o, l in zip(outs, lses)), lse
 
 
-def reference(q, k, v, mask, params, causal, scale, doc=None, softcap=None):
+def reference(q, k, v, mask, params, causal, scale, doc=None, softcap=None, key_bias=None):
     """(out, lse) as the runtime defines them (dilated without softcap: the runtime's op itself)."""
     if mask == "dilated":
+        assert key_bias is None
         segs, rates = fa.normalize_params(mask, params)
         if softcap is not None:
             return dilated_reference(q, k, v, segs, rates, causal, scale, doc, softcap)
         return torch.ops.tailorfx.dilated_attention(q, k, v, doc, list(segs), list(rates), scale, causal)
-    return masked_attention(q, k, v, dense_mask(mask, params, causal, q.shape[2], doc), scale, softcap)
+    return masked_attention(q, k, v, dense_mask(mask, params, causal, q.shape[2], doc), scale, softcap, key_bias)
 
 
 def make_inputs(batch, heads, kv_heads, seq, dim, dtype, seed):
@@ -115,18 +119,20 @@ def assert_close(got, want, tol, what):
 
 
 def check(batch, heads, kv_heads, seq, dim, mask, params, causal, doc=None, softcap=None, dtype=torch.float32,
-          blocks=(16, 16), seed=0):
+          blocks=(16, 16), seed=0, key_bias=None):
     """Forward and backward of the kernels against the reference (autograd for its gradients)."""
     q, k, v, dout = make_inputs(batch, heads, kv_heads, seq, dim, dtype, seed)
     scale = 1.0 / math.sqrt(dim)
-    kw = dict(mask=mask, params=params, causal=causal, scale=scale, document_ids=doc, softcap=softcap, blocks=blocks)
+    kw = dict(mask=mask, params=params, causal=causal, scale=scale, document_ids=doc, softcap=softcap, blocks=blocks,
+              key_bias=key_bias)
     out, lse = fa.forward(q, k, v, **kw)
     dq, dk, dv = fa.backward(dout, q, k, v, out, lse, **kw)
     assert out.dtype == dq.dtype == dk.dtype == dv.dtype == dtype and lse.dtype == torch.float32
     assert out.shape == q.shape and dk.shape == k.shape and lse.shape == q.shape[:3]
 
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ro, rl = reference(qr, kr, vr, mask, params, causal, scale, doc, softcap)
+    ro, rl = reference(qr, kr, vr, mask, params, causal, scale, doc, softcap,
+                       None if key_bias is None else key_bias.double().expand(batch, heads, seq))
     ro.backward(dout.double())
     tol = TOL[dtype]
     empty = rl == NEG_INF
@@ -169,6 +175,27 @@ def test_matches_reference(data, batch, heads, seq, dim, causal, docs, softcap, 
         doc = torch.randint(0, 3, (batch, seq), generator=g)
         doc = doc.sort(-1).values if docs == "packed" else doc
     check(batch, heads, kv_heads, seq, dim, mask, params, causal, doc, softcap, blocks=blocks, seed=seq * 7 + dim)
+
+
+@pytest.mark.parametrize("mask,params,causal,docs,softcap,kv_heads", [
+    ("full", (), True, False, None, 2),
+    ("window", (9, 2), True, True, 2.0, 1),
+    ("full", (), False, False, None, 4),
+], ids=["causal-gqa", "window-documents-softcap", "bidirectional"])
+def test_key_bias(mask, params, causal, docs, softcap, kv_heads):
+    """ALiBi's per-key bias (slope_h x key position, as Bloom and MPT build it; broadcast over the
+    batch) added to every query's scores after the soft-cap: fp32 forward and backward against
+    the reference with the bias in its scores. Without the bias the outputs differ by far more
+    than the tolerance, so the kernel read it."""
+    heads, seq = 4, 50
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / heads) for h in range(heads)])
+    bias = (slopes[:, None] * torch.arange(seq))[None]
+    doc = torch.tensor([[0] * 20 + [1] * 30, [0] * 5 + [1] * 45]) if docs else None
+    out, _, _ = check(2, heads, kv_heads, seq, 32, mask, params, causal, doc, softcap, blocks=(32, 16), key_bias=bias)
+    q, k, v, _ = make_inputs(2, heads, kv_heads, seq, 32, torch.float32, 0)
+    plain, _ = fa.forward(q, k, v, mask=mask, params=params, causal=causal, scale=32 ** -0.5, document_ids=doc,
+                          softcap=softcap, blocks=(32, 16))
+    assert (plain - out).abs().max() > 100 * TOL[torch.float32]
 
 
 # ---- dtypes ------------------------------------------------------------------------------------
@@ -363,6 +390,7 @@ def test_examples_cover_the_family():
     assert {s["head_dim"] for s in ex} >= {64, 128}
     assert any(s["group"] > 1 for s in ex) and any(s.get("softcap") for s in ex) and any(not s.get("softcap") for s in ex)
     assert any(s["causal"] for s in ex) and any(not s["causal"] for s in ex) and any(s["documents"] for s in ex)
+    assert any(s.get("key_bias") for s in ex) and any(s.get("key_bias") and s.get("softcap") for s in ex)
     for s in ex:
         assert set(tt.render(s).count(f"def {n}(") for n in fa.signatures(s)) == {1}
 

@@ -416,7 +416,8 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
         mask, params = attention_params(kw["kind"], dict(kw["params"]))
         q, k = node_value(node.args[0]), node_value(node.args[1])
         spec = flash_attention.spec_for(q, k, mask=mask, params=params, causal=kw["causal"],
-                                        documents=kw.get("document_ids") is not None, softcap=kw.get("softcap"))
+                                        documents=kw.get("document_ids") is not None, softcap=kw.get("softcap"),
+                                        key_bias=kw.get("key_bias") is not None)
         batch, heads, seq = (_int(d) for d in q.shape[:3])
         if mask == "dilated":
             segments, rates = params

@@ -1,7 +1,7 @@
 """The runtime's ops with Triton implementations (`optimize(..., kernels="triton")`).
 
     tailorfx::triton_norm(x, weight, bias, eps, kind, offset) -> (y, stats)          + _backward
-    tailorfx::triton_attention(q, k, v, document_ids, mask, params, causal, scale, softcap)
+    tailorfx::triton_attention(q, k, v, document_ids, mask, params, causal, scale, softcap, key_bias)
         -> (out, lse)                                                          + _backward
     tailorfx::triton_glu(gate, up, act) -> act(gate) * up                     + _backward
     tailorfx::triton_linear_cross_entropy(hidden, weight, bias, labels, ...)
@@ -141,55 +141,62 @@ def _unflat(mask: str, flat: list[int]) -> tuple:
 
 @_op("triton_attention")
 def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor], mask: str, params: list[int],
-              causal: bool, scale: float, softcap: Optional[float]) -> tuple[Tensor, Tensor]:
+              causal: bool, scale: float, softcap: Optional[float],
+              key_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     return _flash.forward(q, k, v, mask=mask, params=_unflat(mask, params), causal=causal, scale=scale,
-                          document_ids=document_ids, softcap=softcap)
+                          document_ids=document_ids, softcap=softcap, key_bias=key_bias)
 
 
 @_fake(_attn_fwd)
-def _attn_fwd_fake(q, k, v, document_ids, mask, params, causal, scale, softcap):
+def _attn_fwd_fake(q, k, v, document_ids, mask, params, causal, scale, softcap, key_bias=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @_op("triton_attention_backward")
 def _attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               document_ids: Optional[Tensor], mask: str, params: list[int], causal: bool, scale: float,
-              softcap: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+              softcap: Optional[float], key_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     return _flash.backward(dout, q, k, v, out, lse, mask=mask, params=_unflat(mask, params), causal=causal,
-                           scale=scale, document_ids=document_ids, softcap=softcap)
+                           scale=scale, document_ids=document_ids, softcap=softcap, key_bias=key_bias)
 
 
 @_fake(_attn_bwd)
-def _attn_bwd_fake(dout, q, k, v, out, lse, document_ids, mask, params, causal, scale, softcap):
+def _attn_bwd_fake(dout, q, k, v, out, lse, document_ids, mask, params, causal, scale, softcap, key_bias=None):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _attn_setup(ctx, inputs, output):
-    q, k, v, document_ids, mask, params, causal, scale, softcap = inputs
+    q, k, v, document_ids, mask, params, causal, scale, softcap, key_bias = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)   # no zero-filled (B, H, S) gradient for lse
-    ctx.save_for_backward(q, k, v, out, lse, document_ids)
+    ctx.save_for_backward(q, k, v, out, lse, document_ids, key_bias)
     ctx.args = (mask, params, causal, scale, softcap)
 
 
 def _attn_grad(ctx, dout, _dlse):
     if dout is None:   # out took no part in what was differentiated
-        return (None,) * 9
-    q, k, v, out, lse, document_ids = ctx.saved_tensors
-    dq, dk, dv = _attn_bwd(dout.contiguous(), q, k, v, out, lse, document_ids, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+        return (None,) * 10
+    q, k, v, out, lse, document_ids, key_bias = ctx.saved_tensors
+    dq, dk, dv = _attn_bwd(dout.contiguous(), q, k, v, out, lse, document_ids, *ctx.args, key_bias)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _attn_fwd.register_autograd(_attn_grad, setup_context=_attn_setup)
 
 
 def triton_attention(q: Tensor, k: Tensor, v: Tensor, *, kind: str, params: tuple, causal: bool, scale: float,
-                     document_ids: Optional[Tensor] = None, softcap: Optional[float] = None) -> Tensor:
+                     document_ids: Optional[Tensor] = None, softcap: Optional[float] = None,
+                     key_bias: Optional[Tensor] = None, key_bias_scale: float = 1.0) -> Tensor:
     """`tailorfx.attention.attention_call` on the flash-attention kernel: q (B, H, S, D), k/v
-    (B, H_kv, S, D), GQA without repeating k/v; the attention spec `kind(**params)` as its mask."""
+    (B, H_kv, S, D), GQA without repeating k/v; the attention spec `kind(**params)` as its mask;
+    `key_bias` as attention_call takes it (ALiBi: one value per key, no gradient), in fp32."""
     mask, mparams = attention_params(kind, dict(params))
-    return _attn_fwd(q, k, v, document_ids, mask, _flat(mask, mparams), causal, float(scale), softcap)[0]
+    if key_bias is not None:
+        from tailorfx.attention import _per_key   # here: tailorfx.attention imports the runtime
+        key_bias = _per_key(key_bias, key_bias_scale, q).float()
+    return _attn_fwd(q, k, v, document_ids, mask, _flat(mask, mparams), causal, float(scale), softcap,
+                     key_bias)[0]
 
 
 def triton_attention_kwargs(kwargs: dict) -> dict:
@@ -204,8 +211,10 @@ def triton_attention_kwargs(kwargs: dict) -> dict:
 def triton_attention_supports(kwargs: dict) -> Optional[str]:
     """None when the kernel runs an attention_call with these keyword arguments, else why not."""
     kind, params = kwargs["kind"], dict(kwargs["params"])
-    if kwargs.get("key_bias") is not None:
-        return "a per-key bias (ALiBi) runs as a score_mod on the tiles: the Triton kernel has none"
+    bias = kwargs.get("key_bias")
+    bias = bias.meta.get("val") if hasattr(bias, "meta") else bias   # a graph node: its fake value
+    if isinstance(bias, Tensor) and bias.requires_grad:
+        return "a per-key bias that needs a gradient runs as a score_mod on the tiles: the Triton kernel gives it none"
     if kind not in _MASKS:
         return f"no Triton kernel for attention spec {kind!r}"
     if params.get("dropout"):

@@ -117,6 +117,7 @@ class _Cfg:
             raise ValueError(f"flash_attention group={self.group}")
         self.causal = bool(spec.get("causal", False))
         self.documents = bool(spec.get("documents", False))
+        self.key_bias = bool(spec.get("key_bias", False))
         self.softcap = spec.get("softcap")
         if self.softcap is not None and not float(self.softcap) > 0:
             raise ValueError(f"flash_attention softcap={self.softcap}: a positive float (or leave it out)")
@@ -172,7 +173,7 @@ class _Cfg:
         return []
 
     def doc_args(self) -> list[str]:
-        return ["doc_ptr"] if self.documents else []
+        return (["doc_ptr"] if self.documents else []) + (["kb_ptr"] if self.key_bias else [])
 
 
 def _mask_lines(c: _Cfg, rows: str) -> str:
@@ -212,6 +213,15 @@ def _softcap_lines(c: _Cfg, s: str) -> str:
         "small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))",
         "t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))",
         f"{s} = SOFTCAP * t"])
+
+
+def _key_bias_line(c: _Cfg, s: str) -> str:
+    """ALiBi's per-key bias (B * H, S) fp32, added after the soft-cap as the tiles' score_mod
+    "key_bias" adds it: a constant of the scores, so the backward's d scores are unchanged."""
+    if not c.key_bias:
+        return ""
+    bias = "tl.load(kb_ptr + bh * seq_len + pos_n, mask=col_ok, other=0.0)"
+    return f"{s} = {s} + {bias}[None, :]" if s == "s" else f"{s} = {s} + {bias}[:, None]"
 
 
 # Inductor passes a Python float to a user kernel typed fp64 (`config._use_fp64_for_unbacked_floats`),
@@ -317,6 +327,7 @@ def _fwd(c: _Cfg) -> str:
         _key_tile_loads(c),
         f"s = tl.dot(q, tl.trans(k){c.prec}) * scale",
         _softcap_lines(c, "s"),
+        _key_bias_line(c, "s"),
         _mask_lines(c, "q"),
         "s = tl.where(mask, s, float(\"-inf\"))",
         "m_new = tl.maximum(m_i, tl.max(s, axis=1))",
@@ -370,6 +381,7 @@ def _dq(c: _Cfg) -> str:
         _key_tile_loads(c),
         f"s = tl.dot(q, tl.trans(k){c.prec}) * scale",
         _softcap_lines(c, "s"),
+        _key_bias_line(c, "s"),
         _mask_lines(c, "q"),
         "# lse is -inf only on rows with no allowed key, where the mask drops every p",
         "p = tl.where(mask, tl.math.exp2((s - lse[:, None]) * LOG2E), 0.0)",
@@ -485,6 +497,7 @@ def _dkdv(c: _Cfg) -> str:
         "doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)" if c.documents else "",
         f"st = tl.dot(k, tl.trans(q){c.prec}) * scale",
         _softcap_lines(c, "st"),
+        _key_bias_line(c, "st"),
         _mask_lines(c, "k"),
         "pt = tl.where(mask, tl.math.exp2((st - lse[None, :]) * LOG2E), 0.0)",
         f"dv += tl.dot(pt{c.dot_cast}, do{c.prec})",
@@ -539,6 +552,8 @@ def _describe(c: _Cfg) -> str:
              "causal" if c.causal else "non-causal"]
     if c.documents:
         parts.append("documents")
+    if c.key_bias:
+        parts.append("key bias")
     if c.softcap is not None:
         parts.append(f"softcap {float(c.softcap)!r}")
     return ", ".join(parts)
@@ -552,7 +567,7 @@ def signatures(spec) -> dict[str, dict[str, str]]:
             "bm_ptr": "*i8", "num_blocks": "i32", "segment": "i32", "rate": "i32"}
     tail = {a: mode[a] for a in c.mode_args()}
     tail.update({"scale": "fp32", "seq_len": "i32", "num_heads": "i32"})
-    doc = {"doc_ptr": "*i32"} if c.documents else {}
+    doc = ({"doc_ptr": "*i32"} if c.documents else {}) | ({"kb_ptr": "*fp32"} if c.key_bias else {})
     fwd = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "out_ptr": acc, "lse_ptr": "*fp32", **doc, **tail}
     pre = {"out_ptr": t, "do_ptr": t, "delta_ptr": "*fp32", "n_rows": "i32"}
     dq = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "do_ptr": t, "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": acc,
@@ -619,16 +634,16 @@ def normalize_params(mask: str, params) -> tuple:
 
 
 def spec_for(q, k, *, mask: str = "full", params=(), causal: bool = False, documents: bool = False,
-             softcap: Optional[float] = None, blocks: Optional[Sequence[int]] = None):
+             softcap: Optional[float] = None, blocks: Optional[Sequence[int]] = None, key_bias: bool = False):
     """The spec that serves q (B, H, S, D), k (B, H_kv, S, D) with this mask. `blocks`:
     (block_m, block_n) for every kernel, or (block_m, block_n, bwd_block_m, bwd_block_n);
-    default `default_blocks`."""
+    default `default_blocks`. `key_bias`: a per-key additive bias (ALiBi) is read."""
     return _spec(_dtype_name(q.dtype), q.shape[-1], q.shape[1] // k.shape[1], mask, normalize_params(mask, params),
-                 causal, documents, softcap, blocks, interpreted())
+                 causal, documents, softcap, blocks, key_bias, interpreted())
 
 
 def _spec(dtype: str, head_dim: int, group: int, mask: str, params: tuple, causal: bool, documents: bool,
-          softcap: Optional[float], blocks: Optional[Sequence[int]], interpret: bool):
+          softcap: Optional[float], blocks: Optional[Sequence[int]], key_bias: bool, interpret: bool):
     if blocks is None:
         blocks = default_blocks(dtype, head_dim, mask)
     elif len(blocks) == 2:
@@ -637,6 +652,8 @@ def _spec(dtype: str, head_dim: int, group: int, mask: str, params: tuple, causa
     extra = {"bigbird_block": params[0]} if mask == "bigbird" else {}
     if softcap is not None:
         extra["softcap"] = float(softcap)
+    if key_bias:
+        extra["key_bias"] = True
     if dtype == "bf16" and not interpret:   # compiled: bf16 tensor-core dots
         extra["precision"] = None
     return KernelSpec("flash_attention", dtype=dtype, head_dim=head_dim, mask=mask, causal=bool(causal),
@@ -646,8 +663,8 @@ def _spec(dtype: str, head_dim: int, group: int, mask: str, params: tuple, causa
 
 def examples() -> list:
     """Representative specs: the goldens and the sm80/sm90 compile checks run over these
-    (every mask, causal or not, documents, GQA, softcap, fp32/fp16/bf16, head dims 64 and 128,
-    BigBird blocks covering whole tiles or not)."""
+    (every mask, causal or not, documents, GQA, softcap, a key bias, fp32/fp16/bf16, head dims 64
+    and 128, BigBird blocks covering whole tiles or not)."""
 
     def spec(dtype, d, mask, causal, documents=False, group=1, softcap=None, **extra):
         bm, bn, bm2, bn2 = default_blocks(dtype, d, mask)
@@ -670,7 +687,9 @@ def examples() -> list:
             spec("fp16", 128, "bigbird", True, group=4, bigbird_block=16),
             spec("bf16", 128, "dilated", True, documents=True, group=2),
             spec("fp16", 64, "dilated", True, group=4),
-            spec("fp32", 64, "dilated", False)]
+            spec("fp32", 64, "dilated", False),
+            spec("bf16", 128, "full", True, group=4, key_bias=True, precision=None),
+            spec("fp32", 64, "window", True, documents=True, softcap=30.0, key_bias=True)]
 
 
 @functools.lru_cache(maxsize=64)
@@ -753,12 +772,12 @@ def _spec_here(*static):
 _kernel = cached_kernel(_spec_here)   # a warm launch builds no KernelSpec
 
 
-def _setup(q, k, v, mask, params, causal, document_ids, softcap, blocks, scale):
+def _setup(q, k, v, mask, params, causal, document_ids, softcap, blocks, scale, key_bias=None):
     import torch
     _check(q, k, v, document_ids)
     params = normalize_params(mask, params)
     kern = _kernel(_dtype_name(q.dtype), q.shape[-1], q.shape[1] // k.shape[1], mask, params, bool(causal),
-                   document_ids is not None, softcap, None if blocks is None else tuple(blocks))
+                   document_ids is not None, softcap, None if blocks is None else tuple(blocks), key_bias is not None)
     spec = kern.spec
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     doc = []
@@ -766,15 +785,23 @@ def _setup(q, k, v, mask, params, causal, document_ids, softcap, blocks, scale):
         if document_ids.dtype != torch.int32 or document_ids.device != q.device:
             document_ids = document_ids.to(device=q.device, dtype=torch.int32)
         doc = [document_ids.contiguous()]
+    if key_bias is not None:   # (B, H, S) or broadcast to it: fp32 rows of (batch, head)
+        batch, heads, seq = q.shape[:3]
+        if key_bias.dim() != 3 or key_bias.shape[-1] != seq:
+            raise ValueError(f"flash_attention key_bias {tuple(key_bias.shape)}: (B, H, S) or broadcast to it, S={seq}")
+        doc.append(key_bias.to(device=q.device, dtype=torch.float32).expand(batch, heads, seq).contiguous())
     return kern, spec, params, scale, doc
 
 
 def forward(q, k, v, *, mask: str = "full", params=(), causal: bool = False, scale: Optional[float] = None,
-            document_ids=None, softcap: Optional[float] = None, blocks: Optional[Sequence[int]] = None):
+            document_ids=None, softcap: Optional[float] = None, blocks: Optional[Sequence[int]] = None,
+            key_bias=None):
     """(out (B, H, S, D) in q's dtype, lse (B, H, S) fp32; 0 and -inf on rows that see no key).
-    mask/params as `normalize_params`; scale defaults to D ** -0.5; blocks as `spec_for`."""
+    mask/params as `normalize_params`; scale defaults to D ** -0.5; blocks as `spec_for`;
+    key_bias (B, H, S) (or broadcast to it) is added to every query's scores after the soft-cap."""
     import torch
-    kern, spec, params, scale, doc = _setup(q, k, v, mask, params, causal, document_ids, softcap, blocks, scale)
+    kern, spec, params, scale, doc = _setup(q, k, v, mask, params, causal, document_ids, softcap, blocks, scale,
+                                            key_bias)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     batch, heads, seq, _ = q.shape
     bm, warps = spec["block_m"], num_warps(spec)
@@ -795,11 +822,13 @@ def forward(q, k, v, *, mask: str = "full", params=(), causal: bool = False, sca
 
 def backward(dout, q, k, v, out, lse, *, mask: str = "full", params=(), causal: bool = False,
              scale: Optional[float] = None, document_ids=None, softcap: Optional[float] = None,
-             blocks: Optional[Sequence[int]] = None):
+             blocks: Optional[Sequence[int]] = None, key_bias=None):
     """(dq, dk, dv) of `forward`'s out (same arguments), recomputing the scores from out and lse;
-    dk, dv of a kv head sum the query heads that share it (in fp32, inside the kernel)."""
+    dk, dv of a kv head sum the query heads that share it (in fp32, inside the kernel). The key
+    bias gets no gradient (ALiBi's is built from positions)."""
     import torch
-    kern, spec, params, scale, doc = _setup(q, k, v, mask, params, causal, document_ids, softcap, blocks, scale)
+    kern, spec, params, scale, doc = _setup(q, k, v, mask, params, causal, document_ids, softcap, blocks, scale,
+                                            key_bias)
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
     if lse.dtype != torch.float32:
         lse = lse.to(torch.float32)
@@ -835,10 +864,12 @@ def backward(dout, q, k, v, out, lse, *, mask: str = "full", params=(), causal: 
 
 
 def attention(q, k, v, *, mask: str = "full", params=(), causal: bool = False, scale: Optional[float] = None,
-              document_ids=None, softcap: Optional[float] = None, blocks: Optional[Sequence[int]] = None):
+              document_ids=None, softcap: Optional[float] = None, blocks: Optional[Sequence[int]] = None,
+              key_bias=None):
     """`forward` with autograd through `backward`: (out, lse), lse not differentiable."""
     kw = dict(mask=mask, params=normalize_params(mask, params), causal=causal, scale=scale,
-              document_ids=document_ids, softcap=softcap, blocks=None if blocks is None else tuple(blocks))
+              document_ids=document_ids, softcap=softcap, blocks=None if blocks is None else tuple(blocks),
+              key_bias=key_bias)
     return _autograd().apply(q, k, v, kw)
 
 
