@@ -349,7 +349,7 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     elif not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU; on CPU run it with --dry-run", file=sys.stderr)
-        return 2
+        return 1
     dev = "cpu" if args.dry_run else "cuda"
     rows = run_all(dev, args.dry_run, args.only, args.reps)
     meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,

@@ -396,7 +396,7 @@ def attention_call(q, k, v, *, kind: str, params: tuple, causal: bool, scale: fl
         if kind != "Exact":
             raise ValueError(f"a per-key bias runs with the exact spec only, not {kind}")
         params = (*params, ("score_mod", "key_bias"))
-        key_bias = _per_key(key_bias, key_bias_scale, q)
+        key_bias = per_key_bias(key_bias, key_bias_scale, q)
     if kind != "Exact" or document_ids is not None or params:
         # The custom ops' fake kernels return empty_like(q/k/v) while the real ones return
         # contiguous tensors: with RoPE'd (transposed-layout) inputs AOTAutograd would plan a
@@ -409,7 +409,7 @@ def attention_call(q, k, v, *, kind: str, params: tuple, causal: bool, scale: fl
     return spec(q, k, v, document_ids=document_ids, score_tensor=key_bias, dropout_seed=dropout_seed)
 
 
-def _per_key(bias: Tensor, coeff: float, q: Tensor) -> Tensor:
+def per_key_bias(bias: Tensor, coeff: float, q: Tensor) -> Tensor:
     """A bias added to (B, H, S, S) scores as (Bb, Hb, 1, S), or to heads-folded (B * H, S, S)
     scores as (B * H or 1, 1, S), as a (B, H, S) view: the tensor score_mod "key_bias" reads."""
     batch, heads, seq = q.shape[:3]

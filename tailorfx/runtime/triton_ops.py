@@ -193,8 +193,8 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, *, kind: str, params: tupl
     `key_bias` as attention_call takes it (ALiBi: one value per key, no gradient), in fp32."""
     mask, mparams = attention_params(kind, dict(params))
     if key_bias is not None:
-        from tailorfx.attention import _per_key   # here: tailorfx.attention imports the runtime
-        key_bias = _per_key(key_bias, key_bias_scale, q).float()
+        from tailorfx.attention import per_key_bias   # here: tailorfx.attention imports the runtime
+        key_bias = per_key_bias(key_bias, key_bias_scale, q).float()
     return _attn_fwd(q, k, v, document_ids, mask, _flat(mask, mparams), causal, float(scale), softcap,
                      key_bias)[0]
 
