@@ -4,6 +4,9 @@ file keeps another test in `make test`, and whose HF families keep one elsewhere
 tests/test_coverage.py fails if a pass or family is left without one. conftest.py marks them slow."""
 
 MOVED = frozenset({
+    "tests/test_setup.py::test_optimizer_in_backward_trains_to_the_same_weights[dtype1]",
+    "tests/test_memory.py::test_eager_step_predicted_as_eager_runs_it[llama-False]",
+    "tests/test_setup.py::test_fp32_gradients_of_bf16_weights_are_predicted[16]",
     "tests/test_memory.py::test_eager_step_predicted_as_eager_runs_it[qwen2-False]",
     "tests/test_memory.py::test_eager_step_predicted_as_eager_runs_it[llama-True]",
     "tests/test_api.py::test_report_lists_regions_and_passes",
