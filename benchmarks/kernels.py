@@ -105,13 +105,17 @@ def _randn(gen, dev, *shape, dtype, scale=1.0, grad=True):
     return t.requires_grad_(grad)
 
 
-def _liger(name: str):
-    """A Liger-Kernel functional op, or a reason string when it cannot run here."""
+def _liger(name: str, cuda: bool, call=None):
+    """The provider that calls Liger-Kernel's functional op `name` (through `call(op)` when given),
+    or why it cannot run here: Liger not installed, or no CUDA (its kernels need a GPU)."""
     try:
         import liger_kernel.transformers.functional as lf
     except ImportError as e:
         return f"Liger-Kernel is not installed ({e}); carry its wheel (make gpu-wheels)"
-    return getattr(lf, name)
+    if not cuda:
+        return "needs CUDA (dry run on CPU)"
+    op = getattr(lf, name)
+    return call(op) if call is not None else op
 
 
 def cases(dev: str, dry: bool) -> list[Case]:
@@ -124,7 +128,6 @@ def cases(dev: str, dry: bool) -> list[Case]:
     window = 16 if dry else 4096
     gen = _gen(dev)
     rnd = lambda *s, **kw: _randn(gen, dev, *s, **kw)   # noqa: E731
-    need_cuda = "needs CUDA (dry run on CPU)"
     out = []
 
     def compiled(f):
@@ -132,27 +135,24 @@ def cases(dev: str, dry: bool) -> list[Case]:
 
     for T in norm_T:
         eager = lambda x, w: F.rms_norm(x, (H,), w, 1e-6)   # noqa: E731
-        liger = _liger("liger_rms_norm")
         out.append(Case("rms_norm", f"{T}x{H}", lambda T=T: [rnd(T, H, dtype=dt), rnd(H, dtype=dt)],
                         lambda T=T: rnd(T, H, dtype=dt, grad=False), ("GB", 5 * T * H * 2), {
             "torch eager": eager, "inductor": compiled(eager),
-            "liger": (lambda x, w: liger(x, w, 1e-6, in_place=False)) if callable(liger) and cuda else (liger if not callable(liger) else need_cuda),
+            "liger": _liger("liger_rms_norm", cuda, lambda op: lambda x, w: op(x, w, 1e-6, in_place=False)),
             "tailorfx": lambda x, w: ops.triton_norm(x, w, None, eps=1e-6, kind="rms")}))
     T = norm_T[0]
     eager = lambda x, w, b: F.layer_norm(x, (H,), w, b, 1e-6)   # noqa: E731
-    liger = _liger("liger_layer_norm")
     out.append(Case("layer_norm", f"{T}x{H}", lambda: [rnd(T, H, dtype=dt), rnd(H, dtype=dt), rnd(H, dtype=dt)],
                     lambda: rnd(T, H, dtype=dt, grad=False), ("GB", 5 * T * H * 2), {
         "torch eager": eager, "inductor": compiled(eager),
-        "liger": (lambda x, w, b: liger(x, w, b, 1e-6)) if callable(liger) and cuda else (liger if not callable(liger) else need_cuda),
+        "liger": _liger("liger_layer_norm", cuda, lambda op: lambda x, w, b: op(x, w, b, 1e-6)),
         "tailorfx": lambda x, w, b: ops.triton_norm(x, w, b, eps=1e-6, kind="layer")}))
 
     eager = lambda g, u: F.silu(g) * u   # noqa: E731
-    liger = _liger("liger_swiglu")
     out.append(Case("swiglu", f"{T}x{INTER}", lambda: [rnd(T, INTER, dtype=dt, scale=2.0), rnd(T, INTER, dtype=dt)],
                     lambda: rnd(T, INTER, dtype=dt, grad=False), ("GB", 8 * T * INTER * 2), {
         "torch eager": eager, "inductor": compiled(eager),
-        "liger": liger if callable(liger) and cuda else (liger if not callable(liger) else need_cuda),
+        "liger": _liger("liger_swiglu", cuda),
         "tailorfx": lambda g, u: ops.triton_glu(g, u, act="silu")}))
 
     for S in seqs:
@@ -164,11 +164,11 @@ def cases(dev: str, dry: bool) -> list[Case]:
             c, s = cos.unsqueeze(1), sin.unsqueeze(1)
             rot = lambda x: torch.cat((-x[..., D // 2:], x[..., :D // 2]), -1)   # noqa: E731
             return torch.cat([(q * c + rot(q) * s).flatten(1, 2), (k * c + rot(k) * s).flatten(1, 2)], 1)
-        liger = _liger("liger_rope")
-
-        def liger_qk(q, k, cos=cos, sin=sin, liger=liger):
-            q2, k2 = liger(q, k, cos, sin)
-            return torch.cat([q2.flatten(1, 2), k2.flatten(1, 2)], 1)
+        def liger_qk(op, cos=cos, sin=sin):
+            def run(q, k):
+                q2, k2 = op(q, k, cos, sin)
+                return torch.cat([q2.flatten(1, 2), k2.flatten(1, 2)], 1)
+            return run
 
         def ours(q, k, cos=cos, sin=sin):   # what the kernels pass emits: q and k in one launch
             q2, k2 = ops.triton_rope_qk(q, k, cos, sin)
@@ -178,7 +178,7 @@ def cases(dev: str, dry: bool) -> list[Case]:
                         lambda S=S: [rnd(1, NH, S, D, dtype=dt), rnd(1, NKV, S, D, dtype=dt)],
                         lambda S=S: rnd(1, (NH + NKV) * S, D, dtype=dt, grad=False), ("GB", 4 * qk_bytes), {
             "torch eager": hf, "inductor": compiled(hf),
-            "liger": liger_qk if callable(liger) and cuda else (liger if not callable(liger) else need_cuda),
+            "liger": _liger("liger_rope", cuda, liger_qk),
             "tailorfx": ours}))
 
     for S in seqs:
@@ -189,13 +189,12 @@ def cases(dev: str, dry: bool) -> list[Case]:
         from tailorfx.codegen.triton.linear_cross_entropy import default_chunk
         chunks = -(-T // default_chunk(T, H, V))
         eager = lambda h, w, labels=labels: F.cross_entropy(F.linear(h, w).float(), labels)   # noqa: E731
-        liger = _liger("liger_fused_linear_cross_entropy")
         out.append(Case("linear_cross_entropy", f"{T}x{H}x{V}",
                         lambda T=T: [rnd(T, H, dtype=dt), rnd(V, H, dtype=dt, scale=H ** -0.5)], None,
                         ("TFLOP", 6 * T * H * V), {
             "torch eager": eager, "inductor": compiled(eager),
-            "liger": ((lambda h, w, labels=labels: liger(h, w, labels)) if callable(liger) and cuda
-                      else (liger if not callable(liger) else need_cuda)),
+            "liger": _liger("liger_fused_linear_cross_entropy", cuda,
+                            lambda op, labels=labels: lambda h, w: op(h, w, labels)),
             "tailorfx": lambda h, w, labels=labels, chunks=chunks: ops.triton_linear_cross_entropy(
                 h, w, None, labels, num_chunks=chunks)}))
     return out

@@ -24,7 +24,19 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+
 FAMILIES: tuple[str, ...] = ("norm", "partials", "glu", "rope", "linear_cross_entropy", "flash_attention")
+
+
+# a spec's dtype: its name for a torch dtype, and the Triton pointer type of a tensor of it
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+POINTER_TYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
+
+
+def next_pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1): a block that covers n elements."""
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 @dataclass(frozen=True)

@@ -48,10 +48,9 @@ import functools
 from string import Template
 from typing import Optional, Sequence
 
-from tailorfx.codegen.triton import KernelSpec, cached_kernel, interpreted
+from tailorfx.codegen.triton import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel, interpreted
 
 MODES = ("full", "window", "bigbird", "dilated")
-_DTYPES = ("fp32", "fp16", "bf16")
 
 # ---------------------------------------------------------------------------------------------
 # Templates. `${...}` holes are filled per spec; lines a spec does not need are left out.
@@ -98,8 +97,8 @@ class _Cfg:
     def __init__(self, spec):
         self.spec = spec
         self.dtype = spec.get("dtype", "fp32")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"flash_attention dtype {self.dtype!r}: one of {list(_DTYPES)}")
+        if self.dtype not in POINTER_TYPES:
+            raise ValueError(f"flash_attention dtype {self.dtype!r}: one of {list(POINTER_TYPES)}")
         self.mode = spec.get("mask", "full")
         if self.mode not in MODES:
             raise ValueError(f"flash_attention mask {self.mode!r}: one of {list(MODES)}")
@@ -561,7 +560,7 @@ def _describe(c: _Cfg) -> str:
 
 def signatures(spec) -> dict[str, dict[str, str]]:
     c = _Cfg(spec)
-    t = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}[c.dtype]
+    t = POINTER_TYPES[c.dtype]
     acc = "*fp32" if c.dilated else t   # dilated branches accumulate into fp32
     mode = {"window": "i32", "num_global": "i32", "table_ptr": "*i32", "count_ptr": "*i32", "table_width": "i32",
             "bm_ptr": "*i8", "num_blocks": "i32", "segment": "i32", "rate": "i32"}
@@ -595,11 +594,6 @@ def default_blocks(dtype: str, head_dim: int, mask: str = "full") -> tuple[int, 
 
 # ---------------------------------------------------------------------------------------------
 # Host side.
-
-def _dtype_name(dtype) -> str:
-    import torch
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -638,7 +632,7 @@ def spec_for(q, k, *, mask: str = "full", params=(), causal: bool = False, docum
     """The spec that serves q (B, H, S, D), k (B, H_kv, S, D) with this mask. `blocks`:
     (block_m, block_n) for every kernel, or (block_m, block_n, bwd_block_m, bwd_block_n);
     default `default_blocks`. `key_bias`: a per-key additive bias (ALiBi) is read."""
-    return _spec(_dtype_name(q.dtype), q.shape[-1], q.shape[1] // k.shape[1], mask, normalize_params(mask, params),
+    return _spec(DTYPE_NAMES[q.dtype], q.shape[-1], q.shape[1] // k.shape[1], mask, normalize_params(mask, params),
                  causal, documents, softcap, blocks, key_bias, interpreted())
 
 
@@ -776,7 +770,7 @@ def _setup(q, k, v, mask, params, causal, document_ids, softcap, blocks, scale, 
     import torch
     _check(q, k, v, document_ids)
     params = normalize_params(mask, params)
-    kern = _kernel(_dtype_name(q.dtype), q.shape[-1], q.shape[1] // k.shape[1], mask, params, bool(causal),
+    kern = _kernel(DTYPE_NAMES[q.dtype], q.shape[-1], q.shape[1] // k.shape[1], mask, params, bool(causal),
                    document_ids is not None, softcap, None if blocks is None else tuple(blocks), key_bias is not None)
     spec = kern.spec
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)

@@ -14,7 +14,7 @@ from string import Template
 
 import torch
 
-from tailorfx.codegen.triton import KernelSpec, cached_kernel
+from tailorfx.codegen.triton import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel
 
 _SRC = '''"""tailorfx generated: ${name}"""
 import triton
@@ -99,7 +99,7 @@ def render(spec) -> str:
 
 
 def signatures(spec) -> dict[str, dict[str, str]]:
-    t = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}[spec.get("dtype", "fp32")]
+    t = POINTER_TYPES[spec.get("dtype", "fp32")]
     return {"glu_fwd": {"gate_ptr": t, "up_ptr": t, "out_ptr": t, "n": "i64"},
             "glu_bwd": {"dout_ptr": t, "gate_ptr": t, "up_ptr": t, "dgate_ptr": t, "dup_ptr": t, "n": "i64"}}
 
@@ -108,8 +108,6 @@ def num_warps(spec) -> int:
     """8 values a thread at 4 warps up to block 1024, then more warps: no spills, modest registers."""
     return max(4, min(16, spec["block"] // 256))
 
-
-_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def _spec(act: str, block: int, dtype: str) -> KernelSpec:
@@ -120,7 +118,7 @@ _kernel = cached_kernel(_spec)
 
 
 def spec_for(gate, act: str, block: int = 1024) -> KernelSpec:
-    return _spec(act, block, _DTYPE_NAMES[gate.dtype])
+    return _spec(act, block, DTYPE_NAMES[gate.dtype])
 
 
 def examples() -> list:
@@ -141,7 +139,7 @@ def forward(gate, up, act: str, block: int = 1024):
     """act(gate) * up, in gate's dtype (act "silu" | "gelu_tanh" | "gelu"). One launch; the output
     is its only allocation."""
     _check(gate, up)
-    k = _kernel(act, block, _DTYPE_NAMES[gate.dtype])
+    k = _kernel(act, block, DTYPE_NAMES[gate.dtype])
     g, u = gate.contiguous(), up.contiguous()
     out = torch.empty_like(g)
     n = g.numel()
@@ -153,7 +151,7 @@ def backward(dout, gate, up, act: str, block: int = 1024):
     """(dgate, dup) of forward, recomputing act(gate). One launch; the two gradients are its only
     allocations."""
     _check(gate, up)
-    k = _kernel(act, block, _DTYPE_NAMES[gate.dtype])
+    k = _kernel(act, block, DTYPE_NAMES[gate.dtype])
     g, u, do = gate.contiguous(), up.contiguous(), dout.contiguous()
     if do.dtype != g.dtype:
         do = do.to(g.dtype)

@@ -13,7 +13,7 @@ from string import Template
 
 import torch
 
-from tailorfx.codegen.triton import KernelSpec, cached_kernel, partials
+from tailorfx.codegen.triton import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel, next_pow2, partials
 
 _HEADER = '''"""tailorfx generated: ${name}"""
 import triton
@@ -130,7 +130,7 @@ def render(spec) -> str:
 
 
 def signatures(spec) -> dict[str, dict[str, str]]:
-    t = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}[spec.get("dtype", "fp32")]
+    t = POINTER_TYPES[spec.get("dtype", "fp32")]
     fwd = {"x_ptr": t, "w_ptr": t, "b_ptr": t, "y_ptr": t, "stats_ptr": "*fp32", "n_cols": "i32", "stride": "i32",
            "eps": "fp32"}
     bwd = {"dy_ptr": t, "x_ptr": t, "w_ptr": t, "stats_ptr": "*fp32", "dx_ptr": t, "part_ptr": "*fp32",
@@ -153,11 +153,11 @@ _kernel = cached_kernel(_spec)
 
 def spec_for(x, kind: str, offset: float = 0.0, bias: bool = False) -> KernelSpec:
     """The spec that serves rows of `x`'s last dim."""
-    return _spec(kind, _next_pow2(x.shape[-1]), _DTYPE_NAMES[x.dtype], float(offset), bool(bias))
+    return _spec(kind, next_pow2(x.shape[-1]), DTYPE_NAMES[x.dtype], float(offset), bool(bias))
 
 
 def _kernel_for(x, kind: str, offset: float, bias: bool):
-    return _kernel(kind, _next_pow2(x.shape[-1]), _DTYPE_NAMES[x.dtype], float(offset), bool(bias))
+    return _kernel(kind, next_pow2(x.shape[-1]), DTYPE_NAMES[x.dtype], float(offset), bool(bias))
 
 
 def examples() -> list:
@@ -166,13 +166,6 @@ def examples() -> list:
             KernelSpec("norm", kind="rms", block=2048, dtype="fp32", offset=1.0),
             KernelSpec("norm", kind="layer", block=1024, dtype="fp16", bias=True),
             KernelSpec("norm", kind="layer", block=8192, dtype="bf16", bias=False)]
-
-
-_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def forward(x, weight, bias, eps: float, kind: str, offset: float = 0.0):

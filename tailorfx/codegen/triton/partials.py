@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from string import Template
 
-import torch
-
-from tailorfx.codegen.triton import KernelSpec, cached_kernel
+from tailorfx.codegen.triton import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel
 
 _SRC = '''"""tailorfx generated: ${name}"""
 import triton
@@ -47,20 +45,19 @@ def partials_sum(part_ptr, out_ptr, out2_ptr, n_parts, n_cols):
 
 ROWS = 16   # partial rows added per step
 MAX_BLOCK = 128
-_DTYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
 
 
 def render(spec) -> str:
     block = spec["block"]
     if block & (block - 1):
         raise ValueError(f"partials block {block} is not a power of two")
-    if spec.get("dtype", "fp32") not in _DTYPES:
-        raise ValueError(f"partials dtype {spec.get('dtype')!r}: one of {list(_DTYPES)}")
+    if spec.get("dtype", "fp32") not in POINTER_TYPES:
+        raise ValueError(f"partials dtype {spec.get('dtype')!r}: one of {list(POINTER_TYPES)}")
     return Template(_SRC).substitute(name=spec.name, block=block, rows=ROWS)
 
 
 def signatures(spec) -> dict[str, dict[str, str]]:
-    t = _DTYPES[spec.get("dtype", "fp32")]
+    t = POINTER_TYPES[spec.get("dtype", "fp32")]
     return {"partials_sum": {"part_ptr": "*fp32", "out_ptr": t, "out2_ptr": t, "n_parts": "i32", "n_cols": "i32"}}
 
 
@@ -73,8 +70,6 @@ def examples() -> list:
     return [KernelSpec("partials", dtype="bf16", block=128), KernelSpec("partials", dtype="fp32", block=128),
             KernelSpec("partials", dtype="fp16", block=32)]
 
-
-_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def _spec(dtype: str, block: int) -> KernelSpec:
@@ -90,6 +85,6 @@ def column_sums(parts, out, out2=None) -> None:
     n_cols = out.shape[0]
     n_parts = parts.shape[0] // (2 if out2 is not None else 1)
     block = min(MAX_BLOCK, 1 << max(0, n_cols - 1).bit_length())
-    k = _kernel(_DTYPE_NAMES[out.dtype], block)
+    k = _kernel(DTYPE_NAMES[out.dtype], block)
     k.fn("partials_sum")[(-(-n_cols // block), 2 if out2 is not None else 1)](
         parts, out, out2 if out2 is not None else out, n_parts, n_cols, num_warps=4)

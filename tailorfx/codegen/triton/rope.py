@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from tailorfx.codegen.triton import KernelSpec, cached_kernel
+from tailorfx.codegen.triton import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel, next_pow2
 
 _HEADER = '''"""tailorfx generated: ${name}"""
 import triton
@@ -89,18 +89,13 @@ _PASS = '''    # channels [ROT_DIM, HEAD_DIM) pass through
 
 _FORMULAS = {"rope_fwd": ("out = x * cos + rotate_half(x) * sin", "x1 * c1 - x2 * s1", "x2 * c2 + x1 * s2"),
              "rope_bwd": ("dx = the transposed rotation of dout (x_ptr)", "x1 * c1 + x2 * s2", "x2 * c2 - x1 * s1")}
-_DTYPES = ("fp32", "fp16", "bf16")
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _params(spec):
     dtype, d, r, bh = spec.get("dtype", "fp32"), int(spec["head_dim"]), int(spec.get("rotary_dim", spec["head_dim"])), \
         int(spec.get("block_h", 4))
-    if dtype not in _DTYPES:
-        raise ValueError(f"rope dtype {dtype!r}: one of {list(_DTYPES)}")
+    if dtype not in POINTER_TYPES:
+        raise ValueError(f"rope dtype {dtype!r}: one of {list(POINTER_TYPES)}")
     if r % 2 or not 0 < r <= d:
         raise ValueError(f"rope rotary_dim {r}: even, in (0, head_dim={d}]")
     if bh & (bh - 1):
@@ -113,8 +108,8 @@ def render(spec) -> str:
     extra = ""
     if r < d:
         extra = (f"HEAD_DIM = tl.constexpr({d})\nROT_DIM = tl.constexpr({r})\n"
-                 f"BLOCK_PASS = tl.constexpr({_next_pow2(d - r)})\n")
-    src = Template(_HEADER).substitute(name=spec.name, half=r // 2, block_half=_next_pow2(r // 2), block_h=bh,
+                 f"BLOCK_PASS = tl.constexpr({next_pow2(d - r)})\n")
+    src = Template(_HEADER).substitute(name=spec.name, half=r // 2, block_half=next_pow2(r // 2), block_h=bh,
                                        extra_constants=extra)
     for fn, (what, o1, o2) in _FORMULAS.items():
         src += Template(_KERNEL).substitute(fn=fn, what=what, o1=o1, o2=o2, pass_through=_PASS if r < d else "")
@@ -131,10 +126,8 @@ def signatures(spec) -> dict[str, dict[str, str]]:
 
 def num_warps(spec) -> int:
     _, d, r, bh = _params(spec)
-    return 4 if bh * _next_pow2(r // 2) >= 256 else 2 if bh * _next_pow2(r // 2) >= 64 else 1
+    return 4 if bh * next_pow2(r // 2) >= 256 else 2 if bh * next_pow2(r // 2) >= 64 else 1
 
-
-_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def _spec(dtype: str, head_dim: int, rotary_dim: int, block_h: int) -> KernelSpec:
@@ -147,7 +140,7 @@ _kernel = cached_kernel(_spec)
 def spec_for(x, rotary_dim: Optional[int] = None, block_h: int = 4) -> KernelSpec:
     """The spec serving x (..., D) with the first `rotary_dim` (default D) channels rotated."""
     d = int(x.shape[-1])
-    return _spec(_DTYPE_NAMES[x.dtype], d, d if rotary_dim is None else int(rotary_dim), int(block_h))
+    return _spec(DTYPE_NAMES[x.dtype], d, d if rotary_dim is None else int(rotary_dim), int(block_h))
 
 
 def examples() -> list:
@@ -203,7 +196,7 @@ def apply_pair(q, k, cos, sin, rotary_dim: Optional[int] = None, *, backward: bo
     if k is not None and (k.shape[0] != bsz or k.shape[2:] != q.shape[2:] or k.dtype != q.dtype):
         raise ValueError(f"rope: k {tuple(k.shape)} {k.dtype} does not match q {tuple(q.shape)} {q.dtype}")
     rot = int(cos.shape[-1] if rotary_dim is None else rotary_dim)
-    kern = _kernel(_DTYPE_NAMES[q.dtype], int(d), rot, int(block_h))
+    kern = _kernel(DTYPE_NAMES[q.dtype], int(d), rot, int(block_h))
     c, cb, cs = _cos_sin(cos, bsz, seq, rot, q.dtype, "cos")
     s, sb, ss = _cos_sin(sin, bsz, seq, rot, q.dtype, "sin")
     if (cb, cs) != (sb, ss):   # one set of offsets serves both
