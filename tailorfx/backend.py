@@ -131,6 +131,9 @@ class TailorBackend:
         try:
             ctx = PassContext(regions, seq, {}, idx)   # shared by the plans tried and the one run
             plan = self._plan(gm, ctx, lowering)
+            if plan.options.get("depth") is not None:   # a shallow capture: the chosen plan's repeats
+                seq = replace(seq, depth=plan.options["depth"])
+                ctx = replace(ctx, seq=seq)
             rewritten, records, pm = planner.run_plan(plan, gm, replace(ctx, options=plan.options),
                                                       self.options.verify, self._predictor(seq, lowering, plan))
             peaks = (pm.initial, records[-1].after_peak if records else pm.initial)

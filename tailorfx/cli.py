@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -53,8 +54,8 @@ def _describe(cfg, name: str) -> str:
     return f"{name} ({fields})" if fields else name
 
 
-def _n_params(module) -> str:
-    n = sum(p.numel() for p in module.parameters())
+def _n_params(module, n: Optional[int] = None) -> str:
+    n = sum(p.numel() for p in module.parameters()) if n is None else n
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
@@ -102,7 +103,7 @@ def cmd_plan(args):
         sys.exit(1)
     note(f"planned in {time.perf_counter() - t:.0f}s; longest sequence that fits ...")
     longest = sizing.max_seq_len(cfg, budget, batch_size=args.batch, setup=setup)
-    print(f"{_n_params(opt.model)} parameters\n")
+    print(f"{_n_params(opt.model, sizing.parameter_count(opt))} parameters\n")
     print(f"  {'plan':<48} {'predicted peak':>15} {'added FLOPs':>12}  fits")
     for graph_plan in opt.plan:
         chosen = graph_plan.chosen

@@ -332,7 +332,9 @@ def plan_for_budget(gm: fx.GraphModule, ctx: PassContext, base: Plan, lowering: 
     setup = opts.get("setup")
     label = opts.get("budget_label", "")
     cpu = plans_for_cpu(graph_device(gm), setup)
-    cands = budget_candidates(base, len(ctx.regions.of_kind("block")), bool(ctx.regions.of_kind("lm_head_loss")), cpu=cpu)
+    depth = ctx.seq.depth   # a shallow capture standing for a deeper model (rewrite/depth.py): its blocks are counted
+    blocks = depth.layers if depth is not None else len(ctx.regions.of_kind("block"))
+    cands = budget_candidates(base, blocks, bool(ctx.regions.of_kind("lm_head_loss")), cpu=cpu)
     rewritten: dict = {}      # candidate -> its rewritten graph: the second search predicts the same graphs
     try:
         chosen, o, others = _search_setup(gm, ctx, cands, opts, setup, lowering, verify, rewritten, cpu)
@@ -359,12 +361,20 @@ def _search_setup(gm, ctx: PassContext, cands: list[Candidate], opts: dict, setu
     as_int = memory.Sizer(ctx.seq, ctx.seq.length or None).as_int
 
     def evaluate(c: Candidate):
-        o = {**opts, **dict(c.options), "setup": setup}
-        if (c.passes, c.options) not in rewritten:
-            rewritten[(c.passes, c.options)] = run_plan(Plan(c.passes, o), gm, replace(ctx, options=o), verify)[0]
-        g = rewritten[(c.passes, c.options)]
-        est = predict_graphs([(g, lowering, None)], [ctx.seq], setup=setup, captured=True)
-        return with_result(c, est.peak_bytes, cost.recompute_flops(g, as_int), budget, headroom), (est, o)
+        options, seq = dict(c.options), ctx.seq
+        if seq.depth is not None:   # the real model's first k blocks recomputed: the captured ones that stand for them
+            k, d = seq.depth.for_recompute(options.get("recompute_blocks"))
+            options["recompute_blocks"], seq = k, replace(seq, depth=d)
+            if k is None and "recompute_blocks" not in dict(c.options):
+                del options["recompute_blocks"]
+        o = {**opts, **options, "setup": setup, "depth": seq.depth}
+        key = (c.passes, tuple(options.items()))
+        if key not in rewritten:
+            rewritten[key] = run_plan(Plan(c.passes, o), gm, replace(ctx, options=o, seq=seq), verify)[0]
+        g = rewritten[key]
+        est = predict_graphs([(g, lowering, None)], [seq], setup=setup, captured=True)
+        flops = cost.recompute_flops(g, as_int, seq.depth.weight if seq.depth is not None else None)
+        return with_result(c, est.peak_bytes, flops, budget, headroom), (est, o)
 
     chosen, (_, o), others = search(cands, evaluate, budget, opts.get("budget_label", ""),
                                     lambda payload: payload[0].breakdown(), headroom)

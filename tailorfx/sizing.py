@@ -4,7 +4,8 @@ factory built under a FakeTensorMode, so an 8B model costs nothing)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Sequence, Union
+import functools
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -17,21 +18,43 @@ from tailorfx.errors import BudgetError, PredictionError
 from tailorfx.models.build import built_on_fake_tensors
 from tailorfx.options import check_passes, positive_int
 from tailorfx.progress import stage
-from tailorfx.rewrite import bound, memory
+from tailorfx.rewrite import bound, capture, depth, memory
 from tailorfx.runtime.accumulation import model_device
 from tailorfx.setup import TrainingSetup, with_device_costs
 from tailorfx.setup import resolve as resolve_setup
 
 
 @contextlib.contextmanager
-def _prediction_model(model_or_config: Any, dtype: Optional[torch.dtype]) -> Iterator[nn.Module]:
-    """The model itself, or one built from a config or factory under a FakeTensorMode (no
-    memory, however large); everything made inside the block is fake too."""
+def _prediction_model(model_or_config: Any, dtype: Optional[torch.dtype], shallow: bool = False,
+                      sites: int = 1) -> Iterator[tuple[nn.Module, Optional[depth.Depth]]]:
+    """(the model itself, or one built from a config or factory under a FakeTensorMode: no
+    memory, however large; everything made inside the block is fake too), and with `shallow`,
+    for a config of repeating layers, a copy with a few of them and the Depth it stands for
+    (rewrite/depth.py; `sites` runs of three periods): what is captured inside the block stands
+    for the whole model."""
     if isinstance(model_or_config, nn.Module):
-        yield model_or_config
+        yield model_or_config, None
         return
-    with built_on_fake_tensors(model_or_config, dtype) as model:
-        yield model
+    small = depth.reduced(model_or_config, sites) if shallow else None
+    with built_on_fake_tensors(small[0] if small else model_or_config, dtype) as model:
+        d = depth.with_model(small[1], model) if small else None
+        token = capture.STANDS_FOR.set(d)
+        try:
+            yield model, d
+        finally:
+            capture.STANDS_FOR.reset(token)
+
+
+def _shallow_first(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn(..., shallow=True)`, predicted from a shallow capture of a config's repeating layers,
+    and again from the whole model where its blocks do not repeat alike (depth.NotComposable)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, shallow=True, **kwargs)
+        except depth.NotComposable:
+            return fn(*args, shallow=False, **kwargs)
+    return wrapper
 
 
 def capture_for_prediction(model_or_config: Any, passes: Sequence[str], seq_len: int = 256,
@@ -42,12 +65,13 @@ def capture_for_prediction(model_or_config: Any, passes: Sequence[str], seq_len:
     A config or factory is built under a FakeTensorMode; a model instance is captured on a
     short real batch.
     """
-    with _prediction_model(model_or_config, dtype) as model:
+    with _prediction_model(model_or_config, dtype) as (model, _):
         return _capture(model, passes, seq_len, batch_size, **optimize_kwargs)
 
 
+@_shallow_first
 def plan_for_budget(model_or_config: Any, budget: Union[str, int, Budget], seq_len: int, setup: Any = None,
-                    batch_size: Optional[int] = None, **optimize_kwargs) -> OptimizedModule:
+                    batch_size: Optional[int] = None, *, shallow: bool = False, **optimize_kwargs) -> OptimizedModule:
     """The planner's choice for one training step of `seq_len` tokens under `budget`, by the memory
     model alone: a config or factory is built and captured on fake tensors (an 8B model costs
     nothing). BudgetError, naming the smallest budget that fits, when no plan does. The result's
@@ -56,12 +80,20 @@ def plan_for_budget(model_or_config: Any, budget: Union[str, int, Budget], seq_l
     b = Budget.parse(budget)
     positive_int("seq_len", seq_len, allow_none=False)
     positive_int("batch_size", batch_size)
-    with _prediction_model(model_or_config, s.param_dtype) as model:
+    with _prediction_model(model_or_config, s.param_dtype, shallow, sites=2) as (model, d):
         s = with_device_costs(s, b, model, batch_size or s.micro_batch_size)
-        _check_static(model, s, b, planner.usable(b.bytes, s.headroom))   # before an 8B model's captures
+        _check_static(model, s, b, planner.usable(b.bytes, s.headroom), d)   # before an 8B model's captures
         with stage("capturing and planning the step on fake tensors"):
             return _capture(model, None, seq_len, batch_size or s.micro_batch_size, budget=b, setup=s,
                             **optimize_kwargs)
+
+
+def parameter_count(opt: OptimizedModule) -> int:
+    """Parameters of the model `opt` predicts for: with a shallow capture's repeats (a plan of a
+    config, plan_for_budget), those of the whole model."""
+    n = sum(p.numel() for p in opt.model.parameters())
+    d = opt.session.graphs[0].seq.depth if opt.session.graphs else None
+    return n + (d.repeats * sum(k for k, _, trained in d.period_tensors if trained) if d is not None else 0)
 
 
 def _capture(model: nn.Module, passes: Optional[Sequence[str]], seq_len: int, batch_size: int,
@@ -73,10 +105,11 @@ def _capture(model: nn.Module, passes: Optional[Sequence[str]], seq_len: int, ba
                     passes=None if passes is None else list(passes), predict=False, verify=False, **kw)
 
 
+@_shallow_first
 def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_size: Optional[int] = None,
                 passes: Optional[Sequence[str]] = None, setup: Any = None, optimizer: Optional[str] = "adamw",
                 dtype: Optional[torch.dtype] = None, limit: int = 1 << 21, granularity: int = 128,
-                offload: Optional[str] = None) -> int:
+                offload: Optional[str] = None, *, shallow: bool = False) -> int:
     """Longest sequence whose training step fits `budget`, by the memory model (nothing is run).
 
     A config or factory is built under a FakeTensorMode, so an 8B model costs no memory. One
@@ -106,10 +139,10 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
             dtype = dtype or next(model_or_config.parameters()).dtype
         s = resolve_setup(None, param_dtype=dtype, optimizer=optimizer)
     chosen = list(passes) if passes is not None else ["attention", "minisequence", "recompute"]
-    with _prediction_model(model_or_config, s.param_dtype) as model:
+    with _prediction_model(model_or_config, s.param_dtype, shallow) as (model, d):
         s = with_device_costs(s, b, model, batch_size or s.micro_batch_size)
         usable = planner.usable(b.bytes, s.headroom)
-        _check_static(model, s, b, usable)   # before the capture: an 8B capture takes half a minute
+        _check_static(model, s, b, usable, d)   # before the capture: an 8B capture takes half a minute
         with stage("capturing the step on fake tensors"):
             # the plan that saves the most; the attention backward in blocks runs on the CPU only
             cpu = planner.plans_for_cpu(model_device(model), s)
@@ -140,18 +173,24 @@ def _parts(est: memory.MemoryEstimate) -> str:
     return ", ".join(f"{k} {format_bytes(v)}" for k, v in est.breakdown().items() if v)
 
 
-def _check_static(model: nn.Module, s: TrainingSetup, b: Budget, usable: float) -> None:
-    """planner.check_static for this model's trainable parameters and other tensors."""
+def _check_static(model: nn.Module, s: TrainingSetup, b: Budget, usable: float,
+                  d: Optional[depth.Depth] = None) -> None:
+    """planner.check_static for this model's trainable parameters and other tensors (with `d`,
+    those of the whole model the shallow one stands for)."""
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     other = sum(t.numel() * t.element_size() for t in model.buffers()) + sum(
         p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    if d is not None:
+        trained += d.repeats * sum(n for n, _, t in d.period_tensors if t)
+        other += d.repeats * sum(n * dt.itemsize for n, dt, t in d.period_tensors if not t)
     planner.check_static(trained, other, s, b, usable)
 
 
+@_shallow_first
 def sequence_bound(model_or_config: Any, budget: Union[str, int, Budget, None], batch_size: Optional[int] = None,
                    setup: Any = None, optimizer: Optional[str] = "adamw", dtype: Optional[torch.dtype] = None,
                    limit: int = 1 << 21, granularity: int = 128, seq_len: Optional[int] = None,
-                   offload: Optional[bool] = None) -> bound.Bound:
+                   offload: Optional[bool] = None, *, shallow: bool = False) -> bound.Bound:
     """The longest sequence any plan of tailorfx's rewrites could fit in `budget`, from a lower
     bound on every plan's peak (rewrite/bound.py: static bytes + each block's input + the residual
     stream's gradient + the last attention's operands and their gradients at full length). The
@@ -170,10 +209,10 @@ def sequence_bound(model_or_config: Any, budget: Union[str, int, Budget, None], 
         if isinstance(model_or_config, nn.Module):
             dtype = dtype or next(model_or_config.parameters()).dtype
         s = resolve_setup(None, param_dtype=dtype, optimizer=optimizer)
-    with _prediction_model(model_or_config, s.param_dtype) as model:
+    with _prediction_model(model_or_config, s.param_dtype, shallow) as (model, d):
         s = with_device_costs(s, b, model, batch_size or s.micro_batch_size)
         usable = planner.usable(b.bytes, s.headroom)
-        _check_static(model, s, b, usable)
+        _check_static(model, s, b, usable, d)
         opt = _capture(model, ["attention", "minisequence", "recompute"], 256, batch_size or s.micro_batch_size,
                        setup=s, recompute="full", minisequence="segments")
     at = opt.bound_at(offload)

@@ -37,3 +37,34 @@ def test_plan_figures_are_those_recorded_before(model, capsys):
     main(["plan", os.path.join(HERE, f"{model}.json"), *ARGS])
     got = figures(capsys.readouterr().out)
     assert got == expected
+
+
+def predictions(model: str) -> dict:
+    """Every figure the sizing gives for a config, in bytes and tokens, as
+    tests/goldens/sizing/bytes.json holds them from the code at 68e4cf1 (before the shallow
+    captures, rewrite/depth.py): each candidate plan's peak and added FLOPs, both bounds,
+    max_seq_len device-only, with offload, and with recompute alone under the fused optimizer."""
+    from tailorfx import sizing
+    from tailorfx.configs import load_config
+    cfg = load_config(os.path.join(HERE, f"{model}.json"))
+    opt = sizing.plan_for_budget(cfg, "H100-80GB", 32768, setup="pure-bf16", batch_size=1)
+    out = {"plan": [[gp.chosen.label if gp.chosen else None, list(gp.passes)]
+                    + [[c.label, int(c.peak), float(c.added_flops or 0), bool(c.fits)]
+                       for c in ([gp.chosen] if gp.chosen else []) + list(gp.runners_up)] for gp in opt.plan]}
+    for off in (False, True):
+        lim = opt.limit(offload=off)
+        out[f"limit_{off}"] = [int(lim[1]), int(lim[0].peak_bytes), {k: int(v) for k, v in lim[0].parts.items()}]
+    out["max_seq_len"] = sizing.max_seq_len(cfg, "H100-80GB", batch_size=1, setup="pure-bf16")
+    out["max_seq_len_offload"] = sizing.max_seq_len(cfg, "H100-80GB", batch_size=1, setup="pure-bf16",
+                                                    offload="checkpoints")
+    out["bound_offload"] = sizing.sequence_bound(cfg, "H100-80GB", batch_size=1, setup="pure-bf16").peak_bytes
+    out["max_seq_len_recompute"] = sizing.max_seq_len(cfg, "H100-80GB", batch_size=1,
+                                                      setup="pure-bf16-fused-optimizer", passes=["recompute"])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", sorted(json.load(open(os.path.join(HERE, "bytes.json")))))
+def test_predictions_are_those_recorded_before_to_the_byte(model):
+    expected = json.load(open(os.path.join(HERE, "bytes.json")))[model]
+    assert json.loads(json.dumps(predictions(model))) == expected

@@ -95,7 +95,11 @@ def bound_shape(gm: fx.GraphModule, regions: RegionMap, seq: SeqInfo) -> Optiona
     def largest(vals):
         vals = [v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point() and len(seq.dims(v)) == 1]
         return max(vals, key=hint) if vals else None
-    boundaries = [v for b in blocks if (v := largest(node_value(nodes[i]) for i in b.inputs)) is not None]
+    inputs = [largest(node_value(nodes[i]) for i in b.inputs) for b in blocks]
+    if seq.depth is not None and len(blocks) == seq.depth.captured:   # a shallow capture: its repeats too
+        d = seq.depth
+        inputs += [inputs[b] for j, t in enumerate(d.times) for _ in range(t) for b in d.middle(j)]
+    boundaries = [v for v in inputs if v is not None]
     last = blocks[-1]
     residual = boundaries[-1] if boundaries else None   # the residual stream's shape
     attention = []

@@ -7,6 +7,7 @@ one capture.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -73,6 +74,7 @@ class SeqInfo:
     symbol: Optional[sympy.Symbol]   # the dynamic sequence length, if the capture kept it symbolic
     length: int                      # its value in the example inputs
     hints: dict = field(default_factory=dict)   # every shape symbol -> its traced value
+    depth: Any = None   # rewrite/depth.Depth: the graph's blocks stand for a deeper model's (sizing's captures)
 
     def dims(self, t: Any) -> tuple[int, ...]:
         """Dimensions of tensor t whose size depends on the sequence length."""
@@ -249,6 +251,10 @@ def _replace_uses(node: fx.Node, value: Any) -> None:
         user.kwargs = compat.tree_map(swap, user.kwargs)
 
 
+# the Depth a capture's blocks stand for, while sizing captures a shallower copy (rewrite/depth.py)
+STANDS_FOR: contextvars.ContextVar = contextvars.ContextVar("tailorfx_stands_for", default=None)
+
+
 def seq_info(gm: fx.GraphModule, seq_len: Optional[int]) -> SeqInfo:
     """Find the sequence symbol: the SymInt placeholder whose hint equals the example length."""
     fake_mode = compat.own_fake_mode(node_value(n) for n in gm.graph.nodes if n.op == "placeholder")
@@ -276,7 +282,7 @@ def seq_info(gm: fx.GraphModule, seq_len: Optional[int]) -> SeqInfo:
         ids = [v for n in gm.graph.nodes if n.op == "placeholder" and isinstance(v := node_value(n), torch.Tensor)
                and v.dim() == 2 and not v.is_floating_point() and isinstance(v.shape[1], int)]
         seq_len = int(ids[0].shape[1]) if ids else None
-    return SeqInfo(symbol=symbol, length=int(seq_len or 0), hints=hints)
+    return SeqInfo(symbol=symbol, length=int(seq_len or 0), hints=hints, depth=STANDS_FOR.get())
 
 
 @dataclass

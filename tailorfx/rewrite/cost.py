@@ -6,6 +6,8 @@ mini-sequence reruns each chunked MLP's matmuls but its last.
 from __future__ import annotations
 
 
+from typing import Callable, Optional
+
 import torch
 import torch.fx as fx
 
@@ -48,18 +50,21 @@ def region_flops(key: str, as_int) -> int:
     return sum(node_flops(n, as_int) for n in region.graph.nodes) if isinstance(region, fx.GraphModule) else 0
 
 
-def recompute_flops(gm: fx.GraphModule, as_int) -> int:
-    """FLOPs rerun in backward: forward ops tagged for recompute, and chunked regions' recompute."""
+def recompute_flops(gm: fx.GraphModule, as_int, weight: Optional[Callable[[fx.Node], int]] = None) -> int:
+    """FLOPs rerun in backward: forward ops tagged for recompute, and chunked regions' recompute.
+    `weight(node)`: how many times the real model runs that op (a shallow capture's repeated
+    blocks, rewrite/depth.py; default once)."""
     from torch.utils.checkpoint import CheckpointPolicy
     total = 0
     for n in gm.graph.nodes:
         if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
-            total += node_flops(n, as_int)
+            total += node_flops(n, as_int) * (weight(n) if weight else 1)
         elif match.op_name(n) in ("token_chunked", "token_segment"):
             from tailorfx.runtime import ops
             region = ops.chunked_region(n.args[0])
             src = region.tail[0] if region.tail else region.fn
-            total += sum(node_flops(m, as_int) for m in src.graph.nodes) if isinstance(src, fx.GraphModule) else 0
+            flops = sum(node_flops(m, as_int) for m in src.graph.nodes) if isinstance(src, fx.GraphModule) else 0
+            total += flops * (weight(n) if weight else 1)
     return total
 
 

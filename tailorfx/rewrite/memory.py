@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from tailorfx import compat
+from tailorfx.rewrite import depth as depth_mod
 from tailorfx.rewrite.capture import SeqInfo, node_value
 from tailorfx.rewrite.memory_estimate import MemoryEstimate, Timeline
 from tailorfx.rewrite.memory_graph import Pool, eager_last_uses, placeholders, run_graph, run_schedule
@@ -89,13 +90,17 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
     if has_opt and setup.grad_accum_steps > 1:   # gradients of the earlier micro-batches
         grad_bytes = sum(n for n, _ in trained) * setup.grads.itemsize
         pool.alloc(grad_bytes, "accumulated", grad=True)
+    depth = _depth(seq, steps, setup)
     pending = []   # (step, saved-name -> sids, user outputs' sids)
     for k, st in enumerate(steps):
         param_bytes += sum(sizer(node_value(n)) for n, static in zip(placeholders(st.fw), st.static_inputs)
                            if static and isinstance(node_value(n), torch.Tensor))
         saved, user = _forward(pool, st, k, sizer, setup, hold)
-        saved_total += sum(pool.bytes.get(s, 0) for s in {s for sids in saved.values() for s in sids}
-                           if s not in pool.host_sids)
+        kept = {s for sids in saved.values() for s in sids if s not in pool.host_sids}
+        saved_total += sum(pool.bytes.get(s, 0) for s in kept)
+        if depth is not None:   # what each repeated period saves: the storages its ops made
+            saved_total += depth_mod.repeated_bytes(depth, {s: pool.bytes.get(s, 0) for s in kept}, pool.born,
+                                                    timeline.points, depth_mod.block_tags(steps, depth))
         pending.append((k, st, saved, user))
     for k, st, saved, user in reversed(pending):
         if st.bw is not None:
@@ -109,6 +114,19 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
         # one parameter at a time (tailorfx.runtime.optim; torch's single-tensor AdamW)
         pool.mark("optimizer", f"{setup.optimizer}.step",
                   max((setup.update_temp_bytes(n) for n, _ in trained), default=0))
+    if depth is not None:
+        composed = depth_mod.compose(timeline.points, timeline.extras, timeline.grads, timeline.hosts,
+                                     depth_mod.block_tags(steps, depth), depth)
+        if composed is None:
+            raise depth_mod.NotComposable(f"the step's {depth.captured} captured blocks do not repeat alike")
+        timeline = Timeline(composed.points, composed.grads, composed.host_peak, composed.extras, composed.hosts)
+        period_bytes, period_trained = depth_mod.period_sizes(depth)
+        param_bytes += depth.repeats * period_bytes
+        trained = trained + period_trained * depth.repeats
+        held = setup.optimizer is None or not setup.optimizer_in_backward   # as _accumulate keeps them
+        grad_bytes += depth.repeats * sum(n * dt.itemsize for n, dt in period_trained) * held
+        master = sum(setup.master_bytes(n) for n, _ in trained) if has_opt else 0
+        state = sum(setup.state_bytes(n) for n, _ in trained) if has_opt else 0
     dyn_peak, phase, node = timeline.peak()
     static = param_bytes + master + state
     length = seq_len or next((s.length for s in (seq if isinstance(seq, (list, tuple)) else [seq]) if s), 0)
@@ -119,6 +137,20 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
                           saved_bytes=saved_total, peak_phase=phase, peak_node=node,
                           timeline=timeline, master_bytes=master,
                           grads_at_peak=timeline.grads_at_peak(), setup=setup, host_bytes=timeline.host_peak)
+
+
+def _depth(seq, steps: Sequence[StepGraphs], setup: TrainingSetup) -> Optional["depth_mod.Depth"]:
+    """The Depth the captured step stands for (SeqInfo.depth, sizing's shallow captures), where
+    its timeline can be composed: one graph, no gradient accumulation, and gradients that either
+    stay or are consumed inside the backward graph (no per-gradient step after it)."""
+    seqs = [s for s in (seq if isinstance(seq, (list, tuple)) else [seq]) if s is not None]
+    depth = seqs[0].depth if len(seqs) == 1 else None
+    if depth is None:
+        return None
+    if len(steps) != 1 or setup.grad_accum_steps > 1 or (
+            setup.optimizer is not None and not setup.optimizer_in_backward and setup.grads != setup.param_dtype):
+        raise depth_mod.NotComposable("the step's setup adds per-gradient work the composition does not repeat")
+    return depth
 
 
 def _forward(pool: Pool, st: StepGraphs, k: int, sizer: Sizer, setup: TrainingSetup,

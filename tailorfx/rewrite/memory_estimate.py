@@ -14,6 +14,8 @@ class Timeline:
     points: list[tuple[str, str, int]] = field(default_factory=list)   # (phase, node, bytes)
     grads: list[int] = field(default_factory=list)                     # gradient bytes live at each point
     host_peak: int = 0      # the most bytes held in host memory at once (offloaded activations)
+    extras: list[int] = field(default_factory=list)   # each point's transient inside its op (part of its bytes)
+    hosts: list[int] = field(default_factory=list)    # host bytes live at each point
 
     def peak(self) -> tuple[int, str, str]:
         if not self.points:

@@ -45,10 +45,12 @@ class Pool:
         self.grad_total = 0
         self.next_id = 0
         self.timeline = timeline
+        self.born: dict[int, int] = {}   # storage -> the timeline point of the op that made it
 
     def alloc(self, nbytes: int, holder, grad: bool = False, host: bool = False) -> int:
         sid = self.next_id
         self.next_id += 1
+        self.born[sid] = len(self.timeline.points)
         self.bytes[sid] = nbytes
         self.holders[sid] = {holder}
         if host:
@@ -86,6 +88,8 @@ class Pool:
     def mark(self, phase: str, node: str, extra: int = 0) -> None:
         self.timeline.points.append((phase, node, self.total + extra))
         self.timeline.grads.append(self.grad_total)
+        self.timeline.extras.append(extra)
+        self.timeline.hosts.append(self.host_total)
 
     def forward_done(self, k: int) -> None:
         """Forward graph `k` has returned: what it saved and what the caller holds are held, the

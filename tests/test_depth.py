@@ -1,0 +1,126 @@
+"""A deep config predicted from a shallow capture (rewrite/depth.py): the composed step equals the
+whole model's, to the byte, at every point of its timeline."""
+import pytest
+import torch
+
+from tailorfx import sizing
+from tailorfx.configs import load_config
+from tailorfx.rewrite import depth
+
+SMALL = ["hidden_size=128", "intermediate_size=256", "num_attention_heads=4", "num_key_value_heads=2",
+         "vocab_size=512"]
+PLANS = {
+    "segments+full": dict(passes=["attention", "minisequence", "recompute"], recompute="full", minisequence="segments"),
+    "recompute": dict(passes=["recompute"], recompute="full"),
+    "none": dict(passes=[]),
+    "offload": dict(passes=["attention", "minisequence", "recompute"], recompute="full", minisequence="segments",
+                    offload="checkpoints"),
+}
+
+
+def config(family: str, layers: int):
+    head = [] if family == "qwen2" else ["head_dim=32"]
+    return load_config(family, SMALL + head + [f"num_hidden_layers={layers}"])
+
+
+def levels(est) -> list[tuple[int, int]]:
+    """(live bytes, gradient bytes) after each op that changes them: views and other ops that
+    allocate nothing are left out (the whole model has a few more of those outside its blocks)."""
+    out = []
+    for (_, _, b), g in zip(est.timeline.points, est.timeline.grads):
+        if not out or out[-1] != (b, g):
+            out.append((b, g))
+    return out
+
+
+def predicted(cfg, shallow: bool, setup: str, plan: dict, lengths):
+    dtype = torch.float32 if setup == "fp32" else torch.bfloat16
+    with sizing._prediction_model(cfg, dtype, shallow) as (model, d):
+        opt = sizing._capture(model, plan["passes"], 256, 1, setup=setup,
+                              **{k: v for k, v in plan.items() if k != "passes"})
+    return d, [opt.predict_memory(S) for S in lengths], opt.bound_at(True)
+
+
+def check_composed_equals_whole(family: str, layers: int, setup: str, plan: str):
+    cfg = config(family, layers)
+    lengths = (512, 2048)
+    d, shallow, bound_shallow = predicted(cfg, True, setup, PLANS[plan], lengths)
+    assert d is not None and d.captured < layers and d.repeats > 0     # the capture was shallow
+    whole_d, whole, bound_whole = predicted(cfg, False, setup, PLANS[plan], lengths)
+    assert whole_d is None
+    for S, a, b in zip(lengths, shallow, whole):
+        assert a.summary() == b.summary(), S
+        assert (a.peak_phase, a.peak_node.split("_")[0]) == (b.peak_phase, b.peak_node.split("_")[0])
+        assert levels(a) == levels(b), S
+        assert bound_shallow(S) == bound_whole(S)
+
+
+def test_a_shallow_llama_is_the_whole_one_to_the_byte():
+    check_composed_equals_whole("llama", 8, "pure-bf16", "segments+full")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,layers", [("llama", 9), ("qwen2", 9), ("qwen3", 9)])
+@pytest.mark.parametrize("setup", ["pure-bf16", "pure-bf16-fused-optimizer", "fp32"])
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_shallow_captures_are_the_whole_model_to_the_byte(family, layers, setup, plan):
+    check_composed_equals_whole(family, layers, setup, plan)
+
+
+def test_max_seq_len_from_a_shallow_capture_is_the_whole_ones():
+    cfg = config("llama", 8)
+    kw = dict(setup="pure-bf16-fused-optimizer", granularity=16, passes=["recompute"])
+    assert sizing.max_seq_len.__wrapped__(cfg, "48MB", shallow=True, **kw) == \
+        sizing.max_seq_len.__wrapped__(cfg, "48MB", shallow=False, **kw)
+
+
+def test_layer_types_keep_their_period_in_the_shallow_config():
+    cfg = config("qwen2", 42)
+    cfg.layer_types = ["sliding_attention", "full_attention"] * 21
+    small, d = depth.reduced(cfg)
+    assert (d.period, d.start, d.captured, d.times) == (2, 1, 8, (17,))
+    assert small.layer_types == cfg.layer_types[:7] + cfg.layer_types[-1:]
+    assert d.start + d.period * (3 + d.repeats) + 1 == 42
+    assert depth.reduced(config("llama", 5)) is None              # already shallow
+    assert depth.reduced(load_config("gpt2", ["n_layer=32"])) is None                 # a family not proven alike
+    assert depth.reduced(config("gemma2", 42)) is None            # per-layer constants outside its layers
+    assert depth.reduced(config("mistral", 32)) is None
+
+
+def composed(steps, tags, d):
+    pts = [("forward[0]", f"n{i}", 0) for i in range(len(steps))]
+    total, out = 0, []
+    for (ph, nd, _), s in zip(pts, steps):
+        total += s
+        out.append((ph, nd, total))
+    n = len(out)
+    c = depth.compose(out, [0] * n, [0] * n, [0] * n, {("forward[0]", f"n{i}"): t for i, t in enumerate(tags)
+                                                       if t is not None}, d)
+    return None if c is None else [b for _, _, b in c.points]
+
+
+def test_compose_repeats_the_middle_period_and_refuses_periods_unalike():
+    d = depth.Depth(layers=7, captured=5, start=1, period=1, times=(2,), blocks_path="layers")
+    # prefix, block 0, three periods of +2 then -1, the last block, the head
+    steps = [1, 5, 2, -1, 2, -1, 2, -1, 3, -2, 4]
+    tags = [None, 0, 1, 1, 2, 2, 3, 3, 4, 4, None]
+    got = composed(steps, tags, d)
+    want = [1, 6, 8, 7, 9, 8, 10, 9, 11, 10, 12, 11, 14, 12, 16]
+    assert got == want
+    unalike = [1, 5, 2, -1, 3, -1, 4, -1, 3, -2, 4]        # each period differs from its neighbours
+    assert composed(unalike, tags, d) is None
+    out_of_order = [None, 0, 2, 2, 1, 1, 3, 3, 4, 4, None]
+    assert composed(steps, out_of_order, d) is None
+
+
+def test_two_sites_repeat_each_middle_period_its_own_number_of_times():
+    d = depth.Depth(layers=12, captured=8, start=1, period=1, times=(3, 1), blocks_path="layers")
+    # block 0, site one (blocks 1-3: +2), site two (blocks 4-6: +1), the last block
+    steps = [1, 2, 2, 2, 1, 1, 1, 5]
+    tags = [0, 1, 2, 3, 4, 5, 6, 7]
+    assert composed(steps, tags, d) == [1, 3, 5, 7, 9, 11, 13, 14, 15, 16, 17, 22]
+    k, dk = d.for_recompute(6)          # the real model's first 6 blocks: 1 + 3 captured + 2 repeats
+    assert (k, dk.times) == (4, (2, 2))
+    assert d.for_recompute(None)[1].times == (4, 0)
+    assert d.for_recompute(2) == (2, depth.Depth(**{**d.__dict__, "times": (0, 4)}))
+    assert d.for_recompute(12)[0] == 8
