@@ -67,6 +67,7 @@ def test_shallow_captures_are_the_whole_model_to_the_byte(family, layers, setup,
     check_composed_equals_whole(family, layers, setup, plan)
 
 
+@pytest.mark.slow
 def test_max_seq_len_from_a_shallow_capture_is_the_whole_ones():
     cfg = config("llama", 8)
     kw = dict(setup="pure-bf16-fused-optimizer", granularity=16, passes=["recompute"])
