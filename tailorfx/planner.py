@@ -364,9 +364,9 @@ def _search_setup(gm, ctx: PassContext, cands: list[Candidate], opts: dict, setu
         options, seq = dict(c.options), ctx.seq
         if seq.depth is not None:   # the real model's first k blocks recomputed: the captured ones that stand for them
             k, d = seq.depth.for_recompute(options.get("recompute_blocks"))
-            options["recompute_blocks"], seq = k, replace(seq, depth=d)
-            if k is None and "recompute_blocks" not in dict(c.options):
-                del options["recompute_blocks"]
+            seq = replace(seq, depth=d)
+            if "recompute_blocks" in options:
+                options["recompute_blocks"] = k
         o = {**opts, **options, "setup": setup, "depth": seq.depth}
         key = (c.passes, tuple(options.items()))
         if key not in rewritten:

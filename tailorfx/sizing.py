@@ -93,7 +93,7 @@ def parameter_count(opt: OptimizedModule) -> int:
     config, plan_for_budget), those of the whole model."""
     n = sum(p.numel() for p in opt.model.parameters())
     d = opt.session.graphs[0].seq.depth if opt.session.graphs else None
-    return n + (d.repeats * sum(k for k, _, trained in d.period_tensors if trained) if d is not None else 0)
+    return n + (d.repeats * sum(k for k, _ in depth.period_sizes(d)[1]) if d is not None else 0)
 
 
 def _capture(model: nn.Module, passes: Optional[Sequence[str]], seq_len: int, batch_size: int,
@@ -181,8 +181,9 @@ def _check_static(model: nn.Module, s: TrainingSetup, b: Budget, usable: float,
     other = sum(t.numel() * t.element_size() for t in model.buffers()) + sum(
         p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     if d is not None:
-        trained += d.repeats * sum(n for n, _, t in d.period_tensors if t)
-        other += d.repeats * sum(n * dt.itemsize for n, dt, t in d.period_tensors if not t)
+        nbytes, period_trained = depth.period_sizes(d)
+        trained += d.repeats * sum(n for n, _ in period_trained)
+        other += d.repeats * (nbytes - sum(n * dt.itemsize for n, dt in period_trained))
     planner.check_static(trained, other, s, b, usable)
 
 

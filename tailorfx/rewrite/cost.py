@@ -5,7 +5,6 @@ mini-sequence reruns each chunked MLP's matmuls but its last.
 """
 from __future__ import annotations
 
-
 from typing import Callable, Optional
 
 import torch

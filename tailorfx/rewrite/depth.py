@@ -157,9 +157,9 @@ def compose(points: Sequence[tuple[str, str, int]], extras: Sequence[int], grads
     """The timeline of the real depth from the captured one's: `points` (phase, node, live bytes
     with the op's transient), `extras` (that transient), `grads` and `hosts` (gradient and host
     bytes live) after each op; `block[(phase, node)]`: the captured block of that op (absent
-    outside the blocks). In the forward the second period's events are repeated after it, in the
-    backward (blocks in reverse) the first one's; None where the two periods' events differ or
-    the blocks do not run in order."""
+    outside the blocks). Each site's middle period (in the order the phase runs its blocks) is
+    repeated after itself, an op of it that runs elsewhere in place; None where a middle
+    period's events differ from both neighbours' or the blocks do not run in order."""
     n = len(points)
     if any(nd in PER_GRADIENT for _, nd, _ in points):
         return None

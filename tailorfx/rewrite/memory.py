@@ -91,6 +91,7 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
         grad_bytes = sum(n for n, _ in trained) * setup.grads.itemsize
         pool.alloc(grad_bytes, "accumulated", grad=True)
     depth = _depth(seq, steps, setup)
+    tags = depth_mod.block_tags(steps, depth) if depth is not None else {}
     pending = []   # (step, saved-name -> sids, user outputs' sids)
     for k, st in enumerate(steps):
         param_bytes += sum(sizer(node_value(n)) for n, static in zip(placeholders(st.fw), st.static_inputs)
@@ -100,7 +101,7 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
         saved_total += sum(pool.bytes.get(s, 0) for s in kept)
         if depth is not None:   # what each repeated period saves: the storages its ops made
             saved_total += depth_mod.repeated_bytes(depth, {s: pool.bytes.get(s, 0) for s in kept}, pool.born,
-                                                    timeline.points, depth_mod.block_tags(steps, depth))
+                                                    timeline.points, tags)
         pending.append((k, st, saved, user))
     for k, st, saved, user in reversed(pending):
         if st.bw is not None:
@@ -115,8 +116,7 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
         pool.mark("optimizer", f"{setup.optimizer}.step",
                   max((setup.update_temp_bytes(n) for n, _ in trained), default=0))
     if depth is not None:
-        composed = depth_mod.compose(timeline.points, timeline.extras, timeline.grads, timeline.hosts,
-                                     depth_mod.block_tags(steps, depth), depth)
+        composed = depth_mod.compose(timeline.points, timeline.extras, timeline.grads, timeline.hosts, tags, depth)
         if composed is None:
             raise depth_mod.NotComposable(f"the step's {depth.captured} captured blocks do not repeat alike")
         timeline = Timeline(composed.points, composed.grads, composed.host_peak, composed.extras, composed.hosts)
