@@ -21,6 +21,10 @@ Providers, in one interleaved run (every provider of a case runs before the next
 - `tailorfx`: tailorfx.runtime.triton_ops (what the kernels pass emits, and on CUDA the attention
   pass for masks, documents and ALiBi).
 
+tailorfx's attention picks each kernel's tiles (forward, dq, dk/dv) by timing its candidates the
+first time a shape bucket is seen (tailorfx/codegen/triton/flash_tiles.py); the warm-up call of
+the interleaved run pays for it, and the JSON's meta.tuned lists what each key chose.
+
 Per provider: device time (the CUDA kernels' own time per call, from the profiler, so host
 overheads do not count), wall time of an eager call (triton.testing.do_bench: host launch costs
 included), the wall time of the same function under torch.compile, GB/s (memory-bound ops: the bytes
@@ -351,8 +355,13 @@ def main(argv=None) -> int:
         return 1
     dev = "cpu" if args.dry_run else "cuda"
     rows = run_all(dev, args.dry_run, args.only, args.reps)
+    from tailorfx.codegen.triton import tuning
     meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
-            "dry_run": args.dry_run}
+            "dry_run": args.dry_run,
+            # the attention tiles each key chose on this GPU, with every candidate's time
+            "tuned": tuning.choices()}
+    for key, choice in meta["tuned"].items():
+        print(f"tuned {key}: {choice['tiles']}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -318,7 +318,7 @@ def test_bigbird_tables_trace_as_constants(block):
     params = fa.normalize_params("bigbird", (block, 1, 1, 1, 3))
 
     def tables(x):
-        mode = fa._mode_args(spec, params, True, 256, x.device, by_keys=True)
+        mode = fa._mode_args(spec, params, True, 256, x.device, "dkdv")
         return [t + x for t in mode if isinstance(t, torch.Tensor)]
     x = torch.zeros((), dtype=torch.int32)
     want = tables(x)   # an eager launch first: its tables are cached, real tensors
@@ -367,6 +367,34 @@ def test_source_holds_only_the_chosen_mask():
     rich = tt.render(_spec("window", causal=True, documents=True, softcap=30.0))
     assert "doc_ptr" in rich and "SOFTCAP = tl.constexpr(30.0)" in rich and "offs_n[None, :] <= offs_m[:, None]" in rich
     assert "(tl.abs(" not in rich   # the causal band test replaces the symmetric one
+
+
+def test_interior_tiles_run_without_the_positional_mask():
+    """A full mask splits each key loop: tiles wholly before the query tile's first row (causal)
+    or wholly in range run without the causal and range masks, the diagonal and the tail with
+    them; dk/dv of a bidirectional full mask runs unmasked."""
+    src = tt.render(_spec("full", causal=True))
+    fwd = src[src.index("def attn_fwd"):src.index("def attn_bwd_preprocess")]
+    interior, diagonal = fwd.split("for kt in range(0, n_full):")[1].split("for kt in range(n_full, hi):")
+    assert "mask" not in interior and "m_safe = m_new" in interior   # no load is masked either
+    assert "offs_n[None, :] <= offs_m[:, None]" in diagonal
+    bidir = tt.render(_spec("full"))
+    dkdv = bidir[bidir.index("def attn_bwd_dkdv"):].split("tl.store")[0]
+    assert "mask =" not in dkdv and "tl.where" not in dkdv
+    docs = tt.render(_spec("full", causal=True, documents=True))
+    interior = docs.split("for kt in range(0, n_full):")[1].split("for kt in range(n_full, hi):")[0]
+    assert "mask = doc_m[:, None] == doc_n[None, :]" in interior and "<=" not in interior
+    for mode in ("window", "bigbird", "dilated"):   # their loops are not split
+        assert "n_full" not in tt.render(_spec(mode, causal=True, **({"bigbird_block": 16} if mode == "bigbird" else {})))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_large_key_bias_leaves_no_nan_in_unmasked_tiles(causal):
+    """Bloom's ALiBi grows with the key (here 2 x position, up to 98): rows past the end of an
+    unmasked interior tile read lse = inf, so their p is 0, not exp(98) x 0; 50 tokens are no
+    multiple of the tiles."""
+    bias = (2.0 * torch.arange(50.0))[None, None].expand(1, 2, 50)
+    check(1, 2, 1, 50, 16, "full", (), causal, blocks=(16, 32, 16, 16), key_bias=bias)
 
 
 def test_spec_and_argument_errors():

@@ -63,6 +63,44 @@ def test_every_example_compiles_for_sm80_and_sm90():
     assert bad == []
 
 
+# the forms each attention tile candidate is compiled in: the plain one (causal, GQA 4) for every
+# candidate, the others for those not marked plain-only (flash_tiles._HALF)
+_PLAIN = dict(mask="full", causal=True)
+_RICH = [dict(mask="window", causal=True, documents=True, softcap=30.0, key_bias=True),
+         dict(mask="full", causal=False, documents=True)]
+
+
+@pytest.mark.slow   # about 30 ptxas runs per (head dim, arch): make test-slow
+@pytest.mark.parametrize("head_dim,arch", [(64, 90), (128, 90), (64, 80), (128, 80)])
+def test_every_attention_tile_candidate_compiles_without_spills(head_dim, arch):
+    """Each flash-attention kernel at each candidate's tiles, warps and stages (the choices a
+    GPU launch times, flash_tiles.candidates), compiled for its arch with ptxas: no register
+    spills, shared memory within the arch's limit, in every form it may serve (bf16, the sm90
+    Inductor typing of float scalars, fp64)."""
+    from tailorfx.codegen.triton import flash_tiles
+    from tailorfx.codegen.triton.flash_attention import _spec, normalize_params
+    fn = {"fwd": "attn_fwd", "dq": "attn_bwd_dq", "dkdv": "attn_bwd_dkdv"}
+    jobs = []
+    for role in flash_tiles.ROLES:
+        rich = flash_tiles.candidates(role, "bf16", head_dim, "full", arch, False)
+        for t in flash_tiles.candidates(role, "bf16", head_dim, "full", arch, True):
+            for form in [_PLAIN] + (_RICH if t in rich else []):
+                form = dict(form)
+                mask = form.pop("mask")
+                params = normalize_params(mask, {"full": (), "window": (256, 4)}[mask])
+                tiles = {"fwd": (t.block_m, t.block_n, 64, 64, 16, 64), "dq": (64, 64, t.block_m, t.block_n, 16, 64),
+                         "dkdv": (64, 64, 64, 64, t.block_m, t.block_n)}[role]
+                spec = _spec("bf16", head_dim, 4, mask, params, form.get("causal", False), form.get("documents", False),
+                             form.get("softcap"), form.get("key_bias", False), tiles, False)
+                jobs.append((spec, arch, {"num_warps": t.num_warps, "num_stages": t.num_stages, "functions": [fn[role]]}))
+    results = tt.compile_many(jobs, float_type="fp64" if arch == 90 else "fp32")
+    bad = [f"{spec.name} sm{arch} {opts}: {res['n_spills']} B spilled, {res['shared_bytes']} B shared"
+           for (spec, arch, opts), res in zip(jobs, results)
+           if res["n_spills"] or res["shared_bytes"] > tt.SHARED_LIMIT[arch]]
+    assert len(results) == len(jobs) >= 10
+    assert bad == [], "\n".join(bad)
+
+
 def test_compile_refuses_unknown_arch():
     with pytest.raises(ValueError, match="arch=75 is not supported"):
         tt.load(EXAMPLES[0]).compile(75)

@@ -171,22 +171,23 @@ def _load(spec: KernelSpec, interpret: bool) -> Kernel:
 ARCHS = (80, 90)
 
 
-def compile_many(jobs: list[tuple[KernelSpec, int]], num_warps: Optional[int] = None,
-                 float_type: str = "fp32") -> list[dict]:
-    """compile_kernel for each (spec, arch). A process whose Triton runs the interpreter cannot
-    also compile (the interpreter patches triton.language when it is imported), so there the
-    jobs run in one fresh Python process without TRITON_INTERPRET."""
-    for _, arch in jobs:
+def compile_many(jobs: list[tuple], num_warps: Optional[int] = None, float_type: str = "fp32") -> list[dict]:
+    """compile_kernel for each (spec, arch) or (spec, arch, options): options are compile_kernel's
+    num_warps, num_stages and functions for that job. A process whose Triton runs the
+    interpreter cannot also compile (the interpreter patches triton.language when it is
+    imported), so there the jobs run in one fresh Python process without TRITON_INTERPRET."""
+    jobs = [(j[0], j[1], {"num_warps": num_warps, **(j[2] if len(j) > 2 else {})}) for j in jobs]
+    for _, arch, _ in jobs:
         if arch not in ARCHS:
             raise ValueError(f"arch={arch!r} is not supported: one of {list(ARCHS)} (sm80 = A100, sm90 = H100)")
     if not interpreted():
-        return [compile_kernel(_load(spec, False), arch, num_warps, float_type) for spec, arch in jobs]
+        return [compile_kernel(_load(spec, False), arch, float_type=float_type, **opts) for spec, arch, opts in jobs]
     import base64
     import json
     import subprocess
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    request = json.dumps({"jobs": [[spec.family, list(spec.params), arch] for spec, arch in jobs],
-                          "num_warps": num_warps, "float_type": float_type})
+    request = json.dumps({"jobs": [[spec.family, list(spec.params), arch, opts] for spec, arch, opts in jobs],
+                          "float_type": float_type})
     r = subprocess.run([sys.executable, "-c", f"from {__name__} import _compile_main; _compile_main()"],
                        input=request, capture_output=True, text=True, env=env)
     if r.returncode:
@@ -203,9 +204,9 @@ def _compile_main() -> None:
     import json
     request = json.loads(sys.stdin.read())
     out = []
-    for fam, params, arch in request["jobs"]:
-        res = compile_kernel(_load(KernelSpec(fam, **dict(params)), False), arch, request["num_warps"],
-                             request["float_type"])
+    for fam, params, arch, opts in request["jobs"]:
+        res = compile_kernel(_load(KernelSpec(fam, **dict(params)), False), arch, float_type=request["float_type"],
+                             **opts)
         res["cubin"] = {k: base64.b64encode(v).decode() for k, v in res["cubin"].items()}
         out.append(res)
     print(json.dumps(out))
@@ -217,11 +218,13 @@ def warps(spec: KernelSpec) -> int:
     return fn(spec) if fn is not None else 4
 
 
-def compile_kernel(kernel: Kernel, arch: int, num_warps: Optional[int] = None, float_type: str = "fp32") -> dict:
+def compile_kernel(kernel: Kernel, arch: int, num_warps: Optional[int] = None, float_type: str = "fp32",
+                   num_stages: Optional[int] = None, functions: Optional[list[str]] = None) -> dict:
     """triton.compile for CUDA sm`arch` without a GPU; registers and spills from the bundled ptxas.
     float_type: how a launch types the kernels' float scalars (Triton's launcher "fp32", Inductor's
-    "fp64" on CUDA)."""
+    "fp64" on CUDA); num_stages: Triton's default unless given; functions: all unless given."""
     num_warps = num_warps or warps(kernel.spec)
+    options = {"num_warps": num_warps} | ({} if num_stages is None else {"num_stages": num_stages})
     import re
     import subprocess
 
@@ -232,12 +235,14 @@ def compile_kernel(kernel: Kernel, arch: int, num_warps: Optional[int] = None, f
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
     gpu = "sm_90a" if arch == 90 else f"sm_{arch}"
     for name, signature in kernel.signatures().items():
+        if functions is not None and name not in functions:
+            continue
         fn = kernel.jit(name)
         constexprs = {k: v for k, v in signature.items() if not isinstance(v, str)}
         sig = {k: ("constexpr" if not isinstance(v, str) else float_type if v == "fp32" else v)
                for k, v in signature.items()}
         compiled = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": num_warps})
+                                  options=options)
         with tempfile.TemporaryDirectory() as d:
             ptx = os.path.join(d, "k.ptx")
             with open(ptx, "w") as f:
@@ -248,7 +253,7 @@ def compile_kernel(kernel: Kernel, arch: int, num_warps: Optional[int] = None, f
         regs = max(int(x) for x in re.findall(r"Used (\d+) registers", log))
         spills = sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log))
         info = {"n_regs": regs, "n_spills": spills, "shared_bytes": int(compiled.metadata.shared),
-                "num_warps": num_warps}
+                "num_warps": num_warps, "num_stages": num_stages}
         out["functions"][name] = info
         out["cubin"][name] = compiled.asm["cubin"]
         out["n_regs"] = max(out["n_regs"], regs)

@@ -13,8 +13,10 @@ Spec (every value a compile-time constant of the rendered source):
     documents   bool: whether a document_ids argument is read
     group       H // H_kv (1: MHA)
     softcap     optional float: scores = softcap * tanh(scores / softcap) before masking
-    block_m, block_n   query and key tiles of attn_fwd and attn_bwd_dq
+    block_m, block_n   query and key tiles of attn_fwd
+    dq_block_m, dq_block_n     query and key tiles of attn_bwd_dq (default: block_m, block_n)
     bwd_block_m, bwd_block_n   query and key tiles of attn_bwd_dkdv (default: block_m, block_n)
+    (a GPU launch chooses them per kernel by measurement: `flash_tiles`)
     bigbird_block      BigBird's block size (mask "bigbird" only)
     precision   optional, fp32/bf16 only: the fp32 dots' input_precision (default below)
 
@@ -27,7 +29,9 @@ Mask semantics are exactly `Pattern(...).element_mask` of `tailorfx.runtime.atte
         of each segment [start, start + w) attend each other; one launch per branch merges into
         fp32 out/lse accumulators through the lse (the backward uses the merged out and lse).
 Causal and window loops skip fully masked key tiles by their bounds, BigBird by its tables,
-dilated attention by loading only the strided positions of a branch.
+dilated attention by loading only the strided positions of a branch. A full mask's key loop is
+split: interior tiles (wholly before the query tile's first row if causal, wholly in range) run
+with no positional mask and unmasked loads, the diagonal and the last tile with them.
 
 Numerics: scores, softmax and accumulators are fp32. fp32 specs run their dots as IEEE fp32
 (FMAs: exact, and at the small tiles they need fewer registers than tf32x3's split operands);
@@ -44,11 +48,14 @@ that share the kv head, so GQA gradients are summed in fp32 inside the kernel.
 # soft-cap pieces for every spec, and the launch code beside them reads the same spec.
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 from string import Template
 from typing import Optional, Sequence
 
 from tailorfx.codegen.triton import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel, interpreted
+from tailorfx.codegen.triton.tuning import Tiles
 
 MODES = ("full", "window", "bigbird", "dilated")
 
@@ -63,6 +70,8 @@ HEAD_DIM = tl.constexpr(${head_dim})
 BLOCK_D = tl.constexpr(${block_d})
 BLOCK_M = tl.constexpr(${block_m})
 BLOCK_N = tl.constexpr(${block_n})
+DQ_BLOCK_M = tl.constexpr(${dq_block_m})
+DQ_BLOCK_N = tl.constexpr(${dq_block_n})
 BWD_BLOCK_M = tl.constexpr(${bwd_block_m})
 BWD_BLOCK_N = tl.constexpr(${bwd_block_n})
 GROUP = tl.constexpr(${group})
@@ -105,10 +114,12 @@ class _Cfg:
         self.head_dim = int(spec["head_dim"])
         self.block_d = max(16, 1 << (self.head_dim - 1).bit_length())
         self.block_m, self.block_n = int(spec["block_m"]), int(spec["block_n"])
+        self.dq_block_m = int(spec.get("dq_block_m", self.block_m))
+        self.dq_block_n = int(spec.get("dq_block_n", self.block_n))
         self.bwd_block_m = int(spec.get("bwd_block_m", self.block_m))
         self.bwd_block_n = int(spec.get("bwd_block_n", self.block_n))
-        for name, b in (("block_m", self.block_m), ("block_n", self.block_n), ("bwd_block_m", self.bwd_block_m),
-                        ("bwd_block_n", self.bwd_block_n)):
+        tiles = (self.block_m, self.block_n, self.dq_block_m, self.dq_block_n, self.bwd_block_m, self.bwd_block_n)
+        for name, b in zip(("block_m", "block_n", "dq_block_m", "dq_block_n", "bwd_block_m", "bwd_block_n"), tiles):
             if b < 16 or b & (b - 1):
                 raise ValueError(f"flash_attention {name}={b}: a power of two >= 16 (tl.dot)")
         self.group = int(spec.get("group", 1))
@@ -128,8 +139,7 @@ class _Cfg:
         elif self.bb_block is not None:
             raise ValueError("bigbird_block is only for mask 'bigbird'")
         # BigBird blocks that are whole multiples of every tile: a listed tile is allowed in full
-        self.aligned = self.mode == "bigbird" and all(
-            self.bb_block % t == 0 for t in (self.block_m, self.block_n, self.bwd_block_m, self.bwd_block_n))
+        self.aligned = self.mode == "bigbird" and all(self.bb_block % t == 0 for t in tiles)
         self.dilated = self.mode == "dilated"
         # fp32 dots: IEEE for fp32 inputs (FMAs: exact and, at small tiles, fewer registers than
         # tf32x3's split operands), tf32 MMAs for bf16 inputs (exact on bf16 operands)
@@ -175,14 +185,18 @@ class _Cfg:
         return (["doc_ptr"] if self.documents else []) + (["kb_ptr"] if self.key_bias else [])
 
 
-def _mask_lines(c: _Cfg, rows: str) -> str:
-    """The element mask of a (rows x cols) score tile: rows are queries ("q") or keys ("k")."""
+def _mask_lines(c: _Cfg, rows: str, interior: bool = False) -> str:
+    """The element mask of a (rows x cols) score tile: rows are queries ("q") or keys ("k").
+    An interior tile (every pair in range and causally allowed) keeps only the document mask;
+    "" when nothing is masked there."""
     if rows == "q":
         Q, K, ok = "offs_m[:, None]", "offs_n[None, :]", "col_ok[None, :]"
         dq, dk = "doc_m[:, None]", "doc_n[None, :]"
     else:
         Q, K, ok = "offs_m[None, :]", "offs_n[:, None]", "col_ok[:, None] & row_ok[None, :]"
         dq, dk = "doc_m[None, :]", "doc_n[:, None]"
+    if interior:
+        return f"mask = {dq} == {dk}" if c.documents else ""
     lines = [f"mask = {ok}"]
     if c.causal:
         lines.append(f"mask = mask & ({K} <= {Q})")
@@ -214,12 +228,12 @@ def _softcap_lines(c: _Cfg, s: str) -> str:
         f"{s} = SOFTCAP * t"])
 
 
-def _key_bias_line(c: _Cfg, s: str) -> str:
+def _key_bias_line(c: _Cfg, s: str, interior: bool = False) -> str:
     """ALiBi's per-key bias (B * H, S) fp32, added after the soft-cap as the tiles' score_mod
     "key_bias" adds it: a constant of the scores, so the backward's d scores are unchanged."""
     if not c.key_bias:
         return ""
-    bias = "tl.load(kb_ptr + bh * seq_len + pos_n, mask=col_ok, other=0.0)"
+    bias = "tl.load(kb_ptr + bh * seq_len + pos_n" + (")" if interior else ", mask=col_ok, other=0.0)")
     return f"{s} = {s} + {bias}[None, :]" if s == "s" else f"{s} = {s} + {bias}[:, None]"
 
 
@@ -259,21 +273,30 @@ def _row_prologue(c: _Cfg, fn: str) -> str:
     if fn == "dq":
         out += ["do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, "
                 f"mask=row_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}",
-                "lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)",
+                "lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=float(\"inf\"))",
                 "delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)"]
     if c.documents:
         out.append("doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)")
     return "\n".join(out)
 
 
-def _key_loop(c: _Cfg) -> tuple[str, str]:
-    """(loop setup and header, first body lines) over the key tiles a query tile may touch."""
-    if c.mode in ("full", "dilated"):
+def _key_loops(c: _Cfg) -> tuple[str, list[tuple[str, str, bool]]]:
+    """(setup, [(loop header, first body line, interior)]) over the key tiles a query tile may
+    touch. A full mask splits them: interior tiles (keys wholly before the first row if causal,
+    wholly in range) run without the positional mask, the diagonal and the tail with it."""
+    if c.mode == "full":
+        if c.causal:
+            setup = ("hi = tl.cdiv(tl.minimum(start_m + BLOCK_M, n_keys), BLOCK_N)  # causal: no tile past the last row\n"
+                     "n_full = (start_m + 1) // BLOCK_N  # key tiles wholly at or before the first row")
+        else:
+            setup = "hi = tl.cdiv(n_keys, BLOCK_N)\nn_full = n_keys // BLOCK_N  # key tiles wholly in range"
+        return setup, [("for kt in range(0, n_full):", "", True), ("for kt in range(n_full, hi):", "", False)]
+    if c.mode == "dilated":
         if c.causal:
             setup = "hi = tl.cdiv(tl.minimum(start_m + BLOCK_M, n_keys), BLOCK_N)  # causal: no tile past the last row"
         else:
             setup = "hi = tl.cdiv(n_keys, BLOCK_N)"
-        return setup + "\nfor kt in range(0, hi):", ""
+        return setup, [("for kt in range(0, hi):", "", False)]
     if c.mode == "window":
         last = "tl.minimum(start_m + BLOCK_M, seq_len) - 1"
         if c.causal:
@@ -294,48 +317,67 @@ everything = start_m < num_global
 n_glob = tl.where(everything, 0, n_glob)
 band_lo = tl.where(everything, 0, band_lo)
 band_hi = tl.where(everything, hi, band_hi)
-n_tiles = n_glob + tl.maximum(band_hi - band_lo, 0)
-for j in range(0, n_tiles):"""
-        return setup, "kt = j + (j >= n_glob).to(tl.int32) * (band_lo - n_glob)"
+n_tiles = n_glob + tl.maximum(band_hi - band_lo, 0)"""
+        return setup, [("for j in range(0, n_tiles):", "kt = j + (j >= n_glob).to(tl.int32) * (band_lo - n_glob)",
+                        False)]
     # bigbird: the host's table of key tiles per query tile
     setup = """
 # key tiles: the host's table of those holding an allowed pair
-n_tiles = tl.load(count_ptr + tl.program_id(0))
-for j in range(0, n_tiles):"""
-    return setup, "kt = tl.load(table_ptr + tl.program_id(0) * table_width + j)"
+n_tiles = tl.load(count_ptr + tl.program_id(0))"""
+    return setup, [("for j in range(0, n_tiles):", "kt = tl.load(table_ptr + tl.program_id(0) * table_width + j)", False)]
 
 
-def _key_tile_loads(c: _Cfg) -> str:
+def _loops(setup: str, loops: list[tuple[str, str, bool]], body, indent: int) -> str:
+    """The setup, then each loop's header and `body(interior)` under it, at `indent` spaces."""
+    out = [_block(setup, indent)] if setup.strip() else []
+    for header, first, interior in loops:
+        out += [" " * indent + header, _block("\n".join(x for x in [first, body(interior)] if x), indent + 4)]
+    return "\n".join(out)
+
+
+def _key_tile_loads(c: _Cfg, interior: bool = False) -> str:
+    """Loads of a key tile's k, v (and documents); an interior tile's keys are all in range."""
     pos = "base + offs_n * rate" if c.dilated else "offs_n"
+    if interior:
+        kv_mask = f", mask=(offs_d < HEAD_DIM)[None, :], other=0.0" if c.dmask else ""
+        doc_mask = ""
+    else:
+        kv_mask, doc_mask = f", mask=col_ok[:, None]{c.dmask}, other=0.0", ", mask=col_ok, other=-2"
     out = ["offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)",
            f"pos_n = {pos}",
-           "col_ok = offs_n < n_keys",
+           "" if interior else "col_ok = offs_n < n_keys",
            "col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]",
-           f"k = tl.load(k_base + col_ptrs, mask=col_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}",
-           f"v = tl.load(v_base + col_ptrs, mask=col_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}"]
+           f"k = tl.load(k_base + col_ptrs{kv_mask}){c.load_cvt}",
+           f"v = tl.load(v_base + col_ptrs{kv_mask}){c.load_cvt}"]
     if c.documents:
-        out.append("doc_n = tl.load(doc_ptr + b * seq_len + pos_n, mask=col_ok, other=-2)")
-    return "\n".join(out)
+        out.append(f"doc_n = tl.load(doc_ptr + b * seq_len + pos_n{doc_mask})")
+    return "\n".join(x for x in out if x)
 
 
 def _fwd(c: _Cfg) -> str:
     args = ["q_ptr", "k_ptr", "v_ptr", "out_ptr", "lse_ptr"] + c.doc_args() + c.mode_args() + ["scale", "seq_len", "num_heads"]
-    setup, first = _key_loop(c)
-    body = "\n".join(x for x in [
-        first,
-        _key_tile_loads(c),
-        f"s = tl.dot(q, tl.trans(k){c.prec}) * scale",
-        _softcap_lines(c, "s"),
-        _key_bias_line(c, "s"),
-        _mask_lines(c, "q"),
-        "s = tl.where(mask, s, float(\"-inf\"))",
-        "m_new = tl.maximum(m_i, tl.max(s, axis=1))",
-        "m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)  # a row with nothing allowed yet stays 0",
-        "p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)",
-        "alpha = tl.math.exp2((m_i - m_safe) * LOG2E)",
-        "l_i = l_i * alpha + tl.sum(p, axis=1)",
-        f"acc = acc * alpha[:, None] + tl.dot(p{c.dot_cast}, v{c.prec})",
-        "m_i = m_new"] if x)
+    setup, loops = _key_loops(c)
+
+    def body(interior: bool) -> str:
+        mask = _mask_lines(c, "q", interior)
+        if mask:
+            update = [mask,
+                      "s = tl.where(mask, s, float(\"-inf\"))",
+                      "m_new = tl.maximum(m_i, tl.max(s, axis=1))",
+                      "m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)  # a row with nothing allowed yet stays 0"]
+        else:   # every score finite: the running max is too
+            update = ["m_new = tl.maximum(m_i, tl.max(s, axis=1))", "m_safe = m_new"]
+        return "\n".join(x for x in [
+            _key_tile_loads(c, interior),
+            f"s = tl.dot(q, tl.trans(k){c.prec}) * scale",
+            _softcap_lines(c, "s"),
+            _key_bias_line(c, "s", interior),
+            *update,
+            "p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)",
+            "alpha = tl.math.exp2((m_i - m_safe) * LOG2E)",
+            "l_i = l_i * alpha + tl.sum(p, axis=1)",
+            f"acc = acc * alpha[:, None] + tl.dot(p{c.dot_cast}, v{c.prec})",
+            "m_i = m_new"] if x)
     if c.dilated:   # merge this branch into the fp32 accumulators of the branches before it
         epilogue = f"""
 out_ptrs = out_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs
@@ -362,8 +404,7 @@ def attn_fwd({", ".join(args)}):
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-{_block(setup, 4)}
-{_block(body, 8)}
+{_loops(setup, loops, body, 4)}
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log(l_safe))
@@ -374,20 +415,25 @@ def attn_fwd({", ".join(args)}):
 def _dq(c: _Cfg) -> str:
     args = (["q_ptr", "k_ptr", "v_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dq_ptr"] + c.doc_args() + c.mode_args()
             + ["scale", "seq_len", "num_heads"])
-    setup, first = _key_loop(c)
-    body = "\n".join(x for x in [
-        first,
-        _key_tile_loads(c),
-        f"s = tl.dot(q, tl.trans(k){c.prec}) * scale",
-        _softcap_lines(c, "s"),
-        _key_bias_line(c, "s"),
-        _mask_lines(c, "q"),
-        "# lse is -inf only on rows with no allowed key, where the mask drops every p",
-        "p = tl.where(mask, tl.math.exp2((s - lse[:, None]) * LOG2E), 0.0)",
-        f"dp = tl.dot(do, tl.trans(v){c.prec})",
-        "ds = p * (dp - delta[:, None])",
-        "ds = ds * (1.0 - t * t)" if c.softcap is not None else "",
-        f"dq += tl.dot(ds{c.dot_cast}, k{c.prec})"] if x)
+    setup, loops = _key_loops(c)
+
+    def body(interior: bool) -> str:
+        mask = _mask_lines(c, "q", interior)
+        if mask:
+            p = [mask, "# lse is -inf only on rows with no allowed key, where the mask drops every p",
+                 "p = tl.where(mask, tl.math.exp2((s - lse[:, None]) * LOG2E), 0.0)"]
+        else:   # rows past the end read lse = inf: p = 0
+            p = ["p = tl.math.exp2((s - lse[:, None]) * LOG2E)"]
+        return "\n".join(x for x in [
+            _key_tile_loads(c, interior),
+            f"s = tl.dot(q, tl.trans(k){c.prec}) * scale",
+            _softcap_lines(c, "s"),
+            _key_bias_line(c, "s", interior),
+            *p,
+            f"dp = tl.dot(do, tl.trans(v){c.prec})",
+            "ds = p * (dp - delta[:, None])",
+            "ds = ds * (1.0 - t * t)" if c.softcap is not None else "",
+            f"dq += tl.dot(ds{c.dot_cast}, k{c.prec})"] if x)
     dq_ptrs = "dq_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs"
     if c.dilated:   # branches add into one fp32 dq
         store = f"""
@@ -396,26 +442,30 @@ dq = dq * scale + tl.load(dq_ptrs, mask=row_ok[:, None]{c.dmask}, other=0.0)
 tl.store(dq_ptrs, dq, mask=row_ok[:, None]{c.dmask})"""
     else:
         store = f"tl.store({dq_ptrs}, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None]{c.dmask})"
-    return f'''
+    src = f'''
 
 @triton.jit
 def attn_bwd_dq({", ".join(args)}):
 {_block(_row_prologue(c, "dq"), 4)}
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-{_block(setup, 4)}
-{_block(body, 8)}
+{_loops(setup, loops, body, 4)}
 {_block(store, 4)}
 '''
+    # dq holds dq, q and do tiles per query row: tiles of its own
+    return src.replace("BLOCK_M", "DQ_BLOCK_M").replace("BLOCK_N", "DQ_BLOCK_N")
 
 
-def _query_loop(c: _Cfg) -> tuple[str, str, str]:
-    """(setup, loop header, first body line) over the query tiles that may see a key tile (the
-    setup does not depend on the head, so it runs once before the head loop)."""
+def _query_loops(c: _Cfg) -> tuple[str, list[tuple[str, str, bool]]]:
+    """(setup, [(loop header, first body line, interior)]) over the query tiles that may see a
+    key tile (the setup does not depend on the head, so it runs once before the head loop). A
+    full bidirectional mask needs no mask here: rows past the end read lse = inf (p = 0), and
+    keys past it are never stored."""
     lo = "start_n // BLOCK_M" if c.causal else "0"
-    if c.mode == "full":
-        return "", f"for qt in range({lo}, tl.cdiv(n_keys, BLOCK_M)):", ""
+    if c.mode == "full":   # one loop: a second copy of the body costs the key tile's registers (spills)
+        return "", [(f"for qt in range({lo}, tl.cdiv(n_keys, BLOCK_M)):", "", not c.causal)]
     if c.dilated:   # heads of another offset run no tile (a loop with a runtime step spills)
-        return "", f"for qt in range({lo}, tl.where(h % rate == offset, tl.cdiv(n_keys, BLOCK_M), 0)):", ""
+        return "", [(f"for qt in range({lo}, tl.where(h % rate == offset, tl.cdiv(n_keys, BLOCK_M), 0)):", "",
+                     False)]
     if c.mode == "window":
         hi = "band_hi = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1 + window, BLOCK_M), n_qt)"
         if c.causal:   # no global query precedes a non-global key
@@ -425,7 +475,7 @@ n_qt = tl.cdiv(seq_len, BLOCK_M)
 band_lo = start_n // BLOCK_M
 {hi}
 band_hi = tl.where(start_n < num_global, n_qt, band_hi)"""
-            return setup, "for qt in range(band_lo, band_hi):", ""
+            return setup, [("for qt in range(band_lo, band_hi):", "", False)]
         setup = f"""
 # query tiles: those holding global queries (q < num_global), then the band around the keys;
 # a tile holding global keys is seen by every row
@@ -438,11 +488,13 @@ n_glob = tl.where(everything, 0, n_glob)
 band_lo = tl.where(everything, 0, band_lo)
 band_hi = tl.where(everything, n_qt, band_hi)
 n_tiles = n_glob + tl.maximum(band_hi - band_lo, 0)"""
-        return setup, "for j in range(0, n_tiles):", "qt = j + (j >= n_glob).to(tl.int32) * (band_lo - n_glob)"
+        return setup, [("for j in range(0, n_tiles):", "qt = j + (j >= n_glob).to(tl.int32) * (band_lo - n_glob)",
+                        False)]
     setup = """
 # query tiles: the host's table of those that see this key tile
 n_tiles = tl.load(count_ptr + tl.program_id(0))"""
-    return setup, "for j in range(0, n_tiles):", "qt = tl.load(table_ptr + tl.program_id(0) * table_width + j)"
+    return setup, [("for j in range(0, n_tiles):", "qt = tl.load(table_ptr + tl.program_id(0) * table_width + j)",
+                    False)]
 
 
 def _dkdv(c: _Cfg) -> str:
@@ -479,31 +531,35 @@ def _dkdv(c: _Cfg) -> str:
         pre.append("doc_n = tl.load(doc_ptr + b * seq_len + pos_n, mask=col_ok, other=-2)")
     pre += ["dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)",
             "dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)"]
-    setup, header, first = _query_loop(c)
+    setup, loops = _query_loops(c)
     if setup:
         pre += setup.strip("\n").splitlines()
     pos = "base + offs_m * rate" if c.dilated else "offs_m"
-    body = "\n".join(x for x in [
-        first,
-        "offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)",
-        f"pos_m = {pos}",
-        "row_ok = offs_m < n_keys",
-        "row_ptrs = bh.to(tl.int64) * seq_len * HEAD_DIM + pos_m[:, None] * HEAD_DIM + offs_d[None, :]",
-        f"q = tl.load(q_ptr + row_ptrs, mask=row_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}",
-        f"do = tl.load(do_ptr + row_ptrs, mask=row_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}",
-        "lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)",
-        "delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)",
-        "doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)" if c.documents else "",
-        f"st = tl.dot(k, tl.trans(q){c.prec}) * scale",
-        _softcap_lines(c, "st"),
-        _key_bias_line(c, "st"),
-        _mask_lines(c, "k"),
-        "pt = tl.where(mask, tl.math.exp2((st - lse[None, :]) * LOG2E), 0.0)",
-        f"dv += tl.dot(pt{c.dot_cast}, do{c.prec})",
-        f"dpt = tl.dot(v, tl.trans(do){c.prec})",
-        "dst = pt * (dpt - delta[None, :])",
-        "dst = dst * (1.0 - t * t)" if c.softcap is not None else "",
-        f"dk += tl.dot(dst{c.dot_cast}, q{c.prec})"] if x)
+
+    def body(interior: bool) -> str:
+        mask = _mask_lines(c, "k", interior)
+        pt = "tl.math.exp2((st - lse[None, :]) * LOG2E)"
+        lse_other = 'float("inf")' if interior else "0.0"   # rows past the end: p = 0 with no mask
+        return "\n".join(x for x in [
+            "offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)",
+            f"pos_m = {pos}",
+            "row_ok = offs_m < n_keys",
+            "row_ptrs = bh.to(tl.int64) * seq_len * HEAD_DIM + pos_m[:, None] * HEAD_DIM + offs_d[None, :]",
+            f"q = tl.load(q_ptr + row_ptrs, mask=row_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}",
+            f"do = tl.load(do_ptr + row_ptrs, mask=row_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}",
+            f"lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other={lse_other})",
+            "delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)",
+            "doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)" if c.documents else "",
+            f"st = tl.dot(k, tl.trans(q){c.prec}) * scale",
+            _softcap_lines(c, "st"),
+            _key_bias_line(c, "st"),
+            mask,
+            f"pt = tl.where(mask, {pt}, 0.0)" if mask else f"pt = {pt}",
+            f"dv += tl.dot(pt{c.dot_cast}, do{c.prec})",
+            f"dpt = tl.dot(v, tl.trans(do){c.prec})",
+            "dst = pt * (dpt - delta[None, :])",
+            "dst = dst * (1.0 - t * t)" if c.softcap is not None else "",
+            f"dk += tl.dot(dst{c.dot_cast}, q{c.prec})"] if x)
     if c.dilated:   # branches add into fp32 dk, dv (each position of a kv head has one owner per launch)
         store = f"""
 dk = dk * scale + tl.load(dk_ptr + col_ptrs, mask=col_ok[:, None]{c.dmask}, other=0.0)
@@ -521,8 +577,7 @@ def attn_bwd_dkdv({", ".join(args)}):
 {_block(chr(10).join(pre), 4)}
     for h in {heads}:
         bh = b * num_heads + h
-        {header}
-{_block(body, 12)}
+{_loops("", loops, body, 8)}
 {_block(store, 4)}
 '''
     # the key-tile kernel has tiles of its own (it holds k, v, dk and dv: four BLOCK_N x D tiles)
@@ -540,7 +595,7 @@ def render(spec) -> str:
         extra.append(f"BB_BLOCK = tl.constexpr({c.bb_block})")
     head = Template(_HEADER).substitute(
         name=spec.name, head_dim=c.head_dim, block_d=c.block_d, block_m=c.block_m, block_n=c.block_n,
-        bwd_block_m=c.bwd_block_m, bwd_block_n=c.bwd_block_n,
+        dq_block_m=c.dq_block_m, dq_block_n=c.dq_block_n, bwd_block_m=c.bwd_block_m, bwd_block_n=c.bwd_block_n,
         group=c.group, extra_constants="".join(x + "\n" for x in extra))
     return (head + "\n# mask: " + _describe(c) + "\n" + _fwd(c) + Template(_PREPROCESS).substitute(dmask=c.dmask)
             + _dq(c) + _dkdv(c))
@@ -577,14 +632,17 @@ def signatures(spec) -> dict[str, dict[str, str]]:
 
 
 def num_warps(spec) -> int:
+    """The warps `examples()` and the interpreter launch with; a GPU launch takes its tiles' own
+    (`flash_tiles`)."""
     return 4
 
 
 def default_blocks(dtype: str, head_dim: int, mask: str = "full") -> tuple[int, int, int, int]:
-    """(block_m, block_n, bwd_block_m, bwd_block_n): attn_fwd/attn_bwd_dq tiles, then the
-    attn_bwd_dkdv tiles (it holds four BLOCK_N x D tiles: k, v, dk, dv). Chosen to compile
-    without register spills for sm80 and sm90 at 4 warps over `examples()` (ptxas figures in
-    the tests' compile checks); dilated rows are strided gathers, whose addresses cost more."""
+    """(block_m, block_n, bwd_block_m, bwd_block_n) at 4 warps: the interpreter's tiles and
+    `examples()`'s (attn_fwd/attn_bwd_dq, then attn_bwd_dkdv, which holds four BLOCK_N x D tiles:
+    k, v, dk, dv). They compile without register spills for sm80 and sm90 in every form
+    (including bf16 through fp32 dots, the interpreter's); a GPU launch chooses among
+    `flash_tiles.candidates` instead."""
     if dtype == "fp32":   # IEEE dots run on FMAs: small tiles
         return (32, 32, 32, 16) if head_dim <= 64 else (16, 16, 16, 16)
     if head_dim <= 64:
@@ -629,21 +687,59 @@ def normalize_params(mask: str, params) -> tuple:
 
 def spec_for(q, k, *, mask: str = "full", params=(), causal: bool = False, documents: bool = False,
              softcap: Optional[float] = None, blocks: Optional[Sequence[int]] = None, key_bias: bool = False):
-    """The spec that serves q (B, H, S, D), k (B, H_kv, S, D) with this mask. `blocks`:
-    (block_m, block_n) for every kernel, or (block_m, block_n, bwd_block_m, bwd_block_n);
-    default `default_blocks`. `key_bias`: a per-key additive bias (ALiBi) is read."""
-    return _spec(DTYPE_NAMES[q.dtype], q.shape[-1], q.shape[1] // k.shape[1], mask, normalize_params(mask, params),
-                 causal, documents, softcap, blocks, key_bias, interpreted())
+    """The spec that serves q (B, H, S, D), k (B, H_kv, S, D) with this mask, at `blocks`
+    (as `_explicit` reads them: one (m, n) for every kernel, or per kernel); by
+    default the tiles a launch on q's device starts from (`flash_tiles`' default; the
+    interpreter's `default_blocks`), before any measurement. `key_bias`: a per-key additive bias
+    (ALiBi) is read."""
+    from tailorfx import compat
+    static = _static_of(q, k, mask, normalize_params(mask, params), causal, documents, softcap, key_bias)
+    tiles = _explicit(blocks) if blocks is not None else _defaults(static, q.device, compat.size_hint(q.shape[2]))
+    return _spec(*static, _flat_tiles(tiles), interpreted())
+
+
+def _static_of(q, k, mask, params, causal, documents, softcap, key_bias) -> tuple:
+    """What a spec is built from besides its tiles (flash_tiles.key's `static`)."""
+    return (DTYPE_NAMES[q.dtype], int(q.shape[-1]), int(q.shape[1] // k.shape[1]), mask, params, bool(causal),
+            bool(documents), None if softcap is None else float(softcap), bool(key_bias))
+
+
+def _explicit(blocks: Sequence[int]) -> dict:
+    """blocks: (m, n) for every kernel, (m, n, bwd_m, bwd_n), or (m, n, dq_m, dq_n, bwd_m, bwd_n)."""
+    b = tuple(int(x) for x in blocks)
+    if len(b) == 2:
+        b = b + b
+    if len(b) == 4:
+        b = b[:2] + b
+    if len(b) != 6:
+        raise ValueError(f"flash_attention blocks {tuple(blocks)}: (block_m, block_n), (block_m, block_n, "
+                         "bwd_block_m, bwd_block_n) or (block_m, block_n, dq_block_m, dq_block_n, bwd_block_m, "
+                         "bwd_block_n)")
+    return {"fwd": Tiles(b[0], b[1]), "dq": Tiles(b[2], b[3]), "dkdv": Tiles(b[4], b[5])}
+
+
+def _defaults(static: tuple, device, seq_len: int) -> dict:
+    """Each kernel's starting tiles: under the interpreter `default_blocks` (4 warps); on a GPU
+    the remembered choice for the key, else the first candidate (timed later by the launch)."""
+    if interpreted() or getattr(device, "type", device) != "cuda":
+        bm, bn, bm2, bn2 = default_blocks(static[0], static[1], static[3])
+        return {"fwd": Tiles(bm, bn), "dq": Tiles(bm, bn), "dkdv": Tiles(bm2, bn2)}
+    from tailorfx.codegen.triton import flash_tiles
+    return {r: flash_tiles.choose(r, static, seq_len, device, None) for r in flash_tiles.ROLES}
+
+
+def _flat_tiles(tiles: dict) -> tuple:
+    return tuple(x for r in ("fwd", "dq", "dkdv") for x in (tiles[r].block_m, tiles[r].block_n))
 
 
 def _spec(dtype: str, head_dim: int, group: int, mask: str, params: tuple, causal: bool, documents: bool,
-          softcap: Optional[float], blocks: Optional[Sequence[int]], key_bias: bool, interpret: bool):
-    if blocks is None:
-        blocks = default_blocks(dtype, head_dim, mask)
-    elif len(blocks) == 2:
-        blocks = (*blocks, *blocks)
-    bm, bn, bm2, bn2 = (int(b) for b in blocks)
+          softcap: Optional[float], key_bias: bool, blocks: tuple, interpret: bool):
+    """blocks: (block_m, block_n, dq_block_m, dq_block_n, bwd_block_m, bwd_block_n); dq's are
+    named only where they differ from the forward's."""
+    bm, bn, qm, qn, bm2, bn2 = (int(b) for b in blocks)
     extra = {"bigbird_block": params[0]} if mask == "bigbird" else {}
+    if (qm, qn) != (bm, bn):
+        extra.update(dq_block_m=qm, dq_block_n=qn)
     if softcap is not None:
         extra["softcap"] = float(softcap)
     if key_bias:
@@ -741,19 +837,21 @@ def _on_device(table, device):
     return torch.tensor(values, dtype=table.dtype, device=device)
 
 
-def _mode_args(spec, params, causal, seq_len, device, by_keys=False):
-    """attn_fwd/attn_bwd_dq's mode arguments (by_keys: attn_bwd_dkdv's); none for dilated, whose
-    (segment, rate) change per launch."""
+def _mode_args(spec, params, causal, seq_len, device, role="fwd"):
+    """A kernel's mode arguments (BigBird's tables at that kernel's tiles; role "dkdv" lists
+    query tiles per key tile); none for dilated, whose (segment, rate) change per launch."""
     mask = spec["mask"]
     if mask == "window":
         return list(params)
     if mask == "bigbird":
-        tiles = (spec["bwd_block_m"], spec["bwd_block_n"]) if by_keys else (spec["block_m"], spec["block_n"])
+        c = _Cfg(spec)
+        tiles = {"fwd": (c.block_m, c.block_n), "dq": (c.dq_block_m, c.dq_block_n),
+                 "dkdv": (c.bwd_block_m, c.bwd_block_n)}[role]
         from tailorfx import compat
         with compat.untraced_real_tensors():   # built from ints: real, untraced, under a trace too
-            table, count, block_mask = bigbird_tables(params, bool(causal), seq_len, *tiles, by_keys)
+            table, count, block_mask = bigbird_tables(params, bool(causal), seq_len, *tiles, role == "dkdv")
         out = [_on_device(table, device), _on_device(count, device), table.shape[1]]
-        if not _Cfg(spec).aligned:
+        if not c.aligned:
             out += [_on_device(block_mask, device), block_mask.shape[0]]
         return out
     return []
@@ -766,51 +864,136 @@ def _spec_here(*static):
 _kernel = cached_kernel(_spec_here)   # a warm launch builds no KernelSpec
 
 
-def _setup(q, k, v, mask, params, causal, document_ids, softcap, blocks, scale, key_bias=None):
+class _Call:
+    """One attention call's arguments, checked, and its kernels' tiles: given (`blocks`), else
+    chosen per kernel by `flash_tiles` (timed on the GPU the first time a key is seen)."""
+
+    def __init__(self, q, k, mask, params, causal, document_ids, softcap, blocks, scale, key_bias):
+        import torch
+        self.params = normalize_params(mask, params)
+        self.mask, self.causal = mask, bool(causal)
+        self.static = _static_of(q, k, mask, self.params, causal, document_ids is not None, softcap,
+                                 key_bias is not None)
+        self.batch, self.heads, self.seq = q.shape[:3]
+        self.num_kv = k.shape[1]
+        self.device = q.device
+        self.scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+        self.given = blocks is not None
+        from tailorfx import compat
+        self.seq_hint = compat.size_hint(self.seq)   # a traced length keys the choice without a guard
+        self.tiles = _explicit(blocks) if self.given else _defaults(self.static, q.device, self.seq_hint)
+        extra = []
+        if document_ids is not None:
+            if document_ids.dtype != torch.int32 or document_ids.device != q.device:
+                document_ids = document_ids.to(device=q.device, dtype=torch.int32)
+            extra = [document_ids.contiguous()]
+        if key_bias is not None:   # (B, H, S) or broadcast to it: fp32 rows of (batch, head)
+            if key_bias.dim() != 3 or key_bias.shape[-1] != self.seq:
+                raise ValueError(f"flash_attention key_bias {tuple(key_bias.shape)}: (B, H, S) or broadcast to it, "
+                                 f"S={self.seq}")
+            extra.append(key_bias.to(device=q.device, dtype=torch.float32).expand(
+                self.batch, self.heads, self.seq).contiguous())
+        self.extra = extra
+
+    def kernel(self, tiles: Optional[dict] = None):
+        return _kernel(*self.static, _flat_tiles(tiles or self.tiles))
+
+    def tune(self, role: str, launch, *tensors) -> None:
+        """Choose `role`'s tiles on a GPU, timing `launch(kernel, call, options, *tensors)` per
+        candidate the first time the key is seen (under a trace on random tensors of the same
+        shapes, made only then; none when they would not fit, and the default stays)."""
+        import torch
+        if (self.given or interpreted() or self.device.type != "cuda" or self.mask == "dilated"
+                or not torch.cuda.is_available()):
+            return
+        from tailorfx.codegen.triton import flash_tiles
+        with contextlib.ExitStack() as stack:
+            made = []
+
+            def run(t):
+                if not made:
+                    made.append(stack.enter_context(_real(*tensors)))
+                if made[0] is None:
+                    raise _TooLarge
+                launch(self.kernel(self.tiles | {role: t}), self, t.launch(), *made[0])
+            try:
+                self.tiles[role] = flash_tiles.choose(role, self.static, self.seq_hint, self.device, run)
+            except _TooLarge:
+                pass
+
+    def options(self, role: str) -> dict:
+        return {"num_warps": num_warps(None)} if self.given or interpreted() else self.tiles[role].launch()
+
+
+class _TooLarge(Exception):
+    """A traced call's stand-in tensors would not fit beside what the GPU holds."""
+
+
+@contextlib.contextmanager
+def _real(*tensors):
+    """The call's own tensors, or under a trace (fake tensors) random real ones of their shapes
+    to time kernels on; None when a traced call's would take over a quarter of the free memory."""
     import torch
-    _check(q, k, v, document_ids)
-    params = normalize_params(mask, params)
-    kern = _kernel(DTYPE_NAMES[q.dtype], q.shape[-1], q.shape[1] // k.shape[1], mask, params, bool(causal),
-                   document_ids is not None, softcap, None if blocks is None else tuple(blocks), key_bias is not None)
-    spec = kern.spec
-    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    doc = []
-    if document_ids is not None:
-        if document_ids.dtype != torch.int32 or document_ids.device != q.device:
-            document_ids = document_ids.to(device=q.device, dtype=torch.int32)
-        doc = [document_ids.contiguous()]
-    if key_bias is not None:   # (B, H, S) or broadcast to it: fp32 rows of (batch, head)
-        batch, heads, seq = q.shape[:3]
-        if key_bias.dim() != 3 or key_bias.shape[-1] != seq:
-            raise ValueError(f"flash_attention key_bias {tuple(key_bias.shape)}: (B, H, S) or broadcast to it, S={seq}")
-        doc.append(key_bias.to(device=q.device, dtype=torch.float32).expand(batch, heads, seq).contiguous())
-    return kern, spec, params, scale, doc
+    from tailorfx import compat
+    if compat.detect_fake_mode() is None:
+        yield tensors
+        return
+    with compat.untraced_real_tensors():
+        shapes = [tuple(compat.size_hint(d) for d in t.shape) for t in tensors]
+        need = sum(math.prod(sh) * t.element_size() for sh, t in zip(shapes, tensors))
+        if need > torch.cuda.mem_get_info(tensors[0].device)[0] // 4:
+            yield None
+            return
+        made = [torch.zeros(sh, dtype=t.dtype, device=t.device) if not t.is_floating_point()
+                else torch.randn(sh, device=t.device).to(t.dtype) for sh, t in zip(shapes, tensors)]
+        yield made
+        del made
+
+
+def _launch_fwd(kern, call, options, q, k, v, out, lse, *extra):
+    mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "fwd")
+    kern.fn("attn_fwd")[(_cdiv(call.seq, kern.spec["block_m"]), call.batch * call.heads)](
+        q, k, v, out, lse, *extra, *mode, call.scale, call.seq, call.heads, **options)
+
+
+def _launch_dq(kern, call, options, q, k, v, dout, lse, delta, dq, *extra):
+    c = _Cfg(kern.spec)
+    mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "dq")
+    kern.fn("attn_bwd_dq")[(_cdiv(call.seq, c.dq_block_m), call.batch * call.heads)](
+        q, k, v, dout, lse, delta, dq, *extra, *mode, call.scale, call.seq, call.heads, **options)
+
+
+def _launch_dkdv(kern, call, options, q, k, v, dout, lse, delta, dk, dv, *extra):
+    mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "dkdv")
+    kern.fn("attn_bwd_dkdv")[(_cdiv(call.seq, kern.spec["bwd_block_n"]), call.batch * call.num_kv)](
+        q, k, v, dout, lse, delta, dk, dv, *extra, *mode, call.scale, call.seq, call.heads, **options)
 
 
 def forward(q, k, v, *, mask: str = "full", params=(), causal: bool = False, scale: Optional[float] = None,
             document_ids=None, softcap: Optional[float] = None, blocks: Optional[Sequence[int]] = None,
             key_bias=None):
     """(out (B, H, S, D) in q's dtype, lse (B, H, S) fp32; 0 and -inf on rows that see no key).
-    mask/params as `normalize_params`; scale defaults to D ** -0.5; blocks as `spec_for`;
-    key_bias (B, H, S) (or broadcast to it) is added to every query's scores after the soft-cap."""
+    mask/params as `normalize_params`; scale defaults to D ** -0.5; blocks as `spec_for` (on a
+    GPU, by default each kernel's tiles are chosen by measurement); key_bias (B, H, S) (or
+    broadcast to it) is added to every query's scores after the soft-cap."""
     import torch
-    kern, spec, params, scale, doc = _setup(q, k, v, mask, params, causal, document_ids, softcap, blocks, scale,
-                                            key_bias)
+    _check(q, k, v, document_ids)
+    call = _Call(q, k, mask, params, causal, document_ids, softcap, blocks, scale, key_bias)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     batch, heads, seq, _ = q.shape
-    bm, warps = spec["block_m"], num_warps(spec)
-    fn = kern.fn("attn_fwd")
     if mask == "dilated":   # one launch per branch, merged into fp32 out/lse through the lse
+        kern = call.kernel()
+        bm, fn = kern.spec["block_m"], kern.fn("attn_fwd")
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full((batch, heads, seq), float("-inf"), dtype=torch.float32, device=q.device)
-        for w, r in zip(*params):
+        for w, r in zip(*call.params):
             grid = (_cdiv(seq, w) * _cdiv(_cdiv(w, r), bm), batch * heads)   # segments x tiles of a segment
-            fn[grid](q, k, v, out, lse, *doc, w, r, scale, seq, heads, num_warps=warps)
+            fn[grid](q, k, v, out, lse, *call.extra, w, r, call.scale, seq, heads, **call.options("fwd"))
         return out.to(q.dtype), lse
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
-    mode = _mode_args(spec, params, causal, seq, q.device)
-    fn[(_cdiv(seq, bm), batch * heads)](q, k, v, out, lse, *doc, *mode, scale, seq, heads, num_warps=warps)
+    call.tune("fwd", _launch_fwd, q, k, v, out, lse, *call.extra)
+    _launch_fwd(call.kernel(), call, call.options("fwd"), q, k, v, out, lse, *call.extra)
     return out, lse
 
 
@@ -821,39 +1004,40 @@ def backward(dout, q, k, v, out, lse, *, mask: str = "full", params=(), causal: 
     dk, dv of a kv head sum the query heads that share it (in fp32, inside the kernel). The key
     bias gets no gradient (ALiBi's is built from positions)."""
     import torch
-    kern, spec, params, scale, doc = _setup(q, k, v, mask, params, causal, document_ids, softcap, blocks, scale,
-                                            key_bias)
+    _check(q, k, v, document_ids)
+    call = _Call(q, k, mask, params, causal, document_ids, softcap, blocks, scale, key_bias)
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
     if lse.dtype != torch.float32:
         lse = lse.to(torch.float32)
     lse = lse.contiguous()
     batch, heads, seq, _ = q.shape
     num_kv = k.shape[1]
-    bm, bn2, warps = spec["block_m"], spec["bwd_block_n"], num_warps(spec)
+    kern = call.kernel()
     delta = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
     rows = batch * heads * seq
-    kern.fn("attn_bwd_preprocess")[(_cdiv(rows, bm),)](out, dout, delta, rows, num_warps=warps)
-    fdq, fdkdv = kern.fn("attn_bwd_dq"), kern.fn("attn_bwd_dkdv")
+    kern.fn("attn_bwd_preprocess")[(_cdiv(rows, kern.spec["block_m"]),)](out, dout, delta, rows,
+                                                                         num_warps=num_warps(None))
     if mask == "dilated":   # branches add into fp32 gradients
+        c = _Cfg(kern.spec)
+        fdq, fdkdv = kern.fn("attn_bwd_dq"), kern.fn("attn_bwd_dkdv")
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
         group = heads // num_kv
-        for w, r in zip(*params):
+        for w, r in zip(*call.params):
             nseg, per = _cdiv(seq, w), _cdiv(w, r)
-            fdq[(nseg * _cdiv(per, bm), batch * heads)](
-                q, k, v, dout, lse, delta, dq, *doc, w, r, scale, seq, heads, num_warps=warps)
+            fdq[(nseg * _cdiv(per, c.dq_block_m), batch * heads)](
+                q, k, v, dout, lse, delta, dq, *call.extra, w, r, call.scale, seq, heads, **call.options("dq"))
             # a kv head's query heads fall into min(group, r) offsets: one program each
-            fdkdv[(nseg * _cdiv(per, bn2), batch * num_kv * min(group, r))](
-                q, k, v, dout, lse, delta, dk, dv, *doc, w, r, scale, seq, heads, num_warps=warps)
+            fdkdv[(nseg * _cdiv(per, c.bwd_block_n), batch * num_kv * min(group, r))](
+                q, k, v, dout, lse, delta, dk, dv, *call.extra, w, r, call.scale, seq, heads, **call.options("dkdv"))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    mode = _mode_args(spec, params, causal, seq, q.device)
-    fdq[(_cdiv(seq, bm), batch * heads)](q, k, v, dout, lse, delta, dq, *doc, *mode, scale, seq, heads,
-                                        num_warps=warps)
-    mode = _mode_args(spec, params, causal, seq, q.device, by_keys=True)
-    fdkdv[(_cdiv(seq, bn2), batch * num_kv)](q, k, v, dout, lse, delta, dk, dv, *doc, *mode, scale, seq, heads,
-                                            num_warps=warps)
+    call.tune("dq", _launch_dq, q, k, v, dout, lse, delta, dq, *call.extra)
+    call.tune("dkdv", _launch_dkdv, q, k, v, dout, lse, delta, dk, dv, *call.extra)
+    kern = call.kernel()
+    _launch_dq(kern, call, call.options("dq"), q, k, v, dout, lse, delta, dq, *call.extra)
+    _launch_dkdv(kern, call, call.options("dkdv"), q, k, v, dout, lse, delta, dk, dv, *call.extra)
     return dq, dk, dv
 
 

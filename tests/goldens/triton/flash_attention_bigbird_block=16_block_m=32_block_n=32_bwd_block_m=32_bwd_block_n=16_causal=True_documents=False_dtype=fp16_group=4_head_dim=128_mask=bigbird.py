@@ -6,6 +6,8 @@ HEAD_DIM = tl.constexpr(128)
 BLOCK_D = tl.constexpr(128)
 BLOCK_M = tl.constexpr(32)
 BLOCK_N = tl.constexpr(32)
+DQ_BLOCK_M = tl.constexpr(32)
+DQ_BLOCK_N = tl.constexpr(32)
 BWD_BLOCK_M = tl.constexpr(32)
 BWD_BLOCK_N = tl.constexpr(16)
 GROUP = tl.constexpr(4)
@@ -85,9 +87,9 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, table_p
     b = bh // num_heads
     h = bh % num_heads
     kv_bh = b * (num_heads // GROUP) + h // GROUP
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = tl.program_id(0) * DQ_BLOCK_M
     n_keys = seq_len
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_m = start_m + tl.arange(0, DQ_BLOCK_M)
     pos_m = offs_m
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < n_keys
@@ -97,14 +99,14 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, table_p
     row_ptrs = pos_m[:, None] * HEAD_DIM + offs_d[None, :]
     q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0)
     do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, mask=row_ok[:, None], other=0.0)
-    lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
+    lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], dtype=tl.float32)
     # key tiles: the host's table of those holding an allowed pair
     n_tiles = tl.load(count_ptr + tl.program_id(0))
     for j in range(0, n_tiles):
         kt = tl.load(table_ptr + tl.program_id(0) * table_width + j)
-        offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = kt * DQ_BLOCK_N + tl.arange(0, DQ_BLOCK_N)
         pos_n = offs_n
         col_ok = offs_n < n_keys
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]

@@ -6,6 +6,8 @@ HEAD_DIM = tl.constexpr(64)
 BLOCK_D = tl.constexpr(64)
 BLOCK_M = tl.constexpr(32)
 BLOCK_N = tl.constexpr(32)
+DQ_BLOCK_M = tl.constexpr(32)
+DQ_BLOCK_N = tl.constexpr(32)
 BWD_BLOCK_M = tl.constexpr(32)
 BWD_BLOCK_N = tl.constexpr(16)
 GROUP = tl.constexpr(1)
@@ -95,12 +97,12 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, segment
     h = bh % num_heads
     kv_bh = b * (num_heads // GROUP) + h // GROUP
     # one dilated branch: this head's offset o = h % rate within each segment
-    tiles_per_segment = tl.cdiv(tl.cdiv(segment, rate), BLOCK_M)
+    tiles_per_segment = tl.cdiv(tl.cdiv(segment, rate), DQ_BLOCK_M)
     seg = tl.program_id(0) // tiles_per_segment
-    start_m = (tl.program_id(0) % tiles_per_segment) * BLOCK_M
+    start_m = (tl.program_id(0) % tiles_per_segment) * DQ_BLOCK_M
     base = seg * segment + h % rate
     n_keys = (tl.minimum(segment, seq_len - seg * segment) - h % rate + rate - 1) // rate
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_m = start_m + tl.arange(0, DQ_BLOCK_M)
     pos_m = base + offs_m * rate
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < n_keys
@@ -110,12 +112,12 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, segment
     row_ptrs = pos_m[:, None] * HEAD_DIM + offs_d[None, :]
     q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0)
     do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, mask=row_ok[:, None], other=0.0)
-    lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
+    lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = tl.cdiv(n_keys, BLOCK_N)
+    dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hi = tl.cdiv(n_keys, DQ_BLOCK_N)
     for kt in range(0, hi):
-        offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = kt * DQ_BLOCK_N + tl.arange(0, DQ_BLOCK_N)
         pos_n = base + offs_n * rate
         col_ok = offs_n < n_keys
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]

@@ -6,6 +6,8 @@ HEAD_DIM = tl.constexpr(128)
 BLOCK_D = tl.constexpr(128)
 BLOCK_M = tl.constexpr(32)
 BLOCK_N = tl.constexpr(32)
+DQ_BLOCK_M = tl.constexpr(32)
+DQ_BLOCK_N = tl.constexpr(32)
 BWD_BLOCK_M = tl.constexpr(32)
 BWD_BLOCK_N = tl.constexpr(16)
 GROUP = tl.constexpr(1)
@@ -37,7 +39,25 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, doc_ptr, scale, seq_len, num
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     hi = tl.cdiv(tl.minimum(start_m + BLOCK_M, n_keys), BLOCK_N)  # causal: no tile past the last row
-    for kt in range(0, hi):
+    n_full = (start_m + 1) // BLOCK_N  # key tiles wholly at or before the first row
+    for kt in range(0, n_full):
+        offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+        pos_n = offs_n
+        col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
+        k = tl.load(k_base + col_ptrs)
+        v = tl.load(v_base + col_ptrs)
+        doc_n = tl.load(doc_ptr + b * seq_len + pos_n)
+        s = tl.dot(q, tl.trans(k)) * scale
+        mask = doc_m[:, None] == doc_n[None, :]
+        s = tl.where(mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet stays 0
+        p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
+        alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+        m_i = m_new
+    for kt in range(n_full, hi):
         offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         pos_n = offs_n
         col_ok = offs_n < n_keys
@@ -83,9 +103,9 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr
     b = bh // num_heads
     h = bh % num_heads
     kv_bh = b * (num_heads // GROUP) + h // GROUP
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = tl.program_id(0) * DQ_BLOCK_M
     n_keys = seq_len
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_m = start_m + tl.arange(0, DQ_BLOCK_M)
     pos_m = offs_m
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < n_keys
@@ -95,13 +115,28 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr
     row_ptrs = pos_m[:, None] * HEAD_DIM + offs_d[None, :]
     q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0)
     do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, mask=row_ok[:, None], other=0.0)
-    lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
+    lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
     doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = tl.cdiv(tl.minimum(start_m + BLOCK_M, n_keys), BLOCK_N)  # causal: no tile past the last row
-    for kt in range(0, hi):
-        offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+    dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hi = tl.cdiv(tl.minimum(start_m + DQ_BLOCK_M, n_keys), DQ_BLOCK_N)  # causal: no tile past the last row
+    n_full = (start_m + 1) // DQ_BLOCK_N  # key tiles wholly at or before the first row
+    for kt in range(0, n_full):
+        offs_n = kt * DQ_BLOCK_N + tl.arange(0, DQ_BLOCK_N)
+        pos_n = offs_n
+        col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
+        k = tl.load(k_base + col_ptrs)
+        v = tl.load(v_base + col_ptrs)
+        doc_n = tl.load(doc_ptr + b * seq_len + pos_n)
+        s = tl.dot(q, tl.trans(k)) * scale
+        mask = doc_m[:, None] == doc_n[None, :]
+        # lse is -inf only on rows with no allowed key, where the mask drops every p
+        p = tl.where(mask, tl.math.exp2((s - lse[:, None]) * LOG2E), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(tl.float16), k)
+    for kt in range(n_full, hi):
+        offs_n = kt * DQ_BLOCK_N + tl.arange(0, DQ_BLOCK_N)
         pos_n = offs_n
         col_ok = offs_n < n_keys
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]

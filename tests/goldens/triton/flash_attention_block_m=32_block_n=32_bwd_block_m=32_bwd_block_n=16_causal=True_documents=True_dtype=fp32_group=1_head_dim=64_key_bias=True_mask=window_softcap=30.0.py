@@ -6,6 +6,8 @@ HEAD_DIM = tl.constexpr(64)
 BLOCK_D = tl.constexpr(64)
 BLOCK_M = tl.constexpr(32)
 BLOCK_N = tl.constexpr(32)
+DQ_BLOCK_M = tl.constexpr(32)
+DQ_BLOCK_N = tl.constexpr(32)
 BWD_BLOCK_M = tl.constexpr(32)
 BWD_BLOCK_N = tl.constexpr(16)
 GROUP = tl.constexpr(1)
@@ -107,9 +109,9 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr
     b = bh // num_heads
     h = bh % num_heads
     kv_bh = b * (num_heads // GROUP) + h // GROUP
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = tl.program_id(0) * DQ_BLOCK_M
     n_keys = seq_len
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_m = start_m + tl.arange(0, DQ_BLOCK_M)
     pos_m = offs_m
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < n_keys
@@ -119,16 +121,16 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr
     row_ptrs = pos_m[:, None] * HEAD_DIM + offs_d[None, :]
     q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0)
     do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, mask=row_ok[:, None], other=0.0)
-    lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
+    lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
     doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], dtype=tl.float32)
     # key tiles: those holding global keys (k < num_global), then the band around the rows;
     # a tile holding global queries (q < num_global) sees every key
-    last_m = tl.minimum(start_m + BLOCK_M, seq_len) - 1
-    hi = tl.cdiv(last_m + 1, BLOCK_N)
-    n_glob = tl.minimum(tl.cdiv(num_global, BLOCK_N), hi)
-    band_lo = tl.maximum(tl.maximum(start_m - window + 1, 0) // BLOCK_N, n_glob)
+    last_m = tl.minimum(start_m + DQ_BLOCK_M, seq_len) - 1
+    hi = tl.cdiv(last_m + 1, DQ_BLOCK_N)
+    n_glob = tl.minimum(tl.cdiv(num_global, DQ_BLOCK_N), hi)
+    band_lo = tl.maximum(tl.maximum(start_m - window + 1, 0) // DQ_BLOCK_N, n_glob)
     band_hi = hi
     everything = start_m < num_global
     n_glob = tl.where(everything, 0, n_glob)
@@ -137,7 +139,7 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr
     n_tiles = n_glob + tl.maximum(band_hi - band_lo, 0)
     for j in range(0, n_tiles):
         kt = j + (j >= n_glob).to(tl.int32) * (band_lo - n_glob)
-        offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = kt * DQ_BLOCK_N + tl.arange(0, DQ_BLOCK_N)
         pos_n = offs_n
         col_ok = offs_n < n_keys
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]

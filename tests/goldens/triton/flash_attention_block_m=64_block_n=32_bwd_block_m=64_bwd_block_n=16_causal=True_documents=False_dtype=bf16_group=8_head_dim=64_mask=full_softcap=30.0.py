@@ -6,6 +6,8 @@ HEAD_DIM = tl.constexpr(64)
 BLOCK_D = tl.constexpr(64)
 BLOCK_M = tl.constexpr(64)
 BLOCK_N = tl.constexpr(32)
+DQ_BLOCK_M = tl.constexpr(64)
+DQ_BLOCK_N = tl.constexpr(32)
 BWD_BLOCK_M = tl.constexpr(64)
 BWD_BLOCK_N = tl.constexpr(16)
 GROUP = tl.constexpr(8)
@@ -38,7 +40,30 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale, seq_len, num_heads):
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     hi = tl.cdiv(tl.minimum(start_m + BLOCK_M, n_keys), BLOCK_N)  # causal: no tile past the last row
-    for kt in range(0, hi):
+    n_full = (start_m + 1) // BLOCK_N  # key tiles wholly at or before the first row
+    for kt in range(0, n_full):
+        offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+        pos_n = offs_n
+        col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
+        k = tl.load(k_base + col_ptrs).to(tl.float32)
+        v = tl.load(v_base + col_ptrs).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        xc = s / SOFTCAP
+        axc = tl.abs(xc)
+        ec = tl.math.exp2(axc * (-2.0 * LOG2E))
+        tc = (1.0 - ec) / (1.0 + ec)
+        x2c = xc * xc
+        small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
+        t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
+        s = SOFTCAP * t
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = m_new
+        p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
+        alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+    for kt in range(n_full, hi):
         offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         pos_n = offs_n
         col_ok = offs_n < n_keys
@@ -90,9 +115,9 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, 
     b = bh // num_heads
     h = bh % num_heads
     kv_bh = b * (num_heads // GROUP) + h // GROUP
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = tl.program_id(0) * DQ_BLOCK_M
     n_keys = seq_len
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_m = start_m + tl.arange(0, DQ_BLOCK_M)
     pos_m = offs_m
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < n_keys
@@ -102,12 +127,33 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, 
     row_ptrs = pos_m[:, None] * HEAD_DIM + offs_d[None, :]
     q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
+    lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = tl.cdiv(tl.minimum(start_m + BLOCK_M, n_keys), BLOCK_N)  # causal: no tile past the last row
-    for kt in range(0, hi):
-        offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+    dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hi = tl.cdiv(tl.minimum(start_m + DQ_BLOCK_M, n_keys), DQ_BLOCK_N)  # causal: no tile past the last row
+    n_full = (start_m + 1) // DQ_BLOCK_N  # key tiles wholly at or before the first row
+    for kt in range(0, n_full):
+        offs_n = kt * DQ_BLOCK_N + tl.arange(0, DQ_BLOCK_N)
+        pos_n = offs_n
+        col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
+        k = tl.load(k_base + col_ptrs).to(tl.float32)
+        v = tl.load(v_base + col_ptrs).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        xc = s / SOFTCAP
+        axc = tl.abs(xc)
+        ec = tl.math.exp2(axc * (-2.0 * LOG2E))
+        tc = (1.0 - ec) / (1.0 + ec)
+        x2c = xc * xc
+        small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
+        t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
+        s = SOFTCAP * t
+        p = tl.math.exp2((s - lse[:, None]) * LOG2E)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        ds = ds * (1.0 - t * t)
+        dq += tl.dot(ds, k, input_precision=PRECISION)
+    for kt in range(n_full, hi):
+        offs_n = kt * DQ_BLOCK_N + tl.arange(0, DQ_BLOCK_N)
         pos_n = offs_n
         col_ok = offs_n < n_keys
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]

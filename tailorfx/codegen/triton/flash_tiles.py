@@ -1,0 +1,117 @@
+"""Flash attention's tiles: the candidates of each kernel (forward, dq, dk/dv) per dtype, head dim
+and arch, the default, and the choice among them by measurement on a GPU (`tuning.choose`),
+keyed by (arch, dtype, head dim, mask form, query heads per kv head, length bucket).
+
+Every candidate compiles for its arch without register spills (`tests/test_triton_codegen.py`
+compiles them all with ptxas). 16-bit candidates on sm90 hold at least 64 rows per program
+(queries in the forward and dq, keys in dk/dv), so its dots can run as wgmma; the dk/dv kernel
+holds four (keys x head dim) tiles, so its query sub-tile stays small. sm80's mma.sync has no
+64-row minimum, and there, at head dim 128, a form with documents, a soft-cap or a key bias
+spills at 64 rows in dq and dk/dv: those fall back to 32-row tiles. fp32 runs IEEE dots on FMAs (exact),
+where small tiles are faster and a single candidate is kept. Dilated attention (strided gathers,
+one launch per branch) and BigBird (a block-mask lookup per element, which spills at 64 rows)
+keep the 4-warp tiles of `flash_attention.default_blocks`: one candidate, untuned.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from tailorfx.codegen.triton import next_pow2, tuning
+from tailorfx.codegen.triton.tuning import Tiles
+
+ROLES = ("fwd", "dq", "dkdv")
+
+# head dim (<= 64, <= 128) -> role -> arch -> candidates for 16-bit inputs, the default first;
+# P: only for the plain form (a full mask with no documents, soft-cap or key bias), where the
+# others' extra loads would spill (ptxas-checked over both forms: tests/test_triton_codegen.py)
+P = "plain"
+_HALF = {
+    64: {
+        "fwd": {90: [Tiles(128, 64, 8, 2), Tiles(64, 64, 4, 2), Tiles(64, 32, 4, 2), Tiles(128, 32, 8, 2),
+                     Tiles(64, 64, 8, 2)],
+                80: [(Tiles(64, 64, 8, 2), P), Tiles(128, 32, 8, 2), (Tiles(64, 32, 4, 2), P)]},
+        "dq": {90: [Tiles(64, 64, 4, 2), Tiles(128, 32, 8, 2), Tiles(64, 32, 4, 2), Tiles(128, 64, 8, 2),
+                    Tiles(64, 64, 8, 2)],
+               80: [(Tiles(64, 64, 4, 2), P), Tiles(64, 32, 4, 2), Tiles(128, 32, 8, 2)]},
+        "dkdv": {90: [Tiles(32, 64, 4, 2), Tiles(16, 64, 4, 2), Tiles(16, 64, 8, 2), Tiles(32, 64, 8, 2),
+                      Tiles(16, 128, 8, 2), Tiles(32, 128, 8, 2)],
+                 80: [(Tiles(16, 64, 8, 2), P), Tiles(64, 16, 4)]},
+    },
+    128: {
+        "fwd": {90: [(Tiles(128, 64, 8, 2), P), Tiles(64, 64, 8, 2), Tiles(128, 32, 8, 2), Tiles(64, 32, 4, 2),
+                     Tiles(64, 64, 4, 2)],
+                80: [Tiles(64, 64, 8, 2), Tiles(64, 32, 4, 2)]},
+        "dq": {90: [Tiles(64, 64, 8, 2), Tiles(64, 32, 4, 2), (Tiles(64, 64, 4, 2), P), Tiles(128, 32, 8, 2),
+                    Tiles(128, 64, 8, 2)],
+               # sm80 has no 64-row minimum (mma.sync): the 4-warp tiles where 64 rows spill
+               80: [(Tiles(64, 64, 8, 2), P), Tiles(32, 32, 4)]},
+        "dkdv": {90: [Tiles(16, 64, 4, 2), Tiles(32, 64, 4, 2), Tiles(16, 64, 8, 2), Tiles(16, 64, 4, 3),
+                      (Tiles(32, 64, 8, 2), P)],
+                 80: [(Tiles(16, 64, 4, 2), P), Tiles(32, 16, 4)]},
+    },
+}
+
+
+def plain(static: tuple) -> bool:
+    """A full mask with no documents, soft-cap or key bias (flash_tiles.key's `static`)."""
+    _dtype, _d, _group, mask, _params, _causal, documents, softcap, key_bias = static
+    return mask == "full" and not documents and softcap is None and not key_bias
+
+
+def candidates(role: str, dtype: str, head_dim: int, mask: str, arch: int = 90, is_plain: bool = True) -> list[Tiles]:
+    """The tiles `role`'s kernel may run with on sm`arch`, the default first."""
+    if role not in ROLES:
+        raise ValueError(f"flash attention kernel {role!r}: one of {list(ROLES)}")
+    if dtype == "fp32" or mask in ("dilated", "bigbird"):   # the 4-warp tiles every form compiles at
+        from tailorfx.codegen.triton.flash_attention import default_blocks
+        bm, bn, bm2, bn2 = default_blocks(dtype, head_dim, mask)
+        return [Tiles(bm2, bn2) if role == "dkdv" else Tiles(bm, bn)]
+    entries = _HALF[64 if head_dim <= 64 else 128][role][80 if arch < 90 else 90]
+    out = []
+    for e in entries:
+        tiles, only = (e if isinstance(e, tuple) else (e, None))
+        if only is None or is_plain:
+            out.append(tiles)
+    return out
+
+
+def default(role: str, dtype: str, head_dim: int, mask: str, arch: int = 90, is_plain: bool = True) -> Tiles:
+    return candidates(role, dtype, head_dim, mask, arch, is_plain)[0]
+
+
+def bucket(seq_len: int) -> int:
+    """Lengths that share a choice: powers of two, all above 16K together (the grid fills the GPU)."""
+    return min(next_pow2(seq_len), 16384)
+
+
+def key(role: str, arch: int, static: tuple, seq_len: int) -> str:
+    """static: (dtype, head_dim, group, mask, params, causal, documents, softcap, key_bias)."""
+    dtype, head_dim, group, mask, _params, causal, documents, softcap, key_bias = static
+    form = [mask, "causal" if causal else "bidirectional"] + ["documents"] * bool(documents) + \
+        ["softcap"] * (softcap is not None) + ["key_bias"] * bool(key_bias)
+    return f"flash_attention.{role} sm{arch} {dtype} d{head_dim} g{group} {'+'.join(form)} S<={bucket(seq_len)}"
+
+
+def arch_of(device) -> int:
+    """The device's sm version; 90 where no GPU is present (a trace on fake CUDA tensors)."""
+    import torch
+    if not torch.cuda.is_available():
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def choose(role: str, static: tuple, seq_len: int, device, run: Optional[Callable[[Tiles], None]],
+           timer: Optional[Callable] = None) -> Tiles:
+    """`role`'s tiles for this call: on CUDA the fastest candidate for its key, timed by `run`
+    the first time the key is seen (None: not timed now, the remembered choice or the default);
+    elsewhere (the interpreter) the default."""
+    dtype, head_dim, mask = static[0], static[1], static[3]
+    if getattr(device, "type", device) != "cuda":
+        return default(role, dtype, head_dim, mask)
+    arch = arch_of(device)
+    cands = candidates(role, dtype, head_dim, mask, arch, plain(static))
+    k = key(role, arch, static, seq_len)
+    if run is None or not tuning.enabled():
+        return tuning.known(k, cands) or cands[0]
+    return tuning.choose(k, cands, run, timer)

@@ -1,0 +1,119 @@
+"""Launch configurations chosen by measurement on the GPU, once per key, kept on disk.
+
+triton.autotune times its configs inside the launch and keys them by argument values; the
+kernels here bake tiles into their rendered source and run inside torch.library ops that
+Inductor traces on fake tensors. So the choice is made on the host, before the launch: on real
+tensors when the call has them, on random ones of the same shape when it is traced, and the
+winner is remembered per key (the caller buckets sizes into it) in memory and in
+`<triton cache dir>/tuned.json`, so a later process (or a later trace) reuses it untimed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel's tiles (rows held by a program x the tile its loop walks) and launch options."""
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: Optional[int] = None   # Triton's default
+
+    def launch(self) -> dict:
+        return {"num_warps": self.num_warps} | ({} if self.num_stages is None else {"num_stages": self.num_stages})
+
+
+_MEMO: dict[str, Tiles] = {}
+_TIMES: dict[str, dict[str, float]] = {}
+_MISSED: set[str] = set()
+
+
+def enabled() -> bool:
+    """Tuning runs on CUDA only, and not when TAILORFX_AUTOTUNE=0 (then the first candidate)."""
+    return os.environ.get("TAILORFX_AUTOTUNE", "1") != "0"
+
+
+def _path() -> str:
+    from tailorfx.codegen.triton import _cache_dir
+    return os.path.join(_cache_dir(), "tuned.json")
+
+
+def _versions() -> str:
+    import torch
+    import triton
+    return f"torch {torch.__version__}, triton {triton.__version__}"
+
+
+def _read() -> dict:
+    try:
+        with open(_path()) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if data.get("versions") == _versions() else {}
+
+
+def _write(key: str, best: Tiles, times: dict[str, float]) -> None:
+    data = _read() or {"versions": _versions()}
+    data.setdefault("choices", {})[key] = {"tiles": asdict(best), "ms": times}
+    tmp = f"{_path()}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, _path())
+
+
+def known(key: str, candidates: Sequence[Tiles]) -> Optional[Tiles]:
+    """The choice remembered for `key` (this process, then the disk cache), if still a candidate."""
+    if key in _MEMO:
+        return _MEMO[key]
+    if key in _MISSED:   # the disk is read once per key, not per launch
+        return None
+    found = _read().get("choices", {}).get(key)
+    if found is not None and Tiles(**found["tiles"]) in candidates:
+        _MEMO[key] = Tiles(**found["tiles"])
+        return _MEMO[key]
+    _MISSED.add(key)
+    return None
+
+
+def choose(key: str, candidates: Sequence[Tiles], run: Callable[[Tiles], None],
+           timer: Optional[Callable[[Callable[[], None]], float]] = None) -> Tiles:
+    """The candidate whose `run` is fastest (`timer(fn) -> ms`, default triton's do_bench),
+    timed once per key; a candidate the device cannot run (out of shared memory or registers)
+    is skipped. With one candidate nothing is timed."""
+    got = known(key, candidates)
+    if got is not None:
+        return got
+    if len(candidates) == 1:
+        _MEMO[key] = candidates[0]
+        return candidates[0]
+    if timer is None:
+        from triton.testing import do_bench
+
+        def timer(fn):
+            return do_bench(fn, warmup=5, rep=20)
+    times = {}
+    for c in candidates:
+        try:
+            times[repr(c)] = float(timer(lambda c=c: run(c)))
+        except Exception as e:   # noqa: BLE001 - Triton's OutOfResources and compile errors vary by version
+            if "out of resource" not in str(e).lower() and type(e).__name__ != "OutOfResources":
+                raise
+            times[repr(c)] = math.inf
+    best = min(candidates, key=lambda c: times[repr(c)])
+    if math.isinf(times[repr(best)]):
+        raise RuntimeError(f"no launch configuration of {key} runs on this device: {list(candidates)}")
+    _MEMO[key] = best
+    _TIMES[key] = times
+    _write(key, best, times)
+    return best
+
+
+def choices() -> dict[str, dict]:
+    """What this process chose: key -> {"tiles", "ms" per candidate (timed here, else {})}."""
+    return {k: {"tiles": asdict(v), "ms": _TIMES.get(k, {})} for k, v in _MEMO.items()}
