@@ -79,7 +79,8 @@ def render(spec: KernelSpec) -> str:
     return family(spec.family).render(spec)
 
 
-def _cache_dir() -> str:
+def cache_dir() -> str:
+    """Where rendered kernels and tuning choices live: $TAILORFX_TRITON_CACHE, else a folder in the temp dir."""
     path = os.environ.get("TAILORFX_TRITON_CACHE") or os.path.join(tempfile.gettempdir(), f"tailorfx-triton-{os.getuid()}")
     os.makedirs(path, exist_ok=True)
     return path
@@ -148,7 +149,7 @@ def _load(spec: KernelSpec, interpret: bool) -> Kernel:
     source = render(spec)
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     mod_name = f"tailorfx_triton_{spec.family}_{digest}" + ("_interpreted" if interpret else "")
-    path = os.path.join(_cache_dir(), mod_name + ".py")
+    path = os.path.join(cache_dir(), mod_name + ".py")
     if not os.path.exists(path) or open(path).read() != source:
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:

@@ -39,14 +39,13 @@ def enabled() -> bool:
 
 
 def _path() -> str:
-    from tailorfx.codegen.triton import _cache_dir
-    return os.path.join(_cache_dir(), "tuned.json")
+    from tailorfx.codegen.triton import cache_dir
+    return os.path.join(cache_dir(), "tuned.json")
 
 
 def _versions() -> str:
-    import torch
-    import triton
-    return f"torch {torch.__version__}, triton {triton.__version__}"
+    from importlib.metadata import version
+    return f"torch {version('torch')}, triton {version('triton')}"
 
 
 def _read() -> dict:
