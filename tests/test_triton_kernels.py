@@ -128,6 +128,55 @@ def test_linear_cross_entropy_matches_the_runtime_op():
     _close(loss_only[0], want[0], 1e-5, "loss-only")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_linear_cross_entropy_in_the_weights_dtype_in_place(dtype, softcap):
+    """The CUDA path (forced here: `in_weight_dtype=True`): each chunk's logits stay in the
+    weight's 16-bit dtype and the kernel overwrites them with their gradient, as eager's bf16 head
+    does (logits.float() for the loss, its backward rounding the gradient once): no fp32 tensor of
+    a chunk's logits is made. Against autograd through that eager form, to the inputs' rounding."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    g = torch.Generator().manual_seed(7)
+    n, hid, vocab, chunk = 19, 12, 70, 8
+    h = (torch.randn(n, hid, generator=g) * 2).to(dtype)
+    w = torch.randn(vocab, hid, generator=g).to(dtype)
+    b = torch.randn(vocab, generator=g).to(dtype)
+    y = torch.randint(0, vocab, (n,), generator=g)
+    y[::5] = -100
+    hr, wr, br = (t.clone().requires_grad_() for t in (h, w, b))
+    z = F.linear(hr, wr, br).float()   # eager: the head in the weight's dtype, the loss in fp32
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    ref = F.cross_entropy(z, y, ignore_index=-100)
+    ref.backward()
+
+    class Made(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.fp32_logits = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape[-1:] == (vocab,) and t.dim() == 2:
+                    self.fp32_logits += 1
+            return out
+    made = Made()
+    with made:
+        loss, gh, gw, gb = lce.forward(h, w, b, y, softcap=softcap, chunk=chunk, block=16, in_weight_dtype=True)
+    assert made.fp32_logits == 0
+    with Made() as upcast:   # the fp32 path makes one per chunk: the check can fail
+        lce.forward(h, w, b, y, softcap=softcap, chunk=chunk, block=16, in_weight_dtype=False)
+    assert upcast.fp32_logits >= 1
+    tol = LP_TOL[dtype]
+    _close(loss, ref.detach(), tol, "loss")
+    _close(gh, hr.grad, tol, "grad_hidden")
+    _close(gb, br.grad, tol, "grad_bias")
+    # eager rounds grad_W once; the chunks' sum in the weight's dtype rounds once per chunk (3)
+    _close(gw, wr.grad, 2 * tol, "grad_weight")
+    assert loss.dtype == gh.dtype == gw.dtype == gb.dtype == dtype
+
+
 def test_linear_cross_entropy_refuses():
     h, w, y = torch.randn(4, 3), torch.randn(5, 3), torch.zeros(4, dtype=torch.long)
     with pytest.raises(ValueError, match="reduction 'none'"):

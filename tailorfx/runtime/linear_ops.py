@@ -49,12 +49,14 @@ def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = Fal
         hidden, weight = args[0], args[1]
         n_rows, vocab, width = as_int(hidden.shape[0]), as_int(weight.shape[0]), as_int(hidden.shape[-1])
         chunk = -(-n_rows // max(1, as_int(args[6])))
-        # the chunk's fp32 logits (the kernel turns them into their gradient in place), the
-        # per-row losses, the chunk of hidden in fp32 and, for a low-precision weight, its fp32
-        # copy and fp32 gradient accumulator
+        if gemms_in_weight_dtype(hidden, weight, cuda):
+            # the chunk's logits in the weight's dtype (the kernel turns them into their gradient
+            # in place) and the per-row fp32 losses
+            return int(chunk * vocab * weight.element_size() + n_rows * 4)
+        # the chunk's fp32 logits (turned into their gradient in place), the per-row losses, the
+        # chunk of hidden in fp32 and, for a low-precision weight, its fp32 copy and fp32
+        # gradient accumulator
         extra = chunk * vocab * 4 + n_rows * 4
-        if gemms_in_weight_dtype(hidden, weight, cuda):   # beside them the logits or their gradient in 16 bits
-            return int(extra + chunk * vocab * weight.element_size())
         if hidden.dtype != torch.float32:
             extra += 2 * chunk * width * 4
         if weight.dtype != torch.float32:

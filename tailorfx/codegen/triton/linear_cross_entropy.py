@@ -1,8 +1,8 @@
 """Fused LM head + cross-entropy, chunked over tokens, gradient taken in the forward (Liger-Kernel
-style): per chunk of rows the host computes the fp32 logits `h @ W^T (+ b)` with a torch matmul,
+style): per chunk of rows the host computes the logits `h @ W^T (+ b)` with a torch matmul,
 one Triton program per row turns them in place into d(loss)/d(logits), and the host finishes
-with `grad_h = g @ W` and `grad_W += g^T @ h` (fp32). No N x V buffer ever exists: the chunk's
-fp32 logits are the only chunk x V one.
+with `grad_h = g @ W` and `grad_W += g^T @ h`. No N x V buffer ever exists: the chunk's logits
+(fp32, or on CUDA in the weight's 16-bit dtype) are the only chunk x V one.
 
 Semantics are those of `tailorfx.runtime.linear_ops.chunked_linear_cross_entropy`: logits in fp32,
 then `logit_scale *` (Cohere), then the soft-cap `c * tanh(z / c)` (Gemma-2), then cross-entropy
@@ -17,8 +17,10 @@ Spec (compile-time constants of the rendered source):
     z_loss        optional float > 0: the z-loss coefficient (left out without it)
     grad          bool (default True): whether the kernel writes d(loss)/d(logits) in place
                   (False: one pass over the vocabulary, loss only)
-The logits buffer is always fp32 (the reference upcasts the logits), whatever the inputs' dtype,
-so the spec carries no dtype.
+The kernel computes in fp32 whatever the logits' dtype: fp32 logits, or on CUDA the chunk's logits
+in the weight's bf16/fp16, read as fp32 (the reference upcasts the logits) and overwritten by their
+gradient rounded to that dtype. The source does not depend on it, so the spec carries no dtype
+(`logits="bf16"` names the pointer type for a compile check only).
 
 The kernel, per row: pass 1 loops over the vocabulary in `block` columns keeping an online max
 and sum of exponentials (fp32) and reads the target's logit; lse = max + log(sum); the row's loss
@@ -155,7 +157,9 @@ _EMPTY = "\x00"   # a hole this spec leaves empty: its line goes
 
 
 def signatures(spec) -> dict[str, dict[str, str]]:
-    return {"lce_fwd": {"logits_ptr": "*fp32", "labels_ptr": "*i64", "loss_ptr": "*fp32", "scale_ptr": "*fp32",
+    # the logits are fp32, or on CUDA the weight's bf16/fp16 (one source serves both: Triton
+    # specializes the launch on the pointer's type; `logits` names it for a compile check)
+    return {"lce_fwd": {"logits_ptr": "*" + spec.get("logits", "fp32"), "labels_ptr": "*i64", "loss_ptr": "*fp32", "scale_ptr": "*fp32",
                         "n_cols": "i32", "stride": "i32", "ignore_index": "i32"}}
 
 
@@ -200,6 +204,7 @@ def examples() -> list:
     def spec(block, grad=True, **extra):
         return KernelSpec("linear_cross_entropy", block=block, grad=grad, **extra)
     return [spec(4096),
+            spec(4096, logits="bf16"),
             spec(4096, softcap=30.0),
             spec(2048, logit_scale=0.0625),
             spec(4096, z_loss=1e-4),
@@ -216,7 +221,8 @@ def default_chunk(n_rows: int, hidden: int, vocab: int) -> int:
 
 def forward(hidden, weight, bias, labels, ignore_index: int = -100, reduction: str = "mean",
             softcap: Optional[float] = None, logit_scale: Optional[float] = None, z_loss: float = 0.0,
-            chunk: Optional[int] = None, *, normalizer=None, block: Optional[int] = None, grads: bool = True):
+            chunk: Optional[int] = None, *, normalizer=None, block: Optional[int] = None, grads: bool = True,
+            in_weight_dtype: Optional[bool] = None):
     """(loss, grad_hidden, grad_weight, grad_bias) of
     `cross_entropy(softcap(logit_scale * (hidden @ weight^T + bias)), labels) (+ z_loss * lse^2)`,
     the grads for d(loss) = 1 (the caller scales them by the incoming grad).
@@ -225,7 +231,9 @@ def forward(hidden, weight, bias, labels, ignore_index: int = -100, reduction: s
     (default `default_chunk`). `normalizer` (number or 0-d tensor, reduction "mean" only) replaces
     the count of non-ignored rows as the divisor. Logits, softmax and the gradient accumulators
     are fp32 (off CUDA the weight is upcast once, as the torch reference does; on CUDA bf16/fp16
-    GEMMs accumulate in fp32 and the weight's gradient is summed in its dtype); grad_hidden is in hidden's
+    GEMMs accumulate in fp32, each chunk's logits stay in that dtype and become their gradient in
+    place, and the weight's gradient is summed in its dtype, as Liger-Kernel's; `in_weight_dtype`
+    forces either path); grad_hidden is in hidden's
     dtype, grad_weight/grad_bias in weight's/bias's, the loss in promote(hidden, weight).
     Mean over zero non-ignored rows is nan (as torch), its grads zero. `grads=False`: the
     loss-only kernel, grads returned as None. Labels out of [0, V) other than ignore_index are not
@@ -233,7 +241,7 @@ def forward(hidden, weight, bias, labels, ignore_index: int = -100, reduction: s
     import torch
     with torch.no_grad():
         return _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, logit_scale, z_loss, chunk,
-                        normalizer, block, grads)
+                        normalizer, block, grads, in_weight_dtype)
 
 
 def _denominator(labels, ignore_index: int, reduction: str, normalizer):
@@ -251,7 +259,7 @@ def _denominator(labels, ignore_index: int, reduction: str, normalizer):
 
 
 def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, logit_scale, z_loss, chunk, normalizer,
-             block, grads):
+             block, grads, in_weight_dtype=None):
     import torch
     from tailorfx.runtime.linear_ops import gemms_in_weight_dtype
     if reduction not in ("mean", "sum"):
@@ -275,9 +283,11 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, log
     if labels.dtype != torch.int64:
         labels = labels.to(torch.int64)
     labels = labels.contiguous()
-    # on CUDA, bf16/fp16 hidden and weight: the GEMMs in that dtype (tensor cores, fp32 accumulation),
-    # each chunk's logits upcast as eager's logits.float(), no fp32 copy of the weight
-    low = gemms_in_weight_dtype(hidden, weight)
+    # on CUDA, bf16/fp16 hidden and weight: the GEMMs in that dtype (tensor cores, fp32 accumulation);
+    # each chunk's logits stay in it, the kernel reads them as fp32 (eager's logits.float()) and
+    # writes their gradient over them, rounded once as eager's backward of .float() rounds it (about
+    # 10 bytes moved per logit, not 26 through an fp32 copy); no fp32 copy of the weight
+    low = gemms_in_weight_dtype(hidden, weight) if in_weight_dtype is None else bool(in_weight_dtype)
     w = weight if low or weight.dtype == f32 else weight.to(f32)
     b = bias if bias is None or low or bias.dtype == f32 else bias.to(f32)
     denom, scale = _denominator(labels, ignore_index, reduction, normalizer)
@@ -292,7 +302,7 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, log
     chunk_grad_h = grad_h.split(chunk) if grads else None
     for i, h in enumerate(hidden.split(chunk)):
         if low:
-            z = torch.nn.functional.linear(h, w, b).float()   # the chunk's fp32 logits
+            z = torch.nn.functional.linear(h, w, b)   # the chunk's logits, in the weight's dtype
         else:
             if h.dtype != f32:
                 h = h.to(f32)
@@ -301,7 +311,7 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, log
                           num_warps=warps)
         if not grads:
             continue
-        g = z.to(w.dtype) if low else z   # now d(loss)/d(logits)
+        g = z   # now d(loss)/d(logits), in place
         del z
         if grad_h.dtype == g.dtype and grad_h.is_contiguous():
             torch.mm(g, w, out=chunk_grad_h[i])
