@@ -22,7 +22,7 @@ Providers, in one interleaved run (every provider of a case runs before the next
   pass for masks, documents and ALiBi).
 
 tailorfx's attention picks each kernel's tiles (forward, dq, dk/dv) by timing its candidates the
-first time a shape bucket is seen (tailorfx/codegen/triton/flash_tiles.py); the warm-up call of
+first time a shape bucket is seen (tailorfx/kernels/flash_tiles.py); the warm-up call of
 the interleaved run pays for it, and the JSON's meta.tuned lists what each key chose.
 
 Per provider: device time (the CUDA kernels' own time per call, from the profiler, so host
@@ -190,7 +190,7 @@ def cases(dev: str, dry: bool) -> list[Case]:
 
     for T in seqs:
         labels = torch.randint(0, V, (T,), device=dev, generator=gen)
-        from tailorfx.codegen.triton.linear_cross_entropy import default_chunk
+        from tailorfx.kernels.linear_cross_entropy import default_chunk
         chunks = -(-T // default_chunk(T, H, V))
         eager = lambda h, w, labels=labels: F.cross_entropy(F.linear(h, w).float(), labels)   # noqa: E731
         out.append(Case("linear_cross_entropy", f"{T}x{H}x{V}",
@@ -355,7 +355,7 @@ def main(argv=None) -> int:
         return 1
     dev = "cpu" if args.dry_run else "cuda"
     rows = run_all(dev, args.dry_run, args.only, args.reps)
-    from tailorfx.codegen.triton import tuning
+    from tailorfx.kernels import tuning
     meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
             "dry_run": args.dry_run,
             # the attention tiles each key chose on this GPU, with every candidate's time

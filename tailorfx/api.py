@@ -323,7 +323,7 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         """The Triton kernels this model runs (kernels="triton"), by spec name: each has `.source`
         (the generated Triton text) and `.compile(arch)` (80 or 90: registers, spills, shared
         memory and cubin, compiled here without a GPU). Empty when no Triton kernel runs."""
-        from tailorfx.codegen.triton import load
+        from tailorfx.kernels import load
         return {name: load(spec) for name, (spec, _) in sorted(self.kernel_launches().items())}
 
     def kernel_launches(self) -> dict:
@@ -413,7 +413,7 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
 
 def check_triton(model: nn.Module) -> None:
     """kernels="triton" needs a CUDA model, or Triton's CPU interpreter for a CPU one."""
-    from tailorfx.codegen.triton import interpreted
+    from tailorfx.kernels import interpreted
     devices = {p.device.type for p in model.parameters()}
     if devices - {"cuda"} and not interpreted():
         raise ValueError(f"kernels='triton' on a {'/'.join(sorted(devices))} model needs Triton's CPU interpreter: "

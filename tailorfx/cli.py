@@ -263,7 +263,7 @@ def cmd_train(args):
 def cmd_kernels(args):
     from tailorfx import sizing
     from tailorfx.budget import format_bytes
-    from tailorfx.codegen.triton import compile_many
+    from tailorfx.kernels import compile_many
     cfg, name = _config(args)
     note(f"capturing {name} at {args.batch} x {args.seq} tokens on fake tensors with kernels='triton' ...")
     opt = sizing.capture_for_prediction(cfg, ["attention", "minisequence"], seq_len=args.seq, batch_size=args.batch,

@@ -1,4 +1,4 @@
-"""Flash attention's tiles chosen by measurement (tailorfx/codegen/triton/flash_tiles.py, tuning.py):
+"""Flash attention's tiles chosen by measurement (tailorfx/kernels/flash_tiles.py, tuning.py):
 the candidates, the choice of the fastest per key, remembered in the process and on disk, a
 candidate the device cannot run skipped, and every candidate exact under Triton's interpreter.
 The GPU's own timings are in benchmarks/kernels.py; here a timer stands in for the device."""
@@ -13,9 +13,9 @@ os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported: kernels run 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tailorfx.codegen.triton import flash_attention as fa  # noqa: E402
-from tailorfx.codegen.triton import flash_tiles, tuning  # noqa: E402
-from tailorfx.codegen.triton.tuning import Tiles  # noqa: E402
+from tailorfx.kernels import flash_attention as fa  # noqa: E402
+from tailorfx.kernels import flash_tiles, tuning  # noqa: E402
+from tailorfx.kernels.tuning import Tiles  # noqa: E402
 
 from test_triton_attention import check  # noqa: E402
 
@@ -82,7 +82,7 @@ def test_the_fastest_candidate_is_chosen_once_per_key(tmp_path, monkeypatch):
     assert saved["tiles"] == {"block_m": cands[2].block_m, "block_n": cands[2].block_n,
                               "num_warps": cands[2].num_warps, "num_stages": cands[2].num_stages}
     # a new process reads the choice from disk, untimed
-    code = ("from tailorfx.codegen.triton import flash_tiles, tuning; "
+    code = ("from tailorfx.kernels import flash_tiles, tuning; "
             f"print(tuning.known({key!r}, flash_tiles.candidates('fwd', 'fp16', 64, 'full', 90)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "TAILORFX_TRITON_CACHE": str(tmp_path)}).stdout

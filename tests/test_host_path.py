@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from tailorfx.codegen import triton as tt  # noqa: E402
+from tailorfx import kernels as tt  # noqa: E402
 from tailorfx.runtime import triton_ops as ops  # noqa: E402
 
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)

@@ -1,4 +1,4 @@
-"""Triton flash attention (tailorfx/codegen/triton/flash_attention.py) under Triton's CPU
+"""Triton flash attention (tailorfx/kernels/flash_attention.py) under Triton's CPU
 interpreter, against the runtime's own definitions:
 
 * full / window / BigBird: a dense fp64 masked softmax whose mask is
@@ -30,8 +30,8 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 import tailorfx.runtime.attention_kernels  # noqa: E402,F401  (registers tailorfx::dilated_attention)
-from tailorfx.codegen import triton as tt  # noqa: E402
-from tailorfx.codegen.triton import flash_attention as fa  # noqa: E402
+from tailorfx import kernels as tt  # noqa: E402
+from tailorfx.kernels import flash_attention as fa  # noqa: E402
 from tailorfx.runtime.attention_tiles import Pattern  # noqa: E402
 
 NEG_INF = float("-inf")

@@ -8,8 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tailorfx.codegen import triton as tt
-from tailorfx.codegen.triton import norm
+from tailorfx import kernels as tt
+from tailorfx.kernels import norm
 
 GOLDENS = os.path.join(os.path.dirname(__file__), "goldens", "triton")
 
@@ -77,8 +77,8 @@ def test_every_attention_tile_candidate_compiles_without_spills(head_dim, arch):
     GPU launch times, flash_tiles.candidates), compiled for its arch with ptxas: no register
     spills, shared memory within the arch's limit, in every form it may serve (bf16, the sm90
     Inductor typing of float scalars, fp64)."""
-    from tailorfx.codegen.triton import flash_tiles
-    from tailorfx.codegen.triton.flash_attention import _spec, normalize_params
+    from tailorfx.kernels import flash_tiles
+    from tailorfx.kernels.flash_attention import _spec, normalize_params
     fn = {"fwd": "attn_fwd", "dq": "attn_bwd_dq", "dkdv": "attn_bwd_dkdv"}
     jobs = []
     for role in flash_tiles.ROLES:

@@ -21,8 +21,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from tailorfx.codegen import triton as tt  # noqa: E402
-from tailorfx.codegen.triton import glu, linear_cross_entropy as lce, rope  # noqa: E402
+from tailorfx import kernels as tt  # noqa: E402
+from tailorfx.kernels import glu, linear_cross_entropy as lce, rope  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LP_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}

@@ -110,7 +110,7 @@ def kernel_cases(run: Run) -> list:
         return ours, ref, [q, k, v], randn(B, NH, S, D, dtype=dt, grad=False)
 
     def head(dt):
-        from tailorfx.codegen.triton.linear_cross_entropy import default_chunk
+        from tailorfx.kernels.linear_cross_entropy import default_chunk
         h, w = randn(N, HID, dtype=dt), randn(V, HID, dtype=dt, scale=HID ** -0.5)
         labels = torch.randint(0, V, (N,), device=dev, generator=gen)
         labels[::7] = -100

@@ -377,7 +377,7 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
     """(spec, forward launch grid as text) for each Triton kernel a graph node launches, at the
     shapes of its inputs' fake values (a symbolic length at its hint); [] for nodes that launch
     none."""
-    from tailorfx.codegen.triton import flash_attention, glu, linear_cross_entropy, norm, rope
+    from tailorfx.kernels import flash_attention, glu, linear_cross_entropy, norm, rope
     from tailorfx.runtime.triton_ops import (attention_params, triton_attention, triton_glu,
                                              triton_linear_cross_entropy, triton_norm, triton_rope, triton_rope_qk)
     if node.op != "call_function":

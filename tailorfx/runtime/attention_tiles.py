@@ -22,8 +22,6 @@ Everything is torch ops on whatever device the inputs live on; no CPU-only calls
 
 from __future__ import annotations
 
-import functools
-import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -31,35 +29,15 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor
 
+from tailorfx.kernels.bigbird import block_rows as bigbird_block_rows
+from tailorfx.kernels.bigbird import random_blocks as bigbird_random_blocks
+
 __all__ = ["Pattern", "ScoreMod", "Dropout", "bigbird_random_blocks", "tile_forward", "tile_backward", "TILE", "KV_CHUNK"]
 
 TILE = 128  # query rows per tile; 64-256 measured within 15% on CPU at S=4K
 KV_CHUNK = 1024  # keys per matmul; bounds the (tile x keys) score transient
 
 KeyIndex = Union[slice, Tensor]
-
-
-@functools.lru_cache(maxsize=64)
-def bigbird_random_blocks(
-    num_blocks: int, window: int, num_global: int, num_random: int, seed: int, causal: bool
-) -> Tensor:
-    """(num_blocks, num_random) int64 random key blocks per query block, -1 where none is left.
-
-    Drawn without replacement from the blocks a query block could still gain: not global, not in
-    its window, and (causal) not in its future, so every random block is a real extra block.
-    """
-    rng = random.Random(seed)
-    table = torch.full((num_blocks, max(num_random, 0)), -1, dtype=torch.int64)
-    for qb in range(num_blocks):
-        lo, hi = max(num_global, qb - window), qb + window  # excluded window [lo, hi]
-        limit = qb if causal else num_blocks - 1  # last eligible block
-        before = max(0, min(lo, limit + 1) - num_global)  # candidates g .. lo-1
-        after = max(0, limit - max(hi, num_global - 1))  # candidates after the window .. limit
-        picks = rng.sample(range(before + after), min(num_random, before + after))
-        right = max(hi, num_global - 1) + 1  # first candidate after the window
-        blocks = [num_global + c if c < before else right + c - before for c in picks]
-        table[qb, : len(blocks)] = torch.tensor(sorted(blocks), dtype=torch.int64)
-    return table
 
 
 @dataclass(frozen=True)
@@ -109,14 +87,7 @@ class Pattern:
 
     def _bigbird_rows(self, qb0: int, qb1: int, num_blocks: int) -> Tensor:
         """Bool (qb1-qb0, num_blocks): the BigBird block pattern of query blocks qb0..qb1-1."""
-        _, w, g, r, seed = self.params
-        qb = torch.arange(qb0, qb1)[:, None]
-        kb = torch.arange(num_blocks)[None, :]
-        sel = ((kb - qb).abs() <= w) | (kb < g) | (qb < g)
-        rand = bigbird_random_blocks(num_blocks, w, g, r, seed, self.causal)[qb0:qb1]
-        hits = torch.zeros(qb1 - qb0, num_blocks + 1, dtype=torch.bool)
-        hits.scatter_(1, torch.where(rand < 0, num_blocks, rand), True)  # -1 pads land in a spare column
-        return sel | hits[:, :num_blocks]
+        return bigbird_block_rows(self.params, self.causal, qb0, qb1, num_blocks)
 
     def element_mask(self, q0: int, q1: int, kpos: Tensor, kmin: int, kmax: int) -> Optional[Tensor]:
         """Bool (q1-q0, len(kpos)) mask, or None when every pair is known to be allowed."""

@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from tailorfx.kernels.linear_cross_entropy import gemms_in_weight_dtype  # noqa: F401 (this module's rule too)
+
 
 def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = False) -> int:
     """Bytes one of these ops allocates and frees inside itself (see ops.transient_bytes); `cuda`:
@@ -227,13 +229,6 @@ def lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks
     grad_w = grad_w.to(weight.dtype) if need_weight else weight.new_empty(0)
     grad_b = grad_b.to(bias.dtype) if need_bias else weight.new_empty(0)
     return loss.to(_loss_dtype(hidden, weight)), grad_h, grad_w, grad_b
-
-
-def gemms_in_weight_dtype(hidden: Tensor, weight: Tensor, cuda: bool = False) -> bool:
-    """The head's GEMMs run in the weight's own low precision (see lce_chunks): on CUDA (tensor
-    cores). CPU upcasts: its bf16 GEMMs allocate fp32 scratch of their own, and run no faster."""
-    return (hidden.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)
-            and (cuda or weight.device.type == "cuda"))
 
 
 def _loss_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:

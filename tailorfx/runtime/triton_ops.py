@@ -9,7 +9,7 @@
     tailorfx::triton_rope(x, cos, sin, backward) -> x * cos + rotate_half(x) * sin (or its transpose)
     tailorfx::triton_rope_qk(q, k, cos, sin, backward) -> (q's rotation, k's)   one launch for both
 
-Each op launches kernels rendered by `codegen.triton` and has an autograd registration, so a
+Each op launches kernels rendered by `tailorfx.kernels` and has an autograd registration, so a
 rewritten graph keeps one node per op through AOTAutograd. On a GPU the ops are
 `torch.library.triton_op`s (Inductor sees the Triton kernels inside them); under Triton's CPU
 interpreter (TRITON_INTERPRET=1) they are opaque `custom_op`s with fake kernels, because the
@@ -23,12 +23,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from tailorfx.codegen.triton import flash_attention as _flash
-from tailorfx.codegen.triton import glu as _glu
-from tailorfx.codegen.triton import interpreted
-from tailorfx.codegen.triton import linear_cross_entropy as _lce
-from tailorfx.codegen.triton import norm as _norm
-from tailorfx.codegen.triton import rope as _rope
+from tailorfx.kernels import flash_attention as _flash
+from tailorfx.kernels import glu as _glu
+from tailorfx.kernels import interpreted
+from tailorfx.kernels import linear_cross_entropy as _lce
+from tailorfx.kernels import norm as _norm
+from tailorfx.kernels import rope as _rope
 from tailorfx.runtime.linear_ops import grads_in_forward_backward, grads_in_forward_setup
 
 INTERPRETED = interpreted()

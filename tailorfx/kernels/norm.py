@@ -13,7 +13,7 @@ from string import Template
 
 import torch
 
-from tailorfx.codegen.triton import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel, next_pow2, partials
+from tailorfx.kernels import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel, next_pow2, partials
 
 _HEADER = '''"""tailorfx generated: ${name}"""
 import triton

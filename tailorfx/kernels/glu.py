@@ -14,7 +14,7 @@ from string import Template
 
 import torch
 
-from tailorfx.codegen.triton import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel
+from tailorfx.kernels import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel
 
 _SRC = '''"""tailorfx generated: ${name}"""
 import triton

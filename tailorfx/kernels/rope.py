@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from tailorfx.codegen.triton import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel, next_pow2
+from tailorfx.kernels import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel, next_pow2
 
 _HEADER = '''"""tailorfx generated: ${name}"""
 import triton

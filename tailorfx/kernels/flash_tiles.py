@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from tailorfx.codegen.triton import next_pow2, tuning
-from tailorfx.codegen.triton.tuning import Tiles
+from tailorfx.kernels import next_pow2, tuning
+from tailorfx.kernels.tuning import Tiles
 
 ROLES = ("fwd", "dq", "dkdv")
 
@@ -63,7 +63,7 @@ def candidates(role: str, dtype: str, head_dim: int, mask: str, arch: int = 90, 
     if role not in ROLES:
         raise ValueError(f"flash attention kernel {role!r}: one of {list(ROLES)}")
     if dtype == "fp32" or mask in ("dilated", "bigbird"):   # the 4-warp tiles every form compiles at
-        from tailorfx.codegen.triton.flash_attention import default_blocks
+        from tailorfx.kernels.flash_attention import default_blocks
         bm, bn, bm2, bn2 = default_blocks(dtype, head_dim, mask)
         return [Tiles(bm2, bn2) if role == "dkdv" else Tiles(bm, bn)]
     entries = _HALF[64 if head_dim <= 64 else 128][role][80 if arch < 90 else 90]

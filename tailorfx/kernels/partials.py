@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from string import Template
 
-from tailorfx.codegen.triton import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel
+from tailorfx.kernels import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel
 
 _SRC = '''"""tailorfx generated: ${name}"""
 import triton

@@ -36,7 +36,7 @@ from __future__ import annotations
 from string import Template
 from typing import Optional
 
-from tailorfx.codegen.triton import KernelSpec, cached_kernel
+from tailorfx.kernels import KernelSpec, cached_kernel
 
 _HEADER = '''"""tailorfx generated: ${name}"""
 import triton
@@ -261,7 +261,6 @@ def _denominator(labels, ignore_index: int, reduction: str, normalizer):
 def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, logit_scale, z_loss, chunk, normalizer,
              block, grads, in_weight_dtype=None):
     import torch
-    from tailorfx.runtime.linear_ops import gemms_in_weight_dtype
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy: reduction {reduction!r} not in mean/sum")
     if normalizer is not None and reduction != "mean":
@@ -334,3 +333,12 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, log
     if grad_b is not None and grad_b.dtype != bias.dtype:
         grad_b = grad_b.to(bias.dtype)
     return loss, grad_h, grad_w, grad_b
+
+
+def gemms_in_weight_dtype(hidden, weight, cuda: bool = False) -> bool:
+    """The head's GEMMs run in the weight's own low precision: on CUDA (tensor cores). CPU
+    upcasts: its bf16 GEMMs allocate fp32 scratch of their own, and run no faster. The torch
+    head (runtime/linear_ops.py) decides by the same rule."""
+    import torch
+    return (hidden.dtype == weight.dtype and weight.dtype in (torch.bfloat16, torch.float16)
+            and (cuda or weight.device.type == "cuda"))

@@ -54,8 +54,8 @@ import math
 from string import Template
 from typing import Optional, Sequence
 
-from tailorfx.codegen.triton import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel, interpreted
-from tailorfx.codegen.triton.tuning import Tiles
+from tailorfx.kernels import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel, interpreted
+from tailorfx.kernels.tuning import Tiles
 
 MODES = ("full", "window", "bigbird", "dilated")
 
@@ -724,7 +724,7 @@ def _defaults(static: tuple, device, seq_len: int) -> dict:
     if interpreted() or getattr(device, "type", device) != "cuda":
         bm, bn, bm2, bn2 = default_blocks(static[0], static[1], static[3])
         return {"fwd": Tiles(bm, bn), "dq": Tiles(bm, bn), "dkdv": Tiles(bm2, bn2)}
-    from tailorfx.codegen.triton import flash_tiles
+    from tailorfx.kernels import flash_tiles
     return {r: flash_tiles.choose(r, static, seq_len, device, None) for r in flash_tiles.ROLES}
 
 
@@ -790,10 +790,10 @@ def bigbird_tables(params: tuple, causal: bool, seq_len: int, block_m: int, bloc
     seq_len).element_mask` allows (by_keys: per key tile, the query tiles), ascending; block_mask
     is the Pattern's (query block, key block) rows."""
     import torch
-    from tailorfx.runtime.attention_tiles import Pattern
+    from tailorfx.kernels.bigbird import block_rows
     b = params[0]
     nb = _cdiv(seq_len, b)
-    blocks = Pattern("bigbird", tuple(params), causal, seq_len)._bigbird_rows(0, nb, nb)
+    blocks = block_rows(tuple(params), causal, 0, nb, nb)
     nqt, nkt = _cdiv(seq_len, block_m), _cdiv(seq_len, block_n)
     pos = torch.arange(seq_len)
     qa = torch.zeros(nqt, nb)
@@ -906,7 +906,7 @@ class _Call:
         if (self.given or interpreted() or self.device.type != "cuda" or self.mask == "dilated"
                 or not torch.cuda.is_available()):
             return
-        from tailorfx.codegen.triton import flash_tiles
+        from tailorfx.kernels import flash_tiles
         with contextlib.ExitStack() as stack:
             made = []
 

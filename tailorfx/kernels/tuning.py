@@ -39,7 +39,7 @@ def enabled() -> bool:
 
 
 def _path() -> str:
-    from tailorfx.codegen.triton import cache_dir
+    from tailorfx.kernels import cache_dir
     return os.path.join(cache_dir(), "tuned.json")
 
 
