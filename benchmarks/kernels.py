@@ -311,22 +311,29 @@ def run_all(dev: str, dry: bool, only: str | None, reps: int) -> list[dict]:
     for case in cases(dev, dry):
         if only and only not in case.kernel:
             continue
-        inputs = case.make()
-        dout = case.dout() if case.dout is not None else None
-        for name, f in case.providers.items():
-            if isinstance(f, str):
-                rows.append({"kernel": case.kernel, "shape": case.shape, "provider": name, "skipped": f})
-                print(table_line(rows[-1]), flush=True)
-                continue
-            try:
-                rows.append(measure(case, name, f, inputs, dout, dev == "cuda", reps))
-            except Exception as e:   # noqa: BLE001  (recorded: one provider's failure hides no other)
-                rows.append({"kernel": case.kernel, "shape": case.shape, "provider": name,
-                             "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        rows += run_case(case, dev, reps)
+    return rows
+
+
+def run_case(case: Case, dev: str, reps: int) -> list[dict]:
+    """Every provider of one case, interleaved: one row each (measured, skipped, or its error)."""
+    rows = []
+    inputs = case.make()
+    dout = case.dout() if case.dout is not None else None
+    for name, f in case.providers.items():
+        if isinstance(f, str):
+            rows.append({"kernel": case.kernel, "shape": case.shape, "provider": name, "skipped": f})
             print(table_line(rows[-1]), flush=True)
-        del inputs, dout
-        if dev == "cuda":
-            torch.cuda.empty_cache()
+            continue
+        try:
+            rows.append(measure(case, name, f, inputs, dout, dev == "cuda", reps))
+        except Exception as e:   # noqa: BLE001  (recorded: one provider's failure hides no other)
+            rows.append({"kernel": case.kernel, "shape": case.shape, "provider": name,
+                         "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        print(table_line(rows[-1]), flush=True)
+    del inputs, dout
+    if dev == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 

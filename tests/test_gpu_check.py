@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = {f"{k}/{dt}" for k in ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "attention_causal",
                                   "linear_cross_entropy") for dt in ("float32", "bfloat16")} | {
     "attention_sliding_window/bfloat16", "attention_documents/bfloat16", "attention_alibi_tiles/float32",
-    "attention_alibi_tiles/bfloat16"}
+    "attention_alibi_tiles/bfloat16"} | {   # benchmarks/kernels.py's norm cases, at the dry run's shapes
+    "benchmark rms_norm 64x64", "benchmark rms_norm 128x64", "benchmark layer_norm 64x64"}
 
 
 @pytest.mark.slow
@@ -34,6 +35,11 @@ def test_dry_run_passes_every_section(tmp_path):
         assert sec["status"] == "ok" and not bad, (name, bad)
         assert all(c.get("reason") for c in sec["checks"] if c["status"] == "skipped"), name
     assert {c["name"] for c in data["sections"]["kernels"]["checks"]} == KERNELS
+    bench = [c for c in data["sections"]["kernels"]["checks"] if c["name"].startswith("benchmark")]
+    for c in bench:   # the kernel benchmark's rows: ours ran and agreed; the CUDA-only peers say why not
+        ours = [r for r in c["rows"] if r["provider"] == "tailorfx"]
+        assert len(ours) == 1 and ours[0]["agrees"], c
+        assert all(r.get("skipped") for r in c["rows"] if r["provider"] in ("liger", "inductor")), c
     hf = {c["name"]: c for c in data["sections"]["hf"]["checks"]}
     assert hf["bf16/default"]["status"] == "pass" and hf["fp32/default"]["grad_rel"] < 1e-5
     assert hf["bf16/setup=pure-bf16-fused-optimizer"]["predicted"]["grads"] == 0   # consumed in backward

@@ -1,9 +1,11 @@
 """The kernels section: each Triton kernel family of tailorfx/runtime/triton_ops.py against torch,
-forward and backward, fp32 and bf16, against an fp64 reference on the same rounded inputs; on CUDA
-also median milliseconds of forward + backward beside torch eager (benchmarks/kernels.py's bench)."""
+forward and backward, fp32 and bf16, against an fp64 reference on the same rounded inputs; then
+the kernel benchmark (benchmarks/kernels.py's cases at Llama-3-8B shapes, every provider
+interleaved: device and wall time, GB/s or TFLOP/s, memory, agreement), case by case while time
+is left; on the CPU dry run its tiny norm cases, through the interpreter."""
 from __future__ import annotations
 
-from gpucheck.record import SECTIONS, Run, bench_module, describe
+from gpucheck.record import SECTIONS, Run, bench_module
 
 # relative error ||out - ref|| / ||ref|| against fp64 on the same inputs: fp32 arithmetic leaves
 # ~1e-6; bf16 outputs carry one rounding (2^-9 relative) plus bf16 inputs of later ops
@@ -155,26 +157,37 @@ def kernel_check(run: Run, make, dtype_name: str) -> dict:
            "torch_rel_err": torch_errs, "worst_rel": worst, "tol": TOL[dtype_name],
            "ok": finite and worst <= TOL[dtype_name]}
     del got, ref, eager
-    if run.cuda:
-        timing = bench_module("kernels")   # its bench: do_bench's median of forward + backward
-        try:
-            res["ms"] = timing.bench(timing.fwd_bwd(ours, inputs, dout), warmup=5, rep=25)
-            res["torch_ms"] = timing.bench(timing.fwd_bwd(torch_fn, inputs, dout), warmup=5, rep=25)
-            res["speedup"] = res["torch_ms"] / res["ms"]
-        except Exception as e:   # noqa: BLE001  (the errors above still count)
-            res["timing_error"] = describe(e)
     return res
 
 
 def section_kernels(run: Run, sec: dict) -> None:
-    if not run.cuda:
-        sec["skipped"].append("timings (triton.testing.do_bench needs CUDA)")
     later = [s for s in run.sections if SECTIONS.index(s) > SECTIONS.index("kernels")]
     reserve = 150.0 if later else 0.0   # seconds kept for the model sections (their compile, mostly)
+
+    def skip(name):
+        sec["checks"].append({"name": name, "status": "skipped",
+                              "reason": f"time budget: {run.left():.0f} s left, {reserve:.0f} s kept for {later}"})
     for name, dtypes, make in kernel_cases(run):
         for dt in dtypes:
             if not run.dry and run.left() < reserve:
-                sec["checks"].append({"name": f"{name}/{dt}", "status": "skipped",
-                                      "reason": f"time budget: {run.left():.0f} s left, {reserve:.0f} s kept for {later}"})
+                skip(f"{name}/{dt}")
                 continue
             run.check(sec, f"{name}/{dt}", lambda make=make, dt=dt: kernel_check(run, make, dt))
+    bench = bench_module("kernels")
+    reps = 3 if run.dry else 25
+    for case in bench.cases(run.device, run.dry):
+        if run.dry and "norm" not in case.kernel:   # the dry run: the wiring, on the two tiny norm cases
+            continue
+        name = f"benchmark {case.kernel} {case.shape}"
+        if not run.dry and run.left() < reserve + 60:   # a case at 8B shapes takes up to a minute
+            skip(name)
+            continue
+        run.check(sec, name, lambda case=case: _benchmark_case(bench, case, run.device, reps))
+
+
+def _benchmark_case(bench, case, device: str, reps: int) -> dict:
+    """One case of benchmarks/kernels.py, every provider: its rows; ok when every provider that ran
+    agrees with torch eager (a provider that cannot run here says why, as a row)."""
+    rows = bench.run_case(case, device, reps)
+    ran = [r for r in rows if "skipped" not in r]
+    return {"rows": rows, "ok": bool(ran) and all(r.get("agrees", False) for r in ran)}
