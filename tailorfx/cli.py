@@ -20,6 +20,8 @@ Bad arguments print one line and exit with code 2; a budget no plan meets exits 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -85,6 +87,7 @@ def cmd_plan(args):
     from tailorfx import sizing
     from tailorfx.budget import Budget, format_bytes
     from tailorfx.errors import BudgetError
+    from tailorfx.progress import stage
     from tailorfx.setup import resolve
     if args.budget is None:
         raise ValueError("plan needs --budget SIZE (e.g. --budget 80GB), and --world N to lay the model out "
@@ -94,15 +97,25 @@ def cmd_plan(args):
     cfg, name = _config(args)
     print(f"{_describe(cfg, name)}: a training step of {args.batch} x {args.seq} tokens under {budget}, setup "
           f"{setup.name} (predicted on fake tensors, nothing allocated)", flush=True)
-    note("capturing and planning ...")
+    note("capturing and planning; the longest sequence that fits beside it, in a second process ...")
     t = time.perf_counter()
-    try:
-        opt = sizing.plan_for_budget(cfg, budget, args.seq, setup=setup, batch_size=args.batch)
-    except BudgetError as e:
-        sys.stderr.write(f"tailorfx plan: {str(e).splitlines()[0]}\n")
-        sys.exit(1)
-    note(f"planned in {time.perf_counter() - t:.0f}s; longest sequence that fits ...")
-    longest = sizing.max_seq_len(cfg, budget, batch_size=args.batch, setup=setup)
+    # the two predictions are independent and each runs on one core: the longest sequence in a
+    # forked process (before any thread of this one starts) while this one plans; where there is
+    # no fork (Windows), one after the other. Leaving the block terminates the second process.
+    forks = "fork" in multiprocessing.get_all_start_methods()
+    with multiprocessing.get_context("fork").Pool(1) if forks else contextlib.nullcontext() as pool:
+        longest_later = pool.apply_async(_longest, (cfg, budget, args.batch, setup)) if forks else None
+        try:
+            opt = sizing.plan_for_budget(cfg, budget, args.seq, setup=setup, batch_size=args.batch)
+        except BudgetError as e:
+            sys.stderr.write(f"tailorfx plan: {str(e).splitlines()[0]}\n")
+            sys.exit(1)
+        note(f"planned in {time.perf_counter() - t:.0f}s")
+        if longest_later is None:
+            longest = sizing.max_seq_len(cfg, budget, batch_size=args.batch, setup=setup)
+        else:
+            with stage("longest sequence that fits (the second process)"):
+                longest = longest_later.get()
     print(f"{_n_params(opt.model, sizing.parameter_count(opt))} parameters\n")
     print(f"  {'plan':<48} {'predicted peak':>15} {'added FLOPs':>12}  fits")
     for graph_plan in opt.plan:
@@ -130,6 +143,14 @@ def cmd_plan(args):
         print(f"the {here.kind} limit: no {here.kind} plan of these rewrites fits more than {bound_len:,} tokens "
               f"({reach}); at {args.seq:,} tokens no {here.kind} plan peaks below {format_bytes(here.peak_bytes)} "
               f"(static {format_bytes(here.static_bytes)} + {parts}; dominated by {here.dominant})")
+
+
+def _longest(cfg, budget, batch, setup) -> int:
+    """sizing.max_seq_len in `plan`'s second process, its progress bars off (two processes would
+    draw over each other's lines; the first shows a bar while it waits for this one)."""
+    os.environ["TAILORFX_PROGRESS"] = "0"
+    from tailorfx import sizing
+    return sizing.max_seq_len(cfg, budget, batch_size=batch, setup=setup)
 
 
 def cmd_plan_world(args):

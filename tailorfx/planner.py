@@ -64,6 +64,9 @@ class Plan:
     reason: str = ""
     chosen: Optional[Candidate] = None
     runners_up: tuple[Candidate, ...] = ()
+    # the chosen plan's memory estimate at the captured length, under the plan's setup, as the
+    # search predicted it (the static part of the bound reads it: no second trace of the graph)
+    estimate: Optional[memory.MemoryEstimate] = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         s = f"passes={list(self.passes)}" + (f" ({self.reason})" if self.reason else "")
@@ -337,16 +340,16 @@ def plan_for_budget(gm: fx.GraphModule, ctx: PassContext, base: Plan, lowering: 
     cands = budget_candidates(base, blocks, bool(ctx.regions.of_kind("lm_head_loss")), cpu=cpu)
     rewritten: dict = {}      # candidate -> its rewritten graph: the second search predicts the same graphs
     try:
-        chosen, o, others = _search_setup(gm, ctx, cands, opts, setup, lowering, verify, rewritten, cpu)
-        return Plan(chosen.passes, o, f"fits budget {label}", chosen, tuple(others)), None
+        chosen, o, others, est = _search_setup(gm, ctx, cands, opts, setup, lowering, verify, rewritten, cpu)
+        return Plan(chosen.passes, o, f"fits budget {label}", chosen, tuple(others), est), None
     except BudgetError:
         if setup is None or setup.optimizer is None or setup.optimizer_in_backward or setup.grad_accum_steps > 1:
             raise
     fused = setup.with_(optimizer_in_backward=True, name=f"{setup.name} + optimizer in backward")
-    chosen, o, others = _search_setup(gm, ctx, cands, opts, fused, lowering, verify, rewritten, cpu)   # raises if none fits
+    chosen, o, others, est = _search_setup(gm, ctx, cands, opts, fused, lowering, verify, rewritten, cpu)   # raises if none fits
     reason = (f"fits budget {label} only with the optimizer step in backward: train with "
               f"tailorfx.SetupOptimizer(model.parameters(), opt.setup)")
-    return Plan(chosen.passes, o, reason, chosen, tuple(others)), f"graph {ctx.graph_index}: {reason}"
+    return Plan(chosen.passes, o, reason, chosen, tuple(others), est), f"graph {ctx.graph_index}: {reason}"
 
 
 def _search_setup(gm, ctx: PassContext, cands: list[Candidate], opts: dict, setup, lowering: str, verify: bool,
@@ -376,15 +379,15 @@ def _search_setup(gm, ctx: PassContext, cands: list[Candidate], opts: dict, setu
         flops = cost.recompute_flops(g, as_int, seq.depth.weight if seq.depth is not None else None)
         return with_result(c, est.peak_bytes, flops, budget, headroom), (est, o)
 
-    chosen, (_, o), others = search(cands, evaluate, budget, opts.get("budget_label", ""),
-                                    lambda payload: payload[0].breakdown(), headroom)
+    chosen, (est, o), others = search(cands, evaluate, budget, opts.get("budget_label", ""),
+                                      lambda payload: payload[0].breakdown(), headroom)
     faster = repeat_kv_variant(chosen, opts) if cpu and grouped_query(gm, ctx) else None
     if faster is not None:
-        tried, (_, fo) = evaluate(faster)
+        tried, (fest, fo) = evaluate(faster)
         if tried.fits:
-            return tried, fo, [chosen, *others]
+            return tried, fo, [chosen, *others], fest
         others = [*others, tried]
-    return chosen, o, others
+    return chosen, o, others, est
 
 
 def repeat_kv_variant(c: Candidate, opts: dict) -> Optional[Candidate]:

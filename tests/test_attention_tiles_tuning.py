@@ -39,6 +39,7 @@ def test_sixteen_bit_candidates_hold_at_least_64_rows():
     narrow = flash_tiles.candidates("dq", "bf16", 128, "full", 80, is_plain=False)
     assert kept("dq", narrow) == [32]
     assert flash_tiles.candidates("fwd", "fp32", 128, "full") == [Tiles(16, 16)]   # FMAs: one, small
+    assert flash_tiles.candidates("dkdv", "bf16", 256, "full") == [Tiles(32, 16)]   # past 128: the 4-warp tiles
 
 
 def test_the_key_names_the_form_and_buckets_the_length():

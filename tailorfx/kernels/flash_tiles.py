@@ -7,10 +7,11 @@ compiles them all with ptxas). 16-bit candidates on sm90 hold at least 64 rows p
 (queries in the forward and dq, keys in dk/dv), so its dots can run as wgmma; the dk/dv kernel
 holds four (keys x head dim) tiles, so its query sub-tile stays small. sm80's mma.sync has no
 64-row minimum, and there, at head dim 128, a form with documents, a soft-cap or a key bias
-spills at 64 rows in dq and dk/dv: those fall back to 32-row tiles. fp32 runs IEEE dots on FMAs (exact),
-where small tiles are faster and a single candidate is kept. Dilated attention (strided gathers,
-one launch per branch) and BigBird (a block-mask lookup per element, which spills at 64 rows)
-keep the 4-warp tiles of `flash_attention.default_blocks`: one candidate, untuned.
+spills at 64 rows in dq and dk/dv: those fall back to 32-row tiles. fp32 runs IEEE dots on
+FMAs (exact), where small tiles are faster and a single candidate is kept. Dilated attention
+(strided gathers, one launch per branch), BigBird (a block-mask lookup per element, which spills
+at 64 rows) and head dims over 128 keep the 4-warp tiles of `flash_attention.default_blocks`:
+one candidate, untuned.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def candidates(role: str, dtype: str, head_dim: int, mask: str, arch: int = 90, 
     """The tiles `role`'s kernel may run with on sm`arch`, the default first."""
     if role not in ROLES:
         raise ValueError(f"flash attention kernel {role!r}: one of {list(ROLES)}")
-    if dtype == "fp32" or mask in ("dilated", "bigbird"):   # the 4-warp tiles every form compiles at
+    if dtype == "fp32" or mask in ("dilated", "bigbird") or head_dim > 128:   # 4 warps, every form
         from tailorfx.kernels.flash_attention import default_blocks
         bm, bn, bm2, bn2 = default_blocks(dtype, head_dim, mask)
         return [Tiles(bm2, bn2) if role == "dkdv" else Tiles(bm, bn)]
