@@ -233,13 +233,10 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         gs = self.session.graphs
         if len(gs) != 1 or gs[0].failed or self.session.parallel is not None:
             return None
-        # the static part at the captured length (static bytes do not follow the length): the
-        # planner's estimate of the plan when it made one under this setup, else the trace the
-        # lowering kept; and the device's terms at one token
-        setup = self.setup
-        planned = gs[0].plan.estimate if gs[0].plan is not None else None
+        # the static part (not a function of the length): the planner's estimate under this setup, else a trace
+        setup, planned = self.setup, gs[0].plan.estimate if gs[0].plan is not None else None
         est = planned if planned is not None and planned.setup == setup else self.predict_memory()
-        fixed = est.static_bytes + (setup.device.bytes(1) if setup.device is not None else 0)
+        fixed = est.static_bytes + (setup.device.bytes(1) if setup.device is not None else 0)   # device: 1 token
         # a GPU's plans may keep checkpoints in host memory (the planner's last candidate there)
         if offload is None:
             offload = self.options.options_dict().get("offload") is not None or not planner.plans_for_cpu(
