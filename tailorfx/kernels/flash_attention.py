@@ -957,9 +957,9 @@ def _launch_fwd(kern, call, options, q, k, v, out, lse, *extra):
 
 
 def _launch_dq(kern, call, options, q, k, v, dout, lse, delta, dq, *extra):
-    c = _Cfg(kern.spec)
+    rows = kern.spec.get("dq_block_m") or kern.spec["block_m"]   # named only where it differs
     mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "dq")
-    kern.fn("attn_bwd_dq")[(_cdiv(call.seq, c.dq_block_m), call.batch * call.heads)](
+    kern.fn("attn_bwd_dq")[(_cdiv(call.seq, rows), call.batch * call.heads)](
         q, k, v, dout, lse, delta, dq, *extra, *mode, call.scale, call.seq, call.heads, **options)
 
 
