@@ -719,13 +719,12 @@ def _explicit(blocks: Sequence[int]) -> dict:
 
 
 def _defaults(static: tuple, device, seq_len: int) -> dict:
-    """Each kernel's starting tiles: under the interpreter `default_blocks` (4 warps); on a GPU
-    the remembered choice for the key, else the first candidate (timed later by the launch)."""
-    if interpreted() or getattr(device, "type", device) != "cuda":
-        bm, bn, bm2, bn2 = default_blocks(static[0], static[1], static[3])
-        return {"fwd": Tiles(bm, bn), "dq": Tiles(bm, bn), "dkdv": Tiles(bm2, bn2)}
+    """Each kernel's starting tiles (flash_tiles.choose, untimed): under the interpreter
+    `default_blocks`' (4 warps); on a GPU the remembered choice for the key, else the first
+    candidate (timed later by the launch)."""
     from tailorfx.kernels import flash_tiles
-    return {r: flash_tiles.choose(r, static, seq_len, device, None) for r in flash_tiles.ROLES}
+    where = "interpreter" if interpreted() else device   # which runs `small`'s tiles whatever the device
+    return {r: flash_tiles.choose(r, static, seq_len, where, None) for r in flash_tiles.ROLES}
 
 
 def _flat_tiles(tiles: dict) -> tuple:

@@ -64,9 +64,7 @@ def candidates(role: str, dtype: str, head_dim: int, mask: str, arch: int = 90, 
     if role not in ROLES:
         raise ValueError(f"flash attention kernel {role!r}: one of {list(ROLES)}")
     if dtype == "fp32" or mask in ("dilated", "bigbird") or head_dim > 128:   # 4 warps, every form
-        from tailorfx.kernels.flash_attention import default_blocks
-        bm, bn, bm2, bn2 = default_blocks(dtype, head_dim, mask)
-        return [Tiles(bm2, bn2) if role == "dkdv" else Tiles(bm, bn)]
+        return [small(role, dtype, head_dim, mask)]
     entries = _HALF[64 if head_dim <= 64 else 128][role][80 if arch < 90 else 90]
     out = []
     for e in entries:
@@ -76,8 +74,12 @@ def candidates(role: str, dtype: str, head_dim: int, mask: str, arch: int = 90, 
     return out
 
 
-def default(role: str, dtype: str, head_dim: int, mask: str, arch: int = 90, is_plain: bool = True) -> Tiles:
-    return candidates(role, dtype, head_dim, mask, arch, is_plain)[0]
+def small(role: str, dtype: str, head_dim: int, mask: str) -> Tiles:
+    """`role`'s 4-warp tiles of `flash_attention.default_blocks`: the interpreter's, and on a GPU
+    the one candidate of the forms that are not tuned."""
+    from tailorfx.kernels.flash_attention import default_blocks
+    bm, bn, bm2, bn2 = default_blocks(dtype, head_dim, mask)
+    return Tiles(bm2, bn2) if role == "dkdv" else Tiles(bm, bn)
 
 
 def bucket(seq_len: int) -> int:
@@ -105,11 +107,11 @@ def arch_of(device) -> int:
 def choose(role: str, static: tuple, seq_len: int, device, run: Optional[Callable[[Tiles], None]],
            timer: Optional[Callable] = None) -> Tiles:
     """`role`'s tiles for this call: on CUDA the fastest candidate for its key, timed by `run`
-    the first time the key is seen (None: not timed now, the remembered choice or the default);
-    elsewhere (the interpreter) the default."""
+    the first time the key is seen (None: not timed now, the remembered choice or the first
+    candidate); off CUDA (Triton's interpreter), `small`'s."""
     dtype, head_dim, mask = static[0], static[1], static[3]
     if getattr(device, "type", device) != "cuda":
-        return default(role, dtype, head_dim, mask)
+        return small(role, dtype, head_dim, mask)
     arch = arch_of(device)
     cands = candidates(role, dtype, head_dim, mask, arch, plain(static))
     k = key(role, arch, static, seq_len)
