@@ -75,7 +75,8 @@ def parallelize(model: nn.Module, spec: ParallelSpec, args: tuple, kwargs: dict,
     plan, blocks = plan_tensor_parallel(model, args, kwargs) if spec.tp > 1 or spec.pp == 1 else (None, [])
     styles, head = {}, None
     if spec.tp > 1:     # first: the pipeline cuts the sharded model's graph
-        styles, head = apply_tensor_parallel(model, spec=spec, plan=plan, mesh=mesh["tp"])
+        styles, head = apply_tensor_parallel(model, spec=spec, plan=plan, mesh=mesh["tp"],
+                                             skip_logits=skips_logits(spec, passes, options))
     chunked = chunk_mlps(model, plan.mlps, options) if spec.tp > 1 and spec.pp == 1 and "minisequence" in passes else []
     dp_group, dp_rank = None, 0
     if spec.sp == "ulysses":
@@ -105,12 +106,20 @@ def parallelize(model: nn.Module, spec: ParallelSpec, args: tuple, kwargs: dict,
     return ParallelPlan(report, runtime, prediction)
 
 
-def apply_tensor_parallel(model: nn.Module, *, spec: ParallelSpec, plan: TPPlan,
-                          mesh) -> tuple[dict[str, str], Optional[VocabHead]]:
+def apply_tensor_parallel(model: nn.Module, *, spec: ParallelSpec, plan: TPPlan, mesh,
+                          skip_logits: bool = False) -> tuple[dict[str, str], Optional[VocabHead]]:
     """The plan's styles on the tp `mesh` (the LM head's as head_style(spec) says); returns them
-    and the vocab-parallel head, if any."""
+    and the vocab-parallel head, if any (`skip_logits`: its logits not built in training)."""
     styles = tp_styles(plan, spec.tp, head_style(spec))
-    return styles, shard_model(model, styles=styles, mesh=mesh, head_loss=plan.head_loss, vocab_loss=spec.vocab_loss)
+    return styles, shard_model(model, styles=styles, mesh=mesh, head_loss=plan.head_loss, vocab_loss=spec.vocab_loss,
+                               skip_logits=skip_logits)
+
+
+def skips_logits(spec: ParallelSpec, passes: tuple, options: Optional[dict]) -> bool:
+    """Whether a fused vocab-parallel head skips its logits in training with labels: under the
+    mini-sequence rewrite, as on one device (logits=None; keep_logits=True keeps them), where one
+    call runs the whole model (not pipeline stages, whose step graph fuses the head itself)."""
+    return spec.pp == 1 and "minisequence" in passes and not (options or {}).get("keep_logits")
 
 
 def apply_ulysses(model: nn.Module, *, mesh) -> tuple[Any, int]:
@@ -333,8 +342,15 @@ class ParallelRuntime:
                 out = model(*args, **kwargs)
         finally:
             fused = fused_loss is not None and fused_loss.last_fused
+            skipped = fused_loss is not None and fused_loss.skipped
             if fused_loss is not None:
                 fused_loss.clear()
+        if skipped:
+            if not fused:   # the model's own loss read the empty logits: never return that
+                raise RuntimeError("the vocab-parallel LM head computed no logits for the fused loss, but the model's "
+                                   "loss did not take it (its logits are not the head's output as planned); use "
+                                   "optimize(..., keep_logits=True)")
+            out["logits"] = None   # as on one device: the head is fused with the loss in training
         loss = getattr(out, "loss", None)
         if loss is not None and loss.requires_grad and not fused:
             out["loss"] = self.head.scope.enter_on_backward(loss)

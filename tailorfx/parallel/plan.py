@@ -71,7 +71,9 @@ def tp_styles(plan: TPPlan, tp: int, head: str) -> dict[str, str]:
     if head == "sequence":
         if plan.sequence_error:
             raise SequenceParallelError(plan.sequence_error)
-        return {**plan.styles, **plan.sequence}
+        split = {f: f"rowwise_{st}" for f, st in plan.sequence.items()
+                 if st.startswith("embedding_to_sequence") and plan.styles.get(f) == "rowwise_embedding"}
+        return {**plan.styles, **plan.sequence, **split}
     if head == "gather":
         return {f: ("colwise_gather_output" if s == "colwise_vocab_parallel" else s) for f, s in plan.styles.items()}
     return dict(plan.styles)

@@ -31,21 +31,22 @@ class VocabHead:
 
 
 def shard_model(model: nn.Module, *, styles: dict[str, str], mesh, head_loss: Any, vocab_loss: str = "fused",
-                scatter: bool = True) -> Optional[VocabHead]:
+                scatter: bool = True, skip_logits: bool = False) -> Optional[VocabHead]:
     """Shard `model` in place by `styles` (plan.tp_styles) on the tp `mesh`; a vocab-parallel head
     then gets its loss scope and, as `vocab_loss` asks, its loss fused with it (fuse_head_loss,
-    `head_loss` the plan's). Returns that head, or None. `scatter`: as runtime.apply_tp's."""
+    `head_loss` the plan's; `skip_logits`: no logits in training with labels). Returns that head,
+    or None. `scatter`: as runtime.apply_tp's."""
     apply_tp(model, styles=styles, mesh=mesh, scatter=scatter)
     head = next((f for f, st in styles.items() if st.startswith("colwise_vocab_parallel")), None)
     if head is None:
         return None
     # the scope's hook before the fused loss's: the loss must see the head's output as the caller does
     scope = apply_loss_parallel(model, head=head)
-    fused, note = fuse_head_loss(model, head, head_loss, vocab_loss)
+    fused, note = fuse_head_loss(model, head, head_loss, vocab_loss, skip_logits)
     return VocabHead(head, scope, fused, note)
 
 
-def fuse_head_loss(model: nn.Module, head: str, transform: Any, choice: str = "fused"):
+def fuse_head_loss(model: nn.Module, head: str, transform: Any, choice: str = "fused", skip_logits: bool = False):
     """Give the vocab-parallel `head`'s loss the fused form (runtime/vocab_parallel.py) when the
     graph shows it computes one (`transform`: the plan's (softcap, scale), else why not); returns
     it (or None) and a line for the report."""
@@ -57,10 +58,12 @@ def fuse_head_loss(model: nn.Module, head: str, transform: Any, choice: str = "f
     rows = mod.weight.to_local().shape[0] if hasattr(mod.weight, "to_local") else mod.weight.shape[0]
     chunks = auto_chunks(rows, mod.weight.shape[1])   # a chunk's logits <= its hidden states
     softcap, scale = transform
-    fused = install_fused_loss(model, head=head, num_chunks=chunks, logit_softcap=softcap, logit_scale=scale)
+    fused = install_fused_loss(model, head=head, num_chunks=chunks, logit_softcap=softcap, logit_scale=scale,
+                               skip_logits=skip_logits)
     if fused is None:
         return None, "loss under DTensor's loss_parallel: the model's loss is not transformers' ForCausalLMLoss"
-    return fused, f"loss fused with it ({chunks} row chunks, no logits-sized tensor kept for backward)"
+    return fused, (f"loss fused with it ({chunks} row chunks, no logits-sized tensor kept for backward"
+                   + ("; logits=None in training with labels, no logits shard built)" if skip_logits else ")"))
 
 
 CHUNKED_MLP = "sequence chunks, each checkpointed (its intermediates one chunk's at a time, in forward and backward)"

@@ -51,7 +51,8 @@ class Group:
 @dataclass
 class TPPlan:
     """Module fqn -> "colwise" | "rowwise" | "sharded_input:D" | the head's "colwise_vocab_parallel"
-    (it feeds a loss) or "colwise_gather_output"; the rest stays replicated."""
+    (it feeds a loss) or "colwise_gather_output" | the token embedding's "rowwise_embedding" (split
+    by vocabulary where the head is); the rest stays replicated."""
     styles: dict[str, str]
     groups: list[Group]
     replicated: dict[str, str]    # linear fqn -> why it is not sharded
@@ -317,6 +318,8 @@ def infer_tp_plan(gm: fx.GraphModule, example_inputs: list, model: torch.nn.Modu
             styles[linears[head]] = "colwise_vocab_parallel" if head_loss else "colwise_gather_output"
         else:
             replicated[owner[head]] = tied or "its weight is not an nn.Linear's"
+        if owner[head] in [f for f, st in styles.items() if st.startswith("colwise")]:
+            styles.update(_vocab_embedding(gm, model))
     return TPPlan(styles, groups, {k: v for k, v in replicated.items() if k not in styles})
 
 
@@ -343,6 +346,19 @@ def _inner_params(gm: fx.GraphModule, group: Group, names: dict) -> tuple[dict[s
             return {}, f"its sharded features meet {name} in {mod}, which also computes outside them"
         styles[mod] = f"sharded_input:{dim}"
     return styles, None
+
+
+def _vocab_embedding(gm: fx.GraphModule, model: torch.nn.Module) -> dict[str, str]:
+    """Where the LM head is split by vocabulary, the token embedding is too ("rowwise_embedding":
+    each rank looks up the rows it holds, the outputs summed): an nn.Embedding the graph looks
+    tokens up in whose weight no other module shares."""
+    mods = dict(model.named_modules())
+    for n in gm.graph.nodes:
+        if match.op_name(n) == "embedding" and any(is_param(a) for a in n.all_input_nodes):
+            path = (module_paths(n) or [""])[-1]
+            if isinstance(mods.get(path), torch.nn.Embedding) and _tied(model, path) is None:
+                return {path: "rowwise_embedding"}
+    return {}
 
 
 def _tied(model: torch.nn.Module, fqn: str) -> Optional[str]:

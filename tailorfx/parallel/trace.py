@@ -188,7 +188,9 @@ def _capture_on(src, *, tp, rows, seq, head, vocab_loss, dtype, mesh, passes, op
             plan = read_tp_plan(src, dtype, model)
             # as the rank's model is sharded (apply.py), without the scatter from rank 0
             vocab = shard_model(model, styles=tp_styles(plan, tp, head), mesh=mesh, head_loss=plan.head_loss,
-                                vocab_loss=vocab_loss, scatter=False)
+                                vocab_loss=vocab_loss, scatter=False,
+                                skip_logits=not cut and "minisequence" in passes
+                                and not dict(options or ()).get("keep_logits"))
             if vocab is not None:
                 scope = loss_parallel
             if "minisequence" in passes and not cut:     # as the rank's model runs its MLPs (apply.py)
@@ -381,10 +383,53 @@ def _recompute_first(bw: fx.GraphModule, group: dict, hold_inputs: bool = False)
                 and all(order[a] < order[anchor] or a in moved for a in n.all_input_nodes)):
             anchor.prepend(n)
             moved.add(n)
+    _chunks_run_again(bw, group, forward)
     if hold_inputs:
         _hold_block_inputs(bw, part, group, forward)
     bw.graph.lint()
     bw.recompile()
+
+
+def _chunks_run_again(bw: fx.GraphModule, group: dict, forward: set) -> None:
+    """A checkpointed chunk inside a recomputed block runs twice in torch's backward: once in the
+    block's forward run again (its output feeds the block's later ops; its intermediates are freed
+    at once, its own checkpoint saving only its input), then again when its backward starts.
+    AOTAutograd recomputes it once and keeps the intermediates for the chunk's backward: each
+    such op (PREFER_RECOMPUTE, read by the block's other recomputed ops) gets a copy, placed
+    before the first gradient op that reads it, which those gradient ops read instead."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    chunk = {n for n in forward if n.op == "call_function"
+             and n.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE}
+    needed: set = set()     # chunk ops the block's forward run reads (through other chunk ops)
+    for n in reversed(list(bw.graph.nodes)):
+        if n in chunk and any(u in forward and (u not in chunk or u in needed) for u in n.users):
+            needed.add(n)
+    order = {n: i for i, n in enumerate(bw.graph.nodes)}
+    late = {n: [u for u in n.users if u not in forward or (u in chunk and u not in needed)] for n in needed}
+    again, todo = set(), [n for n in needed if late[n]]
+    while todo:     # and the chunk ops they read
+        n = todo.pop()
+        if n not in again:
+            again.add(n)
+            todo += [a for a in n.all_input_nodes if a in needed]
+    runs: dict = {}
+    for n in sorted(again, key=order.get):
+        runs.setdefault(n.meta.get("ac_graph_id"), []).append(n)
+    for ops in runs.values():
+        anchor = min((u for n in ops for u in late[n]), key=order.get)
+        if any(order[a] >= order[anchor] for n in ops for a in n.all_input_nodes if a not in ops):
+            continue    # the chunk's inputs come later than its backward: left as traced
+        copies: dict = {}
+        with bw.graph.inserting_before(anchor):
+            for n in ops:
+                c = copies[n] = bw.graph.node_copy(n, lambda a: copies.get(a, a))
+                c.meta = dict(n.meta)
+                forward.add(c)
+                if n in group:
+                    group[c] = group[n]
+        for n in ops:
+            for u in late[n]:
+                u.replace_input_with(n, copies[n])
 
 
 def _hold_block_inputs(bw: fx.GraphModule, part: dict, group: dict, forward: set) -> None:

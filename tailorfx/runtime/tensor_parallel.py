@@ -29,6 +29,9 @@ STYLES = {
     # with the head (runtime/vocab_parallel.py) or runs under loss_parallel (LossParallelScope):
     # no rank ever holds the whole logits
     "colwise_vocab_parallel": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    # the token embedding where the head is split by vocabulary: each rank holds and looks up its
+    # rows of the table, and the outputs are summed (as torchtitan shards tok_embeddings)
+    "rowwise_embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
 }
 
 
@@ -88,6 +91,9 @@ SEQUENCE_STYLES = {
     # a row-parallel linear that returns the stream: reduce-scatter instead of all-reduce
     "rowwise_to_sequence": lambda d: RowwiseParallel(output_layouts=Shard(d), use_local_output=False),
     # the token embedding (replicated): its output split, each rank keeps its slice
+    # the same, split by vocabulary: the looked-up rows reduce-scattered onto the stream's shards
+    "rowwise_embedding_to_sequence": lambda d: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(d),
+                                                               use_local_output=False),
     "embedding_to_sequence": lambda d: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(d),
                                                            use_local_output=False),
     # the LM head: the sequence gathered on entry, then as without sp

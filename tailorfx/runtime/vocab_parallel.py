@@ -138,7 +138,7 @@ class FusedVocabParallelLoss:
     the head's last output (through `steps` ops of the soft-cap or scale) go to `original`."""
 
     def __init__(self, head: nn.Module, original, *, num_chunks: int, logit_softcap: Optional[float] = None,
-                 logit_scale: Optional[float] = None):
+                 logit_scale: Optional[float] = None, model: Optional[nn.Module] = None):
         from torch.distributed.tensor import DTensor, Shard
         weight = head.weight
         if not isinstance(weight, DTensor) or getattr(head, "bias", None) is not None:
@@ -155,16 +155,38 @@ class FusedVocabParallelLoss:
         self.fused = 0          # calls that ran fused (the tests' proof that it fired)
         self.unfused = 0
         self.last_fused = False
+        self.skip = self.skipped = False   # this call's head computes no logits / computed none
         self._hidden = self._out_ref = self._out_fn = None
+        if model is not None:    # skip_logits: in training with labels the head gets no rows
+            model.register_forward_pre_hook(self._decide, with_kwargs=True)
+        head.register_forward_pre_hook(self._take)
         head.register_forward_hook(self._remember)
 
-    def _remember(self, mod, args, out):
+    def _decide(self, model, args, kwargs):
+        """Before each call of the model: the logits are skipped in training with labels (as on one
+        device, Liger's skip_logits), where this loss, fed by the head's input, replaces them."""
+        self.skip = bool(model.training and torch.is_grad_enabled() and kwargs.get("labels") is not None)
+        self.skipped = False
+
+    def _take(self, mod, args):
+        """The head's input, kept for the loss; where logits are skipped the head is given one
+        position of each row (B, 1, H), so no logits shard is built (DTensor's view rules divide by
+        a zero-sized dim: one position, not none)."""
         self._hidden = args[0]
+        if self.skip and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:
+            self.skipped = True
+            return (args[0][..., :1, :], *args[1:])
+        return None
+
+    def _remember(self, mod, args, out):
+        if self.skipped:   # the stand-in logits carry no gradient: none reaches the head's rows or input
+            return out.detach()
         if torch.compiler.is_compiling():       # a trace for the memory model: _from_head reads no more
-            return
+            return None
         # the output's identity and autograd node, not the output: holding it would keep the head's
         # logits alive through a soft-cap or scale until the loss (one logits shard more at the peak)
         self._out_ref, self._out_fn = weakref.ref(out), out.grad_fn
+        return None
 
     def clear(self) -> None:
         """Drop the references the hook took (called after each forward)."""
@@ -173,7 +195,9 @@ class FusedVocabParallelLoss:
     def _from_head(self, logits) -> bool:
         if self._hidden is None:
             return False
-        if torch.compiler.is_compiling():       # a trace for the memory model: the plan's graph says so
+        # a trace for the memory model (the plan's graph says so), or a call whose head computed only
+        # the stand-in: the model's logits can come from nothing else
+        if torch.compiler.is_compiling() or self.skipped:
             return True
         if self._out_ref is None:
             return False
@@ -222,9 +246,11 @@ class FusedVocabParallelLoss:
 
 
 def install_fused_loss(model: nn.Module, *, head: str, num_chunks: int, logit_softcap: Optional[float] = None,
-                       logit_scale: Optional[float] = None) -> Optional[FusedVocabParallelLoss]:
+                       logit_scale: Optional[float] = None, skip_logits: bool = False) -> Optional[FusedVocabParallelLoss]:
     """Give `model` (a Hugging Face causal LM whose `head` is vocab-parallel) the fused loss; None
-    when its loss is not the default causal-LM cross-entropy (then loss_parallel stays)."""
+    when its loss is not the default causal-LM cross-entropy (then loss_parallel stays).
+    `skip_logits`: in training with labels the head computes no logits (the caller returns
+    logits=None)."""
     try:
         from transformers.loss.loss_utils import ForCausalLMLoss
     except ImportError:
@@ -232,6 +258,7 @@ def install_fused_loss(model: nn.Module, *, head: str, num_chunks: int, logit_so
     if getattr(model, "loss_function", None) is not ForCausalLMLoss:
         return None
     loss = FusedVocabParallelLoss(dict(model.named_modules())[head], model.loss_function, num_chunks=num_chunks,
-                                  logit_softcap=logit_softcap, logit_scale=logit_scale)
+                                  logit_softcap=logit_softcap, logit_scale=logit_scale,
+                                  model=model if skip_logits else None)
     model.loss_function = loss
     return loss

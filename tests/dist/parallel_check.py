@@ -29,9 +29,12 @@ def main(run: str, tp: int, dp: int) -> int:
     tokens = next((int(f[1:]) for f in flags if f[:1] == "s" and f[1:].isdigit()), 128)
     # ":l4": that many blocks (under recompute a rank keeps one block's activations and every block's input)
     layers = next((int(f[1:]) for f in flags if f[:1] == "l" and f[1:].isdigit()), 2)
+    # ":h256": that hidden size
+    hidden = next((int(f[1:]) for f in flags if f[:1] == "h" and f[1:].isdigit()), None)
     family, _, sp = spec.partition("+")
     family, untied = family.removesuffix("-untied"), family.endswith("-untied")   # "gemma2-untied": its own head
-    kw = dict(vocab_size=vocab, num_layers=layers, **({"tie_word_embeddings": False} if untied else {}))
+    kw = dict(vocab_size=vocab, num_layers=layers, **({"tie_word_embeddings": False} if untied else {}),
+              **({"hidden_size": hidden} if hidden else {}))
     torch.manual_seed(0)
     ref = hf_family(family, **kw)
     model = hf_family(family, **kw)
@@ -49,7 +52,7 @@ def main(run: str, tp: int, dp: int) -> int:
                             parallel=layout, budget=budget, optimizer=None if budget else "adamw",
                             minisequence_chunks=2 if "ms" in flags else None)
     # whether the head's own output (before a soft-cap or scale) is still held when the loss runs
-    head_out, held_at_loss = [], []
+    head_out, held_at_loss, logits_none = [], [], []
     hook = model.lm_head.register_forward_hook(lambda m, a, o: head_out.append(weakref.ref(o)))
     head = opt.session.parallel.runtime.head
     fused = head.fused if head is not None else None
@@ -61,7 +64,10 @@ def main(run: str, tp: int, dp: int) -> int:
     for _ in range(2):     # twice: the second step must not see state the first one left
         for p in model.parameters():
             p.grad = None
-        loss = opt(input_ids=rows, labels=rows).loss
+        step = opt(input_ids=rows, labels=rows)
+        logits_none.append(step.logits is None)
+        loss = step.loss
+        del step
         loss.backward()
     hook.remove()
     if fused is not None:
@@ -94,7 +100,7 @@ def main(run: str, tp: int, dp: int) -> int:
     write({"rank": rank, "family": family, "ok": bool(ok), "loss": float(full_loss),
            "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": num_params,
            "predicted": predicted, "measured": measured, "measured_steps": steps, "bad": bad, "styles": opt.session.parallel.report.styles, "sp": sp, "head": dict(opt.session.parallel.report.describe()).get("lm_head", ""),
-           "head_output_held_at_loss": held_at_loss, "fused_calls": fused.fused if fused else 0, "unfused_calls": fused.unfused if fused else 0,
+           "head_output_held_at_loss": held_at_loss, "logits_none": logits_none, "fused_calls": fused.fused if fused else 0, "unfused_calls": fused.unfused if fused else 0,
            "checkpointed": [b for b, what in opt.session.parallel.report.describe() if what.startswith("recompute:")],
            "budget": budget, "rewrites": list(opt.session.parallel.report.passes),
            # the layout's predicted peak without rewrites (no optimizer state), against which rewrites are measured
@@ -126,7 +132,7 @@ def _peak(model, layout: dict, rows: torch.Tensor, passes: list) -> int:
 _MESHES = itertools.count()
 
 
-if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[-untied][+SP][:loss_parallel][:nomem][:recompute][:ms][:budget60][:vN][:sN][:lN] ...: one launch, several models
+if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[-untied][+SP][:loss_parallel][:nomem][:recompute][:ms][:budget60][:vN][:sN][:lN][:hN] ...: one launch, several models
     failed = sum(main(f, int(sys.argv[1]), int(sys.argv[2])) for f in sys.argv[3:])
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)

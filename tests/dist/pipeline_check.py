@@ -3,6 +3,7 @@ process: the loss and every gradient of the rank's stages (fp32, rtol 1e-4). Wri
 per rank and run to $TAILORFX_RESULTS (results.write); exits 1 on a mismatch."""
 import os
 import sys
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -16,10 +17,12 @@ from results import grad_mismatches, measured_and_predicted, write  # noqa: E402
 
 
 def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1, memory: bool = False,
-         recompute: bool = False, budget60: bool = False, tokens: int = 32) -> int:
-    ref = hf_family(family, num_layers=4, vocab_size=512)
-    model = hf_family(family, num_layers=4, vocab_size=512)
-    ids = torch.randint(0, 512, (dp * microbatches, tokens), generator=torch.Generator().manual_seed(1))
+         recompute: bool = False, budget60: bool = False, tokens: int = 32, vocab: int = 512,
+         hidden: Optional[int] = None) -> int:
+    kw = dict(num_layers=4, vocab_size=vocab, **({"hidden_size": hidden} if hidden else {}))
+    ref = hf_family(family, **kw)
+    model = hf_family(family, **kw)
+    ids = torch.randint(0, vocab, (dp * microbatches, tokens), generator=torch.Generator().manual_seed(1))
     rank = int(os.environ["RANK"])
     pp = int(os.environ["WORLD_SIZE"]) // (tp * dp)
     # mesh (pp, dp, tp): each dp rank runs its own rows through the pipeline; FSDP averages the
@@ -64,7 +67,8 @@ def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1
            "resident": sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in mine.values()),
            "report": str(opt.report()), "sdpa_masks": _sdpa_masks(opt)},
           family, schedule + (":rc" if recompute else "") + (":budget60" if budget60 else "")
-          + (f":s{tokens}" if tokens != 32 else ""), f"{tp}x{dp}")
+          + (f":s{tokens}" if tokens != 32 else "") + (f":v{vocab}" if vocab != 512 else "")
+          + (f":h{hidden}" if hidden else ""), f"{tp}x{dp}")
     return 0 if ok else 1
 
 
@@ -93,15 +97,17 @@ if __name__ == "__main__":     # pipeline_check.py TP[xDP] MICROBATCHES FAMILY:S
     m = int(sys.argv[2])
     # FAMILY:SCHEDULE[:mem][:rc][:budget60][:sN][@TPxDP]: with ":mem", also this rank's measured and
     # predicted peak; ":rc", the MLPs in 2 chunks and each block recomputed; ":budget60", planned under 60%
-    # of the layout's peak without rewrites; ":s256", rows of 256 tokens (default 32);
+    # of the layout's peak without rewrites; ":s256", rows of 256 tokens (default 32); ":v8192", that
+    # vocabulary (default 512); ":h256", that hidden size;
     # "@TPxDP", a layout other than the launch's (one launch, several layouts: a start costs seconds)
     failed = 0
     for run in sys.argv[3:]:
         spec, _, layout = run.partition("@")
         rtp, _, rdp = (layout or f"{tp}x{dp or 1}").partition("x")
         flags = spec.split(":")[2:]
-        tokens = next((int(f[1:]) for f in flags if f[:1] == "s" and f[1:].isdigit()), 32)
+        tokens, vocab, hidden = (next((int(f[1:]) for f in flags if f[:1] == k and f[1:].isdigit()), d)
+                                 for k, d in (("s", 32), ("v", 512), ("h", None)))
         failed += main(*spec.split(":")[:2], m, int(rtp), int(rdp or 1), "mem" in flags, "rc" in flags,
-                       "budget60" in flags, tokens)
+                       "budget60" in flags, tokens, vocab, hidden)
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
