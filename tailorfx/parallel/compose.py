@@ -131,6 +131,9 @@ class _Stage:
     # a zero-bubble input-gradient pass runs with retain_graph (torch's stage_backward_input):
     # the saved tensors a plain backward frees as it goes stay held, at each backward point
     bwd_retained: list = field(default_factory=list)
+    # per backward point, the gradient bytes its op made (a later micro-batch's: each is added into the
+    # held gradient as soon as it is made, so only the running op's are new)
+    bwd_fresh: list = field(default_factory=list)
 
 
 def stage_groups(cap: RankCapture, stage_blocks: list[list[str]]) -> list[set[int]]:
@@ -171,7 +174,8 @@ def stage_profiles(cap: RankCapture, points: list[Point], stage_blocks: list[lis
         largest = int(max((math.prod(s) * b for s, b in shapes), default=0) * ratio)
         largest = max(largest, max((burst[g] for g in gs), default=0))
         wgrad = sum(cap.wgrad[g] for g in gs) if cap.wgrad else 0     # activation gradients: their own dtype
-        out.append(_Stage(gs, fwd, bwd, kept, gbytes, largest, wgrad, retained))
+        fresh = [max(0, g - (bwd[i - 1][1] if i else 0)) for i, (_, g) in enumerate(bwd)]
+        out.append(_Stage(gs, fwd, bwd, kept, gbytes, largest, wgrad, retained, fresh))
     return out
 
 
@@ -223,7 +227,8 @@ def pipeline_walk(stages: list[_Stage], io: list, schedule, rank: int,
                 kept -= st.kept    # this micro-batch's own activations are inside the backward's profile
             profile = st.bwd_retained if a.kind == "I" and st.bwd_retained else st.bwd
             if s in done:      # a later micro-batch: each new gradient is added into the held one
-                ng, g = max(((ng, min(g, st.largest_grad)) for ng, g in profile), key=sum, default=(0, 0))
+                fresh = st.bwd_fresh if len(st.bwd_fresh) == len(profile) else [st.largest_grad] * len(profile)
+                ng, g = max(((ng, min(g, f)) for (ng, g), f in zip(profile, fresh)), key=sum, default=(0, 0))
             else:
                 ng, g = max(profile, key=sum, default=(0, 0))
             if not first_w:
