@@ -413,3 +413,23 @@ def test_planning_a_long_sequence_proves_its_mask_without_an_s_by_s_tensor(layou
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["peak"] < S * S, got           # the S x S boolean mask is not in the rank's step: proved, dropped
     assert got["grew"] < 2**30 // 2, got      # nothing of S x S float32 evaluated
+
+
+@pytest.mark.slow
+def test_plan_world_takes_the_rewrites_a_tp_rank_takes_under_a_budget():
+    """Issue 66's configuration (Qwen2, vocabulary 8192, hidden 256, 2 x 1,024 tokens): under 60% of
+    tp2's peak without rewrites, `plan --world 2` lays out tp2 with mini-sequence and recompute, as
+    optimize(parallel={"tp": 2}, budget=...) does on 2 gloo processes (test_parallel.py's BUDGET_RUNS),
+    at the peak predict_rank_memory gives those rewrites."""
+    from transformers import Qwen2Config
+    from tailorfx.setup import resolve
+    cfg = Qwen2Config(vocab_size=8192, hidden_size=256, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    s = resolve(None, param_dtype=torch.float32, optimizer=None)
+    plain = predict_rank_memory(cfg, tp=2, seq_len=1024, batch_size=2, setup=s, passes=[])
+    tp2 = by_layout(plan_world(cfg, world=2, budget=int(0.6 * plain.peak_bytes), seq_len=1024, batch_size=2,
+                               setup=s))["tp2"]
+    assert tp2.status == "fits" and tp2.passes == ("minisequence", "recompute"), tp2
+    rewritten = predict_rank_memory(cfg, tp=2, seq_len=1024, batch_size=2, setup=s, passes=["minisequence", "recompute"])
+    assert tp2.peak_bytes == rewritten.peak_bytes < 0.6 * plain.peak_bytes
+    assert str(tp2).startswith("tp2 + minisequence+recompute: fits")

@@ -131,8 +131,8 @@ class _Stage:
     # a zero-bubble input-gradient pass runs with retain_graph (torch's stage_backward_input):
     # the saved tensors a plain backward frees as it goes stay held, at each backward point
     bwd_retained: list = field(default_factory=list)
-    # per backward point, the gradient bytes its op made (a later micro-batch's: each is added into the
-    # held gradient as soon as it is made, so only the running op's are new)
+    # per backward point, the new gradient bytes of a later micro-batch (each is added into the held
+    # gradient as soon as it is made, so only the running op's are new)
     bwd_fresh: list = field(default_factory=list)
 
 
@@ -174,7 +174,14 @@ def stage_profiles(cap: RankCapture, points: list[Point], stage_blocks: list[lis
         largest = int(max((math.prod(s) * b for s, b in shapes), default=0) * ratio)
         largest = max(largest, max((burst[g] for g in gs), default=0))
         wgrad = sum(cap.wgrad[g] for g in gs) if cap.wgrad else 0     # activation gradients: their own dtype
-        fresh = [max(0, g - (bwd[i - 1][1] if i else 0)) for i, (_, g) in enumerate(bwd)]
+        # a later micro-batch's new gradient bytes at each point: its part's (a block's, a root's)
+        # largest weight's, or where one op makes several at once (a chunked region's backward: its
+        # weights' gradient buffers) those and a chunk's weight gradient before it is added in. torch
+        # adds each new gradient into the held one as it is made: the stage's largest (the
+        # embedding's) is not new inside a block
+        part = {grp: int(max([math.prod(x) * b for x, b in cap.params[grp]] + [0]) * ratio) for grp in gs}
+        fresh = [part[g] + burst[g] if burst[g] > part[g] else part[g]
+                 for g in (p.group for p in points if p.kind == "b" and p.group in gs)]
         out.append(_Stage(gs, fwd, bwd, kept, gbytes, largest, wgrad, retained, fresh))
     return out
 
