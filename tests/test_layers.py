@@ -113,7 +113,7 @@ def test_no_import_cycle():
 
 
 # tailorfx/parallel/: each module imports only the ones before it (the package's docstring says what each is)
-PARALLEL_ORDER = ("spec", "shapes", "tp_plan", "sequence_plan", "stages", "plan", "shard", "trace", "profile", "compose",
+PARALLEL_ORDER = ("spec", "shapes", "tp_plan", "sequence_plan", "stages", "plan", "shard", "recompute_order", "trace", "profile", "compose",
                   "memory", "fit", "steptime", "calibrate", "world", "apply", "entry")
 
 
