@@ -126,13 +126,11 @@ class _Stage:
     bwd: list
     kept: int
     grads: int
-    largest_grad: int
     wgrad: int = 0      # what a zero-bubble input-gradient pass keeps for the weight pass (beside `kept`)
     # a zero-bubble input-gradient pass runs with retain_graph (torch's stage_backward_input):
     # the saved tensors a plain backward frees as it goes stay held, at each backward point
     bwd_retained: list = field(default_factory=list)
-    # per backward point, the new gradient bytes of a later micro-batch (each is added into the held
-    # gradient as soon as it is made, so only the running op's are new)
+    # per backward point, the most gradient bytes a later micro-batch has new there (stage_profiles)
     bwd_fresh: list = field(default_factory=list)
 
 
@@ -171,8 +169,6 @@ def stage_profiles(cap: RankCapture, points: list[Point], stage_blocks: list[lis
         ratio = setup.grads.itemsize / setup.param_dtype.itemsize
         shapes = [s for g in gs for s in cap.params[g]]
         gbytes = int(sum(math.prod(s) * b for s, b in shapes) * ratio)
-        largest = int(max((math.prod(s) * b for s, b in shapes), default=0) * ratio)
-        largest = max(largest, max((burst[g] for g in gs), default=0))
         wgrad = sum(cap.wgrad[g] for g in gs) if cap.wgrad else 0     # activation gradients: their own dtype
         # a later micro-batch's new gradient bytes at each point: its part's (a block's, a root's)
         # largest weight's, or where one op makes several at once (a chunked region's backward: its
@@ -182,7 +178,7 @@ def stage_profiles(cap: RankCapture, points: list[Point], stage_blocks: list[lis
         part = {grp: int(max([math.prod(x) * b for x, b in cap.params[grp]] + [0]) * ratio) for grp in gs}
         fresh = [part[g] + burst[g] if burst[g] > part[g] else part[g]
                  for g in (p.group for p in points if p.kind == "b" and p.group in gs)]
-        out.append(_Stage(gs, fwd, bwd, kept, gbytes, largest, wgrad, retained, fresh))
+        out.append(_Stage(gs, fwd, bwd, kept, gbytes, wgrad, retained, fresh))
     return out
 
 
@@ -234,8 +230,7 @@ def pipeline_walk(stages: list[_Stage], io: list, schedule, rank: int,
                 kept -= st.kept    # this micro-batch's own activations are inside the backward's profile
             profile = st.bwd_retained if a.kind == "I" and st.bwd_retained else st.bwd
             if s in done:      # a later micro-batch: each new gradient is added into the held one
-                fresh = st.bwd_fresh if len(st.bwd_fresh) == len(profile) else [st.largest_grad] * len(profile)
-                ng, g = max(((ng, min(g, f)) for (ng, g), f in zip(profile, fresh)), key=sum, default=(0, 0))
+                ng, g = max(((ng, min(g, f)) for (ng, g), f in zip(profile, st.bwd_fresh)), key=sum, default=(0, 0))
             else:
                 ng, g = max(profile, key=sum, default=(0, 0))
             if not first_w:
