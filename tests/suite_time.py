@@ -4,6 +4,7 @@ file keeps another test in `make test`, and whose HF families keep one elsewhere
 tests/test_coverage.py fails if a pass or family is left without one. conftest.py marks them slow."""
 
 MOVED = frozenset({
+    "tests/test_depth.py::test_a_shallow_llama_is_the_whole_one_to_the_byte",
     "tests/test_setup.py::test_optimizer_in_backward_trains_to_the_same_weights[dtype1]",
     "tests/test_memory.py::test_eager_step_predicted_as_eager_runs_it[llama-False]",
     "tests/test_setup.py::test_fp32_gradients_of_bf16_weights_are_predicted[16]",
