@@ -334,6 +334,16 @@ def test_chunked_mlp_modules_are_exact_and_run_each_chunk():
     assert calls[-1] == (2, SEQ, 64)
 
 
+def _tagged_backward(g, recomputed: dict):
+    """A backward graph module of `g`: the ops in `recomputed` tagged as AOTAutograd tags recomputed
+    forward ops (with their checkpoint policy), every other op a gradient op."""
+    import torch.fx as fx
+    for n in g.nodes:
+        if n.op == "call_function":
+            n.meta.update(partitioner_tag="is_forward" if n in recomputed else "is_backward", recompute=recomputed.get(n))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
 def test_a_checkpoint_inside_a_block_is_recomputed_where_its_backward_uses_it():
     """The trace runs a checkpointed block's recomputed forward at the start of its backward (torch's
     checkpoint), but an op of a checkpoint inside it (a chunked MLP's chunk, PREFER_RECOMPUTE) where
@@ -349,10 +359,7 @@ def test_a_checkpoint_inside_a_block_is_recomputed_where_its_backward_uses_it():
     chunk = g.call_function(torch.cos, (x,))
     use = g.call_function(torch.add, (block, chunk))
     g.output((grad, use))
-    for n, tag, policy in ((grad, "is_backward", None), (block, "is_forward", CheckpointPolicy.MUST_RECOMPUTE),
-                           (chunk, "is_forward", CheckpointPolicy.PREFER_RECOMPUTE), (use, "is_backward", None)):
-        n.meta.update(partitioner_tag=tag, recompute=policy)
-    bw = fx.GraphModule(torch.nn.Module(), g)
+    bw = _tagged_backward(g, {block: CheckpointPolicy.MUST_RECOMPUTE, chunk: CheckpointPolicy.PREFER_RECOMPUTE})
     recompute_first(bw, {grad: 1, use: 1})
     assert [n.target for n in bw.graph.nodes if n.op == "call_function"] == [torch.sin, torch.neg, torch.cos, torch.add]
 
@@ -371,11 +378,7 @@ def test_a_chunk_the_block_reads_runs_again_before_its_backward():
     grad = g.call_function(torch.neg, (block,))
     chunk_grad = g.call_function(torch.mul, (chunk, grad))
     g.output((chunk_grad,))
-    for n, tag, policy in ((chunk, "is_forward", CheckpointPolicy.PREFER_RECOMPUTE),
-                           (block, "is_forward", CheckpointPolicy.MUST_RECOMPUTE),
-                           (grad, "is_backward", None), (chunk_grad, "is_backward", None)):
-        n.meta.update(partitioner_tag=tag, recompute=policy)
-    bw = fx.GraphModule(torch.nn.Module(), g)
+    bw = _tagged_backward(g, {chunk: CheckpointPolicy.PREFER_RECOMPUTE, block: CheckpointPolicy.MUST_RECOMPUTE})
     group = {chunk: 1, block: 1, grad: 1, chunk_grad: 1}
     recompute_first(bw, group)
     ops = [n for n in bw.graph.nodes if n.op == "call_function"]

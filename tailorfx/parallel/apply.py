@@ -37,7 +37,7 @@ from tailorfx.models.build import fake_copy
 from tailorfx.models.llama import CausalLMOutput
 from tailorfx.parallel.memory import RankPrediction
 from tailorfx.parallel.plan import (accepts_use_cache, describe_rewrites, head_style, plan_tensor_parallel,
-                                    rewrite_step, step_options, tp_styles)
+                                    rewrite_step, skips_logits, step_options, tp_styles)
 from tailorfx.parallel.shard import CHUNKED_MLP, VocabHead, chunk_mlps, shard_model
 from tailorfx.parallel.spec import ParallelSpec, runs_chain
 from tailorfx.parallel.stages import block_costs, stage_blocks
@@ -76,7 +76,7 @@ def parallelize(model: nn.Module, spec: ParallelSpec, args: tuple, kwargs: dict,
     styles, head = {}, None
     if spec.tp > 1:     # first: the pipeline cuts the sharded model's graph
         styles, head = apply_tensor_parallel(model, spec=spec, plan=plan, mesh=mesh["tp"],
-                                             skip_logits=skips_logits(spec, passes, options))
+                                             skip_logits=skips_logits(passes, options, staged=spec.pp > 1))
     chunked = chunk_mlps(model, plan.mlps, options) if spec.tp > 1 and spec.pp == 1 and "minisequence" in passes else []
     dp_group, dp_rank = None, 0
     if spec.sp == "ulysses":
@@ -113,13 +113,6 @@ def apply_tensor_parallel(model: nn.Module, *, spec: ParallelSpec, plan: TPPlan,
     styles = tp_styles(plan, spec.tp, head_style(spec))
     return styles, shard_model(model, styles=styles, mesh=mesh, head_loss=plan.head_loss, vocab_loss=spec.vocab_loss,
                                skip_logits=skip_logits)
-
-
-def skips_logits(spec: ParallelSpec, passes: tuple, options: Optional[dict]) -> bool:
-    """Whether a fused vocab-parallel head skips its logits in training with labels: under the
-    mini-sequence rewrite, as on one device (logits=None; keep_logits=True keeps them), where one
-    call runs the whole model (not pipeline stages, whose step graph fuses the head itself)."""
-    return spec.pp == 1 and "minisequence" in passes and not (options or {}).get("keep_logits")
 
 
 def apply_ulysses(model: nn.Module, *, mesh) -> tuple[Any, int]:

@@ -79,6 +79,13 @@ def tp_styles(plan: TPPlan, tp: int, head: str) -> dict[str, str]:
     return dict(plan.styles)
 
 
+def skips_logits(passes, options: Optional[dict], staged: bool = False) -> bool:
+    """Whether a fused vocab-parallel head skips its logits in training with labels: under the
+    mini-sequence rewrite, as on one device (logits=None; keep_logits=True keeps them), where one
+    call runs the whole model (`staged`: pipeline stages or a chain, whose step graph fuses the head)."""
+    return not staged and "minisequence" in passes and not dict(options or ()).get("keep_logits")
+
+
 def accepts_use_cache(model: nn.Module) -> bool:
     """Whether `model` is a transformers model whose forward takes use_cache."""
     return (getattr(getattr(model, "config", None), "use_cache", None) is not None

@@ -29,7 +29,7 @@ from tailorfx.codegen.lower import partition_for
 from tailorfx.codegen.pipeline import capture_static, loss_only
 from tailorfx.errors import PredictionError
 from tailorfx.models.build import built_on_fake_tensors, fake_copy, fake_mode_of
-from tailorfx.parallel.plan import accepts_use_cache, plan_tensor_parallel, rewrite_step, tp_styles
+from tailorfx.parallel.plan import accepts_use_cache, plan_tensor_parallel, rewrite_step, skips_logits, tp_styles
 from tailorfx.parallel.shard import chunk_mlps, shard_model
 from tailorfx.parallel.stages import StageCosts, block_costs
 from tailorfx.parallel.recompute_order import recompute_first
@@ -190,8 +190,7 @@ def _capture_on(src, *, tp, rows, seq, head, vocab_loss, dtype, mesh, passes, op
             # as the rank's model is sharded (apply.py), without the scatter from rank 0
             vocab = shard_model(model, styles=tp_styles(plan, tp, head), mesh=mesh, head_loss=plan.head_loss,
                                 vocab_loss=vocab_loss, scatter=False,
-                                skip_logits=not cut and "minisequence" in passes
-                                and not dict(options or ()).get("keep_logits"))
+                                skip_logits=skips_logits(passes, options, staged=bool(cut)))
             if vocab is not None:
                 scope = loss_parallel
             if "minisequence" in passes and not cut:     # as the rank's model runs its MLPs (apply.py)
