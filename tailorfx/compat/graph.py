@@ -61,8 +61,13 @@ def op_is_mutable(t) -> bool:
 
 
 def op_returns_alias(t) -> bool:
-    """An overload whose output shares an input's storage (a view or an in-place op)."""
-    return isinstance(t, torch._ops.OpOverload) and any(r.alias_info is not None for r in t._schema.returns)
+    """An overload whose output shares an input's storage (a view or an in-place op; and a
+    functional collective's wait_tensor, which returns the tensor it waited on, though its schema
+    does not say so)."""
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    return (any(r.alias_info is not None for r in t._schema.returns)
+            or (t.namespace == "_c10d_functional" and t._opname == "wait_tensor"))
 
 
 def tailorfx_op_name(t) -> Optional[str]:

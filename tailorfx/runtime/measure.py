@@ -73,7 +73,10 @@ def measure_peak(fn: Callable[[], Any], return_result: bool = False):
 
     Uses the profiler's allocator events, which see Inductor's buffers and custom ops alike (a
     Python dispatch mode would miss them). Memory freed during `fn` that was allocated before it
-    shows as negative, so the result is the high-water mark of the net change.
+    shows as negative, so the result is the high-water mark of the net change. The profiler records
+    the calling thread's events only: a tensor whose last reference a collective library's thread
+    drops (gloo's worker, holding an all-reduce's tensor until it has finished) is never seen
+    freed, so a step under gloo can read high, never low: take the least of several steps.
     """
     gc.collect()
     with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True,

@@ -81,13 +81,10 @@ def main(run: str, tp: int, dp: int) -> int:
         out = opt(input_ids=rows, labels=rows)
         out.loss.backward()
         return out
-    # this rank's forward+backward peak: the memory model against the allocator, the smallest of
-    # three steps, five on a 2 x 2 mesh and under sequence parallelism (on gloo a rank sometimes
-    # holds collective buffers longer: README; with three, a tp x FSDP2 rank once held 2.5% more on
-    # each, on a loaded machine, and a Megatron rank 6% more than predicted on each of three; a chain's
-    # FSDP rank held one to three blocks' gathered parameters more on each of five on a loaded machine,
-    # and a tp rank under recompute one or two activations' all-reduce buffers on each of three:
-    # six steps for those)
+    # this rank's forward+backward peak: the memory model against the allocator, the least of several
+    # steps (runtime.measure.measure_peak: where gloo's worker thread drops an all-reduce's tensor
+    # last, the profiler never sees that free and the step reads high, by up to three hidden states
+    # here); six where the rewrites add collectives, so that one is clean
     repeats = 6 if {"ms", "recompute", "budget60"} & set(flags) else 5 if (tp > 1 and dp > 1) or sp else 3
     steps, predicted = (measured_and_predicted(opt, model, fwd_bwd, repeats=repeats)
                         if memory else ([], None))
@@ -107,8 +104,6 @@ def main(run: str, tp: int, dp: int) -> int:
            "plain_peak": _peak(ref, layout, rows, []) if {"ms", "recompute", "budget60"} & set(flags) else None,
            # one block's gathered parameters: what gloo was measured holding past FSDP2's free
            "block_bytes": sum(p.nbytes for p in ref.model.layers[0].parameters()),
-           # one hidden state of the rank's rows: what gloo's all-reduce was measured holding past its use
-           "hidden_bytes": rows.numel() * ref.config.hidden_size * 4,
            "rewritten": [f"{where}: {what}" for where, what in opt.session.parallel.report.describe()
                          if what.startswith("minisequence:")],
            "resident": sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())}, run)
