@@ -72,8 +72,8 @@ largest shard); under pp the stages differ and the worst stage's rank is reporte
 stage's figures with it.
 
 Not modelled: buffers inside collective libraries (NCCL's live outside the caching allocator;
-gloo on CPU was measured holding 0 to 3 hidden-state-sized temporaries on some ranks under tp, 2%
-of the benchmark's tp=4 peak), FSDP2's MixedPrecisionPolicy (the runtime sets none: gathered
+a gloo step reads 0 to 3 hidden states high on some ranks under tp, frees gloo's worker thread
+made that the profiler does not record: docs/parallel.md), FSDP2's MixedPrecisionPolicy (the runtime sets none: gathered
 parameters are in the setup's parameter dtype), gradient accumulation across steps (a step is
 one micro-batch per rank, or the pipeline's micro-batches), allocator fragmentation (the setup's
 headroom and planner.HEADROOM are kept free).
