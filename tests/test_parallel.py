@@ -253,6 +253,14 @@ def launch(nproc: int, script: str, *args, results=None, timeout: int = 400) -> 
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def within(r: dict, low: float, high: float) -> bool:
+    """Whether a rank's prediction is within low..high of one of its steps' true peak, which lies
+    between the step's measured peak less the bytes it freed unseen and its measured peak (the
+    profiler misses the frees gloo's worker thread makes: tests/dist/results.py)."""
+    return any((1 + low) * (peak - gone) <= r["predicted"] <= (1 + high) * peak
+               for peak, gone in zip(r["measured_steps"], r["unseen"]))
+
+
 def torchrun(tmp_path, nproc: int, script: str, *args, runs: int = 1, timeout: int = 400) -> dict:
     """Run tests/dist/SCRIPT (one launch, several models: each process start costs seconds);
     {(rank, run): result} from the JSON file each rank writes per run, all `runs` of every rank
@@ -299,7 +307,6 @@ def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
         styles = r["styles"]
         assert r["sharded_params"] > 0 and "colwise" in styles.values()
         assert (r["measured"] is None) == run.endswith(":nomem")
-        err = (r["predicted"] - r["measured"]) / r["measured"] if r["measured"] else 0.0
         if styles.get("lm_head", "").startswith("colwise_vocab_parallel"):
             if run.startswith("llama:loss_parallel"):
                 assert r["fused_calls"] == 0 and "loss_parallel" in r["head"], r
@@ -326,10 +333,8 @@ def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
             assert styles["model.embed_tokens"] == "rowwise_embedding_to_sequence:1"   # split by vocabulary
             assert styles["model.norm"] == "sequence_parallel:1"
             assert styles["lm_head"] == "colwise_vocab_parallel_from_sequence:1"
-            # within 5% of the smallest of three measured steps (the memory model on the sharded graph);
-            # gloo's collective buffers put a step up to 5.2% above it at random (more collectives than
-            # tp alone: gathers, reduce-scatters)
-            assert -0.05 <= err <= 0.05, r
+            # within 5% of a measured step (the memory model on the sharded graph)
+            assert within(r, -0.05, 0.05), r
             continue
         assert "rowwise" in styles.values()
         # the token embedding split by vocabulary where the head is
@@ -346,12 +351,11 @@ def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
                 assert r["rewrites"] == (["recompute"] if ":l4" in run else ["minisequence", "recompute"]), r
                 assert r["resident"] + r["measured"] <= r["budget"], r
             # each block's forward run again in its backward, on the sharded graph: within 3% of this
-            # rank's measured peak (the least of six steps), never 2% under
-            assert -0.02 <= err <= 0.03, r
+            # rank's measured peak, never 2% under
+            assert within(r, -0.02, 0.03), r
             continue
-        # the memory model on the sharded graph: within 5% of this rank's measured peak (the smallest
-        # of three steps), never 2% under
-        assert -0.02 <= err <= 0.05, r
+        # the memory model on the sharded graph: within 5% of this rank's measured peak, never 2% under
+        assert r["measured"] is None or within(r, -0.02, 0.05), r
     for rank in range(2):     # the fused loss keeps no logits-sized tensor: below loss_parallel's peak
         fused, lp = rows[(f"rank{rank}", "llama")], rows[(f"rank{rank}", "llama:loss_parallel")]
         assert fused["measured"] < 0.8 * lp["measured"], (fused, lp)
@@ -403,19 +407,19 @@ def test_parallel_auto_lays_out_a_world_and_equals_one_process(tmp_path):
 
 @pytest.mark.multiprocess
 def test_tp2_x_dp2_on_four_processes_equals_one_process(tmp_path):
-    # Qwen3 on a 2 x 2 mesh, then with Megatron's sequence parallelism on its tp dimension
-    # (memory on that one: a prediction is a capture, four processes on two cores); then Llama with
-    # each MLP in sequence chunks and each block checkpointed inside its FSDP unit on the 2 x 2 mesh
-    # then Qwen2 and Llama planned under 60% of the layout's peak without rewrites (issue 66's configuration)
-    rows = torchrun(tmp_path, 4, "parallel_check.py", 2, 2, "qwen3:nomem", "qwen3+megatron", "llama:ms:recompute:s256",
-                    *BUDGET_RUNS, runs=3 + len(BUDGET_RUNS), timeout=1200)
+    # Qwen3 on a 2 x 2 mesh with Megatron's sequence parallelism on its tp dimension; then Llama with
+    # each MLP in sequence chunks and each block checkpointed inside its FSDP unit on the 2 x 2 mesh;
+    # then Qwen2 and Llama planned under 60% of the layout's peak without rewrites (issue 66's
+    # configuration; without sp, every rank exact)
+    rows = torchrun(tmp_path, 4, "parallel_check.py", 2, 2, "qwen3+megatron", "llama:ms:recompute:s256",
+                    *BUDGET_RUNS, runs=2 + len(BUDGET_RUNS), timeout=1200)
     for (_, run), r in rows.items():
         if run in BUDGET_RUNS:
             # mini-sequence (no logits shard, the MLPs in chunks) and recompute, under the budget on every
             # rank, exact (torchrun's check); predicted within -2%..+3% of its least step
             assert r["rewrites"] == ["minisequence", "recompute"] and r["logits_none"] == [True, True], r
             assert r["resident"] + r["measured"] <= r["budget"], r
-            assert -0.02 <= (r["predicted"] - r["measured"]) / r["measured"] <= 0.03, r
+            assert within(r, -0.02, 0.03), r
             continue
         if run.startswith("llama"):
             assert r["checkpointed"] == ["model.layers.0", "model.layers.1"] and r["sharded_params"] > 0, r
@@ -425,14 +429,11 @@ def test_tp2_x_dp2_on_four_processes_equals_one_process(tmp_path):
             assert any(-0.02 <= (r["predicted"] - m) / m <= 0.03 for m in (r["measured"], late)), r
             continue
         assert r["styles"]["model.layers.0.self_attn.q_norm"] == "sharded_input:2"   # per-head norm's grad summed
-        if r["sp"]:
-            assert r["styles"]["model.layers.0.input_layernorm"] == "sequence_parallel:1"
-            # as the dp chain's: on a loaded machine gloo held a block's all-gather output (here its tp
-            # shard) past FSDP2's free in every step (rank 0 3.1% over the prediction, 2026-11-27)
-            late = r["measured"] - r["block_bytes"] // 2
-            assert any(-0.02 <= (r["predicted"] - m) / m <= 0.05 for m in (r["measured"], late)), r
-        else:
-            assert r["measured"] is None
+        assert r["sp"] and r["styles"]["model.layers.0.input_layernorm"] == "sequence_parallel:1"
+        # as the dp chain's: on a loaded machine gloo held a block's all-gather output (here its tp
+        # shard) past FSDP2's free in every step (rank 0 3.1% over the prediction, 2026-11-27)
+        late = r["measured"] - r["block_bytes"] // 2
+        assert any(-0.02 <= (r["predicted"] - m) / m <= 0.05 for m in (r["measured"], late)), r
 
 
 @pytest.mark.multiprocess
@@ -551,8 +552,9 @@ def test_pipeline_schedules_equal_one_process(tmp_path):
     # memory on Llama's runs (each rank's prediction captures the model again: seconds per run)
     # then Llama and Qwen3 under 1F1B with the MLPs in 2 chunks and each block recomputed (":rc")
     runs = [f"{f}:{s}" + (":mem" if f == "llama" else "") for f, s in PIPELINES]
-    runs += ["llama:1f1b:mem:rc", "qwen3:1f1b:rc", "llama:1f1b:mem:rc:s256", "llama:1f1b:mem:budget60:s256"]
-    # and Qwen2 and Llama at issue 66's configuration (1,024 tokens a micro-batch, vocabulary 8192, hidden 256)
+    runs += ["llama:1f1b:mem:rc", "qwen3:1f1b:rc", "llama:1f1b:mem:rc:s256"]
+    # and Qwen2 and Llama planned under a budget at issue 66's configuration (1,024 tokens a
+    # micro-batch, vocabulary 8192, hidden 256)
     runs += [f"{f}:1f1b:mem:{PP_BUDGET}" for f in ("qwen2", "llama")]
     rows = torchrun(tmp_path, 2, "pipeline_check.py", 1, 4, *runs, runs=len(runs), timeout=900)
     for (rank, run), r in rows.items():

@@ -76,8 +76,17 @@ def measure_peak(fn: Callable[[], Any], return_result: bool = False):
     shows as negative, so the result is the high-water mark of the net change. The profiler records
     the calling thread's events only: a tensor whose last reference a collective library's thread
     drops (gloo's worker, holding an all-reduce's tensor until it has finished) is never seen
-    freed, so a step under gloo can read high, never low: take the least of several steps.
+    freed, so a step under gloo can read high, never low: take the least of several steps, or
+    bound what went unseen with peak_and_net.
     """
+    peak, _, result = peak_and_net(fn)
+    return (peak, result) if return_result else peak
+
+
+def peak_and_net(fn: Callable[[], Any]) -> tuple[int, int, Any]:
+    """(peak, net, fn's result): measure_peak's peak, and the bytes the profiler saw allocated in
+    `fn` and not freed. A net above what `fn` leaves (its gradients, its result) is frees another
+    thread made unseen: the true peak lies between peak less that excess and peak."""
     gc.collect()
     with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                                    record_shapes=False) as prof:
@@ -86,4 +95,4 @@ def measure_peak(fn: Callable[[], Any], return_result: bool = False):
     for _, nbytes in compat.profiler_memory_events(prof):
         total += nbytes
         peak = max(peak, total)
-    return (peak, result) if return_result else peak
+    return peak, total, result

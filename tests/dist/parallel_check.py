@@ -14,7 +14,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tailorfx  # noqa: E402
 from models import hf_family  # noqa: E402
-from results import grad_mismatches, measured_and_predicted, write  # noqa: E402
+from results import grad_mismatches, steps_unseen_and_predicted, write  # noqa: E402
 
 
 def main(run: str, tp: int, dp: int) -> int:
@@ -83,11 +83,11 @@ def main(run: str, tp: int, dp: int) -> int:
         return out
     # this rank's forward+backward peak: the memory model against the allocator, the least of several
     # steps (runtime.measure.measure_peak: where gloo's worker thread drops an all-reduce's tensor
-    # last, the profiler never sees that free and the step reads high, by up to three hidden states
-    # here); six where the rewrites add collectives, so that one is clean
+    # last, the profiler never sees that free and the step reads high), and each step's bytes freed
+    # unseen (results.steps_unseen_and_predicted), which bound its true peak from below
     repeats = 6 if {"ms", "recompute", "budget60"} & set(flags) else 5 if (tp > 1 and dp > 1) or sp else 3
-    steps, predicted = (measured_and_predicted(opt, model, fwd_bwd, repeats=repeats)
-                        if memory else ([], None))
+    steps, unseen, predicted = (steps_unseen_and_predicted(opt, model, fwd_bwd, repeats=repeats)
+                                if memory else ([], [], None))
     measured = min(steps) if steps else None
     bad = grad_mismatches(opt.named_parameters(), ref)
     num_params = len(list(opt.named_parameters()))
@@ -96,7 +96,7 @@ def main(run: str, tp: int, dp: int) -> int:
           and num_params == len(list(ref.parameters())))
     write({"rank": rank, "family": family, "ok": bool(ok), "loss": float(full_loss),
            "eager_loss": float(out.loss.detach()), "sharded_params": sharded, "num_params": num_params,
-           "predicted": predicted, "measured": measured, "measured_steps": steps, "bad": bad, "styles": opt.session.parallel.report.styles, "sp": sp, "head": dict(opt.session.parallel.report.describe()).get("lm_head", ""),
+           "predicted": predicted, "measured": measured, "measured_steps": steps, "unseen": unseen, "bad": bad, "styles": opt.session.parallel.report.styles, "sp": sp, "head": dict(opt.session.parallel.report.describe()).get("lm_head", ""),
            "head_output_held_at_loss": held_at_loss, "logits_none": logits_none, "fused_calls": fused.fused if fused else 0, "unfused_calls": fused.unfused if fused else 0,
            "checkpointed": [b for b, what in opt.session.parallel.report.describe() if what.startswith("recompute:")],
            "budget": budget, "rewrites": list(opt.session.parallel.report.passes),

@@ -25,17 +25,37 @@ def measured_and_predicted(opt, model: torch.nn.Module, step: Callable[[], objec
     """This rank's peak over each of `repeats` calls of `step()` (allocator events, its gradients
     cleared first) and the forward+backward peak `opt.predict_memory()` predicts for it; the
     gradients are put back."""
-    import tailorfx
+    steps, _, predicted = steps_unseen_and_predicted(opt, model, step, repeats)
+    return steps, predicted
+
+
+def steps_unseen_and_predicted(opt, model: torch.nn.Module, step: Callable[[], object], repeats: int = 1
+                               ) -> tuple[list[int], list[int], int]:
+    """measured_and_predicted, with each step's bytes freed unseen: what the profiler saw allocated
+    and not freed beyond the gradients and the result the step leaves (frees gloo's worker thread
+    made: runtime.measure.peak_and_net). A step's true peak lies between its peak less those and
+    its peak."""
+    from tailorfx.runtime.measure import peak_and_net
     saved = {n: p.grad for n, p in opt.named_parameters()}
-    measured = []
+    steps, unseen = [], []
     for _ in range(repeats):
         for p in model.parameters():
             p.grad = None
-        measured.append(tailorfx.measure_peak(step))
+        peak, net, result = peak_and_net(step)
+        left = sum(_local(p.grad).nbytes for p in model.parameters() if p.grad is not None)
+        values = result.values() if hasattr(result, "values") else [result]
+        left += sum(_local(t).nbytes for t in values if isinstance(t, torch.Tensor))
+        steps.append(peak)
+        unseen.append(max(0, net - left))
+        del result, values
     predicted = opt.predict_memory().forward_backward_peak_bytes
     for n, p in opt.named_parameters():
         p.grad = saved[n]
-    return measured, predicted
+    return steps, unseen, predicted
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def write(row: dict, *tags: str) -> None:
