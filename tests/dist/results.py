@@ -43,7 +43,7 @@ def steps_unseen_and_predicted(opt, model: torch.nn.Module, step: Callable[[], o
             p.grad = None
         peak, net, result = peak_and_net(step)
         left = sum(_local(p.grad).nbytes for p in model.parameters() if p.grad is not None)
-        values = result.values() if hasattr(result, "values") else [result]
+        values = list(result.values()) if isinstance(result, dict) else [result]   # a ModelOutput, or the loss
         left += sum(_local(t).nbytes for t in values if isinstance(t, torch.Tensor))
         steps.append(peak)
         unseen.append(max(0, net - left))
