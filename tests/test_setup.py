@@ -255,6 +255,26 @@ def test_planner_moves_the_step_into_backward_when_nothing_else_fits():
 
 
 @pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
+def test_max_seq_len_moves_the_step_into_backward_where_only_that_fits_one_token():
+    """pure-bf16 AdamW on a 4-layer Llama: its static part fits 19.2 MiB, but the optimizer step
+    beside every gradient peaks over it at one token (18.77 MiB against 19.2 MiB less 4%). With the
+    step in backward it fits, as the planner plans it: max_seq_len said "even one token does not
+    fit" (and `tailorfx plan` printed that and no plan); it now gives the longest such step, and
+    the planner's plan at that length is the step in backward."""
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+    cfg = HFLlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2)
+    longest = tailorfx.max_seq_len(cfg, "19.2MiB", setup="pure-bf16", granularity=16)
+    assert longest >= 16
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    ids = torch.randint(0, 64, (1, longest))
+    with pytest.warns(UserWarning, match="only with the optimizer step in backward"):
+        opt = tailorfx.optimize(model, budget="19.2MiB", setup="pure-bf16", example_inputs=dict(input_ids=ids, labels=ids))
+    assert opt.setup.optimizer_in_backward
+
+
+@pytest.mark.slow   # make test stays under 10 minutes; make test-slow (CI) runs it
 def test_headroom_and_micro_batch_shorten_max_seq_len():
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
