@@ -157,18 +157,20 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
     def peak(S: int) -> int:
         return opt.predict_memory(S).peak_bytes
 
-    fits, also = [peak] if peak(1) <= usable else [], ""
+    one = peak(1)
+    fits, also = [peak] if one <= usable else [], ""
     if passes is None and s.optimizer is not None and not s.optimizer_in_backward and s.grad_accum_steps == 1:
         # as the planner does when nothing else fits: the optimizer step moved into backward
         fused = s.with_(optimizer_in_backward=True, name=f"{s.name} + optimizer in backward")
 
         def fused_peak(S: int) -> int:
             return opt.predict_memory(S, setup=fused).peak_bytes
-        fits += [fused_peak] if fused_peak(1) <= usable else []
-        also = f"; with the optimizer step in backward {format_bytes(fused_peak(1))}"
+        fused_one = fused_peak(1)
+        fits += [fused_peak] if fused_one <= usable else []
+        also = f"; with the optimizer step in backward {format_bytes(fused_one)}"
     if not fits:
         raise BudgetError(f"even one token does not fit {b} under {s.describe()}: the step peaks at "
-                          f"{format_bytes(peak(1))} ({_parts(opt.predict_memory(1))}){also}", peak(1), "activations")
+                          f"{format_bytes(one)} ({_parts(opt.predict_memory(1))}){also}", one, "activations")
     return max(planner.longest_fitting(f, usable, limit, granularity) for f in fits)
 
 
