@@ -2,9 +2,10 @@
 was made faster (issue 67): every plan's predicted peak and added FLOPs, the chosen plan, the
 longest sequence and the bound with host offload, to the printed digit. The configs are the
 transformers configs benchmarks/paper_table.py builds (tests/goldens/sizing/*.json); the figures
-were printed by the code at 57687a5 (tests/goldens/sizing/figures.json; Gemma-2-9B's config is
-here, its figures not yet recorded: the old code's run took over 40 minutes). Slow: about 2 minutes
-each on 2 cores since the shallow captures (rewrite/depth.py), 8 before."""
+were printed by the code at 57687a5 (tests/goldens/sizing/figures.json), Gemma-2-9B's by the code
+at acb1669, which captured its 42 layers whole (6:41 wall; 57687a5's run ended on an error that
+max_seq_len no longer makes). Slow: about 2 minutes each on 2 cores since the shallow captures
+(rewrite/depth.py), 7-8 before."""
 import json
 import os
 import re

@@ -71,9 +71,10 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     """
     if lowering == "dynamo":
         return _dynamo_graph(with_eager_grouped_mm(gm))
-    if lowering == "eager" and any(isinstance(t, compat.FakeTensor) for t in example_inputs):
+    if lowering in ("eager", "inductor") and any(isinstance(t, compat.FakeTensor) for t in example_inputs):
         # a model on fake tensors (sizing.py builds them) is predicted, never trained: nothing to
-        # compile, the memory model traces the graph itself
+        # compile (Inductor's code would read the fake tensors' memory), the memory model traces
+        # the graph itself, with the lowering's partition and schedule
         return gm.forward
     needs = owned(gm)   # what the graph's code reaches by name at run time (chunked regions)
     split = split_lazy_outputs(gm)

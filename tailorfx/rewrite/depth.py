@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
@@ -20,10 +21,17 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-# families whose composed predictions tests/test_depth.py checks against the whole model's. Not
-# Mistral or Gemma-2: their models make a scalar constant per (sliding-window) layer outside the
-# layers, which no block owns (8 bytes a layer short)
-FAMILIES = ("llama", "qwen2", "qwen3")
+# families whose composed predictions tests/test_depth.py checks against the whole model's
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "mistral")
+
+
+def _cache_outside_blocks(config: Any) -> bool:
+    """Whether a step of `config` builds a KV cache with a tensor per sliding-window layer outside
+    the layers (transformers' DynamicSlidingWindowLayer, with use_cache): no block owns it, so
+    the repeats would miss it (8 bytes a layer)."""
+    types = getattr(config, "layer_types", None)
+    sliding = getattr(config, "sliding_window", None) and (types is None or "sliding_attention" in types)
+    return bool(getattr(config, "use_cache", False) and sliding)
 
 
 class NotComposable(ValueError):
@@ -102,10 +110,11 @@ def period_of(types: Sequence[Any]) -> int:
 
 def reduced(config: Any, sites: int = 1) -> Optional[tuple[Any, Depth]]:
     """(a copy of a transformers config with fewer decoder layers, the Depth it stands for), or
-    None where the family is not one proven alike, its layers do not repeat, or it is already
-    shallow. `sites`: how many runs of three periods the copy keeps (two for plans that
+    None where the family is not one proven alike, its step builds a cache outside the blocks,
+    its layers do not repeat, or it is already shallow. `sites`: how many runs of three periods the copy keeps (two for plans that
     recompute some blocks and not others)."""
-    if getattr(config, "model_type", None) not in FAMILIES or not hasattr(config, "to_dict"):
+    if getattr(config, "model_type", None) not in FAMILIES or not hasattr(config, "to_dict") \
+            or _cache_outside_blocks(config):
         return None
     L = getattr(config, "num_hidden_layers", None)
     types = getattr(config, "layer_types", None)
@@ -150,6 +159,7 @@ class Composed:
     host_peak: int
     extras: list
     hosts: list
+    repeats: dict   # captured point -> how many more times the composed step runs it
 
 
 def compose(points: Sequence[tuple[str, str, int]], extras: Sequence[int], grads: Sequence[int],
@@ -201,7 +211,7 @@ def compose(points: Sequence[tuple[str, str, int]], extras: Sequence[int], grads
             out.append(idx[k])
         out += inserts.get(len(idx), [])
     total = grad = host = 0
-    c = Composed([], [], 0, [], [])
+    c = Composed([], [], 0, [], [], {k: n - 1 for k, n in Counter(out).items() if n > 1})
     for k in out:
         d_total, extra, d_grad, d_host = step[k]
         total, grad, host = total + d_total, grad + d_grad, host + d_host
@@ -246,17 +256,6 @@ def _first(tags: list, blocks: range, start: int) -> Optional[int]:
     return next((k for k in range(start, len(tags)) if tags[k] is not None and tags[k] in blocks), None)
 
 
-def repeated_bytes(depth: Depth, sizes: dict, born: dict, points: Sequence, block: dict) -> int:
-    """Bytes the repeats add of storages `sizes` (storage -> bytes: what a forward saved): each
-    storage made by an op of a repeating middle period, as often as that period repeats."""
-    total = 0
-    for sid, nbytes in sizes.items():
-        k = born.get(sid)
-        b = block.get(points[k][:2]) if k is not None and k < len(points) else None
-        total += nbytes * sum(t for j, t in enumerate(depth.times) if b is not None and b in depth.middle(j))
-    return total
-
-
 def block_tags(steps: Sequence, depth: Depth) -> dict:
     """(phase, node name) -> captured block, for the forward and backward graphs of `steps` as
     memory.simulate_step names their phases."""
@@ -271,6 +270,10 @@ def block_tags(steps: Sequence, depth: Depth) -> dict:
         for phase, g in ((f"backward[{k}]", st.bw), (f"forward[{k}]", st.fw)):
             if g is None:
                 continue
+            sched = st.bw_schedule if phase.startswith("backward") else st.fw_schedule
+            if sched is not None:   # lowered by Inductor: its kernels, by the fx nodes each runs
+                out.update(_kernel_tags(sched, phase, depth))
+                continue
             for n in g.graph.nodes:
                 b = depth.block_of(n)
                 if b is None and n.op in ("call_function", "placeholder"):
@@ -282,6 +285,20 @@ def block_tags(steps: Sequence, depth: Depth) -> dict:
                     saved[n.name] = b
                 else:
                     out[(phase, n.name)] = b
+    return out
+
+
+def _kernel_tags(sched, phase: str, depth: Depth) -> dict:
+    """(phase, kernel) -> captured block, for an Inductor schedule's kernels whose fx nodes are all
+    of one block. A kernel without nodes (a fused C++ kernel on CPU), of several blocks, or whose
+    name recurs (the same code called for each block) is left unattributed: the periods are cut
+    at the attributed ones."""
+    names = Counter(sched.names)
+    out = {}
+    for name, origins in zip(sched.names, sched.origins):
+        blocks = {depth.block_of(o) for o in origins}
+        if names[name] == 1 and len(blocks) == 1 and None not in blocks:
+            out[(phase, name)] = blocks.pop()
     return out
 
 

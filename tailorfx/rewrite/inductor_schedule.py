@@ -38,6 +38,7 @@ class Schedule:
     # memory (an offloaded activation, not in allocs), or None (not a tensor)
     outputs: list[Optional[tuple[str, object]]] = field(default_factory=list)
     output_keys: list[Optional[str]] = field(default_factory=list)   # the buffer behind each output
+    output_steps: list[Optional[int]] = field(default_factory=list)  # the step allocating each output's buffer
     # per step: the inputs (placeholder indices) the generated code drops after it (it clears its
     # boxed argument list; a saved activation then lives only as long as the backward needs it)
     inputs_done: list[list[int]] = field(default_factory=list)
@@ -62,6 +63,7 @@ class _Walk:
         self.out = Schedule(gm=None)
         self.live: dict[str, sympy.Expr] = {}     # the graph's own storages, by the name holding each
         self.host: dict[str, sympy.Expr] = {}     # its storages in host memory (offloaded activations)
+        self.step: dict[str, int] = {}             # the step before whose kernel each storage was allocated
         self.pending = sympy.Integer(0)            # allocated since the last kernel
         self.reused: list[int] = []                # inputs a kernel will overwrite in place
 
@@ -77,6 +79,7 @@ class _Walk:
 
     def alloc(self, name: str, nbytes) -> None:
         self.live[name] = self.live.get(name, sympy.Integer(0)) + nbytes
+        self.step.setdefault(name, len(self.out.names))
         self.pending += nbytes
 
     def free(self, name: str) -> None:
@@ -121,6 +124,7 @@ def _walk(graph, placeholders: dict[str, int]) -> Schedule:
             old, new = line.node.get_name(), line.reused_as.get_name()
             if old in walk.live:
                 walk.live[new] = walk.live.pop(old)
+                walk.step[new] = walk.step.get(old, len(walk.out.names))
             elif old in placeholders:       # an input overwritten in place: its storage is now the output's
                 walk.reused.append(placeholders[old])
                 walk.alloc(new, _storage_bytes(line.reused_as))
@@ -136,6 +140,7 @@ def _walk(graph, placeholders: dict[str, int]) -> Schedule:
                 part = _storage_bytes(graph.get_buffer(line.result_name))
                 walk.live[line.arg_name] -= part
                 walk.live[line.result_name] = part
+                walk.step[line.result_name] = walk.step.get(line.arg_name, len(walk.out.names))
         elif isinstance(line, kernels):
             node = getattr(line, "node", None)
             if isinstance(line, w.ExternKernelAllocLine) or type(line).__name__ == "ExternKernelMultiOutLine":
@@ -157,6 +162,7 @@ def _walk(graph, placeholders: dict[str, int]) -> Schedule:
     real = graph.scheduler.mutation_real_name
     for name in graph.get_output_names():
         name = _real(name, real)
+        out.output_steps.append(walk.step.get(name))
         if name in placeholders:
             out.outputs.append(("input", placeholders[name]))
             out.output_keys.append(name)

@@ -87,6 +87,7 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
     timeline = pool.timeline
     param_bytes = grad_bytes = 0
     saved_total = 0
+    saved_made: dict[int, int] = {}   # timeline point -> bytes saved for backward of the storages it made
     if has_opt and setup.grad_accum_steps > 1:   # gradients of the earlier micro-batches
         grad_bytes = sum(n for n, _ in trained) * setup.grads.itemsize
         pool.alloc(grad_bytes, "accumulated", grad=True)
@@ -99,9 +100,8 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
         saved, user = _forward(pool, st, k, sizer, setup, hold)
         kept = {s for sids in saved.values() for s in sids if s not in pool.host_sids}
         saved_total += sum(pool.bytes.get(s, 0) for s in kept)
-        if depth is not None:   # what each repeated period saves: the storages its ops made
-            saved_total += depth_mod.repeated_bytes(depth, {s: pool.bytes.get(s, 0) for s in kept}, pool.born,
-                                                    timeline.points, tags)
+        for s in kept:
+            saved_made[pool.born[s]] = saved_made.get(pool.born[s], 0) + pool.bytes.get(s, 0)
         pending.append((k, st, saved, user))
     for k, st, saved, user in reversed(pending):
         if st.bw is not None:
@@ -120,6 +120,8 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
         if composed is None:
             raise depth_mod.NotComposable(f"the step's {depth.captured} captured blocks do not repeat alike")
         timeline = Timeline(composed.points, composed.grads, composed.host_peak, composed.extras, composed.hosts)
+        # what each repeated period saves: the storages its ops made, as often as they run again
+        saved_total += sum(nbytes * composed.repeats.get(k, 0) for k, nbytes in saved_made.items())
         period_bytes, period_trained = depth_mod.period_sizes(depth)
         param_bytes += depth.repeats * period_bytes
         trained = trained + period_trained * depth.repeats
@@ -150,6 +152,9 @@ def _depth(seq, steps: Sequence[StepGraphs], setup: TrainingSetup) -> Optional["
     if len(steps) != 1 or setup.grad_accum_steps > 1 or (
             setup.optimizer is not None and not setup.optimizer_in_backward and setup.grads != setup.param_dtype):
         raise depth_mod.NotComposable("the step's setup adds per-gradient work the composition does not repeat")
+    if any(st.fw_schedule is not None and any(o is not None and o[0] == "host" for o in st.fw_schedule.outputs)
+           for st in steps):   # Inductor's code for the shallow graph offloads otherwise than the whole's
+        raise depth_mod.NotComposable("an Inductor step with activations offloaded to host is not composed")
     return depth
 
 

@@ -280,6 +280,7 @@ def run_schedule(g: fx.GraphModule, sched, pool: Pool, env: dict, sizer: Sizer, 
             pool.release(sid, ("input", phase, inputs[i].name))
         if dropped is not None:
             dropped(inputs[i].name)
+    first = len(pool.timeline.points)   # the timeline point of the schedule's first kernel
     for t, name in enumerate(sched.names):
         for i in sched.inputs_reused[t]:   # its storage becomes this kernel's output
             drop(i)
@@ -289,7 +290,8 @@ def run_schedule(g: fx.GraphModule, sched, pool: Pool, env: dict, sizer: Sizer, 
         for i in sched.inputs_done[t]:
             drop(i)
     outs, made = [], {}
-    for o, key in zip(sched.outputs, sched.output_keys):
+    steps = sched.output_steps or [None] * len(sched.outputs)
+    for o, key, step in zip(sched.outputs, sched.output_keys, steps):
         if o is None:
             outs.append([])
         elif o[0] == "input":
@@ -300,6 +302,12 @@ def run_schedule(g: fx.GraphModule, sched, pool: Pool, env: dict, sizer: Sizer, 
                 if not host:    # already counted by the schedule's allocations
                     pool.total -= nbytes
                 made[key] = pool.alloc(nbytes, "__made__", grad=grads, host=host)
+                if step is not None:   # made by that kernel, not after the last (rewrite/depth.py repeats it)
+                    at = first + min(step, len(sched.names) - 1)
+                    pool.born[made[key]] = at
+                    if grads and not host:   # a gradient from that kernel on
+                        tl = pool.timeline.grads
+                        tl[at:] = [g + nbytes for g in tl[at:]]
             outs.append([made[key]])
     for sids in outs:
         for sid in sids:
