@@ -149,6 +149,11 @@ def _longest(cfg, budget, batch, setup) -> int:
     """sizing.max_seq_len in `plan`'s second process, its progress bars off (two processes would
     draw over each other's lines; the first shows a bar while it waits for this one)."""
     os.environ["TAILORFX_PROGRESS"] = "0"
+    import torch
+    # one thread, so no OpenMP region runs here: GNU OpenMP's thread team does not survive a fork,
+    # and where this process's parent had started one, the child's first parallel op (a real
+    # tril the mask code makes) waited on that team's barrier for ever
+    torch.set_num_threads(1)
     from tailorfx import sizing
     return sizing.max_seq_len(cfg, budget, batch_size=batch, setup=setup)
 

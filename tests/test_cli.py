@@ -42,6 +42,22 @@ def test_plan_names_the_passes_and_the_longest_sequence(monkeypatch, capsys):
     assert longest <= bound, out   # a bound: no plan, the best included, fits more
 
 
+def test_plans_second_process_runs_parallel_ops_after_the_first_started_openmps_threads(monkeypatch):
+    """`plan` forks its longest-sequence search; a parent that had run a parallel op (here a
+    2048 x 2048 tril on every thread) left GNU OpenMP's team unusable in the child, whose first
+    parallel op then hung (the Gemma-2-9B plan under pytest). The child runs one thread."""
+    import multiprocessing
+
+    import torch
+
+    from tailorfx import cli, sizing
+    torch.tril(torch.ones(2048, 2048)).sum()
+    monkeypatch.setattr(sizing, "max_seq_len", lambda *a, **k: int(torch.tril(torch.ones(2048, 2048)).sum()))
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        got = pool.apply_async(cli._longest, (None, None, 1, None)).get(timeout=60)
+    assert got == 2048 * 2049 // 2
+
+
 def test_plan_a_budget_no_plan_meets_exits_1_and_says_what_fits(capsys):
     # weights + AdamW state alone (fp32: 16 B/param, 1.6 MiB) overflow 1 MiB: said before any capture
     with pytest.raises(SystemExit) as e:
