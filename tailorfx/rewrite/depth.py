@@ -111,8 +111,8 @@ def period_of(types: Sequence[Any]) -> int:
 def reduced(config: Any, sites: int = 1) -> Optional[tuple[Any, Depth]]:
     """(a copy of a transformers config with fewer decoder layers, the Depth it stands for), or
     None where the family is not one proven alike, its step builds a cache outside the blocks,
-    its layers do not repeat, or it is already shallow. `sites`: how many runs of three periods the copy keeps (two for plans that
-    recompute some blocks and not others)."""
+    its layers do not repeat, or it is already shallow. `sites`: how many runs of three periods
+    the copy keeps (two for plans that recompute some blocks and not others)."""
     if getattr(config, "model_type", None) not in FAMILIES or not hasattr(config, "to_dict") \
             or _cache_outside_blocks(config):
         return None
