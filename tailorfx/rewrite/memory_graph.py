@@ -290,6 +290,7 @@ def run_schedule(g: fx.GraphModule, sched, pool: Pool, env: dict, sizer: Sizer, 
         for i in sched.inputs_done[t]:
             drop(i)
     outs, made = [], {}
+    early = [0] * (len(pool.timeline.grads) - first)   # per kernel: gradient bytes its outputs made
     steps = sched.output_steps or [None] * len(sched.outputs)
     for o, key, step in zip(sched.outputs, sched.output_keys, steps):
         if o is None:
@@ -306,9 +307,12 @@ def run_schedule(g: fx.GraphModule, sched, pool: Pool, env: dict, sizer: Sizer, 
                     at = first + min(step, len(sched.names) - 1)
                     pool.born[made[key]] = at
                     if grads and not host:   # a gradient from that kernel on
-                        tl = pool.timeline.grads
-                        tl[at:] = [g + nbytes for g in tl[at:]]
+                        early[at - first] += nbytes
             outs.append([made[key]])
+    since = 0
+    for t, nbytes in enumerate(early):   # the timeline's gradient bytes, each counted from its kernel
+        since += nbytes
+        pool.timeline.grads[first + t] += since
     for sids in outs:
         for sid in sids:
             pool.hold(sid, "__out__")
