@@ -45,6 +45,8 @@ def predicted(cfg, shallow: bool, setup: str, plan: dict, lengths):
     with sizing._prediction_model(cfg, dtype, shallow) as (model, d):
         opt = sizing._capture(model, plan["passes"], 256, 1, setup=setup,
                               **{k: v for k, v in plan.items() if k != "passes"})
+    if "lowering" in plan:   # predicted from that lowering's graphs (Inductor's kernels), not eager's
+        assert opt.session.graphs[0].lowering == plan["lowering"]
     return d, [opt.predict_memory(S) for S in lengths], opt.bound_at(True)
 
 
