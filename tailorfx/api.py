@@ -355,7 +355,7 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
              optimizer: Optional[str] = "adamw", recompute: Optional[str] = None, offload: Optional[str] = None,
              keep_logits: bool = False, strict: bool = False, lowering: str = "auto", verify: bool = True,
              predict: bool = True, parallel: Union[dict, ParallelSpec, str, None] = None,
-             kernels: Optional[str] = None) -> OptimizedModule:
+             kernels: Optional[str] = None, attention_kernel: str = "auto") -> OptimizedModule:
     """Rewrite `model` for training under `budget`; returns a module that trains like the original.
 
     passes=None lets the planner choose (with a budget: the plan that fits with the least
@@ -386,6 +386,9 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     and takes its share.
     `kernels="triton"` runs norms, gated activations, attention and the fused LM head as the
     runtime's Triton kernels (`opt.kernels()` lists them). `opt.report()` lists what went where.
+    On a GPU an attention mask SDPA has no kernel for (a window, documents, a soft-cap, ALiBi) runs
+    on the faster of the Triton flash kernel and FlexAttention for its form and shape, timed once
+    (`attention_kernel="auto"`), or on the one `attention_kernel="flex"|"triton"` names.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
@@ -397,7 +400,8 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     b, opts = pass_options(budget=budget, minisequence_chunks=minisequence_chunks, minisequence=minisequence,
                            attention=attention,
                            precision=precision, precision_policy=precision_policy, setup=setup,
-                           recompute=recompute, offload=offload, keep_logits=keep_logits, strict=strict, kernels=kernels)
+                           recompute=recompute, offload=offload, keep_logits=keep_logits, strict=strict, kernels=kernels,
+                           attention_kernel=attention_kernel)
     if kernels == "triton":
         check_triton(model)
     options = Options(passes=check_passes(passes), pass_options=tuple(sorted(opts.items())),

@@ -166,7 +166,7 @@ class TailorBackend:
         when there is one (Dynamo guards on grad mode and module.training, so each mode gets its
         own graph and plan)."""
         opts = {**self.options.options_dict(),
-                "training": torch.is_grad_enabled() and self.session.training is not False}
+                "training": torch.is_grad_enabled() and self.session.training is not False, "lowering": lowering}
         plan = planner.choose(self.options.passes, ctx.regions, opts)
         if not (opts.get("budget_bytes") and self.options.passes is None):
             return plan

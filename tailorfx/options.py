@@ -15,7 +15,8 @@ RECOMPUTE_POLICIES = (None, "full", "selective")
 PRECISIONS = (None, "bf16", "fp16", "fp32")
 # what torch.compile(..., backend="tailorfx", options=...) accepts: optimize()'s keywords
 BACKEND_OPTIONS = ("passes", "budget", "minisequence_chunks", "minisequence", "attention", "precision", "precision_policy",
-                   "setup", "recompute", "offload", "keep_logits", "strict", "lowering", "kernels")
+                   "setup", "recompute", "offload", "keep_logits", "strict", "lowering", "kernels",
+                   "attention_kernel")
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def check_flag(name: str, value: Any) -> bool:
 
 def pass_options(*, budget=None, minisequence_chunks=None, minisequence=None, attention=None, precision=None,
                  precision_policy=None, setup=None, recompute=None, offload=None, keep_logits=False,
-                 strict=False, kernels=None) -> tuple[Optional[Budget], dict]:
+                 strict=False, kernels=None, attention_kernel="auto") -> tuple[Optional[Budget], dict]:
     """The checked options every pass may read (ctx.options), and the parsed budget."""
     if precision not in PRECISIONS:
         raise _bad("precision", precision, "'bf16', 'fp16', 'fp32' or None")
@@ -84,6 +85,10 @@ def pass_options(*, budget=None, minisequence_chunks=None, minisequence=None, at
     check_flag("keep_logits", keep_logits)
     if kernels not in (None, "triton"):
         raise _bad("kernels", kernels, "'triton' (the runtime's Triton kernels) or None (torch's own ops)")
+    from tailorfx.passes.attention.rewrite import KERNELS as ATTENTION_KERNELS
+    if attention_kernel not in ATTENTION_KERNELS:
+        raise _bad("attention_kernel", attention_kernel, "'auto' (on a GPU, the faster of the Triton flash kernel "
+                   "and FlexAttention for each masked form, timed once), 'flex' or 'triton'")
     check_flag("strict", strict)
     b = Budget.parse(budget) if budget is not None else None
     return b, {"minisequence_chunks": minisequence_chunks, "minisequence_segments": minisequence == "segments",
@@ -91,7 +96,7 @@ def pass_options(*, budget=None, minisequence_chunks=None, minisequence=None, at
                "budget_label": str(b) if b else None, "attention": attention, "precision": precision,
                "precision_policy": policy_items(precision, precision_policy),
                "setup": setup, "recompute_policy": recompute, "offload": offload, "keep_logits": keep_logits,
-               "strict": strict, "kernels": kernels}
+               "strict": strict, "kernels": kernels, "attention_kernel": attention_kernel}
 
 
 def policy_items(precision: Optional[str], policy: Optional[dict]) -> Optional[tuple]:

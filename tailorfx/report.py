@@ -55,6 +55,15 @@ class Report:
                 passes.add_row(str(g.index), r.name, "yes" if r.changed else "no", touched,
                                _fmt(r.peak_before), _fmt(r.peak_after), f"{r.seconds:.2f}s")
         out.append(passes)
+        kernels = [(g.index, path, st["spec"], st["kernel"]) for g in self.session.graphs for r in g.records
+                   if r.name == "attention" for path, st in r.stats.items() if isinstance(st, dict) and "kernel" in st]
+        if kernels:
+            t = Table(title="Attention: what runs each rewritten attention")
+            for col in ("graph", "region", "spec", "kernel (and why)"):
+                t.add_column(col)
+            for row in kernels:
+                t.add_row(str(row[0]), *row[1:])
+            out.append(t)
         mem = self._memory_table()
         if mem is not None:
             out.append(mem)

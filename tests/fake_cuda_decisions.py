@@ -36,18 +36,22 @@ from tailorfx.rewrite.capture import node_value  # noqa: E402
 FAMILIES = ("llama", "qwen3", "gemma2")
 VARIANTS = {"default": {}, "triton": {"kernels": "triton"},
             "window": {"attention": tailorfx.attention.SlidingWindow(16)}}
+EXTRA = {"flex": {"attention_kernel": "flex"}}   # gemma2's only, below
 DTYPES = {"fp32": torch.float32}   # variants in another dtype than bf16 (llama's only, below)
 SEQ = 64
 
 
 class Dispatched(TorchDispatchMode):
-    """The ops dispatched, and the dtypes and device of the fused head's inputs."""
+    """The ops dispatched (higher-order ones as `higher_order.<name>`), and the dtypes and device
+    of the fused head's inputs."""
+    supports_higher_order_operators = True
+
     def __init__(self):
         super().__init__()
         self.ops, self.head = set(), []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket)
+        name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else f"higher_order.{func.name()}"
         self.ops.add(name)
         if "linear_cross_entropy" in name:   # and whether the runtime runs its GEMMs in bf16
             from tailorfx.runtime.linear_ops import gemms_in_weight_dtype
@@ -100,7 +104,7 @@ def graph_decisions(gm) -> list:
         if n.op != "call_function":
             continue
         t = _target(n)
-        if t in ("attention_call", "triton_attention"):
+        if t in ("attention_call", "triton_attention", "flex_attention"):
             out.append(["attention", t, n.kwargs["kind"], [list(p) for p in n.kwargs["params"]],
                         n.kwargs.get("softcap"), bool(n.kwargs["causal"]), str(node_value(n.args[0]).dtype)])
         elif t.startswith("triton_"):
@@ -182,7 +186,7 @@ def case(family: str, variant: str, device: str) -> dict:
     with built_on_fake_tensors(cfg, DTYPES.get(variant, torch.bfloat16)) as model:
         model, ids = on_device(model, device)
         opt = tailorfx.optimize(model, example_inputs={"input_ids": ids, "labels": ids}, lowering="eager",
-                                predict=False, verify=False, **VARIANTS.get(variant, {}))
+                                predict=False, verify=False, **VARIANTS.get(variant, EXTRA.get(variant, {})))
     graphs = []
     for g in opt.session.graphs:
         rec = {"failed": g.failed, "warnings": g.warnings[:3],
@@ -198,7 +202,8 @@ def case(family: str, variant: str, device: str) -> dict:
 def main() -> None:
     device = sys.argv[1]
     out = {}
-    for family, variant in [*((f, v) for f in FAMILIES for v in VARIANTS), ("llama", "fp32"), ("grouped_sdpa", "fp32")]:
+    for family, variant in [*((f, v) for f in FAMILIES for v in VARIANTS), ("llama", "fp32"), ("grouped_sdpa", "fp32"),
+                            ("gemma2", "flex")]:
         try:
             out[f"{family}/{variant}"] = case(family, variant, device)
         except Exception as e:   # noqa: BLE001  (reported per case; the test names it)

@@ -150,3 +150,16 @@ def test_a_maskless_grouped_sdpa_call_is_swapped_where_cuda_would_run_it_on_the_
     assert cuda["sdpa"] == [{"mask": False, "causal": True, "dtype": "torch.float32", "heads": [4, 4]}] * 2
     assert not [c for c in cpu["calls"] if c[0] == "attention"], cpu["calls"]
     assert cpu["sdpa"] == [{"mask": False, "causal": True, "dtype": "torch.float32", "heads": [4, 1]}] * 2
+
+
+def test_flex_attention_asked_for_runs_flexattention_on_cuda(runs):
+    """attention_kernel="flex": Gemma-2's soft-capped window and global layers become FlexAttention
+    calls on CUDA as on the CPU, and the graph runs on fake CUDA tensors (FlexAttention's operator,
+    called as tailorfx.compat calls it, on this torch)."""
+    cpu, cuda = _graph(runs, "cpu", "gemma2/flex"), _graph(runs, "cuda", "gemma2/flex")
+    attn = [c for c in cuda["calls"] if c[0] == "attention"]
+    assert [(c[1], c[2]) for c in attn] == [("flex_attention", "SlidingWindow"), ("flex_attention", "Exact")]
+    assert all(["softcap", 50.0] in c[3] for c in attn), attn
+    assert cuda["calls"] == cpu["calls"]
+    assert "higher_order.flex_attention" in cuda["ops"]
+    assert "tailorfx.triton_attention" not in cuda["ops"] and "tailorfx.sparse_attention" not in cuda["ops"]

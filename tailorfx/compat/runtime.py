@@ -132,3 +132,18 @@ def backward_pass_id() -> int:
     """An id of the autograd backward running now (-1 outside one): which gradients one
     `backward()` accumulates (torch.utils.checkpoint reads the same)."""
     return torch._C._current_graph_task_id()
+
+
+# ---- FlexAttention's operator (checked on torch 2.11 and 2.13) ------------------------------------
+def flex_attention_op(q, k, v, score_mod, block_mask, scale: float, score_buffers: tuple = (),
+                      mask_buffers: tuple = ()):
+    """FlexAttention's attention output, calling its higher-order op as torch.compile's trace of
+    `flex_attention` does, with the tensors the mods read passed explicitly (`score_mod(s, b, h, q,
+    kv, *score_buffers)`, the block mask's `mask_mod(b, h, q, kv, *mask_buffers)`). Called inside a
+    graph that AOTAutograd traces, it becomes the forward and backward ops Inductor fuses; the public
+    function would instead compile itself there, and refuses CPU tensors that need a gradient."""
+    from torch._higher_order_ops.flex_attention import flex_attention as hop
+    from torch.nn.attention.flex_attention import _apply_kernel_options
+    options = _apply_kernel_options(q, k, v, False, None)
+    return hop(q, k, v, score_mod, block_mask.as_tuple(), scale, options, tuple(score_buffers),
+               tuple(mask_buffers))[0]

@@ -6,6 +6,8 @@ Inductor traces on fake tensors. So the choice is made on the host, before the l
 tensors when the call has them, on random ones of the same shape when it is traced, and the
 winner is remembered per key (the caller buckets sizes into it) in memory and in
 `<triton cache dir>/tuned.json`, so a later process (or a later trace) reuses it untimed.
+`pick` does the same between implementations of one op (the attention pass: the Triton flash
+kernel or FlexAttention, per form and shape).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class Tiles:
 _MEMO: dict[str, Tiles] = {}
 _TIMES: dict[str, dict[str, float]] = {}
 _MISSED: set[str] = set()
+_PICKS: dict[str, str] = {}   # key -> the implementation `pick` chose
 
 
 def enabled() -> bool:
@@ -57,9 +60,10 @@ def _read() -> dict:
     return data if data.get("versions") == _versions() else {}
 
 
-def _write(key: str, best: Tiles, times: dict[str, float]) -> None:
+def _write(key: str, best, times: dict[str, float]) -> None:
     data = _read() or {"versions": _versions()}
-    data.setdefault("choices", {})[key] = {"tiles": asdict(best), "ms": times}
+    chosen = {"tiles": asdict(best)} if isinstance(best, Tiles) else {"pick": best}
+    data.setdefault("choices", {})[key] = chosen | {"ms": times}
     tmp = f"{_path()}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
@@ -91,11 +95,7 @@ def choose(key: str, candidates: Sequence[Tiles], run: Callable[[Tiles], None],
     if len(candidates) == 1:
         _MEMO[key] = candidates[0]
         return candidates[0]
-    if timer is None:
-        from triton.testing import do_bench
-
-        def timer(fn):
-            return do_bench(fn, warmup=5, rep=20)
+    timer = timer or _default_timer
     times = {}
     for c in candidates:
         try:
@@ -113,6 +113,49 @@ def choose(key: str, candidates: Sequence[Tiles], run: Callable[[Tiles], None],
     return best
 
 
+def _default_timer(fn: Callable[[], None]) -> float:
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=5, rep=20)
+
+
+def known_pick(key: str, names: Sequence[str]) -> Optional[str]:
+    """The implementation remembered for `key` (this process, then the disk cache), if still offered."""
+    if key not in _PICKS and key not in _MISSED:
+        found = _read().get("choices", {}).get(key, {}).get("pick")
+        if found is None:
+            _MISSED.add(key)
+        else:
+            _PICKS[key] = found
+    got = _PICKS.get(key)
+    return got if got in names else None
+
+
+def pick(key: str, runs: dict[str, Callable[[], None]],
+         timer: Optional[Callable[[Callable[[], None]], float]] = None) -> str:
+    """The name of the fastest of `runs` (each runs one implementation of the same op), timed once
+    per key (`timer(fn) -> ms`, default triton's do_bench) and remembered as `choose`'s tiles are.
+    An implementation that fails to compile or run is not picked; its error is kept as its time."""
+    got = known_pick(key, list(runs))
+    if got is not None:
+        return got
+    timer = timer or _default_timer
+    times: dict = {}
+    for name, run in runs.items():
+        try:
+            times[name] = float(timer(run))
+        except Exception as e:   # noqa: BLE001 - an implementation that cannot run here loses
+            times[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    ran = [n for n in runs if isinstance(times[n], float)]
+    if not ran:
+        raise RuntimeError(f"no implementation of {key} runs on this device: {times}")
+    best = min(ran, key=lambda n: times[n])
+    _PICKS[key] = best
+    _TIMES[key] = times
+    _write(key, best, times)
+    return best
+
+
 def choices() -> dict[str, dict]:
-    """What this process chose: key -> {"tiles", "ms" per candidate (timed here, else {})}."""
-    return {k: {"tiles": asdict(v), "ms": _TIMES.get(k, {})} for k, v in _MEMO.items()}
+    """What this process chose: key -> {"tiles" or "pick", "ms" per candidate (timed here, else {})}."""
+    tiles = {k: {"tiles": asdict(v), "ms": _TIMES.get(k, {})} for k, v in _MEMO.items()}
+    return tiles | {k: {"pick": v, "ms": _TIMES.get(k, {})} for k, v in _PICKS.items()}

@@ -115,6 +115,8 @@ class AttentionPass:
         # in the default plan (no attention= given): the exact swap only where it removes an S x S
         # tensor (scores, or a mask an SDPA call reads); an SDPA that makes none is left as it is
         self.only_dense = spec is None and bool(options.get("attention_only_dense"))
+        self.kernel = options.get("attention_kernel") or "auto"
+        self.inductor = options.get("lowering") == "inductor"
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         stats, touched, skipped, erased, made = {}, [], [], set(), {}
@@ -130,9 +132,9 @@ class AttentionPass:
                     skipped.append(f"{region.path}: {spec}")
                     continue
                 kind, params = spec_params(spec)
-                rewrite_match(gm, got, kind, params, erased, made)
+                _, kernel = rewrite_match(gm, got, kind, params, erased, made, self.kernel, self.inductor)
                 touched.append(region.path)
-                stats[region.path] = _stats(got, kind, params)
+                stats[region.path] = _stats(got, kind, params) | {"kernel": kernel}
         return PassResult(gm, bool(touched), stats, tuple(dict.fromkeys(touched)), tuple(skipped))
 
 

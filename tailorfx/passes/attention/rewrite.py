@@ -66,23 +66,73 @@ def _on_cuda(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "cuda"
 
 
-def _kernel_for(m: Match, kwargs: dict) -> tuple[Callable, dict]:
-    """attention_call, or on CUDA the Triton flash kernel for what torch's SDPA has no kernel for
-    (a sparse spec, packed documents, a soft-cap): the runtime's tile engine is the CPU path (a
-    Python loop per tile, host copies of the document ids)."""
+KERNELS = ("auto", "flex", "triton")   # optimize(attention_kernel=...)
+
+
+def _kernel_for(m: Match, kwargs: dict, wanted: str = "auto", inductor: bool = False) -> tuple[Callable, dict, str]:
+    """(the call, its keyword arguments, what the report says). A form torch's SDPA runs stays
+    attention_call (SDPA's flash kernel on a GPU). On CUDA, a mask SDPA has no kernel for (a window,
+    packed documents, a soft-cap, ALiBi) runs on the Triton flash kernel or, under Inductor, on
+    FlexAttention: the faster at this form and shape, timed once (`wanted="auto"`), or the one asked
+    for. Elsewhere the runtime's tiles (a Python loop per tile on the CPU), or FlexAttention when
+    asked: on the CPU that is torch's unfused reference, to check the form, not to train long."""
+    from tailorfx.runtime.flex import flex_attention, flex_supports
+    q = node_value(m.q)
+    flex_why = flex_supports(kwargs)
+    if wanted == "flex" and flex_why is None:
+        where = "" if _on_cuda(q) else ": on the CPU torch's unfused reference (S x S scores)"
+        return flex_attention, kwargs, f"FlexAttention (asked){where}"
     sdpa = kwargs["kind"] == "Exact" and not kwargs["params"] and "document_ids" not in kwargs
-    if sdpa or not _on_cuda(node_value(m.q)):
-        return attention_call, kwargs
+    if sdpa or not _on_cuda(q):
+        return attention_call, kwargs, ("SDPA" if sdpa else "tiles") + (f"; not FlexAttention: {flex_why}"
+                                                                        if wanted == "flex" else "")
     from tailorfx.runtime.triton_ops import triton_attention, triton_attention_kwargs, triton_attention_supports
-    if triton_attention_supports(kwargs) is not None:   # a per-key bias, dropout: the tiles
-        return attention_call, kwargs
-    return triton_attention, triton_attention_kwargs(kwargs)
+    triton_why = triton_attention_supports(kwargs)
+    flex_why = flex_why or (None if inductor else "FlexAttention is fused only under the Inductor lowering")
+    if triton_why is not None and flex_why is not None:   # a per-key bias with a gradient, dropout: the tiles
+        return attention_call, kwargs, f"tiles (Triton: {triton_why}; FlexAttention: {flex_why})"
+    if flex_why is not None or wanted == "triton":
+        if triton_why is None:
+            return triton_attention, triton_attention_kwargs(kwargs), "Triton flash kernel" + (
+                " (asked)" if wanted == "triton" else f"; not FlexAttention: {flex_why}")
+        return attention_call, kwargs, f"tiles (asked for Triton: {triton_why})"
+    if triton_why is not None:
+        return flex_attention, kwargs, f"FlexAttention; not Triton: {triton_why}"
+    name, why = _measured(q, node_value(m.k), kwargs)
+    if name == "flex":
+        return flex_attention, kwargs, f"FlexAttention ({why})"
+    return triton_attention, triton_attention_kwargs(kwargs), f"Triton flash kernel ({why})"
+
+
+def _measured(q: torch.Tensor, k: torch.Tensor, kwargs: dict) -> tuple[str, str]:
+    """'flex' or 'triton' for this form and shape on this GPU, and how it was decided: timed forward
+    and backward once per key (kernels/tuning.py keeps it), else the remembered choice, else the
+    Triton kernel, saying why it was not timed."""
+    from tailorfx.kernels import tuning
+    from tailorfx.runtime import flex
+    from tailorfx.runtime.triton_ops import triton_attention, triton_attention_kwargs
+    key = "attention_kernel " + flex.form_key(q, k, kwargs)
+    known = tuning.known_pick(key, ("flex", "triton"))
+    if known is not None:
+        return known, "chosen by measurement: " + key
+    if not tuning.enabled() or not torch.cuda.is_available():
+        return "triton", "not timed: no GPU here"
+    if not flex.memory_ok(q, k):
+        return "triton", "not timed: timing at this shape would take over a quarter of the free memory"
+    compiled = torch.compile(flex.flex_attention, fullgraph=True, dynamic=False)
+    runs = {"triton": lambda q, k, v, **kw: triton_attention(q, k, v, **triton_attention_kwargs(kw)),
+            "flex": compiled}
+    try:
+        return flex.pick(q, k, kwargs, runs, key), "chosen by measurement: " + key
+    except Exception as e:   # noqa: BLE001 - neither ran: keep the kernel the pass always had, and say why
+        return "triton", f"not timed: {type(e).__name__}: {e}"
 
 
 def rewrite_match(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased: set[str],
-                  made: dict) -> fx.Node:
-    """m.out replaced by one attention_call of the spec (kind, params); what only the old attention
-    read is erased (its names added to `erased`)."""
+                  made: dict, wanted: str = "auto", inductor: bool = False) -> tuple[fx.Node, str]:
+    """m.out replaced by one attention_call of the spec (kind, params), or the kernel `_kernel_for`
+    chooses; what only the old attention read is erased (its names added to `erased`). Returns the
+    new node and what runs it."""
     kwargs = {"kind": kind, "params": params, "causal": m.causal, "scale": m.scale}
     if m.positions is not None:
         kwargs["document_ids"] = _document_ids(gm, m.positions, m.doc_rule, made)
@@ -93,7 +143,7 @@ def rewrite_match(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased
             seed = gm.graph.call_function(draw_seed, ())
         annotate(seed, m.out, val=_fake_seed(m.q), pass_name=NAME)
         kwargs["dropout_seed"] = seed
-    target, kwargs = _kernel_for(m, kwargs)
+    target, kwargs, kernel = _kernel_for(m, kwargs, wanted, inductor)
     with gm.graph.inserting_before(m.out):
         new = gm.graph.call_function(target, (m.q, m.k, m.v), kwargs)
         if m.folded:   # the (B, H, S, D) result as the (B * H, S, D) the bmm made
@@ -102,7 +152,7 @@ def rewrite_match(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased
     annotate(new, m.out, pass_name=NAME)
     m.out.replace_all_uses_with(new)
     _erase_dead(gm, m.out, erased)
-    return new
+    return new, kernel
 
 
 def _fake_seed(q: fx.Node):
