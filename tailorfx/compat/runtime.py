@@ -145,5 +145,14 @@ def flex_attention_op(q, k, v, score_mod, block_mask, scale: float, score_buffer
     from torch._higher_order_ops.flex_attention import flex_attention as hop
     from torch.nn.attention.flex_attention import _apply_kernel_options
     options = _apply_kernel_options(q, k, v, False, None)
+    if torch.compiler.is_dynamo_compiling():   # Dynamo lifts the tensors the mods close over itself
+        mask_mod = block_mask.as_tuple()[-1]
+
+        def scores(s, b, h, i, j):
+            return score_mod(s, b, h, i, j, *score_buffers)
+
+        def keep(b, h, i, j):
+            return mask_mod(b, h, i, j, *mask_buffers)
+        return hop(q, k, v, scores, (*block_mask.as_tuple()[:-1], keep), scale, options)[0]
     return hop(q, k, v, score_mod, block_mask.as_tuple(), scale, options, tuple(score_buffers),
                tuple(mask_buffers))[0]

@@ -150,6 +150,7 @@ def pick(key: str, runs: dict[str, Callable[[], None]],
         raise RuntimeError(f"no implementation of {key} runs on this device: {times}")
     best = min(ran, key=lambda n: times[n])
     _PICKS[key] = best
+    _MISSED.discard(key)
     _TIMES[key] = times
     _write(key, best, times)
     return best

@@ -51,10 +51,18 @@ def flex_supports(kwargs: dict) -> Optional[str]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+_MODS: dict[tuple, Callable] = {}   # one function object per form: every layer's graph traces the same one
+
+
 def mask_mod(causal: bool, window: int, global_tokens: int, documents: bool) -> Callable:
-    """`(b, h, q, kv[, doc]) -> keep`: the form's mask in FlexAttention's signature (one function
-    object per form, so every layer's graph traces the same one)."""
+    """`(b, h, q, kv[, doc]) -> keep`: the form's mask in FlexAttention's signature."""
+    key = ("mask", causal, window, global_tokens, documents)
+    if key not in _MODS:
+        _MODS[key] = _mask_mod(causal, window, global_tokens, documents)
+    return _MODS[key]
+
+
+def _mask_mod(causal: bool, window: int, global_tokens: int, documents: bool) -> Callable:
     def positional(b, h, q, kv):
         keep = q == q
         if window:
@@ -71,10 +79,16 @@ def mask_mod(causal: bool, window: int, global_tokens: int, documents: bool) -> 
     return in_document
 
 
-@functools.lru_cache(maxsize=None)
 def score_mod(softcap: Optional[float], key_bias: bool) -> Callable:
     """`(s, b, h, q, kv[, bias]) -> s'`: the scaled scores soft-capped, then the per-key bias added
     (the order of tailorfx.attention.Exact)."""
+    key = ("score", softcap, key_bias)
+    if key not in _MODS:
+        _MODS[key] = _score_mod(softcap, key_bias)
+    return _MODS[key]
+
+
+def _score_mod(softcap: Optional[float], key_bias: bool) -> Callable:
     def capped(s, b, h, q, kv):
         return softcap * torch.tanh(s / softcap) if softcap is not None else s
 
@@ -150,7 +164,8 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, *, kind: str, params: tuple,
     score_buffers = ()
     if key_bias is not None:
         from tailorfx.attention import per_key_bias   # here: tailorfx.attention imports the runtime
-        score_buffers = (per_key_bias(key_bias, key_bias_scale, q).float().contiguous(),)
+        bias = per_key_bias(key_bias, key_bias_scale, q)   # fp32 at least: the scores' dtype in the kernel
+        score_buffers = (bias.to(torch.promote_types(bias.dtype, torch.float32)).contiguous(),)
     softcap = p.get("softcap")
     mod = score_mod(None if softcap is None else float(softcap), key_bias is not None)
     return flex_attention_op(q, k, v, mod, mask, float(scale), score_buffers, mask_buffers)
