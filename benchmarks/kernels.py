@@ -19,7 +19,10 @@ Providers, in one interleaved run (every provider of a case runs before the next
 - `liger`: Liger-Kernel's functional ops (liger_rms_norm, liger_layer_norm, liger_swiglu,
   liger_rope, liger_fused_linear_cross_entropy), when installed (`make gpu-wheels` on the GPU);
 - `tailorfx`: tailorfx.runtime.triton_ops (what the kernels pass emits, and on CUDA the attention
-  pass for masks, documents and ALiBi).
+  pass for masks, documents and ALiBi where the Triton kernel is timed faster);
+- `tailorfx flex`: tailorfx.runtime.flex, compiled: FlexAttention with the block mask the attention
+  pass builds from the proved form in the graph, each call (what the pass runs where FlexAttention
+  is timed faster, or with attention_kernel="flex").
 
 tailorfx's attention picks each kernel's tiles (forward, dq, dk/dv) by timing its candidates the
 first time a shape bucket is seen (tailorfx/kernels/flash_tiles.py); the warm-up call of
@@ -251,11 +254,28 @@ def attention_cases(dev, dry, S, NH, NKV, D, window, rnd, compiled) -> list[Case
             prov["tailorfx"] = (lambda q, k, v, kind=kind, params=params, d=d:
                                 ops.triton_attention(q, k, v, kind=kind, params=params, causal=True, scale=scale,
                                                      document_ids=d))
+        prov["tailorfx flex"] = (_our_flex(name, window, doc, bias, scale) if cuda
+                                 else "needs CUDA (dry run on CPU)")
         out.append(Case(f"attention {name}", f"{S}x{NH}/{NKV}x{D}",
                         lambda: [rnd(1, NH, S, D, dtype=dt), rnd(1, NKV, S, D, dtype=dt), rnd(1, NKV, S, D, dtype=dt)],
                         lambda: rnd(1, NH, S, D, dtype=dt, grad=False),
                         ("TFLOP", 3.5 * 4 * NH * pairs * D), prov))
     return out
+
+
+def _our_flex(name, window, doc, bias, scale):
+    """What the attention pass runs for this form under attention_kernel="flex" (or "auto" where
+    FlexAttention was timed faster): tailorfx's block mask built from the form in the graph, each call."""
+    from tailorfx.runtime.flex import flex_attention
+    kw = {"kind": "Exact", "params": ()}
+    if name.startswith("window"):
+        kw = {"kind": "SlidingWindow", "params": (("window", window),)}
+    elif name == "documents":
+        kw["document_ids"] = doc
+    elif name == "alibi":
+        kw["key_bias"] = bias[:, :, None, :]
+    run = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+    return lambda q, k, v: run(q, k, v, causal=True, scale=scale, **kw)
 
 
 def flex_provider(name, keep, bias, S, scale):

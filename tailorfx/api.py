@@ -367,10 +367,10 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     tailorfx.SetupOptimizer(model.parameters(), opt.setup)). In training with labels the fused LM
     head returns `logits=None` (Liger's skip_logits); `keep_logits=True` keeps them, head unfused.
     A pass named in `passes` that leaves a region unchanged warns with the region and the reason;
-    `strict=True` raises instead. `precision_policy` overrides entries
-    of the precision pass's policy. `recompute="full"|"selective"` sets the recompute policy;
-    `offload="checkpoints"` keeps each recomputed block's saved input in host memory between
-    forward and backward (ALST's checkpoint offload; recompute "full" unless `recompute` says).
+    `strict=True` raises instead. `precision_policy` overrides entries of the precision pass's
+    policy. `recompute="full"|"selective"` sets the recompute policy; `offload="checkpoints"` keeps
+    each recomputed block's saved input in host memory between forward and backward (ALST's
+    checkpoint offload; recompute "full" unless `recompute` says).
     `minisequence="segments"` chunks each block's whole token-wise segments (norm, projections and
     rotary before attention; output projection, residual, norm and MLP after it), not only MLPs.
     Capture happens at the first call, or now when example inputs are given (their forward runs
@@ -382,13 +382,11 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     rank takes are chosen so its predicted peak fits (least recompute first), else BudgetError.
     `parallel="auto"` (with a budget) lays the model out over the torchrun world as
     tailorfx.parallel.plan_world ranks the layouts: the fastest that fits, predicted on this
-    machine (a GPU's figures by name, a CPU's measured); every rank is given the same global batch
-    and takes its share.
-    `kernels="triton"` runs norms, gated activations, attention and the fused LM head as the
-    runtime's Triton kernels (`opt.kernels()` lists them). `opt.report()` lists what went where.
-    On a GPU an attention mask SDPA has no kernel for (a window, documents, a soft-cap, ALiBi) runs
-    on the faster of the Triton flash kernel and FlexAttention for its form and shape, timed once
-    (`attention_kernel="auto"`), or on the one `attention_kernel="flex"|"triton"` names.
+    machine (a GPU's figures by name, a CPU's measured); every rank takes its share of one global
+    batch. `kernels="triton"` runs norms, gated activations, attention and the fused LM head as the
+    runtime's Triton kernels (`opt.kernels()` lists them). `opt.report()` lists what went where. On
+    a GPU a mask SDPA cannot run goes to the faster of the Triton flash kernel and FlexAttention per
+    form and shape, timed once (`attention_kernel="auto"`), or to the one named ("flex", "triton").
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
@@ -398,10 +396,9 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
         budget = Budget.parse(budget)
         setup = with_device_costs(setup, budget, model, batch_of(*examples))
     b, opts = pass_options(budget=budget, minisequence_chunks=minisequence_chunks, minisequence=minisequence,
-                           attention=attention,
-                           precision=precision, precision_policy=precision_policy, setup=setup,
-                           recompute=recompute, offload=offload, keep_logits=keep_logits, strict=strict, kernels=kernels,
-                           attention_kernel=attention_kernel)
+                           attention=attention, attention_kernel=attention_kernel, precision=precision,
+                           precision_policy=precision_policy, setup=setup, recompute=recompute, offload=offload,
+                           keep_logits=keep_logits, strict=strict, kernels=kernels)
     if kernels == "triton":
         check_triton(model)
     options = Options(passes=check_passes(passes), pass_options=tuple(sorted(opts.items())),
@@ -441,8 +438,7 @@ def _setup_for(model: nn.Module, setup: Any, optimizer: Optional[str]) -> Traini
     if setup is None:
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-        return resolve_setup(None, param_dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
-                             optimizer=optimizer)
+        return resolve_setup(None, param_dtype=next(iter(dtypes)) if len(dtypes) == 1 else None, optimizer=optimizer)
     s = resolve_setup(setup)
     if optimizer not in ("adamw", s.optimizer):
         raise ValueError(f"optimizer={optimizer!r} disagrees with setup {s.name!r} (optimizer "
