@@ -80,7 +80,8 @@ def _kernel_for(m: Match, kwargs: dict, wanted: str = "auto", inductor: bool = F
     q = node_value(m.q)
     flex_why = flex_supports(kwargs)
     if wanted == "flex" and flex_why is None:
-        where = "" if _on_cuda(q) else ": on the CPU torch's unfused reference (S x S scores)"
+        fused = _on_cuda(q) and inductor
+        where = "" if fused else ": torch's unfused reference (S x S scores; fused by Inductor on a GPU)"
         return flex_attention, kwargs, f"FlexAttention (asked){where}"
     sdpa = kwargs["kind"] == "Exact" and not kwargs["params"] and "document_ids" not in kwargs
     if sdpa or not _on_cuda(q):
@@ -115,8 +116,10 @@ def _measured(q: torch.Tensor, k: torch.Tensor, kwargs: dict) -> tuple[str, str]
     known = tuning.known_pick(key, ("flex", "triton"))
     if known is not None:
         return known, "chosen by measurement: " + key
-    if not tuning.enabled() or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return "triton", "not timed: no GPU here"
+    if not tuning.enabled():
+        return "triton", "not timed: TAILORFX_AUTOTUNE=0"
     if not flex.memory_ok(q, k):
         return "triton", "not timed: timing at this shape would take over a quarter of the free memory"
     compiled = torch.compile(flex.flex_attention, fullgraph=True, dynamic=False)
