@@ -262,3 +262,14 @@ def tailorfx_ops(fn: Callable[[], object]) -> Counter:
     with quiet_profiler(), profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     return Counter(e.name for e in prof.events() if e.name.startswith("tailorfx::"))
+
+
+def sweep_dynamo_limits():
+    """Dynamo's limits as a process that has compiled many models sets them. transformers' models
+    share one forward code object, and Dynamo counts every model compiled on it in the process
+    against recompile_limit (8) and accumulated_recompile_limit (256): past them it runs the model
+    eagerly (and logs why). A test worker has compiled hundreds, as a long sweep has; such a user
+    raises both, as PyTorch's docs advise (optimize() does so inside its own calls), for a plain
+    torch.compile(..., backend="tailorfx")."""
+    import torch
+    return torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096)

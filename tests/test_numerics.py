@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tailorfx
-from harness import check_exact, compare_with_eager, float64_reference, step_values
+from harness import check_exact, compare_with_eager, float64_reference, step_values, sweep_dynamo_limits
 from models import batch, hf_gpt2, hf_llama, tiny_llama
 
 MODELS = {
@@ -25,7 +25,8 @@ def test_optimize_without_passes_matches_eager(name):
 
 @pytest.mark.parametrize("name", ["reference", "hf-llama", "hf-gpt2"])
 def test_backend_matches_eager(name):
-    compare_with_eager(MODELS[name](), batch(), lambda m: torch.compile(m, backend="tailorfx"))
+    with sweep_dynamo_limits():
+        compare_with_eager(MODELS[name](), batch(), lambda m: torch.compile(m, backend="tailorfx"))
 
 
 def test_new_sequence_length_reuses_the_symbolic_graph():

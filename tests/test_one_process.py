@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tailorfx
-from harness import peak_of_step, step_total, tailorfx_ops
+from harness import peak_of_step, step_total, sweep_dynamo_limits, tailorfx_ops
 from models import hf_family
 
 pytestmark = pytest.mark.slow
@@ -49,14 +49,11 @@ _FALLBACK = re.compile(r"runs as captured|not applied|handed no graph|not the wh
 
 
 def _as_a_sweep_sets_dynamo(how: str):
-    """torch.compile(backend="tailorfx") runs under the user's Dynamo config. transformers' models
-    share one forward code object, and Dynamo counts every model compiled on it in the process
-    against recompile_limit (8) and accumulated_recompile_limit (256): past them it runs the model
-    eagerly (and logs why). A test worker has compiled hundreds, as a long sweep has; such a user
-    raises both, as PyTorch's docs advise (optimize() does so inside its own calls)."""
+    """torch.compile(backend="tailorfx") runs under the user's Dynamo config: a long sweep's
+    (harness.sweep_dynamo_limits)."""
     if how == "optimize":
         return contextlib.nullcontext()
-    return torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096)
+    return sweep_dynamo_limits()
 
 
 def _compiled(model, how: str, inputs: dict):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tailorfx
+from harness import sweep_dynamo_limits
 from models import batch, hf_config, hf_llama
 
 
@@ -39,8 +40,9 @@ def test_max_seq_len_granularity(granularity):
 
 def test_backend_options():
     model = hf_llama()
-    out = torch.compile(model, backend="tailorfx", options={"passes": ["minisequence"], "minisequence_chunks": 2})(
-        **batch())
+    with sweep_dynamo_limits():
+        out = torch.compile(model, backend="tailorfx", options={"passes": ["minisequence"], "minisequence_chunks": 2})(
+            **batch())
     assert out.logits is None   # the fused head fired
     with pytest.raises(Exception, match=r"unknown tailorfx backend option\(s\) \['bogus'\]; allowed: \['passes'"):
         torch.compile(hf_llama(), backend="tailorfx", options={"bogus": 1})(**batch())
