@@ -289,3 +289,39 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch):
 def test_unknown_kernels_value():
     with pytest.raises(ValueError, match="kernels='cuda' is not valid"):
         tailorfx.optimize(tiny_llama(num_layers=1), kernels="cuda")
+
+
+def test_under_inductor_a_region_whose_own_code_is_faster_is_left_to_it(monkeypatch, tmp_path):
+    """kernels="triton" under the Inductor lowering: each norm, gated activation and rotary region is
+    timed both ways (here on the CPU, as on a GPU: the Triton op by the interpreter, the region's own
+    nodes compiled by Inductor, forward and backward, inside the capture) and left to Inductor where
+    its own code was faster (a stand-in timer: norms), with the key in the report; the step stays
+    exact, and a second model reuses the choices untimed."""
+    from tailorfx.kernels import tuning
+    from tailorfx.passes import kernel_choice
+    monkeypatch.setenv("TAILORFX_TRITON_CACHE", str(tmp_path))
+    for memo in ("_PICKS", "_TIMES"):
+        monkeypatch.setattr(tuning, memo, {})
+    monkeypatch.setattr(tuning, "_MISSED", set())
+    monkeypatch.setattr(kernel_choice, "TIMED_ON", ("cuda", "cpu"))
+    ran, pick = [], tuning.pick
+
+    def keyed(key, runs, timer=None):
+        def timed(fn):
+            fn()   # both really run: the Triton op and Inductor's compiled region, forward and backward
+            ran.append((key.split()[0], fn.__name__))
+            return 1.0 if (fn.__name__ == "inductor") == key.startswith("kernels.norm") else 2.0
+        return pick(key, runs, timed)
+    monkeypatch.setattr(tuning, "pick", keyed)
+    opt = run_triton("llama", lowering="inductor")
+    assert sorted(set(ran)) == [(k, n) for k in ("kernels.glu", "kernels.norm", "kernels.rope")
+                                for n in ("inductor", "triton")]
+    rec = kernels_record(opt)
+    assert "norm" not in rec.stats and rec.stats["glu"] == 1 and rec.stats["rope"] == 1, rec.stats
+    left = [s for s in rec.skipped if "left to Inductor: its own code was measured faster (kernels.norm cpu" in s]
+    assert len(left) == 3, rec.skipped
+    code = opt.session.graphs[0].rewritten.code
+    assert "triton_norm" not in code and "triton_glu" in code and "rsqrt" in code
+    ran.clear()
+    again = run_triton("llama", lowering="inductor")
+    assert not ran and kernels_record(again).stats == rec.stats

@@ -156,6 +156,22 @@ def pick(key: str, runs: dict[str, Callable[[], None]],
     return best
 
 
+def pick_apart(key: str, names: Sequence[str], make_runs: Callable[[], dict[str, Callable[[], None]]],
+               timer: Optional[Callable[[Callable[[], None]], float]] = None) -> str:
+    """`pick(key, make_runs(), timer)` (the remembered choice among `names` without one), apart from
+    a capture that may be running: on real tensors, with gradients, and with each torch.compile'd
+    implementation's backward compiled with its forward (compiled at its first backward, it would
+    record its compile metrics into the capture's)."""
+    import torch
+
+    from tailorfx import compat
+    got = known_pick(key, names)
+    if got is not None:
+        return got
+    with compat.untraced_real_tensors(), compat.backward_compiled_with_forward(), torch.enable_grad():
+        return pick(key, make_runs(), timer)
+
+
 def choices() -> dict[str, dict]:
     """What this process chose: key -> {"tiles" or "pick", "ms" per candidate (timed here, else {})}."""
     tiles = {k: {"tiles": asdict(v), "ms": _TIMES.get(k, {})} for k, v in _MEMO.items()}

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from tailorfx import compat
 from tailorfx.passes import register
+from tailorfx.passes.kernel_choice import inductor_wins
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PassContext, PassResult, annotate
@@ -343,6 +344,11 @@ class KernelsPass:
                     continue
                 if isinstance(got, str):
                     skipped.append(f"{region.path}: {got}")
+                    continue
+                kept = [(s, inductor_wins(s, ctx.options.get("lowering"))) for s in got]
+                skipped.extend(f"{region.path}: {why}" for _, why in kept if why)
+                got = [s for s, why in kept if not why]
+                if not got:
                     continue
                 for swap in got:
                     with gm.graph.inserting_before(swap.out):

@@ -211,14 +211,18 @@ def _timed_inputs(q: Tensor, k: Tensor, kwargs: dict) -> tuple[tuple, dict]:
 def pick(q: Tensor, k: Tensor, kwargs: dict, runs: dict[str, Callable], key: str,
          timer: Optional[Callable] = None) -> str:
     """The fastest of `runs` (name -> fn(q, k, v, **kwargs), forward and backward timed) for this
-    form and shape, timed on random tensors once per `key` and remembered (kernels/tuning.py)."""
+    form and shape, timed on random tensors once per `key`, in a thread of its own, and remembered
+    (kernels/tuning.py)."""
     from tailorfx.kernels import tuning
-    args, extra = _timed_inputs(q, k, kwargs)
-    grad = torch.randn_like(args[0])
 
-    def step(fn):
-        return lambda: torch.autograd.grad(fn(*args, **extra), args, grad)
-    return tuning.pick(key, {name: step(fn) for name, fn in runs.items()}, timer)
+    def make_runs():
+        args, extra = _timed_inputs(q, k, kwargs)
+        grad = torch.randn_like(args[0])
+
+        def step(fn):
+            return lambda: torch.autograd.grad(fn(*args, **extra), args, grad)
+        return {name: step(fn) for name, fn in runs.items()}
+    return tuning.pick_apart(key, tuple(runs), make_runs, timer)
 
 
 def memory_ok(q: Tensor, k: Tensor) -> bool:
