@@ -77,6 +77,12 @@ def tailorfx_op_name(t) -> Optional[str]:
     return None
 
 
+def flex_attention_role(t) -> Optional[str]:
+    """'forward' or 'backward' for FlexAttention's higher-order ops in a traced graph; None for others."""
+    name = getattr(t, "_name", None) if isinstance(t, torch._ops.HigherOrderOperator) else None
+    return {"flex_attention": "forward", "flex_attention_backward": "backward"}.get(name)
+
+
 def op_qualified_name(t) -> Optional[str]:
     """'transformers::grouped_mm_fallback' for a custom op (packet or overload) in a graph; None
     for other targets."""

@@ -96,9 +96,10 @@ class Pool:
         rest of its outputs freed."""
 
 
-def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup) -> int:
+def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup, inductor: bool = False) -> int:
     """Bytes an opaque tailorfx op allocates inside itself while it runs (its chunk buffers, or
-    one parameter's optimizer update in backward), or an ATen op whose kernel makes a temporary."""
+    one parameter's optimizer update in backward), or an ATen op whose kernel makes a temporary
+    (`inductor`: an origin of a kernel Inductor generated, which fuses what it computes)."""
     t = node.target
     if getattr(t, "__name__", "") == "grad_ready":
         g = node_value(node.args[2])
@@ -118,6 +119,9 @@ def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup) -> int:
         per_thread = min(1 << 20, S * (256 if S < 192 else 512 if S < 768 else 1024))
         buffers = torch.get_num_threads() * per_thread
         return sizer(q) * 4 // q.element_size() + buffers if backward else int(0.57 * buffers)
+    role = compat.flex_attention_role(t)
+    if role is not None:   # Inductor's FlexAttention kernel, or a GPU budget (Inductor's lowering there): fused
+        return 0 if inductor or setup.device is not None else _unfused_flex(node, role, sizer)
     if t is torch.ops.aten.native_dropout_backward.default:
         # CPU computes grad * mask * scale as two ops: an output-sized temporary (CUDA fuses them)
         v = node_value(node)
@@ -130,6 +134,20 @@ def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup) -> int:
     # a GPU budget (setup.device: CUDA's costs) predicted on CPU fake tensors: the ops as CUDA runs them
     return (ops.transient_bytes(name, args, sizer.as_int, cuda=setup.device is not None)
             + attention_kernels.transient_bytes(name, args, sizer.as_int))
+
+
+def _unfused_flex(node: fx.Node, role: str, sizer: Sizer) -> int:
+    """The score-sized buffers torch's unfused FlexAttention ('forward' or 'backward' op) holds."""
+    from tailorfx.runtime.flex import unfused_transient_bytes
+    q, k = node_value(node.args[0]), node_value(node.args[1])
+    if not isinstance(q, torch.Tensor):
+        return 0
+    mods = node.args[3 if role == "forward" else 7]   # the score_mod's graph (a submodule)
+    mods = getattr(node.graph.owning_module, mods.target, None) if isinstance(mods, fx.Node) else mods
+    softcap = isinstance(mods, fx.GraphModule) and any(
+        "tanh" in str(n.target) for n in mods.graph.nodes if n.op == "call_function")
+    shape = (sizer.as_int(d) for d in (*q.shape[:3], k.shape[2]))
+    return unfused_transient_bytes(role, *shape, q.element_size() == 2, softcap)
 
 
 def _replayed_value(n: fx.Node):
@@ -285,7 +303,7 @@ def run_schedule(g: fx.GraphModule, sched, pool: Pool, env: dict, sizer: Sizer, 
         for i in sched.inputs_reused[t]:   # its storage becomes this kernel's output
             drop(i)
         pool.total += sizer.bytes(sched.allocs[t])
-        pool.mark(phase, name, max((_op_transient(o, sizer, setup) for o in sched.origins[t]), default=0))
+        pool.mark(phase, name, max((_op_transient(o, sizer, setup, True) for o in sched.origins[t]), default=0))
         pool.total -= sizer.bytes(sched.frees[t])
         for i in sched.inputs_done[t]:
             drop(i)
