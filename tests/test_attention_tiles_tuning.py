@@ -13,7 +13,7 @@ os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported: kernels run 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tailorfx.kernels import flash_attention as fa  # noqa: E402
+from tailorfx.kernels import flash_launch as fl  # noqa: E402
 from tailorfx.kernels import flash_tiles, tuning  # noqa: E402
 from tailorfx.kernels.tuning import Tiles  # noqa: E402
 
@@ -58,7 +58,7 @@ def _launcher(seq=80, dim=64, heads=2):
     ran = []
 
     def run(t):
-        fa.forward(q, k, v, causal=True, blocks=(t.block_m, t.block_n, 16, 16))
+        fl.forward(q, k, v, causal=True, blocks=(t.block_m, t.block_n, 16, 16))
         ran.append(t)
     return run, ran
 

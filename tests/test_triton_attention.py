@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 import tailorfx.runtime.attention_kernels  # noqa: E402,F401  (registers tailorfx::dilated_attention)
 from tailorfx import kernels as tt  # noqa: E402
 from tailorfx.kernels import flash_attention as fa  # noqa: E402
+from tailorfx.kernels import flash_launch as fl  # noqa: E402
 from tailorfx.runtime.attention_tiles import Pattern  # noqa: E402
 
 NEG_INF = float("-inf")
@@ -97,7 +98,7 @@ def reference(q, k, v, mask, params, causal, scale, doc=None, softcap=None, key_
     """(out, lse) as the runtime defines them (dilated without softcap: the runtime's op itself)."""
     if mask == "dilated":
         assert key_bias is None
-        segs, rates = fa.normalize_params(mask, params)
+        segs, rates = fl.normalize_params(mask, params)
         if softcap is not None:
             return dilated_reference(q, k, v, segs, rates, causal, scale, doc, softcap)
         return torch.ops.tailorfx.dilated_attention(q, k, v, doc, list(segs), list(rates), scale, causal)
@@ -125,8 +126,8 @@ def check(batch, heads, kv_heads, seq, dim, mask, params, causal, doc=None, soft
     scale = 1.0 / math.sqrt(dim)
     kw = dict(mask=mask, params=params, causal=causal, scale=scale, document_ids=doc, softcap=softcap, blocks=blocks,
               key_bias=key_bias)
-    out, lse = fa.forward(q, k, v, **kw)
-    dq, dk, dv = fa.backward(dout, q, k, v, out, lse, **kw)
+    out, lse = fl.forward(q, k, v, **kw)
+    dq, dk, dv = fl.backward(dout, q, k, v, out, lse, **kw)
     assert out.dtype == dq.dtype == dk.dtype == dv.dtype == dtype and lse.dtype == torch.float32
     assert out.shape == q.shape and dk.shape == k.shape and lse.shape == q.shape[:3]
 
@@ -193,7 +194,7 @@ def test_key_bias(mask, params, causal, docs, softcap, kv_heads):
     doc = torch.tensor([[0] * 20 + [1] * 30, [0] * 5 + [1] * 45]) if docs else None
     out, _, _ = check(2, heads, kv_heads, seq, 32, mask, params, causal, doc, softcap, blocks=(32, 16), key_bias=bias)
     q, k, v, _ = make_inputs(2, heads, kv_heads, seq, 32, torch.float32, 0)
-    plain, _ = fa.forward(q, k, v, mask=mask, params=params, causal=causal, scale=32 ** -0.5, document_ids=doc,
+    plain, _ = fl.forward(q, k, v, mask=mask, params=params, causal=causal, scale=32 ** -0.5, document_ids=doc,
                           softcap=softcap, blocks=(32, 16))
     assert (plain - out).abs().max() > 100 * TOL[torch.float32]
 
@@ -265,7 +266,7 @@ def test_rows_that_see_only_themselves():
     """Window 1, no global token, documents: each row attends itself alone (out = v, lse = q.k)."""
     q, k, v, _ = make_inputs(1, 2, 2, 33, 16, torch.float32, 3)
     doc = torch.arange(33)[None] % 4
-    out, lse = fa.forward(q, k, v, mask="window", params=(1, 0), causal=False, scale=0.5, document_ids=doc,
+    out, lse = fl.forward(q, k, v, mask="window", params=(1, 0), causal=False, scale=0.5, document_ids=doc,
                           blocks=(16, 16))
     torch.testing.assert_close(out, v, rtol=0, atol=1e-6)
     torch.testing.assert_close(lse, (q * k).sum(-1) * 0.5, rtol=1e-5, atol=1e-5)
@@ -297,13 +298,13 @@ def test_masked_tiles_are_never_loaded(mask, params, causal):
     kt, qt = 2, 3
     poisoned = v.clone()
     poisoned[:, :, kt * bn:(kt + 1) * bn] = float("nan")
-    out, _ = fa.forward(q, k, poisoned, **kw)
+    out, _ = fl.forward(q, k, poisoned, **kw)
     visited = out[0, 0].isnan().any(-1).view(-1, bm).any(-1)
     assert torch.equal(visited, need[:, kt]), f"query tiles visiting key tile {kt}: {visited} != {need[:, kt]}"
-    out, lse = fa.forward(q, k, v, **kw)
+    out, lse = fl.forward(q, k, v, **kw)
     bad = dout.clone()
     bad[:, :, qt * bm:(qt + 1) * bm] = float("nan")
-    _, _, dv = fa.backward(bad, q, k, v, out, lse, **kw)
+    _, _, dv = fl.backward(bad, q, k, v, out, lse, **kw)
     visited = dv[0, 0].isnan().any(-1).view(-1, bn).any(-1)
     assert torch.equal(visited, need[qt, :]), f"key tiles visiting query tile {qt}: {visited} != {need[qt, :]}"
 
@@ -315,10 +316,10 @@ def test_bigbird_tables_trace_as_constants(block):
     as constants of the traced graph, equal to the eager launch's."""
     from torch.fx.experimental.proxy_tensor import make_fx
     spec = dict(_spec("bigbird", bigbird_block=block, causal=True, bwd_block_m=32, bwd_block_n=16).params)
-    params = fa.normalize_params("bigbird", (block, 1, 1, 1, 3))
+    params = fl.normalize_params("bigbird", (block, 1, 1, 1, 3))
 
     def tables(x):
-        mode = fa._mode_args(spec, params, True, 256, x.device, "dkdv")
+        mode = fl._mode_args(spec, params, True, 256, x.device, "dkdv")
         return [t + x for t in mode if isinstance(t, torch.Tensor)]
     x = torch.zeros((), dtype=torch.int32)
     want = tables(x)   # an eager launch first: its tables are cached, real tensors
@@ -406,9 +407,9 @@ def test_spec_and_argument_errors():
         tt.render(_spec("bigbird"))
     q, k, v, _ = make_inputs(1, 3, 2, 16, 16, torch.float32, 0)
     with pytest.raises(ValueError, match="not a multiple"):
-        fa.forward(q, k, v)
+        fl.forward(q, k, v)
     with pytest.raises(ValueError, match="window"):
-        fa.forward(q, k[:, :1], v[:, :1], mask="window", params=(3,))
+        fl.forward(q, k[:, :1], v[:, :1], mask="window", params=(3,))
 
 
 def test_examples_cover_the_family():
@@ -427,10 +428,10 @@ def test_autograd_wrapper():
     q, k, v, dout = make_inputs(1, 2, 1, 24, 16, torch.float32, 1)
     kw = dict(mask="window", params=(5, 1), causal=True, blocks=(16, 16))
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-    out, lse = fa.attention(q, k, v, **kw)
+    out, lse = fl.attention(q, k, v, **kw)
     out.backward(dout)
-    o2, l2 = fa.forward(q.detach(), k.detach(), v.detach(), **kw)
-    grads = fa.backward(dout, q.detach(), k.detach(), v.detach(), o2, l2, **kw)
+    o2, l2 = fl.forward(q.detach(), k.detach(), v.detach(), **kw)
+    grads = fl.backward(dout, q.detach(), k.detach(), v.detach(), o2, l2, **kw)
     assert torch.equal(out.detach(), o2) and not lse.requires_grad
     for got, want in zip((q.grad, k.grad, v.grad), grads):
         assert torch.equal(got, want)

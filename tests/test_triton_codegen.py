@@ -78,7 +78,7 @@ def test_every_attention_tile_candidate_compiles_without_spills(head_dim, arch):
     spills, shared memory within the arch's limit, in every form it may serve (bf16, the sm90
     Inductor typing of float scalars, fp64)."""
     from tailorfx.kernels import flash_tiles
-    from tailorfx.kernels.flash_attention import _spec, normalize_params
+    from tailorfx.kernels.flash_launch import _spec, normalize_params
     fn = {"fwd": "attn_fwd", "dq": "attn_bwd_dq", "dkdv": "attn_bwd_dkdv"}
     jobs = []
     for role in flash_tiles.ROLES:

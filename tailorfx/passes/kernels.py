@@ -383,7 +383,7 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
     """(spec, forward launch grid as text) for each Triton kernel a graph node launches, at the
     shapes of its inputs' fake values (a symbolic length at its hint); [] for nodes that launch
     none."""
-    from tailorfx.kernels import flash_attention, glu, linear_cross_entropy, norm, rope
+    from tailorfx.kernels import flash_launch, glu, linear_cross_entropy, norm, rope
     from tailorfx.runtime.triton_ops import (attention_params, triton_attention, triton_glu,
                                              triton_linear_cross_entropy, triton_norm, triton_rope, triton_rope_qk)
     if node.op != "call_function":
@@ -421,7 +421,7 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
     if node.target is triton_attention:
         mask, params = attention_params(kw["kind"], dict(kw["params"]))
         q, k = node_value(node.args[0]), node_value(node.args[1])
-        spec = flash_attention.spec_for(q, k, mask=mask, params=params, causal=kw["causal"],
+        spec = flash_launch.spec_for(q, k, mask=mask, params=params, causal=kw["causal"],
                                         documents=kw.get("document_ids") is not None, softcap=kw.get("softcap"),
                                         key_bias=kw.get("key_bias") is not None)
         batch, heads, seq = (_int(d) for d in q.shape[:3])

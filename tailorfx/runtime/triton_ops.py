@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from tailorfx.kernels import flash_attention as _flash
+from tailorfx.kernels import flash_launch as _flash
 from tailorfx.kernels import glu as _glu
 from tailorfx.kernels import interpreted
 from tailorfx.kernels import linear_cross_entropy as _lce

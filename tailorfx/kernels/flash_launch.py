@@ -1,0 +1,401 @@
+"""Flash attention's host side: the spec a call needs (`spec_for`), its tiles (chosen by
+measurement on a GPU: `flash_tiles`), BigBird's tables, and the launches of the forward, the
+backward preprocess, dq and dk/dv kernels that `flash_attention` renders (shapes and semantics:
+its docstring), with the autograd wrapper `attention`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Optional, Sequence
+
+from tailorfx.kernels import DTYPE_NAMES, KernelSpec, cached_kernel, interpreted
+from tailorfx.kernels.flash_attention import MODES, Config, num_warps
+from tailorfx.kernels.tuning import Tiles
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def normalize_params(mask: str, params) -> tuple:
+    """A mask's params as a hashable tuple: window (w, g); bigbird (block, window, num_global,
+    num_random, seed); dilated ((segments...), (rates...)) (a single (w, r) pair is accepted)."""
+    params = tuple(params or ())
+    if mask == "full":
+        if params:
+            raise ValueError(f"mask 'full' takes no params, got {params}")
+        return ()
+    if mask == "window":
+        if len(params) != 2 or min(params) < 0:
+            raise ValueError(f"mask 'window' takes (window, num_global) >= 0, got {params}")
+        return tuple(int(p) for p in params)
+    if mask == "bigbird":
+        if len(params) != 5 or params[0] < 1:
+            raise ValueError(f"mask 'bigbird' takes (block, window, num_global, num_random, seed), got {params}")
+        return tuple(int(p) for p in params)
+    if mask == "dilated":
+        if len(params) != 2:
+            raise ValueError(f"mask 'dilated' takes (segments, rates), got {params}")
+        seg, rate = params
+        seg = (int(seg),) if isinstance(seg, int) else tuple(int(s) for s in seg)
+        rate = (int(rate),) if isinstance(rate, int) else tuple(int(r) for r in rate)
+        if len(seg) != len(rate) or not seg or min(seg) < 1 or min(rate) < 1:
+            raise ValueError(f"mask 'dilated': segments {seg} and rates {rate} (equal lengths, >= 1)")
+        return seg, rate
+    raise ValueError(f"flash_attention mask {mask!r}: one of {list(MODES)}")
+
+
+def spec_for(q, k, *, mask: str = "full", params=(), causal: bool = False, documents: bool = False,
+             softcap: Optional[float] = None, blocks: Optional[Sequence[int]] = None, key_bias: bool = False):
+    """The spec that serves q (B, H, S, D), k (B, H_kv, S, D) with this mask, at `blocks`
+    (as `_explicit` reads them: one (m, n) for every kernel, or per kernel); by
+    default the tiles a launch on q's device starts from (`flash_tiles`' default; the
+    interpreter's `default_blocks`), before any measurement. `key_bias`: a per-key additive bias
+    (ALiBi) is read."""
+    from tailorfx import compat
+    static = _static_of(q, k, mask, normalize_params(mask, params), causal, documents, softcap, key_bias)
+    tiles = _explicit(blocks) if blocks is not None else _defaults(static, q.device, compat.size_hint(q.shape[2]))
+    return _spec(*static, _flat_tiles(tiles), interpreted())
+
+
+def _static_of(q, k, mask, params, causal, documents, softcap, key_bias) -> tuple:
+    """What a spec is built from besides its tiles (flash_tiles.key's `static`)."""
+    return (DTYPE_NAMES[q.dtype], int(q.shape[-1]), int(q.shape[1] // k.shape[1]), mask, params, bool(causal),
+            bool(documents), None if softcap is None else float(softcap), bool(key_bias))
+
+
+def _explicit(blocks: Sequence[int]) -> dict:
+    """blocks: (m, n) for every kernel, (m, n, bwd_m, bwd_n), or (m, n, dq_m, dq_n, bwd_m, bwd_n)."""
+    b = tuple(int(x) for x in blocks)
+    if len(b) == 2:
+        b = b + b
+    if len(b) == 4:
+        b = b[:2] + b
+    if len(b) != 6:
+        raise ValueError(f"flash_attention blocks {tuple(blocks)}: (block_m, block_n), (block_m, block_n, "
+                         "bwd_block_m, bwd_block_n) or (block_m, block_n, dq_block_m, dq_block_n, bwd_block_m, "
+                         "bwd_block_n)")
+    return {"fwd": Tiles(b[0], b[1]), "dq": Tiles(b[2], b[3]), "dkdv": Tiles(b[4], b[5])}
+
+
+def _defaults(static: tuple, device, seq_len: int) -> dict:
+    """Each kernel's starting tiles (flash_tiles.choose, untimed): under the interpreter
+    `default_blocks`' (4 warps); on a GPU the remembered choice for the key, else the first
+    candidate (timed later by the launch)."""
+    from tailorfx.kernels import flash_tiles
+    where = "interpreter" if interpreted() else device   # which runs `small`'s tiles whatever the device
+    return {r: flash_tiles.choose(r, static, seq_len, where, None) for r in flash_tiles.ROLES}
+
+
+def _flat_tiles(tiles: dict) -> tuple:
+    return tuple(x for r in ("fwd", "dq", "dkdv") for x in (tiles[r].block_m, tiles[r].block_n))
+
+
+def _spec(dtype: str, head_dim: int, group: int, mask: str, params: tuple, causal: bool, documents: bool,
+          softcap: Optional[float], key_bias: bool, blocks: tuple, interpret: bool):
+    """blocks: (block_m, block_n, dq_block_m, dq_block_n, bwd_block_m, bwd_block_n); dq's are
+    named only where they differ from the forward's."""
+    bm, bn, qm, qn, bm2, bn2 = (int(b) for b in blocks)
+    extra = {"bigbird_block": params[0]} if mask == "bigbird" else {}
+    if (qm, qn) != (bm, bn):
+        extra.update(dq_block_m=qm, dq_block_n=qn)
+    if softcap is not None:
+        extra["softcap"] = float(softcap)
+    if key_bias:
+        extra["key_bias"] = True
+    if dtype == "bf16" and not interpret:   # compiled: bf16 tensor-core dots
+        extra["precision"] = None
+    return KernelSpec("flash_attention", dtype=dtype, head_dim=head_dim, mask=mask, causal=bool(causal),
+                      documents=bool(documents), group=group, block_m=bm, block_n=bn,
+                      bwd_block_m=bm2, bwd_block_n=bn2, **extra)
+
+
+@functools.lru_cache(maxsize=64)
+def bigbird_tables(params: tuple, causal: bool, seq_len: int, block_m: int, block_n: int, by_keys: bool = False):
+    """CPU tensors for one BigBird pattern at tile sizes (block_m queries, block_n keys):
+    (table int32 (tiles, width), count int32 (tiles,), block_mask int8 (nb, nb)). The table lists,
+    per query tile, the key tiles holding a pair `Pattern("bigbird", params, causal,
+    seq_len).element_mask` allows (by_keys: per key tile, the query tiles), ascending; block_mask
+    is the Pattern's (query block, key block) rows."""
+    import torch
+    from tailorfx.kernels.bigbird import block_rows
+    b = params[0]
+    nb = _cdiv(seq_len, b)
+    blocks = block_rows(tuple(params), causal, 0, nb, nb)
+    nqt, nkt = _cdiv(seq_len, block_m), _cdiv(seq_len, block_n)
+    pos = torch.arange(seq_len)
+    qa = torch.zeros(nqt, nb)
+    qa[pos // block_m, pos // b] = 1.0
+    ka = torch.zeros(nkt, nb)
+    ka[pos // block_n, pos // b] = 1.0
+    tiles = (qa @ blocks.float() @ ka.T) > 0
+    if causal:   # a key tile wholly after the query tile's last row is masked
+        last = torch.clamp((torch.arange(nqt) + 1) * block_m, max=seq_len) - 1
+        tiles &= (torch.arange(nkt) * block_n)[None, :] <= last[:, None]
+    if by_keys:
+        tiles = tiles.T
+    count = tiles.sum(1).to(torch.int32)
+    width = max(1, int(count.max()))
+    table = torch.argsort((~tiles).to(torch.int8), dim=1, stable=True)[:, :width].to(torch.int32)
+    return table.contiguous(), count, blocks.to(torch.int8).contiguous()
+
+
+def _check(q, k, v, document_ids):
+    if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+        raise ValueError(f"flash_attention: q (B, H, S, D), k and v (B, H_kv, S, D); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"flash_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"flash_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    if document_ids is not None and tuple(document_ids.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(f"flash_attention: document_ids must be (B, S) = {(q.shape[0], q.shape[2])}")
+
+
+def _on_device(table, device):
+    """A host-built table on the launch's device. Inside a trace (Inductor tracing the triton_op
+    on fake tensors) a real tensor cannot be copied: there it is built from its values, a constant
+    of the traced graph."""
+    import torch
+    from tailorfx import compat
+    if compat.detect_fake_mode() is None:
+        return table.to(device)
+    with compat.untraced_real_tensors():   # Dynamo's fake mode refuses even tolist() of a real tensor
+        values = table.tolist()
+    return torch.tensor(values, dtype=table.dtype, device=device)
+
+
+def _mode_args(spec, params, causal, seq_len, device, role="fwd"):
+    """A kernel's mode arguments (BigBird's tables at that kernel's tiles; role "dkdv" lists
+    query tiles per key tile); none for dilated, whose (segment, rate) change per launch."""
+    mask = spec["mask"]
+    if mask == "window":
+        return list(params)
+    if mask == "bigbird":
+        c = Config(spec)
+        tiles = {"fwd": (c.block_m, c.block_n), "dq": (c.dq_block_m, c.dq_block_n),
+                 "dkdv": (c.bwd_block_m, c.bwd_block_n)}[role]
+        from tailorfx import compat
+        with compat.untraced_real_tensors():   # built from ints: real, untraced, under a trace too
+            table, count, block_mask = bigbird_tables(params, bool(causal), seq_len, *tiles, role == "dkdv")
+        out = [_on_device(table, device), _on_device(count, device), table.shape[1]]
+        if not c.aligned:
+            out += [_on_device(block_mask, device), block_mask.shape[0]]
+        return out
+    return []
+
+
+def _spec_here(*static):
+    return _spec(*static, interpreted())
+
+
+_kernel = cached_kernel(_spec_here)   # a warm launch builds no KernelSpec
+
+
+class _Call:
+    """One attention call's arguments, checked, and its kernels' tiles: given (`blocks`), else
+    chosen per kernel by `flash_tiles` (timed on the GPU the first time a key is seen)."""
+
+    def __init__(self, q, k, mask, params, causal, document_ids, softcap, blocks, scale, key_bias):
+        import torch
+        self.params = normalize_params(mask, params)
+        self.mask, self.causal = mask, bool(causal)
+        self.static = _static_of(q, k, mask, self.params, causal, document_ids is not None, softcap,
+                                 key_bias is not None)
+        self.batch, self.heads, self.seq = q.shape[:3]
+        self.num_kv = k.shape[1]
+        self.device = q.device
+        self.scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+        self.given = blocks is not None
+        from tailorfx import compat
+        self.seq_hint = compat.size_hint(self.seq)   # a traced length keys the choice without a guard
+        self.tiles = _explicit(blocks) if self.given else _defaults(self.static, q.device, self.seq_hint)
+        extra = []
+        if document_ids is not None:
+            if document_ids.dtype != torch.int32 or document_ids.device != q.device:
+                document_ids = document_ids.to(device=q.device, dtype=torch.int32)
+            extra = [document_ids.contiguous()]
+        if key_bias is not None:   # (B, H, S) or broadcast to it: fp32 rows of (batch, head)
+            if key_bias.dim() != 3 or key_bias.shape[-1] != self.seq:
+                raise ValueError(f"flash_attention key_bias {tuple(key_bias.shape)}: (B, H, S) or broadcast to it, "
+                                 f"S={self.seq}")
+            extra.append(key_bias.to(device=q.device, dtype=torch.float32).expand(
+                self.batch, self.heads, self.seq).contiguous())
+        self.extra = extra
+
+    def kernel(self, tiles: Optional[dict] = None):
+        return _kernel(*self.static, _flat_tiles(tiles or self.tiles))
+
+    def tune(self, role: str, launch, *tensors) -> None:
+        """Choose `role`'s tiles on a GPU, timing `launch(kernel, call, options, *tensors)` per
+        candidate the first time the key is seen (under a trace on random tensors of the same
+        shapes, made only then; none when they would not fit, and the default stays)."""
+        import torch
+        if (self.given or interpreted() or self.device.type != "cuda" or self.mask == "dilated"
+                or not torch.cuda.is_available()):
+            return
+        from tailorfx.kernels import flash_tiles
+        with contextlib.ExitStack() as stack:
+            made = []
+
+            def run(t):
+                if not made:
+                    made.append(stack.enter_context(_real(*tensors)))
+                if made[0] is None:
+                    raise _TooLarge
+                launch(self.kernel(self.tiles | {role: t}), self, t.launch(), *made[0])
+            try:
+                self.tiles[role] = flash_tiles.choose(role, self.static, self.seq_hint, self.device, run)
+            except _TooLarge:
+                pass
+
+    def options(self, role: str) -> dict:
+        return {"num_warps": num_warps(None)} if self.given or interpreted() else self.tiles[role].launch()
+
+
+class _TooLarge(Exception):
+    """A traced call's stand-in tensors would not fit beside what the GPU holds."""
+
+
+@contextlib.contextmanager
+def _real(*tensors):
+    """The call's own tensors, or under a trace (fake tensors) random real ones of their shapes
+    to time kernels on; None when a traced call's would take over a quarter of the free memory."""
+    import torch
+    from tailorfx import compat
+    if compat.detect_fake_mode() is None:
+        yield tensors
+        return
+    with compat.untraced_real_tensors():
+        shapes = [tuple(compat.size_hint(d) for d in t.shape) for t in tensors]
+        need = sum(math.prod(sh) * t.element_size() for sh, t in zip(shapes, tensors))
+        if need > torch.cuda.mem_get_info(tensors[0].device)[0] // 4:
+            yield None
+            return
+        made = [torch.zeros(sh, dtype=t.dtype, device=t.device) if not t.is_floating_point()
+                else torch.randn(sh, device=t.device).to(t.dtype) for sh, t in zip(shapes, tensors)]
+        yield made
+        del made
+
+
+def _launch_fwd(kern, call, options, q, k, v, out, lse, *extra):
+    mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "fwd")
+    kern.fn("attn_fwd")[(_cdiv(call.seq, kern.spec["block_m"]), call.batch * call.heads)](
+        q, k, v, out, lse, *extra, *mode, call.scale, call.seq, call.heads, **options)
+
+
+def _launch_dq(kern, call, options, q, k, v, dout, lse, delta, dq, *extra):
+    rows = kern.spec.get("dq_block_m") or kern.spec["block_m"]   # named only where it differs
+    mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "dq")
+    kern.fn("attn_bwd_dq")[(_cdiv(call.seq, rows), call.batch * call.heads)](
+        q, k, v, dout, lse, delta, dq, *extra, *mode, call.scale, call.seq, call.heads, **options)
+
+
+def _launch_dkdv(kern, call, options, q, k, v, dout, lse, delta, dk, dv, *extra):
+    mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "dkdv")
+    kern.fn("attn_bwd_dkdv")[(_cdiv(call.seq, kern.spec["bwd_block_n"]), call.batch * call.num_kv)](
+        q, k, v, dout, lse, delta, dk, dv, *extra, *mode, call.scale, call.seq, call.heads, **options)
+
+
+def forward(q, k, v, *, mask: str = "full", params=(), causal: bool = False, scale: Optional[float] = None,
+            document_ids=None, softcap: Optional[float] = None, blocks: Optional[Sequence[int]] = None,
+            key_bias=None):
+    """(out (B, H, S, D) in q's dtype, lse (B, H, S) fp32; 0 and -inf on rows that see no key).
+    mask/params as `normalize_params`; scale defaults to D ** -0.5; blocks as `spec_for` (on a
+    GPU, by default each kernel's tiles are chosen by measurement); key_bias (B, H, S) (or
+    broadcast to it) is added to every query's scores after the soft-cap."""
+    import torch
+    _check(q, k, v, document_ids)
+    call = _Call(q, k, mask, params, causal, document_ids, softcap, blocks, scale, key_bias)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    batch, heads, seq, _ = q.shape
+    if mask == "dilated":   # one launch per branch, merged into fp32 out/lse through the lse
+        kern = call.kernel()
+        bm, fn = kern.spec["block_m"], kern.fn("attn_fwd")
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full((batch, heads, seq), float("-inf"), dtype=torch.float32, device=q.device)
+        for w, r in zip(*call.params):
+            grid = (_cdiv(seq, w) * _cdiv(_cdiv(w, r), bm), batch * heads)   # segments x tiles of a segment
+            fn[grid](q, k, v, out, lse, *call.extra, w, r, call.scale, seq, heads, **call.options("fwd"))
+        return out.to(q.dtype), lse
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
+    call.tune("fwd", _launch_fwd, q, k, v, out, lse, *call.extra)
+    _launch_fwd(call.kernel(), call, call.options("fwd"), q, k, v, out, lse, *call.extra)
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, *, mask: str = "full", params=(), causal: bool = False,
+             scale: Optional[float] = None, document_ids=None, softcap: Optional[float] = None,
+             blocks: Optional[Sequence[int]] = None, key_bias=None):
+    """(dq, dk, dv) of `forward`'s out (same arguments), recomputing the scores from out and lse;
+    dk, dv of a kv head sum the query heads that share it (in fp32, inside the kernel). The key
+    bias gets no gradient (ALiBi's is built from positions)."""
+    import torch
+    _check(q, k, v, document_ids)
+    call = _Call(q, k, mask, params, causal, document_ids, softcap, blocks, scale, key_bias)
+    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
+    if lse.dtype != torch.float32:
+        lse = lse.to(torch.float32)
+    lse = lse.contiguous()
+    batch, heads, seq, _ = q.shape
+    num_kv = k.shape[1]
+    kern = call.kernel()
+    delta = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
+    rows = batch * heads * seq
+    kern.fn("attn_bwd_preprocess")[(_cdiv(rows, kern.spec["block_m"]),)](out, dout, delta, rows,
+                                                                         num_warps=num_warps(None))
+    if mask == "dilated":   # branches add into fp32 gradients
+        c = Config(kern.spec)
+        fdq, fdkdv = kern.fn("attn_bwd_dq"), kern.fn("attn_bwd_dkdv")
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        group = heads // num_kv
+        for w, r in zip(*call.params):
+            nseg, per = _cdiv(seq, w), _cdiv(w, r)
+            fdq[(nseg * _cdiv(per, c.dq_block_m), batch * heads)](
+                q, k, v, dout, lse, delta, dq, *call.extra, w, r, call.scale, seq, heads, **call.options("dq"))
+            # a kv head's query heads fall into min(group, r) offsets: one program each
+            fdkdv[(nseg * _cdiv(per, c.bwd_block_n), batch * num_kv * min(group, r))](
+                q, k, v, dout, lse, delta, dk, dv, *call.extra, w, r, call.scale, seq, heads, **call.options("dkdv"))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    call.tune("dq", _launch_dq, q, k, v, dout, lse, delta, dq, *call.extra)
+    call.tune("dkdv", _launch_dkdv, q, k, v, dout, lse, delta, dk, dv, *call.extra)
+    kern = call.kernel()
+    _launch_dq(kern, call, call.options("dq"), q, k, v, dout, lse, delta, dq, *call.extra)
+    _launch_dkdv(kern, call, call.options("dkdv"), q, k, v, dout, lse, delta, dk, dv, *call.extra)
+    return dq, dk, dv
+
+
+def attention(q, k, v, *, mask: str = "full", params=(), causal: bool = False, scale: Optional[float] = None,
+              document_ids=None, softcap: Optional[float] = None, blocks: Optional[Sequence[int]] = None,
+              key_bias=None):
+    """`forward` with autograd through `backward`: (out, lse), lse not differentiable."""
+    kw = dict(mask=mask, params=normalize_params(mask, params), causal=causal, scale=scale,
+              document_ids=document_ids, softcap=softcap, blocks=None if blocks is None else tuple(blocks),
+              key_bias=key_bias)
+    return _autograd().apply(q, k, v, kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _autograd():
+    import torch
+
+    class FlashAttentionFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, kw):
+            out, lse = forward(q, k, v, **kw)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.kw = kw
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            q, k, v, out, lse = ctx.saved_tensors
+            return (*backward(dout, q, k, v, out, lse, **ctx.kw), None)
+    return FlashAttentionFn
