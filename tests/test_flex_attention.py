@@ -223,3 +223,12 @@ def test_the_unfused_cpu_path_is_predicted(family, S, B):
     assert pm.peak_node.startswith("flex_attention_backward"), pm.peak_node
     predicted = pm.forward_backward_peak_bytes
     assert -0.02 * measured <= predicted - measured <= 0.03 * measured, (predicted, measured)
+
+
+def test_flex_under_inductor_on_the_cpu_is_refused_with_the_way_out():
+    """Inductor has no CPU FlexAttention backward (its lowering fails, and the graph would run as
+    captured, nothing rewritten): training with attention_kernel="flex" and lowering="inductor" on the
+    CPU is an error naming the options that work."""
+    model = hf_family("mistral", sliding_window=8)
+    with pytest.raises(ValueError, match="no CPU FlexAttention backward.*lowering='eager'.*attention_kernel='auto'"):
+        tailorfx.optimize(model, example_inputs=batch(S=48), attention_kernel="flex", lowering="inductor")

@@ -117,6 +117,7 @@ class AttentionPass:
         self.only_dense = spec is None and bool(options.get("attention_only_dense"))
         self.kernel = options.get("attention_kernel") or "auto"
         self.inductor = options.get("lowering") == "inductor"
+        self.training = options.get("training", True) is not False
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         stats, touched, skipped, erased, made = {}, [], [], set(), {}
@@ -132,7 +133,8 @@ class AttentionPass:
                     skipped.append(f"{region.path}: {spec}")
                     continue
                 kind, params = spec_params(spec)
-                _, kernel = rewrite_match(gm, got, kind, params, erased, made, self.kernel, self.inductor)
+                _, kernel = rewrite_match(gm, got, kind, params, erased, made, self.kernel, self.inductor,
+                                          self.training)
                 touched.append(region.path)
                 stats[region.path] = _stats(got, kind, params) | {"kernel": kernel}
         return PassResult(gm, bool(touched), stats, tuple(dict.fromkeys(touched)), tuple(skipped))

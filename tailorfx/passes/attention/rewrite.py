@@ -69,7 +69,8 @@ def _on_cuda(t: Any) -> bool:
 KERNELS = ("auto", "flex", "triton")   # optimize(attention_kernel=...)
 
 
-def _kernel_for(m: Match, kwargs: dict, wanted: str = "auto", inductor: bool = False) -> tuple[Callable, dict, str]:
+def _kernel_for(m: Match, kwargs: dict, wanted: str = "auto", inductor: bool = False,
+                training: bool = True) -> tuple[Callable, dict, str]:
     """(the call, its keyword arguments, what the report says). A form torch's SDPA runs stays
     attention_call (SDPA's flash kernel on a GPU). On CUDA, a mask SDPA has no kernel for (a window,
     packed documents, a soft-cap, ALiBi) runs on the Triton flash kernel or, under Inductor, on
@@ -80,6 +81,10 @@ def _kernel_for(m: Match, kwargs: dict, wanted: str = "auto", inductor: bool = F
     q = node_value(m.q)
     flex_why = flex_supports(kwargs)
     if wanted == "flex" and flex_why is None:
+        if inductor and not _on_cuda(q) and training:
+            raise ValueError("attention_kernel='flex' with lowering='inductor' on the CPU: Inductor has no CPU "
+                             "FlexAttention backward. Train on a GPU, or pass lowering='eager' (torch's unfused "
+                             "FlexAttention, to check a form), or leave attention_kernel='auto'")
         fused = _on_cuda(q) and inductor
         where = "" if fused else ": torch's unfused reference (S x S scores; fused by Inductor on a GPU)"
         return flex_attention, kwargs, f"FlexAttention (asked){where}"
@@ -132,7 +137,8 @@ def _measured(q: torch.Tensor, k: torch.Tensor, kwargs: dict) -> tuple[str, str]
 
 
 def rewrite_match(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased: set[str],
-                  made: dict, wanted: str = "auto", inductor: bool = False) -> tuple[fx.Node, str]:
+                  made: dict, wanted: str = "auto", inductor: bool = False,
+                  training: bool = True) -> tuple[fx.Node, str]:
     """m.out replaced by one attention_call of the spec (kind, params), or the kernel `_kernel_for`
     chooses; what only the old attention read is erased (its names added to `erased`). Returns the
     new node and what runs it."""
@@ -146,7 +152,7 @@ def rewrite_match(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased
             seed = gm.graph.call_function(draw_seed, ())
         annotate(seed, m.out, val=_fake_seed(m.q), pass_name=NAME)
         kwargs["dropout_seed"] = seed
-    target, kwargs, kernel = _kernel_for(m, kwargs, wanted, inductor)
+    target, kwargs, kernel = _kernel_for(m, kwargs, wanted, inductor, training)
     with gm.graph.inserting_before(m.out):
         new = gm.graph.call_function(target, (m.q, m.k, m.v), kwargs)
         if m.folded:   # the (B, H, S, D) result as the (B * H, S, D) the bmm made
