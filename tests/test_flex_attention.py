@@ -232,3 +232,18 @@ def test_flex_under_inductor_on_the_cpu_is_refused_with_the_way_out():
     model = hf_family("mistral", sliding_window=8)
     with pytest.raises(ValueError, match="no CPU FlexAttention backward.*lowering='eager'.*attention_kernel='auto'"):
         tailorfx.optimize(model, example_inputs=batch(S=48), attention_kernel="flex", lowering="inductor")
+
+
+def test_the_kernels_pass_takes_flexattention_as_attentions_kernel():
+    """kernels="triton" with attention_kernel="flex": norms, GLU and RoPE on Triton kernels, the
+    attention left on FlexAttention without a "not rewritten" note; exact."""
+    holder = {}
+
+    def wrap(m):
+        holder["opt"] = tailorfx.optimize(m, example_inputs=inputs, attention_kernel="flex", kernels="triton")
+        return holder["opt"]
+    inputs = batch(S=48)
+    compare_with_eager(hf_family("mistral", sliding_window=8), inputs, wrap)
+    (rec,) = [r for g in holder["opt"].session.graphs for r in g.records if r.name == "kernels"]
+    assert rec.stats == {"norm": 5, "glu": 2, "rope": 2} and not rec.skipped, (rec.stats, rec.skipped)
+    assert holder["opt"].session.graphs[0].rewritten.code.count("flex_attention(") == 2

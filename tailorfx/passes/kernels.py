@@ -285,11 +285,12 @@ def _paired(swaps: list[Swap], order: Optional[dict]) -> list[Swap]:
 
 def _match_attention(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swap], str, None]:
     from tailorfx.attention import attention_call
+    from tailorfx.runtime.flex import flex_attention
     from tailorfx.runtime.triton_ops import triton_attention, triton_attention_kwargs, triton_attention_supports
     swaps, on_kernel = [], False
     for name in region.nodes:
         n = nodes.get(name)
-        on_kernel |= n is not None and n.target is triton_attention   # the attention pass chose it (CUDA)
+        on_kernel |= n is not None and n.target in (triton_attention, flex_attention)   # the attention pass chose it
         if n is None or n.target is not attention_call:
             continue
         why = triton_attention_supports(n.kwargs)

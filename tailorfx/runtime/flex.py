@@ -22,7 +22,6 @@ import math
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -188,12 +187,6 @@ def unfused_transient_bytes(role: str, batch: int, heads: int, queries: int, key
     return int(UNFUSED_BYTES[role, sixteen_bit, softcap] * batch * heads * queries * keys)
 
 
-def flex_pairs(seq_len: int, causal: bool, window: int = 0, global_tokens: int = 0) -> tuple[int, int]:
-    """(tile pairs FlexAttention visits, of which full): what the block mask saves over dense."""
-    some, every = tile_classes(seq_len, causal, window, global_tokens)
-    return int(some.sum()), int(every.sum())
-
-
 def _shape(t: Tensor) -> tuple[int, ...]:
     return tuple(size_hint(d) for d in t.shape)   # a traced length, read without a guard
 
@@ -228,8 +221,8 @@ def _timed_inputs(q: Tensor, k: Tensor, kwargs: dict) -> tuple[tuple, dict]:
 def pick(q: Tensor, k: Tensor, kwargs: dict, runs: dict[str, Callable], key: str,
          timer: Optional[Callable] = None) -> str:
     """The fastest of `runs` (name -> fn(q, k, v, **kwargs), forward and backward timed) for this
-    form and shape, timed on random tensors once per `key`, in a thread of its own, and remembered
-    (kernels/tuning.py)."""
+    form and shape, timed on random tensors once per `key` and remembered (kernels/tuning.py's
+    pick_apart: inside a capture too)."""
     from tailorfx.kernels import tuning
 
     def make_runs():
