@@ -57,7 +57,8 @@ def _runs(swap, fn: fx.GraphModule, inputs: list[fx.Node], values: list[torch.Te
           .requires_grad_(bool(v.requires_grad)) for v in values]
     wrt = [x for x in xs if x.requires_grad]
     args = [xs[inputs.index(a)] if isinstance(a, fx.Node) else a for a in swap.args]
-    compiled = torch.compile(lambda *a: fn(*a), fullgraph=True, dynamic=False)   # Inductor, as torch.compile runs it
+    # a function, not the module: inside a capture a nested torch.compile of a module compiles no frame
+    compiled = torch.compile(lambda *a: fn(*a), fullgraph=True, dynamic=False)
 
     def step(outs):
         outs = outs if isinstance(outs, (tuple, list)) else (outs,)
