@@ -46,4 +46,8 @@ def test_dry_run_passes_every_section(tmp_path):
     for lowering in ("eager", "inductor"):
         offload = hf[f"fp32/lowering={lowering}/offload=checkpoints"]
         assert offload["status"] == "pass" and offload["grad_rel"] < 1e-5 and offload["predicted"]["host_offloaded"] > 0
+    window = {k: hf[f"bf16/mistral-window/{k}"] for k in ("default", "attention_kernel=flex", "attention_kernel=triton")}
+    assert all(c["status"] == "pass" for c in window.values()), window
+    assert window["default"]["attention_kernels"] == ["tiles"]   # the CPU's: no timing off a GPU
+    assert [k[:21] for k in window["attention_kernel=flex"]["attention_kernels"]] == ["FlexAttention (asked)"]
     assert "[hf] ok" in r.stdout   # the closing table

@@ -137,7 +137,10 @@ def measure(run: Run, entry: dict, reps: int) -> dict:
     res = {"setup": opt.setup.name, "lowerings": [g.lowering for g in opt.session.graphs],
            "passes_changed": sorted({r.name for g in opt.session.graphs for r in g.records if r.changed}),
            "warnings": [w[:300] for w in opt.session.warnings[:5]],
-           "graphs_failed": [w[:300] for g in opt.session.graphs if g.failed for w in g.warnings]}
+           "graphs_failed": [w[:300] for g in opt.session.graphs if g.failed for w in g.warnings],
+           "attention_kernels": sorted({st["kernel"] for g in opt.session.graphs for r in g.records
+                                        if r.name == "attention" for st in r.stats.values()
+                                        if isinstance(st, dict) and "kernel" in st})}
     est = None
     try:
         est = opt.predict_memory()
@@ -239,6 +242,13 @@ def section_hf(run: Run, sec: dict) -> None:
          {"setup": "pure-bf16-fused-optimizer"}, 60),
         ("fp32/default", "fp32-default", "float32", 2048, {}, 60),
         ("bf16/default/S=8192", "bf16-default-8192", "bfloat16", 8192, {}, 75),
+        # Mistral's sliding window (a quarter of the sequence): the attention pass times the Triton
+        # flash kernel against FlexAttention and runs the faster (attention_kernel="auto"), or the one named
+        ("bf16/mistral-window/default", "mistral-bf16-auto", "bfloat16", 2048, {}, 90),
+        ("bf16/mistral-window/attention_kernel=flex", "mistral-bf16-flex", "bfloat16", 2048,
+         {"attention_kernel": "flex"}, 60),
+        ("bf16/mistral-window/attention_kernel=triton", "mistral-bf16-triton", "bfloat16", 2048,
+         {"attention_kernel": "triton"}, 60),
     ]
     for name, key, dt, seq, kw, need in plan:
         if run.args.variant and name not in run.args.variant:

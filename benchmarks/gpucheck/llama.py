@@ -14,13 +14,23 @@ def llama_shape(run: Run, seq: int) -> dict:
     return dict(vocab=32000, hidden=1024, layers=4, heads=16, kv_heads=4, seq=seq)
 
 
-def make_llama(run: Run, dtype_name: str, seq: int):
+def make_llama(run: Run, dtype_name: str, seq: int, window: bool = False):
+    """The Llama of `llama_shape`; `window`: Mistral's architecture at the same shape with a sliding
+    window of a quarter of the sequence (a mask SDPA has no kernel for: the attention pass's choice
+    between the Triton flash kernel and FlexAttention)."""
     import torch
     common = bench_module("common")
     hf_llama_model, lm_batch = common.hf_llama_model, common.lm_batch
     shape = llama_shape(run, seq)
     model = hf_llama_model(vocab=shape["vocab"], hidden=shape["hidden"], layers=shape["layers"],
                            heads=shape["heads"], kv_heads=shape["kv_heads"])
+    if window:
+        from transformers import MistralConfig, MistralForCausalLM
+        cfg = MistralConfig(**{k: v for k, v in model.config.to_dict().items() if k in MistralConfig().to_dict()})
+        cfg.sliding_window = max(8, shape["seq"] // 4)
+        torch.manual_seed(0)
+        model = MistralForCausalLM(cfg)
+        shape = dict(shape, window=cfg.sliding_window)
     model = model.to(device=run.device, dtype=getattr(torch, dtype_name)).train()
     batch = {k: v.to(run.device) for k, v in lm_batch(shape["seq"], shape["vocab"]).items()}
     return model, batch, shape
@@ -32,7 +42,7 @@ def trained(run: Run, key: str, dtype_name: str = "bfloat16", seq: int = 2048, *
         return run.shared[key]
     import torch
     import tailorfx
-    model, batch, shape = make_llama(run, dtype_name, seq)
+    model, batch, shape = make_llama(run, dtype_name, seq, window=key.startswith("mistral"))
     eager = copy.deepcopy(model)   # the reference, with the same weights
     t0 = time.time()
     opt = tailorfx.optimize(model, example_inputs=batch, **optimize_kw)
