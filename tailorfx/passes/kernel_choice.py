@@ -19,16 +19,16 @@ TIMED_ON = ("cuda",)              # device types a choice is timed on
 TIMER: Optional[Callable] = None  # timer(fn) -> ms; None: triton.testing.do_bench
 
 
-def subgraph(inputs: list[fx.Node], outputs: list[fx.Node]) -> Optional[fx.GraphModule]:
+def subgraph(inputs: list[fx.Node], outputs: list[fx.Node], within: Optional[set] = None) -> Optional[fx.GraphModule]:
     """The nodes between `inputs` and `outputs` as a graph f(*inputs) -> tuple of outputs, or None
-    when they read anything else (a parameter, another graph input)."""
+    when they read anything else (a parameter, another graph input, a node not `within` a region)."""
     need: set[fx.Node] = set()
     stack = list(outputs)
     while stack:
         n = stack.pop()
         if n in need or n in inputs:
             continue
-        if n.op not in ("call_function", "call_method"):
+        if n.op not in ("call_function", "call_method") or (within is not None and n not in within):
             return None
         need.add(n)
         stack.extend(n.all_input_nodes)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from tailorfx import compat
 from tailorfx.passes import register
-from tailorfx.passes.kernel_choice import inductor_wins
+from tailorfx.passes.kernel_choice import inductor_wins, subgraph
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PassContext, PassResult, annotate
@@ -72,26 +72,6 @@ def _eps(members: list[fx.Node]) -> Optional[float]:
     return None
 
 
-def _region_fn(members: list[fx.Node], inputs: list[fx.Node], out: fx.Node) -> Optional[fx.GraphModule]:
-    """The region as its own graph f(*inputs) -> out, or None when it reads anything else."""
-    g = fx.Graph()
-    env = {n: g.placeholder(f"in_{i}") for i, n in enumerate(inputs)}
-    member_set = set(members)
-
-    def arg(a: fx.Node) -> fx.Node:
-        if a not in env:
-            raise KeyError(a.name)
-        return env[a]
-    try:
-        for n in members:
-            if n in member_set and n not in env:
-                env[n] = g.node_copy(n, arg)
-    except KeyError:
-        return None
-    g.output(env[out])
-    return fx.GraphModule(torch.nn.Module(), g)
-
-
 def _norm_reference(x, w, b, eps: float, kind: str, offset: float):
     if kind == "layer":
         return F.layer_norm(x, (x.shape[-1],), w, b, eps)
@@ -106,7 +86,7 @@ def _norm_kind(fn: fx.GraphModule, width: int, dtypes: list[torch.dtype], eps: f
     probe = [torch.randn(3, width, generator=gen).to(dtypes[0])]
     probe += [torch.randn(width, generator=gen).to(d) for d in dtypes[1:]]
     try:
-        got = fn(*probe).float()
+        got = fn(*probe)[0].float()
     except Exception as e:  # a region that cannot run on its own: leave it
         return f"its nodes do not run on their own ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
     x, w = probe[0].float(), probe[1].float()
@@ -136,7 +116,7 @@ def _match_norm(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swa
     eps = _eps(members)
     if eps is None:
         return "no epsilon found (neither layer_norm's nor a constant added before rsqrt)"
-    fn = _region_fn(members, [x, *params], out)
+    fn = subgraph([x, *params], [out], set(members))
     if fn is None:
         return "it reads values from outside the region"
     width = xv.shape[-1] if isinstance(xv.shape[-1], int) else 8
@@ -240,7 +220,7 @@ def _match_rope(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swa
             why = f"{n.name}: cos/sin need a gradient or do not match x's last dim"
             continue
         order = order or {m: i for i, m in enumerate(n.graph.nodes)}
-        fn = _region_fn(sorted(members, key=order.__getitem__), [x, cos, sin], n)
+        fn = subgraph([x, cos, sin], [n], set(members))
         if fn is None:
             why = f"{n.name}: the rotation reads values from outside it"
             continue
@@ -250,7 +230,7 @@ def _match_rope(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swa
             half = probe[0].shape[-1] // 2
             rotated = torch.cat((-probe[0][..., half:], probe[0][..., :half]), -1)
             try:
-                ok = torch.allclose(fn(*probe), probe[0] * probe[1] + rotated * probe[2], rtol=1e-5, atol=1e-6)
+                ok = torch.allclose(fn(*probe)[0], probe[0] * probe[1] + rotated * probe[2], rtol=1e-5, atol=1e-6)
             except Exception:   # a rotation that cannot run on its own: leave it
                 ok = False
         if not ok:
