@@ -22,24 +22,32 @@ from test_triton_attention import check  # noqa: E402
 
 def test_sixteen_bit_candidates_hold_at_least_64_rows():
     """sm90 runs a dot as wgmma only from 64 rows: the rows a program keeps (queries in the
-    forward and dq, keys in dk/dv) are at least 64 in every 16-bit sm90 candidate, and in sm80's
-    default for the plain form; sm80 (mma.sync, no such minimum) falls back to fewer rows where a
-    richer form spills at 64 (head dim 128: dq and dk/dv)."""
+    forward and dq, keys in dk/dv) are at least 64 in every 16-bit sm90 forward and dq candidate,
+    and in each kernel's sm90 default for the plain form. At head dim 128 dk/dv of a richer form
+    holds 32 keys (64 spill under Triton 3.6), as sm80's does in every form (mma.sync has no such
+    minimum)."""
     def kept(role, cands):
         return [t.block_n if role == "dkdv" else t.block_m for t in cands]
     for d in (64, 128):
         for role in flash_tiles.ROLES:
-            for arch in (80, 90):
-                cands = flash_tiles.candidates(role, "bf16", d, "full", arch)
-                assert cands and len(set(cands)) == len(cands)
-                assert min(kept(role, cands if arch == 90 else cands[:1])) >= 64, (d, arch, role, cands)
+            full = flash_tiles.candidates(role, "bf16", d, "full", 90)
+            assert full and len(set(full)) == len(full)
+            assert kept(role, full[:1]) >= [64], (d, role, full)
             rich = flash_tiles.candidates(role, "bf16", d, "window", 90, is_plain=False)
-            assert min(kept(role, rich)) >= 64 and set(rich) <= set(flash_tiles.candidates(role, "bf16", d, "full", 90))
-            assert flash_tiles.candidates(role, "bf16", d, "window", 80, is_plain=False)
-    narrow = flash_tiles.candidates("dq", "bf16", 128, "full", 80, is_plain=False)
-    assert kept("dq", narrow) == [32]
+            assert rich and set(rich) <= set(full)
+            if role != "dkdv":
+                assert min(kept(role, full)) >= 64 and min(kept(role, rich)) >= 64, (d, role)
+            for plain in (True, False):
+                sm80 = flash_tiles.candidates(role, "bf16", d, "window", 80, is_plain=plain)
+                assert sm80 and len(set(sm80)) == len(sm80)
+    assert min(kept("dkdv", flash_tiles.candidates("dkdv", "bf16", 64, "window", 90, is_plain=False))) >= 64
+    assert set(kept("dkdv", flash_tiles.candidates("dkdv", "bf16", 128, "window", 90, is_plain=False))) == {32}
+    assert set(kept("dkdv", flash_tiles.candidates("dkdv", "bf16", 128, "full", 80))) == {32}
     assert flash_tiles.candidates("fwd", "fp32", 128, "full") == [Tiles(16, 16)]   # FMAs: one, small
-    assert flash_tiles.candidates("dkdv", "bf16", 256, "full") == [Tiles(32, 16)]   # past 128: the 4-warp tiles
+    gemma = [flash_tiles.candidates(r, "bf16", 256, "window", a, p) for r in flash_tiles.ROLES for a in (80, 90)
+             for p in (True, False)]
+    assert all(c and {t.num_warps for t in c} == {8} for c in gemma)   # head dim 256: tuned, on 8 warps
+    assert flash_tiles.candidates("dkdv", "bf16", 512, "full") == [Tiles(16, 16, 8)]   # past 256: one
 
 
 def test_the_key_names_the_form_and_buckets_the_length():
@@ -125,6 +133,33 @@ def test_a_candidate_the_device_cannot_run_is_skipped(tmp_path, monkeypatch):
     assert tuning.choose(f"test {uuid.uuid4()}", cands, run, timer) == cands[1] and seen == cands
     with pytest.raises(ValueError, match="boom"):   # any other error is the kernel's, and propagates
         tuning.choose(f"test {uuid.uuid4()}", cands, lambda t: (_ for _ in ()).throw(ValueError("boom")), timer)
+
+
+def test_a_candidate_that_spills_on_this_compiler_is_not_chosen(tmp_path, monkeypatch):
+    """A launch reports the bytes its kernel spilled under the GPU's Triton (which may differ from
+    the one the candidates were checked with): a spilling candidate is not chosen, even when timed
+    faster, unless every candidate spills; the spills are kept beside the times."""
+    monkeypatch.setenv("TAILORFX_TRITON_CACHE", str(tmp_path))
+    cands = [Tiles(64, 64, 4, 2), Tiles(64, 32, 4, 2), Tiles(32, 32, 4, 2)]
+    ms = {cands[0]: 0.5, cands[1]: 1.0, cands[2]: 2.0}
+    last = []
+
+    def timer(fn):
+        fn()
+        return ms[last[-1]]
+
+    def runner(spills):
+        def run(t):
+            last.append(t)
+            return spills[t]
+        return run
+    key = f"test {uuid.uuid4()}"
+    assert tuning.choose(key, cands, runner({cands[0]: 1220, cands[1]: 0, cands[2]: None}), timer) == cands[1]
+    saved = json.loads((tmp_path / "tuned.json").read_text())["choices"][key]
+    assert saved["spilled_bytes"] == {repr(cands[0]): 1220} and saved["ms"][repr(cands[0])] == 0.5
+    assert tuning.choices()[key]["spilled_bytes"] == {repr(cands[0]): 1220}
+    every = f"test {uuid.uuid4()}"   # every candidate spills here: the fastest of them
+    assert tuning.choose(every, cands, runner({cands[0]: 8, cands[1]: 8, cands[2]: 8}), timer) == cands[0]
 
 
 @pytest.mark.slow   # 16 interpreted checks at tiles up to 128 x 64 (about a minute)

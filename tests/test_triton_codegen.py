@@ -70,13 +70,14 @@ _RICH = [dict(mask="window", causal=True, documents=True, softcap=30.0, key_bias
          dict(mask="full", causal=False, documents=True)]
 
 
-@pytest.mark.slow   # about 30 ptxas runs per (head dim, arch): make test-slow
-@pytest.mark.parametrize("head_dim,arch", [(64, 90), (128, 90), (64, 80), (128, 80)])
+@pytest.mark.slow   # about 30 ptxas runs per (head dim, arch): make test-slow, and make test-torch211
+@pytest.mark.parametrize("head_dim,arch", [(64, 90), (128, 90), (256, 90), (64, 80), (128, 80), (256, 80)])
 def test_every_attention_tile_candidate_compiles_without_spills(head_dim, arch):
     """Each flash-attention kernel at each candidate's tiles, warps and stages (the choices a
     GPU launch times, flash_tiles.candidates), compiled for its arch with ptxas: no register
     spills, shared memory within the arch's limit, in every form it may serve (bf16, the sm90
-    Inductor typing of float scalars, fp64)."""
+    Inductor typing of float scalars, fp64). CI runs it under Triton 3.9 and 3.6 (the GPU
+    machines'), whose register allocations differ."""
     from tailorfx.kernels import flash_tiles
     from tailorfx.kernels.flash_launch import _spec, normalize_params
     fn = {"fwd": "attn_fwd", "dq": "attn_bwd_dq", "dkdv": "attn_bwd_dkdv"}

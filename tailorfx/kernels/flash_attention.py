@@ -636,13 +636,13 @@ def default_blocks(dtype: str, head_dim: int, mask: str = "full") -> tuple[int, 
     """(block_m, block_n, bwd_block_m, bwd_block_n) at 4 warps: the interpreter's tiles and
     `examples()`'s (attn_fwd/attn_bwd_dq, then attn_bwd_dkdv, which holds four BLOCK_N x D tiles:
     k, v, dk, dv). They compile without register spills for sm80 and sm90 in every form
-    (including bf16 through fp32 dots, the interpreter's); a GPU launch chooses among
-    `flash_tiles.candidates` instead."""
+    (including bf16 through fp32 dots, the interpreter's) under Triton 3.6 and 3.9; a GPU launch
+    of a tuned form chooses among `flash_tiles.candidates` instead."""
     if dtype == "fp32":   # IEEE dots run on FMAs: small tiles
-        return (32, 32, 32, 16) if head_dim <= 64 else (16, 16, 16, 16)
+        return (32, 16, 16, 32) if head_dim <= 64 else (16, 16, 16, 16) if head_dim <= 128 else (32, 16, 16, 16)
     if head_dim <= 64:
-        return (64, 32, 64, 16)
-    return (32, 16, 16, 16) if mask == "dilated" else (32, 32, 32, 16)
+        return (64, 32, 32, 16)
+    return (32, 16, 16, 16) if mask == "dilated" else (32, 32, 16, 16)
 
 
 def examples() -> list:

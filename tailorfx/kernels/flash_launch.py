@@ -245,7 +245,7 @@ class _Call:
                     made.append(stack.enter_context(_real(*tensors)))
                 if made[0] is None:
                     raise _TooLarge
-                launch(self.kernel(self.tiles | {role: t}), self, t.launch(), *made[0])
+                return launch(self.kernel(self.tiles | {role: t}), self, t.launch(), *made[0])
             try:
                 self.tiles[role] = flash_tiles.choose(role, self.static, self.seq_hint, self.device, run)
             except _TooLarge:
@@ -280,23 +280,29 @@ def _real(*tensors):
         del made
 
 
+def _spills(compiled) -> int:
+    """The bytes of registers a launched kernel spilled (Triton's CompiledKernel after its first
+    launch; 0 where the launcher returns none, as the interpreter's)."""
+    return int(getattr(compiled, "n_spills", 0) or 0)
+
+
 def _launch_fwd(kern, call, options, q, k, v, out, lse, *extra):
     mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "fwd")
-    kern.fn("attn_fwd")[(_cdiv(call.seq, kern.spec["block_m"]), call.batch * call.heads)](
-        q, k, v, out, lse, *extra, *mode, call.scale, call.seq, call.heads, **options)
+    return _spills(kern.fn("attn_fwd")[(_cdiv(call.seq, kern.spec["block_m"]), call.batch * call.heads)](
+        q, k, v, out, lse, *extra, *mode, call.scale, call.seq, call.heads, **options))
 
 
 def _launch_dq(kern, call, options, q, k, v, dout, lse, delta, dq, *extra):
     rows = kern.spec.get("dq_block_m") or kern.spec["block_m"]   # named only where it differs
     mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "dq")
-    kern.fn("attn_bwd_dq")[(_cdiv(call.seq, rows), call.batch * call.heads)](
-        q, k, v, dout, lse, delta, dq, *extra, *mode, call.scale, call.seq, call.heads, **options)
+    return _spills(kern.fn("attn_bwd_dq")[(_cdiv(call.seq, rows), call.batch * call.heads)](
+        q, k, v, dout, lse, delta, dq, *extra, *mode, call.scale, call.seq, call.heads, **options))
 
 
 def _launch_dkdv(kern, call, options, q, k, v, dout, lse, delta, dk, dv, *extra):
     mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "dkdv")
-    kern.fn("attn_bwd_dkdv")[(_cdiv(call.seq, kern.spec["bwd_block_n"]), call.batch * call.num_kv)](
-        q, k, v, dout, lse, delta, dk, dv, *extra, *mode, call.scale, call.seq, call.heads, **options)
+    return _spills(kern.fn("attn_bwd_dkdv")[(_cdiv(call.seq, kern.spec["bwd_block_n"]), call.batch * call.num_kv)](
+        q, k, v, dout, lse, delta, dk, dv, *extra, *mode, call.scale, call.seq, call.heads, **options))
 
 
 def forward(q, k, v, *, mask: str = "full", params=(), causal: bool = False, scale: Optional[float] = None,

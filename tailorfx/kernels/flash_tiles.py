@@ -2,16 +2,21 @@
 and arch, the default, and the choice among them by measurement on a GPU (`tuning.choose`),
 keyed by (arch, dtype, head dim, mask form, query heads per kv head, length bucket).
 
-Every candidate compiles for its arch without register spills (`tests/test_triton_codegen.py`
-compiles them all with ptxas). 16-bit candidates on sm90 hold at least 64 rows per program
-(queries in the forward and dq, keys in dk/dv), so its dots can run as wgmma; the dk/dv kernel
-holds four (keys x head dim) tiles, so its query sub-tile stays small. sm80's mma.sync has no
-64-row minimum, and there, at head dim 128, a form with documents, a soft-cap or a key bias
-spills at 64 rows in dq and dk/dv: those fall back to 32-row tiles. fp32 runs IEEE dots on
-FMAs (exact), where small tiles are faster and a single candidate is kept. Dilated attention
-(strided gathers, one launch per branch), BigBird (a block-mask lookup per element, which spills
-at 64 rows) and head dims over 128 keep the 4-warp tiles of `flash_attention.default_blocks`:
-one candidate, untuned.
+Every candidate compiles for its arch without register spills under Triton 3.6 (torch 2.11's, the
+GPU machines') and 3.9 (torch 2.13's): `tests/test_triton_codegen.py` compiles them all with ptxas
+in both virtualenvs. Another Triton may spill where these did not: a launch reports its kernel's
+spills, and the tuner keeps a spilling candidate only where every candidate spills
+(`tuning.choose`). 16-bit forward and dq candidates on sm90 hold at least 64 query rows per
+program, so their dots can run as wgmma; so does dk/dv's default for the plain form (64 keys).
+dk/dv holds four (keys x head dim) tiles, so its query sub-tile stays small, and at head dim 128
+a form with documents, a soft-cap or a key bias spills at 64 keys under Triton 3.6: there it holds
+32 keys on 8 warps, as sm80 does in every form (mma.sync has no 64-row minimum). fp32 runs IEEE
+dots on FMAs (exact), where small tiles are faster and a single candidate is kept. Dilated
+attention (strided gathers, one launch per branch), BigBird (a block-mask lookup per element,
+which spills at 64 rows) and head dims over 256 keep the tiles of `flash_attention.default_blocks`:
+one candidate, untuned, on 4 warps (8 past head dim 128). Head dim 256 (Gemma) runs 8 warps, with
+fewer than 64 rows in dq and dk/dv, where more spill; in fp32 its dk/dv spills under Triton 3.6
+even on 16 x 16 tiles.
 """
 from __future__ import annotations
 
@@ -33,22 +38,33 @@ _HALF = {
                 80: [(Tiles(64, 64, 8, 2), P), Tiles(128, 32, 8, 2), (Tiles(64, 32, 4, 2), P)]},
         "dq": {90: [Tiles(64, 64, 4, 2), Tiles(128, 32, 8, 2), Tiles(64, 32, 4, 2), Tiles(128, 64, 8, 2),
                     Tiles(64, 64, 8, 2)],
-               80: [(Tiles(64, 64, 4, 2), P), Tiles(64, 32, 4, 2), Tiles(128, 32, 8, 2)]},
-        "dkdv": {90: [Tiles(32, 64, 4, 2), Tiles(16, 64, 4, 2), Tiles(16, 64, 8, 2), Tiles(32, 64, 8, 2),
+               80: [(Tiles(64, 64, 4, 2), P), (Tiles(64, 32, 4, 2), P), (Tiles(128, 32, 8, 2), P), Tiles(128, 16, 8, 2),
+                    Tiles(64, 16, 4, 2)]},
+        "dkdv": {90: [Tiles(16, 64, 4, 2), (Tiles(32, 64, 4, 2), P), Tiles(16, 64, 8, 2), Tiles(32, 64, 8, 2),
                       Tiles(16, 128, 8, 2), Tiles(32, 128, 8, 2)],
-                 80: [(Tiles(16, 64, 8, 2), P), Tiles(64, 16, 4)]},
+                 80: [(Tiles(16, 64, 8, 2), P), Tiles(32, 32, 4, 2), Tiles(16, 32, 4, 2), Tiles(64, 32, 8, 2)]},
     },
     128: {
         "fwd": {90: [(Tiles(128, 64, 8, 2), P), Tiles(64, 64, 8, 2), Tiles(128, 32, 8, 2), Tiles(64, 32, 4, 2),
                      Tiles(64, 64, 4, 2)],
                 80: [Tiles(64, 64, 8, 2), Tiles(64, 32, 4, 2)]},
-        "dq": {90: [Tiles(64, 64, 8, 2), Tiles(64, 32, 4, 2), (Tiles(64, 64, 4, 2), P), Tiles(128, 32, 8, 2),
-                    Tiles(128, 64, 8, 2)],
-               # sm80 has no 64-row minimum (mma.sync): the 4-warp tiles where 64 rows spill
-               80: [(Tiles(64, 64, 8, 2), P), Tiles(32, 32, 4)]},
-        "dkdv": {90: [Tiles(16, 64, 4, 2), Tiles(32, 64, 4, 2), Tiles(16, 64, 8, 2), Tiles(16, 64, 4, 3),
-                      (Tiles(32, 64, 8, 2), P)],
-                 80: [(Tiles(16, 64, 4, 2), P), Tiles(32, 16, 4)]},
+        "dq": {90: [Tiles(64, 32, 4, 2), Tiles(128, 32, 8, 2), Tiles(64, 32, 8, 2), Tiles(128, 16, 8, 2),
+                    Tiles(64, 32, 4, 3), (Tiles(128, 64, 8, 2), P)],
+               80: [(Tiles(64, 64, 8, 2), P), Tiles(64, 32, 8, 2), Tiles(32, 32, 4)]},
+        # dk/dv holds k, v, dk and dv (four 64 x 128 tiles at 64 keys): 8 warps, and 32 keys where
+        # a richer form spills at 64 (Triton 3.6); sm80 spills at 64 keys in every form
+        "dkdv": {90: [(Tiles(16, 64, 8, 2), P), (Tiles(16, 64, 8, 3), P), Tiles(32, 32, 8, 2), Tiles(16, 32, 8, 2),
+                      Tiles(64, 32, 8, 2)],
+                 80: [Tiles(16, 32, 8, 2), Tiles(32, 32, 8, 2)]},
+    },
+    # Gemma's 256: 8 warps; 64 query rows spill in dq, more than 16 keys in dk/dv
+    256: {
+        "fwd": {90: [Tiles(64, 32, 8, 2), Tiles(32, 32, 8, 2), Tiles(64, 16, 8, 2)],
+                80: [Tiles(64, 32, 8, 2), Tiles(32, 32, 8, 2)]},
+        "dq": {90: [Tiles(32, 32, 8, 2), Tiles(32, 16, 8, 2)],
+               80: [Tiles(32, 32, 8, 2), Tiles(32, 16, 8, 2)]},
+        "dkdv": {90: [Tiles(16, 16, 8, 2), Tiles(32, 16, 8, 2)],
+                 80: [Tiles(16, 16, 8, 2), (Tiles(32, 16, 8, 2), P)]},
     },
 }
 
@@ -63,9 +79,9 @@ def candidates(role: str, dtype: str, head_dim: int, mask: str, arch: int = 90, 
     """The tiles `role`'s kernel may run with on sm`arch`, the default first."""
     if role not in ROLES:
         raise ValueError(f"flash attention kernel {role!r}: one of {list(ROLES)}")
-    if dtype == "fp32" or mask in ("dilated", "bigbird") or head_dim > 128:   # 4 warps, every form
+    if dtype == "fp32" or mask in ("dilated", "bigbird") or head_dim > 256:   # one, every form
         return [small(role, dtype, head_dim, mask)]
-    entries = _HALF[64 if head_dim <= 64 else 128][role][80 if arch < 90 else 90]
+    entries = _HALF[next(w for w in _HALF if head_dim <= w)][role][80 if arch < 90 else 90]
     out = []
     for e in entries:
         tiles, only = (e if isinstance(e, tuple) else (e, None))
@@ -75,11 +91,12 @@ def candidates(role: str, dtype: str, head_dim: int, mask: str, arch: int = 90, 
 
 
 def small(role: str, dtype: str, head_dim: int, mask: str) -> Tiles:
-    """`role`'s 4-warp tiles of `flash_attention.default_blocks`: the interpreter's, and on a GPU
-    the one candidate of the forms that are not tuned."""
+    """`role`'s tiles of `flash_attention.default_blocks`: the interpreter's, and on a GPU the one
+    candidate of the forms that are not tuned; on 8 warps past head dim 128, where 4 spill."""
     from tailorfx.kernels.flash_attention import default_blocks
     bm, bn, bm2, bn2 = default_blocks(dtype, head_dim, mask)
-    return Tiles(bm2, bn2) if role == "dkdv" else Tiles(bm, bn)
+    warps = 8 if head_dim > 128 else 4
+    return Tiles(bm2, bn2, warps) if role == "dkdv" else Tiles(bm, bn, warps)
 
 
 def bucket(seq_len: int) -> int:

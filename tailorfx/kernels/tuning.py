@@ -34,6 +34,7 @@ _MEMO: dict[str, Tiles] = {}
 _TIMES: dict[str, dict[str, float]] = {}
 _MISSED: set[str] = set()
 _PICKS: dict[str, str] = {}   # key -> the implementation `pick` chose
+_SPILLED: dict[str, dict[str, int]] = {}   # key -> candidates whose kernels spilled registers, and how much
 
 
 def enabled() -> bool:
@@ -60,10 +61,11 @@ def _read() -> dict:
     return data if data.get("versions") == _versions() else {}
 
 
-def _write(key: str, best, times: dict[str, float]) -> None:
+def _write(key: str, best, times: dict[str, float], spilled: Optional[dict[str, int]] = None) -> None:
     data = _read() or {"versions": _versions()}
     chosen = {"tiles": asdict(best)} if isinstance(best, Tiles) else {"pick": best}
-    data.setdefault("choices", {})[key] = chosen | {"ms": times}
+    data.setdefault("choices", {})[key] = chosen | {"ms": times} | ({"spilled_bytes": spilled} if spilled else {})
+    _SPILLED[key] = spilled or {}
     tmp = f"{_path()}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
@@ -84,11 +86,13 @@ def known(key: str, candidates: Sequence[Tiles]) -> Optional[Tiles]:
     return None
 
 
-def choose(key: str, candidates: Sequence[Tiles], run: Callable[[Tiles], None],
+def choose(key: str, candidates: Sequence[Tiles], run: Callable[[Tiles], Optional[int]],
            timer: Optional[Callable[[Callable[[], None]], float]] = None) -> Tiles:
     """The candidate whose `run` is fastest (`timer(fn) -> ms`, default triton's do_bench),
     timed once per key; a candidate the device cannot run (out of shared memory or registers)
-    is skipped. With one candidate nothing is timed."""
+    is skipped. `run` may return the bytes of registers its kernel spilled (Triton reports them
+    when it loads the kernel): a candidate that spills under this GPU's compiler is kept only
+    where every candidate does. With one candidate nothing is timed."""
     got = known(key, candidates)
     if got is not None:
         return got
@@ -96,20 +100,24 @@ def choose(key: str, candidates: Sequence[Tiles], run: Callable[[Tiles], None],
         _MEMO[key] = candidates[0]
         return candidates[0]
     timer = timer or _default_timer
-    times = {}
+    times, spilled = {}, {}
     for c in candidates:
+        def once(c=c):
+            spilled[repr(c)] = int(run(c) or 0)
         try:
-            times[repr(c)] = float(timer(lambda c=c: run(c)))
+            times[repr(c)] = float(timer(once))
         except Exception as e:   # noqa: BLE001 - Triton's OutOfResources and compile errors vary by version
             if "out of resource" not in str(e).lower() and type(e).__name__ != "OutOfResources":
                 raise
             times[repr(c)] = math.inf
-    best = min(candidates, key=lambda c: times[repr(c)])
+    clean = [c for c in candidates if not spilled.get(repr(c))] if any(
+        not spilled.get(repr(c)) and math.isfinite(times[repr(c)]) for c in candidates) else list(candidates)
+    best = min(clean, key=lambda c: times[repr(c)])
     if math.isinf(times[repr(best)]):
         raise RuntimeError(f"no launch configuration of {key} runs on this device: {list(candidates)}")
     _MEMO[key] = best
     _TIMES[key] = times
-    _write(key, best, times)
+    _write(key, best, times, {k: n for k, n in spilled.items() if n})
     return best
 
 
@@ -174,5 +182,6 @@ def pick_apart(key: str, names: Sequence[str], make_runs: Callable[[], dict[str,
 
 def choices() -> dict[str, dict]:
     """What this process chose: key -> {"tiles" or "pick", "ms" per candidate (timed here, else {})}."""
-    tiles = {k: {"tiles": asdict(v), "ms": _TIMES.get(k, {})} for k, v in _MEMO.items()}
+    tiles = {k: {"tiles": asdict(v), "ms": _TIMES.get(k, {})} | ({"spilled_bytes": _SPILLED[k]} if _SPILLED.get(k) else {})
+             for k, v in _MEMO.items()}
     return tiles | {k: {"pick": v, "ms": _TIMES.get(k, {})} for k, v in _PICKS.items()}

@@ -1,25 +1,24 @@
-"""tailorfx generated: flash_attention_block_m=64_block_n=32_bwd_block_m=64_bwd_block_n=16_causal=True_documents=False_dtype=bf16_group=8_head_dim=64_mask=full_softcap=30.0"""
+"""tailorfx generated: flash_attention_block_m=32_block_n=32_bwd_block_m=16_bwd_block_n=16_causal=True_documents=True_dtype=bf16_group=2_head_dim=128_mask=window"""
 import triton
 import triton.language as tl
 
-HEAD_DIM = tl.constexpr(64)
-BLOCK_D = tl.constexpr(64)
-BLOCK_M = tl.constexpr(64)
+HEAD_DIM = tl.constexpr(128)
+BLOCK_D = tl.constexpr(128)
+BLOCK_M = tl.constexpr(32)
 BLOCK_N = tl.constexpr(32)
-DQ_BLOCK_M = tl.constexpr(64)
+DQ_BLOCK_M = tl.constexpr(32)
 DQ_BLOCK_N = tl.constexpr(32)
-BWD_BLOCK_M = tl.constexpr(64)
+BWD_BLOCK_M = tl.constexpr(16)
 BWD_BLOCK_N = tl.constexpr(16)
-GROUP = tl.constexpr(8)
+GROUP = tl.constexpr(2)
 LOG2E = tl.constexpr(1.4426950408889634)
 PRECISION = tl.constexpr("tf32")
-SOFTCAP = tl.constexpr(30.0)
 
-# mask: full, causal, softcap 30.0
+# mask: window, causal, documents
 
 
 @triton.jit
-def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale, seq_len, num_heads):
+def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, doc_ptr, window, num_global, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -36,51 +35,36 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale, seq_len, num_heads):
     v_base = v_ptr + kv_bh.to(tl.int64) * seq_len * HEAD_DIM
     row_ptrs = pos_m[:, None] * HEAD_DIM + offs_d[None, :]
     q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = tl.cdiv(tl.minimum(start_m + BLOCK_M, n_keys), BLOCK_N)  # causal: no tile past the last row
-    n_full = (start_m + 1) // BLOCK_N  # key tiles wholly at or before the first row
-    for kt in range(0, n_full):
-        offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-        pos_n = offs_n
-        col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
-        k = tl.load(k_base + col_ptrs).to(tl.float32)
-        v = tl.load(v_base + col_ptrs).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        xc = s / SOFTCAP
-        axc = tl.abs(xc)
-        ec = tl.math.exp2(axc * (-2.0 * LOG2E))
-        tc = (1.0 - ec) / (1.0 + ec)
-        x2c = xc * xc
-        small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
-        t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
-        s = SOFTCAP * t
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = m_new
-        p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
-        alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m_i = m_new
-    for kt in range(n_full, hi):
+    # key tiles: those holding global keys (k < num_global), then the band around the rows;
+    # a tile holding global queries (q < num_global) sees every key
+    last_m = tl.minimum(start_m + BLOCK_M, seq_len) - 1
+    hi = tl.cdiv(last_m + 1, BLOCK_N)
+    n_glob = tl.minimum(tl.cdiv(num_global, BLOCK_N), hi)
+    band_lo = tl.maximum(tl.maximum(start_m - window + 1, 0) // BLOCK_N, n_glob)
+    band_hi = hi
+    everything = start_m < num_global
+    n_glob = tl.where(everything, 0, n_glob)
+    band_lo = tl.where(everything, 0, band_lo)
+    band_hi = tl.where(everything, hi, band_hi)
+    n_tiles = n_glob + tl.maximum(band_hi - band_lo, 0)
+    for j in range(0, n_tiles):
+        kt = j + (j >= n_glob).to(tl.int32) * (band_lo - n_glob)
         offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         pos_n = offs_n
         col_ok = offs_n < n_keys
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
         k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
+        doc_n = tl.load(doc_ptr + b * seq_len + pos_n, mask=col_ok, other=-2)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        xc = s / SOFTCAP
-        axc = tl.abs(xc)
-        ec = tl.math.exp2(axc * (-2.0 * LOG2E))
-        tc = (1.0 - ec) / (1.0 + ec)
-        x2c = xc * xc
-        small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
-        t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
-        s = SOFTCAP * t
         mask = col_ok[None, :]
         mask = mask & (offs_n[None, :] <= offs_m[:, None])
+        mask = mask & ((offs_n[None, :] > offs_m[:, None] - window) | (offs_m[:, None] < num_global) | (offs_n[None, :] < num_global))
+        mask = mask & (doc_m[:, None] == doc_n[None, :])
         s = tl.where(mask, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet stays 0
@@ -109,7 +93,7 @@ def attn_bwd_preprocess(out_ptr, do_ptr, delta_ptr, n_rows):
 
 
 @triton.jit
-def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, seq_len, num_heads):
+def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr, window, num_global, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -129,58 +113,44 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, 
     do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
+    doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)
     dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = tl.cdiv(tl.minimum(start_m + DQ_BLOCK_M, n_keys), DQ_BLOCK_N)  # causal: no tile past the last row
-    n_full = (start_m + 1) // DQ_BLOCK_N  # key tiles wholly at or before the first row
-    for kt in range(0, n_full):
-        offs_n = kt * DQ_BLOCK_N + tl.arange(0, DQ_BLOCK_N)
-        pos_n = offs_n
-        col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
-        k = tl.load(k_base + col_ptrs).to(tl.float32)
-        v = tl.load(v_base + col_ptrs).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        xc = s / SOFTCAP
-        axc = tl.abs(xc)
-        ec = tl.math.exp2(axc * (-2.0 * LOG2E))
-        tc = (1.0 - ec) / (1.0 + ec)
-        x2c = xc * xc
-        small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
-        t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
-        s = SOFTCAP * t
-        p = tl.math.exp2((s - lse[:, None]) * LOG2E)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        ds = ds * (1.0 - t * t)
-        dq += tl.dot(ds, k, input_precision=PRECISION)
-    for kt in range(n_full, hi):
+    # key tiles: those holding global keys (k < num_global), then the band around the rows;
+    # a tile holding global queries (q < num_global) sees every key
+    last_m = tl.minimum(start_m + DQ_BLOCK_M, seq_len) - 1
+    hi = tl.cdiv(last_m + 1, DQ_BLOCK_N)
+    n_glob = tl.minimum(tl.cdiv(num_global, DQ_BLOCK_N), hi)
+    band_lo = tl.maximum(tl.maximum(start_m - window + 1, 0) // DQ_BLOCK_N, n_glob)
+    band_hi = hi
+    everything = start_m < num_global
+    n_glob = tl.where(everything, 0, n_glob)
+    band_lo = tl.where(everything, 0, band_lo)
+    band_hi = tl.where(everything, hi, band_hi)
+    n_tiles = n_glob + tl.maximum(band_hi - band_lo, 0)
+    for j in range(0, n_tiles):
+        kt = j + (j >= n_glob).to(tl.int32) * (band_lo - n_glob)
         offs_n = kt * DQ_BLOCK_N + tl.arange(0, DQ_BLOCK_N)
         pos_n = offs_n
         col_ok = offs_n < n_keys
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
         k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
+        doc_n = tl.load(doc_ptr + b * seq_len + pos_n, mask=col_ok, other=-2)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        xc = s / SOFTCAP
-        axc = tl.abs(xc)
-        ec = tl.math.exp2(axc * (-2.0 * LOG2E))
-        tc = (1.0 - ec) / (1.0 + ec)
-        x2c = xc * xc
-        small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
-        t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
-        s = SOFTCAP * t
         mask = col_ok[None, :]
         mask = mask & (offs_n[None, :] <= offs_m[:, None])
+        mask = mask & ((offs_n[None, :] > offs_m[:, None] - window) | (offs_m[:, None] < num_global) | (offs_n[None, :] < num_global))
+        mask = mask & (doc_m[:, None] == doc_n[None, :])
         # lse is -inf only on rows with no allowed key, where the mask drops every p
         p = tl.where(mask, tl.math.exp2((s - lse[:, None]) * LOG2E), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        ds = ds * (1.0 - t * t)
         dq += tl.dot(ds, k, input_precision=PRECISION)
     tl.store(dq_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, scale, seq_len, num_heads):
+def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, doc_ptr, window, num_global, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     num_kv = num_heads // GROUP
     bkv = tl.program_id(1)
@@ -194,11 +164,17 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
     col_ptrs = bkv.to(tl.int64) * seq_len * HEAD_DIM + pos_n[:, None] * HEAD_DIM + offs_d[None, :]
     k = tl.load(k_ptr + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
     v = tl.load(v_ptr + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
+    doc_n = tl.load(doc_ptr + b * seq_len + pos_n, mask=col_ok, other=-2)
     dk = tl.zeros([BWD_BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BWD_BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # query tiles: the band after the keys; a tile holding global keys is seen by every later row
+    n_qt = tl.cdiv(seq_len, BWD_BLOCK_M)
+    band_lo = start_n // BWD_BLOCK_M
+    band_hi = tl.minimum(tl.cdiv(start_n + BWD_BLOCK_N - 1 + window, BWD_BLOCK_M), n_qt)
+    band_hi = tl.where(start_n < num_global, n_qt, band_hi)
     for h in range((bkv % num_kv) * GROUP, (bkv % num_kv) * GROUP + GROUP):
         bh = b * num_heads + h
-        for qt in range(start_n // BWD_BLOCK_M, tl.cdiv(n_keys, BWD_BLOCK_M)):
+        for qt in range(band_lo, band_hi):
             offs_m = qt * BWD_BLOCK_M + tl.arange(0, BWD_BLOCK_M)
             pos_m = offs_m
             row_ok = offs_m < n_keys
@@ -207,22 +183,16 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
             do = tl.load(do_ptr + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
             lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
             delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
+            doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)
             st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale
-            xc = st / SOFTCAP
-            axc = tl.abs(xc)
-            ec = tl.math.exp2(axc * (-2.0 * LOG2E))
-            tc = (1.0 - ec) / (1.0 + ec)
-            x2c = xc * xc
-            small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
-            t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
-            st = SOFTCAP * t
             mask = col_ok[:, None] & row_ok[None, :]
             mask = mask & (offs_n[:, None] <= offs_m[None, :])
+            mask = mask & ((offs_n[:, None] > offs_m[None, :] - window) | (offs_m[None, :] < num_global) | (offs_n[:, None] < num_global))
+            mask = mask & (doc_m[None, :] == doc_n[:, None])
             pt = tl.where(mask, tl.math.exp2((st - lse[None, :]) * LOG2E), 0.0)
             dv += tl.dot(pt, do, input_precision=PRECISION)
             dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             dst = pt * (dpt - delta[None, :])
-            dst = dst * (1.0 - t * t)
             dk += tl.dot(dst, q, input_precision=PRECISION)
     tl.store(dk_ptr + col_ptrs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
     tl.store(dv_ptr + col_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])

@@ -1,53 +1,55 @@
-"""tailorfx generated: flash_attention_bigbird_block=64_block_m=64_block_n=32_bwd_block_m=64_bwd_block_n=16_causal=False_documents=False_dtype=bf16_group=1_head_dim=64_mask=bigbird"""
+"""tailorfx generated: flash_attention_block_m=32_block_n=16_bwd_block_m=16_bwd_block_n=32_causal=False_documents=False_dtype=fp32_group=1_head_dim=64_mask=dilated"""
 import triton
 import triton.language as tl
 
 HEAD_DIM = tl.constexpr(64)
 BLOCK_D = tl.constexpr(64)
-BLOCK_M = tl.constexpr(64)
-BLOCK_N = tl.constexpr(32)
-DQ_BLOCK_M = tl.constexpr(64)
-DQ_BLOCK_N = tl.constexpr(32)
-BWD_BLOCK_M = tl.constexpr(64)
-BWD_BLOCK_N = tl.constexpr(16)
+BLOCK_M = tl.constexpr(32)
+BLOCK_N = tl.constexpr(16)
+DQ_BLOCK_M = tl.constexpr(32)
+DQ_BLOCK_N = tl.constexpr(16)
+BWD_BLOCK_M = tl.constexpr(16)
+BWD_BLOCK_N = tl.constexpr(32)
 GROUP = tl.constexpr(1)
 LOG2E = tl.constexpr(1.4426950408889634)
-PRECISION = tl.constexpr("tf32")
+PRECISION = tl.constexpr("ieee")
 
-# mask: bigbird (BigBird blocks cover whole tiles), non-causal
+# mask: dilated, non-causal
 
 
 @triton.jit
-def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, table_ptr, count_ptr, table_width, scale, seq_len, num_heads):
+def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, segment, rate, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(1)
     b = bh // num_heads
     h = bh % num_heads
     kv_bh = b * (num_heads // GROUP) + h // GROUP
-    start_m = tl.program_id(0) * BLOCK_M
-    n_keys = seq_len
+    # one dilated branch: this head's offset o = h % rate within each segment
+    tiles_per_segment = tl.cdiv(tl.cdiv(segment, rate), BLOCK_M)
+    seg = tl.program_id(0) // tiles_per_segment
+    start_m = (tl.program_id(0) % tiles_per_segment) * BLOCK_M
+    base = seg * segment + h % rate
+    n_keys = (tl.minimum(segment, seq_len - seg * segment) - h % rate + rate - 1) // rate
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    pos_m = offs_m
+    pos_m = base + offs_m * rate
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < n_keys
     q_base = q_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM
     k_base = k_ptr + kv_bh.to(tl.int64) * seq_len * HEAD_DIM
     v_base = v_ptr + kv_bh.to(tl.int64) * seq_len * HEAD_DIM
     row_ptrs = pos_m[:, None] * HEAD_DIM + offs_d[None, :]
-    q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # key tiles: the host's table of those holding an allowed pair
-    n_tiles = tl.load(count_ptr + tl.program_id(0))
-    for j in range(0, n_tiles):
-        kt = tl.load(table_ptr + tl.program_id(0) * table_width + j)
+    hi = tl.cdiv(n_keys, BLOCK_N)
+    for kt in range(0, hi):
         offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-        pos_n = offs_n
+        pos_n = base + offs_n * rate
         col_ok = offs_n < n_keys
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
-        k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
+        k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         mask = col_ok[None, :]
         s = tl.where(mask, s, float("-inf"))
@@ -61,8 +63,18 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, table_ptr, count_ptr, table_
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log(l_safe))
-    tl.store(out_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(lse_ptr + bh * seq_len + pos_m, lse, mask=row_ok)
+    out_ptrs = out_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs
+    lse_ptrs = lse_ptr + bh * seq_len + pos_m
+    lse_old = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
+    o_old = tl.load(out_ptrs, mask=row_ok[:, None], other=0.0)
+    top = tl.maximum(lse_old, lse)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.math.exp2((lse_old - top_safe) * LOG2E) + tl.math.exp2((lse - top_safe) * LOG2E)
+    new = tl.where(total == 0.0, float("-inf"), top_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
+    new_safe = tl.where(new == float("-inf"), 0.0, new)
+    o = o_old * tl.math.exp2((lse_old - new_safe) * LOG2E)[:, None] + out * tl.math.exp2((lse - new_safe) * LOG2E)[:, None]
+    tl.store(out_ptrs, o, mask=row_ok[:, None])
+    tl.store(lse_ptrs, new, mask=row_ok)
 
 
 @triton.jit
@@ -78,37 +90,39 @@ def attn_bwd_preprocess(out_ptr, do_ptr, delta_ptr, n_rows):
 
 
 @triton.jit
-def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, table_ptr, count_ptr, table_width, scale, seq_len, num_heads):
+def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, segment, rate, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(1)
     b = bh // num_heads
     h = bh % num_heads
     kv_bh = b * (num_heads // GROUP) + h // GROUP
-    start_m = tl.program_id(0) * DQ_BLOCK_M
-    n_keys = seq_len
+    # one dilated branch: this head's offset o = h % rate within each segment
+    tiles_per_segment = tl.cdiv(tl.cdiv(segment, rate), DQ_BLOCK_M)
+    seg = tl.program_id(0) // tiles_per_segment
+    start_m = (tl.program_id(0) % tiles_per_segment) * DQ_BLOCK_M
+    base = seg * segment + h % rate
+    n_keys = (tl.minimum(segment, seq_len - seg * segment) - h % rate + rate - 1) // rate
     offs_m = start_m + tl.arange(0, DQ_BLOCK_M)
-    pos_m = offs_m
+    pos_m = base + offs_m * rate
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < n_keys
     q_base = q_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM
     k_base = k_ptr + kv_bh.to(tl.int64) * seq_len * HEAD_DIM
     v_base = v_ptr + kv_bh.to(tl.int64) * seq_len * HEAD_DIM
     row_ptrs = pos_m[:, None] * HEAD_DIM + offs_d[None, :]
-    q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, mask=row_ok[:, None], other=0.0)
     lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
     dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # key tiles: the host's table of those holding an allowed pair
-    n_tiles = tl.load(count_ptr + tl.program_id(0))
-    for j in range(0, n_tiles):
-        kt = tl.load(table_ptr + tl.program_id(0) * table_width + j)
+    hi = tl.cdiv(n_keys, DQ_BLOCK_N)
+    for kt in range(0, hi):
         offs_n = kt * DQ_BLOCK_N + tl.arange(0, DQ_BLOCK_N)
-        pos_n = offs_n
+        pos_n = base + offs_n * rate
         col_ok = offs_n < n_keys
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
-        k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
+        k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         mask = col_ok[None, :]
         # lse is -inf only on rows with no allowed key, where the mask drops every p
@@ -116,38 +130,44 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, table_p
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds, k, input_precision=PRECISION)
-    tl.store(dq_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
+    dq_ptrs = dq_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs
+    dq = dq * scale + tl.load(dq_ptrs, mask=row_ok[:, None], other=0.0)
+    tl.store(dq_ptrs, dq, mask=row_ok[:, None])
 
 
 @triton.jit
-def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, table_ptr, count_ptr, table_width, scale, seq_len, num_heads):
+def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, segment, rate, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     num_kv = num_heads // GROUP
-    bkv = tl.program_id(1)
-    start_n = tl.program_id(0) * BWD_BLOCK_N
-    n_keys = seq_len
+    # one dilated branch: this kv head's query heads with one offset (h % rate), at most
+    # min(GROUP, rate) offsets per kv head, one program each
+    n_off = tl.minimum(GROUP, rate)
+    bkv = tl.program_id(1) // n_off
+    offset = ((bkv % num_kv) * GROUP + tl.program_id(1) % n_off) % rate
+    tiles_per_segment = tl.cdiv(tl.cdiv(segment, rate), BWD_BLOCK_N)
+    seg = tl.program_id(0) // tiles_per_segment
+    start_n = (tl.program_id(0) % tiles_per_segment) * BWD_BLOCK_N
+    base = seg * segment + offset
+    n_keys = (tl.minimum(segment, seq_len - seg * segment) - offset + rate - 1) // rate
     offs_n = start_n + tl.arange(0, BWD_BLOCK_N)
-    pos_n = offs_n
+    pos_n = base + offs_n * rate
     b = bkv // num_kv
     offs_d = tl.arange(0, BLOCK_D)
     col_ok = offs_n < n_keys
     col_ptrs = bkv.to(tl.int64) * seq_len * HEAD_DIM + pos_n[:, None] * HEAD_DIM + offs_d[None, :]
-    k = tl.load(k_ptr + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + col_ptrs, mask=col_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + col_ptrs, mask=col_ok[:, None], other=0.0)
     dk = tl.zeros([BWD_BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BWD_BLOCK_N, BLOCK_D], dtype=tl.float32)
-    # query tiles: the host's table of those that see this key tile
-    n_tiles = tl.load(count_ptr + tl.program_id(0))
     for h in range((bkv % num_kv) * GROUP, (bkv % num_kv) * GROUP + GROUP):
         bh = b * num_heads + h
-        for j in range(0, n_tiles):
-            qt = tl.load(table_ptr + tl.program_id(0) * table_width + j)
+        for qt in range(0, tl.where(h % rate == offset, tl.cdiv(n_keys, BWD_BLOCK_M), 0)):
             offs_m = qt * BWD_BLOCK_M + tl.arange(0, BWD_BLOCK_M)
-            pos_m = offs_m
+            pos_m = base + offs_m * rate
             row_ok = offs_m < n_keys
             row_ptrs = bh.to(tl.int64) * seq_len * HEAD_DIM + pos_m[:, None] * HEAD_DIM + offs_d[None, :]
-            q = tl.load(q_ptr + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            do = tl.load(do_ptr + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + row_ptrs, mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_ptr + row_ptrs, mask=row_ok[:, None], other=0.0)
             lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
             delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
             st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale
@@ -157,5 +177,7 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
             dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             dst = pt * (dpt - delta[None, :])
             dk += tl.dot(dst, q, input_precision=PRECISION)
-    tl.store(dk_ptr + col_ptrs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(dv_ptr + col_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
+    dk = dk * scale + tl.load(dk_ptr + col_ptrs, mask=col_ok[:, None], other=0.0)
+    dv = dv + tl.load(dv_ptr + col_ptrs, mask=col_ok[:, None], other=0.0)
+    tl.store(dk_ptr + col_ptrs, dk, mask=col_ok[:, None])
+    tl.store(dv_ptr + col_ptrs, dv, mask=col_ok[:, None])

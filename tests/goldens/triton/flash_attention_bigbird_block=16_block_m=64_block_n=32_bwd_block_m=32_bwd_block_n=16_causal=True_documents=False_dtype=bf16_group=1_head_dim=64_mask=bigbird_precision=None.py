@@ -1,24 +1,24 @@
-"""tailorfx generated: flash_attention_block_m=32_block_n=32_bwd_block_m=32_bwd_block_n=16_causal=True_documents=False_dtype=bf16_group=4_head_dim=128_mask=full"""
+"""tailorfx generated: flash_attention_bigbird_block=16_block_m=64_block_n=32_bwd_block_m=32_bwd_block_n=16_causal=True_documents=False_dtype=bf16_group=1_head_dim=64_mask=bigbird_precision=None"""
 import triton
 import triton.language as tl
 
-HEAD_DIM = tl.constexpr(128)
-BLOCK_D = tl.constexpr(128)
-BLOCK_M = tl.constexpr(32)
+HEAD_DIM = tl.constexpr(64)
+BLOCK_D = tl.constexpr(64)
+BLOCK_M = tl.constexpr(64)
 BLOCK_N = tl.constexpr(32)
-DQ_BLOCK_M = tl.constexpr(32)
+DQ_BLOCK_M = tl.constexpr(64)
 DQ_BLOCK_N = tl.constexpr(32)
 BWD_BLOCK_M = tl.constexpr(32)
 BWD_BLOCK_N = tl.constexpr(16)
-GROUP = tl.constexpr(4)
+GROUP = tl.constexpr(1)
 LOG2E = tl.constexpr(1.4426950408889634)
-PRECISION = tl.constexpr("tf32")
+BB_BLOCK = tl.constexpr(16)
 
-# mask: full, causal
+# mask: bigbird, causal
 
 
 @triton.jit
-def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale, seq_len, num_heads):
+def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, table_ptr, count_ptr, table_width, bm_ptr, num_blocks, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -34,43 +34,32 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale, seq_len, num_heads):
     k_base = k_ptr + kv_bh.to(tl.int64) * seq_len * HEAD_DIM
     v_base = v_ptr + kv_bh.to(tl.int64) * seq_len * HEAD_DIM
     row_ptrs = pos_m[:, None] * HEAD_DIM + offs_d[None, :]
-    q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = tl.cdiv(tl.minimum(start_m + BLOCK_M, n_keys), BLOCK_N)  # causal: no tile past the last row
-    n_full = (start_m + 1) // BLOCK_N  # key tiles wholly at or before the first row
-    for kt in range(0, n_full):
-        offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-        pos_n = offs_n
-        col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
-        k = tl.load(k_base + col_ptrs).to(tl.float32)
-        v = tl.load(v_base + col_ptrs).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = m_new
-        p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
-        alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m_i = m_new
-    for kt in range(n_full, hi):
+    # key tiles: the host's table of those holding an allowed pair
+    n_tiles = tl.load(count_ptr + tl.program_id(0))
+    for j in range(0, n_tiles):
+        kt = tl.load(table_ptr + tl.program_id(0) * table_width + j)
         offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         pos_n = offs_n
         col_ok = offs_n < n_keys
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
-        k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
         mask = col_ok[None, :]
         mask = mask & (offs_n[None, :] <= offs_m[:, None])
+        allowed = tl.load(bm_ptr + (offs_m[:, None] // BB_BLOCK) * num_blocks + offs_n[None, :] // BB_BLOCK, mask=mask, other=0)
+        mask = mask & (allowed != 0)
         s = tl.where(mask, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet stays 0
         p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
         alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -92,7 +81,7 @@ def attn_bwd_preprocess(out_ptr, do_ptr, delta_ptr, n_rows):
 
 
 @triton.jit
-def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, seq_len, num_heads):
+def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, table_ptr, count_ptr, table_width, bm_ptr, num_blocks, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -108,44 +97,36 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, 
     k_base = k_ptr + kv_bh.to(tl.int64) * seq_len * HEAD_DIM
     v_base = v_ptr + kv_bh.to(tl.int64) * seq_len * HEAD_DIM
     row_ptrs = pos_m[:, None] * HEAD_DIM + offs_d[None, :]
-    q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, mask=row_ok[:, None], other=0.0)
     lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
     dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = tl.cdiv(tl.minimum(start_m + DQ_BLOCK_M, n_keys), DQ_BLOCK_N)  # causal: no tile past the last row
-    n_full = (start_m + 1) // DQ_BLOCK_N  # key tiles wholly at or before the first row
-    for kt in range(0, n_full):
-        offs_n = kt * DQ_BLOCK_N + tl.arange(0, DQ_BLOCK_N)
-        pos_n = offs_n
-        col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
-        k = tl.load(k_base + col_ptrs).to(tl.float32)
-        v = tl.load(v_base + col_ptrs).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        p = tl.math.exp2((s - lse[:, None]) * LOG2E)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds, k, input_precision=PRECISION)
-    for kt in range(n_full, hi):
+    # key tiles: the host's table of those holding an allowed pair
+    n_tiles = tl.load(count_ptr + tl.program_id(0))
+    for j in range(0, n_tiles):
+        kt = tl.load(table_ptr + tl.program_id(0) * table_width + j)
         offs_n = kt * DQ_BLOCK_N + tl.arange(0, DQ_BLOCK_N)
         pos_n = offs_n
         col_ok = offs_n < n_keys
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
-        k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
         mask = col_ok[None, :]
         mask = mask & (offs_n[None, :] <= offs_m[:, None])
+        allowed = tl.load(bm_ptr + (offs_m[:, None] // BB_BLOCK) * num_blocks + offs_n[None, :] // BB_BLOCK, mask=mask, other=0)
+        mask = mask & (allowed != 0)
         # lse is -inf only on rows with no allowed key, where the mask drops every p
         p = tl.where(mask, tl.math.exp2((s - lse[:, None]) * LOG2E), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds, k, input_precision=PRECISION)
+        dq += tl.dot(ds.to(tl.bfloat16), k)
     tl.store(dq_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, scale, seq_len, num_heads):
+def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, table_ptr, count_ptr, table_width, bm_ptr, num_blocks, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     num_kv = num_heads // GROUP
     bkv = tl.program_id(1)
@@ -157,28 +138,33 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
     offs_d = tl.arange(0, BLOCK_D)
     col_ok = offs_n < n_keys
     col_ptrs = bkv.to(tl.int64) * seq_len * HEAD_DIM + pos_n[:, None] * HEAD_DIM + offs_d[None, :]
-    k = tl.load(k_ptr + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + col_ptrs, mask=col_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + col_ptrs, mask=col_ok[:, None], other=0.0)
     dk = tl.zeros([BWD_BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BWD_BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # query tiles: the host's table of those that see this key tile
+    n_tiles = tl.load(count_ptr + tl.program_id(0))
     for h in range((bkv % num_kv) * GROUP, (bkv % num_kv) * GROUP + GROUP):
         bh = b * num_heads + h
-        for qt in range(start_n // BWD_BLOCK_M, tl.cdiv(n_keys, BWD_BLOCK_M)):
+        for j in range(0, n_tiles):
+            qt = tl.load(table_ptr + tl.program_id(0) * table_width + j)
             offs_m = qt * BWD_BLOCK_M + tl.arange(0, BWD_BLOCK_M)
             pos_m = offs_m
             row_ok = offs_m < n_keys
             row_ptrs = bh.to(tl.int64) * seq_len * HEAD_DIM + pos_m[:, None] * HEAD_DIM + offs_d[None, :]
-            q = tl.load(q_ptr + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            do = tl.load(do_ptr + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + row_ptrs, mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_ptr + row_ptrs, mask=row_ok[:, None], other=0.0)
             lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
             delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
-            st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale
+            st = tl.dot(k, tl.trans(q)) * scale
             mask = col_ok[:, None] & row_ok[None, :]
             mask = mask & (offs_n[:, None] <= offs_m[None, :])
+            allowed = tl.load(bm_ptr + (offs_m[None, :] // BB_BLOCK) * num_blocks + offs_n[:, None] // BB_BLOCK, mask=mask, other=0)
+            mask = mask & (allowed != 0)
             pt = tl.where(mask, tl.math.exp2((st - lse[None, :]) * LOG2E), 0.0)
-            dv += tl.dot(pt, do, input_precision=PRECISION)
-            dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            dv += tl.dot(pt.to(tl.bfloat16), do)
+            dpt = tl.dot(v, tl.trans(do))
             dst = pt * (dpt - delta[None, :])
-            dk += tl.dot(dst, q, input_precision=PRECISION)
+            dk += tl.dot(dst.to(tl.bfloat16), q)
     tl.store(dk_ptr + col_ptrs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
     tl.store(dv_ptr + col_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])

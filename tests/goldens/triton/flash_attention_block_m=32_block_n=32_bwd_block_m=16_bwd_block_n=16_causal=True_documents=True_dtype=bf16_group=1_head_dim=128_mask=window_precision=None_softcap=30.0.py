@@ -1,25 +1,24 @@
-"""tailorfx generated: flash_attention_block_m=32_block_n=32_bwd_block_m=32_bwd_block_n=16_causal=True_documents=True_dtype=fp32_group=1_head_dim=64_key_bias=True_mask=window_softcap=30.0"""
+"""tailorfx generated: flash_attention_block_m=32_block_n=32_bwd_block_m=16_bwd_block_n=16_causal=True_documents=True_dtype=bf16_group=1_head_dim=128_mask=window_precision=None_softcap=30.0"""
 import triton
 import triton.language as tl
 
-HEAD_DIM = tl.constexpr(64)
-BLOCK_D = tl.constexpr(64)
+HEAD_DIM = tl.constexpr(128)
+BLOCK_D = tl.constexpr(128)
 BLOCK_M = tl.constexpr(32)
 BLOCK_N = tl.constexpr(32)
 DQ_BLOCK_M = tl.constexpr(32)
 DQ_BLOCK_N = tl.constexpr(32)
-BWD_BLOCK_M = tl.constexpr(32)
+BWD_BLOCK_M = tl.constexpr(16)
 BWD_BLOCK_N = tl.constexpr(16)
 GROUP = tl.constexpr(1)
 LOG2E = tl.constexpr(1.4426950408889634)
-PRECISION = tl.constexpr("ieee")
 SOFTCAP = tl.constexpr(30.0)
 
-# mask: window, causal, documents, key bias, softcap 30.0
+# mask: window, causal, documents, softcap 30.0
 
 
 @triton.jit
-def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, doc_ptr, kb_ptr, window, num_global, scale, seq_len, num_heads):
+def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, doc_ptr, window, num_global, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -61,7 +60,7 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, doc_ptr, kb_ptr, window, num
         k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0)
         doc_n = tl.load(doc_ptr + b * seq_len + pos_n, mask=col_ok, other=-2)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.dot(q, tl.trans(k)) * scale
         xc = s / SOFTCAP
         axc = tl.abs(xc)
         ec = tl.math.exp2(axc * (-2.0 * LOG2E))
@@ -70,7 +69,6 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, doc_ptr, kb_ptr, window, num
         small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
         t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
         s = SOFTCAP * t
-        s = s + tl.load(kb_ptr + bh * seq_len + pos_n, mask=col_ok, other=0.0)[None, :]
         mask = col_ok[None, :]
         mask = mask & (offs_n[None, :] <= offs_m[:, None])
         mask = mask & ((offs_n[None, :] > offs_m[:, None] - window) | (offs_m[:, None] < num_global) | (offs_n[None, :] < num_global))
@@ -81,7 +79,7 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, doc_ptr, kb_ptr, window, num
         p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
         alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -103,7 +101,7 @@ def attn_bwd_preprocess(out_ptr, do_ptr, delta_ptr, n_rows):
 
 
 @triton.jit
-def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr, kb_ptr, window, num_global, scale, seq_len, num_heads):
+def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr, window, num_global, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -146,7 +144,7 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr
         k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0)
         doc_n = tl.load(doc_ptr + b * seq_len + pos_n, mask=col_ok, other=-2)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.dot(q, tl.trans(k)) * scale
         xc = s / SOFTCAP
         axc = tl.abs(xc)
         ec = tl.math.exp2(axc * (-2.0 * LOG2E))
@@ -155,22 +153,21 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr
         small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
         t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
         s = SOFTCAP * t
-        s = s + tl.load(kb_ptr + bh * seq_len + pos_n, mask=col_ok, other=0.0)[None, :]
         mask = col_ok[None, :]
         mask = mask & (offs_n[None, :] <= offs_m[:, None])
         mask = mask & ((offs_n[None, :] > offs_m[:, None] - window) | (offs_m[:, None] < num_global) | (offs_n[None, :] < num_global))
         mask = mask & (doc_m[:, None] == doc_n[None, :])
         # lse is -inf only on rows with no allowed key, where the mask drops every p
         p = tl.where(mask, tl.math.exp2((s - lse[:, None]) * LOG2E), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         ds = ds * (1.0 - t * t)
-        dq += tl.dot(ds, k, input_precision=PRECISION)
+        dq += tl.dot(ds.to(tl.bfloat16), k)
     tl.store(dq_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, doc_ptr, kb_ptr, window, num_global, scale, seq_len, num_heads):
+def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, doc_ptr, window, num_global, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     num_kv = num_heads // GROUP
     bkv = tl.program_id(1)
@@ -204,7 +201,7 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
             lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
             delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
             doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)
-            st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale
+            st = tl.dot(k, tl.trans(q)) * scale
             xc = st / SOFTCAP
             axc = tl.abs(xc)
             ec = tl.math.exp2(axc * (-2.0 * LOG2E))
@@ -213,16 +210,15 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
             small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
             t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
             st = SOFTCAP * t
-            st = st + tl.load(kb_ptr + bh * seq_len + pos_n, mask=col_ok, other=0.0)[:, None]
             mask = col_ok[:, None] & row_ok[None, :]
             mask = mask & (offs_n[:, None] <= offs_m[None, :])
             mask = mask & ((offs_n[:, None] > offs_m[None, :] - window) | (offs_m[None, :] < num_global) | (offs_n[:, None] < num_global))
             mask = mask & (doc_m[None, :] == doc_n[:, None])
             pt = tl.where(mask, tl.math.exp2((st - lse[None, :]) * LOG2E), 0.0)
-            dv += tl.dot(pt, do, input_precision=PRECISION)
-            dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            dv += tl.dot(pt.to(tl.bfloat16), do)
+            dpt = tl.dot(v, tl.trans(do))
             dst = pt * (dpt - delta[None, :])
             dst = dst * (1.0 - t * t)
-            dk += tl.dot(dst, q, input_precision=PRECISION)
+            dk += tl.dot(dst.to(tl.bfloat16), q)
     tl.store(dk_ptr + col_ptrs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
     tl.store(dv_ptr + col_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])

@@ -1,4 +1,4 @@
-"""tailorfx generated: flash_attention_block_m=32_block_n=32_bwd_block_m=32_bwd_block_n=16_causal=True_documents=True_dtype=fp16_group=1_head_dim=128_mask=full"""
+"""tailorfx generated: flash_attention_block_m=32_block_n=32_bwd_block_m=16_bwd_block_n=16_causal=True_documents=False_dtype=bf16_group=4_head_dim=128_key_bias=True_mask=full_precision=None"""
 import triton
 import triton.language as tl
 
@@ -8,16 +8,16 @@ BLOCK_M = tl.constexpr(32)
 BLOCK_N = tl.constexpr(32)
 DQ_BLOCK_M = tl.constexpr(32)
 DQ_BLOCK_N = tl.constexpr(32)
-BWD_BLOCK_M = tl.constexpr(32)
+BWD_BLOCK_M = tl.constexpr(16)
 BWD_BLOCK_N = tl.constexpr(16)
-GROUP = tl.constexpr(1)
+GROUP = tl.constexpr(4)
 LOG2E = tl.constexpr(1.4426950408889634)
 
-# mask: full, causal, documents
+# mask: full, causal, key bias
 
 
 @triton.jit
-def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, doc_ptr, scale, seq_len, num_heads):
+def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, kb_ptr, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -34,7 +34,6 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, doc_ptr, scale, seq_len, num
     v_base = v_ptr + kv_bh.to(tl.int64) * seq_len * HEAD_DIM
     row_ptrs = pos_m[:, None] * HEAD_DIM + offs_d[None, :]
     q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0)
-    doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -46,16 +45,14 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, doc_ptr, scale, seq_len, num
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
         k = tl.load(k_base + col_ptrs)
         v = tl.load(v_base + col_ptrs)
-        doc_n = tl.load(doc_ptr + b * seq_len + pos_n)
         s = tl.dot(q, tl.trans(k)) * scale
-        mask = doc_m[:, None] == doc_n[None, :]
-        s = tl.where(mask, s, float("-inf"))
+        s = s + tl.load(kb_ptr + bh * seq_len + pos_n)[None, :]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet stays 0
+        m_safe = m_new
         p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
         alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
         m_i = m_new
     for kt in range(n_full, hi):
         offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,18 +61,17 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, doc_ptr, scale, seq_len, num
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
         k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0)
-        doc_n = tl.load(doc_ptr + b * seq_len + pos_n, mask=col_ok, other=-2)
         s = tl.dot(q, tl.trans(k)) * scale
+        s = s + tl.load(kb_ptr + bh * seq_len + pos_n, mask=col_ok, other=0.0)[None, :]
         mask = col_ok[None, :]
         mask = mask & (offs_n[None, :] <= offs_m[:, None])
-        mask = mask & (doc_m[:, None] == doc_n[None, :])
         s = tl.where(mask, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet stays 0
         p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
         alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -97,7 +93,7 @@ def attn_bwd_preprocess(out_ptr, do_ptr, delta_ptr, n_rows):
 
 
 @triton.jit
-def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr, scale, seq_len, num_heads):
+def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, kb_ptr, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -117,7 +113,6 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr
     do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, mask=row_ok[:, None], other=0.0)
     lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
-    doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)
     dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], dtype=tl.float32)
     hi = tl.cdiv(tl.minimum(start_m + DQ_BLOCK_M, n_keys), DQ_BLOCK_N)  # causal: no tile past the last row
     n_full = (start_m + 1) // DQ_BLOCK_N  # key tiles wholly at or before the first row
@@ -127,14 +122,12 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
         k = tl.load(k_base + col_ptrs)
         v = tl.load(v_base + col_ptrs)
-        doc_n = tl.load(doc_ptr + b * seq_len + pos_n)
         s = tl.dot(q, tl.trans(k)) * scale
-        mask = doc_m[:, None] == doc_n[None, :]
-        # lse is -inf only on rows with no allowed key, where the mask drops every p
-        p = tl.where(mask, tl.math.exp2((s - lse[:, None]) * LOG2E), 0.0)
+        s = s + tl.load(kb_ptr + bh * seq_len + pos_n)[None, :]
+        p = tl.math.exp2((s - lse[:, None]) * LOG2E)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(tl.float16), k)
+        dq += tl.dot(ds.to(tl.bfloat16), k)
     for kt in range(n_full, hi):
         offs_n = kt * DQ_BLOCK_N + tl.arange(0, DQ_BLOCK_N)
         pos_n = offs_n
@@ -142,21 +135,20 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
         k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0)
-        doc_n = tl.load(doc_ptr + b * seq_len + pos_n, mask=col_ok, other=-2)
         s = tl.dot(q, tl.trans(k)) * scale
+        s = s + tl.load(kb_ptr + bh * seq_len + pos_n, mask=col_ok, other=0.0)[None, :]
         mask = col_ok[None, :]
         mask = mask & (offs_n[None, :] <= offs_m[:, None])
-        mask = mask & (doc_m[:, None] == doc_n[None, :])
         # lse is -inf only on rows with no allowed key, where the mask drops every p
         p = tl.where(mask, tl.math.exp2((s - lse[:, None]) * LOG2E), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(tl.float16), k)
+        dq += tl.dot(ds.to(tl.bfloat16), k)
     tl.store(dq_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, doc_ptr, scale, seq_len, num_heads):
+def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, kb_ptr, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     num_kv = num_heads // GROUP
     bkv = tl.program_id(1)
@@ -170,7 +162,6 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
     col_ptrs = bkv.to(tl.int64) * seq_len * HEAD_DIM + pos_n[:, None] * HEAD_DIM + offs_d[None, :]
     k = tl.load(k_ptr + col_ptrs, mask=col_ok[:, None], other=0.0)
     v = tl.load(v_ptr + col_ptrs, mask=col_ok[:, None], other=0.0)
-    doc_n = tl.load(doc_ptr + b * seq_len + pos_n, mask=col_ok, other=-2)
     dk = tl.zeros([BWD_BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BWD_BLOCK_N, BLOCK_D], dtype=tl.float32)
     for h in range((bkv % num_kv) * GROUP, (bkv % num_kv) * GROUP + GROUP):
@@ -184,15 +175,14 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
             do = tl.load(do_ptr + row_ptrs, mask=row_ok[:, None], other=0.0)
             lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
             delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
-            doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)
             st = tl.dot(k, tl.trans(q)) * scale
+            st = st + tl.load(kb_ptr + bh * seq_len + pos_n, mask=col_ok, other=0.0)[:, None]
             mask = col_ok[:, None] & row_ok[None, :]
             mask = mask & (offs_n[:, None] <= offs_m[None, :])
-            mask = mask & (doc_m[None, :] == doc_n[:, None])
             pt = tl.where(mask, tl.math.exp2((st - lse[None, :]) * LOG2E), 0.0)
-            dv += tl.dot(pt.to(tl.float16), do)
+            dv += tl.dot(pt.to(tl.bfloat16), do)
             dpt = tl.dot(v, tl.trans(do))
             dst = pt * (dpt - delta[None, :])
-            dk += tl.dot(dst.to(tl.float16), q)
+            dk += tl.dot(dst.to(tl.bfloat16), q)
     tl.store(dk_ptr + col_ptrs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
     tl.store(dv_ptr + col_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])

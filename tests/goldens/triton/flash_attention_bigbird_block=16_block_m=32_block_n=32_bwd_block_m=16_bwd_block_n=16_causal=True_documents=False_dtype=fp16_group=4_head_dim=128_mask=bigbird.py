@@ -1,24 +1,24 @@
-"""tailorfx generated: flash_attention_block_m=64_block_n=32_bwd_block_m=64_bwd_block_n=16_causal=False_documents=False_dtype=fp16_group=1_head_dim=64_mask=window_softcap=50.0"""
+"""tailorfx generated: flash_attention_bigbird_block=16_block_m=32_block_n=32_bwd_block_m=16_bwd_block_n=16_causal=True_documents=False_dtype=fp16_group=4_head_dim=128_mask=bigbird"""
 import triton
 import triton.language as tl
 
-HEAD_DIM = tl.constexpr(64)
-BLOCK_D = tl.constexpr(64)
-BLOCK_M = tl.constexpr(64)
+HEAD_DIM = tl.constexpr(128)
+BLOCK_D = tl.constexpr(128)
+BLOCK_M = tl.constexpr(32)
 BLOCK_N = tl.constexpr(32)
-DQ_BLOCK_M = tl.constexpr(64)
+DQ_BLOCK_M = tl.constexpr(32)
 DQ_BLOCK_N = tl.constexpr(32)
-BWD_BLOCK_M = tl.constexpr(64)
+BWD_BLOCK_M = tl.constexpr(16)
 BWD_BLOCK_N = tl.constexpr(16)
-GROUP = tl.constexpr(1)
+GROUP = tl.constexpr(4)
 LOG2E = tl.constexpr(1.4426950408889634)
-SOFTCAP = tl.constexpr(50.0)
+BB_BLOCK = tl.constexpr(16)
 
-# mask: window, non-causal, softcap 50.0
+# mask: bigbird, causal
 
 
 @triton.jit
-def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, window, num_global, scale, seq_len, num_heads):
+def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, table_ptr, count_ptr, table_width, bm_ptr, num_blocks, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -38,20 +38,10 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, window, num_global, scale, s
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # key tiles: those holding global keys (k < num_global), then the band around the rows;
-    # a tile holding global queries (q < num_global) sees every key
-    last_m = tl.minimum(start_m + BLOCK_M, seq_len) - 1
-    hi = tl.cdiv(seq_len, BLOCK_N)
-    n_glob = tl.minimum(tl.cdiv(num_global, BLOCK_N), hi)
-    band_lo = tl.maximum(tl.maximum(start_m - window + 1, 0) // BLOCK_N, n_glob)
-    band_hi = tl.minimum(tl.cdiv(tl.minimum(last_m + window, seq_len), BLOCK_N), hi)
-    everything = start_m < num_global
-    n_glob = tl.where(everything, 0, n_glob)
-    band_lo = tl.where(everything, 0, band_lo)
-    band_hi = tl.where(everything, hi, band_hi)
-    n_tiles = n_glob + tl.maximum(band_hi - band_lo, 0)
+    # key tiles: the host's table of those holding an allowed pair
+    n_tiles = tl.load(count_ptr + tl.program_id(0))
     for j in range(0, n_tiles):
-        kt = j + (j >= n_glob).to(tl.int32) * (band_lo - n_glob)
+        kt = tl.load(table_ptr + tl.program_id(0) * table_width + j)
         offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         pos_n = offs_n
         col_ok = offs_n < n_keys
@@ -59,16 +49,10 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, window, num_global, scale, s
         k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale
-        xc = s / SOFTCAP
-        axc = tl.abs(xc)
-        ec = tl.math.exp2(axc * (-2.0 * LOG2E))
-        tc = (1.0 - ec) / (1.0 + ec)
-        x2c = xc * xc
-        small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
-        t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
-        s = SOFTCAP * t
         mask = col_ok[None, :]
-        mask = mask & ((tl.abs(offs_n[None, :] - offs_m[:, None]) < window) | (offs_m[:, None] < num_global) | (offs_n[None, :] < num_global))
+        mask = mask & (offs_n[None, :] <= offs_m[:, None])
+        allowed = tl.load(bm_ptr + (offs_m[:, None] // BB_BLOCK) * num_blocks + offs_n[None, :] // BB_BLOCK, mask=mask, other=0)
+        mask = mask & (allowed != 0)
         s = tl.where(mask, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet stays 0
@@ -97,7 +81,7 @@ def attn_bwd_preprocess(out_ptr, do_ptr, delta_ptr, n_rows):
 
 
 @triton.jit
-def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, window, num_global, scale, seq_len, num_heads):
+def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, table_ptr, count_ptr, table_width, bm_ptr, num_blocks, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(1)
     b = bh // num_heads
@@ -118,20 +102,10 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, window,
     lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
     dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # key tiles: those holding global keys (k < num_global), then the band around the rows;
-    # a tile holding global queries (q < num_global) sees every key
-    last_m = tl.minimum(start_m + DQ_BLOCK_M, seq_len) - 1
-    hi = tl.cdiv(seq_len, DQ_BLOCK_N)
-    n_glob = tl.minimum(tl.cdiv(num_global, DQ_BLOCK_N), hi)
-    band_lo = tl.maximum(tl.maximum(start_m - window + 1, 0) // DQ_BLOCK_N, n_glob)
-    band_hi = tl.minimum(tl.cdiv(tl.minimum(last_m + window, seq_len), DQ_BLOCK_N), hi)
-    everything = start_m < num_global
-    n_glob = tl.where(everything, 0, n_glob)
-    band_lo = tl.where(everything, 0, band_lo)
-    band_hi = tl.where(everything, hi, band_hi)
-    n_tiles = n_glob + tl.maximum(band_hi - band_lo, 0)
+    # key tiles: the host's table of those holding an allowed pair
+    n_tiles = tl.load(count_ptr + tl.program_id(0))
     for j in range(0, n_tiles):
-        kt = j + (j >= n_glob).to(tl.int32) * (band_lo - n_glob)
+        kt = tl.load(table_ptr + tl.program_id(0) * table_width + j)
         offs_n = kt * DQ_BLOCK_N + tl.arange(0, DQ_BLOCK_N)
         pos_n = offs_n
         col_ok = offs_n < n_keys
@@ -139,27 +113,20 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, window,
         k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale
-        xc = s / SOFTCAP
-        axc = tl.abs(xc)
-        ec = tl.math.exp2(axc * (-2.0 * LOG2E))
-        tc = (1.0 - ec) / (1.0 + ec)
-        x2c = xc * xc
-        small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
-        t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
-        s = SOFTCAP * t
         mask = col_ok[None, :]
-        mask = mask & ((tl.abs(offs_n[None, :] - offs_m[:, None]) < window) | (offs_m[:, None] < num_global) | (offs_n[None, :] < num_global))
+        mask = mask & (offs_n[None, :] <= offs_m[:, None])
+        allowed = tl.load(bm_ptr + (offs_m[:, None] // BB_BLOCK) * num_blocks + offs_n[None, :] // BB_BLOCK, mask=mask, other=0)
+        mask = mask & (allowed != 0)
         # lse is -inf only on rows with no allowed key, where the mask drops every p
         p = tl.where(mask, tl.math.exp2((s - lse[:, None]) * LOG2E), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
-        ds = ds * (1.0 - t * t)
         dq += tl.dot(ds.to(tl.float16), k)
     tl.store(dq_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, window, num_global, scale, seq_len, num_heads):
+def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, table_ptr, count_ptr, table_width, bm_ptr, num_blocks, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
     num_kv = num_heads // GROUP
     bkv = tl.program_id(1)
@@ -175,21 +142,12 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
     v = tl.load(v_ptr + col_ptrs, mask=col_ok[:, None], other=0.0)
     dk = tl.zeros([BWD_BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BWD_BLOCK_N, BLOCK_D], dtype=tl.float32)
-    # query tiles: those holding global queries (q < num_global), then the band around the keys;
-    # a tile holding global keys is seen by every row
-    n_qt = tl.cdiv(seq_len, BWD_BLOCK_M)
-    n_glob = tl.minimum(tl.cdiv(num_global, BWD_BLOCK_M), n_qt)
-    band_lo = tl.maximum(tl.maximum(start_n - window + 1, 0) // BWD_BLOCK_M, n_glob)
-    band_hi = tl.minimum(tl.cdiv(start_n + BWD_BLOCK_N - 1 + window, BWD_BLOCK_M), n_qt)
-    everything = start_n < num_global
-    n_glob = tl.where(everything, 0, n_glob)
-    band_lo = tl.where(everything, 0, band_lo)
-    band_hi = tl.where(everything, n_qt, band_hi)
-    n_tiles = n_glob + tl.maximum(band_hi - band_lo, 0)
+    # query tiles: the host's table of those that see this key tile
+    n_tiles = tl.load(count_ptr + tl.program_id(0))
     for h in range((bkv % num_kv) * GROUP, (bkv % num_kv) * GROUP + GROUP):
         bh = b * num_heads + h
         for j in range(0, n_tiles):
-            qt = j + (j >= n_glob).to(tl.int32) * (band_lo - n_glob)
+            qt = tl.load(table_ptr + tl.program_id(0) * table_width + j)
             offs_m = qt * BWD_BLOCK_M + tl.arange(0, BWD_BLOCK_M)
             pos_m = offs_m
             row_ok = offs_m < n_keys
@@ -199,21 +157,14 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
             lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
             delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
             st = tl.dot(k, tl.trans(q)) * scale
-            xc = st / SOFTCAP
-            axc = tl.abs(xc)
-            ec = tl.math.exp2(axc * (-2.0 * LOG2E))
-            tc = (1.0 - ec) / (1.0 + ec)
-            x2c = xc * xc
-            small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
-            t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
-            st = SOFTCAP * t
             mask = col_ok[:, None] & row_ok[None, :]
-            mask = mask & ((tl.abs(offs_n[:, None] - offs_m[None, :]) < window) | (offs_m[None, :] < num_global) | (offs_n[:, None] < num_global))
+            mask = mask & (offs_n[:, None] <= offs_m[None, :])
+            allowed = tl.load(bm_ptr + (offs_m[None, :] // BB_BLOCK) * num_blocks + offs_n[:, None] // BB_BLOCK, mask=mask, other=0)
+            mask = mask & (allowed != 0)
             pt = tl.where(mask, tl.math.exp2((st - lse[None, :]) * LOG2E), 0.0)
             dv += tl.dot(pt.to(tl.float16), do)
             dpt = tl.dot(v, tl.trans(do))
             dst = pt * (dpt - delta[None, :])
-            dst = dst * (1.0 - t * t)
             dk += tl.dot(dst.to(tl.float16), q)
     tl.store(dk_ptr + col_ptrs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
     tl.store(dv_ptr + col_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
