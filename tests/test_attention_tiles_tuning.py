@@ -162,8 +162,8 @@ def test_a_candidate_that_spills_on_this_compiler_is_not_chosen(tmp_path, monkey
     assert tuning.choose(every, cands, runner({cands[0]: 8, cands[1]: 8, cands[2]: 8}), timer) == cands[0]
 
 
-@pytest.mark.slow   # 16 interpreted checks at tiles up to 128 x 64 (about a minute)
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.slow   # interpreted checks at tiles up to 128 x 64 (about a minute)
+@pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("mask,params,causal,docs", [
     ("full", (), True, False), ("full", (), False, True), ("window", (40, 2), True, True)])
 def test_every_candidate_is_exact(dim, mask, params, causal, docs):
