@@ -290,6 +290,7 @@ def cmd_kernels(args):
     from tailorfx import sizing
     from tailorfx.budget import format_bytes
     from tailorfx.kernels import compile_many
+    from tailorfx.kernels.flash_launch import first_launches
     cfg, name = _config(args)
     note(f"capturing {name} at {args.batch} x {args.seq} tokens on fake tensors with kernels='triton' ...")
     opt = sizing.capture_for_prediction(cfg, ["attention", "minisequence"], seq_len=args.seq, batch_size=args.batch,
@@ -297,12 +298,22 @@ def cmd_kernels(args):
     launches = opt.kernel_launches()
     if not launches:
         raise ValueError(f"{name}: no region became a Triton kernel (see `tailorfx inspect ... --kernels triton`)")
-    note(f"compiling {len(launches)} kernels for sm{args.arch} (ptxas, no GPU needed) ...")
-    compiled = compile_many([(spec, args.arch) for spec, _ in launches.values()])
+    rows, jobs = [], []   # attention: each of its kernels at the tiles a GPU launch starts from
+    for kname, (spec, grid) in launches.items():
+        if spec.family != "flash_attention":
+            rows.append((kname, grid))
+            jobs.append((spec, args.arch, {}))
+            continue
+        batch_heads = int(grid.split("+")[0].strip(" ()").split(",")[1])
+        for role, s, opts, role_grid in first_launches(spec, args.arch, args.seq, batch_heads):
+            rows.append((f"{s.name}:{role}/{opts['num_warps']}w", role_grid or grid))
+            jobs.append((s, args.arch, opts))
+    note(f"compiling {len(jobs)} kernels for sm{args.arch} (ptxas, no GPU needed) ...")
+    compiled = compile_many(jobs)
     print(f"{_describe(cfg, name)} at {args.batch} x {args.seq} tokens ({args.dtype}), Triton kernels for sm{args.arch}:")
-    width = max(map(len, launches))
-    print(f"{'kernel':<{width}} {'regs':>5} {'spills':>6} {'shared':>10}  forward grid")
-    for (kname, (spec, grid)), res in zip(launches.items(), compiled):
+    width = max(len(r) for r, _ in rows)
+    print(f"{'kernel':<{width}} {'regs':>5} {'spills':>6} {'shared':>10}  grid")
+    for (kname, grid), res in zip(rows, compiled):
         print(f"{kname:<{width}} {res['n_regs']:>5} {res['n_spills']:>6} {format_bytes(res['shared_bytes']):>10}  {grid}")
 
 

@@ -86,16 +86,26 @@ def test_train_logs_checkpoints_and_resumes(tmp_path, capsys):
 
 
 def test_kernels_compile_for_sm80_at_the_configs_shapes(capsys):
+    """Each kernel compiled as a GPU launch starts it: attention's three kernels each at its
+    role's first tile candidate for the arch (its warps, bf16 dots), with its own grid."""
+    from tailorfx.kernels import flash_tiles
     main(["kernels", *TINY, "--seq", "128", "--arch", "80"])
     lines = capsys.readouterr().out.splitlines()
     rows = {l.split()[0].split("_")[0]: l.split() for l in lines[2:]}
     assert {"norm", "flash", "glu", "linear"} <= set(rows), lines
-    for name, row in rows.items():
+    for line in lines[2:]:
+        row = line.split()
         assert int(row[1]) > 0 and int(row[2]) == 0, row   # registers, no spills
     norm = rows["norm"]
     assert norm[-1] == "(128,)"   # one program per token row
-    flash = rows["flash"]
-    assert flash[-1] == "4)" and flash[-2].startswith("(")   # (query tiles, batch x heads = 4)
+    flash = {l.split()[0].split(":")[1]: l.split() for l in lines[2:] if l.startswith("flash")}
+    assert set(flash) == {f"{r}/{flash_tiles.candidates(r, 'bf16', 16, 'full', 80)[0].num_warps}w"
+                          for r in flash_tiles.ROLES}, lines
+    for role, row in flash.items():
+        first = flash_tiles.candidates(role.split("/")[0], "bf16", 16, "full", 80)[0]
+        rows_held = first.block_n if role.startswith("dkdv") else first.block_m
+        # (tiles of 128 tokens, batch x heads = 4; batch x kv heads = 2 for dk/dv)
+        assert row[-2:] == [f"({-(-128 // rows_held)},", "2)" if role.startswith("dkdv") else "4)"], row
 
 
 @pytest.mark.parametrize("argv,message", [

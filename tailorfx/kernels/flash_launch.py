@@ -60,6 +60,33 @@ def spec_for(q, k, *, mask: str = "full", params=(), causal: bool = False, docum
     return _spec(*static, _flat_tiles(tiles), interpreted())
 
 
+KERNELS = {"fwd": "attn_fwd", "dq": "attn_bwd_dq", "dkdv": "attn_bwd_dkdv"}
+
+
+def first_launches(spec, arch: int, seq: int, batch_heads: int) -> list[tuple[str, KernelSpec, dict, str]]:
+    """What a GPU launch of `spec`'s attention starts from on sm`arch`, before it times any tiles:
+    per kernel, (role, the spec at that role's first candidate, compile options: its warps,
+    stages and function, its grid at `seq` tokens), for `tailorfx kernels` to compile what the GPU
+    would run. Dilated attention's grids (per branch) are not given."""
+    from tailorfx.kernels import flash_tiles
+    p = dict(spec.params)
+    plain = p["mask"] == "full" and not p.get("documents") and p.get("softcap") is None and not p.get("key_bias")
+    static = (p["dtype"], p["head_dim"], p["group"], p["mask"], (p.get("bigbird_block"),), p["causal"],
+              p.get("documents", False), p.get("softcap"), p.get("key_bias", False))
+    tiles = {"fwd": (p["block_m"], p["block_n"]), "dkdv": (p["bwd_block_m"], p["bwd_block_n"]),
+             "dq": (p.get("dq_block_m", p["block_m"]), p.get("dq_block_n", p["block_n"]))}
+    out = []
+    for role, fn in KERNELS.items():
+        t = flash_tiles.candidates(role, p["dtype"], p["head_dim"], p["mask"], arch, plain)[0]
+        blocks = {**tiles, role: (t.block_m, t.block_n)}
+        gpu = _spec(*static, blocks["fwd"] + blocks["dq"] + blocks["dkdv"], False)   # bf16 dots, as compiled
+        rows, programs = {"fwd": (t.block_m, batch_heads), "dq": (t.block_m, batch_heads),
+                          "dkdv": (t.block_n, batch_heads // p["group"])}[role]
+        grid = "" if p["mask"] == "dilated" else f"({_cdiv(seq, rows)}, {programs})"
+        out.append((role, gpu, t.launch() | {"functions": [fn]}, grid))
+    return out
+
+
 def _static_of(q, k, mask, params, causal, documents, softcap, key_bias) -> tuple:
     """What a spec is built from besides its tiles (flash_tiles.key's `static`)."""
     return (DTYPE_NAMES[q.dtype], int(q.shape[-1]), int(q.shape[1] // k.shape[1]), mask, params, bool(causal),
