@@ -3,7 +3,14 @@ import os
 import sys
 
 import pytest
-import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers on two cores: Inductor compiles in the worker itself, not in a subprocess pool of
+    # its own per worker (on 2 cores it makes one), whose compile sidecar, if it dies, leaves the
+    # worker waiting on its futures forever (seen once in a run of tests/test_kernels_pass.py:
+    # every process of the run idle on a lock). Set before torch reads it, at its import.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import harness  # noqa: E402
