@@ -110,9 +110,9 @@ def choose(key: str, candidates: Sequence[Tiles], run: Callable[[Tiles], Optiona
             if "out of resource" not in str(e).lower() and type(e).__name__ != "OutOfResources":
                 raise
             times[repr(c)] = math.inf
-    clean = [c for c in candidates if not spilled.get(repr(c))] if any(
-        not spilled.get(repr(c)) and math.isfinite(times[repr(c)]) for c in candidates) else list(candidates)
-    best = min(clean, key=lambda c: times[repr(c)])
+    ran = [c for c in candidates if math.isfinite(times[repr(c)])]
+    clean = [c for c in ran if not spilled.get(repr(c))]
+    best = min(clean or ran or candidates, key=lambda c: times[repr(c)])
     if math.isinf(times[repr(best)]):
         raise RuntimeError(f"no launch configuration of {key} runs on this device: {list(candidates)}")
     _MEMO[key] = best
@@ -181,7 +181,8 @@ def pick_apart(key: str, names: Sequence[str], make_runs: Callable[[], dict[str,
 
 
 def choices() -> dict[str, dict]:
-    """What this process chose: key -> {"tiles" or "pick", "ms" per candidate (timed here, else {})}."""
+    """What this process chose: key -> {"tiles" or "pick", "ms" per candidate (timed here, else {}),
+    and "spilled_bytes" per candidate whose kernel spilled registers, if any}."""
     tiles = {k: {"tiles": asdict(v), "ms": _TIMES.get(k, {})} | ({"spilled_bytes": _SPILLED[k]} if _SPILLED.get(k) else {})
              for k, v in _MEMO.items()}
     return tiles | {k: {"pick": v, "ms": _TIMES.get(k, {})} for k, v in _PICKS.items()}
