@@ -79,8 +79,7 @@ def test_every_attention_tile_candidate_compiles_without_spills(head_dim, arch):
     Inductor typing of float scalars, fp64). CI runs it under Triton 3.9 and 3.6 (the GPU
     machines'), whose register allocations differ."""
     from tailorfx.kernels import flash_tiles
-    from tailorfx.kernels.flash_launch import _spec, normalize_params
-    fn = {"fwd": "attn_fwd", "dq": "attn_bwd_dq", "dkdv": "attn_bwd_dkdv"}
+    from tailorfx.kernels.flash_launch import KERNELS as fn, _spec, normalize_params
     jobs = []
     for role in flash_tiles.ROLES:
         rich = flash_tiles.candidates(role, "bf16", head_dim, "full", arch, False)

@@ -69,20 +69,17 @@ def first_launches(spec, arch: int, seq: int, batch_heads: int) -> list[tuple[st
     stages and function, its grid at `seq` tokens), for `tailorfx kernels` to compile what the GPU
     would run. Dilated attention's grids (per branch) are not given."""
     from tailorfx.kernels import flash_tiles
-    p = dict(spec.params)
-    plain = p["mask"] == "full" and not p.get("documents") and p.get("softcap") is None and not p.get("key_bias")
-    static = (p["dtype"], p["head_dim"], p["group"], p["mask"], (p.get("bigbird_block"),), p["causal"],
-              p.get("documents", False), p.get("softcap"), p.get("key_bias", False))
-    tiles = {"fwd": (p["block_m"], p["block_n"]), "dkdv": (p["bwd_block_m"], p["bwd_block_n"]),
-             "dq": (p.get("dq_block_m", p["block_m"]), p.get("dq_block_n", p["block_n"]))}
+    c = Config(spec)
+    static = (c.dtype, c.head_dim, c.group, c.mode, (c.bb_block,), c.causal, c.documents, c.softcap, c.key_bias)
+    tiles = {"fwd": (c.block_m, c.block_n), "dq": (c.dq_block_m, c.dq_block_n), "dkdv": (c.bwd_block_m, c.bwd_block_n)}
     out = []
     for role, fn in KERNELS.items():
-        t = flash_tiles.candidates(role, p["dtype"], p["head_dim"], p["mask"], arch, plain)[0]
+        t = flash_tiles.candidates(role, c.dtype, c.head_dim, c.mode, arch, flash_tiles.plain(static))[0]
         blocks = {**tiles, role: (t.block_m, t.block_n)}
         gpu = _spec(*static, blocks["fwd"] + blocks["dq"] + blocks["dkdv"], False)   # bf16 dots, as compiled
         rows, programs = {"fwd": (t.block_m, batch_heads), "dq": (t.block_m, batch_heads),
-                          "dkdv": (t.block_n, batch_heads // p["group"])}[role]
-        grid = "" if p["mask"] == "dilated" else f"({_cdiv(seq, rows)}, {programs})"
+                          "dkdv": (t.block_n, batch_heads // c.group)}[role]
+        grid = "" if c.dilated else f"({_cdiv(seq, rows)}, {programs})"
         out.append((role, gpu, t.launch() | {"functions": [fn]}, grid))
     return out
 
