@@ -18,6 +18,8 @@ Providers, in one interleaved run (every provider of a case runs before the next
 - `flex`: FlexAttention (torch.compile'd) with the mask as a BlockMask, ALiBi as a score_mod;
 - `liger`: Liger-Kernel's functional ops (liger_rms_norm, liger_layer_norm, liger_swiglu,
   liger_rope, liger_fused_linear_cross_entropy), when installed (`make gpu-wheels` on the GPU);
+- `liger fp32 sum`, `tailorfx fp32 sum`: the head with its weight's gradient summed over the chunks in
+  fp32 (Liger's accum_dtype=torch.float32; tailorfx's TrainingSetup(head_grad_dtype="fp32"));
 - `tailorfx`: tailorfx.runtime.triton_ops (what the kernels pass emits, and on CUDA the attention
   pass for masks, documents and ALiBi where the Triton kernel is timed faster);
 - `tailorfx flex`: tailorfx.runtime.flex, compiled: FlexAttention with the block mask the attention
@@ -203,7 +205,13 @@ def cases(dev: str, dry: bool) -> list[Case]:
             "liger": _liger("liger_fused_linear_cross_entropy", cuda,
                             lambda op, labels=labels: lambda h, w: op(h, w, labels)),
             "tailorfx": lambda h, w, labels=labels, chunks=chunks: ops.triton_linear_cross_entropy(
-                h, w, None, labels, num_chunks=chunks)}))
+                h, w, None, labels, num_chunks=chunks),
+            # grad_W summed in fp32 over the chunks (Liger's accum_dtype, tailorfx's setup head_grad_dtype)
+            "liger fp32 sum": _liger("liger_fused_linear_cross_entropy", cuda,
+                                     lambda op, labels=labels: lambda h, w: op(h, w, labels,
+                                                                               accum_dtype=torch.float32)),
+            "tailorfx fp32 sum": lambda h, w, labels=labels, chunks=chunks: ops.triton_linear_cross_entropy(
+                h, w, None, labels, num_chunks=chunks, grad_weight_fp32=True)}))
     return out
 
 
@@ -358,7 +366,7 @@ def run_case(case: Case, dev: str, reps: int) -> list[dict]:
 
 
 def table_line(r: dict) -> str:
-    head = f"{r['kernel']:<24} {r['shape']:<22} {r['provider']:<12}"
+    head = f"{r['kernel']:<24} {r['shape']:<22} {r['provider']:<17}"
     if "skipped" in r or "error" in r:
         return f"{head} {r.get('skipped') or r.get('error')}"
     rate = next((f"{r[k]:8.1f} {k}" for k in ("GB/s", "TFLOP/s") if k in r), "")

@@ -222,7 +222,7 @@ def default_chunk(n_rows: int, hidden: int, vocab: int) -> int:
 def forward(hidden, weight, bias, labels, ignore_index: int = -100, reduction: str = "mean",
             softcap: Optional[float] = None, logit_scale: Optional[float] = None, z_loss: float = 0.0,
             chunk: Optional[int] = None, *, normalizer=None, block: Optional[int] = None, grads: bool = True,
-            in_weight_dtype: Optional[bool] = None):
+            in_weight_dtype: Optional[bool] = None, grad_weight_fp32: bool = False):
     """(loss, grad_hidden, grad_weight, grad_bias) of
     `cross_entropy(softcap(logit_scale * (hidden @ weight^T + bias)), labels) (+ z_loss * lse^2)`,
     the grads for d(loss) = 1 (the caller scales them by the incoming grad).
@@ -232,7 +232,8 @@ def forward(hidden, weight, bias, labels, ignore_index: int = -100, reduction: s
     the count of non-ignored rows as the divisor. Logits, softmax and the gradient accumulators
     are fp32 (off CUDA the weight is upcast once, as the torch reference does; on CUDA bf16/fp16
     GEMMs accumulate in fp32, each chunk's logits stay in that dtype and become their gradient in
-    place, and the weight's gradient is summed in its dtype, as Liger-Kernel's; `in_weight_dtype`
+    place, and the weight's gradient is summed in its dtype, as Liger-Kernel's, or with
+    `grad_weight_fp32` in fp32 as Liger's `accum_dtype=torch.float32`; `in_weight_dtype`
     forces either path); grad_hidden is in hidden's
     dtype, grad_weight/grad_bias in weight's/bias's, the loss in promote(hidden, weight).
     Mean over zero non-ignored rows is nan (as torch), its grads zero. `grads=False`: the
@@ -241,7 +242,7 @@ def forward(hidden, weight, bias, labels, ignore_index: int = -100, reduction: s
     import torch
     with torch.no_grad():
         return _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, logit_scale, z_loss, chunk,
-                        normalizer, block, grads, in_weight_dtype)
+                        normalizer, block, grads, in_weight_dtype, grad_weight_fp32)
 
 
 def _denominator(labels, ignore_index: int, reduction: str, normalizer):
@@ -259,7 +260,7 @@ def _denominator(labels, ignore_index: int, reduction: str, normalizer):
 
 
 def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, logit_scale, z_loss, chunk, normalizer,
-             block, grads, in_weight_dtype=None):
+             block, grads, in_weight_dtype=None, grad_weight_fp32=False):
     import torch
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy: reduction {reduction!r} not in mean/sum")
@@ -292,7 +293,8 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, log
     denom, scale = _denominator(labels, ignore_index, reduction, normalizer)
     loss_rows = torch.empty(n_rows, dtype=f32, device=dev)
     grad_h = torch.empty_like(hidden) if grads else None
-    grad_w = torch.zeros_like(w) if grads else None   # low: summed over the chunks in the weight's dtype
+    # low: summed over the chunks in the weight's dtype, or in fp32 if asked
+    grad_w = torch.zeros(w.shape, dtype=f32 if grad_weight_fp32 else w.dtype, device=dev) if grads else None
     grad_b = torch.zeros(b.shape, dtype=f32, device=dev) if grads and b is not None else None
     fn, warps = k.fn("lce_fwd"), num_warps(k.spec)
     # each chunk's rows as views made once (split), the weight's transpose once
@@ -316,7 +318,7 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, log
             torch.mm(g, w, out=chunk_grad_h[i])
         else:
             chunk_grad_h[i].copy_(g @ w)
-        grad_w.addmm_(g.t(), h)
+        accumulate_weight_grad(grad_w, g, h)
         if grad_b is not None:
             grad_b.add_(g.sum(0, dtype=f32))
         del g, h
@@ -333,6 +335,23 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, log
     if grad_b is not None and grad_b.dtype != bias.dtype:
         grad_b = grad_b.to(bias.dtype)
     return loss, grad_h, grad_w, grad_b
+
+
+def accumulate_weight_grad(grad_w, g, h, slab: int = 4096) -> None:
+    """`grad_w += g^T @ h` for a chunk's logit gradient `g` (rows x V) and input `h` (rows x H).
+    An fp32 `grad_w` of 16-bit operands sums the exact products: on CUDA one GEMM writes into it
+    (`addmm(out_dtype=float32)`, fp32 accumulation, no V x H temporary); elsewhere the operands are
+    upcast a slab of `slab` vocabulary rows at a time."""
+    import torch
+    if grad_w.dtype == g.dtype == h.dtype:
+        grad_w.addmm_(g.t(), h)
+    elif (grad_w.device.type == "cuda" and g.dtype == h.dtype
+          and torch.cuda.get_device_capability(grad_w.device)[0] >= 8):   # cuBLAS's bf16 -> fp32 GEMM
+        torch.addmm(grad_w, g.t(), h, out_dtype=grad_w.dtype, out=grad_w)
+    else:
+        h_up = h.to(grad_w.dtype)
+        for s in range(0, g.shape[1], slab):
+            grad_w[s:s + slab].addmm_(g[:, s:s + slab].t().to(grad_w.dtype), h_up)
 
 
 def gemms_in_weight_dtype(hidden, weight, cuda: bool = False) -> bool:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from tailorfx.kernels.linear_cross_entropy import accumulate_weight_grad
 from tailorfx.kernels.linear_cross_entropy import gemms_in_weight_dtype  # noqa: F401 (this module's rule too)
 
 
@@ -26,8 +27,10 @@ def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = Fal
         n = max(1, min(as_int(args[6]), n_rows))
         if gemms_in_weight_dtype(hidden, weight, cuda):
             # the chunk's fp32 logits (x2 under a soft-cap: tanh's output in place, and the capped
-            # logits) and, beside them, the chunk's logits or their gradient in the weight's dtype
-            return int(-(-n_rows // n) * vocab * (4 * (2 if args[7] is not None else 1) + weight.element_size()))
+            # logits) and, beside them, the chunk's logits or their gradient in the weight's dtype;
+            # an fp32 accumulator of the weight's gradient if asked
+            return int(-(-n_rows // n) * vocab * (4 * (2 if args[7] is not None else 1) + weight.element_size())
+                       + _fp32_accumulator(op_name, args, as_int))
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         item = torch.empty((), dtype=dtype).element_size()
         # the chunk's logits (under a soft-cap turned into tanh's output in place) and the capped logits
@@ -53,8 +56,9 @@ def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = Fal
         chunk = -(-n_rows // max(1, as_int(args[6])))
         if gemms_in_weight_dtype(hidden, weight, cuda):
             # the chunk's logits in the weight's dtype (the kernel turns them into their gradient
-            # in place) and the per-row fp32 losses
-            return int(chunk * vocab * weight.element_size() + n_rows * 4)
+            # in place), the per-row fp32 losses, and an fp32 accumulator of the weight's gradient
+            # if asked
+            return int(chunk * vocab * weight.element_size() + n_rows * 4 + _fp32_accumulator(op_name, args, as_int))
         # the chunk's fp32 logits (turned into their gradient in place), the per-row losses, the
         # chunk of hidden in fp32 and, for a low-precision weight, its fp32 copy and fp32
         # gradient accumulator
@@ -68,6 +72,15 @@ def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = Fal
         # CPU upcasts the operands (see the op)
         return sum(as_int(t.numel()) * 4 for t in args[:3] if t is not None)
     return 0
+
+
+def _fp32_accumulator(op_name: str, args: list, as_int: Callable) -> int:
+    """An fp32 sum of a 16-bit weight's gradient (`grad_weight_fp32`, argument 12 of the ops that
+    take grads in the forward), held until it is cast to the weight's dtype at the op's end."""
+    computes = op_name.endswith("_with_grads") or op_name == "triton_linear_cross_entropy"
+    if not (computes and args[10] and len(args) > 12 and args[12]):
+        return 0
+    return as_int(args[1].numel()) * 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,7 +159,7 @@ def _lce_chunk(h, y, w, b, ignore_index, softcap, logit_scale, scale, grad_h, gr
         else:
             grad_h.copy_(g_w @ w if rs is None else (g_w @ w).mul_(rs))
     if grad_w is not None:
-        grad_w.addmm_(g_w.t(), h if rs is None else h * rs.to(h.dtype))
+        accumulate_weight_grad(grad_w, g_w, h if rs is None else h * rs.to(h.dtype))
     if grad_b is not None:
         grad_b.add_(g_w.sum(0, dtype=grad_b.dtype) if rs is None else (g_w.t() @ rs).squeeze(1).to(grad_b.dtype))
     return loss
@@ -186,15 +199,17 @@ def _vocab_parallel_loss(z, target, mine, valid, group):
 
 
 def lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, softcap, logit_scale,
-               need_hidden, need_weight, need_bias, vocab_start=0, group=None, in_weight_dtype=None):
+               need_hidden, need_weight, need_bias, vocab_start=0, group=None, in_weight_dtype=None,
+               grad_weight_fp32=False):
     """Loss and (if asked) grads for d(loss)/d(inputs) with grad_output 1, one row chunk at a time.
 
     The loss math runs in fp32 (fp64 stays fp64). On CUDA, with `hidden` and weight both
     bf16/fp16, the GEMMs run in that dtype (tensor cores; fp32 accumulation inside each), as
     eager's bf16 head does: each chunk's logits are upcast to fp32 as `cross_entropy(logits.float())`
     upcasts them, their gradient cast back for the backward GEMMs, and the weight's gradient summed
-    over the chunks in its own dtype (as Liger-Kernel's fused head does); no fp32 copy of the
-    weight. Elsewhere the weight is upcast once (V*H*4 bytes) and the GEMMs run in fp32
+    over the chunks in its own dtype (as Liger-Kernel's fused head does), or in fp32 with
+    `grad_weight_fp32` (Liger's `accum_dtype=torch.float32`); no fp32 copy of the weight.
+    Elsewhere the weight is upcast once (V*H*4 bytes) and the GEMMs run in fp32
     (`in_weight_dtype` forces either). A bf16 `hidden` with an fp32 (master) weight is upcast one
     chunk at a time.
     """
@@ -211,7 +226,8 @@ def lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks
     scale = 1.0 / count.clamp(min=1).to(dtype) if reduction == "mean" else None
     total = torch.zeros((), dtype=dtype, device=hidden.device)
     grad_h = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
-    grad_w = torch.zeros_like(w) if need_weight else None
+    grad_w = (torch.zeros(w.shape, dtype=torch.promote_types(w.dtype, torch.float32) if grad_weight_fp32
+                          else w.dtype, device=w.device) if need_weight else None)
     grad_b = torch.zeros(b.shape, dtype=dtype, device=b.device) if need_bias else None
     grad_h_chunks = grad_h.tensor_split(n) if need_hidden else [None] * n
     # One logits buffer for every chunk, the same bytes as one chunk's logits: a new one per chunk
@@ -238,7 +254,8 @@ def _loss_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
 @torch.library.custom_op("tailorfx::chunked_linear_cross_entropy", mutates_args=())
 def _lce_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
               ignore_index: int, reduction: str, num_chunks: int,
-              logit_softcap: Optional[float], logit_scale: Optional[float]) -> Tensor:
+              logit_softcap: Optional[float], logit_scale: Optional[float],
+              grad_weight_fp32: bool = False) -> Tensor:
     """Loss only; its autograd recomputes the chunks in backward (the 'recompute' mode)."""
     return lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
                       logit_softcap, logit_scale, False, False, False)[0]
@@ -246,7 +263,7 @@ def _lce_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Te
 
 @_lce_loss.register_fake
 def _lce_loss_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap,
-                   logit_scale):
+                   logit_scale, grad_weight_fp32=False):
     return hidden.new_empty((), dtype=_loss_dtype(hidden, weight))
 
 
@@ -254,15 +271,17 @@ def _lce_loss_fake(hidden, weight, bias, labels, ignore_index, reduction, num_ch
 def _lce_with_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
                     ignore_index: int, reduction: str, num_chunks: int,
                     logit_softcap: Optional[float], logit_scale: Optional[float], grad_hidden: bool,
-                    grad_weight: bool, grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    grad_weight: bool, grad_bias: bool,
+                    grad_weight_fp32: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, grad_hidden, grad_weight, grad_bias) in one pass; unrequested grads are empty."""
     return lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
-                      logit_softcap, logit_scale, grad_hidden, grad_weight, grad_bias)
+                      logit_softcap, logit_scale, grad_hidden, grad_weight, grad_bias,
+                      grad_weight_fp32=grad_weight_fp32)
 
 
 @_lce_with_grads.register_fake
 def _lce_with_grads_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
-                         logit_softcap, logit_scale, grad_hidden, grad_weight, grad_bias):
+                         logit_softcap, logit_scale, grad_hidden, grad_weight, grad_bias, grad_weight_fp32=False):
     return (hidden.new_empty((), dtype=_loss_dtype(hidden, weight)),
             torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if grad_weight else weight.new_empty(0),
@@ -271,8 +290,8 @@ def _lce_with_grads_fake(hidden, weight, bias, labels, ignore_index, reduction, 
 
 def grads_in_forward_setup(ctx, inputs, output):
     """Autograd of an LM-head op `(hidden, weight, bias, labels, 5 options, grad_hidden,
-    grad_weight, grad_bias) -> (loss, grad_hidden, grad_weight, grad_bias)` whose gradients were
-    taken in the forward: keep them; the backward only scales them."""
+    grad_weight, grad_bias, grad_weight_fp32) -> (loss, grad_hidden, grad_weight, grad_bias)` whose
+    gradients were taken in the forward: keep them; the backward only scales them."""
     _, grad_h, grad_w, grad_b = output
     ctx.mark_non_differentiable(grad_h, grad_w, grad_b)
     # eager autograd (a pipeline stage) would hand the backward zero-filled hidden- and
@@ -285,12 +304,12 @@ def grads_in_forward_setup(ctx, inputs, output):
 def grads_in_forward_backward(ctx, grad_loss, *_):
     needs = ctx.needs_input_grad[:3]
     if grad_loss is None:      # the loss itself took no part in what was differentiated
-        return (None,) * 12
+        return (None,) * 13
     if any(need and not computed for need, computed in zip(needs, ctx.computed)):
         raise RuntimeError("fused LM head: an input needs a grad that was not computed in the forward "
                            f"(needed {needs}, computed {ctx.computed})")
     grads = [g * grad_loss if need else None for g, need in zip(ctx.saved_tensors, needs)]
-    return (*grads, *[None] * 9)
+    return (*grads, *[None] * 10)
 
 
 _lce_with_grads.register_autograd(grads_in_forward_backward, setup_context=grads_in_forward_setup)
@@ -298,16 +317,16 @@ _lce_with_grads.register_autograd(grads_in_forward_backward, setup_context=grads
 
 def _lce_loss_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[0], inputs[1], inputs[2], inputs[3])
-    ctx.args = inputs[4:]
+    ctx.args, ctx.fp32 = inputs[4:9], inputs[9] if len(inputs) > 9 else False
 
 
 def _lce_loss_grad(ctx, grad_loss):
     hidden, weight, bias, labels = ctx.saved_tensors
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     _, gh, gw, gb = torch.ops.tailorfx.chunked_linear_cross_entropy_with_grads(
-        hidden, weight, bias, labels, *ctx.args, need_h, need_w, need_b)
+        hidden, weight, bias, labels, *ctx.args, need_h, need_w, need_b, ctx.fp32)
     return (gh * grad_loss if need_h else None, gw * grad_loss if need_w else None,
-            gb * grad_loss if need_b else None, *[None] * 6)
+            gb * grad_loss if need_b else None, *[None] * 7)
 
 
 _lce_loss.register_autograd(_lce_loss_grad, setup_context=_lce_loss_setup)
@@ -317,21 +336,24 @@ def chunked_linear_cross_entropy(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, *,
     ignore_index: int = -100, reduction: str = "mean", num_chunks: int = 8,
     logit_softcap: Optional[float] = None, logit_scale: Optional[float] = None, recompute: bool = False,
+    grad_weight_fp32: bool = False,
 ) -> Tensor:
     """``F.cross_entropy(softcap(logit_scale * F.linear(hidden, weight, bias)), labels)`` without
     N x V logits (Cohere scales its logits, Gemma-2 soft-caps them).
 
     With grads needed, they are computed during the forward and only scaled in backward (one pass
     over the vocabulary); ``recompute=True`` saves only the inputs and redoes the pass in backward.
-    Without grads (eval, no_grad), nothing but the loss is computed.
+    Without grads (eval, no_grad), nothing but the loss is computed. ``grad_weight_fp32``: a
+    16-bit weight's gradient is summed over the chunks in fp32 (see lce_chunks).
     """
     needs = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
     if recompute or not (torch.is_grad_enabled() and any(needs)):
         return torch.ops.tailorfx.chunked_linear_cross_entropy(
-            hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap, logit_scale)
+            hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap, logit_scale,
+            grad_weight_fp32)
     return torch.ops.tailorfx.chunked_linear_cross_entropy_with_grads(
         hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap, logit_scale,
-        *needs)[0]
+        *needs, grad_weight_fp32)[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -273,11 +273,12 @@ def triton_glu(gate: Tensor, up: Tensor, *, act: str) -> Tensor:
 @_op("triton_linear_cross_entropy")
 def _lce_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, ignore_index: int,
              reduction: str, num_chunks: int, logit_softcap: Optional[float], logit_scale: Optional[float],
-             grad_hidden: bool, grad_weight: bool, grad_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+             grad_weight_fp32: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     chunk = -(-hidden.shape[0] // max(1, num_chunks))
     grads = grad_hidden or grad_weight or grad_bias
     loss, gh, gw, gb = _lce.forward(hidden, weight, bias, labels, ignore_index, reduction, logit_softcap,
-                                    logit_scale, 0.0, chunk, grads=grads)
+                                    logit_scale, 0.0, chunk, grads=grads, grad_weight_fp32=grad_weight_fp32)
     # the schema's outputs for gradients not taken are empty tensors
     return (loss, gh if grad_hidden else hidden.new_empty(0), gw if grad_weight else weight.new_empty(0),
             gb if grad_bias and gb is not None else weight.new_empty(0))
@@ -285,7 +286,7 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Ten
 
 @_fake(_lce_fwd)
 def _lce_fwd_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap, logit_scale,
-                  grad_hidden, grad_weight, grad_bias):
+                  grad_hidden, grad_weight, grad_bias, grad_weight_fp32=False):
     return (hidden.new_empty((), dtype=torch.promote_types(hidden.dtype, weight.dtype)),
             torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if grad_weight else weight.new_empty(0),
@@ -297,15 +298,17 @@ _lce_fwd.register_autograd(grads_in_forward_backward, setup_context=grads_in_for
 
 def triton_linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, *,
                                 ignore_index: int = -100, reduction: str = "mean", num_chunks: int = 8,
-                                logit_softcap: Optional[float] = None, logit_scale: Optional[float] = None) -> Tensor:
+                                logit_softcap: Optional[float] = None, logit_scale: Optional[float] = None,
+                                grad_weight_fp32: bool = False) -> Tensor:
     """`runtime.linear_ops.chunked_linear_cross_entropy` on the fused Triton kernel: the loss of
     `cross_entropy(softcap(logit_scale * linear(hidden, weight, bias)), labels)` and, when grads
-    are needed, every gradient in the same pass (scaled in backward); no N x V logits."""
+    are needed, every gradient in the same pass (scaled in backward); no N x V logits.
+    `grad_weight_fp32`: a 16-bit weight's gradient is summed over the chunks in fp32."""
     needs = [t is not None and t.requires_grad for t in (hidden, weight, bias)]
     if not torch.is_grad_enabled():
         needs = [False, False, False]
     return _lce_fwd(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap,
-                    logit_scale, *needs)[0]
+                    logit_scale, *needs, grad_weight_fp32)[0]
 
 
 # ---- rotary embedding ------------------------------------------------------------------------

@@ -77,6 +77,8 @@ def rewrite_head(gm, nodes, region: Region, ctx: PassContext, chunking: Chunking
     m = chunking.count(gm, h, h_dims[0], ideal, loss)
     options = {"ignore_index": int(kw.get("ignore_index", -100)), "reduction": reduction, "num_chunks": m}
     options.update({k: v for k, v in (("logit_softcap", softcap), ("logit_scale", logit_scale)) if v is not None})
+    if _sums_grad_in_fp32(ctx, node_value(w)):
+        options["grad_weight_fp32"] = True
     with gm.graph.inserting_before(loss):
         flat = gm.graph.call_method("reshape", (h, -1, hidden))
         new = gm.graph.call_function(_lce_fn(ctx), (flat, w, b, kw["target"]), options)
@@ -106,6 +108,14 @@ def head_loss_transform(gm: fx.GraphModule, region: Region):
         return f"the logits feed {match.op_name(chain[-1])!r}, not cross_entropy"
     kw = _loss_kwargs(chain[-1])
     return kw if isinstance(kw, str) else _logit_transform(chain[1:-1])
+
+
+def _sums_grad_in_fp32(ctx: PassContext, weight) -> bool:
+    """The setup asks for the 16-bit head weight's gradient to be summed in fp32 (TrainingSetup's
+    head_grad_dtype); an fp32 weight's always is."""
+    setup = ctx.options.get("setup")
+    return (getattr(setup, "head_grad_dtype", None) == torch.float32
+            and getattr(weight, "dtype", None) in (torch.bfloat16, torch.float16))
 
 
 def _lce_fn(ctx: PassContext):
