@@ -59,6 +59,19 @@ def test_the_key_names_the_form_and_buckets_the_length():
     assert flash_tiles.key("dkdv", 80, static, 5000) != k
 
 
+def test_query_heads_split_only_where_the_grid_leaves_sms_idle():
+    """dk/dv's grid is one program per key tile and KV head; a KV head's query heads are split
+    over more programs only while that grid is under one wave of SMs (132: an H100), by powers of
+    two that divide the group. Off CUDA: never (the interpreter's tests pass kv_split)."""
+    assert flash_tiles.split_for(4, 64, 132) == 4       # 2,048 tokens at 64 keys x 2 KV heads
+    assert flash_tiles.split_for(4, 100, 132) == 2
+    assert flash_tiles.split_for(8, 1024, 132) == 1     # Llama-3-8B at 8K tokens: already 7.8 waves
+    assert flash_tiles.split_for(8, 16, 132) == 8       # at most the group
+    assert flash_tiles.split_for(6, 16, 132) == 2       # 6 heads: only halves divide evenly
+    assert flash_tiles.split_for(1, 4, 132) == 1        # MHA: nothing to split
+    assert flash_tiles.kv_split(8, 16, torch.device("cpu")) == 1
+
+
 def _launcher(seq=80, dim=64, heads=2):
     """A forward launch of the interpreted kernel at given tiles, and what it ran with."""
     g = torch.Generator().manual_seed(3)

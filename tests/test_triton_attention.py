@@ -120,12 +120,12 @@ def assert_close(got, want, tol, what):
 
 
 def check(batch, heads, kv_heads, seq, dim, mask, params, causal, doc=None, softcap=None, dtype=torch.float32,
-          blocks=(16, 16), seed=0, key_bias=None):
+          blocks=(16, 16), seed=0, key_bias=None, kv_split=None):
     """Forward and backward of the kernels against the reference (autograd for its gradients)."""
     q, k, v, dout = make_inputs(batch, heads, kv_heads, seq, dim, dtype, seed)
     scale = 1.0 / math.sqrt(dim)
     kw = dict(mask=mask, params=params, causal=causal, scale=scale, document_ids=doc, softcap=softcap, blocks=blocks,
-              key_bias=key_bias)
+              key_bias=key_bias, kv_split=kv_split)
     out, lse = fl.forward(q, k, v, **kw)
     dq, dk, dv = fl.backward(dout, q, k, v, out, lse, **kw)
     assert out.dtype == dq.dtype == dk.dtype == dv.dtype == dtype and lse.dtype == torch.float32
@@ -197,6 +197,32 @@ def test_key_bias(mask, params, causal, docs, softcap, kv_heads):
     plain, _ = fl.forward(q, k, v, mask=mask, params=params, causal=causal, scale=32 ** -0.5, document_ids=doc,
                           softcap=softcap, blocks=(32, 16))
     assert (plain - out).abs().max() > 100 * TOL[torch.float32]
+
+
+@pytest.mark.parametrize("kv_split", [2, 4])
+@pytest.mark.parametrize("mask,params,causal,docs,softcap,dtype", [
+    ("full", (), True, False, None, torch.float32),
+    ("window", (9, 2), True, True, 2.0, torch.float32),
+    ("bigbird", (16, 1, 1, 1, 3), False, False, None, torch.float32),
+    ("full", (), True, True, None, torch.bfloat16),
+], ids=["causal", "window-documents-softcap", "bigbird", "bf16-documents"])
+def test_query_heads_split_over_dkdv_programs(kv_split, mask, params, causal, docs, softcap, dtype):
+    """GQA's query heads in parallel: a KV head's 4 query heads over 2 or 4 dk/dv programs, each
+    storing its fp32 part, summed by the host. The reference's gradients, and the parts were made
+    (split x the KV heads' shape, fp32): the launch did split."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    made = []
+
+    class Parts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.empty.memory_format:
+                made.append((tuple(out.shape), out.dtype))
+            return out
+    doc = torch.tensor([[0] * 20 + [1] * 30, [0] * 5 + [1] * 45]) if docs else None
+    with Parts():
+        check(2, 8, 2, 50, 32, mask, params, causal, doc, softcap, dtype=dtype, blocks=(16, 16), kv_split=kv_split)
+    assert ((kv_split, 2, 2, 50, 32), torch.float32) in made, made
 
 
 # ---- dtypes ------------------------------------------------------------------------------------

@@ -42,7 +42,10 @@ loading and use tf32 dots, exact on bf16 operands (P and dS rounded to tf32). Ou
 to the input dtype once, on store.
 The backward is flash-style: a preprocess computes delta = rowsum(dout * out), one kernel
 recomputes P per query tile for dq, one per key tile for dk and dv, looping over the query heads
-that share the kv head, so GQA gradients are summed in fp32 inside the kernel.
+that share the kv head, so GQA gradients are summed in fp32 inside the kernel. With KV_SPLIT > 1
+(a constexpr launch argument; 1 compiles the serial loop) that many programs share a kv head's
+query heads, each storing its fp32 part of dk and dv at part x (B x H_kv x S x D) in buffers the
+host sums: more programs where one per kv head leaves the GPU's SMs idle.
 """
 # length: one kernel template: the forward, dq and dk/dv kernels render from shared mask, key-loop and
 # soft-cap pieces for every spec (the launch code is flash_launch.py).
@@ -494,7 +497,7 @@ n_tiles = tl.load(count_ptr + tl.program_id(0))"""
 
 def _dkdv(c: Config) -> str:
     args = (["q_ptr", "k_ptr", "v_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dk_ptr", "dv_ptr"] + c.doc_args()
-            + c.mode_args() + ["scale", "seq_len", "num_heads"])
+            + c.mode_args() + ["scale", "seq_len", "num_heads"] + ([] if c.dilated else ["KV_SPLIT: tl.constexpr"]))
     pre = [_SCALE_FP32, "num_kv = num_heads // GROUP"]
     if c.dilated:
         pre += ["# one dilated branch: this kv head's query heads with one offset (h % rate), at most",
@@ -510,12 +513,15 @@ def _dkdv(c: Config) -> str:
                 "offs_n = start_n + tl.arange(0, BLOCK_N)",
                 "pos_n = base + offs_n * rate"]
     else:
-        pre += ["bkv = tl.program_id(1)",
+        pre += ["# KV_SPLIT programs share a kv head's query heads, each writing its fp32 part",
+                "bkv = tl.program_id(1) // KV_SPLIT",
+                "h0 = (bkv % num_kv) * GROUP + (tl.program_id(1) % KV_SPLIT) * (GROUP // KV_SPLIT)",
                 "start_n = tl.program_id(0) * BLOCK_N",
                 "n_keys = seq_len",
                 "offs_n = start_n + tl.arange(0, BLOCK_N)",
                 "pos_n = offs_n"]
-    heads = "range((bkv % num_kv) * GROUP, (bkv % num_kv) * GROUP + GROUP)"
+    heads = ("range((bkv % num_kv) * GROUP, (bkv % num_kv) * GROUP + GROUP)" if c.dilated else
+             "range(h0, h0 + GROUP // KV_SPLIT)")
     pre += ["b = bkv // num_kv",
             "offs_d = tl.arange(0, BLOCK_D)",
             "col_ok = offs_n < n_keys",
@@ -563,8 +569,9 @@ tl.store(dk_ptr + col_ptrs, dk, mask=col_ok[:, None]{c.dmask})
 tl.store(dv_ptr + col_ptrs, dv, mask=col_ok[:, None]{c.dmask})"""
     else:
         store = f"""
-tl.store(dk_ptr + col_ptrs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None]{c.dmask})
-tl.store(dv_ptr + col_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None]{c.dmask})"""
+part_offset = (tl.program_id(1) % KV_SPLIT).to(tl.int64) * (tl.num_programs(1) // KV_SPLIT) * seq_len * HEAD_DIM
+tl.store(dk_ptr + part_offset + col_ptrs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None]{c.dmask})
+tl.store(dv_ptr + part_offset + col_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None]{c.dmask})"""
     src = f'''
 
 @triton.jit
@@ -622,7 +629,7 @@ def signatures(spec) -> dict[str, dict[str, str]]:
     dq = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "do_ptr": t, "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": acc,
           **doc, **tail}
     dkdv = {"q_ptr": t, "k_ptr": t, "v_ptr": t, "do_ptr": t, "lse_ptr": "*fp32", "delta_ptr": "*fp32",
-            "dk_ptr": acc, "dv_ptr": acc, **doc, **tail}
+            "dk_ptr": acc, "dv_ptr": acc, **doc, **tail, **({} if c.dilated else {"KV_SPLIT": 1})}
     return {"attn_fwd": fwd, "attn_bwd_preprocess": pre, "attn_bwd_dq": dq, "attn_bwd_dkdv": dkdv}
 
 

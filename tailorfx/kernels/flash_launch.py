@@ -222,8 +222,9 @@ class _Call:
     """One attention call's arguments, checked, and its kernels' tiles: given (`blocks`), else
     chosen per kernel by `flash_tiles` (timed on the GPU the first time a key is seen)."""
 
-    def __init__(self, q, k, mask, params, causal, document_ids, softcap, blocks, scale, key_bias):
+    def __init__(self, q, k, mask, params, causal, document_ids, softcap, blocks, scale, key_bias, kv_split=None):
         import torch
+        self.kv_split = kv_split   # None: flash_tiles.kv_split's rule
         self.params = normalize_params(mask, params)
         self.mask, self.causal = mask, bool(causal)
         self.static = _static_of(q, k, mask, self.params, causal, document_ids is not None, softcap,
@@ -324,18 +325,28 @@ def _launch_dq(kern, call, options, q, k, v, dout, lse, delta, dq, *extra):
 
 
 def _launch_dkdv(kern, call, options, q, k, v, dout, lse, delta, dk, dv, *extra):
+    import torch
+    from tailorfx.kernels.flash_tiles import kv_split
     mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "dkdv")
-    return _spills(kern.fn("attn_bwd_dkdv")[(_cdiv(call.seq, kern.spec["bwd_block_n"]), call.batch * call.num_kv)](
-        q, k, v, dout, lse, delta, dk, dv, *extra, *mode, call.scale, call.seq, call.heads, **options))
+    grid = (_cdiv(call.seq, kern.spec["bwd_block_n"]), call.batch * call.num_kv)
+    split = call.kv_split or kv_split(call.heads // call.num_kv, grid[0] * grid[1], q.device)
+    parts = [torch.empty((split, *t.shape), dtype=torch.float32, device=t.device)
+             for t in (dk, dv)] if split > 1 else []
+    spills = _spills(kern.fn("attn_bwd_dkdv")[(grid[0], grid[1] * split)](
+        q, k, v, dout, lse, delta, *(parts or (dk, dv)), *extra, *mode, call.scale, call.seq, call.heads,
+        KV_SPLIT=split, **options))
+    for part, out in zip(parts, (dk, dv)):   # the parts summed in one fixed order, rounded once
+        torch.sum(part, 0, out=out) if out.dtype == torch.float32 else out.copy_(part.sum(0))
+    return spills
 
 
 def forward(q, k, v, *, mask: str = "full", params=(), causal: bool = False, scale: Optional[float] = None,
             document_ids=None, softcap: Optional[float] = None, blocks: Optional[Sequence[int]] = None,
-            key_bias=None):
+            key_bias=None, kv_split: Optional[int] = None):
     """(out (B, H, S, D) in q's dtype, lse (B, H, S) fp32; 0 and -inf on rows that see no key).
     mask/params as `normalize_params`; scale defaults to D ** -0.5; blocks as `spec_for` (on a
     GPU, by default each kernel's tiles are chosen by measurement); key_bias (B, H, S) (or
-    broadcast to it) is added to every query's scores after the soft-cap."""
+    broadcast to it) is added to every query's scores after the soft-cap; kv_split is the backward's."""
     import torch
     _check(q, k, v, document_ids)
     call = _Call(q, k, mask, params, causal, document_ids, softcap, blocks, scale, key_bias)
@@ -359,13 +370,13 @@ def forward(q, k, v, *, mask: str = "full", params=(), causal: bool = False, sca
 
 def backward(dout, q, k, v, out, lse, *, mask: str = "full", params=(), causal: bool = False,
              scale: Optional[float] = None, document_ids=None, softcap: Optional[float] = None,
-             blocks: Optional[Sequence[int]] = None, key_bias=None):
+             blocks: Optional[Sequence[int]] = None, key_bias=None, kv_split: Optional[int] = None):
     """(dq, dk, dv) of `forward`'s out (same arguments), recomputing the scores from out and lse;
-    dk, dv of a kv head sum the query heads that share it (in fp32, inside the kernel). The key
-    bias gets no gradient (ALiBi's is built from positions)."""
+    dk, dv of a kv head sum the query heads that share it (in fp32, inside the kernel, or over
+    `kv_split` programs, default `flash_tiles.kv_split`'s). The key bias gets no gradient."""
     import torch
     _check(q, k, v, document_ids)
-    call = _Call(q, k, mask, params, causal, document_ids, softcap, blocks, scale, key_bias)
+    call = _Call(q, k, mask, params, causal, document_ids, softcap, blocks, scale, key_bias, kv_split)
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
     if lse.dtype != torch.float32:
         lse = lse.to(torch.float32)
@@ -403,11 +414,11 @@ def backward(dout, q, k, v, out, lse, *, mask: str = "full", params=(), causal: 
 
 def attention(q, k, v, *, mask: str = "full", params=(), causal: bool = False, scale: Optional[float] = None,
               document_ids=None, softcap: Optional[float] = None, blocks: Optional[Sequence[int]] = None,
-              key_bias=None):
+              key_bias=None, kv_split: Optional[int] = None):
     """`forward` with autograd through `backward`: (out, lse), lse not differentiable."""
     kw = dict(mask=mask, params=normalize_params(mask, params), causal=causal, scale=scale,
               document_ids=document_ids, softcap=softcap, blocks=None if blocks is None else tuple(blocks),
-              key_bias=key_bias)
+              key_bias=key_bias, kv_split=kv_split)
     return _autograd().apply(q, k, v, kw)
 
 

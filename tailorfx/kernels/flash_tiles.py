@@ -20,6 +20,7 @@ even on 16 x 16 tiles.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 from tailorfx.kernels import next_pow2, tuning
@@ -135,3 +136,28 @@ def choose(role: str, static: tuple, seq_len: int, device, run: Optional[Callabl
     if run is None or not tuning.enabled():
         return tuning.known(k, cands) or cands[0]
     return tuning.choose(k, cands, run, timer)
+
+
+def kv_split(group: int, programs: int, device) -> int:
+    """How many dk/dv programs share a KV head's query heads: doubled while the grid (`programs`,
+    one per key tile and KV head) is under one wave of the GPU's SMs and the group divides evenly.
+    1 off CUDA. Short sequences only: the parts' fp32 buffers, split x the grid x its tile, stay
+    under 2 x SMs x BLOCK_N x D x 8 bytes (17 MB on an H100 at head dim 128)."""
+    import torch
+    if getattr(device, "type", device) != "cuda" or not torch.cuda.is_available():
+        return 1
+    return split_for(group, programs, _sm_count(torch.cuda.current_device() if device.index is None else device.index))
+
+
+def split_for(group: int, programs: int, sms: int) -> int:
+    """`kv_split`'s rule on a GPU of `sms` SMs."""
+    split = 1
+    while programs * split < sms and group % (2 * split) == 0:
+        split *= 2
+    return split
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    import torch
+    return torch.cuda.get_device_properties(index).multi_processor_count

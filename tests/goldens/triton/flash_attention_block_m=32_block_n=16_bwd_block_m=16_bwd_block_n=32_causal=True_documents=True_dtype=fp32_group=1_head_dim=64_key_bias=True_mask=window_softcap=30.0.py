@@ -170,10 +170,12 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr
 
 
 @triton.jit
-def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, doc_ptr, kb_ptr, window, num_global, scale, seq_len, num_heads):
+def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, doc_ptr, kb_ptr, window, num_global, scale, seq_len, num_heads, KV_SPLIT: tl.constexpr):
     scale = tl.cast(scale, tl.float32)
     num_kv = num_heads // GROUP
-    bkv = tl.program_id(1)
+    # KV_SPLIT programs share a kv head's query heads, each writing its fp32 part
+    bkv = tl.program_id(1) // KV_SPLIT
+    h0 = (bkv % num_kv) * GROUP + (tl.program_id(1) % KV_SPLIT) * (GROUP // KV_SPLIT)
     start_n = tl.program_id(0) * BWD_BLOCK_N
     n_keys = seq_len
     offs_n = start_n + tl.arange(0, BWD_BLOCK_N)
@@ -192,7 +194,7 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
     band_lo = start_n // BWD_BLOCK_M
     band_hi = tl.minimum(tl.cdiv(start_n + BWD_BLOCK_N - 1 + window, BWD_BLOCK_M), n_qt)
     band_hi = tl.where(start_n < num_global, n_qt, band_hi)
-    for h in range((bkv % num_kv) * GROUP, (bkv % num_kv) * GROUP + GROUP):
+    for h in range(h0, h0 + GROUP // KV_SPLIT):
         bh = b * num_heads + h
         for qt in range(band_lo, band_hi):
             offs_m = qt * BWD_BLOCK_M + tl.arange(0, BWD_BLOCK_M)
@@ -224,5 +226,6 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
             dst = pt * (dpt - delta[None, :])
             dst = dst * (1.0 - t * t)
             dk += tl.dot(dst, q, input_precision=PRECISION)
-    tl.store(dk_ptr + col_ptrs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(dv_ptr + col_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
+    part_offset = (tl.program_id(1) % KV_SPLIT).to(tl.int64) * (tl.num_programs(1) // KV_SPLIT) * seq_len * HEAD_DIM
+    tl.store(dk_ptr + part_offset + col_ptrs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(dv_ptr + part_offset + col_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
