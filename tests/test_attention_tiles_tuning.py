@@ -57,19 +57,26 @@ def test_the_key_names_the_form_and_buckets_the_length():
     assert flash_tiles.key("fwd", 90, static, 8192) == k
     assert flash_tiles.key("fwd", 90, static, 100_000).endswith("S<=16384")
     assert flash_tiles.key("dkdv", 80, static, 5000) != k
+    assert flash_tiles.key("dkdv", 90, static, 5000, split=4).endswith("S<=8192 split4")   # its own kernel
+    assert flash_tiles.key("fwd", 90, static, 5000, split=4) == k                         # dk/dv's only
 
 
 def test_query_heads_split_only_where_the_grid_leaves_sms_idle():
-    """dk/dv's grid is one program per key tile and KV head; a KV head's query heads are split
-    over more programs only while that grid is under one wave of SMs (132: an H100), by powers of
-    two that divide the group. Off CUDA: never (the interpreter's tests pass kv_split)."""
+    """dk/dv's grid is one program per key tile and KV head; a KV head's query heads go one to a
+    program only while that grid is under one wave of SMs (132: an H100), up to 8 a KV head.
+    Off CUDA: never (the interpreter's tests pass kv_split)."""
     assert flash_tiles.split_for(4, 64, 132) == 4       # 2,048 tokens at 64 keys x 2 KV heads
-    assert flash_tiles.split_for(4, 100, 132) == 2
-    assert flash_tiles.split_for(8, 1024, 132) == 1     # Llama-3-8B at 8K tokens: already 7.8 waves
-    assert flash_tiles.split_for(8, 16, 132) == 8       # at most the group
-    assert flash_tiles.split_for(6, 16, 132) == 2       # 6 heads: only halves divide evenly
+    assert flash_tiles.split_for(8, 131, 132) == 8
+    assert flash_tiles.split_for(8, 132, 132) == 1      # one full wave already
+    assert flash_tiles.split_for(4, 1024, 132) == 1     # Llama-3-8B at 8K tokens: 7.8 waves
+    assert flash_tiles.split_for(6, 16, 132) == 6
+    assert flash_tiles.split_for(16, 16, 132) == 1      # past MAX_SPLIT the parts would cost too much
     assert flash_tiles.split_for(1, 4, 132) == 1        # MHA: nothing to split
     assert flash_tiles.kv_split(8, 16, torch.device("cpu")) == 1
+    # a split launch's fp32 parts spilled at sm80's 16 x 64 dk/dv tile under Triton 3.6: not a candidate there
+    serial = flash_tiles.candidates("dkdv", "bf16", 64, "full", 80)
+    assert serial[0] == Tiles(16, 64, 8, 2) and flash_tiles.candidates("dkdv", "bf16", 64, "full", 80,
+                                                                      split=True) == serial[1:]
 
 
 def _launcher(seq=80, dim=64, heads=2):

@@ -223,6 +223,8 @@ def test_query_heads_split_over_dkdv_programs(kv_split, mask, params, causal, do
     with Parts():
         check(2, 8, 2, 50, 32, mask, params, causal, doc, softcap, dtype=dtype, blocks=(16, 16), kv_split=kv_split)
     assert ((kv_split, 2, 2, 50, 32), torch.float32) in made, made
+    with pytest.raises(ValueError, match="kv_split=3: a divisor of the GQA group 4"):
+        check(1, 8, 2, 20, 32, mask, params, causal, None, softcap, dtype=dtype, kv_split=3)
 
 
 # ---- dtypes ------------------------------------------------------------------------------------
@@ -473,3 +475,4 @@ def test_compiles_for_sm90_without_spills():
     assert res["n_spills"] == 0, res["functions"]
     assert 0 < res["n_regs"] <= 255
     assert res["shared_bytes"] <= tt.SHARED_LIMIT[90]
+

@@ -76,14 +76,14 @@ def test_every_attention_tile_candidate_compiles_without_spills(head_dim, arch):
     """Each flash-attention kernel at each candidate's tiles, warps and stages (the choices a
     GPU launch times, flash_tiles.candidates), compiled for its arch with ptxas: no register
     spills, shared memory within the arch's limit, in every form it may serve (bf16, the sm90
-    Inductor typing of float scalars, fp64). CI runs it under Triton 3.9 and 3.6 (the GPU
-    machines'), whose register allocations differ."""
+    Inductor typing of float scalars, fp64), dk/dv also as its split launch. CI runs it under
+    Triton 3.9 and 3.6 (the GPU machines'), whose register allocations differ."""
     from tailorfx.kernels import flash_tiles
     from tailorfx.kernels.flash_launch import KERNELS as fn, _spec, normalize_params
     jobs = []
-    for role in flash_tiles.ROLES:
-        rich = flash_tiles.candidates(role, "bf16", head_dim, "full", arch, False)
-        for t in flash_tiles.candidates(role, "bf16", head_dim, "full", arch, True):
+    for role, split in [(r, False) for r in flash_tiles.ROLES] + [("dkdv", True)]:
+        rich = flash_tiles.candidates(role, "bf16", head_dim, "full", arch, False, split)
+        for t in flash_tiles.candidates(role, "bf16", head_dim, "full", arch, True, split):
             for form in [_PLAIN] + (_RICH if t in rich else []):
                 form = dict(form)
                 mask = form.pop("mask")
@@ -92,7 +92,10 @@ def test_every_attention_tile_candidate_compiles_without_spills(head_dim, arch):
                          "dkdv": (64, 64, 64, 64, t.block_m, t.block_n)}[role]
                 spec = _spec("bf16", head_dim, 4, mask, params, form.get("causal", False), form.get("documents", False),
                              form.get("softcap"), form.get("key_bias", False), tiles, False)
-                jobs.append((spec, arch, {"num_warps": t.num_warps, "num_stages": t.num_stages, "functions": [fn[role]]}))
+                # split: the KV head's 4 query heads one a program, storing fp32 parts (flash_tiles.kv_split)
+                over = {"overrides": {"KV_SPLIT": 4, "dk_ptr": "*fp32", "dv_ptr": "*fp32"}} if split else {}
+                jobs.append((spec, arch, {"num_warps": t.num_warps, "num_stages": t.num_stages, "functions": [fn[role]],
+                                          **over}))
     results = tt.compile_many(jobs, float_type="fp64" if arch == 90 else "fp32")
     bad = [f"{spec.name} sm{arch} {opts}: {res['n_spills']} B spilled, {res['shared_bytes']} B shared"
            for (spec, arch, opts), res in zip(jobs, results)

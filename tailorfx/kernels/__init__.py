@@ -220,10 +220,12 @@ def warps(spec: KernelSpec) -> int:
 
 
 def compile_kernel(kernel: Kernel, arch: int, num_warps: Optional[int] = None, float_type: str = "fp32",
-                   num_stages: Optional[int] = None, functions: Optional[list[str]] = None) -> dict:
+                   num_stages: Optional[int] = None, functions: Optional[list[str]] = None,
+                   overrides: Optional[dict] = None) -> dict:
     """triton.compile for CUDA sm`arch` without a GPU; registers and spills from the bundled ptxas.
     float_type: how a launch types the kernels' float scalars (Triton's launcher "fp32", Inductor's
-    "fp64" on CUDA); num_stages: Triton's default unless given; functions: all unless given."""
+    "fp64" on CUDA); num_stages: Triton's default unless given; functions: all unless given;
+    overrides: {argument: type or constexpr value} replacing the signatures' where a function has it."""
     num_warps = num_warps or warps(kernel.spec)
     options = {"num_warps": num_warps} | ({} if num_stages is None else {"num_stages": num_stages})
     import re
@@ -239,6 +241,7 @@ def compile_kernel(kernel: Kernel, arch: int, num_warps: Optional[int] = None, f
         if functions is not None and name not in functions:
             continue
         fn = kernel.jit(name)
+        signature = {k: (overrides or {}).get(k, v) for k, v in signature.items()}
         constexprs = {k: v for k, v in signature.items() if not isinstance(v, str)}
         sig = {k: ("constexpr" if not isinstance(v, str) else float_type if v == "fp32" else v)
                for k, v in signature.items()}

@@ -515,7 +515,7 @@ def _dkdv(c: Config) -> str:
     else:
         pre += ["# KV_SPLIT programs share a kv head's query heads, each writing its fp32 part",
                 "bkv = tl.program_id(1) // KV_SPLIT",
-                "h0 = (bkv % num_kv) * GROUP + (tl.program_id(1) % KV_SPLIT) * (GROUP // KV_SPLIT)",
+                "h0 = tl.program_id(1) % (num_kv * KV_SPLIT) * (GROUP // KV_SPLIT)   # its first query head",
                 "start_n = tl.program_id(0) * BLOCK_N",
                 "n_keys = seq_len",
                 "offs_n = start_n + tl.arange(0, BLOCK_N)",

@@ -104,13 +104,13 @@ def _explicit(blocks: Sequence[int]) -> dict:
     return {"fwd": Tiles(b[0], b[1]), "dq": Tiles(b[2], b[3]), "dkdv": Tiles(b[4], b[5])}
 
 
-def _defaults(static: tuple, device, seq_len: int) -> dict:
+def _defaults(static: tuple, device, seq_len: int, split: int = 1) -> dict:
     """Each kernel's starting tiles (flash_tiles.choose, untimed): under the interpreter
     `default_blocks`' (4 warps); on a GPU the remembered choice for the key, else the first
     candidate (timed later by the launch)."""
     from tailorfx.kernels import flash_tiles
     where = "interpreter" if interpreted() else device   # which runs `small`'s tiles whatever the device
-    return {r: flash_tiles.choose(r, static, seq_len, where, None) for r in flash_tiles.ROLES}
+    return {r: flash_tiles.choose(r, static, seq_len, where, None, split=split) for r in flash_tiles.ROLES}
 
 
 def _flat_tiles(tiles: dict) -> tuple:
@@ -224,7 +224,8 @@ class _Call:
 
     def __init__(self, q, k, mask, params, causal, document_ids, softcap, blocks, scale, key_bias, kv_split=None):
         import torch
-        self.kv_split = kv_split   # None: flash_tiles.kv_split's rule
+        from tailorfx import compat
+        from tailorfx.kernels.flash_tiles import kv_split as split_rule
         self.params = normalize_params(mask, params)
         self.mask, self.causal = mask, bool(causal)
         self.static = _static_of(q, k, mask, self.params, causal, document_ids is not None, softcap,
@@ -234,9 +235,14 @@ class _Call:
         self.device = q.device
         self.scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
         self.given = blocks is not None
-        from tailorfx import compat
         self.seq_hint = compat.size_hint(self.seq)   # a traced length keys the choice without a guard
-        self.tiles = _explicit(blocks) if self.given else _defaults(self.static, q.device, self.seq_hint)
+        if kv_split is not None and (mask == "dilated" or (self.heads // self.num_kv) % kv_split):
+            raise ValueError(f"flash_attention kv_split={kv_split}: a divisor of the GQA group "
+                             f"{self.heads // self.num_kv} (dilated attention: none)")
+        # dk/dv's programs per KV head, decided before its tiles (whose candidates depend on it)
+        self.split = kv_split or (1 if mask == "dilated" else split_rule(
+            self.heads // self.num_kv, _cdiv(self.seq_hint, 64) * compat.size_hint(self.batch) * self.num_kv, q.device))
+        self.tiles = _explicit(blocks) if self.given else _defaults(self.static, q.device, self.seq_hint, self.split)
         extra = []
         if document_ids is not None:
             if document_ids.dtype != torch.int32 or document_ids.device != q.device:
@@ -272,7 +278,8 @@ class _Call:
                     raise _TooLarge
                 return launch(self.kernel(self.tiles | {role: t}), self, t.launch(), *made[0])
             try:
-                self.tiles[role] = flash_tiles.choose(role, self.static, self.seq_hint, self.device, run)
+                self.tiles[role] = flash_tiles.choose(role, self.static, self.seq_hint, self.device, run,
+                                                      split=self.split)
             except _TooLarge:
                 pass
 
@@ -326,17 +333,15 @@ def _launch_dq(kern, call, options, q, k, v, dout, lse, delta, dq, *extra):
 
 def _launch_dkdv(kern, call, options, q, k, v, dout, lse, delta, dk, dv, *extra):
     import torch
-    from tailorfx.kernels.flash_tiles import kv_split
     mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "dkdv")
-    grid = (_cdiv(call.seq, kern.spec["bwd_block_n"]), call.batch * call.num_kv)
-    split = call.kv_split or kv_split(call.heads // call.num_kv, grid[0] * grid[1], q.device)
+    grid, split = (_cdiv(call.seq, kern.spec["bwd_block_n"]), call.batch * call.num_kv), call.split
     parts = [torch.empty((split, *t.shape), dtype=torch.float32, device=t.device)
              for t in (dk, dv)] if split > 1 else []
     spills = _spills(kern.fn("attn_bwd_dkdv")[(grid[0], grid[1] * split)](
         q, k, v, dout, lse, delta, *(parts or (dk, dv)), *extra, *mode, call.scale, call.seq, call.heads,
         KV_SPLIT=split, **options))
     for part, out in zip(parts, (dk, dv)):   # the parts summed in one fixed order, rounded once
-        torch.sum(part, 0, out=out) if out.dtype == torch.float32 else out.copy_(part.sum(0))
+        out.copy_(part.sum(0))
     return spills
 
 

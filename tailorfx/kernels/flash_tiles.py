@@ -30,8 +30,10 @@ ROLES = ("fwd", "dq", "dkdv")
 
 # head dim (<= 64, <= 128) -> role -> arch -> candidates for 16-bit inputs, the default first;
 # P: only for the plain form (a full mask with no documents, soft-cap or key bias), where the
-# others' extra loads would spill (ptxas-checked over both forms: tests/test_triton_codegen.py)
+# others' extra loads would spill (ptxas-checked over both forms: tests/test_triton_codegen.py);
+# S: only for dk/dv's serial launch (one program per KV head), where the split one's fp32 parts spill
 P = "plain"
+S = "serial"
 _HALF = {
     64: {
         "fwd": {90: [Tiles(128, 64, 8, 2), Tiles(64, 64, 4, 2), Tiles(64, 32, 4, 2), Tiles(128, 32, 8, 2),
@@ -43,7 +45,7 @@ _HALF = {
                     Tiles(64, 16, 4, 2)]},
         "dkdv": {90: [Tiles(16, 64, 4, 2), (Tiles(32, 64, 4, 2), P), Tiles(16, 64, 8, 2), Tiles(32, 64, 8, 2),
                       Tiles(16, 128, 8, 2), Tiles(32, 128, 8, 2)],
-                 80: [(Tiles(16, 64, 8, 2), P), Tiles(32, 32, 4, 2), Tiles(16, 32, 4, 2), Tiles(64, 32, 8, 2)]},
+                 80: [(Tiles(16, 64, 8, 2), (P, S)), Tiles(32, 32, 4, 2), Tiles(16, 32, 4, 2), Tiles(64, 32, 8, 2)]},
     },
     128: {
         "fwd": {90: [(Tiles(128, 64, 8, 2), P), Tiles(64, 64, 8, 2), Tiles(128, 32, 8, 2), Tiles(64, 32, 4, 2),
@@ -76,8 +78,10 @@ def plain(static: tuple) -> bool:
     return mask == "full" and not documents and softcap is None and not key_bias
 
 
-def candidates(role: str, dtype: str, head_dim: int, mask: str, arch: int = 90, is_plain: bool = True) -> list[Tiles]:
-    """The tiles `role`'s kernel may run with on sm`arch`, the default first."""
+def candidates(role: str, dtype: str, head_dim: int, mask: str, arch: int = 90, is_plain: bool = True,
+               split: bool = False) -> list[Tiles]:
+    """The tiles `role`'s kernel may run with on sm`arch`, the default first (`split`: dk/dv's
+    launch with a KV head's query heads over several programs, `kv_split`)."""
     if role not in ROLES:
         raise ValueError(f"flash attention kernel {role!r}: one of {list(ROLES)}")
     if dtype == "fp32" or mask in ("dilated", "bigbird") or head_dim > 256:   # one, every form
@@ -85,8 +89,9 @@ def candidates(role: str, dtype: str, head_dim: int, mask: str, arch: int = 90, 
     entries = _HALF[next(w for w in _HALF if head_dim <= w)][role][80 if arch < 90 else 90]
     out = []
     for e in entries:
-        tiles, only = (e if isinstance(e, tuple) else (e, None))
-        if only is None or is_plain:
+        tiles, only = (e if isinstance(e, tuple) else (e, ()))
+        only = (only,) if isinstance(only, str) else only
+        if (P not in only or is_plain) and (S not in only or not split):
             out.append(tiles)
     return out
 
@@ -105,12 +110,14 @@ def bucket(seq_len: int) -> int:
     return min(next_pow2(seq_len), 16384)
 
 
-def key(role: str, arch: int, static: tuple, seq_len: int) -> str:
-    """static: (dtype, head_dim, group, mask, params, causal, documents, softcap, key_bias)."""
+def key(role: str, arch: int, static: tuple, seq_len: int, split: int = 1) -> str:
+    """static: (dtype, head_dim, group, mask, params, causal, documents, softcap, key_bias); split:
+    dk/dv's `kv_split`, named where it is not 1."""
     dtype, head_dim, group, mask, _params, causal, documents, softcap, key_bias = static
     form = [mask, "causal" if causal else "bidirectional"] + ["documents"] * bool(documents) + \
         ["softcap"] * (softcap is not None) + ["key_bias"] * bool(key_bias)
-    return f"flash_attention.{role} sm{arch} {dtype} d{head_dim} g{group} {'+'.join(form)} S<={bucket(seq_len)}"
+    split = f" split{split}" if split > 1 and role == "dkdv" else ""
+    return f"flash_attention.{role} sm{arch} {dtype} d{head_dim} g{group} {'+'.join(form)} S<={bucket(seq_len)}{split}"
 
 
 def arch_of(device) -> int:
@@ -123,7 +130,7 @@ def arch_of(device) -> int:
 
 
 def choose(role: str, static: tuple, seq_len: int, device, run: Optional[Callable[[Tiles], None]],
-           timer: Optional[Callable] = None) -> Tiles:
+           timer: Optional[Callable] = None, split: int = 1) -> Tiles:
     """`role`'s tiles for this call: on CUDA the fastest candidate for its key, timed by `run`
     the first time the key is seen (None: not timed now, the remembered choice or the first
     candidate); off CUDA (Triton's interpreter), `small`'s."""
@@ -131,18 +138,17 @@ def choose(role: str, static: tuple, seq_len: int, device, run: Optional[Callabl
     if getattr(device, "type", device) != "cuda":
         return small(role, dtype, head_dim, mask)
     arch = arch_of(device)
-    cands = candidates(role, dtype, head_dim, mask, arch, plain(static))
-    k = key(role, arch, static, seq_len)
+    split = split if role == "dkdv" else 1
+    cands = candidates(role, dtype, head_dim, mask, arch, plain(static), split > 1)
+    k = key(role, arch, static, seq_len, split)
     if run is None or not tuning.enabled():
         return tuning.known(k, cands) or cands[0]
     return tuning.choose(k, cands, run, timer)
 
 
 def kv_split(group: int, programs: int, device) -> int:
-    """How many dk/dv programs share a KV head's query heads: doubled while the grid (`programs`,
-    one per key tile and KV head) is under one wave of the GPU's SMs and the group divides evenly.
-    1 off CUDA. Short sequences only: the parts' fp32 buffers, split x the grid x its tile, stay
-    under 2 x SMs x BLOCK_N x D x 8 bytes (17 MB on an H100 at head dim 128)."""
+    """How many dk/dv programs share a KV head's query heads (see `split_for`); 1 off CUDA.
+    `programs`: the serial grid at 64 keys a program (the launch decides before its tiles)."""
     import torch
     if getattr(device, "type", device) != "cuda" or not torch.cuda.is_available():
         return 1
@@ -150,11 +156,15 @@ def kv_split(group: int, programs: int, device) -> int:
 
 
 def split_for(group: int, programs: int, sms: int) -> int:
-    """`kv_split`'s rule on a GPU of `sms` SMs."""
-    split = 1
-    while programs * split < sms and group % (2 * split) == 0:
-        split *= 2
-    return split
+    """One program per query head (the group, up to MAX_SPLIT) where the serial grid at 64 keys a
+    program is under one wave of `sms` SMs; else 1. A whole split leaves no head loop in the
+    kernel (a partial one kept it and spilled at 255-register tiles). The parts' fp32 buffers,
+    split x (B, H_kv, S, D) x 2, stay under MAX_SPLIT x 64 x SMs x D x 8 bytes (69 MB on an
+    H100 at head dim 128), and only at lengths where the grid is that small."""
+    return group if programs < sms and 1 < group <= MAX_SPLIT else 1
+
+
+MAX_SPLIT = 8   # Llama-3-70B's group; MQA (32-71 query heads a KV head) keeps its loop
 
 
 @functools.lru_cache(maxsize=None)

@@ -161,7 +161,7 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
     num_kv = num_heads // GROUP
     # KV_SPLIT programs share a kv head's query heads, each writing its fp32 part
     bkv = tl.program_id(1) // KV_SPLIT
-    h0 = (bkv % num_kv) * GROUP + (tl.program_id(1) % KV_SPLIT) * (GROUP // KV_SPLIT)
+    h0 = tl.program_id(1) % (num_kv * KV_SPLIT) * (GROUP // KV_SPLIT)   # its first query head
     start_n = tl.program_id(0) * BWD_BLOCK_N
     n_keys = seq_len
     offs_n = start_n + tl.arange(0, BWD_BLOCK_N)
