@@ -74,6 +74,19 @@ def test_the_memory_model_counts_the_fp32_sum_where_cuda_makes_it(name):
             == linear_ops.transient_bytes(name, base[:10] + [False, False], int, cuda=True))
 
 
+def test_the_vocab_parallel_head_passes_the_fp32_sum_to_the_memory_model(monkeypatch):
+    """Tensor parallel's fused head (runtime/vocab_parallel.py) takes the same argument after its
+    own two flags, and hands it to the one-device head's transient on this rank's rows."""
+    from tailorfx.runtime import vocab_parallel
+    seen = []
+    monkeypatch.setattr(linear_ops, "transient_bytes", lambda name, args, as_int: seen.append(args) or 0)
+    h, w = torch.empty(1024, 64, dtype=torch.bfloat16), torch.empty(4096, 64, dtype=torch.bfloat16)
+    args = [h, w, torch.zeros(1024, dtype=torch.long), 0, "g", -100, "mean", 4, None, None, True, True]
+    vocab_parallel.transient_bytes("vocab_parallel_cross_entropy_with_grads", args + [True], int)
+    vocab_parallel.transient_bytes("vocab_parallel_cross_entropy_with_grads", args, int)
+    assert seen[0][9:] == [True, True, False, True] and seen[1][9:] == [True, True, False]
+
+
 def _tiny_bf16_lm():
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,

@@ -101,14 +101,16 @@ def test_vocab_parallel_cross_entropy_equals_torch_on_one_rank():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         name = register_group(dist.group.WORLD)
-        for softcap, scale, reduction in [(None, None, "mean"), (3.0, None, "sum"), (None, 0.5, "mean")]:
+        for softcap, scale, reduction, fp32 in [(None, None, "mean", False), (3.0, None, "sum", False),
+                                                (None, 0.5, "mean", False), (None, None, "mean", True)]:
             g = torch.Generator().manual_seed(0)
             h = torch.randn(40, 16, generator=g, requires_grad=True)
             w = torch.randn(64, 16, generator=g, requires_grad=True)
             y = torch.randint(0, 64, (40,), generator=g)
             y[::7] = -100
             loss = vocab_parallel_cross_entropy(h, w, y, vocab_start=0, group_name=name, reduction=reduction,
-                                                num_chunks=3, logit_softcap=softcap, logit_scale=scale)
+                                                num_chunks=3, logit_softcap=softcap, logit_scale=scale,
+                                                grad_weight_fp32=fp32)
             got = [loss.detach(), *torch.autograd.grad(loss, (h, w))]
             z = F.linear(h, w) * (scale or 1.0)
             if softcap:

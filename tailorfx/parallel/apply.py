@@ -76,7 +76,8 @@ def parallelize(model: nn.Module, spec: ParallelSpec, args: tuple, kwargs: dict,
     styles, head = {}, None
     if spec.tp > 1:     # first: the pipeline cuts the sharded model's graph
         styles, head = apply_tensor_parallel(model, spec=spec, plan=plan, mesh=mesh["tp"],
-                                             skip_logits=skips_logits(passes, options, staged=spec.pp > 1))
+                                             skip_logits=skips_logits(passes, options, staged=spec.pp > 1),
+                                             setup=(options or {}).get("setup"))
     chunked = chunk_mlps(model, plan.mlps, options) if spec.tp > 1 and spec.pp == 1 and "minisequence" in passes else []
     dp_group, dp_rank = None, 0
     if spec.sp == "ulysses":
@@ -107,12 +108,14 @@ def parallelize(model: nn.Module, spec: ParallelSpec, args: tuple, kwargs: dict,
 
 
 def apply_tensor_parallel(model: nn.Module, *, spec: ParallelSpec, plan: TPPlan, mesh,
-                          skip_logits: bool = False) -> tuple[dict[str, str], Optional[VocabHead]]:
+                          skip_logits: bool = False, setup=None) -> tuple[dict[str, str], Optional[VocabHead]]:
     """The plan's styles on the tp `mesh` (the LM head's as head_style(spec) says); returns them
-    and the vocab-parallel head, if any (`skip_logits`: its logits not built in training)."""
+    and the vocab-parallel head, if any (`skip_logits`: its logits not built in training; `setup`:
+    the TrainingSetup, whose head_grad_dtype the fused loss follows)."""
     styles = tp_styles(plan, spec.tp, head_style(spec))
     return styles, shard_model(model, styles=styles, mesh=mesh, head_loss=plan.head_loss, vocab_loss=spec.vocab_loss,
-                               skip_logits=skip_logits)
+                               skip_logits=skip_logits,
+                               grad_weight_fp32=getattr(setup, "head_grad_dtype", None) == torch.float32)
 
 
 def apply_ulysses(model: nn.Module, *, mesh) -> tuple[Any, int]:

@@ -31,22 +31,24 @@ class VocabHead:
 
 
 def shard_model(model: nn.Module, *, styles: dict[str, str], mesh, head_loss: Any, vocab_loss: str = "fused",
-                scatter: bool = True, skip_logits: bool = False) -> Optional[VocabHead]:
+                scatter: bool = True, skip_logits: bool = False, grad_weight_fp32: bool = False) -> Optional[VocabHead]:
     """Shard `model` in place by `styles` (plan.tp_styles) on the tp `mesh`; a vocab-parallel head
     then gets its loss scope and, as `vocab_loss` asks, its loss fused with it (fuse_head_loss,
     `head_loss` the plan's; `skip_logits`: no logits in training with labels). Returns that head,
-    or None. `scatter`: as runtime.apply_tp's."""
+    or None. `scatter`: as runtime.apply_tp's; `grad_weight_fp32`: the fused loss sums its rows'
+    gradient in fp32 (TrainingSetup.head_grad_dtype)."""
     apply_tp(model, styles=styles, mesh=mesh, scatter=scatter)
     head = next((f for f, st in styles.items() if st.startswith("colwise_vocab_parallel")), None)
     if head is None:
         return None
     # the scope's hook before the fused loss's: the loss must see the head's output as the caller does
     scope = apply_loss_parallel(model, head=head)
-    fused, note = fuse_head_loss(model, head, head_loss, vocab_loss, skip_logits)
+    fused, note = fuse_head_loss(model, head, head_loss, vocab_loss, skip_logits, grad_weight_fp32)
     return VocabHead(head, scope, fused, note)
 
 
-def fuse_head_loss(model: nn.Module, head: str, transform: Any, choice: str = "fused", skip_logits: bool = False):
+def fuse_head_loss(model: nn.Module, head: str, transform: Any, choice: str = "fused", skip_logits: bool = False,
+                   grad_weight_fp32: bool = False):
     """Give the vocab-parallel `head`'s loss the fused form (runtime/vocab_parallel.py) when the
     graph shows it computes one (`transform`: the plan's (softcap, scale), else why not); returns
     it (or None) and a line for the report."""
@@ -59,10 +61,11 @@ def fuse_head_loss(model: nn.Module, head: str, transform: Any, choice: str = "f
     chunks = auto_chunks(rows, mod.weight.shape[1])   # a chunk's logits <= its hidden states
     softcap, scale = transform
     fused = install_fused_loss(model, head=head, num_chunks=chunks, logit_softcap=softcap, logit_scale=scale,
-                               skip_logits=skip_logits)
+                               skip_logits=skip_logits, grad_weight_fp32=grad_weight_fp32)
     if fused is None:
         return None, "loss under DTensor's loss_parallel: the model's loss is not transformers' ForCausalLMLoss"
     return fused, (f"loss fused with it ({chunks} row chunks, no logits-sized tensor kept for backward"
+                   + ("; its weight's gradient summed in fp32" if grad_weight_fp32 else "")
                    + ("; logits=None in training with labels, no logits shard built)" if skip_logits else ")"))
 
 

@@ -40,11 +40,11 @@ def register_group(group) -> str:
 
 
 def _run(hidden, weight, labels, vocab_start, group_name, ignore_index, reduction, num_chunks, softcap,
-         logit_scale, need_hidden, need_weight):
+         logit_scale, need_hidden, need_weight, grad_weight_fp32=False):
     """linear_ops' chunked loss over this rank's rows, the row statistics all-reduced over the group."""
     loss, grad_h, grad_w, _ = lce_chunks(hidden, weight, None, labels, ignore_index, reduction, num_chunks, softcap,
                                          logit_scale, need_hidden, need_weight, False, vocab_start=vocab_start,
-                                         group=_GROUPS[group_name])
+                                         group=_GROUPS[group_name], grad_weight_fp32=grad_weight_fp32)
     return loss, grad_h, grad_w
 
 
@@ -66,15 +66,17 @@ def _loss_only_fake(hidden, weight, labels, vocab_start, group_name, ignore_inde
 @torch.library.custom_op("tailorfx::vocab_parallel_cross_entropy_with_grads", mutates_args=())
 def _with_grads(hidden: Tensor, weight: Tensor, labels: Tensor, vocab_start: int, group_name: str,
                 ignore_index: int, reduction: str, num_chunks: int, logit_softcap: Optional[float],
-                logit_scale: Optional[float], grad_hidden: bool, grad_weight: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss, this rank's part of grad_hidden, grad of this rank's weight rows) in one pass."""
+                logit_scale: Optional[float], grad_hidden: bool, grad_weight: bool,
+                grad_weight_fp32: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, this rank's part of grad_hidden, grad of this rank's weight rows) in one pass;
+    `grad_weight_fp32`: a 16-bit weight's gradient summed over the chunks in fp32."""
     return _run(hidden, weight, labels, vocab_start, group_name, ignore_index, reduction, num_chunks,
-                logit_softcap, logit_scale, grad_hidden, grad_weight)
+                logit_softcap, logit_scale, grad_hidden, grad_weight, grad_weight_fp32)
 
 
 @_with_grads.register_fake
 def _with_grads_fake(hidden, weight, labels, vocab_start, group_name, ignore_index, reduction, num_chunks,
-                     logit_softcap, logit_scale, grad_hidden, grad_weight):
+                     logit_softcap, logit_scale, grad_hidden, grad_weight, grad_weight_fp32=False):
     return (hidden.new_empty((), dtype=torch.promote_types(hidden.dtype, weight.dtype)),
             torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if grad_weight else weight.new_empty(0))
@@ -96,7 +98,7 @@ def _backward(ctx, grad_loss, *_):
         raise RuntimeError(f"vocab-parallel LM head: an input needs a grad that was not computed in the forward "
                            f"(needed {needs}, computed {ctx.computed})")
     grads = [g * grad_loss if need else None for g, need in zip(ctx.saved_tensors, needs)]
-    return (*grads, *[None] * 10)
+    return (*grads, *[None] * 11)
 
 
 _with_grads.register_autograd(_backward, setup_context=_setup)
@@ -110,15 +112,16 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
     hidden, weight, labels, _, _, ignore_index, reduction, num_chunks, softcap, scale = args[:10]
     if op_name.endswith("_with_grads"):
         return linear_ops.transient_bytes("chunked_linear_cross_entropy_with_grads", [
-            hidden, weight, None, labels, ignore_index, reduction, num_chunks, softcap, scale, *args[10:12], False],
-            as_int)
+            hidden, weight, None, labels, ignore_index, reduction, num_chunks, softcap, scale, *args[10:12], False,
+            *args[12:13]], as_int)
     return linear_ops.transient_bytes("chunked_linear_cross_entropy", [
         hidden, weight, None, labels, ignore_index, reduction, num_chunks, softcap, scale], as_int)
 
 
 def vocab_parallel_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, vocab_start: int, group_name: str,
                                  ignore_index: int = -100, reduction: str = "mean", num_chunks: int = 8,
-                                 logit_softcap: Optional[float] = None, logit_scale: Optional[float] = None) -> Tensor:
+                                 logit_softcap: Optional[float] = None, logit_scale: Optional[float] = None,
+                                 grad_weight_fp32: bool = False) -> Tensor:
     """``cross_entropy(softcap(scale * hidden @ W.T), labels)`` where each rank of `group` holds
     rows `vocab_start:vocab_start + len(weight)` of W (the group registered by `register_group`):
     plain (local) tensors in, the loss (the same on every rank) out; `hidden`'s gradient is this
@@ -128,7 +131,7 @@ def vocab_parallel_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor,
             logit_softcap, logit_scale)
     if not (torch.is_grad_enabled() and any(needs)):
         return torch.ops.tailorfx.vocab_parallel_cross_entropy(*args)
-    return torch.ops.tailorfx.vocab_parallel_cross_entropy_with_grads(*args, *needs)[0]
+    return torch.ops.tailorfx.vocab_parallel_cross_entropy_with_grads(*args, *needs, grad_weight_fp32)[0]
 
 
 class FusedVocabParallelLoss:
@@ -138,7 +141,8 @@ class FusedVocabParallelLoss:
     the head's last output (through `steps` ops of the soft-cap or scale) go to `original`."""
 
     def __init__(self, head: nn.Module, original, *, num_chunks: int, logit_softcap: Optional[float] = None,
-                 logit_scale: Optional[float] = None, model: Optional[nn.Module] = None):
+                 logit_scale: Optional[float] = None, model: Optional[nn.Module] = None,
+                 grad_weight_fp32: bool = False):
         from torch.distributed.tensor import DTensor, Shard
         weight = head.weight
         if not isinstance(weight, DTensor) or getattr(head, "bias", None) is not None:
@@ -151,6 +155,7 @@ class FusedVocabParallelLoss:
         self.group_name = register_group(mesh.get_group(dim))
         self.head, self.original, self.num_chunks = head, original, num_chunks
         self.logit_softcap, self.logit_scale = logit_softcap, logit_scale
+        self.grad_weight_fp32 = grad_weight_fp32    # TrainingSetup.head_grad_dtype fp32
         self.steps = (3 if logit_softcap is not None else 0) + (1 if logit_scale is not None else 0)
         self.fused = 0          # calls that ran fused (the tests' proof that it fired)
         self.unfused = 0
@@ -238,7 +243,7 @@ class FusedVocabParallelLoss:
             h.reshape(-1, h.shape[-1]), weight.to_local(), shift_labels.reshape(-1).to(h.device),
             vocab_start=self.vocab_start, group_name=self.group_name, ignore_index=ignore_index,
             reduction="sum" if num_items_in_batch is not None else "mean", num_chunks=self.num_chunks,
-            logit_softcap=self.logit_softcap, logit_scale=self.logit_scale)
+            logit_softcap=self.logit_softcap, logit_scale=self.logit_scale, grad_weight_fp32=self.grad_weight_fp32)
         if num_items_in_batch is not None:
             loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
                            else num_items_in_batch)
@@ -246,11 +251,12 @@ class FusedVocabParallelLoss:
 
 
 def install_fused_loss(model: nn.Module, *, head: str, num_chunks: int, logit_softcap: Optional[float] = None,
-                       logit_scale: Optional[float] = None, skip_logits: bool = False) -> Optional[FusedVocabParallelLoss]:
+                       logit_scale: Optional[float] = None, skip_logits: bool = False,
+                       grad_weight_fp32: bool = False) -> Optional[FusedVocabParallelLoss]:
     """Give `model` (a Hugging Face causal LM whose `head` is vocab-parallel) the fused loss; None
     when its loss is not the default causal-LM cross-entropy (then loss_parallel stays).
     `skip_logits`: in training with labels the head computes no logits (the caller returns
-    logits=None)."""
+    logits=None); `grad_weight_fp32`: its rows' gradient summed over the chunks in fp32."""
     try:
         from transformers.loss.loss_utils import ForCausalLMLoss
     except ImportError:
@@ -259,6 +265,6 @@ def install_fused_loss(model: nn.Module, *, head: str, num_chunks: int, logit_so
         return None
     loss = FusedVocabParallelLoss(dict(model.named_modules())[head], model.loss_function, num_chunks=num_chunks,
                                   logit_softcap=logit_softcap, logit_scale=logit_scale,
-                                  model=model if skip_logits else None)
+                                  model=model if skip_logits else None, grad_weight_fp32=grad_weight_fp32)
     model.loss_function = loss
     return loss
