@@ -98,6 +98,11 @@ class TrainingSetup:
 
     # ---- derived ----------------------------------------------------------------------------
     @property
+    def head_grad_fp32(self) -> bool:
+        """Whether the fused LM head sums a 16-bit weight's gradient in fp32 (head_grad_dtype)."""
+        return self.head_grad_dtype == torch.float32
+
+    @property
     def grads(self) -> torch.dtype:
         """The dtype gradients are held in between backward and the step."""
         return self.grad_dtype or self.param_dtype

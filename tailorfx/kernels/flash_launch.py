@@ -236,12 +236,13 @@ class _Call:
         self.scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
         self.given = blocks is not None
         self.seq_hint = compat.size_hint(self.seq)   # a traced length keys the choice without a guard
-        if kv_split is not None and (mask == "dilated" or (self.heads // self.num_kv) % kv_split):
-            raise ValueError(f"flash_attention kv_split={kv_split}: a divisor of the GQA group "
-                             f"{self.heads // self.num_kv} (dilated attention: none)")
+        group = self.heads // self.num_kv
+        if kv_split is not None and (mask == "dilated" or group % kv_split):
+            raise ValueError(f"flash_attention kv_split={kv_split}: a divisor of the GQA group {group} "
+                             f"(dilated attention: none)")
         # dk/dv's programs per KV head, decided before its tiles (whose candidates depend on it)
         self.split = kv_split or (1 if mask == "dilated" else split_rule(
-            self.heads // self.num_kv, _cdiv(self.seq_hint, 64) * compat.size_hint(self.batch) * self.num_kv, q.device))
+            group, _cdiv(self.seq_hint, 64) * compat.size_hint(self.batch) * self.num_kv, q.device))
         self.tiles = _explicit(blocks) if self.given else _defaults(self.static, q.device, self.seq_hint, self.split)
         extra = []
         if document_ids is not None:

@@ -115,7 +115,7 @@ def apply_tensor_parallel(model: nn.Module, *, spec: ParallelSpec, plan: TPPlan,
     styles = tp_styles(plan, spec.tp, head_style(spec))
     return styles, shard_model(model, styles=styles, mesh=mesh, head_loss=plan.head_loss, vocab_loss=spec.vocab_loss,
                                skip_logits=skip_logits,
-                               grad_weight_fp32=getattr(setup, "head_grad_dtype", None) == torch.float32)
+                               grad_weight_fp32=getattr(setup, "head_grad_fp32", False))
 
 
 def apply_ulysses(model: nn.Module, *, mesh) -> tuple[Any, int]:

@@ -113,8 +113,7 @@ def head_loss_transform(gm: fx.GraphModule, region: Region):
 def _sums_grad_in_fp32(ctx: PassContext, weight) -> bool:
     """The setup asks for the 16-bit head weight's gradient to be summed in fp32 (TrainingSetup's
     head_grad_dtype); an fp32 weight's always is."""
-    setup = ctx.options.get("setup")
-    return (getattr(setup, "head_grad_dtype", None) == torch.float32
+    return (getattr(ctx.options.get("setup"), "head_grad_fp32", False)
             and getattr(weight, "dtype", None) in (torch.bfloat16, torch.float16))
 
 
