@@ -94,17 +94,27 @@ def _tiny_bf16_lm():
     return LlamaLM(cfg).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("kernels", [None, "triton"])
-def test_the_setup_asks_the_fused_head_for_an_fp32_sum(kernels):
+def _model(family: str):
+    """A tiny bf16 LM: tailorfx's own Llama, or a Hugging Face family built from its config."""
+    if family == "tailorfx-llama":
+        return _tiny_bf16_lm()
+    from models import hf_family
+    return hf_family(family, num_layers=1, vocab_size=512).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("family,kernels", [("tailorfx-llama", None), ("tailorfx-llama", "triton"),
+                                            ("llama", None), ("qwen2", "triton"), ("gemma2", None)])
+def test_the_setup_asks_the_fused_head_for_an_fp32_sum(family, kernels):
     """The mini-sequence pass hands the setup's head_grad_dtype to the fused head it emits (either
-    implementation); the default setup leaves the argument out, and the step runs either way."""
+    implementation, Hugging Face families and tailorfx's own); the default setup leaves the
+    argument out, and the step runs either way."""
     ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     fn = triton_ops.triton_linear_cross_entropy if kernels == "triton" else ops.chunked_linear_cross_entropy
     seen = {}
     for label, setup in (("default", PRESETS["pure-bf16"]),
                          ("fp32", PRESETS["pure-bf16"].with_(head_grad_dtype="fp32"))):
-        opt = tailorfx.optimize(_tiny_bf16_lm(), passes=["minisequence"], setup=setup, kernels=kernels,
+        opt = tailorfx.optimize(_model(family), passes=["minisequence"], setup=setup, kernels=kernels,
                                 example_inputs=batch)
         opt(**batch).loss.backward()
         (head,) = [n for n in opt.graphs["minisequence"].graph.nodes if n.target is fn]
