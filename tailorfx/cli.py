@@ -101,10 +101,9 @@ def cmd_plan(args):
     t = time.perf_counter()
     # the two predictions are independent and each runs on one core: the longest sequence in a
     # forked process (before any thread of this one starts) while this one plans; where there is
-    # no fork (Windows), one after the other. Leaving the block terminates the second process.
+    # no fork (Windows), one after the other. Leaving the block ends the second process.
     forks = "fork" in multiprocessing.get_all_start_methods()
-    with multiprocessing.get_context("fork").Pool(1) if forks else contextlib.nullcontext() as pool:
-        longest_later = pool.apply_async(_longest, (cfg, budget, args.batch, setup)) if forks else None
+    with _forked(_longest, cfg, budget, args.batch, setup) if forks else contextlib.nullcontext() as longest_later:
         try:
             opt = sizing.plan_for_budget(cfg, budget, args.seq, setup=setup, batch_size=args.batch)
         except BudgetError as e:
@@ -115,15 +114,16 @@ def cmd_plan(args):
             longest = sizing.max_seq_len(cfg, budget, batch_size=args.batch, setup=setup)
         else:
             with stage("longest sequence that fits (the second process)"):
-                longest = longest_later.get()
+                longest = longest_later()
     print(f"{_n_params(opt.model, sizing.parameter_count(opt))} parameters\n")
-    print(f"  {'plan':<48} {'predicted peak':>15} {'added FLOPs':>12}  fits")
+    w = max([48] + [len(c.label) for gp in opt.plan for c in ([gp.chosen] if gp.chosen else []) + list(gp.runners_up)])
+    print(f"  {'plan':<{w}} {'predicted peak':>15} {'added FLOPs':>12}  fits")
     for graph_plan in opt.plan:
         chosen = graph_plan.chosen
         rows = ([chosen] if chosen is not None else []) + list(graph_plan.runners_up)
         for c in rows:
             flops = f"+{c.added_flops / 1e9:.1f}G" if c.added_flops else "0"
-            print(f"{'*' if c is chosen else ' '} {c.label:<48} {format_bytes(c.peak):>15} {flops:>12}  "
+            print(f"{'*' if c is chosen else ' '} {c.label:<{w}} {format_bytes(c.peak):>15} {flops:>12}  "
                   f"{'yes' if c.fits else 'no'}")
         print(f"\nchosen: passes {list(graph_plan.passes)} ({graph_plan.reason})")
     if opt.setup.device is not None:
@@ -143,6 +143,40 @@ def cmd_plan(args):
         print(f"the {here.kind} limit: no {here.kind} plan of these rewrites fits more than {bound_len:,} tokens "
               f"({reach}); at {args.seq:,} tokens no {here.kind} plan peaks below {format_bytes(here.peak_bytes)} "
               f"(static {format_bytes(here.static_bytes)} + {parts}; dominated by {here.dominant})")
+
+
+@contextlib.contextmanager
+def _forked(fn, *args):
+    """`fn(*args)` in a forked process, killed when the block is left; yields a wait for its answer.
+    No helper threads here (a Pool's handlers wait on locks its worker shares)."""
+    ctx = multiprocessing.get_context("fork")
+    answer, send = ctx.Pipe(duplex=False)
+
+    def child():
+        try:
+            send.send((True, fn(*args)))
+        except BaseException as e:   # raised in the parent, by result()
+            send.send((False, e))
+    process = ctx.Process(target=child, daemon=True)
+    process.start()
+    send.close()   # only the child's end is left open: its exit ends the pipe
+
+    def result():
+        try:
+            ok, value = answer.recv()
+        except EOFError:
+            process.join()
+            raise RuntimeError(f"the second process ended (exit code {process.exitcode}) without an answer") from None
+        if not ok:
+            raise value
+        return value
+    try:
+        yield result
+    finally:
+        if process.is_alive():
+            process.kill()
+        process.join()
+        answer.close()
 
 
 def _longest(cfg, budget, batch, setup) -> int:

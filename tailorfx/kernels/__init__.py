@@ -186,14 +186,23 @@ def compile_many(jobs: list[tuple], num_warps: Optional[int] = None, float_type:
     import base64
     import json
     import subprocess
+    import tempfile
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     request = json.dumps({"jobs": [[spec.family, list(spec.params), arch, opts] for spec, arch, opts in jobs],
                           "float_type": float_type})
-    r = subprocess.run([sys.executable, "-c", f"from {__name__} import _compile_main; _compile_main()"],
-                       input=request, capture_output=True, text=True, env=env)
+    # files, not pipes: the wait is for the process alone, not for every process that inherits a pipe
+    with tempfile.TemporaryFile("w+") as stdin, tempfile.TemporaryFile("w+") as stdout, \
+            tempfile.TemporaryFile("w+") as stderr:
+        stdin.write(request)
+        stdin.seek(0)
+        r = subprocess.run([sys.executable, "-c", f"from {__name__} import _compile_main; _compile_main()"],
+                           stdin=stdin, stdout=stdout, stderr=stderr, env=env)
+        stdout.seek(0)
+        stderr.seek(0)
+        printed, errors = stdout.read(), stderr.read()
     if r.returncode:
-        raise RuntimeError(f"compiling Triton kernels for {sorted({a for _, a in jobs})} failed:\n{r.stderr[-4000:]}")
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"compiling Triton kernels for {sorted({a for _, a in jobs})} failed:\n{errors[-4000:]}")
+    out = json.loads(printed.strip().splitlines()[-1])
     for res in out:
         res["cubin"] = {k: base64.b64decode(v) for k, v in res["cubin"].items()}
     return out
