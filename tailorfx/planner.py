@@ -3,8 +3,8 @@
 Without a budget it runs the exact rewrites that only lower memory (the fused head and
 mini-sequence, the exact attention swap where an attention makes an S x S tensor), and whatever
 approximate rewrite the user asked for. With a budget it searches plans (mini-sequence, selective recompute,
-full recompute of the first k blocks), predicts each plan's peak with the memory model, and keeps
-the plan that fits with the least recomputed FLOPs.
+full recompute of the first k blocks and selective in the rest), predicts each plan's peak with the
+memory model, and keeps the plan that fits with the least recomputed FLOPs.
 """
 from __future__ import annotations
 
@@ -119,11 +119,10 @@ def build_pipeline(plan: Plan) -> list:
 
 
 def budget_candidates(base: Plan, num_blocks: int, has_head: bool = False, cpu: bool = True) -> list[Candidate]:
-    """Plans from least to most recompute; the user's own passes (attention...) are kept in all.
-    The fused LM head recomputes nothing (its gradient is taken in forward) and never
-    materialises the logits, so it is both smaller and faster than no rewrite: with room to spare
-    the planner keeps it. `cpu`: the model runs on the CPU, where the last candidate's blocked
-    attention backward runs (elsewhere, offloading checkpoints to host memory is the last)."""
+    """Plans from least to most recompute, the user's own passes (attention...) in all. The fused LM
+    head recomputes nothing (its gradient is taken in forward) and never materialises the logits:
+    smaller and faster than no rewrite, kept with room to spare. `cpu`: on the CPU the last
+    candidate runs the blocked attention backward, elsewhere it offloads checkpoints to host memory."""
     keep = tuple(p for p in base.passes if p not in ("minisequence", "recompute"))
     out = [Candidate("no memory rewrite", _order(keep))]
     if has_head:
@@ -132,9 +131,10 @@ def budget_candidates(base: Plan, num_blocks: int, has_head: bool = False, cpu: 
     ms_rc = _order(keep + ("minisequence", "recompute"))
     out.append(Candidate("minisequence + selective recompute, all blocks", ms_rc,
                          (("recompute_policy", "selective"), ("recompute_blocks", None))))
-    for k in range(1, num_blocks + 1):
-        out.append(Candidate(f"minisequence + full recompute, {k}/{num_blocks} blocks", ms_rc,
-                             (("recompute_policy", "full"), ("recompute_blocks", k))))
+    for k in range(1, num_blocks + 1):   # full recompute in the first k blocks, selective in the rest
+        rest, also = ((("recompute_rest", "selective"),), ", selective in the rest") if k < num_blocks else ((), "")
+        out.append(Candidate(f"minisequence + full recompute, {k}/{num_blocks} blocks{also}", ms_rc,
+                             (("recompute_policy", "full"), ("recompute_blocks", k)) + rest))
     if num_blocks:   # past full recompute: the blocks' token-wise segments chunked too
         out.append(Candidate("minisequence segments", _order(keep + ("minisequence",)),
                              (("minisequence_segments", True),)))

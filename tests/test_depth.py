@@ -169,3 +169,29 @@ def test_two_sites_repeat_each_middle_period_its_own_number_of_times():
     assert d.for_recompute(None)[1].times == (4, 0)
     assert d.for_recompute(2) == (2, depth.Depth(**{**d.__dict__, "times": (0, 4)}))
     assert d.for_recompute(12)[0] == 8
+
+
+@pytest.mark.slow
+def test_the_planners_ladder_from_a_shallow_capture_is_the_whole_ones():
+    """Every plan the planner tries, full recompute of the first k blocks with selective recompute
+    in the rest among them, predicted from a shallow capture (two sites) as from the whole model,
+    under a budget whose bisection tries k within the first site's blocks and past them."""
+    import tailorfx
+    from tailorfx.planner import HEADROOM
+    cfg = config("llama", 12, "use_cache=False")
+    S = 2048
+
+    def tried(budget, shallow: bool = True) -> list:
+        opt = sizing.plan_for_budget.__wrapped__(cfg, budget, S, setup="pure-bf16", shallow=shallow)
+        gp = opt.plan[0]
+        return [(c.label, c.peak, c.added_flops, c.fits) for c in (gp.chosen, *gp.runners_up)]
+    with pytest.raises(tailorfx.BudgetError) as err:
+        sizing.plan_for_budget(cfg, 1 << 20, S, setup="pure-bf16")
+    six = next(peak for label, peak, *_ in tried(err.value.suggested_bytes) if label.startswith(
+        "minisequence + full recompute, 6/12 blocks"))
+    budget = int(six / (1 - HEADROOM)) + 1   # the bisection's first k fits: it goes on to smaller k
+    shallow = tried(budget)
+    ks = sorted(int(re.search(r"(\d+)/12 blocks, selective", label).group(1)) for label, *_ in shallow
+                if "selective in the rest" in label)
+    assert ks[0] < 4 < ks[-1], shallow   # the first site holds blocks 1-3 of the capture
+    assert shallow == tried(budget, shallow=False)

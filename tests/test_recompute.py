@@ -6,9 +6,14 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 import tailorfx
-from harness import compare_with_eager
-from models import batch, hf_llama, tiny_llama
+from harness import compare_with_eager, peak_of_step
+from models import batch, hf_family, hf_llama, tiny_llama
+from tailorfx.passes.recompute import Recompute
+from tailorfx.planner import HEADROOM
 from tailorfx.rewrite import match
+from tailorfx.rewrite.capture import capture_graphs
+from tailorfx.rewrite.passes import PassContext
+from tailorfx.rewrite.regions import find_regions
 
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
@@ -41,6 +46,73 @@ def test_policy_tags():
     assert ("linear", S) in tags["selective"] and ("scaled_dot_product_attention", S) in tags["selective"]
     assert ("rsqrt", R) in tags["selective"] and ("silu", R) in tags["selective"]
     assert ("linear", R) not in tags["selective"]
+
+
+def _linear_tags(gm) -> dict:
+    """{block path: the set of tags its linear ops carry}."""
+    from tailorfx.rewrite.regions import module_paths
+    out: dict = {}
+    for n in gm.graph.nodes:
+        if match.op_name(n) == "linear" and "recompute" in n.meta:
+            block = next(p for p in module_paths(n) if p.split(".")[-1].isdigit())
+            out.setdefault(block, set()).add(n.meta["recompute"])
+    return out
+
+
+def test_full_in_the_first_blocks_selective_in_the_rest():
+    """The planner's ladder past selective recompute: the first k blocks recomputed whole (their
+    linears recomputed), the rest selectively (their linears saved); each block its own graph id."""
+    (c,), _ = capture_graphs(tiny_llama(num_layers=3), (), batch())
+    ctx = PassContext(find_regions(c.gm, c.seq), c.seq)
+    res = Recompute({"recompute_policy": "full", "recompute_blocks": 1, "recompute_rest": "selective"}).run(c.gm, ctx)
+    assert res.stats["blocks"] == 1 and res.stats["rest"] == {"policy": "selective", "blocks": 2}, res.stats
+    tags = _linear_tags(res.gm)
+    R, S = CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.MUST_SAVE
+    assert [tags[b] for b in sorted(tags)] == [{R}, {S}, {S}], tags
+    ids = {n.meta["ac_graph_id"] for n in res.gm.graph.nodes if "ac_graph_id" in n.meta}
+    assert ids == {1, 2, 3}
+    assert [line.split(" (")[1] for line in res.touched] == ["full)", "selective)", "selective)"], res.touched
+    with pytest.raises(ValueError, match="recompute_rest must be one of"):
+        Recompute({"recompute_rest": "full"})
+
+
+@pytest.mark.slow
+def test_the_planner_recomputes_whole_blocks_only_where_selective_recompute_is_over():
+    """An HF Llama (4 blocks, 1,024 tokens) under a budget 2% under selective recompute of every
+    block's peak, which the ladder's rungs the search tried are below: the chosen plan recomputes k blocks whole
+    and the rest selectively, fewer FLOPs than any other plan that fits; exact against
+    eager (loss and every gradient, two steps), and its measured peak predicted within -2%..+3%."""
+    S = 1024
+    base = hf_family("llama", num_layers=4, hidden_size=128, intermediate_size=344, num_attention_heads=4,
+                     num_key_value_heads=4, vocab_size=2048)
+    ids = torch.randint(0, 2048, (1, S), generator=torch.Generator().manual_seed(3))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    with pytest.raises(tailorfx.BudgetError) as err:   # the smallest budget a plan meets: the search tries the ladder
+        tailorfx.optimize(copy.deepcopy(base), budget=1 << 20, optimizer=None, example_inputs=inputs,
+                          verify=False)
+    tight = tailorfx.optimize(copy.deepcopy(base), budget=err.value.suggested_bytes, optimizer=None,
+                              example_inputs=inputs, verify=False)
+    tried = {c.label: c for c in (tight.plan[0].chosen, *tight.plan[0].runners_up)}
+    selective = tried["minisequence + selective recompute, all blocks"]
+    ladder = [c for label, c in tried.items() if label.endswith("selective in the rest")]
+    assert ladder and all(c.peak < selective.peak for c in ladder), tried
+    budget = int(0.98 * selective.peak / (1 - HEADROOM))   # selective recompute of every block just over it
+
+    m = copy.deepcopy(base)
+    opt = tailorfx.optimize(m, budget=budget, optimizer=None, example_inputs=inputs)
+    chosen = opt.plan[0].chosen
+    assert "selective in the rest" in chosen.label, str(opt.plan[0])
+    assert all(chosen.added_flops < c.added_flops for c in opt.plan[0].runners_up if c.fits), str(opt.plan[0])
+    rec = next(r for r in opt.graph_records[0].records if r.name == "recompute")
+    k = rec.stats["blocks"]
+    assert 0 < k < 4 and rec.stats["rest"] == {"policy": "selective", "blocks": 4 - k}, rec.stats
+    measured = peak_of_step(opt, m, inputs)
+    predicted = opt.predict_memory(S).forward_backward_peak_bytes
+    assert -0.02 <= (predicted - measured) / measured <= 0.03, (measured, predicted)
+
+    def wrap(model):
+        return tailorfx.optimize(model, budget=budget, optimizer=None, example_inputs=inputs)
+    compare_with_eager(copy.deepcopy(base), inputs, wrap, steps=2)
 
 
 def test_without_blocks_nothing_is_tagged():

@@ -4,8 +4,11 @@ longest sequence and the bound with host offload, to the printed digit. The conf
 transformers configs benchmarks/paper_table.py builds (tests/goldens/sizing/*.json); the figures
 were printed by the code at 57687a5 (tests/goldens/sizing/figures.json), Gemma-2-9B's by the code
 at acb1669, which captured its 42 layers whole (6:41 wall; 57687a5's run ended on an error that
-max_seq_len no longer makes). Slow: about 2 minutes each on 2 cores since the shallow captures
-(rewrite/depth.py), 7-8 before."""
+max_seq_len no longer makes). The plan rows of the ladder past selective recompute (full recompute
+of the first k blocks, selective in the rest) are the code's since that ladder replaced full
+recompute of k blocks alone (every other figure unchanged by it); tests/test_depth.py checks that
+ladder's shallow prediction against the whole model's. Slow: about 2 minutes each on 2 cores since
+the shallow captures (rewrite/depth.py), 7-8 before."""
 import json
 import os
 import re

@@ -10,6 +10,10 @@ min-cut partitioner, which must recompute what is tagged so and must save what i
                         only its input (the block before's output)
     policy "selective": matmuls and attention are saved, pointwise ops and norms recomputed
                         (Megatron's selective recompute, torch SAC's usual policy)
+    policy "full" on the first k blocks, "selective" on the rest (`recompute_rest`): the planner's
+                        ladder past selective recompute of every block, which costs little
+                        (pointwise ops) and saves much, so the full recompute of k blocks (a
+                        forward of each) is spent only on what selective cannot save
     offload "checkpoints": each block's input (its checkpoint) waits for the backward in host memory
                         (ALST's checkpoint offload; rewrite/offload.py)
 
@@ -34,6 +38,7 @@ from tailorfx.rewrite.regions import module_paths
 NAME = "recompute"
 POLICIES = ("full", "selective")
 OFFLOADS = (None, "checkpoints")
+RESTS = (None, "selective")
 SAVE_OPS = match.MATMUL_OPS | match.ATTENTION_OPS | {"token_chunked", "token_segment", "chunked_linear_cross_entropy",
                                                      "triton_linear_cross_entropy", "triton_attention"}
 
@@ -57,14 +62,20 @@ class Recompute:
         self.offload: Optional[str] = options.get("offload")
         if self.offload not in OFFLOADS:
             raise ValueError(f"offload must be one of {OFFLOADS}, got {self.offload!r}")
+        self.rest: Optional[str] = options.get("recompute_rest")   # the policy of the blocks past the first k
+        if self.rest not in RESTS:
+            raise ValueError(f"recompute_rest must be one of {RESTS}, got {self.rest!r}")
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         blocks = [r.path for r in ctx.regions.of_kind("block")]
         chosen = blocks if self.num_blocks is None else blocks[:self.num_blocks]
-        if not chosen:
+        policy = {p: self.policy for p in chosen}
+        if self.rest is not None:
+            policy.update({p: self.rest for p in blocks[len(chosen):]})
+        if not policy:
             why = "no transformer blocks found" if not blocks else "recompute_blocks=0"
             return PassResult(gm, False, {}, (), (f"(graph): {why}",))
-        index = {p: i for i, p in enumerate(chosen)}
+        index = {p: i for i, p in enumerate(policy)}
         counts = {"recomputed": 0, "saved": 0}
         block_of = {n: next((p for p in module_paths(n) if p in index), None) for n in gm.graph.nodes
                     if n.op in ("call_function", "call_method")}
@@ -83,16 +94,19 @@ class Recompute:
         for n, block in block_of.items():
             if block is None:
                 continue
-            save = n in outputs or (self.policy == "selective" and match.op_name(n) in SAVE_OPS)
+            save = n in outputs or (policy[block] == "selective" and match.op_name(n) in SAVE_OPS)
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = index[block] + 1
             n.meta[PASS_META] = n.meta.get(PASS_META, NAME)
             counts["saved" if save else "recomputed"] += 1
         if self.offload:
-            counts["offloaded"] = self._tag_checkpoints(gm, [r for r in ctx.regions.of_kind("block") if r.path in index])
+            full = set(chosen)
+            counts["offloaded"] = self._tag_checkpoints(gm, [r for r in ctx.regions.of_kind("block") if r.path in full])
         stats = {"policy": self.policy, "blocks": len(chosen), **counts}
-        how = self.policy + (", its checkpoint offloaded to host" if self.offload else "")
-        return PassResult(gm, True, stats, tuple(f"{p} ({how})" for p in chosen))
+        if self.rest is not None:
+            stats["rest"] = {"policy": self.rest, "blocks": len(policy) - len(chosen)}
+        ckpt = ", its checkpoint offloaded to host" if self.offload else ""
+        return PassResult(gm, True, stats, tuple(f"{p} ({pol}{ckpt if p in chosen else ''})" for p, pol in policy.items()))
 
     @staticmethod
     def _tag_checkpoints(gm: fx.GraphModule, blocks: list) -> int:
