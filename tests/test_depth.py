@@ -178,20 +178,23 @@ def test_the_planners_ladder_from_a_shallow_capture_is_the_whole_ones():
     under a budget whose bisection tries k within the first site's blocks and past them."""
     import tailorfx
     from tailorfx.planner import HEADROOM
-    cfg = config("llama", 12, "use_cache=False")
-    S = 2048
+    cfg = config("llama", 10, "use_cache=False")
+    S, setup = 1024, "pure-bf16-fused-optimizer"
 
     def tried(budget, shallow: bool = True) -> list:
-        opt = sizing.plan_for_budget.__wrapped__(cfg, budget, S, setup="pure-bf16", shallow=shallow)
+        opt = sizing.plan_for_budget.__wrapped__(cfg, budget, S, setup=setup, shallow=shallow)
         gp = opt.plan[0]
         return [(c.label, c.peak, c.added_flops, c.fits) for c in (gp.chosen, *gp.runners_up)]
-    with pytest.raises(tailorfx.BudgetError) as err:
-        sizing.plan_for_budget(cfg, 1 << 20, S, setup="pure-bf16")
-    six = next(peak for label, peak, *_ in tried(err.value.suggested_bytes) if label.startswith(
-        "minisequence + full recompute, 6/12 blocks"))
-    budget = int(six / (1 - HEADROOM)) + 1   # the bisection's first k fits: it goes on to smaller k
+    with pytest.raises(tailorfx.BudgetError, match="static part") as static:
+        sizing.plan_for_budget(cfg, 1 << 20, S, setup=setup)
+    beside = int(static.value.suggested_bytes / (1 - HEADROOM)) + (1 << 16)   # no plan's activations fit beside it
+    with pytest.raises(tailorfx.BudgetError, match="cannot be met") as err:
+        sizing.plan_for_budget(cfg, beside, S, setup=setup)
+    five = next(peak for label, peak, *_ in tried(err.value.suggested_bytes) if label.startswith(
+        "minisequence + full recompute, 5/10 blocks"))   # the bisection's first k
+    budget = int(five / (1 - HEADROOM)) + 1   # it fits: the bisection goes on to smaller k
     shallow = tried(budget)
-    ks = sorted(int(re.search(r"(\d+)/12 blocks, selective", label).group(1)) for label, *_ in shallow
+    ks = sorted(int(re.search(r"(\d+)/10 blocks, selective", label).group(1)) for label, *_ in shallow
                 if "selective in the rest" in label)
     assert ks[0] < 4 < ks[-1], shallow   # the first site holds blocks 1-3 of the capture
     assert shallow == tried(budget, shallow=False)
