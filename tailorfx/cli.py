@@ -116,11 +116,11 @@ def cmd_plan(args):
             with stage("longest sequence that fits (the second process)"):
                 longest = longest_later()
     print(f"{_n_params(opt.model, sizing.parameter_count(opt))} parameters\n")
-    w = max([48] + [len(c.label) for gp in opt.plan for c in ([gp.chosen] if gp.chosen else []) + list(gp.runners_up)])
+    tables = [(gp, ([gp.chosen] if gp.chosen is not None else []) + list(gp.runners_up)) for gp in opt.plan]
+    w = max([48] + [len(c.label) for _, rows in tables for c in rows])
     print(f"  {'plan':<{w}} {'predicted peak':>15} {'added FLOPs':>12}  fits")
-    for graph_plan in opt.plan:
+    for graph_plan, rows in tables:
         chosen = graph_plan.chosen
-        rows = ([chosen] if chosen is not None else []) + list(graph_plan.runners_up)
         for c in rows:
             flops = f"+{c.added_flops / 1e9:.1f}G" if c.added_flops else "0"
             print(f"{'*' if c is chosen else ' '} {c.label:<{w}} {format_bytes(c.peak):>15} {flops:>12}  "

@@ -100,8 +100,7 @@ class Recompute:
             n.meta[PASS_META] = n.meta.get(PASS_META, NAME)
             counts["saved" if save else "recomputed"] += 1
         if self.offload:
-            full = set(chosen)
-            counts["offloaded"] = self._tag_checkpoints(gm, [r for r in ctx.regions.of_kind("block") if r.path in full])
+            counts["offloaded"] = self._tag_checkpoints(gm, [r for r in ctx.regions.of_kind("block") if r.path in chosen])
         stats = {"policy": self.policy, "blocks": len(chosen), **counts}
         if self.rest is not None:
             stats["rest"] = {"policy": self.rest, "blocks": len(policy) - len(chosen)}
