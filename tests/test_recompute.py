@@ -77,13 +77,14 @@ def test_full_in_the_first_blocks_selective_in_the_rest():
 
 
 @pytest.mark.slow
-def test_the_planner_recomputes_whole_blocks_only_where_selective_recompute_is_over():
-    """An HF Llama (4 blocks, 1,024 tokens) under a budget 2% under selective recompute of every
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_planner_recomputes_whole_blocks_only_where_selective_recompute_is_over(family):
+    """An HF Llama or Qwen2 (4 blocks, 1,024 tokens) under a budget 2% under selective recompute of every
     block's peak, which the ladder's rungs the search tried are below: the chosen plan recomputes k blocks whole
     and the rest selectively, fewer FLOPs than any other plan that fits; exact against
     eager (loss and every gradient, two steps), and its measured peak predicted within -2%..+3%."""
     S = 1024
-    base = hf_family("llama", num_layers=4, hidden_size=128, intermediate_size=344, num_attention_heads=4,
+    base = hf_family(family, num_layers=4, hidden_size=128, intermediate_size=344, num_attention_heads=4,
                      num_key_value_heads=4, vocab_size=2048)
     ids = torch.randint(0, 2048, (1, S), generator=torch.Generator().manual_seed(3))
     inputs = {"input_ids": ids, "labels": ids.clone()}
