@@ -370,7 +370,7 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     `strict=True` raises instead. `precision_policy` overrides entries of the precision pass's
     policy. `recompute="full"|"selective"` sets the recompute policy; `offload="checkpoints"` keeps
     each recomputed block's saved input in host memory between forward and backward (ALST's
-    checkpoint offload; recompute "full" unless `recompute` says).
+    checkpoint offload; recompute "full" unless `recompute` says), "activations" all it saves (selective).
     `minisequence="segments"` chunks each block's whole token-wise segments (norm, projections and
     rotary before attention; output projection, residual, norm and MLP after it), not only MLPs.
     Capture happens at the first call, or now when example inputs are given (their forward runs

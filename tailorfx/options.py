@@ -77,7 +77,7 @@ def pass_options(*, budget=None, minisequence_chunks=None, minisequence=None, at
     from tailorfx.passes.recompute import OFFLOADS
     if offload not in OFFLOADS:
         raise _bad("offload", offload, "'checkpoints' (each recomputed block's saved input waits for the backward "
-                   "in host memory) or None")
+                   "in host memory), 'activations' (every tensor the recomputed blocks save does) or None")
     positive_int("minisequence_chunks", minisequence_chunks)
     if minisequence not in (None, "mlp", "segments"):
         raise _bad("minisequence", minisequence, "'mlp' (MLPs and the LM head), 'segments' (each block's whole "

@@ -129,12 +129,14 @@ def budget_candidates(base: Plan, num_blocks: int, has_head: bool = False, cpu: 
         out.append(Candidate("fused LM head", _order(keep + ("minisequence",)), (("minisequence_mlps", False),)))
     out.append(Candidate("minisequence", _order(keep + ("minisequence",))))
     ms_rc = _order(keep + ("minisequence", "recompute"))
+    act = base.options.get("offload") == "activations"   # the ladder offloads k blocks' tensors, not recomputes them
     out.append(Candidate("minisequence + selective recompute, all blocks", ms_rc,
-                         (("recompute_policy", "selective"), ("recompute_blocks", None))))
-    for k in range(1, num_blocks + 1):   # full recompute in the first k blocks, selective in the rest
+                         (("recompute_policy", "selective"), ("recompute_blocks", None)) + ((("offload", None),) if act else ())))
+    for k in range(1, num_blocks + 1):   # full recompute (or offload) in the first k blocks, selective in the rest
         rest, also = ((("recompute_rest", "selective"),), ", selective in the rest") if k < num_blocks else ((), "")
-        out.append(Candidate(f"minisequence + full recompute, {k}/{num_blocks} blocks{also}", ms_rc,
-                             (("recompute_policy", "full"), ("recompute_blocks", k)) + rest))
+        out.append(Candidate(f"minisequence + selective recompute, all blocks, saved activations of {k}/{num_blocks} "
+                             "blocks offloaded to host" if act else f"minisequence + full recompute, {k}/{num_blocks} blocks{also}",
+                             ms_rc, (("recompute_policy", "selective" if act else "full"), ("recompute_blocks", k)) + rest))
     if num_blocks:   # past full recompute: the blocks' token-wise segments chunked too
         out.append(Candidate("minisequence segments", _order(keep + ("minisequence",)),
                              (("minisequence_segments", True),)))
@@ -169,16 +171,13 @@ Evaluate = Callable[[Candidate], tuple[Candidate, object]]
 def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_label: str,
            breakdown: Callable[[object], dict], allocator_headroom: float = 0.0
            ) -> tuple[Candidate, object, list[Candidate]]:
-    """The fitting candidate with the least recompute; raises BudgetError if none fits.
-
-    Candidates that recompute nothing are tried first: when one fits, no plan that recomputes
-    can beat it, and none is traced. The 'full recompute of k blocks' candidates, whose peak falls
-    as k grows, are bisected for the smallest k that fits, so large models cost log(blocks)
-    traces; the others are all tried.
-    """
+    """The fitting candidate with the least recompute (then the fewest blocks offloaded); raises
+    BudgetError if none fits. Candidates that recompute nothing are tried first: when one fits, no
+    plan that recomputes can beat it, and none is traced. The first-k-blocks candidates, whose peak
+    falls as k grows, are bisected for the smallest k that fits (log(blocks) traces); the others
+    are all tried."""
     last = [c for c in candidates if last_resort(c)]
-    ks = [c for c in candidates if dict(c.options).get("recompute_policy") == "full"
-          and not dict(c.options).get("minisequence_segments")]
+    ks = [c for c in candidates if isinstance(dict(c.options).get("recompute_blocks"), int)]
     free = [c for c in candidates if c not in ks and c not in last and recomputes_nothing(c)]
     head = [c for c in candidates if c not in ks and c not in free and c not in last]
     with progress(total=len(free) + len(head) + len(ks).bit_length() + len(last), desc="planning",
@@ -219,7 +218,7 @@ def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_
             + "), or shrink what dominates (shorter sequences or smaller batches for activations; "
             "a lighter TrainingSetup for weights, gradients and optimizer state: pure-bf16, "
             "pure-bf16-fused-optimizer, 8-bit AdamW).", smallest.peak, dominant, suggested)
-    fitting.sort(key=lambda cp: (cp[0].added_flops, cp[0].peak))
+    fitting.sort(key=lambda cp: (cp[0].added_flops, dict(cp[0].options).get("recompute_blocks") or 0, cp[0].peak))
     chosen, payload = fitting[0]
     others = sorted((c for c, _ in seen if c is not chosen), key=lambda c: (not c.fits, c.added_flops))
     return chosen, payload, others

@@ -198,3 +198,27 @@ def test_the_planners_ladder_from_a_shallow_capture_is_the_whole_ones():
                 if "selective in the rest" in label)
     assert ks[0] < 4 < ks[-1], shallow   # the first site holds blocks 1-3 of the capture
     assert shallow == tried(budget, shallow=False)
+
+
+@pytest.mark.slow
+def test_the_activation_offload_ladder_from_a_shallow_capture_is_the_whole_ones():
+    """offload="activations": every plan the planner tries, the first k blocks' saved tensors in host
+    memory with selective recompute everywhere among them, predicted from a shallow capture (two
+    sites) as from the whole model, under a budget whose bisection tries k on both sides of the
+    first site's blocks."""
+    cfg = config("llama", 10, "use_cache=False")
+    S, setup = 1024, "pure-bf16-fused-optimizer"
+
+    def tried(budget, shallow: bool = True) -> list:
+        opt = sizing.plan_for_budget.__wrapped__(cfg, budget, S, setup=setup, shallow=shallow, offload="activations")
+        gp = opt.plan[0]
+        return [(c.label, c.peak, c.added_flops, c.fits, opt.predict_memory().host_bytes if c is gp.chosen else None)
+                for c in (gp.chosen, *gp.runners_up)]
+    from tailorfx.planner import HEADROOM
+    budget = int(25.5 * (1 << 20) / (1 - HEADROOM))   # under selective recompute's peak (about 27 MiB)
+    whole = tried(budget, shallow=False)
+    assert "blocks offloaded to host" in whole[0][0] and whole[0][4] > 0, whole   # the ladder's, chosen
+    ks = sorted(int(re.search(r"of (\d+)/10 blocks offloaded", label).group(1)) for label, *_ in whole
+                if "offloaded to host" in label)
+    assert ks[0] < 4 < ks[-1], whole   # the first site holds blocks 1-3 of the capture
+    assert tried(budget) == whole

@@ -16,6 +16,10 @@ min-cut partitioner, which must recompute what is tagged so and must save what i
                         forward of each) is spent only on what selective cannot save
     offload "checkpoints": each block's input (its checkpoint) waits for the backward in host memory
                         (ALST's checkpoint offload; rewrite/offload.py)
+    offload "activations": every tensor the chosen blocks save (their inputs too) waits in host
+                        memory, a block's reloaded together one block ahead (torchtune's
+                        activation offload): memory selective recompute keeps, freed without the
+                        FLOPs of a full recompute, for the host link's time
 
     before:  %mm_4 = mm(%view_8, %t_4)                       (saved for backward)
     after:   %mm_4 = mm(%view_8, %t_4)  {recompute: MUST_RECOMPUTE, ac_graph_id: 1}
@@ -37,7 +41,7 @@ from tailorfx.rewrite.regions import module_paths
 
 NAME = "recompute"
 POLICIES = ("full", "selective")
-OFFLOADS = (None, "checkpoints")
+OFFLOADS = (None, "checkpoints", "activations")
 RESTS = (None, "selective")
 SAVE_OPS = match.MATMUL_OPS | match.ATTENTION_OPS | {"token_chunked", "token_segment", "chunked_linear_cross_entropy",
                                                      "triton_linear_cross_entropy", "triton_attention"}
@@ -54,14 +58,15 @@ class Recompute:
     after = ("minisequence",)   # chunked ops are tagged like the ops they replaced
 
     def __init__(self, options: dict):
-        self.policy: str = options.get("recompute_policy") or "full"
+        self.offload: Optional[str] = options.get("offload")
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"offload must be one of {OFFLOADS}, got {self.offload!r}")
+        # offloaded activations stand in for a full recompute: selective unless asked otherwise
+        self.policy: str = options.get("recompute_policy") or ("selective" if self.offload == "activations" else "full")
         if self.policy not in POLICIES:
             raise ValueError(f"recompute_policy must be one of {POLICIES}, got {self.policy!r}")
         blocks = options.get("recompute_blocks")   # None: all blocks; an int k: the first k
         self.num_blocks: Optional[int] = blocks
-        self.offload: Optional[str] = options.get("offload")
-        if self.offload not in OFFLOADS:
-            raise ValueError(f"offload must be one of {OFFLOADS}, got {self.offload!r}")
         self.rest: Optional[str] = options.get("recompute_rest")   # the policy of the blocks past the first k
         if self.rest not in RESTS:
             raise ValueError(f"recompute_rest must be one of {RESTS}, got {self.rest!r}")
@@ -100,18 +105,25 @@ class Recompute:
             n.meta[PASS_META] = n.meta.get(PASS_META, NAME)
             counts["saved" if save else "recomputed"] += 1
         if self.offload:
-            counts["offloaded"] = self._tag_checkpoints(gm, [r for r in ctx.regions.of_kind("block") if r.path in chosen])
+            regions = [r for r in ctx.regions.of_kind("block") if r.path in chosen]
+            if self.offload == "activations":   # a block's outputs wait as the next block's checkpoint (if chosen)
+                for n, block in block_of.items():
+                    if block in chosen and n not in outputs:
+                        offload.tag(n, index[block] + 1)
+            counts["offloaded"] = self._tag_checkpoints(gm, regions, self.offload == "activations", index)
         stats = {"policy": self.policy, "blocks": len(chosen), **counts}
         if self.rest is not None:
             stats["rest"] = {"policy": self.rest, "blocks": len(policy) - len(chosen)}
-        ckpt = ", its checkpoint offloaded to host" if self.offload else ""
+        ckpt = {None: "", "checkpoints": ", its checkpoint offloaded to host",
+                "activations": ", its saved activations offloaded to host"}[self.offload]
         return PassResult(gm, True, stats, tuple(f"{p} ({pol}{ckpt if p in chosen else ''})" for p, pol in policy.items()))
 
     @staticmethod
-    def _tag_checkpoints(gm: fx.GraphModule, blocks: list) -> int:
+    def _tag_checkpoints(gm: fx.GraphModule, blocks: list, grouped: bool = False, index: Optional[dict] = None) -> int:
         """Tag each block's input on the residual stream (its largest input: the embedding's
         output, or the block before's) for host memory: the checkpoint the block is recomputed
-        from. The last block's output is not one (the final norm reads it first in backward)."""
+        from. The last block's output is not one (the final norm reads it first in backward).
+        `grouped`: in the block's group (`index`: block path -> position), reloaded with it."""
         nodes = {n.name: n for n in gm.graph.nodes}
         count = 0
         for b in blocks:
@@ -120,9 +132,10 @@ class Recompute:
             if not ins:
                 continue
             x = max(ins, key=lambda n: compat.size_hint(node_value(n).numel()))
-            offload.tag(x)
+            group = index[b.path] + 1 if grouped else None
+            offload.tag(x, group)
             if match.is_getitem(x) and isinstance(x.args[0], fx.Node):
-                offload.tag(x.args[0])
+                offload.tag(x.args[0], group)
             count += 1
         return count
 

@@ -201,7 +201,7 @@ def compile_context(gm: fx.GraphModule) -> contextlib.AbstractContextManager:
     if low:
         stack.enter_context(compat.inductor_joint_pass(saved_dtype.round_trip_backward_reads, "tailorfx-saved-low-1"))
     if host:
-        stack.enter_context(compat.inductor_partitioner(offload.offload_saved, "tailorfx-offload-2"))
+        stack.enter_context(compat.inductor_partitioner(offload.offload_saved_waiting, "tailorfx-offload-3"))
     return stack
 
 

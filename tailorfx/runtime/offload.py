@@ -31,23 +31,29 @@ def _copy_stream(device: torch.device):
 
 
 @torch.library.custom_op("tailorfx::offload", mutates_args=())
-def offload(x: Tensor) -> Tensor:
-    """A copy of `x` in host memory (pinned on a GPU, copied on the copy stream)."""
+def offload(x: Tensor, wait: bool = False) -> Tensor:
+    """A copy of `x` in host memory (pinned on a GPU, copied on the copy stream). `wait`: the
+    compute stream's later work waits for the copy (Inductor's generated code reuses x's buffer
+    right after its last use, which record_stream cannot hold back; the eager lowering frees x
+    through the allocator, which it does)."""
     if x.device.type == "cpu":
         host = torch.from_numpy(np.empty(x.numel() * x.element_size(), np.uint8)).view(x.dtype).view(x.shape)
         host.copy_(x)
         return host
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
     stream = _copy_stream(x.device)
-    stream.wait_stream(torch.cuda.current_stream(x.device))   # after the compute that made x
+    compute = torch.cuda.current_stream(x.device)
+    stream.wait_stream(compute)   # after the compute that made x
     with torch.cuda.stream(stream):
         host.copy_(x, non_blocking=True)
     x.record_stream(stream)   # x's memory is not handed out again before the copy has read it
+    if wait:
+        compute.wait_stream(stream)
     return host
 
 
 @offload.register_fake
-def _offload_fake(x: Tensor) -> Tensor:
+def _offload_fake(x: Tensor, wait: bool = False) -> Tensor:
     return x.new_empty(x.shape, device="cpu")
 
 
