@@ -25,6 +25,13 @@ Gemma-2's `final_logit_softcapping` is applied inside the shard's loss function 
 recipe trains another model). Other logit transforms (Cohere's logit_scale, Granite's
 logits_scaling) are refused, not silently dropped.
 
+`min_shards` raises both shard counts to at least that many (a short sequence has one shard of
+each, so a check at 512 tokens passes min_shards=2 to run the sharded paths).
+
+Trained with the optimizer step in backward, ALST needs `LastShardOptimizer`: TiledMLP and
+TiledFusedLogitsLoss call autograd.backward once per shard, so a post-accumulate-grad hook would
+update a parameter after every shard.
+
 `counts` (a Counter owned by the returned module) records what fired: TiledMLP applications and
 shard calls, TiledFusedLogitsLoss applications and shard calls, and attention calls (a forward
 pre-hook on each layer's `self_attn`: with checkpointing each runs twice per step, once more in
@@ -44,6 +51,8 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import tailorfx
 
 ARCTIC_LOGITS_SLICE = 1 << 30   # ArcticTraining's slice_size_in_gb = 1: fp32 logits per loss shard
 IGNORE_INDEX = -100
@@ -79,9 +88,10 @@ def count_attention_calls(model: nn.Module, counts: Counter) -> list:
 class TiledMLPBlock(nn.Module):
     """An MLP run through DeepSpeed's TiledMLP: the module put in place of a decoder layer's `mlp`."""
 
-    def __init__(self, mlp: nn.Module, counts: Counter):
+    def __init__(self, mlp: nn.Module, counts: Counter, min_shards: int = 1):
         super().__init__()
         self.mlp = mlp
+        self.min_shards = min_shards
         self.__dict__["counts"] = counts   # shared with the model, not a submodule
 
     @staticmethod
@@ -91,7 +101,7 @@ class TiledMLPBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         TiledMLP, _ = require_deepspeed()
-        shards = mlp_shards(x.shape[-2], x.shape[-1])
+        shards = max(self.min_shards, mlp_shards(x.shape[-2], x.shape[-1]))
         self.counts["tiled_mlp_applies"] += 1
         self.counts["tiled_mlp_max_shards"] = max(self.counts["tiled_mlp_max_shards"], shards)
         return TiledMLP.apply(TiledMLPBlock._shard, self, x, shards, list(self.mlp.parameters()))
@@ -101,7 +111,7 @@ class ALSTCausalLM(nn.Module):
     """A HF causal LM with the ALST recipe applied; forward(input_ids, labels) returns an output
     with `.loss` (and logits=None: the tiled loss never builds them)."""
 
-    def __init__(self, model: nn.Module, logits_slice_bytes: int = ARCTIC_LOGITS_SLICE):
+    def __init__(self, model: nn.Module, logits_slice_bytes: int = ARCTIC_LOGITS_SLICE, min_shards: int = 1):
         super().__init__()
         require_deepspeed()
         cfg = model.config
@@ -111,13 +121,14 @@ class ALSTCausalLM(nn.Module):
                                  "loss here applies only final_logit_softcapping")
         self.model = model
         self.logits_slice_bytes = logits_slice_bytes
+        self.min_shards = min_shards
         self.counts: Counter = Counter()
         if hasattr(model, "activation_checkpointing_enable"):   # transformers >= 5.24 (the old name warns)
             model.activation_checkpointing_enable()
         else:
             model.gradient_checkpointing_enable()
         for layer in model.model.layers:
-            layer.mlp = TiledMLPBlock(layer.mlp, self.counts)
+            layer.mlp = TiledMLPBlock(layer.mlp, self.counts, min_shards)
         self._hooks = count_attention_calls(model, self.counts)
 
     @staticmethod
@@ -140,10 +151,21 @@ class ALSTCausalLM(nn.Module):
         hidden = self.model.model(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
         B, S = shift_labels.shape
-        shards = logits_shards(B, S, self.model.config.vocab_size, self.logits_slice_bytes)
+        shards = max(self.min_shards, logits_shards(B, S, self.model.config.vocab_size, self.logits_slice_bytes))
         self.counts["tiled_loss_applies"] += 1
         self.counts["tiled_loss_max_shards"] = max(self.counts["tiled_loss_max_shards"], shards)
         num_items = (shift_labels != IGNORE_INDEX).sum().clamp(min=1)
         loss = TiledFusedLogitsLoss.apply(functools.partial(ALSTCausalLM._shard_loss, num_items=num_items), self,
                                           hidden, shift_labels, None, shards, [self.model.lm_head.weight], "sum")
         return CausalLMOutputWithPast(loss=loss)
+
+
+class LastShardOptimizer(tailorfx.SetupOptimizer):
+    """tailorfx.SetupOptimizer whose step in backward updates a parameter once a step, after its
+    last shard: DeepSpeed sets `ds_grad_is_ready = False` on a tiled function's parameters for
+    every shard but the last (for ZeRO, which must not reduce a partial gradient either), so until
+    then the hook leaves the gradient to accumulate."""
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if getattr(p, "ds_grad_is_ready", True):
+            super()._hook(p)

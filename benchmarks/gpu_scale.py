@@ -8,27 +8,50 @@
 The model is transformers' LlamaForCausalLM from benchmarks/paper_table.py's Llama-3-8B config
 (use_cache=False), initialised randomly on the GPU in bf16 (no download, no CPU copy). Every
 provider trains under the paper table's setup, pure-bf16-fused-optimizer: bf16 weights and AdamW
-state, the step fused into backward (tailorfx.SetupOptimizer's hooks, which the peers use too).
+state, the step fused into backward (tailorfx.SetupOptimizer's hooks, which the peers use too;
+ALST's alst.LastShardOptimizer updates a parameter after its last shard only).
 The budget is the H100-80GB preset, emulated on a larger GPU by capping the caching allocator
 (torch.cuda.set_per_process_memory_fraction) at 79 GiB: an H100's 79.6 GiB less its CUDA context.
 
-Sections, in this order; each writes the JSON (benchmarks/out/gpu_scale.json) as it ends and starts
-only while --budget-s has the time it needs:
+Every tailorfx.optimize() here passes lowering="eager" (meta.lowering in the JSON), not the default
+"auto", which means Inductor on CUDA. Eager is the lowering of every prediction the run checks
+(max_seq_len, plan_for_budget, benchmarks/results/gpu_scale_predicted.json) and of the dry run.
+Under Inductor a budgeted optimize() traces each candidate plan through Inductor (about 78 s a
+trace at 32 layers, 10-15 min of planning), and the optimizer steps run after the compiled
+backward returns, so every gradient is alive at its end (the 56 GiB budget cannot be met).
+
+The call has a hard wall (10 min). A check starts only when its estimate (the model's build,
+optimize() with its planning, the first step, the steady steps: `estimate_s` in its entry) fits
+what is left of --budget-s; otherwise it is recorded as skipped with both figures. A section starts
+only while time is left. Each check is saved as "running" before it starts. A watchdog thread at
+--budget-s + 25 s writes the JSON (a check still running marked "timeout") and ends the process
+with exit status 3. A check fails at once if more than 1 GiB is still allocated on the GPU from
+an earlier one (a leak): it would otherwise fail for that reason and not its own.
+
+Sections, in this order; each writes the JSON (benchmarks/out/gpu_scale.json) as it ends:
   longest  tailorfx.max_seq_len for the budget (the planner's time), optimize() at that length
-           (capture and planning), the first step (compile), then a steady step: no OOM and the
+           (capture and planning), the first step, then a steady step: no OOM and the
            measured peak within -2%..+3% of opt.predict_memory(); the next granule up is refused
            by the planner on the device alone (plan_for_budget on fake tensors: on a GPU budget
            its last candidate, checkpoints offloaded to host, may still meet it).
-  speed    8K, 16K, 32K tokens: tailorfx's plan for the budget, eager, HF activation
-           checkpointing, Liger-Kernel (its defaults, fused linear cross-entropy among them) + HF
-           checkpointing, the ALST recipe (DeepSpeed's TiledMLP + TiledFusedLogitsLoss + HF
-           checkpointing, benchmarks/alst.py; no ZeRO): step time, tokens/s, MFU. Each peer is
-           checked against eager at a short length, and that its feature fired.
+  speed    32K, 16K and 8K tokens, a row of providers each: tailorfx's plan for the budget (at
+           32K also with offload="activations": the first k blocks' saved tensors wait in host
+           memory instead of those blocks being recomputed, the planner picking k), eager, HF
+           activation checkpointing, Liger-Kernel (its defaults, fused linear cross-entropy among
+           them) + HF checkpointing, the ALST recipe (DeepSpeed's TiledMLP + TiledFusedLogitsLoss
+           + HF checkpointing, benchmarks/alst.py; no ZeRO): step time, tokens/s, MFU; tailorfx's
+           rows also the chosen plan and the peak against the prediction. Each provider is
+           checked against eager at a short length (the loss, every weight's gradient norm, one
+           step updating each parameter once; ALST with two shards or more of each kind) and for
+           its feature firing. The 32K row runs first, then those checks, then 16K and 8K: at 32K
+           the rewrites decide what fits and how fast, so its MFU comparison is what the run is
+           for, and a budgeted optimize() takes minutes, so what runs last may find no time.
   offload  under a lower budget (OFFLOAD_BUDGET): offload="checkpoints" at the longest length
            it reaches (peak vs prediction, host bytes), and its time per token against the
            device-only plan at the longest length that one reaches.
-  probe    last, in a subprocess: the longest length's plan run one granule longer (an OOM, or
-           a peak over the budget, is what the prediction implies).
+  probe    last, in a subprocess: the longest length's plan run one granule longer. An OOM, or a
+           peak over the budget less the planner's headroom (what max_seq_len holds a plan to),
+           is what the prediction implies (ok); a step that fits is not.
 
 MFU = (6 x N x tokens + 6 x layers x tokens^2 x heads x head_dim) / step time / 989 TFLOP/s, the
 H100 and H200 dense bf16 peak. N counts every weight but the input embedding (a lookup); the second
@@ -43,7 +66,9 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from typing import Any, Callable, NamedTuple, Optional
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH_DIR)
@@ -53,6 +78,9 @@ from gpucheck.record import Run, Skip, bench_module, describe, finish, new_secti
 
 SECTIONS = ("longest", "speed", "offload", "probe")
 SETUP = "pure-bf16-fused-optimizer"
+LOWERING = "eager"
+LOWERING_WHY = ("the lowering of every prediction checked here and of the dry run; Inductor's planning "
+                "takes minutes a candidate and keeps every gradient alive with the optimizer in backward")
 PEAK_TFLOPS = 989.0            # H100 SXM and H200 dense bf16 (NVIDIA's data sheets)
 BUDGET = "H100-80GB"
 ALLOCATOR_CAP = 79 * 2**30     # an H100's 79.6 GiB less its CUDA context: what its allocator can reach
@@ -61,8 +89,26 @@ OFFLOAD_CAP = OFFLOAD_BUDGET + 3 * 2**29   # the preset's reserve (1.5 GiB) give
 LENGTHS = (8192, 16384, 32768)
 GRANULE = 128
 PROVIDERS = ("tailorfx", "eager", "hf-checkpointing", "liger+hf-checkpointing", "alst")
+OFFLOADED = "tailorfx, activations offloaded"   # in the longest row only
+TAILORFX = {"tailorfx": {}, OFFLOADED: {"offload": "activations"}}   # provider -> optimize() options
+LEAK_BYTES = 1 << 30           # allocated at a check's start: an earlier check's model or AdamW state
 # dry run: a 2-layer Llama on CPU, budgets in MiB, lengths short enough for CPU steps
 DRY = dict(budget=3 << 20, offload_budget=3 << 20, lengths=(256, 512), granule=64, limit=2048)
+
+# What a check is estimated to take on the GPU, so that it starts only when it can finish. A budgeted
+# optimize() of the 32-layer graph, timed on fake tensors on a busy 2-core CPU, planned in 3-3.5 min
+# at 8K and 32K tokens and predicted in 30 s; a run replaces PLAN_S by its first optimize()'s time.
+ESTIMATE_TFLOPS = 350.0        # what a step is assumed to reach (about a third of the peak)
+OFFLOAD_SLOWDOWN = 1.6         # a step with host copies the compute does not hide, over its FLOPs' time
+STEP_OVERHEAD_S = 1.0          # launches and 291 single-tensor AdamW updates a step
+BUILD_S = 20.0                 # an 8B model made on the GPU, random weights
+FIRST_STEP_S = 20.0            # the first step's extra: Triton's compiles, the allocator's growth
+PLAN_S = 150.0                 # a budgeted optimize(): capture and the planner's traces
+PREDICT_S = 30.0               # one predict_memory(), or max_seq_len / plan_for_budget on a shallow capture
+TRACE_S = 60.0                 # optimize() with fixed passes and one prediction: capture, one trace
+PYTHON_S = 30.0                # a fresh interpreter's imports (the probe's subprocess)
+SECTION_MIN_S = 30.0           # less time than this left: a section is skipped
+WATCHDOG_MARGIN_S = 25.0       # after --budget-s: the JSON is written and the process ends
 
 
 # ---- the model and its steps ---------------------------------------------------------------
@@ -98,11 +144,22 @@ def counted_params(model) -> int:
     return sum(p.numel() for p in model.parameters() if p is not emb)
 
 
-def mfu(model, S: int, seconds: float) -> float:
-    cfg = model.config
+def config_params(cfg) -> int:
+    """counted_params of a Llama config's model, without building it (for estimates)."""
+    h, L = cfg.hidden_size, cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    attention = 2 * h * head_dim * (cfg.num_attention_heads + cfg.num_key_value_heads)
+    return L * (attention + 3 * h * cfg.intermediate_size + 2 * h) + h + h * cfg.vocab_size
+
+
+def step_flops(cfg, num_params: int, S: int) -> float:
+    """The MFU numerator: the dense matmuls' FLOPs and causal attention's, forward and backward."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    flops = 6 * counted_params(model) * S + 6 * cfg.num_hidden_layers * S * S * cfg.num_attention_heads * head_dim
-    return flops / seconds / (PEAK_TFLOPS * 1e12)
+    return 6 * num_params * S + 6 * cfg.num_hidden_layers * S * S * cfg.num_attention_heads * head_dim
+
+
+def mfu(model, S: int, seconds: float) -> float:
+    return step_flops(model.config, counted_params(model), S) / seconds / (PEAK_TFLOPS * 1e12)
 
 
 def sync(run: Run) -> None:
@@ -111,11 +168,14 @@ def sync(run: Run) -> None:
         torch.cuda.synchronize()
 
 
-def stepper(run: Run, module, model, inputs: dict):
-    """One training step of `module` (the model as a provider wraps it), the optimizer fused into
-    backward through tailorfx.SetupOptimizer's hooks on `model`'s parameters; returns (step, close)."""
+@contextlib.contextmanager
+def stepper(run: Run, module, model, inputs: dict, optimizer=None):
+    """(step, optimizer): one training step of `module` (the model as a provider wraps it), the
+    optimizer fused into backward through `optimizer`'s hooks on `model`'s parameters (default
+    tailorfx.SetupOptimizer). The hooks and the optimizer's entry in tailorfx's registry hold the
+    model and its AdamW state until close(), so close() runs however the block ends."""
     import tailorfx
-    optim = tailorfx.SetupOptimizer(model.parameters(), SETUP)
+    optim = (optimizer or tailorfx.SetupOptimizer)(model.parameters(), SETUP)
 
     def step():
         out = module(**inputs)
@@ -125,7 +185,27 @@ def stepper(run: Run, module, model, inputs: dict):
         optim.zero_grad()
         sync(run)
         return out
-    return step, optim.close
+    try:
+        yield step, optim
+    finally:
+        optim.close()
+
+
+def first_step(run: Run, step) -> tuple[float, Any]:
+    """(seconds, output) of the first step: Triton's compiles and the allocator's first growth."""
+    sync(run)   # optimize()'s example forward may still be queued
+    t0 = time.time()
+    out = step()
+    return round(time.time() - t0, 1), out
+
+
+def median_step_s(step, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()   # ends in a synchronize
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def peak_of(run: Run, step) -> dict:
@@ -151,6 +231,10 @@ def against_prediction(measured: dict, est) -> dict:
         pred, meas = est.forward_backward_peak_bytes, measured["dynamic_peak"]
     return {"predicted": pred, "measured": meas, "error": (pred - meas) / meas,
             "within_-2%..+3%": -0.02 <= (pred - meas) / meas <= 0.03}
+
+
+def plan_labels(opt) -> list:
+    return [p.chosen.label if p.chosen else p.reason for p in opt.plan]
 
 
 @contextlib.contextmanager
@@ -179,6 +263,90 @@ def budgets(run: Run) -> dict:
             "granule": GRANULE, "limit": 1 << 21, "lengths": LENGTHS}
 
 
+# ---- time and a clean start: the guard every check runs under ------------------------------------
+
+def estimate_s(run: Run, S: int, steps: int, plan: bool = False, builds: int = 1, slowdown: float = 4 / 3) -> float:
+    """Seconds a check should take on the GPU: `builds` models made, with `plan` a budgeted
+    optimize() (its example forward, the planner, one prediction), the first step's extra, and
+    `steps` steps of S tokens at ESTIMATE_TFLOPS (`slowdown`: recompute's extra forward, copies)."""
+    cfg = config(run.dry)
+    step = step_flops(cfg, config_params(cfg), S) * slowdown / (ESTIMATE_TFLOPS * 1e12) + STEP_OVERHEAD_S
+    planning = run.shared.get("plan_s", PLAN_S) + PREDICT_S + step / 3 if plan else 0.0
+    return builds * BUILD_S + planning + FIRST_STEP_S + steps * step
+
+
+def allocated(run: Run) -> int:
+    if not run.cuda:
+        return 0
+    import torch
+    return torch.cuda.memory_allocated()
+
+
+def guarded(run: Run, sec: dict, name: str, need_s: float, fn: Callable[[], Optional[dict]]) -> dict:
+    """run.check(sec, name, fn) if `need_s` (estimate_s's) fits the time left, else an entry
+    skipped for time; the check fails at once if more than LEAK_BYTES are still allocated on the
+    GPU (an earlier check's leak would fail it for the wrong reason). The dry run skips nothing for
+    time (the estimates are a GPU's)."""
+    need = 0.0 if run.dry else need_s
+    print(f"[{time.time() - run.start:5.0f} s] {name}: {run.left():.0f} s left, about {need_s:.0f} s needed",
+          flush=True)
+    if run.left() < need:
+        entry = {"name": name, "status": "skipped", "estimate_s": round(need_s),
+                 "reason": f"time budget: {run.left():.0f} s left, about {need_s:.0f} s needed"}
+        sec["checks"].append(entry)
+        run.save()
+        return entry
+
+    def body():
+        before = allocated(run)
+        if before > LEAK_BYTES:
+            return {"ok": False, "allocated_before": before,
+                    "reason": f"{before / 2**30:.1f} GiB still allocated on the GPU from an earlier check (a leak)"}
+        res = dict(fn() or {})
+        return {**res, "allocated_before": before} if run.cuda else res
+    entry = run.check(sec, name, body)
+    entry["estimate_s"] = round(need_s)
+    print(f"    {entry['status']} in {entry['seconds']} s", flush=True)
+    return entry
+
+
+def start_watchdog(run: Run, margin_s: float) -> threading.Timer:
+    """A timer thread that, `margin_s` after --budget-s runs out, writes the JSON (a check still
+    running marked "timeout") and ends the process with status 3, killing the probe's subprocess:
+    the caller's hard wall then never finds the run without its JSON. A thread, not SIGALRM: it
+    fires while the main thread waits in CUDA or on a subprocess."""
+    def fire():
+        now = time.time() - run.start
+        for sec in list(run.data["sections"].values()):
+            for c in sec["checks"]:
+                if c.get("status") == "running":
+                    c.update(status="timeout", seconds=round(now - c["at_s"], 1))
+            if sec.get("status") == "running":
+                sec["status"] = "timeout"
+        run.data["meta"]["watchdog"] = (f"stopped at {now:.0f} s (--budget-s {run.args.budget_s:.0f} "
+                                        f"+ {margin_s:.0f} s)")
+        if (child := run.shared.get("child")) is not None:
+            child.kill()
+        text = None
+        for _ in range(5):   # the main thread may change a dict while it is dumped
+            try:
+                text = json.dumps(run.data, indent=1, default=str)
+                break
+            except RuntimeError:
+                time.sleep(0.1)
+        if text is not None:   # else the JSON the last check saved stands
+            tmp = f"{run.args.out}.watchdog"
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, run.args.out)
+        print(f"[watchdog] {run.data['meta']['watchdog']}; wrote {run.args.out}", flush=True)
+        os._exit(3)
+    timer = threading.Timer(max(0.0, run.left()) + margin_s, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 # ---- sections --------------------------------------------------------------------------------
 
 def section_longest(run: Run, sec: dict) -> None:
@@ -191,38 +359,40 @@ def section_longest(run: Run, sec: dict) -> None:
         S = tailorfx.max_seq_len(cfg, b["budget"], setup=SETUP, granularity=b["granule"], limit=b["limit"])
         run.shared["longest"] = S
         return {"predicted_longest": S, "planner_s": round(time.time() - t0, 1), "budget": str(b["budget"])}
-    run.check(sec, "max_seq_len", predict)
+    guarded(run, sec, "max_seq_len", PREDICT_S, predict)
+    if "longest" not in run.shared:
+        raise Skip("max_seq_len gave no length to train at")
+    S = run.shared["longest"]
+    guarded(run, sec, "next granule refused", PREDICT_S, lambda: next_granule(cfg, b["budget"], S + b["granule"]))
+    guarded(run, sec, "train at the longest length", estimate_s(run, S, steps=3, plan=True),
+            lambda: train_longest(run, S))
 
-    run.check(sec, "next granule refused", lambda: next_granule(cfg, b["budget"], run.shared["longest"] + b["granule"]))
 
-    def train():
-        S = run.shared["longest"]
-        with capped(run, b["cap"]):
-            t0 = time.time()
-            model = build(run)
-            res = {"tokens": S, "build_s": round(time.time() - t0, 1)}
-            inputs = batch(run, S)
-            t0 = time.time()
-            opt = tailorfx.optimize(model, budget=b["budget"], setup=SETUP, example_inputs=inputs)
-            res["optimize_s"] = round(time.time() - t0, 1)   # capture and planning
-            step, close = stepper(run, opt, model, inputs)
-            t0 = time.time()
-            step()
-            res["first_step_s"] = round(time.time() - t0, 1)   # the compile
+def train_longest(run: Run, S: int) -> dict:
+    """optimize() at S under the budget (its time becomes the estimates' planning time), the first
+    step, a steady step's peak against the prediction, one more step timed."""
+    import tailorfx
+    b = budgets(run)
+    res = {"tokens": S}
+    with capped(run, b["cap"]):
+        t0 = time.time()
+        model = build(run)
+        res["build_s"] = round(time.time() - t0, 1)
+        inputs = batch(run, S)
+        t0 = time.time()
+        opt = tailorfx.optimize(model, budget=b["budget"], setup=SETUP, example_inputs=inputs, lowering=LOWERING)
+        res["optimize_s"] = run.shared["plan_s"] = round(time.time() - t0, 1)   # capture and planning
+        res["plan"] = plan_labels(opt)
+        with stepper(run, opt, model, inputs) as (step, _):
+            res["first_step_s"] = first_step(run, step)[0]
             est = opt.predict_memory()
-            res["plan"] = [p.chosen.label if p.chosen else p.reason for p in opt.plan]
             res["measured"] = peak_of(run, step)
             res["prediction"] = against_prediction(res["measured"], est)
             res["host_bytes"] = est.host_bytes
-            t0 = time.time()
-            step()
-            res["step_s"] = round(time.time() - t0, 2)
+            res["step_s"] = round(median_step_s(step, 1), 2)
             res["mfu"] = mfu(model, S, res["step_s"])
-            res["report"] = str(opt.report())[:3000]
-            close()
-            res["ok"] = res["prediction"]["within_-2%..+3%"] or run.dry
-        return res
-    run.check(sec, "train at the longest length", train)
+    res["ok"] = res["prediction"]["within_-2%..+3%"] or run.dry
+    return res
 
 
 def next_granule(cfg, budget, S: int) -> dict:
@@ -231,23 +401,37 @@ def next_granule(cfg, budget, S: int) -> dict:
     import tailorfx
     from tailorfx.sizing import plan_for_budget
     try:
-        opt = plan_for_budget(cfg, budget, S, setup=SETUP)
+        opt = plan_for_budget(cfg, budget, S, setup=SETUP, lowering=LOWERING)
     except tailorfx.BudgetError as e:
         return {"tokens": S, "refused": str(e)[:600], "smallest_budget": e.suggested_bytes}
-    label = opt.plan[0].chosen.label if opt.plan[0].chosen else opt.plan[0].reason
+    label = plan_labels(opt)[0]
     if "offloaded" in label:
         return {"tokens": S, "refused": "every device-only plan; the planner offloads checkpoints to host", "plan": label}
     return {"tokens": S, "refused": None, "plan": label, "ok": False}
 
 
-def provider(run: Run, name: str, model):
-    """(module to call, what shows the feature fired, cleanup) for one provider on a fresh model."""
-    import torch
+class Provider(NamedTuple):
+    """A provider's model as a step calls it, what shows its feature fired, what undoes it, and
+    the optimizer class it trains with (None: tailorfx.SetupOptimizer)."""
+    module: Any
+    fired: Callable[[Any], dict]
+    cleanup: Callable[[], None] = lambda: None
+    optimizer: Any = None
+
+
+def make_provider(run: Run, name: str, model, inputs: dict, min_shards: int = 1) -> Provider:
+    """One provider on a fresh model: tailorfx's (optimize() under the budget, TAILORFX's options)
+    or a peer's. `min_shards`: ALST's least shard count of each kind (the agreement's 2)."""
+    import tailorfx
+    if name in TAILORFX:
+        opt = tailorfx.optimize(model, budget=budgets(run)["budget"], setup=SETUP, example_inputs=inputs,
+                                lowering=LOWERING, **TAILORFX[name])
+        return Provider(opt, lambda out: {"plan": plan_labels(opt), "logits_skipped": out.logits is None})
     if name == "eager":
-        return model, (lambda out: {}), (lambda: None)
+        return Provider(model, lambda out: {})
     if name == "hf-checkpointing":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model, (lambda out: {"checkpointing": model.is_gradient_checkpointing}), (lambda: None)
+        return Provider(model, lambda out: {"checkpointing": model.is_gradient_checkpointing})
     if name == "liger+hf-checkpointing":
         try:
             from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -257,15 +441,16 @@ def provider(run: Run, name: str, model):
         apply_liger_kernel_to_llama(model=model)   # its defaults: RoPE, RMSNorm, SwiGLU, fused linear CE
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # the fused head returns no logits in training
-        return model, (lambda out: {"logits_skipped": out.logits is None}), restore
+        return Provider(model, lambda out: {"logits_skipped": out.logits is None}, restore)
     if name == "alst":
         alst = bench_module("alst")
         try:
             alst.require_deepspeed()
         except ImportError as e:
             raise Skip(str(e)) from e
-        wrapped = alst.ALSTCausalLM(model)
-        return wrapped, (lambda out: {k: int(v) for k, v in wrapped.counts.items()}), (lambda: None)
+        wrapped = alst.ALSTCausalLM(model, min_shards=min_shards)
+        return Provider(wrapped, lambda out: {k: int(v) for k, v in wrapped.counts.items()},
+                        optimizer=alst.LastShardOptimizer)
     raise ValueError(name)
 
 
@@ -287,96 +472,128 @@ def restorable_llama_module():
     return restore
 
 
-def tailorfx_module(run: Run, model, inputs: dict):
-    import tailorfx
-    opt = tailorfx.optimize(model, budget=budgets(run)["budget"], setup=SETUP, example_inputs=inputs)
-    plan = [p.chosen.label if p.chosen else p.reason for p in opt.plan]
-    return opt, (lambda out: {"plan": plan, "logits_skipped": out.logits is None}), (lambda: None)
+def grad_norms(model, names: dict) -> dict:
+    """Each gradient's norm under its parameter's name in the unwrapped model (`names`: id -> name,
+    taken before a provider wrapped modules: ALST's `mlp.mlp.*` is eager's `mlp.*`)."""
+    out = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            if id(p) not in names:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is not the model's: the provider made it")
+            out[names[id(p)]] = p.grad.float().norm().item()
+    return out
+
+
+def worst_grad_rel(ref: dict, got: dict) -> float:
+    """The largest relative difference of a gradient norm from eager's. A parameter with a gradient
+    on one side only is an error, not a zero: a name that does not match would compare nothing."""
+    if set(ref) != set(got):
+        raise ValueError(f"gradients of different parameters: eager only {sorted(set(ref) - set(got))[:4]}, "
+                         f"provider only {sorted(set(got) - set(ref))[:4]}")
+    return max(abs(got[n] - g) / max(g, 1e-30) for n, g in ref.items())
+
+
+def eager_reference(run: Run, inputs: dict) -> tuple[float, dict]:
+    """Eager PyTorch's loss and gradient norms by name at `inputs`, computed once (build() seeds
+    the weights, so every provider's model starts from the same ones)."""
+    if "eager_reference" not in run.shared:
+        model = build(run)
+        out = model(**inputs)
+        out.loss.backward()
+        run.shared["eager_reference"] = (out.loss.item(), {n: p.grad.float().norm().item()
+                                                           for n, p in model.named_parameters() if p.grad is not None})
+        del model, out
+        run.free()
+    return run.shared["eager_reference"]
 
 
 def agreement(run: Run, name: str, S: int) -> dict:
-    """A provider's loss and gradient norms beside eager's at S tokens, on the same weights (build()
-    seeds its initialisation); bf16 both, so the tolerance is bf16's: 2e-2 on the loss, 5e-2 on
-    each weight's gradient norm."""
+    """A provider's loss and gradient norms beside eager's at S tokens, on the same weights; bf16
+    both, so the tolerance is bf16's: 2e-2 on the loss, 5e-2 on each weight's gradient norm. Then
+    one step with the optimizer in backward must update each parameter once (ALST, run with two
+    shards or more of each kind, would update a parameter once per shard without LastShardOptimizer)."""
     inputs = batch(run, S)
-    if "eager_reference" not in run.shared:
-        ref_model = build(run)
-        out = ref_model(**inputs)
-        out.loss.backward()
-        run.shared["eager_reference"] = (out.loss.item(), {n: p.grad.float().norm().item()
-                                                           for n, p in ref_model.named_parameters() if p.grad is not None})
-        del ref_model, out
-        run.free()
-    ref_loss, ref_grads = run.shared["eager_reference"]
+    ref_loss, ref_grads = eager_reference(run, inputs)
     model = build(run)
-    module, fired, cleanup = (tailorfx_module(run, model, inputs) if name == "tailorfx" else provider(run, name, model))
+    names = {id(p): n for n, p in model.named_parameters()}
+    p = make_provider(run, name, model, inputs, min_shards=2)
     try:
-        out = module(**inputs)
+        out = p.module(**inputs)
         out.loss.backward()
-        grads = {n: p.grad.float().norm().item() for n, p in model.named_parameters() if p.grad is not None}
-        worst = max(abs(grads.get(n, 0.0) - g) / max(g, 1e-30) for n, g in ref_grads.items())
+        worst = worst_grad_rel(ref_grads, grad_norms(model, names))
         res = {"tokens": S, "loss": out.loss.item(), "eager_loss": ref_loss,
                "loss_rel": abs(out.loss.item() - ref_loss) / abs(ref_loss), "worst_grad_norm_rel": worst,
-               "fired": fired(out)}
+               "fired": p.fired(out)}
+        del out
+        model.zero_grad(set_to_none=True)
+        with stepper(run, p.module, model, inputs, p.optimizer) as (step, optim):
+            step()
+            res.update(updates_in_one_step=optim.num_updates, parameters=len(optim.params))
     finally:
-        cleanup()
-    res["ok"] = res["loss_rel"] <= 2e-2 and worst <= 5e-2
+        p.cleanup()
+    sharded = all(v >= 2 for k, v in res["fired"].items() if k.endswith("max_shards"))
+    res["ok"] = (res["loss_rel"] <= 2e-2 and worst <= 5e-2 and sharded
+                 and res["updates_in_one_step"] == res["parameters"])
     return res
 
 
 def timed_steps(run: Run, name: str, S: int, reps: int) -> dict:
-    """One provider at S tokens on a fresh model under the capped allocator: the first step (its
-    compile), the peak of a steady step, the median step time of `reps` more."""
+    """One provider at S tokens on a fresh model under the capped allocator: its setup (tailorfx's
+    optimize()), the first step, a steady step's peak (tailorfx's against its prediction), the
+    median time of `reps` more. A peer's OOM is a result; tailorfx's, under its own budget, fails."""
     import torch
     b = budgets(run)
+    res = {"provider": name, "tokens": S}
     with capped(run, b["cap"]):
         model = build(run)
         inputs = batch(run, S)
-        t0 = time.time()
-        module, fired, cleanup = (tailorfx_module(run, model, inputs) if name == "tailorfx" else provider(run, name, model))
-        res = {"provider": name, "tokens": S, "setup_s": round(time.time() - t0, 1)}
         try:
-            step, close = stepper(run, module, model, inputs)
             t0 = time.time()
-            out = step()
-            res["first_step_s"] = round(time.time() - t0, 1)
-            res["fired"] = fired(out)
-            del out
-            res["measured"] = peak_of(run, step)
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
-            res["step_s"] = statistics.median(times)
-            res["tokens_per_s"] = S / res["step_s"]
-            res["mfu"] = mfu(model, S, res["step_s"])
-            close()
+            p = make_provider(run, name, model, inputs)
+            res["setup_s"] = round(time.time() - t0, 1)
+            try:
+                with stepper(run, p.module, model, inputs, p.optimizer) as (step, _):
+                    res["first_step_s"], out = first_step(run, step)
+                    res["fired"] = p.fired(out)
+                    del out
+                    res["measured"] = peak_of(run, step)
+                    if name in TAILORFX:
+                        res["prediction"] = against_prediction(res["measured"], p.module.predict_memory())
+                    res["step_s"] = median_step_s(step, reps)
+            finally:
+                p.cleanup()
+            res.update(tokens_per_s=S / res["step_s"], mfu=mfu(model, S, res["step_s"]))
         except torch.OutOfMemoryError as e:
             res["oom"] = str(e)[:300]
-        finally:
-            cleanup()
+    if name in TAILORFX:
+        res["ok"] = "prediction" in res and "oom" not in res and (res["prediction"]["within_-2%..+3%"] or run.dry)
     return res
 
 
 def section_speed(run: Run, sec: dict) -> None:
+    """The longest row, the agreements, the other rows (see the module's docstring for why)."""
     b = budgets(run)
     reps = 1 if run.dry else 3
     sec["notes"].append("providers run one after another on fresh models (each holds 48 GB of weights and AdamW "
                         "state, so two cannot share the 80 GB budget); the GPU's clocks are steady enough for that")
+    sec["notes"].append("the longest row runs first, then the agreements at a short length, then the shorter rows: "
+                        "a budgeted optimize() takes minutes, so the rows at the end of the time may be skipped")
+    lengths = sorted(b["lengths"], reverse=True)
+    speed_row(run, sec, lengths[0], PROVIDERS[:1] + (OFFLOADED,) + PROVIDERS[1:], reps)
     short = b["lengths"][0] // 16 if not run.dry else 64
-    for name in PROVIDERS:
-        if name == "eager":
-            continue
-        run.check(sec, f"agreement {name}", lambda name=name: agreement(run, name, short))
-    for S in b["lengths"]:
-        for name in PROVIDERS:
-            need = 0 if run.dry else 20 + S / 1024 * 3
-            if run.left() < need:
-                sec["checks"].append({"name": f"{name} S={S}", "status": "skipped",
-                                      "reason": f"time budget ({run.left():.0f} s left, {need:.0f} s needed)"})
-                continue
-            run.check(sec, f"{name} S={S}", lambda name=name, S=S: timed_steps(run, name, S, reps))
+    for name in PROVIDERS[:1] + PROVIDERS[2:]:   # every provider but eager, the reference
+        need = estimate_s(run, short, steps=3, plan=name in TAILORFX,
+                          builds=1 + ("eager_reference" not in run.shared))
+        guarded(run, sec, f"agreement {name}", need, lambda name=name: agreement(run, name, short))
+    for S in lengths[1:]:
+        speed_row(run, sec, S, PROVIDERS, reps)
+
+
+def speed_row(run: Run, sec: dict, S: int, names: tuple, reps: int) -> None:
+    for name in names:
+        need = estimate_s(run, S, steps=2 + reps, plan=name in TAILORFX,
+                          slowdown=OFFLOAD_SLOWDOWN if name == OFFLOADED else 4 / 3)
+        guarded(run, sec, f"{name} S={S}", need, lambda name=name: timed_steps(run, name, S, reps))
 
 
 def section_offload(run: Run, sec: dict) -> None:
@@ -392,62 +609,84 @@ def section_offload(run: Run, sec: dict) -> None:
         run.shared.update(device_only=dev, offloaded=off)
         return {"device_only_longest": dev, "offloaded_longest": off, "ratio": off / dev,
                 "planner_s": round(time.time() - t0, 1), "budget": str(b["offload_budget"])}
-    run.check(sec, "max_seq_len with and without offload", predict)
-
-    def train(S: int, offload: bool) -> dict:
-        with capped(run, b["offload_cap"]):
-            model = build(run)
-            inputs = batch(run, S)
-            kw = {"offload": "checkpoints", "recompute": "full"} if offload else {}
-            opt = tailorfx.optimize(model, budget=b["offload_budget"], setup=SETUP, example_inputs=inputs, **kw)
-            step, close = stepper(run, opt, model, inputs)
-            step()
-            est = opt.predict_memory()
-            res = {"tokens": S, "offload": offload, "plan": [p.chosen.label if p.chosen else p.reason for p in opt.plan],
-                   "host_bytes_predicted": est.host_bytes}
-            res["measured"] = peak_of(run, step)
-            res["prediction"] = against_prediction(res["measured"], est)
-            times = []
-            for _ in range(1 if run.dry else 2):
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
-            res["step_s"] = statistics.median(times)
-            res["s_per_1k_tokens"] = res["step_s"] / S * 1024
-            close()
-            res["ok"] = res["prediction"]["within_-2%..+3%"] or run.dry
-        return res
+    guarded(run, sec, "max_seq_len with and without offload", 2 * PREDICT_S, predict)
     if "offloaded" not in run.shared:
-        return
-    run.check(sec, "offloaded at its longest", lambda: train(run.shared["offloaded"], True))
+        raise Skip("max_seq_len gave no lengths to train at")
+    reps = 1 if run.dry else 2
     both = run.shared["device_only"]
-    run.check(sec, "device-only at its longest", lambda: train(both, False))
-    run.check(sec, "offloaded at the device-only longest", lambda: train(both, True))
+    for name, S, offload in (("offloaded at its longest", run.shared["offloaded"], True),
+                             ("device-only at its longest", both, False),
+                             ("offloaded at the device-only longest", both, True)):
+        need = estimate_s(run, S, steps=2 + reps, plan=True, slowdown=OFFLOAD_SLOWDOWN if offload else 4 / 3)
+        guarded(run, sec, name, need, lambda S=S, offload=offload: train_offload(run, S, offload, reps))
     per = {c["name"]: c.get("s_per_1k_tokens") for c in sec["checks"]}
     if per.get("device-only at its longest") and per.get("offloaded at the device-only longest"):
         sec["offload_time_ratio"] = per["offloaded at the device-only longest"] / per["device-only at its longest"]
+
+
+def train_offload(run: Run, S: int, offload: bool, reps: int) -> dict:
+    """optimize() under the offload budget, checkpoints in host memory or not: the peak against the
+    prediction, the host bytes predicted, the median time of `reps` steps."""
+    import tailorfx
+    b = budgets(run)
+    res = {"tokens": S, "offload": offload}
+    with capped(run, b["offload_cap"]):
+        model = build(run)
+        inputs = batch(run, S)
+        kw = {"offload": "checkpoints", "recompute": "full"} if offload else {}
+        opt = tailorfx.optimize(model, budget=b["offload_budget"], setup=SETUP, example_inputs=inputs,
+                                lowering=LOWERING, **kw)
+        res["plan"] = plan_labels(opt)
+        with stepper(run, opt, model, inputs) as (step, _):
+            res["first_step_s"] = first_step(run, step)[0]
+            est = opt.predict_memory()
+            res["host_bytes_predicted"] = est.host_bytes
+            res["measured"] = peak_of(run, step)
+            res["prediction"] = against_prediction(res["measured"], est)
+            res["step_s"] = median_step_s(step, reps)
+    res["s_per_1k_tokens"] = res["step_s"] / S * 1024
+    res["ok"] = res["prediction"]["within_-2%..+3%"] or run.dry
+    return res
 
 
 def section_probe(run: Run, sec: dict) -> None:
     if "longest" not in run.shared:
         raise Skip("the longest section did not predict a length")
     S = run.shared["longest"] + budgets(run)["granule"]
+    need = PYTHON_S + TRACE_S + estimate_s(run, S, steps=2)
+    guarded(run, sec, f"the longest plan at {S} tokens", need, lambda: probe(run, S, need))
 
-    def probe():
-        cmd = [sys.executable, os.path.abspath(__file__), "--probe-tokens", str(S)] + (["--dry-run"] if run.dry else [])
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(60, run.left()))
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-        res = json.loads(lines[-1]) if lines else {"stderr": p.stderr[-2000:]}
-        res.update(tokens=S, returncode=p.returncode)
-        return res
-    run.check(sec, f"the longest plan at {S} tokens", probe)
+
+def probe(run: Run, S: int, need_s: float) -> dict:
+    """probe_main in a subprocess (its OOM leaves this process's allocator alone), given 1.5 times
+    its estimate, or what is left if less (the estimate at least); the watchdog kills it too."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--probe-tokens", str(S)] + (["--dry-run"] if run.dry else [])
+    timeout = 1200.0 if run.dry else max(need_s, min(1.5 * need_s, run.left()))
+    child = run.shared["child"] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+        return {"tokens": S, "ok": False, "timed_out_s": round(timeout), "stderr": err[-2000:]}
+    finally:
+        run.shared.pop("child", None)
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    res = json.loads(lines[-1]) if lines else {"ok": False, "stderr": err[-2000:]}
+    res.update(tokens=S, returncode=child.returncode)
+    return res
 
 
 def probe_main(S: int, dry: bool) -> None:
     """In the subprocess: the plan that saves the most (max_seq_len's) at S tokens under the cap,
-    with no budget check; prints one JSON line: OOM, or the peak against the budget."""
+    with no budget check; prints one JSON line. ok: the step OOMs (with the cap free on the GPU at
+    the start: `free_before`) or peaks over `limit`, the budget less the planner's headroom, which
+    max_seq_len held the prediction to; not ok: it fits."""
     import torch
     import tailorfx
+    from tailorfx import planner
+    from tailorfx.budget import Budget
+    from tailorfx.setup import resolve, with_device_costs
 
     class A:
         dry_run = dry
@@ -456,22 +695,29 @@ def probe_main(S: int, dry: bool) -> None:
         section = None
     run = Run(A, "cpu" if dry else "cuda", sections=SECTIONS)
     b = budgets(run)
-    res = {}
+    budget = Budget.parse(b["budget"])
+    res = {"budget": budget.bytes}
+    if run.cuda:
+        res["free_before"], res["total"] = torch.cuda.mem_get_info()
     with capped(run, b["cap"]):
-        model = build(run)
-        inputs = batch(run, S)
-        opt = tailorfx.optimize(model, setup=SETUP, passes=["attention", "minisequence", "recompute"],
-                                minisequence="segments", recompute="full", example_inputs=inputs)
-        step, close = stepper(run, opt, model, inputs)
         try:
-            step()
-            res["measured"] = peak_of(run, step)
-            res["predicted"] = opt.predict_memory().peak_bytes
-            res["budget"] = int(b["budget"].bytes) if hasattr(b["budget"], "bytes") else b["budget"]
-        except Exception as e:   # noqa: BLE001  (an OOM is the expected outcome)
-            res["error"] = describe(e)
-            res["oom"] = "out of memory" in str(e).lower()
-        close()
+            model = build(run)
+            inputs = batch(run, S)
+            setup = with_device_costs(resolve(SETUP), budget, model, 1)   # the CUDA costs the planner counts
+            res["limit"] = int(planner.usable(budget.bytes, setup.headroom))
+            opt = tailorfx.optimize(model, setup=setup, passes=["attention", "minisequence", "recompute"],
+                                    minisequence="segments", recompute="full", example_inputs=inputs,
+                                    lowering=LOWERING)
+            with stepper(run, opt, model, inputs) as (step, _):
+                step()
+                res["predicted"] = opt.predict_memory().peak_bytes
+                res["measured"] = peak_of(run, step)
+        except Exception as e:   # noqa: BLE001  (an OOM is an expected outcome; anything else is reported)
+            res.update(error=describe(e), oom=isinstance(e, torch.OutOfMemoryError))
+    peak = res.get("measured", {}).get("peak")
+    res["over_limit"] = peak is not None and peak > res.get("limit", budget.bytes)
+    room = not run.cuda or res["free_before"] >= b["cap"]
+    res["ok"] = bool((res.get("oom") and room) or res["over_limit"] or (run.dry and "error" not in res))
     print(json.dumps(res, default=str), flush=True)
 
 
@@ -494,10 +740,15 @@ def predict_tables(out: str) -> dict:
     res["next_granule"] = next_granule(cfg, b, res["longest"] + GRANULE)
     res["speed"] = {}
     for S in LENGTHS:
-        opt = plan_for_budget(cfg, b, S, setup=SETUP)
+        opt = plan_for_budget(cfg, b, S, setup=SETUP, lowering=LOWERING)
         est = opt.predict_memory()
-        res["speed"][S] = {"plan": [p.chosen.label if p.chosen else p.reason for p in opt.plan],
+        res["speed"][S] = {"plan": plan_labels(opt),
                            "predicted_peak_gib": round(est.peak_bytes / 2**30, 2)}
+        if S == max(LENGTHS):   # the row that also runs offload="activations"
+            act = plan_for_budget(cfg, b, S, setup=SETUP, lowering=LOWERING, offload="activations")
+            aest = act.predict_memory()
+            res["speed"][S][OFFLOADED] = {"plan": plan_labels(act), "predicted_peak_gib": round(aest.peak_bytes / 2**30, 2),
+                                          "host_gib": round(aest.host_bytes / 2**30, 2)}
         print(S, res["speed"][S], flush=True)
     res["offload"] = {"device_only_longest": tailorfx.max_seq_len(cfg, ob, setup=SETUP, granularity=GRANULE),
                       "offloaded_longest": tailorfx.max_seq_len(cfg, ob, setup=SETUP, granularity=GRANULE,
@@ -512,13 +763,24 @@ def predict_tables(out: str) -> dict:
 RUNNERS = {"longest": section_longest, "speed": section_speed, "offload": section_offload, "probe": section_probe}
 
 
+def run_section(run: Run, name: str, sec: dict) -> None:
+    try:
+        RUNNERS[name](run, sec)
+    except Skip as s:
+        sec["skipped"].append(str(s))
+    except Exception as e:   # noqa: BLE001  (recorded; the next section still runs)
+        sec["error"] = describe(e)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--section", action="append", choices=SECTIONS, help="repeatable; default: all, in order")
     ap.add_argument("--dry-run", action="store_true", help="CPU, a 2-layer Llama, Triton's interpreter")
     ap.add_argument("--predict", action="store_true", help="the tables on fake tensors (no GPU, no steps)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--budget-s", type=float, default=540.0, help="seconds: later checks start only while time is left")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds (default 540; 1200 with --dry-run): a check starts only when its estimate fits the "
+                         f"time left; {WATCHDOG_MARGIN_S:.0f} s after it a watchdog writes the JSON and exits (status 3)")
     ap.add_argument("--probe-tokens", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -534,19 +796,21 @@ def main(argv=None) -> int:
         print("gpu_scale.py needs a CUDA GPU; on CPU run it with --dry-run or --predict", file=sys.stderr)
         return 2
     args.out = args.out or os.path.join(BENCH_DIR, "out", "gpu_scale.json")
+    args.budget_s = args.budget_s or (1200.0 if args.dry_run else 540.0)
     run = Run(args, "cpu" if args.dry_run else "cuda", sections=SECTIONS)
     run.data["meta"].update(torch=torch.__version__, device=run.device, dry_run=run.dry, setup=SETUP,
-                            gpu=torch.cuda.get_device_name() if run.cuda else None, peak_tflops=PEAK_TFLOPS)
+                            gpu=torch.cuda.get_device_name() if run.cuda else None, peak_tflops=PEAK_TFLOPS,
+                            lowering=LOWERING, lowering_why=LOWERING_WHY, budget_s=args.budget_s)
     run.save()
+    start_watchdog(run, WATCHDOG_MARGIN_S)
     for name in run.sections:
         sec = run.data["sections"][name] = new_section()
         t0 = time.time()
-        try:
-            RUNNERS[name](run, sec)
-        except Skip as s:
-            sec["skipped"].append(str(s))
-        except Exception as e:   # noqa: BLE001  (recorded; the next section still runs)
-            sec["error"] = describe(e)
+        if run.left() < (0.0 if run.dry else SECTION_MIN_S):
+            sec["skipped"].append(f"time budget: {run.left():.0f} s left")
+        else:
+            run.save()
+            run_section(run, name, sec)
         finish(sec, t0)
         run.save()
         print(f"[{name}] {sec['status']} {sec['seconds']} s: " + ", ".join(f"{c['name']} {c['status']}" for c in sec["checks"]),

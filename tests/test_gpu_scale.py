@@ -1,23 +1,151 @@
-"""benchmarks/gpu_scale.py --dry-run: every section of the 8B scale run, on a 2-layer Llama on CPU, so
-the script a lent GPU runs first does not rot between loans (a few minutes: `make test-slow`)."""
+"""benchmarks/gpu_scale.py: its dry run (every section of the 8B scale run, on a 2-layer Llama on CPU,
+so the script a lent GPU runs first does not rot between loans; a few minutes: `make test-slow`),
+and the parts only a GPU run would otherwise exercise: the time guard, the watchdog, the gradient
+comparison by name, ALST's one update a step."""
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import textwrap
+import types
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_scale.py")
+
+
+@pytest.fixture(scope="module")
+def gpu_scale():
+    """The script as a module; the benchmarks folder it puts on sys.path is taken off again (its
+    kernels.py would shadow the `kernels` package transformers looks for)."""
+    saved = list(sys.path)
+    spec = importlib.util.spec_from_file_location("gpu_scale_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.path[:] = saved
+    return module
+
+
+def cpu_run(gpu_scale, tmp_path, budget_s: float, dry: bool = False):
+    args = types.SimpleNamespace(dry_run=dry, budget_s=budget_s, out=str(tmp_path / "out.json"), section=None)
+    return gpu_scale.Run(args, "cpu", sections=gpu_scale.SECTIONS)
+
+
+def test_a_check_that_does_not_fit_the_time_left_is_skipped(gpu_scale, tmp_path):
+    run = cpu_run(gpu_scale, tmp_path, budget_s=60)
+    sec = run.data["sections"]["speed"] = gpu_scale.new_section()
+    skipped = gpu_scale.guarded(run, sec, "long", 600, lambda: pytest.fail("started without the time"))
+    ran = gpu_scale.guarded(run, sec, "short", 1, lambda: {"x": 1})
+    assert skipped["status"] == "skipped" and "600 s needed" in skipped["reason"]
+    assert ran["status"] == "pass" and ran["estimate_s"] == 1 and ran["at_s"] >= 0 and ran["started"]
+    assert [c["name"] for c in json.loads((tmp_path / "out.json").read_text())["sections"]["speed"]["checks"]] == \
+        ["long", "short"]
+
+
+def test_estimates_count_planning_and_the_first_step(gpu_scale, tmp_path):
+    run = cpu_run(gpu_scale, tmp_path, budget_s=60, dry=True)
+    assert gpu_scale.config_params(gpu_scale.config(True)) == gpu_scale.counted_params(gpu_scale.build(run))
+    run.dry = False   # the 8B config
+    steps_only = gpu_scale.estimate_s(run, 32768, steps=5)
+    planned = gpu_scale.estimate_s(run, 32768, steps=5, plan=True)
+    assert planned - steps_only > gpu_scale.PLAN_S
+    assert steps_only > gpu_scale.BUILD_S + gpu_scale.FIRST_STEP_S + 5 * 5   # a 32K step takes seconds
+    run.shared["plan_s"] = 10.0   # measured by the run's first budgeted optimize()
+    assert gpu_scale.estimate_s(run, 32768, steps=5, plan=True) < planned
+
+
+def test_the_watchdog_writes_the_json_and_ends_the_process(tmp_path):
+    out = tmp_path / "out.json"
+    code = textwrap.dedent(f"""
+        import importlib.util, time, types
+        spec = importlib.util.spec_from_file_location("gs", {SCRIPT!r})
+        gs = importlib.util.module_from_spec(spec); spec.loader.exec_module(gs)
+        args = types.SimpleNamespace(dry_run=True, budget_s=0.5, out={str(out)!r}, section=None)
+        run = gs.Run(args, "cpu", sections=gs.SECTIONS)
+        sec = run.data["sections"]["longest"] = gs.new_section()
+        gs.start_watchdog(run, 0.5)
+        run.check(sec, "hangs", lambda: time.sleep(60))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, r.stderr[-2000:]
+    data = json.loads(out.read_text())
+    check = data["sections"]["longest"]["checks"][0]
+    assert check["name"] == "hangs" and check["status"] == "timeout" and check["seconds"] >= 0.5
+    assert data["sections"]["longest"]["status"] == "timeout" and "stopped at" in data["meta"]["watchdog"]
+
+
+def tiny_llama():
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model("llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, use_cache=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def test_gradients_are_compared_under_the_unwrapped_names(gpu_scale):
+    from collections import Counter
+    alst = gpu_scale.bench_module("alst")
+    model = tiny_llama()
+    eager_names = [n for n, _ in model.named_parameters()]
+    names = {id(p): n for n, p in model.named_parameters()}
+    for layer in model.model.layers:   # what ALSTCausalLM does: the names become ...mlp.mlp.*
+        layer.mlp = alst.TiledMLPBlock(layer.mlp, Counter())
+    assert any(".mlp.mlp." in n for n, _ in model.named_parameters())
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.full_like(p, float(i + 1))
+    got = gpu_scale.grad_norms(model, names)
+    assert sorted(got) == sorted(eager_names)
+    assert gpu_scale.worst_grad_rel(got, dict(got)) == 0.0
+    with pytest.raises(ValueError, match="eager only"):   # a missing name fails, it does not compare 0
+        gpu_scale.worst_grad_rel(got, {n: g for n, g in got.items() if ".mlp." not in n})
+    with pytest.raises(ValueError, match="provider made it"):
+        gpu_scale.grad_norms(model, {})
+
+
+def test_alst_optimizer_updates_once_after_the_last_shard(gpu_scale):
+    """DeepSpeed's tiled functions run autograd.backward once per shard, with ds_grad_is_ready False
+    on the parameters for all shards but the last; the update must come once, from the sum."""
+    import tailorfx
+    alst = gpu_scale.bench_module("alst")
+
+    def sharded_step(optimizer_class):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(8, 8, bias=False).to(torch.bfloat16)
+        x = torch.randn(3, 4, 8, dtype=torch.bfloat16)
+        opt = optimizer_class(lin.parameters(), gpu_scale.SETUP)
+        try:
+            for i, shard in enumerate(x):
+                lin.weight.ds_grad_is_ready = i == len(x) - 1
+                lin(shard).float().pow(2).sum().backward()
+            return opt.num_updates, lin.weight.detach().clone()
+        finally:
+            opt.close()
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8, bias=False).to(torch.bfloat16)
+    x = torch.randn(3, 4, 8, dtype=torch.bfloat16)
+    opt = tailorfx.SetupOptimizer(lin.parameters(), gpu_scale.SETUP)
+    try:
+        lin(x.reshape(12, 8)).float().pow(2).sum().backward()   # one backward of every shard
+    finally:
+        opt.close()
+    updates, weight = sharded_step(alst.LastShardOptimizer)
+    assert updates == 1 and torch.allclose(weight.float(), lin.weight.float(), atol=1e-2)
+    assert sharded_step(tailorfx.SetupOptimizer)[0] == 3   # the plain hooks step once a shard
 
 
 @pytest.mark.slow
 def test_dry_run_runs_every_section(tmp_path):
     out = tmp_path / "gpu_scale.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_scale.py"), "--dry-run", "--out", str(out)],
+    r = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--out", str(out)],
                        env=env, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-4000:]
     data = json.loads(out.read_text())
+    assert data["meta"]["lowering"] == "eager"
     assert list(data["sections"]) == ["longest", "speed", "offload", "probe"]
     for name, sec in data["sections"].items():
         bad = [(c["name"], c.get("error", c)) for c in sec["checks"] if c["status"] not in ("pass", "skipped")]
@@ -25,6 +153,7 @@ def test_dry_run_runs_every_section(tmp_path):
         # only a peer that is not installed here is skipped, and it says how to carry it
         assert all("not installed" in c["reason"] or "needs DeepSpeed" in c["reason"]
                    for c in sec["checks"] if c["status"] == "skipped"), name
+        assert all("started" in c and "estimate_s" in c for c in sec["checks"] if c["status"] == "pass"), name
     longest = {c["name"]: c for c in data["sections"]["longest"]["checks"]}
     S = longest["max_seq_len"]["predicted_longest"]
     assert longest["train at the longest length"]["tokens"] == S
@@ -32,12 +161,19 @@ def test_dry_run_runs_every_section(tmp_path):
     speed = {c["name"]: c for c in data["sections"]["speed"]["checks"]}
     for S in (256, 512):
         assert speed[f"tailorfx S={S}"]["fired"]["logits_skipped"]          # the fused head ran
+        assert "predicted" in speed[f"tailorfx S={S}"]["prediction"]
         assert speed[f"hf-checkpointing S={S}"]["fired"]["checkpointing"]
         # the same model: checkpointing holds less than eager
         assert (speed[f"hf-checkpointing S={S}"]["measured"]["dynamic_peak"]
                 < speed[f"eager S={S}"]["measured"]["dynamic_peak"])
-    assert speed["agreement tailorfx"]["status"] == "pass"
+    offloaded = speed["tailorfx, activations offloaded S=512"]
+    assert offloaded["status"] == "pass" and offloaded["fired"]["plan"] and offloaded["mfu"] > 0
+    assert "tailorfx, activations offloaded S=256" not in speed   # the longest row only
+    for name in ("tailorfx", "hf-checkpointing"):
+        agree = speed[f"agreement {name}"]
+        assert agree["status"] == "pass" and agree["updates_in_one_step"] == agree["parameters"] > 0
     offload = {c["name"]: c for c in data["sections"]["offload"]["checks"]}
     assert offload["offloaded at its longest"]["host_bytes_predicted"] > 0
     probe = data["sections"]["probe"]["checks"][0]
     assert probe["returncode"] == 0 and probe["tokens"] == longest["max_seq_len"]["predicted_longest"] + 64
+    assert probe["status"] == "pass" and "error" not in probe and "over_limit" in probe

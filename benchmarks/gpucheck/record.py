@@ -71,8 +71,14 @@ class Run:
         os.replace(tmp, path)
 
     def check(self, section: dict, name: str, fn: Callable[[], Optional[dict]]) -> dict:
-        """Run one check; its dict (optionally with "ok") goes in the section, an exception too."""
+        """Run one check; its dict (optionally with "ok") goes in the section, an exception too.
+        The entry is saved as "running" before `fn` starts, so a run killed mid-check says which
+        check it was in and since when (`at_s`: seconds into the run)."""
         t0 = time.time()
+        entry = {"name": name, "status": "running", "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "at_s": round(t0 - self.start, 1)}
+        section["checks"].append(entry)
+        self.save()
         try:
             res = dict(fn() or {})
             status = "pass" if res.pop("ok", True) else "fail"
@@ -81,8 +87,7 @@ class Run:
         except Exception as e:   # noqa: BLE001  (recorded: one failure must not hide the others)
             reason = self.interpreter_limit(e)
             res, status = ({"reason": reason}, "skipped") if reason else ({"error": describe(e)}, "error")
-        entry = {"name": name, "status": status, "seconds": round(time.time() - t0, 2), **res}
-        section["checks"].append(entry)
+        entry.update(status=status, seconds=round(time.time() - t0, 2), **res)
         self.free()
         self.save()
         return entry
