@@ -21,8 +21,8 @@ from tailorfx import compat
 from tailorfx.rewrite import bound, memory
 from tailorfx.rewrite.capture import mark_sequence_dims
 from tailorfx.rewrite.regions import Region
-from tailorfx.setup import OPTIMIZERS, TrainingSetup, with_device_costs
-from tailorfx.setup import resolve as resolve_setup
+from tailorfx.setup import OPTIMIZERS, TrainingSetup, resolve as resolve_setup, with_device_costs
+from tailorfx.shallow import shallow_hint
 from tailorfx import trainers
 
 
@@ -225,11 +225,9 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
             S, rewritten=rewritten, **how), self.limit, how.get("outputs_held", True))
 
     def bound_at(self, offload: Optional[bool] = None) -> Optional[Callable[[int], bound.Bound]]:
-        """The lower bound on any plan's peak (rewrite/bound.py) as a function of the length, read
-        off the one captured graph; None with several graphs, no blocks or no sequence symbol.
-        `offload`: plans may keep checkpoints in host memory (default: when asked for, or when
-        planned for a GPU, a model there or a GPU budget preset, where the planner's last
-        candidate does)."""
+        """The lower bound on any plan's peak (rewrite/bound.py) as a function of the length, read off
+        the one captured graph; None with several graphs, no blocks or no sequence symbol. `offload`:
+        plans may keep checkpoints in host memory (default: when asked for, or planned for a GPU)."""
         gs = self.session.graphs
         if len(gs) != 1 or gs[0].failed or self.session.parallel is not None:
             return None
@@ -368,11 +366,11 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     head returns `logits=None` (Liger's skip_logits); `keep_logits=True` keeps them, head unfused.
     A pass named in `passes` that leaves a region unchanged warns with the region and the reason;
     `strict=True` raises instead. `precision_policy` overrides entries of the precision pass's
-    policy. `recompute="full"|"selective"` sets the recompute policy; `offload="checkpoints"` keeps
-    each recomputed block's saved input in host memory between forward and backward (ALST's
-    checkpoint offload; recompute "full" unless `recompute` says), "activations" all it saves (selective).
-    `minisequence="segments"` chunks each block's whole token-wise segments (norm, projections and
-    rotary before attention; output projection, residual, norm and MLP after it), not only MLPs.
+    policy. `recompute="full"|"selective"` sets the recompute policy; `offload="checkpoints"` keeps each
+    recomputed block's input in host memory between forward and backward (ALST's; recompute "full"
+    unless `recompute` says), "activations" all it saves (selective). `minisequence="segments"` chunks
+    each block's whole token-wise segments around attention, not only MLPs. With a budget and example
+    input_ids and labels, a deep HF model is planned on a shallow capture of its config (shallow.py).
     Capture happens at the first call, or now when example inputs are given (their forward runs
     once). `parallel=dict(tp=2, dp=2)` (inside torchrun, example inputs required) shards the model
     with DTensor tensor parallelism, planned from its graph, and FSDP2; `pp=2, schedule="1f1b",
@@ -390,7 +388,7 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
-    setup = _setup_for(model, setup, optimizer)
+    plain = setup = _setup_for(model, setup, optimizer)
     examples = split_examples(example_inputs, example_kwargs)
     if budget is not None:   # a device preset: CUDA's workspaces at the example inputs' batch (1 without them)
         budget = Budget.parse(budget)
@@ -401,6 +399,8 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
                            keep_logits=keep_logits, strict=strict, kernels=kernels)
     if kernels == "triton":
         check_triton(model)
+    if b is not None and passes is None and parallel is None:   # a deep model planned on a shallow capture
+        opts["plan_hint"] = shallow_hint(model, b, plain, examples, opts, lowering, optimize)
     options = Options(passes=check_passes(passes), pass_options=tuple(sorted(opts.items())),
                       lowering=lowering, predict=check_flag("predict", predict), verify=check_flag("verify", verify))
     if parallel is not None:

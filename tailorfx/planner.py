@@ -1,11 +1,9 @@
-"""The planner: chooses which passes run, in which order, with which parameters.
-
-Without a budget it runs the exact rewrites that only lower memory (the fused head and
-mini-sequence, the exact attention swap where an attention makes an S x S tensor), and whatever
-approximate rewrite the user asked for. With a budget it searches plans (mini-sequence, selective recompute,
-full recompute of the first k blocks and selective in the rest), predicts each plan's peak with the
-memory model, and keeps the plan that fits with the least recomputed FLOPs.
-"""
+"""The planner: which passes run, in which order, with which parameters. Without a budget, the
+exact rewrites that only lower memory (the fused head and mini-sequence, the exact attention swap
+where an attention makes an S x S tensor) and any approximate rewrite the user asked for. With a
+budget it searches plans (mini-sequence, selective recompute, full recompute of the first k blocks
+and selective in the rest), predicts each one's peak with the memory model, and keeps the plan that
+fits with the least recomputed FLOPs."""
 from __future__ import annotations
 
 import graphlib
@@ -169,13 +167,13 @@ Evaluate = Callable[[Candidate], tuple[Candidate, object]]
 
 
 def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_label: str,
-           breakdown: Callable[[object], dict], allocator_headroom: float = 0.0
+           breakdown: Callable[[object], dict], allocator_headroom: float = 0.0, hint: Optional[str] = None
            ) -> tuple[Candidate, object, list[Candidate]]:
     """The fitting candidate with the least recompute (then the fewest blocks offloaded); raises
-    BudgetError if none fits. Candidates that recompute nothing are tried first: when one fits, no
-    plan that recomputes can beat it, and none is traced. The first-k-blocks candidates, whose peak
-    falls as k grows, are bisected for the smallest k that fits (log(blocks) traces); the others
-    are all tried."""
+    BudgetError if none fits. The `hint`ed one (a label) is tried first and taken if it fits. Then
+    candidates that recompute nothing: when one fits, no plan that recomputes can beat it, and none
+    is traced. The first-k-blocks candidates, whose peak falls as k grows, are bisected for the
+    smallest k that fits (log(blocks) traces); the others are all tried."""
     last = [c for c in candidates if last_resort(c)]
     ks = [c for c in candidates if isinstance(dict(c.options).get("recompute_blocks"), int)]
     free = [c for c in candidates if c not in ks and c not in last and recomputes_nothing(c)]
@@ -187,6 +185,9 @@ def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_
             out = evaluate(c)
             bar.update(1)
             return out
+        hinted = next((tried(c) for c in candidates if c.label == hint), None)
+        if hinted is not None and hinted[0].fits:
+            return hinted[0], hinted[1], []
         seen: list[tuple[Candidate, object]] = [tried(c) for c in free]
         if any(c.fits for c, _ in seen):
             head, ks = [], []
@@ -245,12 +246,10 @@ def predict_graphs(graphs: Sequence[tuple[fx.GraphModule, str, Optional[memory.S
                    seqs: Sequence[SeqInfo], seq_len: Optional[int] = None,
                    setup: Optional[TrainingSetup] = None, captured: bool = False,
                    outputs_held: bool = True) -> memory.MemoryEstimate:
-    """The memory model's estimate of one training step made of `graphs`, each (graph, its
-    lowering, its lowered forward/backward if already known), at `seq_len` (default: the
-    captured length). Each graph is traced with the partition its lowering runs; `captured`:
-    at the captured length only, so a graph not traced yet is traced on static shapes (faster).
-    `outputs_held`: the loop holds the model's output (logits) through backward, as
-    `out = model(...); out.loss.backward()` does; else only the loss outlives the forward."""
+    """The memory model's estimate of one step made of `graphs`, each (graph, its lowering, its lowered
+    forward/backward if known), at `seq_len` (default: the captured length), each traced with the
+    partition its lowering runs (`captured`: on static shapes, faster). `outputs_held`: the loop holds
+    the output (logits) through backward, as `out = model(...); out.loss.backward()`; else only the loss."""
     static = captured and seq_len is None
     steps = [replace(step if step is not None else traced_step(gm, partition_for(lowering, gm), setup, static),
                      eager_autograd=lowering == "dynamo", loss_tangent_only=lowering == "dynamo")
@@ -287,8 +286,7 @@ def traced_step(gm: fx.GraphModule, partition: str, setup: Optional[TrainingSetu
 
 def remember_trace(gm: fx.GraphModule, partition: str, steps_in_backward: bool, step: memory.StepGraphs,
                    static: bool = False) -> None:
-    """The forward/backward the lowering made of `gm` (the graphs that run), kept as its trace
-    (`static`: at the captured sizes)."""
+    """The forward/backward the lowering made of `gm` (what runs), kept as its trace (`static`: captured sizes)."""
     _TRACED.setdefault(gm, {})[(partition, steps_in_backward, gm.code, static)] = step
 
 
@@ -338,26 +336,26 @@ def plan_for_budget(gm: fx.GraphModule, ctx: PassContext, base: Plan, lowering: 
     blocks = depth.layers if depth is not None else len(ctx.regions.of_kind("block"))
     cands = budget_candidates(base, blocks, bool(ctx.regions.of_kind("lm_head_loss")), cpu=cpu)
     rewritten: dict = {}      # candidate -> its rewritten graph: the second search predicts the same graphs
-    try:
-        chosen, o, others, est = _search_setup(gm, ctx, cands, opts, setup, lowering, verify, rewritten, cpu)
-        return Plan(chosen.passes, o, f"fits budget {label}", chosen, tuple(others), est), None
-    except BudgetError:
-        if setup is None or setup.optimizer is None or setup.optimizer_in_backward or setup.grad_accum_steps > 1:
-            raise
+    hint = opts.get("plan_hint")   # shallow.py: the plan a shallow capture of the config chose, tried first
+    if not (hint and hint.fused):   # else that search found none without the optimizer step in backward
+        try:
+            chosen, o, others, est = _search_setup(gm, ctx, cands, opts, setup, lowering, verify, rewritten, cpu)
+            return Plan(chosen.passes, o, f"fits budget {label}{hint.note(chosen, others) if hint else ''}", chosen, tuple(others), est), None
+        except BudgetError:
+            if setup is None or setup.optimizer is None or setup.optimizer_in_backward or setup.grad_accum_steps > 1:
+                raise
     fused = setup.with_(optimizer_in_backward=True, name=f"{setup.name} + optimizer in backward")
     chosen, o, others, est = _search_setup(gm, ctx, cands, opts, fused, lowering, verify, rewritten, cpu)   # raises if none fits
     reason = (f"fits budget {label} only with the optimizer step in backward: train with "
-              f"tailorfx.SetupOptimizer(model.parameters(), opt.setup)")
+              f"tailorfx.SetupOptimizer(model.parameters(), opt.setup){hint.note(chosen, others) if hint else ''}")
     return Plan(chosen.passes, o, reason, chosen, tuple(others), est), f"graph {ctx.graph_index}: {reason}"
 
 
 def _search_setup(gm, ctx: PassContext, cands: list[Candidate], opts: dict, setup, lowering: str, verify: bool,
                   rewritten: dict, cpu: bool = False):
-    """search() over `cands` with each plan's peak predicted under `setup`; the candidates share
-    ctx (and its memo), so a region costed for one plan is not costed again for the next, and a
-    candidate rewritten for an earlier setup (`rewritten`; no pass reads the setup) is not
-    rewritten again, so its trace is kept (traced_step). On the CPU, the chosen plan is then
-    tried with grouped-query attention's backward on repeated k, v (repeat_kv_variant)."""
+    """search() over `cands`, peaks predicted under `setup`; the candidates share ctx (and its memo:
+    a region is costed once) and `rewritten` (a candidate rewritten for an earlier setup keeps its
+    trace). On the CPU the chosen plan is then tried with GQA's backward on repeated k, v."""
     budget = opts["budget_bytes"]
     headroom = setup.headroom if setup else 0.0
     as_int = memory.Sizer(ctx.seq, ctx.seq.length or None).as_int
@@ -379,7 +377,8 @@ def _search_setup(gm, ctx: PassContext, cands: list[Candidate], opts: dict, setu
         return with_result(c, est.peak_bytes, flops, budget, headroom), (est, o)
 
     chosen, (est, o), others = search(cands, evaluate, budget, opts.get("budget_label", ""),
-                                      lambda payload: payload[0].breakdown(), headroom)
+                                      lambda payload: payload[0].breakdown(), headroom,
+                                      opts["plan_hint"].label if opts.get("plan_hint") else None)
     faster = repeat_kv_variant(chosen, opts) if cpu and grouped_query(gm, ctx) else None
     if faster is not None:
         tried, (fest, fo) = evaluate(faster)

@@ -3,9 +3,8 @@ longest any plan of these rewrites could reach) and the capture they predict fro
 factory built under a FakeTensorMode, so an 8B model costs nothing)."""
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -15,34 +14,13 @@ from tailorfx.api import OptimizedModule, optimize
 from tailorfx.attention import Exact
 from tailorfx.budget import Budget, format_bytes
 from tailorfx.errors import BudgetError, PredictionError
-from tailorfx.models.build import built_on_fake_tensors
 from tailorfx.options import check_passes, positive_int
 from tailorfx.progress import stage
-from tailorfx.rewrite import bound, capture, depth, memory
+from tailorfx.rewrite import bound, depth, memory
 from tailorfx.runtime.accumulation import model_device
 from tailorfx.setup import TrainingSetup, with_device_costs
 from tailorfx.setup import resolve as resolve_setup
-
-
-@contextlib.contextmanager
-def _prediction_model(model_or_config: Any, dtype: Optional[torch.dtype], shallow: bool = False,
-                      sites: int = 1) -> Iterator[tuple[nn.Module, Optional[depth.Depth]]]:
-    """(the model itself, or one built from a config or factory under a FakeTensorMode: no
-    memory, however large; everything made inside the block is fake too), and with `shallow`,
-    for a config of repeating layers, a copy with a few of them and the Depth it stands for
-    (rewrite/depth.py; `sites` runs of three periods): what is captured inside the block stands
-    for the whole model."""
-    if isinstance(model_or_config, nn.Module):
-        yield model_or_config, None
-        return
-    small = depth.reduced(model_or_config, sites) if shallow else None
-    with built_on_fake_tensors(small[0] if small else model_or_config, dtype) as model:
-        d = depth.with_model(small[1], model) if small else None
-        token = capture.STANDS_FOR.set(d)
-        try:
-            yield model, d
-        finally:
-            capture.STANDS_FOR.reset(token)
+from tailorfx.shallow import parameter_count, prediction_model as _prediction_model
 
 
 def _shallow_first(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -86,14 +64,6 @@ def plan_for_budget(model_or_config: Any, budget: Union[str, int, Budget], seq_l
         with stage("capturing and planning the step on fake tensors"):
             return _capture(model, None, seq_len, batch_size or s.micro_batch_size, budget=b, setup=s,
                             **optimize_kwargs)
-
-
-def parameter_count(opt: OptimizedModule) -> int:
-    """Parameters of the model `opt` predicts for: with a shallow capture's repeats (a plan of a
-    config, plan_for_budget), those of the whole model."""
-    n = sum(p.numel() for p in opt.model.parameters())
-    d = opt.session.graphs[0].seq.depth if opt.session.graphs else None
-    return n + (d.repeats * sum(k for k, _ in depth.period_sizes(d)[1]) if d is not None else 0)
 
 
 def _capture(model: nn.Module, passes: Optional[Sequence[str]], seq_len: int, batch_size: int,

@@ -222,3 +222,39 @@ def test_the_activation_offload_ladder_from_a_shallow_capture_is_the_whole_ones(
                 if "offloaded to host" in label)
     assert ks[0] < 4 < ks[-1], whole   # the first site holds blocks 1-3 of the capture
     assert tried(budget) == whole
+
+
+@pytest.mark.slow
+def test_a_deep_model_is_planned_on_a_shallow_capture_of_its_config():
+    """optimize(budget=) of an HF Llama of 17 layers (more than twice the 8 a shallow capture keeps)
+    with example input_ids and labels, under a budget selective recompute is over: the planner
+    traces the model's own step for one candidate, the plan a shallow capture of its config chose,
+    and says so. It is the plan the search over the whole graph chooses (the same model with one
+    unused parameter more, which its config does not build: no hint, every candidate traced), and
+    its measured peak is predicted within -2%..+3%."""
+    import copy
+    import tailorfx
+    from harness import peak_of_step
+    from models import hf_family
+    from tailorfx.planner import HEADROOM
+    S = 256
+    base = hf_family("llama", num_layers=17, hidden_size=64, intermediate_size=172, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=512)
+    ids = torch.randint(0, 512, (1, S), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    sel = tailorfx.optimize(copy.deepcopy(base), recompute="selective", optimizer=None, example_inputs=inputs)
+    budget = int(0.98 * sel.predict_memory(S).peak_bytes / (1 - HEADROOM))
+    m = copy.deepcopy(base)
+    hinted = tailorfx.optimize(m, budget=budget, optimizer=None, example_inputs=inputs)
+    plan = hinted.plan[0]
+    assert "chosen on a shallow capture of its config (8 of 17 blocks), checked on this graph" in plan.reason, str(plan)
+    assert all(c.label == plan.chosen.label or plan.chosen.label.startswith(c.label + " + ") for c in plan.runners_up), str(plan)
+    assert "blocks, selective in the rest" in plan.chosen.label, str(plan)   # a rung of the ladder, not a free plan
+    whole = copy.deepcopy(base)
+    whole.register_parameter("unused", torch.nn.Parameter(torch.zeros(1)))
+    searched = tailorfx.optimize(whole, budget=budget, optimizer=None, example_inputs=inputs).plan[0]
+    assert "shallow capture" not in searched.reason and len(searched.runners_up) > 3, str(searched)
+    assert searched.chosen.label == plan.chosen.label, (str(searched), str(plan))
+    measured = peak_of_step(hinted, m, inputs)
+    predicted = hinted.predict_memory(S).forward_backward_peak_bytes
+    assert -0.02 <= (predicted - measured) / measured <= 0.03, (measured, predicted)

@@ -1,0 +1,70 @@
+"""How long optimize() under a budget takes to plan a deep HF model: from a shallow capture of its
+config (tailorfx/shallow.py: the planner traces the model's own step once, for the hinted plan)
+against the search over the whole graph (the same model with one extra, unused parameter, which
+the hint refuses: its config no longer builds it). One run, one process, both in turn after a
+warm-up; each chosen plan's predicted peak as the planner saw it.
+
+    python benchmarks/plan_time.py                         # Llama, 32 layers, hidden 256, 2,048 tokens
+    python benchmarks/plan_time.py --layers 16 --seq 1024 --out /tmp/plan_time.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import tailorfx
+    from models import hf_family
+    from tailorfx.planner import HEADROOM
+    torch.set_num_threads(1)
+    base = hf_family("llama", num_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=2048)
+    ids = torch.randint(0, 2048, (1, args.seq), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    t = time.perf_counter()
+    sel = tailorfx.optimize(copy.deepcopy(base), recompute="selective", optimizer=None, example_inputs=inputs)
+    budget = int(0.98 * sel.predict_memory(args.seq).peak_bytes / (1 - HEADROOM))   # the ladder's rungs: over selective
+    warm = time.perf_counter() - t
+    rows = {}
+    for name in ("shallow hint", "whole search"):
+        m = copy.deepcopy(base)
+        if name == "whole search":
+            m.register_parameter("unused", torch.nn.Parameter(torch.zeros(1)))
+        t = time.perf_counter()
+        opt = tailorfx.optimize(m, budget=budget, optimizer=None, example_inputs=inputs)
+        seconds = time.perf_counter() - t
+        plan = opt.plan[0]
+        rows[name] = {"seconds": round(seconds, 1), "chosen": plan.chosen.label, "reason": plan.reason,
+                      "candidates_traced_on_the_model": 1 + len(plan.runners_up),
+                      "predicted_peak": plan.chosen.peak}
+        print(f"{name:>13}: {seconds:7.1f} s, {rows[name]['candidates_traced_on_the_model']:2d} candidates on the "
+              f"model's graph, chosen: {plan.chosen.label}", flush=True)
+    same = rows["shallow hint"]["chosen"] == rows["whole search"]["chosen"]
+    print(f"same plan: {same}; the hint's planning took {rows['shallow hint']['seconds'] / rows['whole search']['seconds']:.2f}x "
+          f"the whole search's")
+    out = {"meta": {"layers": args.layers, "hidden": args.hidden, "seq": args.seq, "budget": budget,
+                    "torch": torch.__version__, "threads": 1, "warm_up_s": round(warm, 1)},
+           "rows": rows, "same_plan": same}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
