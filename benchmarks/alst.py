@@ -164,8 +164,7 @@ class LastShardOptimizer(tailorfx.SetupOptimizer):
     """tailorfx.SetupOptimizer whose step in backward updates a parameter once a step, after its
     last shard: DeepSpeed sets `ds_grad_is_ready = False` on a tiled function's parameters for
     every shard but the last (for ZeRO, which must not reduce a partial gradient either), so until
-    then the hook leaves the gradient to accumulate."""
+    then the gradient accumulates."""
 
-    def _hook(self, p: torch.Tensor) -> None:
-        if getattr(p, "ds_grad_is_ready", True):
-            super()._hook(p)
+    def __init__(self, params, setup, **kwargs):
+        super().__init__(params, setup, ready=lambda p: getattr(p, "ds_grad_is_ready", True), **kwargs)

@@ -204,6 +204,31 @@ def test_tied_weights_are_updated_once():
         assert torch.allclose(pa, pb, rtol=1e-4, atol=1e-5), k
 
 
+def test_the_step_in_backward_waits_for_a_gradient_ready_says_is_complete():
+    """`ready=` holds the update of a gradient accumulated over several backward calls (one per
+    shard) until the last: one update with the whole gradient, as one backward would give."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 8)
+    whole, sharded = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
+    sharded.load_state_dict(whole.state_dict())
+    before = whole.weight.detach().clone()
+    setup = TrainingSetup(optimizer_in_backward=True)
+    ow = tailorfx.SetupOptimizer(whole.parameters(), setup, lr=1e-2)
+    last = [False]
+    os_ = tailorfx.SetupOptimizer(sharded.parameters(), setup, lr=1e-2, ready=lambda p: last[0])
+    try:
+        whole(x.reshape(12, 8)).pow(2).sum().backward()
+        for i, shard in enumerate(x):
+            last[0] = i == len(x) - 1
+            sharded(shard).pow(2).sum().backward()
+    finally:
+        ow.close()
+        os_.close()
+    assert ow.num_updates == os_.num_updates == 1 and sharded.weight.grad is None
+    assert not torch.equal(whole.weight, before)
+    torch.testing.assert_close(sharded.weight, whole.weight, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_max_seq_len_names_setups_whose_static_part_fits():
     """amp-bf16 Llama-3-8B: 16 B/param = 120 GiB before any activation, over an A100-80GB."""

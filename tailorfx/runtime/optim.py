@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 
@@ -23,12 +23,16 @@ from tailorfx.setup import TrainingSetup, resolve, short
 
 class SetupOptimizer:
     """AdamW or SGD per `setup`: master weights, state dtype, and the step in backward.
-    Hyperparameters default to torch.optim's."""
+    Hyperparameters default to torch.optim's. `ready(p)`, with the step in backward, says whether
+    p's accumulated gradient is complete: a function that calls backward once per shard (DeepSpeed's
+    tiled MLP and loss) leaves it to accumulate until its last shard."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], setup: Union[str, TrainingSetup],
                  lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: Optional[float] = None):
+                 weight_decay: Optional[float] = None,
+                 ready: Optional[Callable[[torch.Tensor], bool]] = None):
         self.setup = s = resolve(setup)
+        self.ready = ready
         if s.optimizer == "adamw8bit":
             raise ValueError("8-bit AdamW is modelled for planning only; train it with "
                              "bitsandbytes.optim.AdamW8bit (and optimizer_in_backward=False)")
@@ -83,6 +87,8 @@ class SetupOptimizer:
 
     def _hook(self, p: torch.Tensor) -> None:
         if p.grad is None:   # updated inside a compiled backward already (grad_ready)
+            return
+        if self.ready is not None and not self.ready(p):
             return
         self.update(p, p.grad)
         p.grad = None
