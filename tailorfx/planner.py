@@ -180,13 +180,15 @@ def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_
     head = [c for c in candidates if c not in ks and c not in free and c not in last]
     with progress(total=len(free) + len(head) + len(ks).bit_length() + len(last), desc="planning",
                   unit="plan") as bar:
+        done: dict[int, tuple[Candidate, object]] = {}   # the hint, when it does not fit, is not traced again
+
         def tried(c: Candidate) -> tuple[Candidate, object]:
-            bar.set_postfix_str(c.label, refresh=False)
-            out = evaluate(c)
-            bar.update(1)
-            return out
-        hinted = next((tried(c) for c in candidates if c.label == hint), None)
-        if hinted is not None and hinted[0].fits:
+            if id(c) not in done:
+                bar.set_postfix_str(c.label, refresh=False)
+                done[id(c)] = evaluate(c)
+                bar.update(1)
+            return done[id(c)]
+        if (hinted := next((tried(c) for c in candidates if c.label == hint), None)) and hinted[0].fits:
             return hinted[0], hinted[1], []
         seen: list[tuple[Candidate, object]] = [tried(c) for c in free]
         if any(c.fits for c, _ in seen):

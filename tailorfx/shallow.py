@@ -6,7 +6,7 @@ tokens: one trace of 32 blocks, not eleven)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -41,6 +41,15 @@ def prediction_model(model_or_config: Any, dtype: Optional[torch.dtype], shallow
             yield model, d
         finally:
             capture.STANDS_FOR.reset(token)
+
+
+def capture_step(optimize: Callable[..., Any], model: nn.Module, passes: Optional[Sequence[str]], seq_len: int,
+                 batch_size: int, **kw) -> Any:
+    """`optimize` (api.optimize, which imports this module) of `model` on a batch of `batch_size` x
+    `seq_len` tokens, for prediction only (passes=None: the planner's choice)."""
+    ids = torch.randint(0, 2, (batch_size, seq_len), device=next(model.parameters()).device)
+    return optimize(model, example_inputs={"input_ids": ids, "labels": ids},
+                    passes=None if passes is None else list(passes), predict=False, verify=False, **kw)
 
 
 def parameter_count(opt: Any) -> int:
@@ -91,10 +100,8 @@ def shallow_hint(model: nn.Module, budget: Any, setup: Any, examples: tuple, opt
         kw.update(recompute=options.get("recompute_policy"), offload=options.get("offload"))
     try:
         with prediction_model(config, setup.param_dtype, shallow=True, sites=2) as (fake, _):
-            fake_ids = torch.zeros(tuple(ids.shape), dtype=torch.long)
-            opt = optimize(fake, example_inputs={"input_ids": fake_ids, "labels": fake_ids}, budget=budget,
-                           setup=with_device_costs(setup, budget, fake, ids.shape[0]), predict=False, verify=False,
-                           lowering=lowering, **kw)
+            opt = capture_step(optimize, fake, None, *ids.shape[::-1], budget=budget, lowering=lowering,
+                               setup=with_device_costs(setup, budget, fake, ids.shape[0]), **kw)
     except (BudgetError, depth.NotComposable):
         return None
     if type(opt.model) is not type(model) or parameter_count(opt) != sum(p.numel() for p in model.parameters()):

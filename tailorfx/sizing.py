@@ -20,7 +20,7 @@ from tailorfx.rewrite import bound, depth, memory
 from tailorfx.runtime.accumulation import model_device
 from tailorfx.setup import TrainingSetup, with_device_costs
 from tailorfx.setup import resolve as resolve_setup
-from tailorfx.shallow import parameter_count, prediction_model as _prediction_model
+from tailorfx.shallow import capture_step, parameter_count, prediction_model as _prediction_model
 
 
 def _shallow_first(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -66,13 +66,7 @@ def plan_for_budget(model_or_config: Any, budget: Union[str, int, Budget], seq_l
                             **optimize_kwargs)
 
 
-def _capture(model: nn.Module, passes: Optional[Sequence[str]], seq_len: int, batch_size: int,
-             **kw) -> OptimizedModule:
-    """optimize() on a batch of `batch_size` x `seq_len` tokens, for prediction only (passes=None:
-    the planner's choice)."""
-    ids = torch.randint(0, 2, (batch_size, seq_len), device=next(model.parameters()).device)
-    return optimize(model, example_inputs={"input_ids": ids, "labels": ids},
-                    passes=None if passes is None else list(passes), predict=False, verify=False, **kw)
+_capture = functools.partial(capture_step, optimize)   # (model, passes, seq_len, batch_size, **optimize kwargs)
 
 
 @_shallow_first

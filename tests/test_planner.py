@@ -147,3 +147,22 @@ def test_the_blocked_attention_backward_is_tried_last():
     assert label == cands[-2].label and cands[-1].label not in tried
     label, tried = chosen_and_tried({cands[-1].label})
     assert label == cands[-1].label == tried[-1]
+
+
+def test_a_hint_that_does_not_fit_is_traced_once():
+    """The hinted candidate is tried first; when it is over the budget the search goes on without
+    tracing it again, and still finds the plan that fits."""
+    from dataclasses import replace
+
+    from tailorfx.planner import Plan, budget_candidates, search
+    cands = budget_candidates(Plan(("attention",)), num_blocks=4, has_head=True)
+    tried = []
+
+    def evaluate(c):
+        tried.append(c.label)
+        fits = c is cands[-1]
+        return replace(c, peak=1 if fits else 10, fits=fits, added_flops=0), None
+    hint = next(c.label for c in cands[:-1] if "recompute" in c.passes)
+    chosen = search(cands, evaluate, 5, "5 B", lambda _: {"activations": 10}, hint=hint)[0]
+    assert tried[0] == hint and chosen.label == cands[-1].label
+    assert len(tried) == len(set(tried)) and hint in tried and len(tried) > 2
