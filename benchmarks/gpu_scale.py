@@ -60,28 +60,27 @@ term is causal attention's two matmuls, forward and backward (the recompute excl
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import statistics
-import subprocess
 import sys
-import threading
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH_DIR)
 sys.path[:0] = [REPO, BENCH_DIR]
 
-from gpucheck.record import Run, Skip, bench_module, describe, finish, new_section  # noqa: E402
+from gpucheck.guard import (OFFLOAD_SLOWDOWN, PREDICT_S, PYTHON_S, TRACE_S, WATCHDOG_MARGIN_S,  # noqa: E402
+                            estimate_s, guarded, run_child, run_sections, start_watchdog)
+from gpucheck.record import Run, Skip, bench_module, describe  # noqa: E402
+from gpucheck.steps import (PEAK_TFLOPS, against_prediction, capped, first_step, grad_norms,  # noqa: E402
+                            median_step_s, mfu, peak_of, stepper, worst_grad_rel)
 
 SECTIONS = ("longest", "speed", "offload", "probe")
 SETUP = "pure-bf16-fused-optimizer"
 LOWERING = "eager"
 LOWERING_WHY = ("the lowering of every prediction checked here and of the dry run; Inductor's planning "
                 "takes minutes a candidate and keeps every gradient alive with the optimizer in backward")
-PEAK_TFLOPS = 989.0            # H100 SXM and H200 dense bf16 (NVIDIA's data sheets)
 BUDGET = "H100-80GB"
 ALLOCATOR_CAP = 79 * 2**30     # an H100's 79.6 GiB less its CUDA context: what its allocator can reach
 OFFLOAD_BUDGET = 56 * 2**30    # static 48 GiB of weights and AdamW state; 8 GiB left for the step
@@ -91,27 +90,11 @@ GRANULE = 128
 PROVIDERS = ("tailorfx", "eager", "hf-checkpointing", "liger+hf-checkpointing", "alst")
 OFFLOADED = "tailorfx, activations offloaded"   # in the longest row only
 TAILORFX = {"tailorfx": {}, OFFLOADED: {"offload": "activations"}}   # provider -> optimize() options
-LEAK_BYTES = 1 << 30           # allocated at a check's start: an earlier check's model or AdamW state
 # dry run: a 2-layer Llama on CPU, budgets in MiB, lengths short enough for CPU steps
 DRY = dict(budget=3 << 20, offload_budget=3 << 20, lengths=(256, 512), granule=64, limit=2048)
 
-# What a check is estimated to take on the GPU, so that it starts only when it can finish. A budgeted
-# optimize() of the 32-layer graph, timed on fake tensors on a busy 2-core CPU, planned in 3-3.5 min
-# at 8K and 32K tokens and predicted in 30 s; a run replaces PLAN_S by its first optimize()'s time.
-ESTIMATE_TFLOPS = 350.0        # what a step is assumed to reach (about a third of the peak)
-OFFLOAD_SLOWDOWN = 1.6         # a step with host copies the compute does not hide, over its FLOPs' time
-STEP_OVERHEAD_S = 1.0          # launches and 291 single-tensor AdamW updates a step
-BUILD_S = 20.0                 # an 8B model made on the GPU, random weights
-FIRST_STEP_S = 20.0            # the first step's extra: Triton's compiles, the allocator's growth
-PLAN_S = 150.0                 # a budgeted optimize(): capture and the planner's traces
-PREDICT_S = 30.0               # one predict_memory(), or max_seq_len / plan_for_budget on a shallow capture
-TRACE_S = 60.0                 # optimize() with fixed passes and one prediction: capture, one trace
-PYTHON_S = 30.0                # a fresh interpreter's imports (the probe's subprocess)
-SECTION_MIN_S = 30.0           # less time than this left: a section is skipped
-WATCHDOG_MARGIN_S = 25.0       # after --budget-s: the JSON is written and the process ends
 
-
-# ---- the model and its steps ---------------------------------------------------------------
+# ---- the model and its budgets -------------------------------------------------------------
 
 def config(dry: bool):
     if dry:
@@ -139,117 +122,8 @@ def batch(run: Run, S: int) -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def counted_params(model) -> int:
-    emb = model.get_input_embeddings().weight
-    return sum(p.numel() for p in model.parameters() if p is not emb)
-
-
-def config_params(cfg) -> int:
-    """counted_params of a Llama config's model, without building it (for estimates)."""
-    h, L = cfg.hidden_size, cfg.num_hidden_layers
-    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-    attention = 2 * h * head_dim * (cfg.num_attention_heads + cfg.num_key_value_heads)
-    return L * (attention + 3 * h * cfg.intermediate_size + 2 * h) + h + h * cfg.vocab_size
-
-
-def step_flops(cfg, num_params: int, S: int) -> float:
-    """The MFU numerator: the dense matmuls' FLOPs and causal attention's, forward and backward."""
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 6 * num_params * S + 6 * cfg.num_hidden_layers * S * S * cfg.num_attention_heads * head_dim
-
-
-def mfu(model, S: int, seconds: float) -> float:
-    return step_flops(model.config, counted_params(model), S) / seconds / (PEAK_TFLOPS * 1e12)
-
-
-def sync(run: Run) -> None:
-    if run.cuda:
-        import torch
-        torch.cuda.synchronize()
-
-
-@contextlib.contextmanager
-def stepper(run: Run, module, model, inputs: dict, optimizer=None):
-    """(step, optimizer): one training step of `module` (the model as a provider wraps it), the
-    optimizer fused into backward through `optimizer`'s hooks on `model`'s parameters (default
-    tailorfx.SetupOptimizer). The hooks and the optimizer's entry in tailorfx's registry hold the
-    model and its AdamW state until close(), so close() runs however the block ends."""
-    import tailorfx
-    optim = (optimizer or tailorfx.SetupOptimizer)(model.parameters(), SETUP)
-
-    def step():
-        out = module(**inputs)
-        loss = out.loss
-        loss.backward()
-        optim.step()          # a no-op for hooked parameters; steps the rest
-        optim.zero_grad()
-        sync(run)
-        return out
-    try:
-        yield step, optim
-    finally:
-        optim.close()
-
-
-def first_step(run: Run, step) -> tuple[float, Any]:
-    """(seconds, output) of the first step: Triton's compiles and the allocator's first growth."""
-    sync(run)   # optimize()'s example forward may still be queued
-    t0 = time.time()
-    out = step()
-    return round(time.time() - t0, 1), out
-
-
-def median_step_s(step, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()   # ends in a synchronize
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def peak_of(run: Run, step) -> dict:
-    """The peak of one steady step: allocated bytes on the GPU (static included), on the CPU
-    tailorfx.measure_peak's bytes above what was live before it (dynamic)."""
-    import torch
-    import tailorfx
-    if run.cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        return {"before": before, "peak": torch.cuda.max_memory_allocated(),
-                "reserved": torch.cuda.max_memory_reserved()}
-    return {"dynamic_peak": tailorfx.measure_peak(step)}
-
-
-def against_prediction(measured: dict, est) -> dict:
-    """(predicted - measured) / measured: the whole peak on a GPU, the dynamic peak on the CPU."""
-    if "peak" in measured:
-        pred, meas = est.peak_bytes, measured["peak"]
-    else:
-        pred, meas = est.forward_backward_peak_bytes, measured["dynamic_peak"]
-    return {"predicted": pred, "measured": meas, "error": (pred - meas) / meas,
-            "within_-2%..+3%": -0.02 <= (pred - meas) / meas <= 0.03}
-
-
 def plan_labels(opt) -> list:
     return [p.chosen.label if p.chosen else p.reason for p in opt.plan]
-
-
-@contextlib.contextmanager
-def capped(run: Run, cap: int):
-    """The caching allocator capped at `cap` bytes (an 80 GB GPU emulated on a larger one)."""
-    if not run.cuda:
-        yield None
-        return
-    import torch
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
-    try:
-        yield cap
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
 
 
 def budgets(run: Run) -> dict:
@@ -261,90 +135,6 @@ def budgets(run: Run) -> dict:
     return {"budget": Budget(PRESETS[BUDGET], BUDGET, "sm90"), "cap": ALLOCATOR_CAP,
             "offload_budget": Budget(OFFLOAD_BUDGET, "56 GiB GPU", "sm90"), "offload_cap": OFFLOAD_CAP,
             "granule": GRANULE, "limit": 1 << 21, "lengths": LENGTHS}
-
-
-# ---- time and a clean start: the guard every check runs under ------------------------------------
-
-def estimate_s(run: Run, S: int, steps: int, plan: bool = False, builds: int = 1, slowdown: float = 4 / 3) -> float:
-    """Seconds a check should take on the GPU: `builds` models made, with `plan` a budgeted
-    optimize() (its example forward, the planner, one prediction), the first step's extra, and
-    `steps` steps of S tokens at ESTIMATE_TFLOPS (`slowdown`: recompute's extra forward, copies)."""
-    cfg = config(run.dry)
-    step = step_flops(cfg, config_params(cfg), S) * slowdown / (ESTIMATE_TFLOPS * 1e12) + STEP_OVERHEAD_S
-    planning = run.shared.get("plan_s", PLAN_S) + PREDICT_S + step / 3 if plan else 0.0
-    return builds * BUILD_S + planning + FIRST_STEP_S + steps * step
-
-
-def allocated(run: Run) -> int:
-    if not run.cuda:
-        return 0
-    import torch
-    return torch.cuda.memory_allocated()
-
-
-def guarded(run: Run, sec: dict, name: str, need_s: float, fn: Callable[[], Optional[dict]]) -> dict:
-    """run.check(sec, name, fn) if `need_s` (estimate_s's) fits the time left, else an entry
-    skipped for time; the check fails at once if more than LEAK_BYTES are still allocated on the
-    GPU (an earlier check's leak would fail it for the wrong reason). The dry run skips nothing for
-    time (the estimates are a GPU's)."""
-    need = 0.0 if run.dry else need_s
-    print(f"[{time.time() - run.start:5.0f} s] {name}: {run.left():.0f} s left, about {need_s:.0f} s needed",
-          flush=True)
-    if run.left() < need:
-        entry = {"name": name, "status": "skipped", "estimate_s": round(need_s),
-                 "reason": f"time budget: {run.left():.0f} s left, about {need_s:.0f} s needed"}
-        sec["checks"].append(entry)
-        run.save()
-        return entry
-
-    def body():
-        before = allocated(run)
-        if before > LEAK_BYTES:
-            return {"ok": False, "allocated_before": before,
-                    "reason": f"{before / 2**30:.1f} GiB still allocated on the GPU from an earlier check (a leak)"}
-        res = dict(fn() or {})
-        return {**res, "allocated_before": before} if run.cuda else res
-    entry = run.check(sec, name, body)
-    entry["estimate_s"] = round(need_s)
-    print(f"    {entry['status']} in {entry['seconds']} s", flush=True)
-    return entry
-
-
-def start_watchdog(run: Run, margin_s: float) -> threading.Timer:
-    """A timer thread that, `margin_s` after --budget-s runs out, writes the JSON (a check still
-    running marked "timeout") and ends the process with status 3, killing the probe's subprocess:
-    the caller's hard wall then never finds the run without its JSON. A thread, not SIGALRM: it
-    fires while the main thread waits in CUDA or on a subprocess."""
-    def fire():
-        now = time.time() - run.start
-        for sec in list(run.data["sections"].values()):
-            for c in sec["checks"]:
-                if c.get("status") == "running":
-                    c.update(status="timeout", seconds=round(now - c["at_s"], 1))
-            if sec.get("status") == "running":
-                sec["status"] = "timeout"
-        run.data["meta"]["watchdog"] = (f"stopped at {now:.0f} s (--budget-s {run.args.budget_s:.0f} "
-                                        f"+ {margin_s:.0f} s)")
-        if (child := run.shared.get("child")) is not None:
-            child.kill()
-        text = None
-        for _ in range(5):   # the main thread may change a dict while it is dumped
-            try:
-                text = json.dumps(run.data, indent=1, default=str)
-                break
-            except RuntimeError:
-                time.sleep(0.1)
-        if text is not None:   # else the JSON the last check saved stands
-            tmp = f"{run.args.out}.watchdog"
-            with open(tmp, "w") as f:
-                f.write(text)
-            os.replace(tmp, run.args.out)
-        print(f"[watchdog] {run.data['meta']['watchdog']}; wrote {run.args.out}", flush=True)
-        os._exit(3)
-    timer = threading.Timer(max(0.0, run.left()) + margin_s, fire)
-    timer.daemon = True
-    timer.start()
-    return timer
 
 
 # ---- sections --------------------------------------------------------------------------------
@@ -364,7 +154,7 @@ def section_longest(run: Run, sec: dict) -> None:
         raise Skip("max_seq_len gave no length to train at")
     S = run.shared["longest"]
     guarded(run, sec, "next granule refused", PREDICT_S, lambda: next_granule(cfg, b["budget"], S + b["granule"]))
-    guarded(run, sec, "train at the longest length", estimate_s(run, S, steps=3, plan=True),
+    guarded(run, sec, "train at the longest length", estimate_s(run, cfg, S, steps=3, plan=True),
             lambda: train_longest(run, S))
 
 
@@ -383,7 +173,7 @@ def train_longest(run: Run, S: int) -> dict:
         opt = tailorfx.optimize(model, budget=b["budget"], setup=SETUP, example_inputs=inputs, lowering=LOWERING)
         res["optimize_s"] = run.shared["plan_s"] = round(time.time() - t0, 1)   # capture and planning
         res["plan"] = plan_labels(opt)
-        with stepper(run, opt, model, inputs) as (step, _):
+        with stepper(run, opt, model, inputs, SETUP) as (step, _):
             res["first_step_s"] = first_step(run, step)[0]
             est = opt.predict_memory()
             res["measured"] = peak_of(run, step)
@@ -472,27 +262,6 @@ def restorable_llama_module():
     return restore
 
 
-def grad_norms(model, names: dict) -> dict:
-    """Each gradient's norm under its parameter's name in the unwrapped model (`names`: id -> name,
-    taken before a provider wrapped modules: ALST's `mlp.mlp.*` is eager's `mlp.*`)."""
-    out = {}
-    for p in model.parameters():
-        if p.grad is not None:
-            if id(p) not in names:
-                raise ValueError(f"a parameter of shape {tuple(p.shape)} is not the model's: the provider made it")
-            out[names[id(p)]] = p.grad.float().norm().item()
-    return out
-
-
-def worst_grad_rel(ref: dict, got: dict) -> float:
-    """The largest relative difference of a gradient norm from eager's. A parameter with a gradient
-    on one side only is an error, not a zero: a name that does not match would compare nothing."""
-    if set(ref) != set(got):
-        raise ValueError(f"gradients of different parameters: eager only {sorted(set(ref) - set(got))[:4]}, "
-                         f"provider only {sorted(set(got) - set(ref))[:4]}")
-    return max(abs(got[n] - g) / max(g, 1e-30) for n, g in ref.items())
-
-
 def eager_reference(run: Run, inputs: dict) -> tuple[float, dict]:
     """Eager PyTorch's loss and gradient norms by name at `inputs`, computed once (build() seeds
     the weights, so every provider's model starts from the same ones)."""
@@ -526,7 +295,7 @@ def agreement(run: Run, name: str, S: int) -> dict:
                "fired": p.fired(out)}
         del out
         model.zero_grad(set_to_none=True)
-        with stepper(run, p.module, model, inputs, p.optimizer) as (step, optim):
+        with stepper(run, p.module, model, inputs, SETUP, p.optimizer) as (step, optim):
             step()
             res.update(updates_in_one_step=optim.num_updates, parameters=len(optim.params))
     finally:
@@ -552,7 +321,7 @@ def timed_steps(run: Run, name: str, S: int, reps: int) -> dict:
             p = make_provider(run, name, model, inputs)
             res["setup_s"] = round(time.time() - t0, 1)
             try:
-                with stepper(run, p.module, model, inputs, p.optimizer) as (step, _):
+                with stepper(run, p.module, model, inputs, SETUP, p.optimizer) as (step, _):
                     res["first_step_s"], out = first_step(run, step)
                     res["fired"] = p.fired(out)
                     del out
@@ -582,7 +351,7 @@ def section_speed(run: Run, sec: dict) -> None:
     speed_row(run, sec, lengths[0], PROVIDERS[:1] + (OFFLOADED,) + PROVIDERS[1:], reps)
     short = b["lengths"][0] // 16 if not run.dry else 64
     for name in PROVIDERS[:1] + PROVIDERS[2:]:   # every provider but eager, the reference
-        need = estimate_s(run, short, steps=3, plan=name in TAILORFX,
+        need = estimate_s(run, config(run.dry), short, steps=3, plan=name in TAILORFX,
                           builds=1 + ("eager_reference" not in run.shared))
         guarded(run, sec, f"agreement {name}", need, lambda name=name: agreement(run, name, short))
     for S in lengths[1:]:
@@ -591,7 +360,7 @@ def section_speed(run: Run, sec: dict) -> None:
 
 def speed_row(run: Run, sec: dict, S: int, names: tuple, reps: int) -> None:
     for name in names:
-        need = estimate_s(run, S, steps=2 + reps, plan=name in TAILORFX,
+        need = estimate_s(run, config(run.dry), S, steps=2 + reps, plan=name in TAILORFX,
                           slowdown=OFFLOAD_SLOWDOWN if name == OFFLOADED else 4 / 3)
         guarded(run, sec, f"{name} S={S}", need, lambda name=name: timed_steps(run, name, S, reps))
 
@@ -617,7 +386,7 @@ def section_offload(run: Run, sec: dict) -> None:
     for name, S, offload in (("offloaded at its longest", run.shared["offloaded"], True),
                              ("device-only at its longest", both, False),
                              ("offloaded at the device-only longest", both, True)):
-        need = estimate_s(run, S, steps=2 + reps, plan=True, slowdown=OFFLOAD_SLOWDOWN if offload else 4 / 3)
+        need = estimate_s(run, cfg, S, steps=2 + reps, plan=True, slowdown=OFFLOAD_SLOWDOWN if offload else 4 / 3)
         guarded(run, sec, name, need, lambda S=S, offload=offload: train_offload(run, S, offload, reps))
     per = {c["name"]: c.get("s_per_1k_tokens") for c in sec["checks"]}
     if per.get("device-only at its longest") and per.get("offloaded at the device-only longest"):
@@ -637,7 +406,7 @@ def train_offload(run: Run, S: int, offload: bool, reps: int) -> dict:
         opt = tailorfx.optimize(model, budget=b["offload_budget"], setup=SETUP, example_inputs=inputs,
                                 lowering=LOWERING, **kw)
         res["plan"] = plan_labels(opt)
-        with stepper(run, opt, model, inputs) as (step, _):
+        with stepper(run, opt, model, inputs, SETUP) as (step, _):
             res["first_step_s"] = first_step(run, step)[0]
             est = opt.predict_memory()
             res["host_bytes_predicted"] = est.host_bytes
@@ -653,7 +422,7 @@ def section_probe(run: Run, sec: dict) -> None:
     if "longest" not in run.shared:
         raise Skip("the longest section did not predict a length")
     S = run.shared["longest"] + budgets(run)["granule"]
-    need = PYTHON_S + TRACE_S + estimate_s(run, S, steps=2)
+    need = PYTHON_S + TRACE_S + estimate_s(run, config(run.dry), S, steps=2)
     guarded(run, sec, f"the longest plan at {S} tokens", need, lambda: probe(run, S, need))
 
 
@@ -662,18 +431,12 @@ def probe(run: Run, S: int, need_s: float) -> dict:
     its estimate, or what is left if less (the estimate at least); the watchdog kills it too."""
     cmd = [sys.executable, os.path.abspath(__file__), "--probe-tokens", str(S)] + (["--dry-run"] if run.dry else [])
     timeout = 1200.0 if run.dry else max(need_s, min(1.5 * need_s, run.left()))
-    child = run.shared["child"] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = child.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        out, err = child.communicate()
+    out, err, returncode = run_child(run, cmd, timeout)
+    if returncode is None:
         return {"tokens": S, "ok": False, "timed_out_s": round(timeout), "stderr": err[-2000:]}
-    finally:
-        run.shared.pop("child", None)
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     res = json.loads(lines[-1]) if lines else {"ok": False, "stderr": err[-2000:]}
-    res.update(tokens=S, returncode=child.returncode)
+    res.update(tokens=S, returncode=returncode)
     return res
 
 
@@ -708,7 +471,7 @@ def probe_main(S: int, dry: bool) -> None:
             opt = tailorfx.optimize(model, setup=setup, passes=["attention", "minisequence", "recompute"],
                                     minisequence="segments", recompute="full", example_inputs=inputs,
                                     lowering=LOWERING)
-            with stepper(run, opt, model, inputs) as (step, _):
+            with stepper(run, opt, model, inputs, SETUP) as (step, _):
                 step()
                 res["predicted"] = opt.predict_memory().peak_bytes
                 res["measured"] = peak_of(run, step)
@@ -763,15 +526,6 @@ def predict_tables(out: str) -> dict:
 RUNNERS = {"longest": section_longest, "speed": section_speed, "offload": section_offload, "probe": section_probe}
 
 
-def run_section(run: Run, name: str, sec: dict) -> None:
-    try:
-        RUNNERS[name](run, sec)
-    except Skip as s:
-        sec["skipped"].append(str(s))
-    except Exception as e:   # noqa: BLE001  (recorded; the next section still runs)
-        sec["error"] = describe(e)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--section", action="append", choices=SECTIONS, help="repeatable; default: all, in order")
@@ -803,18 +557,7 @@ def main(argv=None) -> int:
                             lowering=LOWERING, lowering_why=LOWERING_WHY, budget_s=args.budget_s)
     run.save()
     start_watchdog(run, WATCHDOG_MARGIN_S)
-    for name in run.sections:
-        sec = run.data["sections"][name] = new_section()
-        t0 = time.time()
-        if run.left() < (0.0 if run.dry else SECTION_MIN_S):
-            sec["skipped"].append(f"time budget: {run.left():.0f} s left")
-        else:
-            run.save()
-            run_section(run, name, sec)
-        finish(sec, t0)
-        run.save()
-        print(f"[{name}] {sec['status']} {sec['seconds']} s: " + ", ".join(f"{c['name']} {c['status']}" for c in sec["checks"]),
-              flush=True)
+    run_sections(run, RUNNERS)
     run.data["meta"]["total_s"] = round(time.time() - run.start, 1)
     run.save()
     print(f"wrote {args.out}")

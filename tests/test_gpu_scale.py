@@ -14,7 +14,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_scale.py")
+BENCH_DIR = os.path.join(ROOT, "benchmarks")
+SCRIPT = os.path.join(BENCH_DIR, "gpu_scale.py")
 
 
 @pytest.fixture(scope="module")
@@ -29,44 +30,52 @@ def gpu_scale():
     return module
 
 
+@pytest.fixture(scope="module")
+def gpucheck(gpu_scale):
+    """The gpucheck modules the script imported, from sys.modules (their folder is off sys.path again)."""
+    return types.SimpleNamespace(**{name: sys.modules[f"gpucheck.{name}"] for name in ("record", "guard", "steps")})
+
+
 def cpu_run(gpu_scale, tmp_path, budget_s: float, dry: bool = False):
     args = types.SimpleNamespace(dry_run=dry, budget_s=budget_s, out=str(tmp_path / "out.json"), section=None)
     return gpu_scale.Run(args, "cpu", sections=gpu_scale.SECTIONS)
 
 
-def test_a_check_that_does_not_fit_the_time_left_is_skipped(gpu_scale, tmp_path):
+def test_a_check_that_does_not_fit_the_time_left_is_skipped(gpu_scale, gpucheck, tmp_path):
     run = cpu_run(gpu_scale, tmp_path, budget_s=60)
-    sec = run.data["sections"]["speed"] = gpu_scale.new_section()
-    skipped = gpu_scale.guarded(run, sec, "long", 600, lambda: pytest.fail("started without the time"))
-    ran = gpu_scale.guarded(run, sec, "short", 1, lambda: {"x": 1})
+    sec = run.data["sections"]["speed"] = gpucheck.record.new_section()
+    skipped = gpucheck.guard.guarded(run, sec, "long", 600, lambda: pytest.fail("started without the time"))
+    ran = gpucheck.guard.guarded(run, sec, "short", 1, lambda: {"x": 1})
     assert skipped["status"] == "skipped" and "600 s needed" in skipped["reason"]
     assert ran["status"] == "pass" and ran["estimate_s"] == 1 and ran["at_s"] >= 0 and ran["started"]
     assert [c["name"] for c in json.loads((tmp_path / "out.json").read_text())["sections"]["speed"]["checks"]] == \
         ["long", "short"]
 
 
-def test_estimates_count_planning_and_the_first_step(gpu_scale, tmp_path):
+def test_estimates_count_planning_and_the_first_step(gpu_scale, gpucheck, tmp_path):
+    guard, steps = gpucheck.guard, gpucheck.steps
     run = cpu_run(gpu_scale, tmp_path, budget_s=60, dry=True)
-    assert gpu_scale.config_params(gpu_scale.config(True)) == gpu_scale.counted_params(gpu_scale.build(run))
-    run.dry = False   # the 8B config
-    steps_only = gpu_scale.estimate_s(run, 32768, steps=5)
-    planned = gpu_scale.estimate_s(run, 32768, steps=5, plan=True)
-    assert planned - steps_only > gpu_scale.PLAN_S
-    assert steps_only > gpu_scale.BUILD_S + gpu_scale.FIRST_STEP_S + 5 * 5   # a 32K step takes seconds
+    assert steps.config_params(gpu_scale.config(True)) == steps.counted_params(gpu_scale.build(run))
+    cfg = gpu_scale.config(False)   # the 8B config
+    steps_only = guard.estimate_s(run, cfg, 32768, steps=5)
+    planned = guard.estimate_s(run, cfg, 32768, steps=5, plan=True)
+    assert planned - steps_only > guard.PLAN_S
+    assert steps_only > guard.BUILD_S + guard.FIRST_STEP_S + 5 * 5   # a 32K step takes seconds
     run.shared["plan_s"] = 10.0   # measured by the run's first budgeted optimize()
-    assert gpu_scale.estimate_s(run, 32768, steps=5, plan=True) < planned
+    assert guard.estimate_s(run, cfg, 32768, steps=5, plan=True) < planned
 
 
 def test_the_watchdog_writes_the_json_and_ends_the_process(tmp_path):
     out = tmp_path / "out.json"
     code = textwrap.dedent(f"""
-        import importlib.util, time, types
-        spec = importlib.util.spec_from_file_location("gs", {SCRIPT!r})
-        gs = importlib.util.module_from_spec(spec); spec.loader.exec_module(gs)
+        import sys, time, types
+        sys.path.insert(0, {BENCH_DIR!r})
+        from gpucheck.guard import start_watchdog
+        from gpucheck.record import Run, new_section
         args = types.SimpleNamespace(dry_run=True, budget_s=0.5, out={str(out)!r}, section=None)
-        run = gs.Run(args, "cpu", sections=gs.SECTIONS)
-        sec = run.data["sections"]["longest"] = gs.new_section()
-        gs.start_watchdog(run, 0.5)
+        run = Run(args, "cpu", sections=("longest",))
+        sec = run.data["sections"]["longest"] = new_section()
+        start_watchdog(run, 0.5)
         run.check(sec, "hangs", lambda: time.sleep(60))
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -85,7 +94,7 @@ def tiny_llama():
     return AutoModelForCausalLM.from_config(cfg)
 
 
-def test_gradients_are_compared_under_the_unwrapped_names(gpu_scale):
+def test_gradients_are_compared_under_the_unwrapped_names(gpu_scale, gpucheck):
     from collections import Counter
     alst = gpu_scale.bench_module("alst")
     model = tiny_llama()
@@ -96,13 +105,14 @@ def test_gradients_are_compared_under_the_unwrapped_names(gpu_scale):
     assert any(".mlp.mlp." in n for n, _ in model.named_parameters())
     for i, p in enumerate(model.parameters()):
         p.grad = torch.full_like(p, float(i + 1))
-    got = gpu_scale.grad_norms(model, names)
+    steps = gpucheck.steps
+    got = steps.grad_norms(model, names)
     assert sorted(got) == sorted(eager_names)
-    assert gpu_scale.worst_grad_rel(got, dict(got)) == 0.0
+    assert steps.worst_grad_rel(got, dict(got)) == 0.0
     with pytest.raises(ValueError, match="eager only"):   # a missing name fails, it does not compare 0
-        gpu_scale.worst_grad_rel(got, {n: g for n, g in got.items() if ".mlp." not in n})
+        steps.worst_grad_rel(got, {n: g for n, g in got.items() if ".mlp." not in n})
     with pytest.raises(ValueError, match="provider made it"):
-        gpu_scale.grad_norms(model, {})
+        steps.grad_norms(model, {})
 
 
 def test_alst_optimizer_updates_once_after_the_last_shard(gpu_scale):
