@@ -43,13 +43,7 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         # kept out of the module tree: the compiled wrapper holds the same parameters
         self.__dict__["_compiled"] = self._compile(model)
         self.__dict__["_eager_reason"] = None
-        # look like the model to the ecosystem (Trainer and accelerate read forward's signature)
-        run = self._forward
-
-        @functools.wraps(model.forward)
-        def forward(*args, **kwargs):
-            return run(*args, **kwargs)
-        self.__dict__["forward"] = forward
+        self._look_like_the_model(self._forward)
         self._watch_trainers()
 
     def __getattr__(self, name: str):

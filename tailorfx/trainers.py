@@ -13,6 +13,7 @@ function as before.
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 import weakref
 from dataclasses import dataclass, replace
@@ -211,6 +212,18 @@ class TrainerHooks:
     """OptimizedModule's side that trainers meet: TRL's fused head served (a replaced `forward`
     watched), activation checkpointing run as the recompute pass, and the bypass watch. Reads
     the module's `model`, `options`, `budget` and `session`."""
+
+    def _look_like_the_model(self, run: Callable) -> None:
+        """`forward` calls `run` under the model's signature: Trainer and accelerate read it to keep a
+        batch's columns (peft's is `(*args, **kwargs)`, so Trainer reads its base model's: given it here)."""
+        model = self.model
+
+        @functools.wraps(model.forward)
+        def forward(*args, **kwargs):
+            return run(*args, **kwargs)
+        if hasattr(model, "get_base_model"):
+            forward.__signature__ = inspect.signature(model.get_base_model().forward)
+        self.__dict__["forward"] = forward
 
     def _watch_trainers(self) -> None:
         self.__dict__["_replaced_forward"] = None   # what replaced forward, when tailorfx cannot serve it

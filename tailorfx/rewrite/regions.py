@@ -54,18 +54,20 @@ class RegionMap:
         return {k: len(self.of_kind(k)) for k in KINDS}
 
 
-_PATH_PARTS = re.compile(r"\._modules\['([^']+)'\]|\['([^']+)'\]|\[(\d+)\]")
+# a submodule reached through `__dict__` (peft's wrappers: `__getattr__` forwards to the wrapped model)
+_PATH_PARTS = re.compile(r"\.__dict__\['_modules'\]\['([^']+)'\]|\._modules\['([^']+)'\]|\['([^']+)'\]|\[(\d+)\]")
 
 
 def normalize_path(p: str) -> str:
-    """"L['self'].model.layers[0]._modules['mlp']" -> "model.layers.0.mlp". The root module is
+    """"L['self'].model.layers[0]._modules['mlp']" -> "model.layers.0.mlp" (the path
+    `named_modules()` gives; also through `__dict__['_modules']`). The root module is
     `L['self']`, or `L['args'][0]` when Dynamo's frame is a decorator's wrapper around forward
     (transformers 5.24 wraps some models' forward that way)."""
     for root in ("L['self']", "L['args'][0]"):
         if p.startswith(root):
             p = p[len(root):]
             break
-    p = _PATH_PARTS.sub(lambda m: "." + (m.group(1) or m.group(2) or m.group(3)), p)
+    p = _PATH_PARTS.sub(lambda m: "." + next(g for g in m.groups() if g), p)
     return p.strip(".")
 
 
