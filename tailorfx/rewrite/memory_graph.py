@@ -18,6 +18,7 @@ from tailorfx.rewrite.memory_estimate import Timeline
 from tailorfx.rewrite.offload import HOST_OPS
 from tailorfx.rewrite.optimizer_step import aliases_input
 from tailorfx.rewrite.trace import Sizer, graph_outputs
+from tailorfx.runtime.flash_cpu import flash_thread_bytes
 from tailorfx.setup import TrainingSetup
 
 
@@ -106,19 +107,21 @@ def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup, inductor: b
         return setup.update_temp_bytes(sizer(g) // g.element_size()) if isinstance(g, torch.Tensor) else 0
     if t in (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default):
-        # CPU flash attention's per-thread score blocks, and in backward an fp32 q-sized gradient
-        # accumulator (measured, 40 to 16K tokens, 2-8 heads, D 16-128: backward = q's fp32 bytes
-        # + per_thread a thread, forward about 0.57 of the per-thread part)
+        # CPU flash attention's per-thread buffers (flash_thread_bytes), and in backward a copy of
+        # the output gradient unless it is (B, S, H, D)-strided already (as the backward of
+        # transformers' out.transpose(1, 2) makes it)
         if setup.device is not None:
             return 0   # a GPU budget on CPU fake tensors: CUDA's flash scratch is setup.device's term
         backward = t is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-        q = node_value(node.args[1] if backward else node.args[0])
-        if not isinstance(q, torch.Tensor):
+        q, k = (node_value(a) for a in (node.args[1:3] if backward else node.args[:2]))
+        if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
             return 0
-        S = sizer.as_int(q.shape[-2])
-        per_thread = min(1 << 20, S * (256 if S < 192 else 512 if S < 768 else 1024))
-        buffers = torch.get_num_threads() * per_thread
-        return sizer(q) * 4 // q.element_size() + buffers if backward else int(0.57 * buffers)
+        q_len, kv_len, dim = (sizer.as_int(d) for d in (q.shape[-2], k.shape[-2], q.shape[-1]))
+        buffers = flash_thread_bytes(backward, q_len, kv_len, dim, q.dtype)
+        dout = node_value(node.args[0]) if backward else None
+        if not isinstance(dout, torch.Tensor) or sizer.as_int(dout.shape[1]) == 1:
+            return buffers
+        return buffers + (sizer(dout) if sizer.as_int(dout.stride(1)) != dim else 0)
     role = compat.flex_attention_role(t)
     if role is not None:   # Inductor's FlexAttention kernel, or a GPU budget (Inductor's lowering there): fused
         return 0 if inductor or setup.device is not None else _unfused_flex(node, role, sizer)

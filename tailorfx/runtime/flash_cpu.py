@@ -17,8 +17,8 @@ from torch import Tensor
 from tailorfx.runtime.attention_tiles import Pattern, tile_backward, tile_forward
 
 __all__ = ["FLASH", "FLASH_BACKWARD", "MIN_BLOCK_TOKENS", "lse_dtype", "flash_runs", "dense_forward", "dense_backward",
-           "one_flash_call", "block_step", "flash_backward", "blocked_flash_backward", "flash_transient_bytes",
-           "grouped_sdpa"]
+           "one_flash_call", "block_step", "flash_backward", "blocked_flash_backward", "flash_split",
+           "flash_thread_bytes", "flash_transient_bytes", "grouped_sdpa"]
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -146,25 +146,67 @@ def blocked_flash_backward(dout, q, k, v, out, lse, scale, causal, blocks: int, 
     return dq, dk, dv
 
 
-def flash_transient_bytes(backward: bool, shape: tuple, num_kv: int, item: int, params) -> int:
+def flash_split(q_len: int, kv_len: int) -> tuple[int, int]:
+    """(query block, key block) of ATen's CPU flash kernel, forward and backward: 32 queries under
+    192, 64 under 768, else 256; 512 keys; neither longer than its sequence."""
+    q_split = 256 if q_len >= 768 else 64 if q_len >= 192 else 32
+    return min(q_split, q_len), min(512, kv_len)
+
+
+def flash_thread_bytes(backward: bool, q_len: int, kv_len: int, dim: int, dtype: torch.dtype) -> int:
+    """The scratch one call of ATen's CPU flash kernel allocates for its torch.get_num_threads()
+    intra-op threads, a slice each: forward, an fp32 (query block x key block) score tile, the
+    block's row max and sum and its fp32 (query block x D) output rows; backward, two fp32 tiles
+    (probabilities and their gradient) and a row sum. 16-bit inputs add each tile once more in
+    their dtype (fp64 ones hold them in fp64), and bf16's backward oneDNN's matmul scratch.
+    Measured against the allocator (fp32, fp64, bf16, fp16; 32 to 2048 tokens, D 16 to 128; 1
+    and 2 threads): to the byte, and to 256 bytes on two threads (the second thread's row sum is
+    allocated where the profiler does not look), but for bf16's oneDNN part."""
+    qs, ks = flash_split(q_len, kv_len)
+    item, acc = dtype.itemsize, lse_dtype(dtype).itemsize
+    tiles = 2 if backward else 1
+    per_thread = tiles * qs * ks * (acc + item * (item < acc))
+    per_thread += qs * acc if backward else qs * (2 + dim) * acc
+    scratch = _bf16_gemm_scratch(qs, ks, dim) if backward and dtype == torch.bfloat16 else 0
+    return torch.get_num_threads() * per_thread + scratch
+
+
+def _bf16_gemm_scratch(qs: int, ks: int, dim: int) -> int:
+    """What oneDNN allocates (through torch's allocator) in bf16's flash backward, whose matmuls
+    write fp32 tiles: for one matmul at a time, a slice for every intra-op thread. q k^T's: (2 qs
+    + 4 D') bytes a key of the key block, halved above 256 keys, + 128 qs + 640; v's gradient's:
+    4 qs D' + 128 bytes a key (rounded up to 32) + 512; D' = min(D, 64); + 512 once. Measured
+    (torch 2.13, AVX-512): to the byte on one thread (32 to 2048 tokens, D 8 to 256), and on two
+    from 288 keys up; on two threads with at most 256 keys oneDNN splits them between the threads
+    and holds less (the whole backward over-predicted by up to 26%, from 32 to 256 tokens)."""
+    dk, n_blk = min(dim, 64), ks if ks <= 256 else -(-ks // 2)
+    qk = n_blk * (2 * qs + 4 * dk) + 128 * qs + 640
+    dv = 4 * qs * dk + 128 * (-(-ks // 32) * 32) + 512
+    return torch.get_num_threads() * max(qk, dv) + 512
+
+
+def flash_transient_bytes(backward: bool, shape: tuple, num_kv: int, dtype: torch.dtype, params) -> int:
     """Bytes one call of the CPU flash kernel (the op's forward, or its backward as `params`
-    [blocks, repeat] says) holds beyond its outputs: q `shape` (B, H, S, D) of `item` bytes,
-    `num_kv` kv heads. Measured against the allocator in tests/test_attention_kernels.py."""
+    [blocks, repeat] says) holds beyond its outputs: q `shape` (B, H, S, D) of `dtype`, `num_kv`
+    kv heads. Measured against the allocator in tests/test_attention_kernels.py."""
     batch, heads, seq, dim = shape
+    item = dtype.itemsize
     q_elems, kv_elems = batch * heads * seq * dim, batch * num_kv * seq * dim
     blocks, repeat = (int(p) for p in (list(params) + [0, 0])[:2])
     step = block_step(seq, blocks) if backward else seq
-    per_thread = torch.get_num_threads() * min(1 << 20, step * (256 if step < 192 else 512 if step < 768 else 1024))
+    buffers = flash_thread_bytes(backward, step, step, dim, dtype)
     if not backward:
-        return int(0.57 * per_thread)
+        return buffers
     # repeated k, v: two q-sized copies and their q-sized gradients, less the kv-sized ones
     # they replace (measured, fp32, 1 and 2 kv heads of 4: to the KiB)
     qb, kb = q_elems * step // seq, kv_elems * step // seq
     repeated = (4 * item * qb - 2 * item * kb) if repeat and num_kv < heads else 0
     if step >= seq:
-        # in the kernel: its fp32 q-sized accumulator; after it, the copies that make its
-        # (B, S, H, D)-strided gradients contiguous (a one-head tensor is already)
+        # in the kernel: the output gradient copied (B, S, H, D)-contiguous; after it, the copies
+        # that make its (B, S, H, D)-strided gradients contiguous (a one-head tensor is already)
         copies = item * (q_elems * (heads > 1) + 2 * kv_elems * (num_kv > 1))
-        return 4 * q_elems + per_thread + repeated if repeated else max(4 * q_elems + per_thread, copies)
-    # per block pair (measured, fp32): the accumulator and two q-block gradients, four k-blocks
-    return 4 * qb + 2 * item * qb + 4 * item * kb + per_thread + repeated
+        dout = item * q_elems * (heads > 1)
+        return dout + buffers + repeated if repeated else max(dout + buffers, copies)
+    # per block pair (measured, fp32 and bf16): the output gradient's copy and two q-block
+    # gradients, four k-blocks
+    return item * qb * (heads > 1) + 2 * item * qb + 4 * item * kb + buffers + repeated
