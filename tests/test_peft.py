@@ -35,7 +35,7 @@ def _inputs(seed: int = 0) -> dict:
 def test_a_lora_model_is_rewritten_exact_and_predicted(family):
     """Loss and every adapter gradient equal eager peft's, the base weights frozen; the head fused
     with the loss and every MLP chunked, under the paths named_modules() gives; the optimizer state
-    of the adapters only; the step's peak not under-predicted."""
+    of the adapters only; the step's peak predicted within -2%..+3%."""
     model = lora(family)
     eager = copy.deepcopy(model)
     inputs = _inputs()
@@ -67,11 +67,13 @@ def test_a_lora_model_is_rewritten_exact_and_predicted(family):
     adapters = sum(p.numel() for p in trained.values())
     assert est.breakdown()["optimizer state"] == 2 * 4 * adapters   # AdamW's two fp32 moments
     measured = peak_of_step(opt, model, inputs)
-    over = (est.forward_backward_peak_bytes - measured) / measured
-    print(f"{family}: predicted {over:+.2%} of the measured peak")
-    # a known gap (docs/memory.md, "LoRA"): predicted over the measured peak, +3.3% to +14% at these
-    # sizes, where a plain model's is within -2%..+3%; never under (a budget met by the prediction holds)
-    assert 0 <= over <= 0.15, f"{over:+.2%}"
+    error = (est.forward_backward_peak_bytes - measured) / measured
+    if family == "gemma2":
+        # a known gap (docs/memory.md): at 64 tokens the CPU tile engine of its soft-capped attention
+        # holds less in backward than modelled, which a trained head's gradient hides; never under
+        assert 0 <= error <= 0.15, f"{error:+.2%}"
+    else:
+        assert -0.02 <= error <= 0.03, f"{error:+.2%}"
 
 
 def test_trainer_trains_an_optimized_lora_model_as_it_trains_the_model():
@@ -95,3 +97,35 @@ def test_trainer_trains_an_optimized_lora_model_as_it_trains_the_model():
     # a forward that no backward follows (the graph Trainer's first call compiles) reloads nothing
     assert ops["tailorfx::offload"] >= ops["tailorfx::reload"] == ops["tailorfx::reloaded"] >= 4 * 2, ops
     assert ops["tailorfx::token_chunked_backward"] > 0, ops
+
+
+def test_a_chunked_mlp_of_frozen_weights_is_predicted():
+    """Mini-sequence's chunk backward costs what the step differentiates: with every weight frozen
+    but one block's gate projection (LoRA's case), the chunks of the frozen block compute no weight
+    gradient and the other block's one; the step's peak within -2%..+3% (the cost simulation gave
+    every weight a gradient: +30.8%)."""
+    model = hf_family("llama", use_cache=False)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith("layers.1.mlp.gate_proj.weight"))
+    inputs = _inputs()
+    opt = tailorfx.optimize(model, example_inputs=inputs)
+    assert tailorfx_ops(lambda: opt(**inputs).loss.backward())["tailorfx::token_chunked_backward"] >= 1
+    measured = peak_of_step(opt, model, inputs)
+    error = (opt.predict_memory(S).forward_backward_peak_bytes - measured) / measured
+    assert -0.02 <= error <= 0.03, f"{error:+.2%}"
+
+
+
+def test_a_frozen_head_that_nothing_rewrites_is_predicted():
+    """A graph no pass rewrites runs under eager autograd, unsplit: the LM head's input, which the
+    model traces as an extra output (rewrite/lazy_outputs.py), is not held when a frozen head saves
+    none (it was: +4.1% here)."""
+    model = hf_family("llama", num_layers=1, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=4, use_cache=False)
+    model.lm_head.weight.requires_grad_(False)
+    inputs = _inputs()
+    opt = tailorfx.optimize(model, example_inputs=inputs, passes=[])
+    assert [g.lowering for g in opt.graph_records] == ["dynamo"]
+    measured = peak_of_step(opt, model, inputs)
+    error = (opt.predict_memory(S).forward_backward_peak_bytes - measured) / measured
+    assert -0.02 <= error <= 0.03, f"{error:+.2%}"

@@ -171,7 +171,8 @@ def _forward(pool: Pool, st: StepGraphs, k: int, sizer: Sizer, setup: TrainingSe
             saved[o.name] = sids
             for sid in sids:
                 pool.hold(sid, ("saved", k, o.name))
-    user = [sid for o, sids in zip(nodes[:st.num_user_outputs], outs[:st.num_user_outputs]) if hold(o) for sid in sids]
+    held = st.num_user_outputs - (st.lazy_anchors if st.eager_autograd else 0)
+    user = [sid for o, sids in zip(nodes[:held], outs[:held]) if hold(o) for sid in sids]
     for sid in user:
         pool.hold(sid, ("user", k))
     for sids in outs:

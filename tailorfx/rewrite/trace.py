@@ -43,6 +43,9 @@ class StepGraphs:
     # torch's checkpoint wraps the modules themselves (tp and dp ranks): it keeps the arguments it
     # replays a block or a sequence chunk from until their backward has run
     checkpoint_args_held: bool = False
+    # outputs rewrite/lazy_outputs.py added (a head chain's input), the last user outputs: the lowering
+    # holds them for the chain's backward; eager autograd ("dynamo") runs the graph unsplit and does not
+    lazy_anchors: int = 0
     # lowered by Inductor: each graph's kernel order and buffers (rewrite/inductor_schedule.py)
     fw_schedule: Optional["Schedule"] = None
     bw_schedule: Optional["Schedule"] = None
@@ -93,12 +96,13 @@ def trace_step(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None,
     lowering does (rewrite/lazy_outputs.py). Dropouts that return their input are left out: eager
     runs them as no-ops and the single-device backend strips them before lowering.
     """
-    gm = split_lazy_outputs(without_identity_dropout(gm)).gm
+    split = split_lazy_outputs(without_identity_dropout(gm))
+    gm, anchors = split.gm, len(graph_outputs(split.gm)) - split.num_outputs if split.lazy else 0
     example_inputs = fake_inputs(gm) if example_inputs is None else example_inputs
     if partition == "inductor":   # Inductor's partition and schedules (its optimizer steps run from hooks)
         from tailorfx.rewrite import inductor_schedule
         fw, bw, n, fw_s, bw_s = inductor_schedule.trace(gm, example_inputs)
-        return replace(make_step(gm, fw, bw, n), fw_schedule=fw_s, bw_schedule=bw_s)
+        return replace(make_step(gm, fw, bw, n), fw_schedule=fw_s, bw_schedule=bw_s, lazy_anchors=anchors)
     rec: dict = {}
     partition_fn = (compat.default_partition if partition == "default"
                     else compat.min_cut_rematerialization_partition)
@@ -122,7 +126,7 @@ def trace_step(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None,
     with compat.isolated_tracing(example_inputs):
         compat.aot_module_simplified(gm, list(example_inputs), fw_compiler=fw_compiler,
                                      bw_compiler=bw_compiler, partition_fn=part)
-    return make_step(gm, rec["fw"], rec.get("bw"), rec.get("n"))
+    return replace(make_step(gm, rec["fw"], rec.get("bw"), rec.get("n")), lazy_anchors=anchors)
 
 
 def with_steps_in_backward(step: StepGraphs, gm: fx.GraphModule) -> StepGraphs:

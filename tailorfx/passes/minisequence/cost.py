@@ -63,7 +63,9 @@ def cached_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, ctx: P
                          tokens: int) -> Optional[Lines]:
     """_simulated_backward_cost, memoised in ctx.memo by the region's structure: the planner runs
     this pass once per candidate plan, and every block of a model has a region like it."""
-    memo = (NAME, "backward_cost", structure_key(sub), str(ctx.seq.symbol), ctx.seq.length, tokens)
+    memo = (NAME, "backward_cost", structure_key(sub), _values_key([node_value(n) for n in sub.graph.nodes
+                                                                   if n.op == "placeholder"]),
+            str(ctx.seq.symbol), ctx.seq.length, tokens)
     if memo not in ctx.memo:
         ctx.memo[memo] = _simulated_backward_cost(sub, chunked.tail, ctx, tokens)
     return ctx.memo[memo]
@@ -92,12 +94,13 @@ def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
 
     def held(seq_len) -> int:
         with compat.FakeTensorMode():
-            x = torch.empty(shape(vals[0], seq_len), dtype=vals[0].dtype).requires_grad_(vals[0].is_floating_point())
-            whole = [torch.empty(shape(v, seq_len), dtype=v.dtype).requires_grad_(v.is_floating_point())
-                     for v in vals[1:]]
+            # what needs a gradient as the step has it: a frozen weight (LoRA's base) gets none
+            x, *whole = [torch.empty(shape(v, seq_len), dtype=v.dtype).requires_grad_(v.requires_grad and
+                                                                                     v.is_floating_point())
+                         for v in vals]
             with torch.no_grad():
                 go = sub(x, *whole)
-            seq_grad = [torch.empty_like(x)]
+            seq_grad = [torch.empty_like(x) if x.requires_grad else None]
             acc = [torch.zeros_like(w, dtype=ops.acc_dtype(w)) if w.requires_grad else None for w in whole]
             # a chunk is copied (.contiguous()) unless every dim before the sequence dim is 1
             copied = any(d != 1 for d in x.shape[:seq_dim])
@@ -162,7 +165,8 @@ def cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule
         with compat.FakeTensorMode():
             x = [torch.empty(shape(v, seq_len), dtype=v.dtype).requires_grad_(v.requires_grad and v.is_floating_point())
                  for v in xvs]
-            w = [torch.empty(shape(v, seq_len), dtype=v.dtype).requires_grad_(v.is_floating_point()) for v in wvs]
+            w = [torch.empty(shape(v, seq_len), dtype=v.dtype).requires_grad_(v.requires_grad and v.is_floating_point())
+                 for v in wvs]
             with torch.no_grad():
                 ys = sub(*x, *w)
             grads = [torch.empty_like(y) for y in ys]
