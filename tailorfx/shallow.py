@@ -80,11 +80,13 @@ def shallow_hint(model: nn.Module, budget: Any, setup: Any, examples: tuple, opt
     """The plan a shallow capture of `model.config` chooses for the example step under `budget`, or
     None where none stands for the model: a config whose layers do not repeat (or fewer than twice
     the shallow capture's), examples other than input_ids and labels, a model the config does not
-    build (another class or parameter count) or one built to predict for, a CUDA model under a
-    budget that names no GPU, Triton kernels or a precision policy asked for, or no plan that fits."""
+    build (another class or parameter count; an adapter wrapper such as peft's, seen before any capture)
+    or one built to predict for, a CUDA model under a budget that names no GPU, Triton kernels or a
+    precision policy asked for, or no plan that fits."""
     config, (args, kwargs) = getattr(model, "config", None), examples
     ids = kwargs.get("input_ids")
-    if config is None or args or set(kwargs) != INPUTS or not isinstance(ids, torch.Tensor) or ids.dim() != 2 \
+    if config is None or hasattr(model, "get_base_model") or args or set(kwargs) != INPUTS \
+            or not isinstance(ids, torch.Tensor) or ids.dim() != 2 \
             or options.get("kernels") or options.get("precision_policy") \
             or any(isinstance(p, compat.FakeTensor) for p in model.parameters()):
         return None

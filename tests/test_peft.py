@@ -129,3 +129,20 @@ def test_a_frozen_head_that_nothing_rewrites_is_predicted():
     measured = peak_of_step(opt, model, inputs)
     error = (opt.predict_memory(S).forward_backward_peak_bytes - measured) / measured
     assert -0.02 <= error <= 0.03, f"{error:+.2%}"
+
+
+def test_the_shallow_plan_hint_refuses_a_lora_model_before_any_capture():
+    """A peft model's parameters are not those its config builds: no hint, and no shallow capture
+    spent finding that out (the deep Llama would otherwise get one)."""
+    from tailorfx.budget import Budget
+    from tailorfx.setup import resolve
+    from tailorfx.shallow import shallow_hint
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("a shallow capture was made")
+    model = lora("llama", num_layers=16)
+    ids = torch.zeros(1, 256, dtype=torch.long)
+    args = (Budget.parse("1GB"), resolve(None), ((), {"input_ids": ids, "labels": ids}), {}, "eager", no_capture)
+    assert shallow_hint(model, *args) is None
+    with pytest.raises(AssertionError, match="shallow capture"):   # the same call reaches it without peft
+        shallow_hint(model.get_base_model(), *args)
