@@ -115,7 +115,6 @@ def test_a_chunked_mlp_of_frozen_weights_is_predicted():
     assert -0.02 <= error <= 0.03, f"{error:+.2%}"
 
 
-
 def test_a_frozen_head_that_nothing_rewrites_is_predicted():
     """A graph no pass rewrites runs under eager autograd, unsplit: the LM head's input, which the
     model traces as an extra output (rewrite/lazy_outputs.py), is not held when a frozen head saves
