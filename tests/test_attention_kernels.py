@@ -551,3 +551,33 @@ def test_attention_dropout_equals_the_dense_formula_with_the_tiles_mask(spec):
         other = spec(q, k, v, score_tensor=bias)
     torch.testing.assert_close(again, out.detach(), rtol=0, atol=0)
     assert not torch.equal(other, again)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tile_engine_transients_from_short_to_long_sequences(dtype):
+    """The Python tile engine (soft-capped, windowed with global tokens, a key bias under a soft-cap's
+    vjp, dropout) frees each key chunk's score tiles before the next exists, and its memory model
+    holds from 64 to 1024 tokens: never under the allocator's peak by more than 2%, at most 35% over
+    (the prediction of gemma-2's soft-capped backward was 0.64x the measured at 64 tokens and 1.19x
+    at 2048, when each chunk's tiles lived on beside the next's)."""
+    from tailorfx.runtime import attention_kernels as ak
+    g = torch.Generator().manual_seed(0)
+    ratios = {}
+    for heads, num_kv, dim, seq in ((4, 4, 32, 64), (8, 4, 64, 64), (4, 4, 32, 1024)):
+        q, k, v = (torch.randn(1, h, seq, dim, generator=g).to(dtype) for h in (heads, num_kv, num_kv))
+        bias = torch.randn(1, heads, seq, generator=g).to(dtype)
+        forms = {"softcap": ("sparse_attention", ["full", []], [30.0]),
+                 "window+global": ("sparse_attention", ["window", [64, 4]], []),
+                 "key bias, softcap": ("score_mod_attention", [bias, "key_bias"], [30.0]),
+                 "dropout": ("sparse_attention", ["full", []], [None, 0.1, torch.tensor(7)])}
+        for form, (name, pattern, extra) in forms.items():
+            fargs = [q, k, v, None, *pattern, dim ** -0.5, True, 128, 1024, *extra]
+            out, lse = getattr(torch.ops.tailorfx, name)(*fargs)
+            bargs = [torch.randn(q.shape, generator=g).to(dtype), q, k, v, out, lse, *fargs[3:]]
+            grads = (q, k, v, bias) if name == "score_mod_attention" else (q, k, v)
+            for op_name, args, outputs in ((name, fargs, (out, lse)), (name + "_backward", bargs, grads)):
+                op = getattr(torch.ops.tailorfx, op_name)
+                measured = tailorfx.measure_peak(lambda: op(*args)) - sum(t.numel() * t.element_size() for t in outputs)
+                ratios[form, op_name, heads, dim, seq] = ak.transient_bytes(op_name, args, int) / measured
+    bad = {key: round(r, 3) for key, r in ratios.items() if not 0.98 <= r <= 1.35}
+    assert not bad, bad

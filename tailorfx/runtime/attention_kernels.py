@@ -368,13 +368,11 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
     """Bytes an op of this module allocates and frees inside itself (its outputs excluded).
 
     ``args`` are the node's arguments with tensors as fake values; ``as_int`` turns a size or
-    SymInt into an int. Per query tile the engine holds (tile x keys) score tiles (2 forward,
-    4 backward) and a few (tile x D) rows in the accumulation dtype, keys being what one tile
-    can touch (at most ``kv_chunk``); narrow inputs add fp32 dk/dv accumulators. Documents run
-    the CPU flash kernel once per document (copies of one call's outputs); dilated attention
-    packs one run of segments at a time. Measured against the allocator's peak in
-    ``tests/test_attention_pass.py``.
-    """
+    SymInt into an int. The tile engine holds one key chunk's (tile x keys) score tiles at a
+    time, keys being what one tile can touch (at most ``kv_chunk``), and a few (tile x D) rows;
+    documents run the CPU flash kernel once per document (copies of one call's outputs);
+    dilated attention packs one run of segments at a time. Measured against the allocator in
+    tests/test_attention_pass.py and tests/test_attention_kernels.py (docs/memory.md)."""
     backward = op_name.endswith("_backward")
     base = op_name[: -len("_backward")] if backward else op_name
     if base not in ("sparse_attention", "dilated_attention", "score_mod_attention"):
@@ -420,18 +418,28 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
         keys = (tq // block * (1 + num_random) + 2 * window + num_global) * block
         gathered = True
     kc = min(kv_chunk, seq, keys)
-    copies = narrow or gathered or doc is not None
+    copies = narrow or gathered   # each chunk's k and v copied (to acc, or gathered)
     rows, chunk = acc * batch * heads * tq, acc * batch * num_kv * kc * dim
-    mask = tq * kc * (batch if doc is not None else 1)
-    # a score mod's gathered operand and its result (forward); under vjp, its residuals and their
-    # gradients (backward): measured 4.0-4.6 and 6.2-7.4 score tiles in all (5.1-6.3 for key_bias,
-    # whose backward needs no vjp)
-    fwd_tiles, bwd_tiles = (4, 6 + (softcap is not None)) if modded else (2, 4 + (softcap is not None))
-    if additive and softcap is None:
-        bwd_tiles = 5
-    if dropout:   # the tile's uniform draws and kept mask; in backward also the dropped probabilities
-        fwd_tiles, bwd_tiles = fwd_tiles + 1, bwd_tiles + 3
+    mask = tq * kc * (batch if doc is not None else 1) * (2 + (doc is not None))
+    # score tiles (rows x kc) live at once, one key chunk's at a time (the engine frees a chunk's
+    # before the next exists). Forward: the scores; a score mod's gathered operand and its result
+    # (+2; narrow, +0.5: its copy in acc); dropout's uniform draws and kept mask (+1.25). Backward:
+    # the probabilities and d scores; the soft-capped scores beside them (+1); a score mod's as in
+    # forward, or under vjp (a soft-cap before it) 6; dropout's draws, mask and dropped
+    # probabilities (+2). Fitted to the allocator over 64-2048 tokens, tiles 64/128 (see the test)
     if not backward:
-        return int(rows * (fwd_tiles * kc + 3 * dim + 6) + 2 * chunk * copies + mask)
-    return int(rows * (bwd_tiles * kc + 4 * dim + 2) + 2 * chunk * (1 + copies) + mask
-               + narrow * 2 * acc * kv_elems)
+        tiles = (3 + narrow / 2 if modded else 1) + 1.25 * dropout
+        return int(rows * (tiles * kc + 3 * dim + 8) + chunk * copies + mask)
+    if modded:
+        tiles = 3 + narrow / 2 if additive and softcap is None else 6
+    else:
+        tiles = 2 + (softcap is not None) + 2 * dropout
+    # (rows x D) blocks: q's, the output gradient's and the output's rows copied out of the heads
+    # (views where one tile spans the sequence in acc), d q's accumulator and its partial
+    row_blocks = 3 if tq == seq and not narrow else 4
+    loop = int(rows * (tiles * kc + row_blocks * dim + 8) + chunk * (1 + 2 * copies) + mask)
+    if not narrow:
+        return loop
+    # the acc dk, dv accumulators beside the narrow outputs (less one: the outputs are counted
+    # elsewhere); at the end, one cast at a time (1.5)
+    return max(loop + acc * kv_elems, 3 * acc * kv_elems // 2)

@@ -259,32 +259,46 @@ def tile_forward(
 ) -> tuple[Tensor, Tensor]:
     """(out (B, H, S, D) in q's dtype, lse (B, H, S) in fp32/fp64; -inf and 0 for empty rows).
     With `dropout`, lse is the undropped softmax's (what the backward recomputes p from)."""
-    batch, heads, seq, dim = q.shape
-    num_kv, acc = k.shape[1], _acc_dtype(q.dtype)
+    batch, heads, seq, _ = q.shape
     out = torch.empty_like(q)
-    lse = torch.empty(batch, heads, seq, dtype=acc, device=q.device)
+    lse = torch.empty(batch, heads, seq, dtype=_acc_dtype(q.dtype), device=q.device)
     for q0, q1, chunks in plan(pattern, doc, tile, kv_chunk, q.device):
-        qt = _tile_rows(q, q0, q1, num_kv, acc) * scale  # scaling D columns, not Tk
-        m = torch.full(qt.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        l = torch.zeros_like(m)
-        o = torch.zeros_like(qt)
-        for index, mask in chunks:
-            s = _scores(qt, _take(k, index, acc), mask, q1 - q0, softcap,
-                        None if score_mod is None else (score_mod, q0, index))
-            m_new = torch.maximum(m, s.amax(-1))
-            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # all-masked rows stay 0
-            p = s.sub_(m_safe[..., None]).exp_()
-            alpha = torch.exp(m - m_safe)
-            l = l * alpha + p.sum(-1)
-            if dropout is not None:
-                p = p.mul_(dropout.keep(p, q0, index)).mul_(1.0 / (1.0 - dropout.p))
-            o = o.mul_(alpha[..., None]).add_(torch.matmul(p, _take(v, index, acc)))
-            m = m_new
-        m_safe = m.masked_fill(m == float("-inf"), 0.0)
-        o = o / torch.where(l == 0, 1.0, l)[..., None]
-        out[:, :, q0:q1] = o.view(batch, heads, q1 - q0, dim).to(q.dtype)
-        lse[:, :, q0:q1] = (m_safe + torch.log(l)).view(batch, heads, q1 - q0)
+        _forward_tile(q, k, v, out, lse, q0, q1, chunks, scale, softcap, score_mod, dropout)
+        del chunks   # before the plan makes the next tile's masks
     return out, lse
+
+
+def _forward_tile(q, k, v, out, lse, q0, q1, chunks, scale, softcap, score_mod, dropout) -> None:
+    """One query tile of ``tile_forward``, written into out and lse; its temporaries die with it."""
+    batch, heads, _, dim = q.shape
+    num_kv, acc = k.shape[1], _acc_dtype(q.dtype)
+    qt = _tile_rows(q, q0, q1, num_kv, acc) * scale  # scaling D columns, not Tk
+    m = torch.full(qt.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+    l = torch.zeros_like(m)
+    o = torch.zeros_like(qt)
+    for index, mask in chunks:
+        m, l = _forward_chunk(qt, k, v, o, m, l, q0, q1, index, mask, softcap, score_mod, dropout)
+    m_safe = m.masked_fill(m == float("-inf"), 0.0)
+    o = o.div_(torch.where(l == 0, 1.0, l)[..., None])
+    out[:, :, q0:q1] = o.view(batch, heads, q1 - q0, dim).to(q.dtype)
+    lse[:, :, q0:q1] = (m_safe + torch.log(l)).view(batch, heads, q1 - q0)
+
+
+def _forward_chunk(qt, k, v, o, m, l, q0, q1, index, mask, softcap, score_mod, dropout) -> tuple[Tensor, Tensor]:
+    """One key chunk of the online softmax: o updated in place, the new (max, sum) returned; the
+    chunk's score tile is freed on return, before the next one exists."""
+    acc = qt.dtype
+    s = _scores(qt, _take(k, index, acc), mask, q1 - q0, softcap,
+                None if score_mod is None else (score_mod, q0, index))
+    m_new = torch.maximum(m, s.amax(-1))
+    m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # all-masked rows stay 0
+    p = s.sub_(m_safe[..., None]).exp_()
+    alpha = torch.exp(m - m_safe)
+    l = l * alpha + p.sum(-1)
+    if dropout is not None:
+        p = p.mul_(dropout.keep(p, q0, index)).mul_(1.0 / (1.0 - dropout.p))
+    o.mul_(alpha[..., None]).add_(torch.matmul(p, _take(v, index, acc)))
+    return m_new, l
 
 
 def tile_backward(
@@ -295,8 +309,7 @@ def tile_backward(
     """Gradients of ``tile_forward``'s out wrt q, k, v, recomputing each tile's probabilities
     (through the soft-cap: d(c tanh(s/c))/ds = 1 - tanh(s/c)^2), then, with a score mod, wrt
     each of its tensors (autograd through the mod, tile by tile; zeros where none flows)."""
-    batch, heads, seq, dim = q.shape
-    num_kv, acc = k.shape[1], _acc_dtype(q.dtype)
+    acc = _acc_dtype(q.dtype)
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
@@ -305,42 +318,70 @@ def tile_backward(
         leaves = tuple(t.detach() for t in score_mod.tensors)
         dmods = [torch.zeros_like(t) if t.is_floating_point() else None for t in leaves]
     for q0, q1, chunks in plan(pattern, doc, tile, kv_chunk, q.device):
-        qt = _tile_rows(q, q0, q1, num_kv, acc) * scale  # so ds^T @ qt is already dk
-        dot = _tile_rows(dout, q0, q1, num_kv, acc)
-        delta = (dot * _tile_rows(out, q0, q1, num_kv, acc)).sum(-1, keepdim=True)
-        lt = lse[:, :, q0:q1].reshape(batch, num_kv, -1, 1).to(acc)  # finite: every query sees itself
-        dqt = torch.zeros_like(qt)
-        for index, mask in chunks:
-            kc, vc = _take(k, index, acc), _take(v, index, acc)
-            additive = score_mod is not None and score_mod.add_grads is not None and softcap is None
-            if score_mod is not None and not additive:
-                p, ds = _mod_tile_grads(qt, kc, vc, dot, delta, lt, mask, q0, q1, index, softcap, score_mod,
-                                        leaves, dmods, dropout)
-            else:
-                s = _scores(qt, kc, mask, q1 - q0, softcap, (score_mod, q0, index) if additive else None)
-                p = s.sub_(lt).exp_() if softcap is None else s.sub(lt).exp_()
-                dp, p_v = _dropped(torch.matmul(dot, vc.transpose(-1, -2)), p, dropout, q0, index)
-                ds = dp.sub_(delta).mul_(p)   # in dp's buffer
-                p = p_v
-                if softcap is not None:   # s = c * t where unmasked: 1 - t^2 = 1 - (s / c)^2 (masked: p = 0)
-                    t = s.div_(softcap).nan_to_num_(0.0, 0.0, 0.0)
-                    ds.mul_(t.mul_(t).neg_().add_(1.0))
-                if additive:
-                    score_mod.add_grads(ds, q0, q1, _key_positions(index, ds.device), leaves, dmods)
-            dvc = torch.matmul(p.transpose(-1, -2), dot)
-            dkc = torch.matmul(ds.transpose(-1, -2), qt)
-            dqt.add_(torch.matmul(ds, kc))
-            if isinstance(index, slice):
-                dk[:, :, index] += dkc
-                dv[:, :, index] += dvc
-            else:
-                dk.index_add_(2, index, dkc)
-                dv.index_add_(2, index, dvc)
-        dq[:, :, q0:q1] = (dqt * scale).view(batch, heads, q1 - q0, dim).to(q.dtype)
+        _backward_tile(dout, q, k, v, out, lse, dq, dk, dv, q0, q1, chunks, scale, softcap, score_mod, dropout,
+                       leaves, dmods)
+        del chunks
+    dk = dk.to(k.dtype)   # one accumulator cast at a time: the fp32 dk is freed before dv's cast
+    dv = dv.to(v.dtype)
     if score_mod is None:
-        return dq, dk.to(k.dtype), dv.to(v.dtype)
-    return (dq, dk.to(k.dtype), dv.to(v.dtype),
-            *(torch.zeros_like(t) if d is None else d for t, d in zip(score_mod.tensors, dmods)))
+        return dq, dk, dv
+    return (dq, dk, dv, *(torch.zeros_like(t) if d is None else d for t, d in zip(score_mod.tensors, dmods)))
+
+
+def _backward_tile(dout, q, k, v, out, lse, dq, dk, dv, q0, q1, chunks, scale, softcap, score_mod, dropout,
+                   leaves, dmods) -> None:
+    """One query tile of ``tile_backward``: dq written, dk and dv accumulated."""
+    batch, heads, _, dim = q.shape
+    num_kv, acc = k.shape[1], dk.dtype
+    qt = _tile_rows(q, q0, q1, num_kv, acc) * scale  # so ds^T @ qt is already dk
+    dot = _tile_rows(dout, q0, q1, num_kv, acc)
+    delta = (dot * _tile_rows(out, q0, q1, num_kv, acc)).sum(-1, keepdim=True)
+    lt = lse[:, :, q0:q1].reshape(batch, num_kv, -1, 1).to(acc)  # finite: every query sees itself
+    dqt = torch.zeros_like(qt)
+    for index, mask in chunks:
+        _backward_chunk(qt, dot, delta, lt, dqt, k, v, dk, dv, q0, q1, index, mask, softcap, score_mod, dropout,
+                        leaves, dmods)
+    dq[:, :, q0:q1] = dqt.mul_(scale).view(batch, heads, q1 - q0, dim).to(q.dtype)
+
+
+def _backward_chunk(qt, dot, delta, lt, dqt, k, v, dk, dv, q0, q1, index, mask, softcap, score_mod, dropout,
+                    leaves, dmods) -> None:
+    """One key chunk: the tile's probabilities recomputed, dq's share added into dqt, dk's and dv's
+    into theirs; its score tiles are freed on return, before the next chunk's exist."""
+    acc = qt.dtype
+    kc, vc = _take(k, index, acc), _take(v, index, acc)
+    additive = score_mod is not None and score_mod.add_grads is not None and softcap is None
+    if score_mod is not None and not additive:
+        p, ds = _mod_tile_grads(qt, kc, vc, dot, delta, lt, mask, q0, q1, index, softcap, score_mod,
+                                leaves, dmods, dropout)
+    else:
+        s = _scores(qt, kc, mask, q1 - q0, softcap, (score_mod, q0, index) if additive else None)
+        p = s.sub_(lt).exp_() if softcap is None else s.sub(lt).exp_()
+        dp, p_v = _dropped(torch.matmul(dot, vc.transpose(-1, -2)), p, dropout, q0, index)
+        ds = dp.sub_(delta).mul_(p)   # in dp's buffer
+        del dp
+        p = p_v
+        if softcap is not None:   # s = c * t where unmasked: 1 - t^2 = 1 - (s / c)^2 (masked: p = 0)
+            t = s.div_(softcap).nan_to_num_(0.0, 0.0, 0.0)
+            ds.mul_(t.mul_(t).neg_().add_(1.0))
+            del t
+        del s
+        if additive:
+            score_mod.add_grads(ds, q0, q1, _key_positions(index, ds.device), leaves, dmods)
+    dvc = torch.matmul(p.transpose(-1, -2), dot)
+    del p
+    if isinstance(index, slice):
+        dv[:, :, index] += dvc
+    else:
+        dv.index_add_(2, index, dvc)
+    del dvc
+    dkc = torch.matmul(ds.transpose(-1, -2), qt)
+    dqt.add_(torch.matmul(ds, kc))
+    del ds
+    if isinstance(index, slice):
+        dk[:, :, index] += dkc
+    else:
+        dk.index_add_(2, index, dkc)
 
 
 def _dropped(dp: Tensor, p: Tensor, dropout: Optional[Dropout], q0: int, index: KeyIndex) -> tuple[Tensor, Tensor]:
