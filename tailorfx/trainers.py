@@ -32,6 +32,12 @@ from tailorfx.runtime.log_prob_ops import chunked_token_log_probs
 SUPPORTED_OUTPUTS = frozenset({"log_probs", "entropy", "is_top1"})
 
 
+def adapted_model(model: nn.Module) -> nn.Module:
+    """The model under an adapter wrapper (peft's PeftModel: `get_base_model()`, the causal LM with
+    its adapters injected in place), else `model`: its `base_model` is the backbone, as TRL reads it."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 @dataclass(frozen=True)
 class TrlHead:
     """What TRL's fused forward computes, read off the function `add_fused_lm_head` made."""
@@ -66,6 +72,7 @@ def trl_fused_head(fn: Any, model: nn.Module) -> Union[TrlHead, str, None]:
         return f"TRL reads the backbone as {cells['backbone_attr']!r} (a vision-language model)"
     if getattr(cells["text_config"], "output_router_logits", False):
         return "the model returns router logits (MoE auxiliary loss), which tailorfx's head does not add"
+    model = adapted_model(model)
     if not (hasattr(model, "base_model") and hasattr(model, "get_output_embeddings")):
         return "the model has no base_model / get_output_embeddings"
     return TrlHead(fn, output_type, float(cells["temperature"]), cells["final_logit_softcapping"],
@@ -85,12 +92,13 @@ class LogProbStep(nn.Module):
 
     def forward(self, *args, labels=None, shift_labels=None, **kwargs):
         kwargs["use_cache"] = False
-        hidden = self.model.base_model(*args, **kwargs).last_hidden_state
+        model = adapted_model(self.model)   # a LoRA model's backbone runs its adapters
+        hidden = model.base_model(*args, **kwargs).last_hidden_state
         if shift_labels is None:
             hidden, labels = hidden[:, :-1], labels[:, 1:]
         else:
             labels = shift_labels
-        lm_head = self.model.get_output_embeddings()
+        lm_head = model.get_output_embeddings()
         if self.head.cast_to_fp32:
             hidden = hidden.float()
         h = self.head
@@ -213,6 +221,21 @@ class TrainerHooks:
     watched), activation checkpointing run as the recompute pass, and the bypass watch. Reads
     the module's `model`, `options`, `budget` and `session`."""
 
+    def named_modules(self, memo: Optional[set] = None, prefix: str = "", remove_duplicate: bool = True):
+        """This wrapper, then the model's modules under the names `model.named_modules()` gives them
+        (no wrapper prefix), as `named_parameters` names their parameters: a tool that finds modules
+        and then their parameters by name (peft's get_peft_model, as SFTTrainer(peft_config=) calls
+        it) sees one namespace. (Under two, peft froze the adapters it had just added.)"""
+        memo = set() if memo is None else memo
+        if not remove_duplicate or self not in memo:
+            memo.add(self)
+            yield prefix, self
+        yield from self.model.named_modules(memo, prefix, remove_duplicate)
+
+    def get_submodule(self, target: str) -> nn.Module:
+        """The model's submodule at `target`, a name `named_modules()` gives (this wrapper at "")."""
+        return self if target == "" else self.model.get_submodule(target)
+
     def _look_like_the_model(self, run: Callable) -> None:
         """`forward` calls `run` under the model's signature: Trainer and accelerate read it to keep a
         batch's columns (peft's is `(*args, **kwargs)`, so Trainer reads its base model's: given it here)."""
@@ -221,8 +244,8 @@ class TrainerHooks:
         @functools.wraps(model.forward)
         def forward(*args, **kwargs):
             return run(*args, **kwargs)
-        if hasattr(model, "get_base_model"):
-            forward.__signature__ = inspect.signature(model.get_base_model().forward)
+        if adapted_model(model) is not model:
+            forward.__signature__ = inspect.signature(adapted_model(model).forward)
         self.__dict__["forward"] = forward
 
     def _watch_trainers(self) -> None:
@@ -324,8 +347,10 @@ class TrainerHooks:
             warn_once(self.session, "TRL's fused LM head runs as TRL wrote it (its head on the backbone): "
                       + ("tailorfx does not serve it under parallel=" if self.session.parallel is not None
                          else self._eager_reason))
-            return head.patched(*args, fused_lm_head=True, labels=labels, shift_labels=shift_labels,
-                                num_items_in_batch=num_items_in_batch, **kwargs)
+            # TRL's function on the causal LM (under a LoRA wrapper, as TRL patches a PeftModel's)
+            trl_forward = functools.partial(head.patched.__func__, adapted_model(self.model))
+            return trl_forward(*args, fused_lm_head=True, labels=labels, shift_labels=shift_labels,
+                               num_items_in_batch=num_items_in_batch, **kwargs)
         call = {**kwargs, **({"labels": labels} if shift_labels is None else {"shift_labels": shift_labels})}
         self.session.seq_len = mark_sequence_dims(args, call)
         self.session.training = self.model.training

@@ -75,12 +75,17 @@ def test_a_shallow_llama_is_the_whole_one_to_the_byte():
     check_composed_equals_whole("llama", 8, "pure-bf16", "segments+full")
 
 
+FAMILIES = ("llama", "qwen2", "qwen3")
+SETUPS = ("pure-bf16", "pure-bf16-fused-optimizer", "fp32")
+# every plan with every setup, each family with every plan and every setup (a pairwise cover: 12
+# cases where the full product is 36, 40-50 s each on a 2-core CPU)
+PAIRWISE = [(FAMILIES[(i + j) % 3], setup, plan) for i, plan in enumerate(sorted(PLANS)) for j, setup in enumerate(SETUPS)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family,layers", [("llama", 9), ("qwen2", 9), ("qwen3", 9)])
-@pytest.mark.parametrize("setup", ["pure-bf16", "pure-bf16-fused-optimizer", "fp32"])
-@pytest.mark.parametrize("plan", sorted(PLANS))
-def test_shallow_captures_are_the_whole_model_to_the_byte(family, layers, setup, plan):
-    check_composed_equals_whole(family, layers, setup, plan)
+@pytest.mark.parametrize("family,setup,plan", PAIRWISE)
+def test_shallow_captures_are_the_whole_model_to_the_byte(family, setup, plan):
+    check_composed_equals_whole(family, 9, setup, plan)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ handed to optimize() and trained by hand or by transformers.Trainer. The frozen 
 gradient and no optimizer state; the rewrites reach the blocks under peft's wrappers and name them
 as `named_modules()` does."""
 import copy
+import tempfile
 
 import pytest
 import torch
@@ -140,3 +141,65 @@ def test_the_shallow_plan_hint_refuses_a_lora_model_before_any_capture():
     assert shallow_hint(model, *args) is None
     with pytest.raises(AssertionError, match="shallow capture"):   # the same call reaches it without peft
         shallow_hint(model.get_base_model(), *args)
+
+
+def _sft_losses_and_grads(model, grads_of, peft_config=None):
+    """SFTTrainer's logged (loss, entropy, token accuracy) rows and its first step's adapter gradients."""
+    import trl
+    from test_trl import STEPS, FirstGrads, dataset, ops_of, tokenizer
+    with tempfile.TemporaryDirectory() as d:
+        args = trl.SFTConfig(output_dir=d, per_device_train_batch_size=4, max_steps=STEPS, logging_steps=1,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, packing=True,
+                             max_length=64, bf16=False, seed=0)
+        grads = FirstGrads(grads_of)
+        torch.manual_seed(1)   # the adapters TRL's get_peft_model makes (peft_config=)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset(), processing_class=tokenizer(),
+                                 callbacks=[grads], peft_config=peft_config)
+        counts = ops_of(trainer.train)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return [[h[k] for h in logs] for k in ("loss", "entropy", "mean_token_accuracy")], grads.grads, counts
+
+
+def _assert_as_eager(got, grads, eager, eager_grads):
+    for name, a, b in zip(("loss", "entropy", "mean_token_accuracy"), got, eager):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=0, msg=name)
+    assert grads.keys() == eager_grads.keys() and all("lora_" in n for n in grads), sorted(grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_sft_trainer_trains_an_optimized_lora_model_through_tailorfxs_head():
+    """SFTTrainer(model=optimize(peft model)): TRL's fused head is served by tailorfx on the LoRA
+    model's backbone (it ran peft's LoraModel, whose output has no last_hidden_state: every step
+    raised), one graph a step with the MLPs chunked; TRL's logged losses and the first step's adapter
+    gradients equal eager TRL's on the peft model."""
+    base = lora("llama")
+    eager_model = copy.deepcopy(base)
+    eager, eager_grads, _ = _sft_losses_and_grads(eager_model, eager_model)
+    model = copy.deepcopy(base)
+    opt = tailorfx.optimize(model, example_inputs=_inputs())
+    got, grads, counts = _sft_losses_and_grads(opt, model)
+    steps = [g for g in opt.graph_records
+             if any("chunked_token_log_probs" in str(n.target) for n in g.rewritten.graph.nodes)]
+    assert len(steps) == 1 and opt.session.runs[steps[0].index] == len(got[0]), opt.session.runs
+    assert counts["tailorfx::chunked_token_log_probs_backward"] >= len(got[0]) and counts["tailorfx::token_chunked"] > 0
+    assert any("TRL's fused LM head" in n for n in opt.session.notes)
+    _assert_as_eager(got, grads, eager, eager_grads)
+
+
+@pytest.mark.slow
+def test_sft_trainers_peft_config_adds_adapters_to_an_optimized_model():
+    """SFTTrainer(model=opt, peft_config=...): peft injects the adapters into the captured model's
+    layers; the graph is captured again with them (dynamo's guards), and the run equals eager TRL's
+    with the same peft_config. Explicit target_modules: under "all-linear" peft would adapt lm_head
+    too (it spares the output layer of a PreTrainedModel only), which TRL refuses (docs/usage.md)."""
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0,
+                        init_lora_weights=False)
+    base = hf_family("llama")
+    eager_model = copy.deepcopy(base)
+    eager, eager_grads, _ = _sft_losses_and_grads(eager_model, eager_model, copy.deepcopy(config))
+    model = copy.deepcopy(base)
+    opt = tailorfx.optimize(model, example_inputs=_inputs())
+    got, grads, counts = _sft_losses_and_grads(opt, model, copy.deepcopy(config))
+    assert counts["tailorfx::chunked_token_log_probs_backward"] >= len(got[0]) and counts["tailorfx::token_chunked"] > 0
+    _assert_as_eager(got, grads, eager, eager_grads)
