@@ -7,7 +7,9 @@ at acb1669, which captured its 42 layers whole (6:41 wall; 57687a5's run ended o
 max_seq_len no longer makes). The plan rows of the ladder past selective recompute (full recompute
 of the first k blocks, selective in the rest) are the code's since that ladder replaced full
 recompute of k blocks alone (every other figure unchanged by it); tests/test_depth.py checks that
-ladder's shallow prediction against the whole model's. Slow: about 2 minutes each on 2 cores since
+ladder's shallow prediction against the whole model's. Gemma-2-9B's figures are the code's since the
+tile engine's transients (its soft-capped attention) were refitted to the allocator (docs/memory.md):
+its longest sequence went from 47,744 to 48,384 tokens. Slow: about 2 minutes each on 2 cores since
 the shallow captures (rewrite/depth.py), 7-8 before."""
 import json
 import os
