@@ -348,7 +348,8 @@ class TrainerHooks:
                       + ("tailorfx does not serve it under parallel=" if self.session.parallel is not None
                          else self._eager_reason))
             # TRL's function on the causal LM (under a LoRA wrapper, as TRL patches a PeftModel's)
-            trl_forward = functools.partial(head.patched.__func__, adapted_model(self.model))
+            func = getattr(head.patched, "__func__", None)
+            trl_forward = head.patched if func is None else functools.partial(func, adapted_model(self.model))
             return trl_forward(*args, fused_lm_head=True, labels=labels, shift_labels=shift_labels,
                                num_items_in_batch=num_items_in_batch, **kwargs)
         call = {**kwargs, **({"labels": labels} if shift_labels is None else {"shift_labels": shift_labels})}

@@ -203,3 +203,20 @@ def test_sft_trainers_peft_config_adds_adapters_to_an_optimized_model():
     got, grads, counts = _sft_losses_and_grads(opt, model, copy.deepcopy(config))
     assert counts["tailorfx::chunked_token_log_probs_backward"] >= len(got[0]) and counts["tailorfx::token_chunked"] > 0
     _assert_as_eager(got, grads, eager, eager_grads)
+
+
+def test_trls_own_head_runs_on_a_lora_models_backbone_where_tailorfx_does_not_serve_it():
+    """Where tailorfx runs the model as it is (a fallback: `_eager_reason` set, as a failed capture
+    sets it), TRL's function runs on the causal LM under peft's wrapper, as TRL patches a PeftModel's
+    (on the wrapper it ran peft's LoraModel as the backbone and raised); its loss equals TRL's own."""
+    from trl.trainer.utils import add_fused_lm_head
+    model = lora("llama")
+    ref = copy.deepcopy(model)
+    inputs = _inputs()
+    opt = tailorfx.optimize(model, example_inputs=inputs)
+    add_fused_lm_head(opt)   # as SFTTrainer does to the model it is given
+    opt.__dict__["_eager_reason"] = "a capture that failed"
+    with pytest.warns(UserWarning, match="runs as TRL wrote it"):
+        out = opt(**inputs, fused_lm_head=True)
+    add_fused_lm_head(ref.get_base_model())   # as SFTTrainer does to a PeftModel
+    torch.testing.assert_close(out.loss, ref(**inputs, fused_lm_head=True).loss, rtol=1e-6, atol=0)
