@@ -64,6 +64,18 @@ def pytest_collection_modifyitems(config, items):
         items.reverse()
 
 
+class _FrontLoad:
+    @pytest.hookimpl(trylast=True)   # on the tests -m selected
+    def pytest_collection_modifyitems(self, config, items):
+        """The longest tests first, spread over the workers (suite_time.front_load)."""
+        if os.environ.get("TAILORFX_REVERSE_ORDER") != "1":
+            items[:] = suite_time.front_load(items, max(1, int(getattr(config.option, "numprocesses", 0) or 1)))
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_FrontLoad(), "tailorfx_front_load")
+
+
 def pytest_sessionfinish(session, exitstatus):
     """TAILORFX_RATIO_LOG=path: every exact comparison's worst error / tolerance (harness.RATIO_LOG)
     as JSON at `path`, or `path.<worker>` from each xdist worker (tests/ratio_table.py merges them)."""

@@ -58,7 +58,9 @@ def kind(node: str) -> str:
 
 def check_composed_equals_whole(family: str, layers: int, setup: str, plan: str, *extra: str, lowering=None):
     cfg = config(family, layers, *extra)
-    lengths = (512, 2048)
+    # one length past the captured 256 and the window: each prediction at a new length is seconds of
+    # sympy on a 2-core CPU, and the composition is of the symbolic timeline, the same at any length
+    lengths = (2048,)
     kw = dict(PLANS[plan], **({"lowering": lowering} if lowering else {}))
     d, shallow, bound_shallow = predicted(cfg, True, setup, kw, lengths)
     assert d is not None and d.captured < layers and d.repeats > 0     # the capture was shallow
@@ -75,11 +77,13 @@ def test_a_shallow_llama_is_the_whole_one_to_the_byte():
     check_composed_equals_whole("llama", 8, "pure-bf16", "segments+full")
 
 
-FAMILIES = ("llama", "qwen2", "qwen3")
-SETUPS = ("pure-bf16", "pure-bf16-fused-optimizer", "fp32")
-# every plan with every setup, each family with every plan and every setup (a pairwise cover: 12
-# cases where the full product is 36, 40-50 s each on a 2-core CPU)
-PAIRWISE = [(FAMILIES[(i + j) % 3], setup, plan) for i, plan in enumerate(sorted(PLANS)) for j, setup in enumerate(SETUPS)]
+FAMILIES = ("llama", "qwen3")
+SETUPS = ("pure-bf16", "pure-bf16-fused-optimizer")
+# every plan with every setup, each family with every plan and every setup (a pairwise cover: 8
+# cases where the full product is 16, 40-120 s each on a 2-core CPU). Qwen2's shallow captures are
+# held to the byte by tests/test_sizing_figures.py (Qwen2-7B); fp32 weights change the bytes of the
+# tensors a period repeats, not which ones it repeats
+PAIRWISE = [(FAMILIES[(i + j) % 2], setup, plan) for i, plan in enumerate(sorted(PLANS)) for j, setup in enumerate(SETUPS)]
 
 
 @pytest.mark.slow
@@ -89,15 +93,17 @@ def test_shallow_captures_are_the_whole_model_to_the_byte(family, setup, plan):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,layers,plans", [("gemma2", 13, sorted(PLANS)), ("mistral", 9, ["segments+full"])])
-def test_sliding_window_families_compose_to_the_byte(family, layers, plans):
-    """Gemma-2 alternates sliding and full layers (a period of two blocks); Mistral slides in each."""
-    for plan in plans:
-        check_composed_equals_whole(family, layers, "pure-bf16", plan, *SLIDING)
+@pytest.mark.parametrize("family,layers,plan", [("gemma2", 13, "offload"), ("mistral", 9, "segments+full")])
+def test_sliding_window_families_compose_to_the_byte(family, layers, plan):
+    """Gemma-2 alternates sliding and full layers (a period of two blocks); Mistral slides in each.
+    Gemma-2 under the plan whose rewrites are every other plan's and more (segments, full recompute,
+    checkpoints offloaded): each plan on its own is composed on the period-one families above, and
+    Gemma-2's four plans took 16 minutes of a 2-core CPU's worker time."""
+    check_composed_equals_whole(family, layers, "pure-bf16", plan, *SLIDING)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", ["none", "recompute", "segments+full"])
+@pytest.mark.parametrize("plan", ["recompute", "segments+full"])   # with "none", 1-2 minutes more of a 2-core CPU
 def test_inductor_schedules_compose_to_the_byte(plan):
     """Under lowering="inductor" the timeline is Inductor's kernels: periods are cut at the kernels
     whose fx nodes are one block's (CPU's fused C++ kernels name none, and repeat by name)."""

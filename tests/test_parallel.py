@@ -284,9 +284,9 @@ TP_FAMILIES = ["llama", "gemma2-untied", "gemma3_text:nomem", "cohere-untied:nom
 # the fused vocab-parallel head (always under tp) computing no logits (mini-sequence), each MLP module in
 # 2 sequence chunks, each block checkpointed on its tp shards (Llama, Qwen3, Gemma-2 at 256 tokens); then
 # the chunks alone; then the planner under 60% of the layout's peak without rewrites: 4 blocks of Llama
-# (it takes recompute), and Qwen2 and Llama at 2 x 1,024 tokens, vocabulary 8192, hidden 256 (issue 66:
+# (it takes recompute). Qwen2 and Llama at 2 x 1,024 tokens, vocabulary 8192, hidden 256 (issue 66:
 # the logits shard dominated, and the rewrites lowered a rank's peak by 4%; they take mini-sequence and
-# recompute)
+# recompute) are planned on the 2 x 2 mesh, its tp dimension of 2 (a third launch here took minutes)
 BUDGET_RUNS = ["qwen2:budget60:v8192:s1024:h256", "llama:budget60:v8192:s1024:h256"]
 TP_REWRITES = ["llama:ms:recompute:s256", "qwen3:ms:recompute:s256", "gemma2-untied:ms:recompute:s256",
                "qwen3:ms:s256", "llama:budget60:v512:s256:l4"]
@@ -301,9 +301,7 @@ def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
     rows = torchrun(tmp_path, 2, "parallel_check.py", 2, 1, *runs, runs=len(runs))
     (tmp_path / "recompute").mkdir()
     rows |= torchrun(tmp_path / "recompute", 2, "parallel_check.py", 2, 1, *TP_REWRITES, runs=len(TP_REWRITES))
-    (tmp_path / "budget").mkdir()
-    rows |= torchrun(tmp_path / "budget", 2, "parallel_check.py", 2, 1, *BUDGET_RUNS, runs=len(BUDGET_RUNS), timeout=600)
-    runs += TP_REWRITES + BUDGET_RUNS
+    runs += TP_REWRITES
     assert sorted(rows) == sorted((f"rank{r}", f) for r in range(2) for f in runs)
     for (_, run), r in rows.items():
         styles = r["styles"]
@@ -341,7 +339,7 @@ def test_tp2_and_megatron_sp_equal_one_process(tmp_path):
         assert "rowwise" in styles.values()
         # the token embedding split by vocabulary where the head is
         assert (styles.get("model.embed_tokens") == "rowwise_embedding") == styles.get("lm_head", "").startswith("colwise")
-        if run in TP_REWRITES + BUDGET_RUNS:
+        if run in TP_REWRITES:
             # every block checkpointed (what the planner chose under the budget), every MLP in chunks,
             # below the layout's peak without rewrites, and under the budget when measured
             blocks = [f"model.layers.{i}" for i in range(4 if ":l4" in run else 2)]
