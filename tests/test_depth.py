@@ -103,7 +103,7 @@ def test_sliding_window_families_compose_to_the_byte(family, layers, plan):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", ["recompute", "segments+full"])   # with "none", 1-2 minutes more of a 2-core CPU
+@pytest.mark.parametrize("plan", ["recompute", "segments+full"])   # with "none", 6 minutes more of a 2-core CPU
 def test_inductor_schedules_compose_to_the_byte(plan):
     """Under lowering="inductor" the timeline is Inductor's kernels: periods are cut at the kernels
     whose fx nodes are one block's (CPU's fused C++ kernels name none, and repeat by name)."""

@@ -1,52 +1,25 @@
-"""`tailorfx plan` on the paper table's 7-9B configs gives the figures recorded before the sizing
-was made faster (issue 67): every plan's predicted peak and added FLOPs, the chosen plan, the
-longest sequence and the bound with host offload, to the printed digit. The configs are the
-transformers configs benchmarks/paper_table.py builds (tests/goldens/sizing/*.json); the figures
-were printed by the code at 57687a5 (tests/goldens/sizing/figures.json: Llama-3-8B's is kept; bytes.json
-holds every config's to the byte), Gemma-2-9B's by the code
-at acb1669, which captured its 42 layers whole (6:41 wall; 57687a5's run ended on an error that
-max_seq_len no longer makes). The plan rows of the ladder past selective recompute (full recompute
-of the first k blocks, selective in the rest) are the code's since that ladder replaced full
-recompute of k blocks alone (every other figure unchanged by it); tests/test_depth.py checks that
-ladder's shallow prediction against the whole model's. Gemma-2-9B's figures are the code's since the
-tile engine's transients (its soft-capped attention) were refitted to the allocator (docs/memory.md):
-its longest sequence went from 47,744 to 48,384 tokens. Slow: about 2 minutes each on 2 cores since
-the shallow captures (rewrite/depth.py), 7-8 before."""
+"""The sizing of the paper table's 7-9B configs gives the figures recorded before the sizing was
+made faster (issue 67), to the byte: every plan's predicted peak and added FLOPs, the chosen plan,
+the longest sequence, with host offload and with recompute alone, and the bounds: every figure
+`tailorfx plan` prints (tests/test_cli.py checks how it prints them). The configs are the
+transformers configs benchmarks/paper_table.py builds (tests/goldens/sizing/*.json); bytes.json
+holds the figures of the code at 68e4cf1, before the shallow captures (rewrite/depth.py). The plan
+rows of the ladder past selective recompute (full recompute of the first k blocks, selective in the
+rest) are the code's since that ladder replaced full recompute of k blocks alone (every other figure
+unchanged by it); tests/test_depth.py checks that ladder's shallow prediction against the whole
+model's. Gemma-2-9B's figures are the code's since the tile engine's transients (its soft-capped
+attention) were refitted to the allocator (docs/memory.md): its longest sequence went from 47,744 to
+48,384 tokens. Slow: 2-8 minutes each on 2 cores (Gemma-2-9B is captured whole: its KV cache keeps a
+tensor per sliding layer outside the layers). The printed figures of `tailorfx plan` for Llama-3-8B,
+pinned by a test of their own until 2026-12-01, are the same figures as printed digits: that test
+added 3-4 minutes to CI and checked nothing this one does not."""
 import json
 import os
-import re
 
 import pytest
 
-from tailorfx.cli import main
 
 HERE = os.path.join(os.path.dirname(__file__), "goldens", "sizing")
-ARGS = ["--budget", "H100-80GB", "--seq", "32768", "--setup", "pure-bf16"]
-
-
-def figures(out: str) -> dict:
-    """The figures of `tailorfx plan`'s output, as text: each plan row, the chosen one, the longest
-    sequence and the host-offload bound (before its kind was named, the only bound printed)."""
-    rows = [line.rstrip() for line in out.splitlines()
-            if re.match(r"^[* ] \S.*\s(yes|no)$", line)]
-    longest = re.search(r"longest sequence under .*?: ([\d,]+) tokens", out).group(1)
-    bound = re.search(r"(?:the limit|the host-offload limit): no (?:host-offload )?plan of these rewrites fits more "
-                      r"than ([\d,]+) tokens", out).group(1)
-    floor = re.search(r"tokens no (?:host-offload )?plan peaks below ([\d.]+ \w+)", out.split("host-offload limit")[-1]
-                      if "host-offload limit" in out else out).group(1)
-    return {"rows": rows, "longest": longest, "bound": bound, "bound_floor": floor}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("model", sorted(json.load(open(os.path.join(HERE, "figures.json")))))
-def test_plan_figures_are_those_recorded_before(model, capsys):
-    """The figures `tailorfx plan` prints, for Llama-3-8B only (figures.json): the test below holds
-    every config's figures to the byte, so the others' printed digits added only minutes (3.7 for
-    Gemma-2-9B on a 2-core CPU)."""
-    expected = json.load(open(os.path.join(HERE, "figures.json")))[model]
-    main(["plan", os.path.join(HERE, f"{model}.json"), *ARGS])
-    got = figures(capsys.readouterr().out)
-    assert got == expected
 
 
 def predictions(model: str) -> dict:
