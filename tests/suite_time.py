@@ -107,7 +107,7 @@ LONGEST = {
     "tests/test_parallel.py::test_tp2_x_pp2_and_pp2_x_fsdp2_on_four_processes_equal_one_process": 398,
     "tests/test_depth.py::test_the_planners_ladder_from_a_shallow_capture_is_the_whole_ones": 306,
     "tests/test_recompute.py::test_the_planner_recomputes_whole_blocks_only_where_selective_recompute_is_over[llama]": 285,
-    "tests/test_depth.py::test_sliding_window_families_compose_to_the_byte[gemma2-13-offload]": 250,
+    "tests/test_depth.py::test_sliding_window_families_compose_to_the_byte[gemma2-13-offload]": 115,
     "tests/test_depth.py::test_the_activation_offload_ladder_from_a_shallow_capture_is_the_whole_ones": 226,
     "tests/test_parallel.py::test_pipeline_schedules_equal_one_process": 222,
     "tests/test_offload.py::test_the_planner_offloads_on_a_gpu_budget_no_device_only_plan_meets": 137,
