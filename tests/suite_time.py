@@ -126,7 +126,7 @@ def front_load(items: list, workers: int = 2) -> list:
     rest = [i for i in items if i.nodeid not in LONGEST]
     out, start = [], 0
     for w in range(workers):
-        size = len(items) // workers + (w < len(items) % workers)
+        size = (len(items) - len(out)) // (workers - w)   # as worksteal's first _send_tests deals them
         mine = long_[w::workers]
         take = max(0, size - len(mine))
         out += mine + rest[start:start + take]

@@ -44,10 +44,28 @@ def test_every_test_moved_to_make_test_slow_exists():
     import re
     import suite_time
     stale = []
-    for node in suite_time.MOVED:
+    for node in suite_time.MOVED | set(suite_time.LONGEST):
         path, name = node.split("::", 1)
         func = name.split("[", 1)[0]
         full = os.path.join(os.path.dirname(TESTS), path)
         if not os.path.exists(full) or not re.search(rf"^def {re.escape(func)}\(", open(full).read(), re.M):
             stale.append(node)
     assert not stale, f"tests/suite_time.py names tests that do not exist: {stale}"
+
+
+def test_the_longest_tests_start_first_on_each_worker():
+    """front_load deals LONGEST's tests, longest first, to the head of each slice worksteal sends
+    its workers (the first gets floor(n / 2) of n), and keeps every other test, in its order."""
+    import suite_time
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+    longest = sorted(suite_time.LONGEST, key=suite_time.LONGEST.get, reverse=True)
+    items = [Item(f"other{i}") for i in range(11)] + [Item(n) for n in reversed(longest)]
+    out = [i.nodeid for i in suite_time.front_load(items, 2)]
+    first = len(items) // 2
+    assert sorted(out) == sorted(i.nodeid for i in items)
+    assert out[:first].index("other0") == len(longest[0::2]) and out[:first][:len(longest[0::2])] == longest[0::2]
+    assert out[first:][:len(longest[1::2])] == longest[1::2]
+    assert [n for n in out if n.startswith("other")] == [f"other{i}" for i in range(11)]
