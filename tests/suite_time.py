@@ -100,7 +100,7 @@ MOVED = frozenset({
 # queues (front_load), so that no worker starts a ten-minute test while the other has nothing left
 # to run. An order only: a test missing here or renamed runs where it was collected.
 LONGEST = {
-    "tests/test_depth.py::test_a_deep_model_is_planned_on_a_shallow_capture_of_its_config": 730,
+    "tests/test_depth.py::test_a_deep_model_is_planned_on_a_shallow_capture_of_its_config": 135,
     "tests/test_parallel.py::test_tp2_and_megatron_sp_equal_one_process": 555,
     "tests/test_sizing_figures.py::test_predictions_are_those_recorded_before_to_the_byte[gemma2_9b]": 501,
     "tests/test_parallel.py::test_tp2_x_dp2_on_four_processes_equals_one_process": 410,
