@@ -122,7 +122,7 @@ def front_load(items: list, workers: int = 2) -> list:
     """`items` with LONGEST's first, longest first and dealt in turn to the front of each of the
     `workers` equal slices xdist's worksteal scheduler hands its workers at the start; the rest keep
     their order. The same order on every worker (xdist requires it)."""
-    long_ = sorted((i for i in items if i.nodeid in LONGEST), key=lambda i: -LONGEST[i.nodeid])
+    long_ = sorted((i for i in items if i.nodeid in LONGEST), key=lambda i: (-LONGEST[i.nodeid], i.nodeid))
     rest = [i for i in items if i.nodeid not in LONGEST]
     out, start = [], 0
     for w in range(workers):

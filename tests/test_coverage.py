@@ -61,7 +61,7 @@ def test_the_longest_tests_start_first_on_each_worker():
     class Item:
         def __init__(self, nodeid):
             self.nodeid = nodeid
-    longest = sorted(suite_time.LONGEST, key=suite_time.LONGEST.get, reverse=True)
+    longest = sorted(suite_time.LONGEST, key=lambda n: (-suite_time.LONGEST[n], n))
     items = [Item(f"other{i}") for i in range(11)] + [Item(n) for n in reversed(longest)]
     out = [i.nodeid for i in suite_time.front_load(items, 2)]
     first = len(items) // 2
