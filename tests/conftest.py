@@ -55,25 +55,26 @@ def _seeded():
 
 @pytest.hookimpl(tryfirst=True)   # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """The tests of suite_time.MOVED are marked slow (`make test-slow`). TAILORFX_REVERSE_ORDER=1
-    runs the collected tests last to first: a test that passes only after (or before) another shows."""
+    """The tests of suite_time.MOVED are marked slow (`make test-slow`)."""
     for item in items:
         if item.nodeid in suite_time.MOVED:
             item.add_marker(pytest.mark.slow)
-    if os.environ.get("TAILORFX_REVERSE_ORDER") == "1":
-        items.reverse()
 
 
-class _FrontLoad:
+class _Order:
     @pytest.hookimpl(trylast=True)   # on the tests -m selected
     def pytest_collection_modifyitems(self, config, items):
-        """The longest tests first, spread over the workers (suite_time.front_load)."""
-        if os.environ.get("TAILORFX_REVERSE_ORDER") != "1":
-            items[:] = suite_time.front_load(items, max(1, int(getattr(config.option, "numprocesses", 0) or 1)))
+        """The longest tests first, spread over the workers (suite_time.front_load).
+        TAILORFX_REVERSE_ORDER=1 runs the selected tests last to first instead: a test that passes
+        only after (or before) another shows."""
+        if os.environ.get("TAILORFX_REVERSE_ORDER") == "1":
+            items.reverse()
+        else:
+            items[:] = suite_time.front_load(items, int(getattr(config.option, "numprocesses", None) or 1))
 
 
 def pytest_configure(config):
-    config.pluginmanager.register(_FrontLoad(), "tailorfx_front_load")
+    config.pluginmanager.register(_Order(), "tailorfx_order")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -95,25 +95,25 @@ MOVED = frozenset({
 })
 
 # The longest tests of `make test-slow`, seconds measured on a 2-core AMD EPYC (AVX2, 2026-12-01,
-# two workers), before that day's cuts (the tp2 and pipeline launches lost a budget run each;
-# Gemma-2's composition, four plans in 987 s, runs one): run first, spread over the workers' first
-# queues (front_load), so that no worker starts a ten-minute test while the other has nothing left
-# to run. An order only: a test missing here or renamed runs where it was collected.
+# two workers; the deep model's, Gemma-2's and Inductor's depth tests after that day's cuts, the
+# pipeline launches before theirs): run first, spread over the workers' first queues (front_load),
+# so that no worker starts a ten-minute test while the other has nothing left to run. An order
+# only: a test missing here or renamed runs where it was collected.
 LONGEST = {
-    "tests/test_depth.py::test_a_deep_model_is_planned_on_a_shallow_capture_of_its_config": 135,
     "tests/test_parallel.py::test_tp2_and_megatron_sp_equal_one_process": 555,
     "tests/test_sizing_figures.py::test_predictions_are_those_recorded_before_to_the_byte[gemma2_9b]": 501,
     "tests/test_parallel.py::test_tp2_x_dp2_on_four_processes_equals_one_process": 410,
     "tests/test_parallel.py::test_tp2_x_pp2_and_pp2_x_fsdp2_on_four_processes_equal_one_process": 398,
     "tests/test_depth.py::test_the_planners_ladder_from_a_shallow_capture_is_the_whole_ones": 306,
     "tests/test_recompute.py::test_the_planner_recomputes_whole_blocks_only_where_selective_recompute_is_over[llama]": 285,
-    "tests/test_depth.py::test_sliding_window_families_compose_to_the_byte[gemma2-13-offload]": 115,
     "tests/test_depth.py::test_the_activation_offload_ladder_from_a_shallow_capture_is_the_whole_ones": 226,
     "tests/test_parallel.py::test_pipeline_schedules_equal_one_process": 222,
     "tests/test_offload.py::test_the_planner_offloads_on_a_gpu_budget_no_device_only_plan_meets": 137,
+    "tests/test_depth.py::test_a_deep_model_is_planned_on_a_shallow_capture_of_its_config": 135,
     "tests/test_depth.py::test_inductor_schedules_compose_to_the_byte[recompute]": 135,
     "tests/test_precision.py::test_acceptance_lm_head_grad_at_4096_reference_model": 128,
     "tests/test_parallel.py::test_fsdp2_dp2_equals_one_process": 119,
+    "tests/test_depth.py::test_sliding_window_families_compose_to_the_byte[gemma2-13-offload]": 115,
     "tests/test_offload.py::test_the_planner_offloads_k_blocks_activations_where_selective_recompute_is_over": 105,
 }
 

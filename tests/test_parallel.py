@@ -556,7 +556,7 @@ def test_pipeline_schedules_equal_one_process(tmp_path):
     # and Qwen2 planned under a budget at issue 66's configuration (1,024 tokens a micro-batch,
     # vocabulary 8192, hidden 256; Llama's is planned on pp=2 x dp=2, below: each run plans on every
     # rank, a minute of a 2-core CPU)
-    runs += [f"{f}:1f1b:mem:{PP_BUDGET}" for f in ("qwen2",)]
+    runs.append(f"qwen2:1f1b:mem:{PP_BUDGET}")
     rows = torchrun(tmp_path, 2, "pipeline_check.py", 1, 4, *runs, runs=len(runs), timeout=900)
     for (rank, run), r in rows.items():
         # the S x S mask transformers traces without a KV cache, proved causal and dropped from the
@@ -602,7 +602,7 @@ def test_tp2_x_pp2_and_pp2_x_fsdp2_on_four_processes_equal_one_process(tmp_path)
     # then pp=2 x dp=2 under 60% of the layout's peak without rewrites, issue 66's configuration
     # (Llama; Qwen2's on pp=2 alone, above)
     runs = ["qwen3:zb_h1", "llama:1f1b", "mistral:gpipe", "llama:1f1b:mem@1x2", "llama:1f1b:mem@1x1"]
-    runs += [f"{f}:1f1b:mem:{PP_BUDGET}@1x2" for f in ("llama",)]
+    runs.append(f"llama:1f1b:mem:{PP_BUDGET}@1x2")
     rows = torchrun(tmp_path, 4, "pipeline_check.py", 2, 4, *runs, runs=len(runs), timeout=1500)
     for (rank, run), r in rows.items():
         if ":budget60" in run:
