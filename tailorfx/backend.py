@@ -18,7 +18,7 @@ from tailorfx.budget import format_bytes
 from tailorfx.errors import BudgetError
 from tailorfx.options import Options, backend_options
 from tailorfx.codegen import lower as lowering_mod
-from tailorfx.rewrite import memory
+from tailorfx.rewrite import memory, trace_cache
 from tailorfx.rewrite.capture import SeqInfo, pin_to_model, seq_info, strip_identity_dropout
 from tailorfx.rewrite.passes import LazyPeak, PassContext, PassRecord, peak_of
 from tailorfx.rewrite.regions import RegionMap, find_regions
@@ -203,8 +203,8 @@ class TailorBackend:
         for the memory model, and the optimizer step goes into backward if the setup says so."""
         def keep(fw, bw, n, static):
             rec.step, rec.step_static = memory.make_step(rec.rewritten, fw, bw, n), static
-            planner.remember_trace(rec.rewritten, lowering_mod.partition_for(rec.lowering, rec.rewritten),
-                                   steps_in_backward is not None, rec.step, static)
+            trace_cache.remember_trace(rec.rewritten, lowering_mod.partition_for(rec.lowering, rec.rewritten),
+                                       steps_in_backward is not None, rec.step, static)
         setup = rec.plan.options.get("setup")
         steps_in_backward = None
         if setup is not None and setup.optimizer_in_backward:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import graphlib
 import math
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
@@ -24,6 +23,7 @@ from tailorfx.passes.attention import grouped_query
 from tailorfx.progress import progress
 from tailorfx.rewrite import cost, memory, trace
 from tailorfx.rewrite.capture import SeqInfo, node_value
+from tailorfx.rewrite.trace_cache import traced_step
 from tailorfx.rewrite.passes import PassContext
 from tailorfx.rewrite.regions import RegionMap
 from tailorfx.setup import TrainingSetup
@@ -258,41 +258,6 @@ def predict_graphs(graphs: Sequence[tuple[fx.GraphModule, str, Optional[memory.S
              for gm, lowering, step in graphs]
     return memory.simulate_step(steps, list(seqs), seq_len or seqs[0].length or None, setup=setup,
                                 hold=memory.all_outputs if outputs_held else memory.scalar_outputs)
-
-
-def traced_step(gm: fx.GraphModule, partition: str, setup: Optional[TrainingSetup],
-                static: bool = False) -> memory.StepGraphs:
-    """memory.trace_step, kept while the graph module lives (a weak key): its sizes are symbolic in
-    the sequence length, so one AOTAutograd trace serves every length (max_seq_len bisects on it).
-    `static`: one at the captured length serves (a symbolic trace, if kept, is used; else one on
-    static shapes, trace.captured_inputs). Keyed also by the code the module runs, so a graph
-    rewritten in place is traced again."""
-    in_backward = bool(setup is not None and setup.optimizer_in_backward)
-    cache = _TRACED.setdefault(gm, {})
-    for stale in [k for k in cache if k[2] != gm.code]:   # traces of code the module no longer runs
-        del cache[stale]
-    kinds = (False, True) if static else (False,)   # (static shapes?): a symbolic trace serves every length
-    for kind in kinds:
-        if (partition, in_backward, gm.code, kind) in cache:
-            return cache[(partition, in_backward, gm.code, kind)]
-    for kind in kinds if in_backward else ():   # the same trace, the optimizer steps put in its backward
-        if (partition, False, gm.code, kind) in cache:
-            step = trace.with_steps_in_backward(cache[(partition, False, gm.code, kind)], gm)
-            cache[(partition, True, gm.code, kind)] = step
-            return step
-    inputs = trace.captured_inputs(gm) if static else None
-    step = memory.trace_step(gm, inputs, partition, setup)
-    cache[(partition, in_backward, gm.code, inputs is not None)] = step
-    return step
-
-
-def remember_trace(gm: fx.GraphModule, partition: str, steps_in_backward: bool, step: memory.StepGraphs,
-                   static: bool = False) -> None:
-    """The forward/backward the lowering made of `gm` (what runs), kept as its trace (`static`: captured sizes)."""
-    _TRACED.setdefault(gm, {})[(partition, steps_in_backward, gm.code, static)] = step
-
-
-_TRACED: "weakref.WeakKeyDictionary[fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
 
 
 def predict_peak(gm: fx.GraphModule, seq: SeqInfo, lowering: str, setup: Optional[TrainingSetup] = None) -> int:

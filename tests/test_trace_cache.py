@@ -1,0 +1,81 @@
+"""A model planned again traces none of its rewritten graphs a second time (rewrite/trace_cache.py),
+and gets the same plan; the key a trace is kept under tells apart what traces otherwise."""
+import copy
+
+import pytest
+import torch
+
+import tailorfx
+from models import hf_family
+from tailorfx.rewrite import graph_key as key_mod, memory, trace_cache
+
+VOCAB = 512
+
+
+def _inputs(S: int) -> dict:
+    ids = torch.randint(0, VOCAB, (1, S), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _plan(base, inputs, budget):
+    """optimize's plan of a copy of `base` under `budget`: the chosen candidate and the runners-up,
+    or the BudgetError's suggested budget."""
+    try:
+        opt = tailorfx.optimize(copy.deepcopy(base), budget=budget, optimizer=None, example_inputs=inputs,
+                                verify=False)
+    except tailorfx.BudgetError as err:
+        return err.suggested_bytes
+    gp = opt.plan[0]
+    return [(c.label, c.peak, c.added_flops, c.fits) for c in (gp.chosen, *gp.runners_up)]
+
+
+def test_a_model_planned_again_at_the_budget_a_budget_error_suggests_is_traced_once(monkeypatch):
+    """The workflow a BudgetError starts: it names the smallest budget a plan meets, and the user
+    optimizes again at it. The second search traces nothing (every candidate's trace is found by
+    its key) and the plan it takes fits (test_the_key_is_what_traces: a length or a tag of its own
+    is traced again)."""
+    base = hf_family("llama", num_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                     num_key_value_heads=2, vocab_size=VOCAB)
+    calls = []
+    real = memory.trace_step
+    monkeypatch.setattr(memory, "trace_step", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    suggested = _plan(base, _inputs(32), 1 << 10)
+    assert isinstance(suggested, int)
+    first = len(calls)
+    plan = _plan(base, _inputs(32), suggested)
+    assert len(calls) == first and plan[0][3], (len(calls), first, plan)
+
+
+def _graph(S: int = 32):
+    """The graph Dynamo captured of a small HF Llama's training step (optimize with no pass)."""
+    model = hf_family("llama", num_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                      num_key_value_heads=2, vocab_size=64)
+    ids = torch.randint(0, 64, (1, S))
+    opt = tailorfx.optimize(model, passes=[], example_inputs={"input_ids": ids, "labels": ids}, verify=False)
+    return opt.graph_records[0].original
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return _graph()
+
+
+def test_the_key_is_what_traces(graph):
+    """Equal for a second capture of the same model; different for a length or a recompute tag;
+    none for a module the key cannot describe (a submodule that is no graph). (The partition and
+    whether the trace is on the captured sizes are keyed beside it: rewrite/trace_cache.py.)"""
+    k = key_mod.graph_key(graph)
+    assert k == key_mod.graph_key(_graph()) and key_mod.graph_key(_graph(48)) != k
+    tagged = copy.deepcopy(graph)
+    next(n for n in tagged.graph.nodes if n.op == "call_function").meta["recompute"] = "must_recompute"
+    assert key_mod.graph_key(tagged) != k
+    opaque = copy.deepcopy(graph)
+    opaque.add_submodule("lin", torch.nn.Linear(2, 2))
+    first = next(iter(opaque.graph.nodes))
+    with opaque.graph.inserting_after(first):
+        opaque.graph.call_module("lin", (first,))
+    assert key_mod.graph_key(opaque) is None
+
+
+def test_the_cache_keeps_its_size():
+    assert len(trace_cache._BY_CONTENT) <= trace_cache._BY_CONTENT_SIZE
