@@ -46,6 +46,7 @@ def test_goldens_have_examples():
 
 
 @pytest.mark.slow
+@pytest.mark.ptxas   # make test-torch211 (CI) runs it under the GPU machines' Triton
 def test_every_example_compiles_for_sm80_and_sm90():
     """sm80 with float scalars typed as Triton's launcher types them (fp32), sm90 as Inductor's
     (fp64): a kernel must keep its dots and stores fp32 under both."""
@@ -70,7 +71,8 @@ _RICH = [dict(mask="window", causal=True, documents=True, softcap=30.0, key_bias
          dict(mask="full", causal=False, documents=True)]
 
 
-@pytest.mark.slow   # about 30 ptxas runs per (head dim, arch): make test-slow, and make test-torch211
+@pytest.mark.slow
+@pytest.mark.ptxas   # about 30 ptxas runs per (head dim, arch): make test-torch211 (CI)
 @pytest.mark.parametrize("head_dim,arch", [(64, 90), (128, 90), (256, 90), (64, 80), (128, 80), (256, 80)])
 def test_every_attention_tile_candidate_compiles_without_spills(head_dim, arch):
     """Each flash-attention kernel at each candidate's tiles, warps and stages (the choices a
