@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/python $(PYTEST) -m "not slow and not multiprocess and not cuda_build" tests
 
 test-slow: $(STAMP)
-	$(BIN)/python $(PYTEST) -m "(slow or multiprocess) and not cuda_build and not ptxas" tests
+	$(BIN)/python $(PYTEST) -m "(slow or multiprocess) and not cuda_build and not ptxas and not long" tests
 
 # torch 2.11 (the GPU machines' release, its CUDA build, which runs on CPU) in a second virtualenv:
 # the package installed over it must keep that torch; CI runs on it, after `make test`, a smoke
@@ -51,9 +51,12 @@ $(VENV211)/.installed: pyproject.toml
 test-torch211: $(VENV211)/.installed
 	$(VENV211)/bin/python $(PYTEST) $(SMOKE211) $(COMPILE211)
 
-# the property test's long profile (200 random models; CI runs its short profile in `make test`)
+# not in CI: the property test's long profile (200 random models; CI runs its short profile in
+# `make test`) and the tests marked long, each the costly form of a claim a test in CI checks
+# (tests/suite_time.py LONG names it)
 test-long: $(STAMP)
 	TAILORFX_PROPERTY_EXAMPLES=200 $(BIN)/python -m pytest -q -n 2 --dist worksteal tests/test_property.py
+	$(BIN)/python $(PYTEST) -m "long" tests
 
 demo: $(STAMP)
 	$(BIN)/python -m tailorfx.cli demo

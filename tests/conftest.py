@@ -55,10 +55,13 @@ def _seeded():
 
 @pytest.hookimpl(tryfirst=True)   # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """The tests of suite_time.MOVED are marked slow (`make test-slow`)."""
+    """The tests of suite_time.MOVED are marked slow (`make test-slow`), those of suite_time.LONG
+    slow and long (`make test-long`)."""
     for item in items:
-        if item.nodeid in suite_time.MOVED:
+        if item.nodeid in suite_time.MOVED or item.nodeid in suite_time.LONG:
             item.add_marker(pytest.mark.slow)
+        if item.nodeid in suite_time.LONG:
+            item.add_marker(pytest.mark.long)
 
 
 class _Order:
@@ -70,7 +73,7 @@ class _Order:
         if os.environ.get("TAILORFX_REVERSE_ORDER") == "1":
             items.reverse()
         else:
-            items[:] = suite_time.front_load(items, int(getattr(config.option, "numprocesses", None) or 1))
+            items[:] = suite_time.front_load(items, suite_time.workers(config))
 
 
 def pytest_configure(config):

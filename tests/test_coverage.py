@@ -39,18 +39,22 @@ def test_make_test_keeps_a_test_of_every_pass_and_family(request):
 
 
 def test_every_test_moved_to_make_test_slow_exists():
-    """suite_time.MOVED names tests by node id: one renamed away would silently run in neither
-    target's selection as intended."""
+    """suite_time.MOVED, LONG and LONGEST name tests by node id: one renamed away would silently
+    run in neither target's selection as intended."""
     import re
     import suite_time
     stale = []
-    for node in suite_time.MOVED | set(suite_time.LONGEST):
+    covering = {c.split(" - ", 1)[0] for c in suite_time.LONG.values()}
+    for node in suite_time.MOVED | set(suite_time.LONGEST) | set(suite_time.LONG) | covering:
         path, name = node.split("::", 1)
         func = name.split("[", 1)[0]
         full = os.path.join(os.path.dirname(TESTS), path)
         if not os.path.exists(full) or not re.search(rf"^def {re.escape(func)}\(", open(full).read(), re.M):
             stale.append(node)
     assert not stale, f"tests/suite_time.py names tests that do not exist: {stale}"
+    # a long test's claim is checked in CI by the test named beside it, which is not long itself,
+    # and no long test is ordered as one of the slow suite's
+    assert not covering & set(suite_time.LONG) and not set(suite_time.LONG) & set(suite_time.LONGEST)
 
 
 def test_the_longest_tests_start_first_on_each_worker():
@@ -69,3 +73,16 @@ def test_the_longest_tests_start_first_on_each_worker():
     assert out[:first].index("other0") == len(longest[0::2]) and out[:first][:len(longest[0::2])] == longest[0::2]
     assert out[first:][:len(longest[1::2])] == longest[1::2]
     assert [n for n in out if n.startswith("other")] == [f"other{i}" for i in range(11)]
+
+
+def test_each_worker_orders_for_the_number_of_workers():
+    """xdist's workers order their collections themselves, and -n is not among a worker's options:
+    the count is read from what the controller sent (until 2026-12-02 every worker read 1, and the
+    first worker's half held every long test, one after another)."""
+    import types
+
+    import suite_time
+    worker = types.SimpleNamespace(workerinput={"workerid": "gw1", "workercount": 2},
+                                   option=types.SimpleNamespace(numprocesses=None))
+    assert suite_time.workers(worker) == 2
+    assert suite_time.workers(types.SimpleNamespace(option=types.SimpleNamespace(numprocesses=None))) == 1
