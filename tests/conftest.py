@@ -55,12 +55,13 @@ def _seeded():
 
 @pytest.hookimpl(tryfirst=True)   # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """The tests of suite_time.MOVED are marked slow (`make test-slow`), those of suite_time.LONG
-    slow and long (`make test-long`)."""
+    """The tests of suite_time.MOVED are marked slow (`make test-slow`); the slow ones
+    suite_time.is_long names, long (`make test-long`)."""
     for item in items:
-        if item.nodeid in suite_time.MOVED or item.nodeid in suite_time.LONG:
+        if item.nodeid in suite_time.MOVED:
             item.add_marker(pytest.mark.slow)
-        if item.nodeid in suite_time.LONG:
+        slow = any(item.get_closest_marker(m) for m in ("slow", "multiprocess"))
+        if slow and suite_time.is_long(item.nodeid):   # a case `make test` runs stays there
             item.add_marker(pytest.mark.long)
 
 

@@ -97,34 +97,85 @@ MOVED = frozenset({
 # Tests that run in `make test-long` alone, not in CI: after the cuts of 2026-12-01 the slow suite
 # still ran past CI's 90 minutes on a slow 2-core CPU (stops 81 and 82, killed at 60% and 74%). Each
 # checks a claim that the test named beside it also checks in CI, at a fraction of the cost; the
-# claim it adds is said after the dash. conftest.py marks them slow and long.
+# claim it adds is said after the dash. conftest.py marks them long, and the slow cases of
+# LONG_CASES's tests it does not keep.
 LONG = {
     "tests/test_parallel.py::test_tp2_x_pp2_and_pp2_x_fsdp2_on_four_processes_equal_one_process":
         "tests/test_parallel.py::test_pipeline_schedules_equal_one_process"
-        " - pipeline stages on a 2 x 2 mesh with tp or FSDP2 (each dimension runs alone in CI, and tp with dp "
-        "on four processes: test_tp2_x_dp2_on_four_processes_equals_one_process)",
+        " - pipeline stages on a 2 x 2 mesh with tp or FSDP2 (each dimension runs alone in CI)",
+    "tests/test_parallel.py::test_tp2_x_dp2_on_four_processes_equals_one_process":
+        "tests/test_parallel.py::test_tp2_and_megatron_sp_equal_one_process"
+        " - tp with FSDP2 on a 2 x 2 mesh, and issue 66's budgets there (tp, Megatron sp and a budget on "
+        "2 processes, and FSDP2 on 2: test_fsdp2_dp2_equals_one_process, stay in CI)",
+    "tests/test_depth.py::test_the_planners_ladder_from_a_shallow_capture_is_the_whole_ones":
+        "tests/test_depth.py::test_the_activation_offload_ladder_from_a_shallow_capture_is_the_whole_ones"
+        " - the recompute ladder's rungs from a two-site shallow capture (the offload ladder's bisection "
+        "crosses the same two sites)",
+    "tests/test_gpu_check.py::test_dry_run_passes_every_section":
+        "tests/test_gpu_scale.py::test_dry_run_runs_every_section"
+        " - benchmarks/gpu_check.py, which the next GPU run does not call (docs/gpu.md: gpu_scale.py, then "
+        "kernels.py, whose dry run is tests/test_kernels_benchmark.py's)",
 }
 
-# The longest tests of `make test-slow`, seconds measured on a 2-core AMD EPYC (AVX2, 2026-12-01,
-# two workers; the deep model's, Gemma-2's and Inductor's depth tests after that day's cuts, the
-# pipeline launches before theirs): run first, spread over the workers' first queues (front_load),
-# so that no worker starts a ten-minute test while the other has nothing left to run. An order
-# only: a test missing here or renamed runs where it was collected.
+# Parametrized tests of `make test-slow` whose slow cases beyond those kept here run in `make test-long`
+# alone (a case `make test` runs stays there): the cases kept in CI are chosen so that each plan, setup, lowering and trainer of the
+# test keeps one (the families each keep tests in `make test`: tests/test_coverage.py)
+LONG_CASES = {
+    "tests/test_sizing_figures.py::test_predictions_are_those_recorded_before_to_the_byte": {"llama3_8b"},
+    "tests/test_depth.py::test_inductor_schedules_compose_to_the_byte": {"segments+full"},
+    "tests/test_depth.py::test_shallow_captures_are_the_whole_model_to_the_byte": {
+        "llama-pure-bf16-none", "llama-pure-bf16-fused-optimizer-offload",
+        "qwen3-pure-bf16-fused-optimizer-recompute", "qwen3-pure-bf16-segments+full"},
+    "tests/test_attention_tiles_tuning.py::test_every_candidate_is_exact": {
+        "full-params0-True-False-64", "full-params1-False-True-128", "window-params2-True-True-256"},
+    "tests/test_bound.py::test_no_measured_plan_beats_the_bound": {"qwen2"},
+    "tests/test_flex_attention.py::test_hf_families_train_exact_on_flex_when_asked": {"mistral"},
+    "tests/test_head_grad_fp32.py::test_the_setup_asks_the_fused_head_for_an_fp32_sum": {"tailorfx-llama-triton"},
+    "tests/test_hf_families.py::test_capture_costs_nothing_and_logits_keep_their_gradient": {"none-llama", "ms-gemma2"},
+    "tests/test_hf_families.py::test_memory_model_on_hf_families": {"llama"},
+    "tests/test_memory.py::test_eager_step_predicted_as_eager_runs_it": {"llama-False"},
+    "tests/test_minisequence.py::test_a_prediction_at_another_length_holds_with_full_recompute": {"mlp"},
+    "tests/test_offload.py::test_checkpoint_offload_is_exact_and_fires": {"llama-eager", "qwen2-inductor"},
+    "tests/test_offload.py::test_offload_lowers_the_measured_device_peak_as_predicted": {"eager"},
+    "tests/test_offload.py::test_activation_offload_lowers_the_measured_device_peak_as_predicted": {"eager"},
+    "tests/test_parallel_memory.py::test_planning_a_long_sequence_proves_its_mask_without_an_s_by_s_tensor": {
+        "layout0"},
+    "tests/test_peft.py::test_a_lora_model_is_rewritten_exact_and_predicted": {"qwen2"},
+    "tests/test_segments.py::test_segments_are_chunked_and_exact": {"qwen2-full", "gemma2-full"},
+    "tests/test_segments.py::test_the_plan_that_saves_the_most_is_exact": {"qwen2"},
+    "tests/test_setup.py::test_full_step_prediction_within_3_percent": {
+        "16-passes0-fp32", "512-passes1-pure-bf16-fused-optimizer"},
+    "tests/test_trl.py::test_sft_trainer_runs_tailorfx_on_every_step": {"llama-True", "qwen2-False"},
+    "tests/test_trl.py::test_sft_trainer_under_a_budget_holds_it_on_every_step": {"llama"},
+}
+
+
+def is_long(nodeid: str) -> bool:
+    """Whether the test runs in `make test-long` alone (LONG, or a case LONG_CASES does not keep)."""
+    func, _, case = nodeid.partition("[")
+    return nodeid in LONG or (func in LONG_CASES and case[:-1] not in LONG_CASES[func])
+
+
+# The longest tests of `make test-slow`, seconds measured on a 2-core AMD EPYC (AVX2, 2026-12-01/02,
+# two workers busy): run first, spread over the workers' first queues (front_load), so that no
+# worker starts a long test while the other has nothing left to run. An order only: a test
+# missing here or renamed runs where it was collected.
 LONGEST = {
-    "tests/test_parallel.py::test_tp2_and_megatron_sp_equal_one_process": 555,
-    "tests/test_sizing_figures.py::test_predictions_are_those_recorded_before_to_the_byte[gemma2_9b]": 501,
-    "tests/test_parallel.py::test_tp2_x_dp2_on_four_processes_equals_one_process": 410,
-    "tests/test_depth.py::test_the_planners_ladder_from_a_shallow_capture_is_the_whole_ones": 306,
-    "tests/test_recompute.py::test_the_planner_recomputes_whole_blocks_only_where_selective_recompute_is_over[llama]": 285,
-    "tests/test_depth.py::test_the_activation_offload_ladder_from_a_shallow_capture_is_the_whole_ones": 226,
-    "tests/test_parallel.py::test_pipeline_schedules_equal_one_process": 222,
-    "tests/test_offload.py::test_the_planner_offloads_on_a_gpu_budget_no_device_only_plan_meets": 137,
-    "tests/test_depth.py::test_a_deep_model_is_planned_on_a_shallow_capture_of_its_config": 135,
-    "tests/test_depth.py::test_inductor_schedules_compose_to_the_byte[recompute]": 135,
-    "tests/test_precision.py::test_acceptance_lm_head_grad_at_4096_reference_model": 128,
-    "tests/test_parallel.py::test_fsdp2_dp2_equals_one_process": 119,
-    "tests/test_depth.py::test_sliding_window_families_compose_to_the_byte[gemma2-13-offload]": 115,
-    "tests/test_offload.py::test_the_planner_offloads_k_blocks_activations_where_selective_recompute_is_over": 105,
+    "tests/test_gpu_scale.py::test_dry_run_runs_every_section": 430,
+    "tests/test_parallel.py::test_tp2_and_megatron_sp_equal_one_process": 400,
+    "tests/test_inductor.py::test_predictions_follow_inductors_code": 271,
+    "tests/test_depth.py::test_the_activation_offload_ladder_from_a_shallow_capture_is_the_whole_ones": 198,
+    "tests/test_parallel.py::test_pipeline_schedules_equal_one_process": 180,
+    "tests/test_inductor.py::test_the_planner_keeps_a_budget_under_inductor": 171,
+    "tests/test_depth.py::test_a_deep_model_is_planned_on_a_shallow_capture_of_its_config": 169,
+    "tests/test_inductor.py::test_every_rewrite_holds_under_inductor": 157,
+    "tests/test_examples.py::test_example_runs[plain_loop.py]": 152,
+    "tests/test_parallel.py::test_fsdp2_dp2_equals_one_process": 135,
+    "tests/test_offload.py::test_the_planner_offloads_on_a_gpu_budget_no_device_only_plan_meets": 125,
+    "tests/test_sizing_figures.py::test_predictions_are_those_recorded_before_to_the_byte[llama3_8b]": 107,
+    "tests/test_setup.py::test_max_seq_len_moves_the_step_into_backward_where_only_that_fits_one_token": 105,
+    "tests/test_inductor.py::test_fp32_glue_crosses_to_the_backward_in_bf16_under_inductor": 98,
+    "tests/test_demo.py::test_quick_demo_trains_inside_the_budget_and_learns": 97,
 }
 
 

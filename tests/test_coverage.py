@@ -54,7 +54,7 @@ def test_every_test_moved_to_make_test_slow_exists():
     assert not stale, f"tests/suite_time.py names tests that do not exist: {stale}"
     # a long test's claim is checked in CI by the test named beside it, which is not long itself,
     # and no long test is ordered as one of the slow suite's
-    assert not covering & set(suite_time.LONG) and not set(suite_time.LONG) & set(suite_time.LONGEST)
+    assert not any(map(suite_time.is_long, covering)) and not any(map(suite_time.is_long, suite_time.LONGEST))
 
 
 def test_the_longest_tests_start_first_on_each_worker():
@@ -86,3 +86,17 @@ def test_each_worker_orders_for_the_number_of_workers():
                                    option=types.SimpleNamespace(numprocesses=None))
     assert suite_time.workers(worker) == 2
     assert suite_time.workers(types.SimpleNamespace(option=types.SimpleNamespace(numprocesses=None))) == 1
+
+
+def test_each_long_case_leaves_a_case_of_its_test_in_ci():
+    """suite_time.LONG_CASES keeps, of each test it names, cases that exist and run in CI's
+    `make test-slow`; the others are marked long (`make test-long`)."""
+    import suite_time
+    files = sorted({f.split("::")[0] for f in suite_time.LONG_CASES})
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "-m", "slow and not long", *files], capture_output=True, text=True,
+                         cwd=os.path.dirname(TESTS))
+    ids = {line.strip() for line in out.stdout.splitlines() if "::" in line}
+    kept = {f"{func}[{case}]" for func, cases in suite_time.LONG_CASES.items() for case in cases}
+    assert not kept - ids, f"cases LONG_CASES keeps that make test-slow does not run: {sorted(kept - ids)}"
+    assert not any(suite_time.is_long(i) for i in ids)
