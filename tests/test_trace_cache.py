@@ -77,5 +77,23 @@ def test_the_key_is_what_traces(graph):
     assert key_mod.graph_key(opaque) is None
 
 
-def test_the_cache_keeps_its_size():
-    assert len(trace_cache._BY_CONTENT) <= trace_cache._BY_CONTENT_SIZE
+def test_the_least_recently_used_trace_is_dropped_past_the_size(graph, monkeypatch):
+    """The cache holds at most _BY_CONTENT_SIZE traces (a user's process plans many models); a
+    trace found again is kept over one not used since."""
+    monkeypatch.setattr(trace_cache, "_BY_CONTENT", type(trace_cache._BY_CONTENT)())
+    monkeypatch.setattr(trace_cache, "_BY_CONTENT_SIZE", 2)
+    monkeypatch.setattr(memory, "trace_step", lambda gm, *a: object())
+    graphs = []
+    for i in range(3):
+        g = copy.deepcopy(graph)
+        next(n for n in g.graph.nodes if n.op == "call_function").meta["custom"] = {"copy": i}
+        graphs.append(g)
+    keys = [key_mod.graph_key(g) for g in graphs]
+
+    def held():
+        return {k[0] for k in trace_cache._BY_CONTENT}
+    first = trace_cache._by_content(graphs[0], "default", False, None, None)
+    trace_cache._by_content(graphs[1], "default", False, None, None)
+    assert trace_cache._by_content(graphs[0], "default", False, None, None) is first   # found again
+    trace_cache._by_content(graphs[2], "default", False, None, None)
+    assert held() == {keys[0], keys[2]}          # graphs[1]'s, unused since, dropped
