@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tailorfx import passes
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -88,6 +90,7 @@ def test_each_worker_orders_for_the_number_of_workers():
     assert suite_time.workers(types.SimpleNamespace(option=types.SimpleNamespace(numprocesses=None))) == 1
 
 
+@pytest.mark.slow   # a collection of 17 test modules (20 s): it checks make test-slow's selection, and runs there
 def test_each_long_case_leaves_a_case_of_its_test_in_ci():
     """suite_time.LONG_CASES keeps, of each test it names, cases that exist and run in CI's
     `make test-slow`; the others are marked long (`make test-long`)."""
