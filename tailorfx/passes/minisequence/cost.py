@@ -4,8 +4,9 @@ the memory model sees the transients the graph cannot show.
 """
 from __future__ import annotations
 
+import collections
 import math
-from typing import Callable, Optional
+from typing import Callable, Hashable, Optional
 
 import torch
 import torch.fx as fx
@@ -20,6 +21,11 @@ from tailorfx.runtime import ops
 Lines = tuple   # ((bytes per token, constant bytes), ...): held by a chunk of t tokens is the most of p * t + c
 ENVELOPE_TOKENS = 16384   # backward costs sampled up to chunks of this many tokens (past it: the last line)
 MIN_TOKENS = 64           # and down to this many (below it: the first line)
+# held(n) samples kept per process by what they depend on (the region's structure, the concrete
+# shapes at n): a model planned again, at another length or budget, or another model with blocks
+# like it, simulates no chunk backward twice. Plain tuples of ints and strings: they hold no graph.
+_SAMPLES: collections.OrderedDict = collections.OrderedDict()
+_SAMPLES_SIZE = 4096
 
 
 def hint_tokens(t, seq_dim: int, ctx: PassContext) -> int:
@@ -63,16 +69,17 @@ def cached_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, ctx: P
                          tokens: int) -> Optional[Lines]:
     """_simulated_backward_cost, memoised in ctx.memo by the region's structure: the planner runs
     this pass once per candidate plan, and every block of a model has a region like it."""
-    memo = (NAME, "backward_cost", structure_key(sub), _values_key([node_value(n) for n in sub.graph.nodes
-                                                                   if n.op == "placeholder"]),
+    skey = structure_key(sub)
+    memo = (NAME, "backward_cost", skey, _values_key([node_value(n) for n in sub.graph.nodes
+                                                      if n.op == "placeholder"]),
             str(ctx.seq.symbol), ctx.seq.length, tokens)
     if memo not in ctx.memo:
-        ctx.memo[memo] = _simulated_backward_cost(sub, chunked.tail, ctx, tokens)
+        ctx.memo[memo] = _simulated_backward_cost(sub, chunked.tail, ctx, tokens, skey)
     return ctx.memo[memo]
 
 
 def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
-                             tokens: int) -> Optional[Lines]:
+                             tokens: int, skey: Optional[str] = None) -> Optional[Lines]:
     """The bytes one chunk holds in backward, as lines (_cost_lines): the runtime's own chunk
     backward (ops.region_chunk_grads: the chunk's contiguous copies, the recompute, what eager
     autograd saves, the grads) run on fake tensors under memory.LiveBytes, at the captured length
@@ -109,7 +116,10 @@ def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
                 ops.region_chunk_grads(sub, [xc.requires_grad_(x.requires_grad)], whole,
                                        go.clone() if copied else go, seq_grad, acc, tail)
             return live.peak
-    return _cost_lines(held, length, tokens)
+    tail_key = None if tail is None else (
+        (structure_key(tail[0]), *tail[1:]) if isinstance(tail[0], fx.GraphModule) else False)
+    base = None if tail_key is False else ("region", skey or structure_key(sub), tail_key, seq_dim)
+    return _cost_lines(_kept(base, vals, shape, held), length, tokens)
 
 
 def _cost_lines(held: Callable[[int], int], length: int, tokens: int) -> Optional[Lines]:
@@ -148,7 +158,8 @@ def cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule
     cannot run."""
     from tailorfx.rewrite import memory
     xvs, wvs = [node_value(x) for x in xs], [node_value(w) for w in whole]
-    memo = (NAME, "segment_backward_cost", structure_key(sub), tuple(x_dims), _values_key(xvs + wvs),
+    skey = structure_key(sub)
+    memo = (NAME, "segment_backward_cost", skey, tuple(x_dims), _values_key(xvs + wvs),
             str(ctx.seq.symbol), ctx.seq.length, tokens)
     if memo in ctx.memo:
         return ctx.memo[memo]
@@ -179,8 +190,28 @@ def cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule
                 ops.segment_chunk_grads(sub, [c.requires_grad_(t.requires_grad) for c, t in zip(xc, x)], w,
                                         [g.clone() for g in grads], seq_grads, acc)
             return live.peak
-    ctx.memo[memo] = _cost_lines(held, length, tokens)
+    base = ("segment", skey, tuple(x_dims), len(xvs))
+    ctx.memo[memo] = _cost_lines(_kept(base, xvs + wvs, shape, held), length, tokens)
     return ctx.memo[memo]
+
+
+def _kept(base: Optional[Hashable], vals: list, shape: Callable, held: Callable[[int], int]) -> Callable[[int], int]:
+    """`held`, its samples kept per process (_SAMPLES) under `base` (what the region computes) and
+    the concrete shape, dtype and requires_grad each input takes at the length: all a sample reads.
+    `base` None: not kept."""
+    if base is None:
+        return held
+
+    def sample(n: int) -> int:
+        key = (base, n, tuple((tuple(shape(v, n)), str(v.dtype), v.requires_grad) for v in vals))
+        if key in _SAMPLES:
+            _SAMPLES.move_to_end(key)
+            return _SAMPLES[key]
+        _SAMPLES[key] = got = held(n)
+        if len(_SAMPLES) > _SAMPLES_SIZE:
+            _SAMPLES.popitem(last=False)
+        return got
+    return sample
 
 
 def _shares_storage(n: fx.Node, a: fx.Node) -> bool:
