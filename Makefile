@@ -28,7 +28,8 @@ test-slow: $(STAMP)
 
 # torch 2.11 (the GPU machines' release, its CUDA build, which runs on CPU) in a second virtualenv:
 # the package installed over it must keep that torch; CI runs on it, after `make test`, a smoke
-# subset of the suite and the tests marked cuda_build (tests/test_fake_cuda.py: captures on fake
+# subset of the suite (its files' tests of `make test`: the slow ones run once, in `make test-slow`)
+# and the tests marked cuda_build (tests/test_fake_cuda.py: captures on fake
 # CUDA tensors, which a CPU wheel of torch cannot index)
 SMOKE211 := tests/test_api.py tests/test_minisequence.py tests/test_recompute.py \
 	tests/test_attention_packed.py tests/test_fake_cuda.py
@@ -49,7 +50,7 @@ $(VENV211)/.installed: pyproject.toml
 	touch $@
 
 test-torch211: $(VENV211)/.installed
-	$(VENV211)/bin/python $(PYTEST) $(SMOKE211) $(COMPILE211)
+	$(VENV211)/bin/python $(PYTEST) -m "ptxas or cuda_build or not (slow or multiprocess or long)" $(SMOKE211) $(COMPILE211)
 
 # not in CI: the property test's long profile (200 random models; CI runs its short profile in
 # `make test`) and the tests marked long, each the costly form of a claim a test in CI checks

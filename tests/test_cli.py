@@ -85,6 +85,7 @@ def test_train_logs_checkpoints_and_resumes(tmp_path, capsys):
     assert [r["step"] for r in log if "loss" in r][-5:] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.ptxas   # make test-torch211 (CI) runs it under the GPU machines' Triton
 def test_kernels_compile_for_sm80_at_the_configs_shapes(capsys):
     """Each kernel compiled as a GPU launch starts it: attention's three kernels each at its
     role's first tile candidate for the arch (its warps, bf16 dots), with its own grid."""

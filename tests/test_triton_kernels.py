@@ -350,6 +350,7 @@ def compiled_sm90():
     return dict(zip(COMPILED, tt.compile_many([(s, 90) for s in specs])))
 
 
+@pytest.mark.ptxas   # make test-torch211 (CI) runs it under the GPU machines' Triton
 @pytest.mark.parametrize("fam", list(COMPILED))
 def test_compiles_for_sm90(fam, compiled_sm90):
     res = compiled_sm90[fam]
