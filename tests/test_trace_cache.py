@@ -129,3 +129,21 @@ def test_chunk_backward_costs_are_simulated_once_per_process(monkeypatch):
     assert {t for _, t, _ in again} == set(ops_run) and not runs, (again, len(runs))
     monkeypatch.setattr(cost, "_SAMPLES", type(cost._SAMPLES)())
     assert costs(128) == again and runs
+
+
+def test_the_memory_models_trace_builds_no_recompute_chain(graph, monkeypatch):
+    """A KV cache's tensors and the logits are returned detached, recomputed from the graph's inputs
+    when read (rewrite/lazy_outputs.py): the lowering builds each one's chain module, the memory
+    model's trace reads only the split graph and builds none (a chain of a KV output reaches back
+    to the inputs: 2 x layers modules, a quadratic cost in depth, per candidate traced)."""
+    from tailorfx.rewrite import lazy_outputs
+    full, light = lazy_outputs.split_lazy_outputs(graph), lazy_outputs.split_lazy_outputs(graph, chains=False)
+    assert len(full.lazy) >= 3 and all(isinstance(lz.chain, torch.fx.GraphModule) for lz in full.lazy)
+    assert all(lz.chain is None for lz in light.lazy) and light.gm.code == full.gm.code
+    assert [(lz.index, lz.anchor_index, lz.input_indices) for lz in light.lazy] == \
+        [(lz.index, lz.anchor_index, lz.input_indices) for lz in full.lazy]
+    built, real = [], lazy_outputs._extract
+    monkeypatch.setattr(lazy_outputs, "_extract", lambda *a, **kw: built.append(a[4] if len(a) > 4 else
+                                                                              kw.get("build", True)) or real(*a, **kw))
+    memory.trace_step(graph, None, "default", None)
+    assert built and not any(built), built

@@ -44,7 +44,7 @@ class LazyOutput:
     """One output returned detached: `chain(anchor, *graph inputs)` recomputes it."""
     index: int                       # position among the graph's outputs
     anchor_index: Optional[int]      # position of the chain's input among the split graph's outputs
-    chain: fx.GraphModule            # ([anchor,] *inputs) -> the output
+    chain: Optional[fx.GraphModule]  # ([anchor,] *inputs) -> the output (None: not built, split_lazy_outputs)
     input_indices: tuple[int, ...]   # placeholder positions of the chain's other inputs
 
 
@@ -122,9 +122,11 @@ def _prefix_chain(out: fx.Node) -> Optional[list[fx.Node]]:
 
 
 
-def _extract(gm: fx.GraphModule, anchor: Optional[fx.Node], members: list[fx.Node], out: fx.Node):
-    """The chain as its own GraphModule ([anchor,] *graph inputs) -> out; None if it reads a value
-    other than the anchor and graph inputs (with an anchor, parameters only)."""
+def _extract(gm: fx.GraphModule, anchor: Optional[fx.Node], members: list[fx.Node], out: fx.Node,
+             build: bool = True):
+    """The chain as its own GraphModule ([anchor,] *graph inputs) -> out (`build` False: None in its
+    place), with the graph inputs' positions; None if it reads a value other than the anchor and
+    graph inputs (with an anchor, parameters only)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     members = sorted(set(members), key=order.__getitem__)
     member_set = set(members)
@@ -137,6 +139,9 @@ def _extract(gm: fx.GraphModule, anchor: Optional[fx.Node], members: list[fx.Nod
                 return None
             if a not in params:
                 params.append(a)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not build:
+        return None, tuple(placeholders.index(p) for p in params)
     g = fx.Graph()
     env = {anchor: g.placeholder("anchor")} if anchor is not None else {}
     for i, p in enumerate(params):
@@ -144,14 +149,15 @@ def _extract(gm: fx.GraphModule, anchor: Optional[fx.Node], members: list[fx.Nod
     for n in members:
         env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[out])
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     sub = fx.GraphModule(gm, g)
     sub.meta = {}
     return sub, tuple(placeholders.index(p) for p in params)
 
 
-def split_lazy_outputs(gm: fx.GraphModule) -> Split:
-    """A copy of `gm` whose logits-like outputs are detached, or `gm` itself when none qualifies."""
+def split_lazy_outputs(gm: fx.GraphModule, chains: bool = True) -> Split:
+    """A copy of `gm` whose logits-like outputs are detached, or `gm` itself when none qualifies.
+    `chains` False: the outputs' recompute chains are not built (the memory model's trace reads only
+    the split graph; a KV cache's chains reach back to the inputs, a module each)."""
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = out_node.args[0]
     if not isinstance(outs, (tuple, list)):
@@ -164,10 +170,10 @@ def split_lazy_outputs(gm: fx.GraphModule) -> Split:
         if not (isinstance(o, fx.Node) and _requires_grad(o)) or _numel_is_one(node_value(o)):
             continue
         chain = _head_chain(o)
-        extracted = _extract(gm, chain[0], chain[1], o) if chain else None
+        extracted = _extract(gm, chain[0], chain[1], o, chains) if chain else None
         if extracted is not None:
             found.append((i, o, chain[0], *extracted))
-        elif (prefix := _prefix_chain(o)) is not None and (extracted := _extract(gm, None, prefix, o)):
+        elif (prefix := _prefix_chain(o)) is not None and (extracted := _extract(gm, None, prefix, o, chains)):
             found.append((i, o, None, *extracted))
     # a tensor subclass output (a DTensor's logits in a tensor-parallel graph traced for the memory
     # model) only when nothing else reads its chain (a loss fused from the head's input): eager
