@@ -244,8 +244,8 @@ class TrainerHooks:
         @functools.wraps(model.forward)
         def forward(*args, **kwargs):
             return run(*args, **kwargs)
-        if adapted_model(model) is not model:
-            forward.__signature__ = inspect.signature(adapted_model(model).forward)
+        if (base := adapted_model(model)) is not model:
+            forward.__signature__ = inspect.signature(base.forward)
         self.__dict__["forward"] = forward
 
     def _watch_trainers(self) -> None:

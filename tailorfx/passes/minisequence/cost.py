@@ -202,8 +202,11 @@ def _kept(base: Optional[Hashable], vals: list, shape: Callable, held: Callable[
     if base is None:
         return held
 
+    # the samples run on CPU fake tensors: CPU autocast, if a caller has it on, changes their dtypes
+    amp = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+
     def sample(n: int) -> int:
-        key = (base, n, tuple((tuple(shape(v, n)), str(v.dtype), v.requires_grad) for v in vals))
+        key = (base, amp, n, tuple((tuple(shape(v, n)), str(v.dtype), v.requires_grad) for v in vals))
         if key in _SAMPLES:
             _SAMPLES.move_to_end(key)
             return _SAMPLES[key]
