@@ -79,7 +79,7 @@ def cached_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, ctx: P
 
 
 def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
-                             tokens: int, skey: Optional[str] = None) -> Optional[Lines]:
+                             tokens: int, skey: str) -> Optional[Lines]:
     """The bytes one chunk holds in backward, as lines (_cost_lines): the runtime's own chunk
     backward (ops.region_chunk_grads: the chunk's contiguous copies, the recompute, what eager
     autograd saves, the grads) run on fake tensors under memory.LiveBytes, at the captured length
@@ -118,7 +118,7 @@ def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
             return live.peak
     tail_key = None if tail is None else (
         (structure_key(tail[0]), *tail[1:]) if isinstance(tail[0], fx.GraphModule) else False)
-    base = None if tail_key is False else ("region", skey or structure_key(sub), tail_key, seq_dim)
+    base = None if tail_key is False else ("region", skey, tail_key, seq_dim)
     return _cost_lines(_kept(base, vals, shape, held), length, tokens)
 
 
