@@ -131,19 +131,32 @@ def test_chunk_backward_costs_are_simulated_once_per_process(monkeypatch):
     assert backward_costs(128) == first and not runs, len(runs)
 
 
-def test_the_memory_models_trace_builds_no_recompute_chain(graph, monkeypatch):
+def test_a_lazy_outputs_chain_is_built_when_a_gradient_reaches_it(monkeypatch):
     """A KV cache's tensors and the logits are returned detached, recomputed from the graph's inputs
-    when read (rewrite/lazy_outputs.py): the lowering builds each one's chain module, the memory
-    model's trace reads only the split graph and builds none (a chain of a KV output reaches back
-    to the inputs: 2 x layers modules, a quadratic cost in depth, per candidate traced)."""
+    when a gradient reaches them (rewrite/lazy_outputs.py). Each chain is built then, not when the
+    graph is split: the memory model's trace of each candidate and the lowering split it, and a KV
+    output's chain reaches back to the inputs (2 x layers modules, a quadratic cost in depth). Built
+    at the first backward through a layer's keys, it gives eager's gradients."""
     from tailorfx.rewrite import lazy_outputs
-    full, light = lazy_outputs.split_lazy_outputs(graph), lazy_outputs.split_lazy_outputs(graph, chains=False)
-    assert len(full.lazy) >= 3 and all(isinstance(lz.chain, torch.fx.GraphModule) for lz in full.lazy)
-    assert all(lz.chain is None for lz in light.lazy) and light.gm.code == full.gm.code
-    assert [(lz.index, lz.anchor_index, lz.input_indices) for lz in light.lazy] == \
-        [(lz.index, lz.anchor_index, lz.input_indices) for lz in full.lazy]
-    built, real = [], lazy_outputs._extract
-    monkeypatch.setattr(lazy_outputs, "_extract", lambda *a, **kw: built.append(a[4] if len(a) > 4 else
-                                                                              kw.get("build", True)) or real(*a, **kw))
-    memory.trace_step(graph, None, "default", None)
-    assert built and not any(built), built
+    from tailorfx.runtime.lazy_grad import _LazyVJP
+    built, real = [], lazy_outputs._build
+    monkeypatch.setattr(lazy_outputs, "_build", lambda *a: built.append(a[-1].name) or real(*a))
+    model = hf_family("llama", num_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                      num_key_value_heads=2, vocab_size=VOCAB)
+    ref = copy.deepcopy(model)
+    inputs = _inputs(32)
+    opt = tailorfx.optimize(model, passes=["minisequence"], example_inputs=inputs)
+    out = opt(**inputs)
+    assert out.past_key_values.layers[1].keys.grad_fn.name() == _LazyVJP.__name__ + "Backward"
+    out.loss.backward()
+    assert not built, built
+
+    def through_keys(o):
+        return o.loss + o.past_key_values.layers[1].keys.square().mean()
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+    through_keys(opt(**inputs)).backward()
+    through_keys(ref(**inputs)).backward()
+    assert len(built) == 1, built
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

@@ -39,12 +39,37 @@ _MAX_CHAIN = 12
 META = "tailorfx_lazy_output"
 
 
+class Chain:
+    """([anchor,] *graph inputs) -> a lazy output: the graph's nodes that compute it, made into a
+    GraphModule the first time it runs (a gradient reached the output). A KV cache's chain reaches
+    back to the inputs: built up front, 2 x layers modules of O(layers) nodes each, that training
+    rarely runs, were most of a deep model's lowering."""
+
+    def __init__(self, gm: fx.GraphModule, anchor: Optional[fx.Node], params: list[fx.Node],
+                 members: list[fx.Node], out: fx.Node):
+        self._source = (gm, anchor, params, members, out)
+        self._module: Optional[fx.GraphModule] = None
+
+    @property
+    def built(self) -> bool:
+        return self._module is not None
+
+    @property
+    def module(self) -> fx.GraphModule:
+        if self._module is None:
+            self._module = _build(*self._source)
+        return self._module
+
+    def __call__(self, *args):
+        return self.module(*args)
+
+
 @dataclass(frozen=True)
 class LazyOutput:
     """One output returned detached: `chain(anchor, *graph inputs)` recomputes it."""
     index: int                       # position among the graph's outputs
     anchor_index: Optional[int]      # position of the chain's input among the split graph's outputs
-    chain: Optional[fx.GraphModule]  # ([anchor,] *inputs) -> the output (None: not built, split_lazy_outputs)
+    chain: Chain                     # ([anchor,] *inputs) -> the output
     input_indices: tuple[int, ...]   # placeholder positions of the chain's other inputs
 
 
@@ -122,11 +147,10 @@ def _prefix_chain(out: fx.Node) -> Optional[list[fx.Node]]:
 
 
 
-def _extract(gm: fx.GraphModule, anchor: Optional[fx.Node], members: list[fx.Node], out: fx.Node,
-             build: bool = True):
-    """The chain as its own GraphModule ([anchor,] *graph inputs) -> out (`build` False: None in its
-    place), with the graph inputs' positions; None if it reads a value other than the anchor and
-    graph inputs (with an anchor, parameters only)."""
+def _extract(gm: fx.GraphModule, anchor: Optional[fx.Node], members: list[fx.Node], out: fx.Node):
+    """The chain ([anchor,] *graph inputs) -> out, built when first run, with the graph inputs'
+    positions; None if it reads a value other than the anchor and graph inputs (with an anchor,
+    parameters only)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     members = sorted(set(members), key=order.__getitem__)
     member_set = set(members)
@@ -140,8 +164,16 @@ def _extract(gm: fx.GraphModule, anchor: Optional[fx.Node], members: list[fx.Nod
             if a not in params:
                 params.append(a)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if not build:
-        return None, tuple(placeholders.index(p) for p in params)
+    return Chain(gm, anchor, params, members, out), tuple(placeholders.index(p) for p in params)
+
+
+def _build(gm: fx.GraphModule, anchor: Optional[fx.Node], params: list[fx.Node], members: list[fx.Node],
+           out: fx.Node) -> fx.GraphModule:
+    """A Chain's module, copied from `gm`'s nodes (the lowering compiles a copy of `gm`: these stay)."""
+    alive = set(gm.graph.nodes)
+    if any(n not in alive for n in (*members, *params)):
+        raise RuntimeError(f"the graph of the lazy output {out.name} changed after it was split: its chain "
+                           "cannot be rebuilt (split_lazy_outputs must see the graph that is lowered)")
     g = fx.Graph()
     env = {anchor: g.placeholder("anchor")} if anchor is not None else {}
     for i, p in enumerate(params):
@@ -151,13 +183,12 @@ def _extract(gm: fx.GraphModule, anchor: Optional[fx.Node], members: list[fx.Nod
     g.output(env[out])
     sub = fx.GraphModule(gm, g)
     sub.meta = {}
-    return sub, tuple(placeholders.index(p) for p in params)
+    return sub
 
 
-def split_lazy_outputs(gm: fx.GraphModule, chains: bool = True) -> Split:
+def split_lazy_outputs(gm: fx.GraphModule) -> Split:
     """A copy of `gm` whose logits-like outputs are detached, or `gm` itself when none qualifies.
-    `chains` False: the outputs' recompute chains are not built (the memory model's trace reads only
-    the split graph; a KV cache's chains reach back to the inputs, a module each)."""
+    Their recompute chains are built when first run (Chain)."""
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = out_node.args[0]
     if not isinstance(outs, (tuple, list)):
@@ -170,10 +201,10 @@ def split_lazy_outputs(gm: fx.GraphModule, chains: bool = True) -> Split:
         if not (isinstance(o, fx.Node) and _requires_grad(o)) or _numel_is_one(node_value(o)):
             continue
         chain = _head_chain(o)
-        extracted = _extract(gm, chain[0], chain[1], o, chains) if chain else None
+        extracted = _extract(gm, chain[0], chain[1], o) if chain else None
         if extracted is not None:
             found.append((i, o, chain[0], *extracted))
-        elif (prefix := _prefix_chain(o)) is not None and (extracted := _extract(gm, None, prefix, o, chains)):
+        elif (prefix := _prefix_chain(o)) is not None and (extracted := _extract(gm, None, prefix, o)):
             found.append((i, o, None, *extracted))
     # a tensor subclass output (a DTensor's logits in a tensor-parallel graph traced for the memory
     # model) only when nothing else reads its chain (a loss fused from the head's input): eager

@@ -96,7 +96,7 @@ def trace_step(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None,
     lowering does (rewrite/lazy_outputs.py). Dropouts that return their input are left out: eager
     runs them as no-ops and the single-device backend strips them before lowering.
     """
-    split = split_lazy_outputs(without_identity_dropout(gm), chains=False)
+    split = split_lazy_outputs(without_identity_dropout(gm))
     gm, anchors = split.gm, len(graph_outputs(split.gm)) - split.num_outputs if split.lazy else 0
     example_inputs = fake_inputs(gm) if example_inputs is None else example_inputs
     if partition == "inductor":   # Inductor's partition and schedules (its optimizer steps run from hooks)
