@@ -51,10 +51,6 @@ class Chain:
         self._module: Optional[fx.GraphModule] = None
 
     @property
-    def built(self) -> bool:
-        return self._module is not None
-
-    @property
     def module(self) -> fx.GraphModule:
         if self._module is None:
             self._module = _build(*self._source)
