@@ -2,7 +2,8 @@
 config (tailorfx/shallow.py: the planner traces the model's own step once, for the hinted plan)
 against the search over the whole graph (the same model with one extra, unused parameter, which
 the hint refuses: its config no longer builds it). One run, one process, both in turn after a
-warm-up; each chosen plan's predicted peak as the planner saw it.
+warm-up; each chosen plan's predicted peak as the planner saw it, and the AOTAutograd traces
+each made of the model's step (the lowering's included) and of the shallow capture's.
 
     python benchmarks/plan_time.py                         # Llama, 32 layers, hidden 256, 2,048 tokens
     python benchmarks/plan_time.py --layers 16 --seq 1024 --out /tmp/plan_time.json
@@ -31,6 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     import tailorfx
     from models import hf_family
+    from tailorfx import api, compat
     from tailorfx.planner import HEADROOM
     torch.set_num_threads(1)
     base = hf_family("llama", num_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
@@ -42,19 +44,38 @@ def main() -> None:
     budget = int(0.98 * sel.predict_memory(args.seq).peak_bytes / (1 - HEADROOM))   # the ladder's rungs: over selective
     warm = time.perf_counter() - t
     rows = {}
+    traces = {"model": 0, "shallow": 0}
+    inside = []
+    real_aot, real_hint = compat.aot_module_simplified, api.shallow_hint
+
+    def counted_aot(*a, **kw):
+        traces["shallow" if inside else "model"] += 1
+        return real_aot(*a, **kw)
+
+    def timed_hint(*a, **kw):
+        inside.append(time.perf_counter())
+        try:
+            return real_hint(*a, **kw)
+        finally:
+            traces["shallow_s"] = time.perf_counter() - inside.pop()
+    compat.aot_module_simplified, api.shallow_hint = counted_aot, timed_hint
     for name in ("shallow hint", "whole search"):
         m = copy.deepcopy(base)
         if name == "whole search":
             m.register_parameter("unused", torch.nn.Parameter(torch.zeros(1)))
+        traces.update(model=0, shallow=0, shallow_s=0.0)
         t = time.perf_counter()
         opt = tailorfx.optimize(m, budget=budget, optimizer=None, example_inputs=inputs)
         seconds = time.perf_counter() - t
         plan = opt.plan[0]
-        rows[name] = {"seconds": round(seconds, 1), "chosen": plan.chosen.label, "reason": plan.reason,
-                      "candidates_traced_on_the_model": 1 + len(plan.runners_up),
+        rows[name] = {"seconds": round(seconds, 1), "shallow_capture_s": round(traces["shallow_s"], 1),
+                      "chosen": plan.chosen.label, "reason": plan.reason,
+                      "traces_of_the_model": traces["model"], "traces_of_the_shallow_capture": traces["shallow"],
                       "predicted_peak": plan.chosen.peak}
-        print(f"{name:>13}: {seconds:7.1f} s, {rows[name]['candidates_traced_on_the_model']:2d} candidates on the "
-              f"model's graph, chosen: {plan.chosen.label}", flush=True)
+        print(f"{name:>13}: {seconds:7.1f} s ({traces['shallow_s']:.1f} s in the shallow capture), "
+              f"{traces['model']:2d} traces of the model's step, {traces['shallow']:2d} of the shallow capture's, "
+              f"chosen: {plan.chosen.label}", flush=True)
+    compat.aot_module_simplified, api.shallow_hint = real_aot, real_hint
     same = rows["shallow hint"]["chosen"] == rows["whole search"]["chosen"]
     print(f"same plan: {same}; the hint's planning took {rows['shallow hint']['seconds'] / rows['whole search']['seconds']:.2f}x "
           f"the whole search's")

@@ -11,7 +11,7 @@ import torch.nn as nn
 from tailorfx.backend import GraphRecord, Session, StepObservation
 from tailorfx.options import Options, batch_of, check_flag, check_passes, pass_options, split_examples
 from tailorfx import planner
-from tailorfx.budget import Budget, format_bytes
+from tailorfx.budget import Budget, format_bytes, longest_fitting
 from tailorfx.errors import BudgetError, PredictionError
 from tailorfx.parallel import ParallelSpec
 from tailorfx.parallel.entry import parallel_plan
@@ -247,7 +247,7 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         longest = None
         if self.budget is not None:
             usable = planner.usable(self.budget.bytes, self.setup.headroom)
-            longest = planner.longest_fitting(lambda n: at(n).peak_bytes, usable, 1 << 24, 128)
+            longest = longest_fitting(lambda n: at(n).peak_bytes, usable, 1 << 24, 128)
         return at(self.session.seq_len), longest
 
     @property

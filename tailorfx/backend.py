@@ -121,8 +121,14 @@ class TailorBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         pin_to_model(gm, example_inputs)   # may ask Dynamo to trace again (symbolic length, constant floats)
-        idx = len(self.session.graphs)
         strip_identity_dropout(gm)
+        return self._compile(gm, example_inputs, hinted=True)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list, hinted: bool) -> Callable:
+        """Plan, rewrite and lower gm. `hinted`: a shallow capture's plan (planner.hinted_plan) is
+        taken unsearched and checked on the lowering's trace; if it does not fit, gm is compiled again
+        with the planner's search."""
+        idx = len(self.session.graphs)
         seq = seq_info(gm, self.session.seq_len)
         lowering = lowering_mod.resolve_lowering(self.options.lowering, example_inputs)
         with stage(f"graph {idx}: finding regions"):
@@ -130,7 +136,7 @@ class TailorBackend:
         notes: list[str] = []
         try:
             ctx = PassContext(regions, seq, {}, idx)   # shared by the plans tried and the one run
-            plan = self._plan(gm, ctx, lowering)
+            plan, warning = self._plan(gm, ctx, lowering, hinted)
             if plan.options.get("depth") is not None:   # a shallow capture: the chosen plan's repeats
                 seq = replace(seq, depth=plan.options["depth"])
                 ctx = replace(ctx, seq=seq)
@@ -147,34 +153,45 @@ class TailorBackend:
         except Exception as e:   # an unsupported graph: run it as captured, and say why
             return self._run_as_captured(gm, regions, seq, idx, e, lowering)
         setup = plan.options.get("setup")
-        lowering = lowering_mod.settle(lowering, any(r.changed for r in records),
-                                       setup is not None and setup.optimizer_in_backward)
-        rec = GraphRecord(idx, gm, rewritten, regions, seq, plan, records, lowering, notes, *peaks,
+        settled = lowering_mod.settle(lowering, any(r.changed for r in records),
+                                      setup is not None and setup.optimizer_in_backward)
+        rec = GraphRecord(idx, gm, rewritten, regions, seq, plan, records, settled, notes, *peaks,
                           single_document=_single_document(gm, example_inputs))
         self.session.graphs.append(rec)
+        inputs_before = len(self.session.graph_inputs)
         try:
             lowered = self._lower(rec, example_inputs)
+            if plan.chosen is not None and plan.chosen.fits is None:   # the hint, predicted on what was lowered
+                rec.plan = planner.check_hinted(plan, rewritten, seq, lowering)
         except ValueError:
             raise
         except Exception as e:   # the rewritten graph cannot be traced or compiled: run it as captured
             self.session.graphs.pop()
-            return self._run_as_captured(gm, regions, seq, idx, e, lowering)
+            return self._run_as_captured(gm, regions, seq, idx, e, settled)
+        if rec.plan is None:   # the hint does not fit this graph: search
+            del self.session.graphs[idx:], self.session.graph_inputs[inputs_before:]
+            return self._compile(gm, example_inputs, hinted=False)
+        if warning:
+            self.session.warnings.append(warning)
+            warnings.warn(warning)
         return self._observed(idx, lowered)
 
-    def _plan(self, gm: fx.GraphModule, ctx: PassContext, lowering: str) -> planner.Plan:
+    def _plan(self, gm: fx.GraphModule, ctx: PassContext, lowering: str,
+              hinted: bool) -> tuple[planner.Plan, Optional[str]]:
         """The passes the user named, else the planner's default, searched against the budget
         when there is one (Dynamo guards on grad mode and module.training, so each mode gets its
-        own graph and plan)."""
+        own graph and plan); under the eager lowering, a shallow capture's plan if `hinted`. With
+        the warning that the plan fits only with the optimizer step in backward, if it does."""
         opts = {**self.options.options_dict(),
                 "training": torch.is_grad_enabled() and self.session.training is not False, "lowering": lowering}
         plan = planner.choose(self.options.passes, ctx.regions, opts)
         if not (opts.get("budget_bytes") and self.options.passes is None):
-            return plan
-        plan, warning = planner.plan_for_budget(gm, ctx, plan, lowering, self.options.verify)
-        if warning:
-            self.session.warnings.append(warning)
-            warnings.warn(warning)
-        return plan
+            return plan, None
+        if hinted and lowering == "eager" and (unchecked := planner.hinted_plan(gm, ctx, plan)) is not None:
+            return unchecked
+        if not hinted:   # the hint did not fit this graph
+            plan = replace(plan, options={k: v for k, v in plan.options.items() if k != "plan_hint"})
+        return planner.plan_for_budget(gm, ctx, plan, lowering, self.options.verify)
 
     def _predictor(self, seq: SeqInfo, lowering: str, plan: planner.Plan) -> Optional[Callable[[fx.GraphModule], int]]:
         """Each pass's predicted peak, for the report (off with predict=False)."""

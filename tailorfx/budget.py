@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
+
+from tailorfx.progress import progress
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -137,3 +139,25 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def longest_fitting(peak: Callable[[int], int], usable: float, limit: int, granularity: int) -> int:
+    """The longest length whose predicted peak fits `usable` (peak grows with length): doubling
+    from 1024, then bisection to `granularity` tokens; `limit` caps the search."""
+    with progress(desc="longest sequence that fits", unit="length") as bar:
+        def fits(n: int) -> bool:
+            bar.set_postfix_str(f"{n} tokens", refresh=False)
+            ok = peak(n) <= usable
+            bar.update(1)
+            return ok
+        lo, hi = 1, 1024
+        while hi <= limit and fits(hi):
+            lo, hi = hi, hi * 2
+        if hi > limit:
+            return lo
+        while hi - lo > granularity:
+            mid = (lo + hi) // 2 // granularity * granularity or granularity
+            if mid <= lo:
+                break
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

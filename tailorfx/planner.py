@@ -16,12 +16,12 @@ import torch.fx as fx
 
 from tailorfx import passes as pass_registry
 from tailorfx.attention import Exact
-from tailorfx.budget import Budget, format_bytes
+from tailorfx.budget import format_bytes
 from tailorfx.errors import BudgetError
 from tailorfx.codegen.lower import partition_for
 from tailorfx.passes.attention import grouped_query
 from tailorfx.progress import progress
-from tailorfx.rewrite import cost, memory, trace
+from tailorfx.rewrite import cost, memory
 from tailorfx.rewrite.capture import SeqInfo, node_value
 from tailorfx.rewrite.trace_cache import traced_step
 from tailorfx.rewrite.passes import PassContext
@@ -290,6 +290,19 @@ def plans_for_cpu(device: torch.device, setup: Optional[TrainingSetup]) -> bool:
     return torch.device(device).type == "cpu" and (setup is None or setup.device is None)
 
 
+def _candidates(gm: fx.GraphModule, ctx: PassContext, base: Plan) -> tuple[list[Candidate], bool]:
+    """The budget's candidates for gm, and whether they are planned for the CPU (plans_for_cpu)."""
+    cpu = plans_for_cpu(graph_device(gm), base.options.get("setup"))
+    depth = ctx.seq.depth   # a shallow capture standing for a deeper model (rewrite/depth.py): its blocks are counted
+    blocks = depth.layers if depth is not None else len(ctx.regions.of_kind("block"))
+    return budget_candidates(base, blocks, bool(ctx.regions.of_kind("lm_head_loss")), cpu=cpu), cpu
+
+
+def _fused_reason(label: str, note: str) -> str:
+    return (f"fits budget {label} only with the optimizer step in backward: train with "
+            f"tailorfx.SetupOptimizer(model.parameters(), opt.setup){note}")
+
+
 def plan_for_budget(gm: fx.GraphModule, ctx: PassContext, base: Plan, lowering: str,
                     verify: bool = True) -> tuple[Plan, Optional[str]]:
     """Search plans against the budget at the captured length (see search). When no plan fits
@@ -298,10 +311,7 @@ def plan_for_budget(gm: fx.GraphModule, ctx: PassContext, base: Plan, lowering: 
     opts = base.options
     setup = opts.get("setup")
     label = opts.get("budget_label", "")
-    cpu = plans_for_cpu(graph_device(gm), setup)
-    depth = ctx.seq.depth   # a shallow capture standing for a deeper model (rewrite/depth.py): its blocks are counted
-    blocks = depth.layers if depth is not None else len(ctx.regions.of_kind("block"))
-    cands = budget_candidates(base, blocks, bool(ctx.regions.of_kind("lm_head_loss")), cpu=cpu)
+    cands, cpu = _candidates(gm, ctx, base)
     rewritten: dict = {}      # candidate -> its rewritten graph: the second search predicts the same graphs
     hint = opts.get("plan_hint")   # shallow.py: the plan a shallow capture of the config chose, tried first
     if not (hint and hint.fused):   # else that search found none without the optimizer step in backward
@@ -313,9 +323,63 @@ def plan_for_budget(gm: fx.GraphModule, ctx: PassContext, base: Plan, lowering: 
                 raise
     fused = setup.with_(optimizer_in_backward=True, name=f"{setup.name} + optimizer in backward")
     chosen, o, others, est = _search_setup(gm, ctx, cands, opts, fused, lowering, verify, rewritten, cpu)   # raises if none fits
-    reason = (f"fits budget {label} only with the optimizer step in backward: train with "
-              f"tailorfx.SetupOptimizer(model.parameters(), opt.setup){hint.note(chosen, others) if hint else ''}")
+    reason = _fused_reason(label, hint.note(chosen, others) if hint else "")
     return Plan(chosen.passes, o, reason, chosen, tuple(others), est), f"graph {ctx.graph_index}: {reason}"
+
+
+def hinted_plan(gm: fx.GraphModule, ctx: PassContext, base: Plan) -> Optional[tuple[Plan, Optional[str]]]:
+    """The plan a shallow capture of the model's config chose (options["plan_hint"], shallow.py;
+    its CPU variant where it took that), as plan_for_budget would return it, but not yet predicted on
+    this graph (`chosen.fits` None): check_hinted predicts it on the lowering's own trace, so a deep
+    graph is traced once, not once to plan and again to lower. None without a hint naming a candidate."""
+    opts = base.options
+    hint = opts.get("plan_hint")
+    if hint is None or not opts.get("budget_bytes"):
+        return None
+    cands, cpu = _candidates(gm, ctx, base)
+    c = next((c for c in cands if c.label == hint.label), None)
+    if c is None:
+        return None
+    if hint.variant and cpu and grouped_query(gm, ctx):
+        c = repeat_kv_variant(c, opts) or c
+    setup, label, note = opts.get("setup"), opts.get("budget_label", ""), hint.note(c, [])
+    if hint.fused:
+        setup = setup.with_(optimizer_in_backward=True, name=f"{setup.name} + optimizer in backward")
+        reason = _fused_reason(label, note)
+        return Plan(c.passes, _resolved(c, opts, ctx, setup)[0], reason, c), f"graph {ctx.graph_index}: {reason}"
+    return Plan(c.passes, _resolved(c, opts, ctx, setup)[0], f"fits budget {label}{note}", c), None
+
+
+def check_hinted(plan: Plan, g: fx.GraphModule, seq: SeqInfo, lowering: str) -> Optional[Plan]:
+    """A hinted_plan predicted on `g`, the graph it rewrote (at `seq`, its depth the plan's), as the
+    search predicts a candidate (the lowering's trace of `g` serves, not a second one): the plan with
+    its peak, recompute and estimate if it fits the budget, else None (search without the hint)."""
+    setup = plan.options.get("setup")
+    chosen, est = _predicted(plan.chosen, g, seq, lowering, setup, plan.options["budget_bytes"],
+                             setup.headroom if setup else 0.0)
+    return replace(plan, chosen=chosen, estimate=est) if chosen.fits else None
+
+
+def _resolved(c: Candidate, opts: dict, ctx: PassContext, setup) -> tuple[dict, SeqInfo]:
+    """A candidate's pass options and the SeqInfo its graph is predicted at: under a shallow capture
+    standing for a deeper model, the real model's first k blocks recomputed become the captured
+    blocks that stand for them (rewrite/depth.py)."""
+    options, seq = dict(c.options), ctx.seq
+    if seq.depth is not None:
+        k, d = seq.depth.for_recompute(options.get("recompute_blocks"))
+        seq = replace(seq, depth=d)
+        if "recompute_blocks" in options:
+            options["recompute_blocks"] = k
+    return {**opts, **options, "setup": setup, "depth": seq.depth}, seq
+
+
+def _predicted(c: Candidate, g: fx.GraphModule, seq: SeqInfo, lowering: str, setup, budget: int,
+               headroom: float) -> tuple[Candidate, memory.MemoryEstimate]:
+    """`c` with the peak the memory model predicts for its rewritten graph `g` and the FLOPs it recomputes."""
+    est = predict_graphs([(g, lowering, None)], [seq], setup=setup, captured=True)
+    flops = cost.recompute_flops(g, memory.Sizer(seq, seq.length or None).as_int,
+                                 seq.depth.weight if seq.depth is not None else None)
+    return with_result(c, est.peak_bytes, flops, budget, headroom), est
 
 
 def _search_setup(gm, ctx: PassContext, cands: list[Candidate], opts: dict, setup, lowering: str, verify: bool,
@@ -325,23 +389,14 @@ def _search_setup(gm, ctx: PassContext, cands: list[Candidate], opts: dict, setu
     trace). On the CPU the chosen plan is then tried with GQA's backward on repeated k, v."""
     budget = opts["budget_bytes"]
     headroom = setup.headroom if setup else 0.0
-    as_int = memory.Sizer(ctx.seq, ctx.seq.length or None).as_int
 
     def evaluate(c: Candidate):
-        options, seq = dict(c.options), ctx.seq
-        if seq.depth is not None:   # the real model's first k blocks recomputed: the captured ones that stand for them
-            k, d = seq.depth.for_recompute(options.get("recompute_blocks"))
-            seq = replace(seq, depth=d)
-            if "recompute_blocks" in options:
-                options["recompute_blocks"] = k
-        o = {**opts, **options, "setup": setup, "depth": seq.depth}
-        key = (c.passes, tuple(options.items()))
+        o, seq = _resolved(c, opts, ctx, setup)
+        key = (c.passes, tuple((k, o[k]) for k in dict(c.options)))
         if key not in rewritten:
             rewritten[key] = run_plan(Plan(c.passes, o), gm, replace(ctx, options=o, seq=seq), verify)[0]
-        g = rewritten[key]
-        est = predict_graphs([(g, lowering, None)], [seq], setup=setup, captured=True)
-        flops = cost.recompute_flops(g, as_int, seq.depth.weight if seq.depth is not None else None)
-        return with_result(c, est.peak_bytes, flops, budget, headroom), (est, o)
+        c, est = _predicted(c, rewritten[key], seq, lowering, setup, budget, headroom)
+        return c, (est, o)
 
     chosen, (est, o), others = search(cands, evaluate, budget, opts.get("budget_label", ""),
                                       lambda payload: payload[0].breakdown(), headroom,
@@ -367,49 +422,3 @@ def repeat_kv_variant(c: Candidate, opts: dict) -> Optional[Candidate]:
         ("attention", Exact(backward_blocks=blocks, repeat_kv=True)),)
     return replace(c, label=f"{c.label} + attention backward on repeated k, v", options=options,
                    peak=None, added_flops=None, fits=None)
-
-
-# ---- the longest sequence under a budget --------------------------------------------------------
-def longest_fitting(peak: Callable[[int], int], usable: float, limit: int, granularity: int) -> int:
-    """The longest length whose predicted peak fits `usable` (peak grows with length): doubling
-    from 1024, then bisection to `granularity` tokens; `limit` caps the search."""
-    with progress(desc="longest sequence that fits", unit="length") as bar:
-        def fits(n: int) -> bool:
-            bar.set_postfix_str(f"{n} tokens", refresh=False)
-            ok = peak(n) <= usable
-            bar.update(1)
-            return ok
-        lo, hi = 1, 1024
-        while hi <= limit and fits(hi):
-            lo, hi = hi, hi * 2
-        if hi > limit:
-            return lo
-        while hi - lo > granularity:
-            mid = (lo + hi) // 2 // granularity * granularity or granularity
-            if mid <= lo:
-                break
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
-def check_static(trained: int, other: int, s: TrainingSetup, b: Budget, usable_bytes: float) -> None:
-    """BudgetError when weights, master weights, optimizer state and gradients alone overflow
-    (`trained` trainable parameters, `other` bytes of buffers and frozen weights), naming the
-    presets whose static part would fit."""
-    static = s.static_bytes(trained) + other
-    if static <= usable_bytes:
-        return
-    from tailorfx.setup import PRESETS
-    held_grads = 0 if s.optimizer_in_backward or s.optimizer is None else trained * s.grads.itemsize
-    parts = {"weights": trained * s.param_dtype.itemsize + other, "master weights": s.master_bytes(trained),
-             "optimizer state": s.state_bytes(trained), "gradients": held_grads}
-    fits = [f"{name} ({format_bytes(p.static_bytes(trained) + other)})" for name, p in PRESETS.items()
-            if p.static_bytes(trained) + other <= usable_bytes]
-    raise BudgetError(
-        f"the static part alone does not fit {b} less {HEADROOM:.0%} headroom for prediction error"
-        + (f" and {s.headroom:.0%} allocator headroom" if s.headroom else "")
-        + f": {s.describe()} needs {format_bytes(static)} before any activation ("
-        + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v) + "). "
-        + (f"Setups whose static part fits: {', '.join(fits)}." if fits else
-           "No preset fits either: use 8-bit AdamW (TrainingSetup(optimizer='adamw8bit')), shard the "
-           "model over devices, or a larger device."), static, "static")

@@ -62,10 +62,12 @@ def parameter_count(opt: Any) -> int:
 
 class Hint(NamedTuple):
     """The plan a shallow capture chose: its candidate's label, whether it fits only with the
-    optimizer step in backward (planner.plan_for_budget), and "captured of real" blocks."""
+    optimizer step in backward (planner.plan_for_budget), "captured of real" blocks, and whether
+    the plan was the candidate's CPU variant (GQA's backward on repeated k, v: planner.repeat_kv_variant)."""
     label: str
     fused: bool
     layers: str
+    variant: bool = False
 
     def note(self, chosen: Any, others: list) -> str:
         """What the plan's reason adds when the search took the hint (tried nothing else, or only
@@ -110,6 +112,6 @@ def shallow_hint(model: nn.Module, budget: Any, setup: Any, examples: tuple, opt
         return None
     plan = opt.plan[0]
     label = plan.chosen.label   # a CPU plan's variant of a candidate (GQA's backward on repeated k, v): the candidate's
-    if plan.runners_up and label.startswith(plan.runners_up[0].label + " + "):
-        label = plan.runners_up[0].label
-    return Hint(label, "optimizer step in backward" in plan.reason, f"{small[1].captured} of {small[1].layers}")
+    variant = bool(plan.runners_up) and label.startswith(plan.runners_up[0].label + " + ")
+    return Hint(plan.runners_up[0].label if variant else label, "optimizer step in backward" in plan.reason,
+                f"{small[1].captured} of {small[1].layers}", variant)

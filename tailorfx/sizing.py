@@ -12,13 +12,13 @@ import torch.nn as nn
 from tailorfx import planner
 from tailorfx.api import OptimizedModule, optimize
 from tailorfx.attention import Exact
-from tailorfx.budget import Budget, format_bytes
+from tailorfx.budget import Budget, format_bytes, longest_fitting
 from tailorfx.errors import BudgetError, PredictionError
 from tailorfx.options import check_passes, positive_int
 from tailorfx.progress import stage
 from tailorfx.rewrite import bound, depth, memory
 from tailorfx.runtime.accumulation import model_device
-from tailorfx.setup import TrainingSetup, with_device_costs
+from tailorfx.setup import PRESETS, TrainingSetup, with_device_costs
 from tailorfx.setup import resolve as resolve_setup
 from tailorfx.shallow import capture_step, parameter_count, prediction_model as _prediction_model
 
@@ -135,7 +135,7 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
     if not fits:
         raise BudgetError(f"even one token does not fit {b} under {s.describe()}: the step peaks at "
                           f"{format_bytes(one)} ({_parts(opt.predict_memory(1))}){also}", one, "activations")
-    return max(planner.longest_fitting(f, usable, limit, granularity) for f in fits)
+    return max(longest_fitting(f, usable, limit, granularity) for f in fits)
 
 
 def _parts(est: memory.MemoryEstimate) -> str:
@@ -153,7 +153,7 @@ def _check_static(model: nn.Module, s: TrainingSetup, b: Budget, usable: float,
         nbytes, period_trained = depth.period_sizes(d)
         trained += d.repeats * sum(n for n, _ in period_trained)
         other += d.repeats * (nbytes - sum(n * dt.itemsize for n, dt in period_trained))
-    planner.check_static(trained, other, s, b, usable)
+    check_static(trained, other, s, b, usable)
 
 
 @_shallow_first
@@ -190,5 +190,27 @@ def sequence_bound(model_or_config: Any, budget: Union[str, int, Budget, None], 
         raise PredictionError("sequence_bound needs a model with transformer blocks captured with a symbolic length")
     if seq_len is not None:
         return at(seq_len)
-    S = planner.longest_fitting(lambda n: at(n).peak_bytes, usable, limit, granularity)
+    S = longest_fitting(lambda n: at(n).peak_bytes, usable, limit, granularity)
     return at(S)
+
+
+def check_static(trained: int, other: int, s: TrainingSetup, b: Budget, usable_bytes: float) -> None:
+    """BudgetError when weights, master weights, optimizer state and gradients alone overflow
+    (`trained` trainable parameters, `other` bytes of buffers and frozen weights), naming the
+    presets whose static part would fit."""
+    static = s.static_bytes(trained) + other
+    if static <= usable_bytes:
+        return
+    held_grads = 0 if s.optimizer_in_backward or s.optimizer is None else trained * s.grads.itemsize
+    parts = {"weights": trained * s.param_dtype.itemsize + other, "master weights": s.master_bytes(trained),
+             "optimizer state": s.state_bytes(trained), "gradients": held_grads}
+    fits = [f"{name} ({format_bytes(p.static_bytes(trained) + other)})" for name, p in PRESETS.items()
+            if p.static_bytes(trained) + other <= usable_bytes]
+    raise BudgetError(
+        f"the static part alone does not fit {b} less {planner.HEADROOM:.0%} headroom for prediction error"
+        + (f" and {s.headroom:.0%} allocator headroom" if s.headroom else "")
+        + f": {s.describe()} needs {format_bytes(static)} before any activation ("
+        + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v) + "). "
+        + (f"Setups whose static part fits: {', '.join(fits)}." if fits else
+           "No preset fits either: use 8-bit AdamW (TrainingSetup(optimizer='adamw8bit')), shard the "
+           "model over devices, or a larger device."), static, "static")

@@ -166,3 +166,42 @@ def test_a_hint_that_does_not_fit_is_traced_once():
     chosen = search(cands, evaluate, 5, "5 B", lambda _: {"activations": 10}, hint=hint)[0]
     assert tried[0] == hint and chosen.label == cands[-1].label
     assert len(tried) == len(set(tried)) and hint in tried and len(tried) > 2
+
+
+def test_a_shallow_captures_plan_is_checked_on_the_trace_the_lowering_makes(monkeypatch):
+    """optimize(budget=) given a shallow capture's plan (shallow.py's hint; here its CPU variant,
+    GQA's backward on repeated k, v) takes it unsearched and predicts it on the trace the lowering
+    makes of the rewritten graph: one AOTAutograd trace of the step, not three (the planner's of the
+    candidate, of its variant, then the lowering's). Its predicted peak is the search's to the byte.
+    A hint over the budget on this graph is dropped: the search's plan, and one graph recorded."""
+    from models import hf_family
+    from tailorfx import api, compat
+    from tailorfx.shallow import Hint
+    base = hf_family("llama", num_layers=2, hidden_size=64, intermediate_size=172, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=512)
+    ids = torch.randint(0, 512, (1, 256), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    sel = tailorfx.optimize(copy.deepcopy(base), recompute="selective", optimizer=None, example_inputs=inputs)
+    budget = int(0.98 * sel.predict_memory(256).peak_bytes / (1 - HEADROOM))   # selective is over
+
+    def planned(hint):
+        monkeypatch.setattr(api, "shallow_hint", lambda *a, **kw: hint)
+        traces = []
+        real = compat.aot_module_simplified
+        monkeypatch.setattr(compat, "aot_module_simplified", lambda *a, **kw: traces.append(1) or real(*a, **kw))
+        opt = tailorfx.optimize(copy.deepcopy(base), budget=budget, optimizer=None, example_inputs=inputs)
+        monkeypatch.setattr(compat, "aot_module_simplified", real)
+        return opt, len(traces)
+    # before the search: its traces are kept by content (rewrite/trace_cache.py), and would serve the hint's
+    hinted, traces = planned(Hint("minisequence segments", False, "2 of 2", variant=True))
+    over, over_traces = planned(Hint("minisequence", False, "2 of 2"))
+    searched = planned(None)[0].plan[0]
+    assert searched.chosen.label == "minisequence segments + attention backward on repeated k, v", str(searched)
+    plan = hinted.plan[0]
+    assert traces == 1 and plan.chosen.label == searched.chosen.label and plan.chosen.fits, (traces, str(plan))
+    assert (plan.chosen.peak, plan.chosen.added_flops) == (searched.chosen.peak, searched.chosen.added_flops)
+    assert "chosen on a shallow capture of its config (2 of 2 blocks), checked on this graph" in plan.reason
+    plan = over.plan[0]
+    assert [c.label for c in (plan.chosen, *plan.runners_up)] == [c.label for c in (searched.chosen, *searched.runners_up)]
+    assert plan.chosen.peak == searched.chosen.peak and "shallow capture" not in plan.reason
+    assert len(over.graph_records) == 1 and over_traces > 1
