@@ -298,6 +298,11 @@ def _candidates(gm: fx.GraphModule, ctx: PassContext, base: Plan) -> tuple[list[
     return budget_candidates(base, blocks, bool(ctx.regions.of_kind("lm_head_loss")), cpu=cpu), cpu
 
 
+def in_backward(setup: TrainingSetup) -> TrainingSetup:
+    """`setup` with the optimizer step moved into backward (gradients freed as they are used)."""
+    return setup.with_(optimizer_in_backward=True, name=f"{setup.name} + optimizer in backward")
+
+
 def _fused_reason(label: str, note: str) -> str:
     return (f"fits budget {label} only with the optimizer step in backward: train with "
             f"tailorfx.SetupOptimizer(model.parameters(), opt.setup){note}")
@@ -321,7 +326,7 @@ def plan_for_budget(gm: fx.GraphModule, ctx: PassContext, base: Plan, lowering: 
         except BudgetError:
             if setup is None or setup.optimizer is None or setup.optimizer_in_backward or setup.grad_accum_steps > 1:
                 raise
-    fused = setup.with_(optimizer_in_backward=True, name=f"{setup.name} + optimizer in backward")
+    fused = in_backward(setup)
     chosen, o, others, est = _search_setup(gm, ctx, cands, opts, fused, lowering, verify, rewritten, cpu)   # raises if none fits
     reason = _fused_reason(label, hint.note(chosen, others) if hint else "")
     return Plan(chosen.passes, o, reason, chosen, tuple(others), est), f"graph {ctx.graph_index}: {reason}"
@@ -344,10 +349,11 @@ def hinted_plan(gm: fx.GraphModule, ctx: PassContext, base: Plan) -> Optional[tu
         c = repeat_kv_variant(c, opts) or c
     setup, label, note = opts.get("setup"), opts.get("budget_label", ""), hint.note(c, [])
     if hint.fused:
-        setup = setup.with_(optimizer_in_backward=True, name=f"{setup.name} + optimizer in backward")
-        reason = _fused_reason(label, note)
-        return Plan(c.passes, _resolved(c, opts, ctx, setup)[0], reason, c), f"graph {ctx.graph_index}: {reason}"
-    return Plan(c.passes, _resolved(c, opts, ctx, setup)[0], f"fits budget {label}{note}", c), None
+        setup, reason = in_backward(setup), _fused_reason(label, note)
+    else:
+        reason = f"fits budget {label}{note}"
+    return Plan(c.passes, _resolved(c, opts, ctx, setup)[0], reason, c), \
+        (f"graph {ctx.graph_index}: {reason}" if hint.fused else None)
 
 
 def check_hinted(plan: Plan, g: fx.GraphModule, seq: SeqInfo, lowering: str) -> Optional[Plan]:

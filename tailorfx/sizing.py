@@ -125,7 +125,7 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
     fits, also = [peak] if one <= usable else [], ""
     if passes is None and s.optimizer is not None and not s.optimizer_in_backward and s.grad_accum_steps == 1:
         # as the planner does when nothing else fits: the optimizer step moved into backward
-        fused = s.with_(optimizer_in_backward=True, name=f"{s.name} + optimizer in backward")
+        fused = planner.in_backward(s)
 
         def fused_peak(S: int) -> int:
             return opt.predict_memory(S, setup=fused).peak_bytes
@@ -144,8 +144,9 @@ def _parts(est: memory.MemoryEstimate) -> str:
 
 def _check_static(model: nn.Module, s: TrainingSetup, b: Budget, usable: float,
                   d: Optional[depth.Depth] = None) -> None:
-    """planner.check_static for this model's trainable parameters and other tensors (with `d`,
-    those of the whole model the shallow one stands for)."""
+    """BudgetError when weights, master weights, optimizer state and gradients alone overflow
+    `usable`, naming the presets whose static part would fit: this model's trainable parameters and
+    other tensors (with `d`, those of the whole model the shallow one stands for)."""
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     other = sum(t.numel() * t.element_size() for t in model.buffers()) + sum(
         p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
@@ -153,7 +154,22 @@ def _check_static(model: nn.Module, s: TrainingSetup, b: Budget, usable: float,
         nbytes, period_trained = depth.period_sizes(d)
         trained += d.repeats * sum(n for n, _ in period_trained)
         other += d.repeats * (nbytes - sum(n * dt.itemsize for n, dt in period_trained))
-    check_static(trained, other, s, b, usable)
+    static = s.static_bytes(trained) + other
+    if static <= usable:
+        return
+    held_grads = 0 if s.optimizer_in_backward or s.optimizer is None else trained * s.grads.itemsize
+    parts = {"weights": trained * s.param_dtype.itemsize + other, "master weights": s.master_bytes(trained),
+             "optimizer state": s.state_bytes(trained), "gradients": held_grads}
+    fits = [f"{name} ({format_bytes(p.static_bytes(trained) + other)})" for name, p in PRESETS.items()
+            if p.static_bytes(trained) + other <= usable]
+    raise BudgetError(
+        f"the static part alone does not fit {b} less {planner.HEADROOM:.0%} headroom for prediction error"
+        + (f" and {s.headroom:.0%} allocator headroom" if s.headroom else "")
+        + f": {s.describe()} needs {format_bytes(static)} before any activation ("
+        + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v) + "). "
+        + (f"Setups whose static part fits: {', '.join(fits)}." if fits else
+           "No preset fits either: use 8-bit AdamW (TrainingSetup(optimizer='adamw8bit')), shard the "
+           "model over devices, or a larger device."), static, "static")
 
 
 @_shallow_first
@@ -193,24 +209,3 @@ def sequence_bound(model_or_config: Any, budget: Union[str, int, Budget, None], 
     S = longest_fitting(lambda n: at(n).peak_bytes, usable, limit, granularity)
     return at(S)
 
-
-def check_static(trained: int, other: int, s: TrainingSetup, b: Budget, usable_bytes: float) -> None:
-    """BudgetError when weights, master weights, optimizer state and gradients alone overflow
-    (`trained` trainable parameters, `other` bytes of buffers and frozen weights), naming the
-    presets whose static part would fit."""
-    static = s.static_bytes(trained) + other
-    if static <= usable_bytes:
-        return
-    held_grads = 0 if s.optimizer_in_backward or s.optimizer is None else trained * s.grads.itemsize
-    parts = {"weights": trained * s.param_dtype.itemsize + other, "master weights": s.master_bytes(trained),
-             "optimizer state": s.state_bytes(trained), "gradients": held_grads}
-    fits = [f"{name} ({format_bytes(p.static_bytes(trained) + other)})" for name, p in PRESETS.items()
-            if p.static_bytes(trained) + other <= usable_bytes]
-    raise BudgetError(
-        f"the static part alone does not fit {b} less {planner.HEADROOM:.0%} headroom for prediction error"
-        + (f" and {s.headroom:.0%} allocator headroom" if s.headroom else "")
-        + f": {s.describe()} needs {format_bytes(static)} before any activation ("
-        + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v) + "). "
-        + (f"Setups whose static part fits: {', '.join(fits)}." if fits else
-           "No preset fits either: use 8-bit AdamW (TrainingSetup(optimizer='adamw8bit')), shard the "
-           "model over devices, or a larger device."), static, "static")
