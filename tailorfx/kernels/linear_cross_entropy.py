@@ -325,7 +325,7 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, log
     loss = loss_rows.sum()
     if denom is not None:
         loss = loss / denom
-    out_dtype = hidden.dtype if hidden.dtype == weight.dtype else torch.promote_types(hidden.dtype, weight.dtype)
+    out_dtype = loss_dtype(hidden, weight)
     if loss.dtype != out_dtype:
         loss = loss.to(out_dtype)
     if not grads:
@@ -335,6 +335,13 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, log
     if grad_b is not None and grad_b.dtype != bias.dtype:
         grad_b = grad_b.to(bias.dtype)
     return loss, grad_h, grad_w, grad_b
+
+
+def loss_dtype(hidden, weight):
+    """The fused head's loss as its math ran: fp32 (fp64 stays fp64) whatever the inputs' dtype, as
+    eager's `cross_entropy(logits.float())`; a model whose loss was 16-bit gets a cast in the graph."""
+    import torch
+    return torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32   # no ATen call
 
 
 def accumulate_weight_grad(grad_w, g, h, slab: int = 4096) -> None:

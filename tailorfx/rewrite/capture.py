@@ -102,6 +102,23 @@ def node_value(node: fx.Node) -> Any:
 _DROPOUTS = (torch.nn.functional.dropout, torch.dropout)
 
 
+def autocast_of(v: Any) -> Optional[torch.dtype]:
+    """The dtype torch.autocast casts to on the device of tensor `v`, None where it is off. A graph
+    runs under the autocast it was captured under (Dynamo guards on it), so the passes read it
+    while they rewrite: what they put in its place must cast as autocast did."""
+    if not isinstance(v, torch.Tensor) or not torch.is_autocast_enabled(v.device.type):
+        return None
+    return torch.get_autocast_dtype(v.device.type)
+
+
+def cast_value(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fake value of `v.to(dtype)` for a node a pass inserts: in v's fake mode, needing a
+    gradient where v does (what reads the graph's outputs tells a loss by it)."""
+    with v.fake_mode:
+        out = v.to(dtype)
+    return out.requires_grad_(True) if v.requires_grad and not out.requires_grad else out
+
+
 def dropout_is_identity(n: fx.Node) -> bool:
     """A dropout node (F.dropout, torch.dropout, native_dropout) with p=0 or training=False."""
     p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from tailorfx.kernels.linear_cross_entropy import accumulate_weight_grad
+from tailorfx.kernels.linear_cross_entropy import accumulate_weight_grad, loss_dtype
 from tailorfx.kernels.linear_cross_entropy import gemms_in_weight_dtype  # noqa: F401 (this module's rule too)
 
 
@@ -244,11 +244,7 @@ def lce_chunks(hidden, weight, bias, labels, ignore_index, reduction, num_chunks
     loss = total / count if reduction == "mean" else total
     grad_w = grad_w.to(weight.dtype) if need_weight else weight.new_empty(0)
     grad_b = grad_b.to(bias.dtype) if need_bias else weight.new_empty(0)
-    return loss.to(_loss_dtype(hidden, weight)), grad_h, grad_w, grad_b
-
-
-def _loss_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
-    return torch.promote_types(hidden.dtype, weight.dtype)
+    return loss.to(loss_dtype(hidden, weight)), grad_h, grad_w, grad_b
 
 
 @torch.library.custom_op("tailorfx::chunked_linear_cross_entropy", mutates_args=())
@@ -264,7 +260,7 @@ def _lce_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Te
 @_lce_loss.register_fake
 def _lce_loss_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap,
                    logit_scale, grad_weight_fp32=False):
-    return hidden.new_empty((), dtype=_loss_dtype(hidden, weight))
+    return hidden.new_empty((), dtype=loss_dtype(hidden, weight))
 
 
 @torch.library.custom_op("tailorfx::chunked_linear_cross_entropy_with_grads", mutates_args=())
@@ -282,7 +278,7 @@ def _lce_with_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labe
 @_lce_with_grads.register_fake
 def _lce_with_grads_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chunks,
                          logit_softcap, logit_scale, grad_hidden, grad_weight, grad_bias, grad_weight_fp32=False):
-    return (hidden.new_empty((), dtype=_loss_dtype(hidden, weight)),
+    return (hidden.new_empty((), dtype=loss_dtype(hidden, weight)),
             torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if grad_weight else weight.new_empty(0),
             torch.empty_like(bias) if grad_bias else weight.new_empty(0))

@@ -21,9 +21,11 @@ import torch
 from torch import Tensor
 
 from tailorfx.compat import autograd_enabled as _autograd_enabled
-from tailorfx.runtime.linear_ops import chunked_linear_cross_entropy, linear_fp32_out, linear_fp32_out_op  # noqa: F401
-from tailorfx.runtime.region_registry import (ChunkedRegion, chunked_region, function_apply,  # noqa: F401
-                                              get_region, live_region, register_region)
+from tailorfx.runtime.linear_ops import (chunked_linear_cross_entropy, linear_fp32_out, linear_fp32_out_op,  # noqa: F401
+                                         loss_dtype)
+from tailorfx.runtime.region_registry import (ChunkedRegion, chunked_region, enter_autocast,  # noqa: F401
+                                              exit_autocast, function_apply, get_region, live_region,
+                                              register_region)
 from tailorfx.runtime.chunk_memory import transient_bytes  # noqa: F401  (the memory model reads it here)
 
 __all__ = ["ChunkedRegion", "register_region", "chunked_region", "get_region", "token_chunked",
@@ -98,15 +100,22 @@ def _linear_tail_grads(tail, xs, whole, grad_out, whole_acc):
     """Grads through the region's final linear by hand; returns (a, grad_a) to backprop into pre."""
     pre, wi, bi = tail
     a = pre(*xs, *whole)
-    with torch.no_grad():
+    # autocast as the region entered it (pre did), whatever the caller's: a `pre` that ran under it
+    # made `a` in a lower precision than the fp32 weight, and the linear ran in a's dtype
+    with torch.no_grad(), torch.autocast(a.device.type, enabled=False):
         w = whole[wi]
+        low = a.dtype if a.is_floating_point() and a.dtype.itemsize < w.dtype.itemsize else None
         go2 = grad_out.reshape(-1, grad_out.shape[-1])
         if w.requires_grad:
-            acc = whole_acc[wi]
-            acc.addmm_(go2.t().to(acc.dtype), a.detach().reshape(-1, a.shape[-1]).to(acc.dtype))
+            acc, a2 = whole_acc[wi], a.detach().reshape(-1, a.shape[-1])
+            if low is None:
+                acc.addmm_(go2.t().to(acc.dtype), a2.to(acc.dtype))
+            else:   # the chunk's product in autocast's dtype, summed in the master's
+                acc.add_(go2.t().to(low) @ a2)
         if bi >= 0 and whole[bi].requires_grad:
             whole_acc[bi].add_(go2.sum(0).to(whole_acc[bi].dtype))
-        grad_a = grad_out.to(w.dtype) @ w   # an fp32 grad_out when the linear was linear_fp32_out
+        # an fp32 grad_out when the linear was linear_fp32_out
+        grad_a = grad_out.to(w.dtype) @ w if low is None else grad_out.to(low) @ w.to(low)
     return a, grad_a
 
 

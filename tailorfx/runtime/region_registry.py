@@ -15,7 +15,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-__all__ = ["ChunkedRegion", "register_region", "chunked_region", "live_region", "get_region", "function_apply"]
+__all__ = ["ChunkedRegion", "register_region", "chunked_region", "live_region", "get_region", "function_apply",
+           "enter_autocast", "exit_autocast"]
 
 
 @dataclass(eq=False)
@@ -125,3 +126,20 @@ class _FunctionApply(torch.autograd.Function):
 def function_apply(fwd: fx.GraphModule, bwd: fx.GraphModule, *args, non_differentiable_idx=(), **_kwargs):
     """torch.ops.higher_order.autograd_function_apply for regions run eagerly (see _FunctionApply)."""
     return _FunctionApply.apply(fwd, bwd, tuple(non_differentiable_idx), *args)
+
+
+@fx.node.has_side_effect
+def enter_autocast(x: Tensor, dtype: torch.dtype) -> torch.autocast:
+    """torch.autocast to `dtype` on `x`'s device, entered where a region captured under it starts:
+    the compiled graph that calls the region runs with autocast off (AOTAutograd put its casts in
+    the graph), and a chunk's recompute in backward runs outside the caller's context. Its cache
+    off: a weight's cast lives for its chunk, not in the caller's cache to the forward's end."""
+    ctx = torch.autocast(x.device.type, dtype=dtype, cache_enabled=False)
+    ctx.__enter__()
+    return ctx
+
+
+@fx.node.has_side_effect
+def exit_autocast(ctx: torch.autocast) -> None:
+    """Leave what enter_autocast entered, where the region ends."""
+    ctx.__exit__(None, None, None)

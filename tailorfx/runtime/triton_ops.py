@@ -29,7 +29,7 @@ from tailorfx.kernels import interpreted
 from tailorfx.kernels import linear_cross_entropy as _lce
 from tailorfx.kernels import norm as _norm
 from tailorfx.kernels import rope as _rope
-from tailorfx.runtime.linear_ops import grads_in_forward_backward, grads_in_forward_setup
+from tailorfx.runtime.linear_ops import grads_in_forward_backward, grads_in_forward_setup, loss_dtype
 
 INTERPRETED = interpreted()
 
@@ -287,7 +287,7 @@ def _lce_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Ten
 @_fake(_lce_fwd)
 def _lce_fwd_fake(hidden, weight, bias, labels, ignore_index, reduction, num_chunks, logit_softcap, logit_scale,
                   grad_hidden, grad_weight, grad_bias, grad_weight_fp32=False):
-    return (hidden.new_empty((), dtype=torch.promote_types(hidden.dtype, weight.dtype)),
+    return (hidden.new_empty((), dtype=loss_dtype(hidden, weight)),
             torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if grad_weight else weight.new_empty(0),
             torch.empty_like(bias) if grad_bias else weight.new_empty(0))

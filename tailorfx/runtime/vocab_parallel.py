@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tailorfx.runtime import linear_ops
-from tailorfx.runtime.linear_ops import lce_chunks
+from tailorfx.runtime.linear_ops import lce_chunks, loss_dtype
 
 _GROUPS: dict[str, "dist.ProcessGroup"] = {}
 
@@ -60,7 +60,7 @@ def _loss_only(hidden: Tensor, weight: Tensor, labels: Tensor, vocab_start: int,
 @_loss_only.register_fake
 def _loss_only_fake(hidden, weight, labels, vocab_start, group_name, ignore_index, reduction, num_chunks,
                     logit_softcap, logit_scale):
-    return hidden.new_empty((), dtype=torch.promote_types(hidden.dtype, weight.dtype))
+    return hidden.new_empty((), dtype=loss_dtype(hidden, weight))
 
 
 @torch.library.custom_op("tailorfx::vocab_parallel_cross_entropy_with_grads", mutates_args=())
@@ -77,7 +77,7 @@ def _with_grads(hidden: Tensor, weight: Tensor, labels: Tensor, vocab_start: int
 @_with_grads.register_fake
 def _with_grads_fake(hidden, weight, labels, vocab_start, group_name, ignore_index, reduction, num_chunks,
                      logit_softcap, logit_scale, grad_hidden, grad_weight, grad_weight_fp32=False):
-    return (hidden.new_empty((), dtype=torch.promote_types(hidden.dtype, weight.dtype)),
+    return (hidden.new_empty((), dtype=loss_dtype(hidden, weight)),
             torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if grad_weight else weight.new_empty(0))
 

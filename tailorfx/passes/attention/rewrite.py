@@ -5,6 +5,7 @@ kernel), and what only the old attention read is erased.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -13,7 +14,7 @@ import torch.fx as fx
 from tailorfx.attention import attention_call, draw_seed
 from tailorfx.passes.attention.documents import DOC_RULES
 from tailorfx.passes.attention.rules import Match
-from tailorfx.rewrite.capture import node_value
+from tailorfx.rewrite.capture import autocast_of, cast_value, node_value
 from tailorfx.rewrite.passes import annotate
 
 NAME = "attention"
@@ -152,6 +153,7 @@ def rewrite_match(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased
             seed = gm.graph.call_function(draw_seed, ())
         annotate(seed, m.out, val=_fake_seed(m.q), pass_name=NAME)
         kwargs["dropout_seed"] = seed
+    m = _cast_as_autocast(gm, m)
     target, kwargs, kernel = _kernel_for(m, kwargs, wanted, inductor, training)
     with gm.graph.inserting_before(m.out):
         new = gm.graph.call_function(target, (m.q, m.k, m.v), kwargs)
@@ -162,6 +164,24 @@ def rewrite_match(gm: fx.GraphModule, m: Match, kind: str, params: tuple, erased
     m.out.replace_all_uses_with(new)
     _erase_dead(gm, m.out, erased)
     return new, kernel
+
+
+def _cast_as_autocast(gm: fx.GraphModule, m: Match) -> Match:
+    """Under torch.autocast, q, k and v cast to the dtype the attention they replace computed in
+    (its output's: SDPA, and an eager spelling's matmuls, run in autocast's dtype): the kernels
+    that replace it are custom ops, which autocast does not cast."""
+    out = node_value(m.out)
+    if autocast_of(node_value(m.q)) is None or not isinstance(out, torch.Tensor):
+        return m
+    cast = {}
+    for name in ("q", "k", "v"):
+        n = getattr(m, name)
+        v = node_value(n)
+        if v.dtype != out.dtype:
+            with gm.graph.inserting_before(m.out):
+                cast[name] = gm.graph.call_method("to", (n, out.dtype))
+            annotate(cast[name], n, val=cast_value(v, out.dtype), pass_name=NAME)
+    return dataclasses.replace(m, **cast) if cast else m
 
 
 def _fake_seed(q: fx.Node):

@@ -14,7 +14,7 @@ from tailorfx.passes.attention.chain import key_bias_shape, probs_matmul, scores
 from tailorfx.passes.attention.documents import DOC_RULE_TEXT
 from tailorfx.passes.attention.mask import MaskProof, prove_mask
 from tailorfx.rewrite import match
-from tailorfx.rewrite.capture import clone, node_value, seq_info
+from tailorfx.rewrite.capture import autocast_of, clone, node_value, seq_info
 from tailorfx.rewrite.passes import PassContext
 from tailorfx.rewrite.regions import find_regions
 from tailorfx.runtime.flash_cpu import grouped_on_cuda_math
@@ -61,7 +61,7 @@ def _check_qkv(q: fx.Node, k: fx.Node, v: fx.Node) -> Optional[str]:
         return f"v {tuple(vv.shape)} differs from k {tuple(kv.shape)}"
     if not isinstance(qv.shape[1], int) or not isinstance(kv.shape[1], int) or qv.shape[1] % kv.shape[1]:
         return f"{qv.shape[1]} query heads are not a multiple of {kv.shape[1]} kv heads"
-    if not (qv.dtype == kv.dtype == vv.dtype):
+    if not (qv.dtype == kv.dtype == vv.dtype) and autocast_of(qv) is None:   # autocast: cast as it casts them
         return f"q, k, v dtypes differ ({qv.dtype}, {kv.dtype}, {vv.dtype})"
     return None
 

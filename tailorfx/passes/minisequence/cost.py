@@ -198,19 +198,20 @@ def cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule
 def _kept(base: Optional[Hashable], vals: list, shape: Callable, held: Callable[[int], int]) -> Callable[[int], int]:
     """`held`, its samples kept per process (_SAMPLES) under `base` (what the region computes) and
     the concrete shape, dtype and requires_grad each input takes at the length: all a sample reads.
-    `base` None: not kept."""
+    `base` None: not kept. The samples run on CPU fake tensors with autocast off, as the compiled
+    graph runs the op (a region captured under autocast enters it itself: extract.py)."""
+    def quiet(n: int) -> int:
+        with torch.autocast("cpu", enabled=False):
+            return held(n)
     if base is None:
-        return held
-
-    # the samples run on CPU fake tensors: CPU autocast, if a caller has it on, changes their dtypes
-    amp = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        return quiet
 
     def sample(n: int) -> int:
-        key = (base, amp, n, tuple((tuple(shape(v, n)), str(v.dtype), v.requires_grad) for v in vals))
+        key = (base, n, tuple((tuple(shape(v, n)), str(v.dtype), v.requires_grad) for v in vals))
         if key in _SAMPLES:
             _SAMPLES.move_to_end(key)
             return _SAMPLES[key]
-        _SAMPLES[key] = got = held(n)
+        _SAMPLES[key] = got = quiet(n)
         if len(_SAMPLES) > _SAMPLES_SIZE:
             _SAMPLES.popitem(last=False)
         return got

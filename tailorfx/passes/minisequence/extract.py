@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from tailorfx import compat
-from tailorfx.rewrite.capture import node_value
+from tailorfx.rewrite.capture import autocast_of, node_value
 from tailorfx.runtime import ops
 
 
@@ -21,7 +21,8 @@ def extract(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node], o
 
     A size taken from outside (Dynamo passes the sequence length as a SymInt graph input; inputs
     of the same length, such as labels, may carry a symbol of their own) is re-read from the
-    chunk, `x.size(seq_dim)`, so the region is correct on any chunk length.
+    chunk, `x.size(seq_dim)`, so the region is correct on any chunk length. A region captured
+    under torch.autocast enters it itself: the compiled graph around it runs with autocast off.
     """
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -29,6 +30,8 @@ def extract(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node], o
         env[n] = g.placeholder(f"in_{i}")
         env[n].meta = dict(n.meta)
     member_set = set(members)
+    amp = autocast_of(node_value(inputs[0])) if inputs else None
+    entered = g.call_function(ops.enter_autocast, (env[inputs[0]], amp)) if amp is not None else None
 
     def arg(a: fx.Node) -> fx.Node:
         if a not in env and a.op == "get_attr":   # a submodule the region calls (an autograd.Function's bodies)
@@ -52,6 +55,8 @@ def extract(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node], o
         env[n] = g.node_copy(n, arg)
         if n.target is torch.ops.higher_order.autograd_function_apply:
             env[n].target = ops.function_apply   # the same autograd.Function, without the HOP's leak
+    if entered is not None:
+        g.call_function(ops.exit_autocast, (entered,))
     g.output(tuple(env[o] for o in out) if isinstance(out, (list, tuple)) else env[out])
     sub = fx.GraphModule(gm, g)
     sub.meta = {}
