@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch.fx as fx
 
-from tailorfx.rewrite.capture import OWNED, SeqInfo, clone, node_value, own, owned  # noqa: F401  (re-exported)
+from tailorfx.rewrite.capture import OWNED, SeqInfo, cast_value, clone, node_value, own, owned  # noqa: F401  (re-exported)
 from tailorfx.rewrite.regions import RegionMap
 
 PASS_META = "tailorfx_pass"   # node.meta key: the pass that created the node
@@ -114,6 +114,13 @@ def annotate(node: fx.Node, like: Optional[fx.Node] = None, val: Any = None, *, 
         node.meta["nn_module_stack"] = like.meta["nn_module_stack"]
     node.meta[PASS_META] = pass_name
     return node
+
+
+def insert_cast(gm: fx.GraphModule, n: fx.Node, dtype, before: fx.Node, *, pass_name: str) -> fx.Node:
+    """`n.to(dtype)` inserted before `before`, stamped with its fake value and n's module stack."""
+    with gm.graph.inserting_before(before):
+        cast = gm.graph.call_method("to", (n, dtype))
+    return annotate(cast, n, val=cast_value(node_value(n), dtype), pass_name=pass_name)
 
 
 def run_pass(p: Pass, gm: fx.GraphModule, ctx: PassContext) -> PassResult:

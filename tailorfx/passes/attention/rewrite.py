@@ -14,8 +14,8 @@ import torch.fx as fx
 from tailorfx.attention import attention_call, draw_seed
 from tailorfx.passes.attention.documents import DOC_RULES
 from tailorfx.passes.attention.rules import Match
-from tailorfx.rewrite.capture import autocast_of, cast_value, node_value
-from tailorfx.rewrite.passes import annotate
+from tailorfx.rewrite.capture import autocast_of, node_value
+from tailorfx.rewrite.passes import annotate, insert_cast
 
 NAME = "attention"
 
@@ -175,12 +175,8 @@ def _cast_as_autocast(gm: fx.GraphModule, m: Match) -> Match:
         return m
     cast = {}
     for name in ("q", "k", "v"):
-        n = getattr(m, name)
-        v = node_value(n)
-        if v.dtype != out.dtype:
-            with gm.graph.inserting_before(m.out):
-                cast[name] = gm.graph.call_method("to", (n, out.dtype))
-            annotate(cast[name], n, val=cast_value(v, out.dtype), pass_name=NAME)
+        if node_value(getattr(m, name)).dtype != out.dtype:
+            cast[name] = insert_cast(gm, getattr(m, name), out.dtype, m.out, pass_name=NAME)
     return dataclasses.replace(m, **cast) if cast else m
 
 

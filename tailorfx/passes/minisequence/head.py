@@ -12,7 +12,7 @@ from tailorfx.passes.minisequence.chunks import NAME, SEGMENTS_HEAD_CHUNKS, Chun
 from tailorfx.passes.minisequence.cost import hint_bytes
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import autocast_of, cast_value, node_value
-from tailorfx.rewrite.passes import PassContext, annotate
+from tailorfx.rewrite.passes import PassContext, annotate, insert_cast
 from tailorfx.rewrite.regions import Region, is_param, param_source
 from tailorfx.runtime import ops
 
@@ -81,7 +81,7 @@ def rewrite_head(gm, nodes, region: Region, ctx: PassContext, chunking: Chunking
     if _sums_grad_in_fp32(ctx, node_value(w)) or amp is not None:   # autocast's master weight: its sum in fp32
         options["grad_weight_fp32"] = True
     if amp is not None:   # the linear ran in autocast's dtype; the fused op is a custom op autocast does not cast
-        h, w, b = (_cast(gm, t, amp, loss) if isinstance(t, fx.Node) else t for t in (h, w, b))
+        h, w, b = (insert_cast(gm, t, amp, loss, pass_name=NAME) if isinstance(t, fx.Node) else t for t in (h, w, b))
     with gm.graph.inserting_before(loss):
         flat = gm.graph.call_method("reshape", (h, -1, hidden))
         new = gm.graph.call_function(_lce_fn(ctx), (flat, w, b, kw["target"]), options)
@@ -93,7 +93,7 @@ def rewrite_head(gm, nodes, region: Region, ctx: PassContext, chunking: Chunking
         annotate(new, loss, pass_name=NAME)
     else:   # the model's loss was 16-bit: the fused one (fp32) cast to it
         annotate(new, loss, cast_value(node_value(loss), fused), pass_name=NAME)
-        new = _cast(gm, new, node_value(loss).dtype, loss)
+        new = insert_cast(gm, new, node_value(loss).dtype, loss, pass_name=NAME)
     loss.replace_all_uses_with(new)
     if returned:   # Liger's skip_logits: in training with labels the model returns logits=None
         out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
@@ -103,13 +103,6 @@ def rewrite_head(gm, nodes, region: Region, ctx: PassContext, chunking: Chunking
             gm.graph.erase_node(n)
     done.append(Rewrite(region, m, 3 * hint_bytes(node_value(head), ctx), bool(returned)))
     return None
-
-
-def _cast(gm: fx.GraphModule, n: fx.Node, dtype: torch.dtype, before: fx.Node) -> fx.Node:
-    """n.to(dtype), inserted before `before`, with its fake value."""
-    with gm.graph.inserting_before(before):
-        cast = gm.graph.call_method("to", (n, dtype))
-    return annotate(cast, n, val=cast_value(node_value(n), dtype), pass_name=NAME)
 
 
 def head_loss_transform(gm: fx.GraphModule, region: Region):
