@@ -185,7 +185,9 @@ def _match_softmax_chain(node: fx.Node, ctx: PassContext) -> Union[Match, str, N
         return why
     dtype = node_value(q).dtype
     if node_value(out).dtype != dtype:
-        return f"attention output dtype {node_value(out).dtype} differs from q's {dtype}"
+        if autocast_of(node_value(q)) is None:
+            return f"attention output dtype {node_value(out).dtype} differs from q's {dtype}"
+        dtype = node_value(out).dtype   # autocast ran the matmuls in its dtype: the rewrite casts q, k, v to it
     extra = {"softcap": softcap, "folded": folded, "dropout": drop}
     if bias is not None:
         if softcap is not None:
