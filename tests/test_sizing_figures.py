@@ -9,7 +9,9 @@ rest) are the code's since that ladder replaced full recompute of k blocks alone
 unchanged by it); tests/test_depth.py checks that ladder's shallow prediction against the whole
 model's. Gemma-2-9B's figures are the code's since the tile engine's transients (its soft-capped
 attention) were refitted to the allocator (docs/memory.md): its longest sequence went from 47,744 to
-48,384 tokens. Slow: 2-8 minutes each on 2 cores (Gemma-2-9B is captured whole: its KV cache keeps a
+48,384 tokens. Llama-3-8B's plan peaks are the code's since the fused loss of a 16-bit model is fp32,
+as eager's (HF upcasts the logits): 2-4 bytes more in each row holding the fused head, every other
+figure unchanged. Slow: 2-8 minutes each on 2 cores (Gemma-2-9B is captured whole: its KV cache keeps a
 tensor per sliding layer outside the layers). The printed figures of `tailorfx plan` for Llama-3-8B,
 pinned by a test of their own until 2026-12-01, are the same figures as printed digits: that test
 added 3-4 minutes to CI and checked nothing this one does not."""
