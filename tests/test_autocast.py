@@ -5,6 +5,7 @@ replace did, and the memory model predicts what runs. The compiled graph runs wi
 and attention kernels, custom ops autocast does not reach, get their inputs cast."""
 import copy
 
+import pytest
 import torch
 
 import tailorfx
@@ -86,3 +87,40 @@ def test_a_bf16_models_fused_loss_is_eagers_fp32_loss():
     assert any(t.startswith("lm_head") for t in opt.session.graphs[0].records[0].touched)   # the head fused
     assert got.dtype == want.dtype == torch.float32
     assert abs(got - want).item() <= 1e-4 * want.item()
+
+
+@pytest.mark.slow
+def test_under_autocast_the_triton_kernels_take_autocasts_dtypes():
+    """`kernels="triton"` under autocast (a GPU's Trainer(bf16=True); here Triton's interpreter): the
+    norms run on the fp32 residual stream as eager's do, attention, RoPE and the head on bf16 inputs;
+    the loss is eager autocast's within 2^-8, every gradient no farther from fp32 than 1.5x eager
+    autocast's. HF rotates bf16 q and k by fp32 cos and sin into fp32 (type promotion), as the
+    kernel does; where the attention's cast to bf16 is the rotation's one use (no KV cache, as
+    trainers that checkpoint set it) the kernel writes bf16 itself (the same rounding of the same
+    fp32 values on a GPU: tests/test_triton_kernels.py; the interpreter truncates)."""
+    model, inputs = hf_llama(2), batch(2, 128)
+    amp_loss, _, amp_grads = step(Autocast(m := copy.deepcopy(model)), m, inputs)
+    _, _, fp32_grads = step(m := copy.deepcopy(model), m, inputs)
+    for use_cache in (True, False):
+        kept = copy.deepcopy(model)
+        kept.config.use_cache = use_cache
+        opt = tailorfx.optimize(kept, kernels="triton")
+        loss, _, grads = step(Autocast(opt), kept, inputs)
+        graph = opt.session.graphs[-1].rewritten.graph
+        calls = {}
+        for n in graph.nodes:
+            if n.op == "call_function" and getattr(n.target, "__name__", "").startswith("triton_"):
+                calls.setdefault(n.target.__name__, set()).update(node_value(a).dtype for a in n.args[:2])
+        assert calls == {"triton_norm": {torch.float32}, "triton_attention": {AMP}, "triton_rope_qk": {AMP},
+                         "triton_linear_cross_entropy": {AMP}}, calls
+        rope = [n for n in graph.nodes if getattr(n.target, "__name__", "") == "triton_rope_qk"]
+        written = {node_value(u).dtype for n in rope for u in n.users}
+        assert len(rope) == 2 and written == ({torch.float32} if use_cache else {AMP}), (use_cache, written)
+        # each pass's graph predicted when the report reads it, after the step, autocast off
+        assert all(r.peak_before is not None and r.peak_after is not None for r in opt.session.graphs[-1].records)
+        assert loss.dtype == torch.float32 and abs(loss - amp_loss).item() <= 2 ** -8 * amp_loss.item()
+        # the flash kernel's tiles round otherwise than eager's attention: each gradient is as far
+        # from fp32 as eager autocast's (at most 1.38x here), 1.61x autocast's distance from eager
+        # autocast's own (two bf16 computations' independent errors), so the bound is on the former
+        for name, g in grads.items():
+            assert g.dtype == torch.float32 and rel(g, fp32_grads[name]) <= 1.5 * rel(amp_grads[name], fp32_grads[name]), name

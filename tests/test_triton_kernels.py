@@ -290,6 +290,49 @@ def test_rope_matches_hf(bsz, heads, kv_div, seq, half, pass_dims, cos_batch, tr
         torch.testing.assert_close(a.float(), r.detach(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
+def test_rope_of_bf16_q_by_fp32_cos_is_promoted_as_torch_promotes_it():
+    """Under autocast HF's q and k are bf16 and cos, sin fp32: eager's rotation is fp32 (type
+    promotion) and its backward hands q a bf16 gradient. The kernel's forward is eager's to fp32
+    rounding; its backward rounds the fp32 sum once, eager's each product (within one bf16 ulp)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 8, 4, 3, 32, generator=g).to(torch.bfloat16)[:, :, :, 0].transpose(1, 2)   # (2, 4, 8, 32)
+    k = torch.randn(2, 2, 8, 32, generator=g).to(torch.bfloat16)
+    angle = torch.rand(1, 8, 16, generator=g) * 5
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    qr, kr = q.clone().requires_grad_(), k.clone().requires_grad_()
+    ref_q, ref_k = _hf_rope(qr, kr, cos, sin, 32)
+    dq, dk = torch.randn(ref_q.shape, generator=g), torch.randn(ref_k.shape, generator=g)
+    torch.autograd.backward([ref_q, ref_k], [dq, dk])
+    out_dtype = torch.promote_types(q.dtype, cos.dtype)
+    oq, ok = rope.apply_pair(q, k, cos, sin, out_dtype=out_dtype)
+    gq, gk = rope.apply_pair(dq, dk, cos, sin, backward=True, out_dtype=q.dtype)
+    assert ref_q.dtype == oq.dtype == ok.dtype == torch.float32 and gq.dtype == gk.dtype == torch.bfloat16
+    for a, r in ((oq, ref_q), (ok, ref_k)):
+        torch.testing.assert_close(a, r.detach(), rtol=1e-6, atol=1e-6)
+    for a, r in ((gq, qr.grad), (gk, kr.grad)):
+        torch.testing.assert_close(a.float(), r.float(), rtol=2 ** -7, atol=2 ** -7)
+
+
+def test_rope_written_narrow_is_its_fp32_result_rounded_once():
+    """The kernels pass fuses the cast that follows an fp32 rotation (autocast's q before attention)
+    into the kernel: its bf16 output is the fp32 output rounded once (to nearest even on a GPU;
+    Triton's interpreter converts fp32 to bf16 by truncation, ignoring `fp_downcast_rounding`),
+    and its backward from the bf16 gradient is the backward from that gradient upcast, bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 16, 32, generator=g).to(torch.bfloat16)
+    angle = torch.rand(1, 16, 16, generator=g) * 5
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    wide, narrow = (rope.apply(q, cos, sin, out_dtype=dt) for dt in (torch.float32, torch.bfloat16))
+    if tt.interpreted():
+        want = (wide.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+    else:
+        want = wide.to(torch.bfloat16)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow, want)
+    grad = torch.randn(q.shape, generator=g).to(torch.bfloat16)
+    dx = rope.apply(grad, cos, sin, backward=True, out_dtype=torch.bfloat16)
+    assert torch.equal(dx, rope.apply(grad.float(), cos, sin, backward=True, out_dtype=torch.bfloat16))
+
+
 def test_rope_backward_is_the_transpose():
     """<rope(x), y> == <x, rope_bwd(y)> for arbitrary cos/sin, partial rotary."""
     g = torch.Generator().manual_seed(1)

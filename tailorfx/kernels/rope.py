@@ -13,8 +13,11 @@ through. With x1, x2 the two halves of the rotated part and c1, c2 / s1, s2 thos
 so any cos/sin (not only HF's duplicated halves) get the exact transposed map. No gradient is
 computed for cos/sin (HF's are built under no_grad from position ids).
 
-Spec: dtype ("fp32" | "fp16" | "bf16", of x, out, cos and sin), head_dim D, rotary_dim R (even,
-<= D), block_h (heads per program, a power of two). One program per (batch, position) row and
+Spec: dtype ("fp32" | "fp16" | "bf16", of x; of out, cos and sin too unless `out_dtype`, `cos_dtype`
+say otherwise), head_dim D, rotary_dim R (even, <= D), block_h (heads per program, a power of two).
+Under autocast HF's q and k come out of their projections in bf16 and meet fp32 cos and sin: torch's
+type promotion makes the rotation fp32, and its backward hands q a bf16 gradient; the kernel reads
+and writes each pointer in its own dtype, so one spec serves each direction. One program per (batch, position) row and
 block of heads, q's blocks then k's (a single tensor has no k blocks); x and out may have any
 strides but a contiguous last dim (HF's q is a (B, S, H, D) buffer transposed). Computed in fp32,
 rounded once on store; the pass-through channels are copied as they are (their code is rendered
@@ -22,6 +25,7 @@ only when R < D).
 """
 from __future__ import annotations
 
+import functools
 from string import Template
 from typing import Optional
 
@@ -94,8 +98,9 @@ _FORMULAS = {"rope_fwd": ("out = x * cos + rotate_half(x) * sin", "x1 * c1 - x2 
 def _params(spec):
     dtype, d, r, bh = spec.get("dtype", "fp32"), int(spec["head_dim"]), int(spec.get("rotary_dim", spec["head_dim"])), \
         int(spec.get("block_h", 4))
-    if dtype not in POINTER_TYPES:
-        raise ValueError(f"rope dtype {dtype!r}: one of {list(POINTER_TYPES)}")
+    for key in ("dtype", "cos_dtype", "out_dtype"):
+        if spec.get(key, dtype) not in POINTER_TYPES:
+            raise ValueError(f"rope {key} {spec.get(key)!r}: one of {list(POINTER_TYPES)}")
     if r % 2 or not 0 < r <= d:
         raise ValueError(f"rope rotary_dim {r}: even, in (0, head_dim={d}]")
     if bh & (bh - 1):
@@ -118,7 +123,8 @@ def render(spec) -> str:
 
 def signatures(spec) -> dict[str, dict[str, str]]:
     t = "*" + spec.get("dtype", "fp32")
-    sig = {"q_ptr": t, "k_ptr": t, "cos_ptr": t, "sin_ptr": t, "qo_ptr": t, "ko_ptr": t, "seq_len": "i32",
+    c, o = "*" + spec.get("cos_dtype", t[1:]), "*" + spec.get("out_dtype", t[1:])
+    sig = {"q_ptr": t, "k_ptr": t, "cos_ptr": c, "sin_ptr": c, "qo_ptr": o, "ko_ptr": o, "seq_len": "i32",
            "n_heads_q": "i32", "n_heads_k": "i32",
            **{f"s{x}{d}": "i32" for x in ("q", "k", "qo", "ko") for d in "bhs"}, "scb": "i32", "scs": "i32"}
     return {"rope_fwd": dict(sig), "rope_bwd": dict(sig)}
@@ -130,17 +136,23 @@ def num_warps(spec) -> int:
 
 
 
-def _spec(dtype: str, head_dim: int, rotary_dim: int, block_h: int) -> KernelSpec:
-    return KernelSpec("rope", dtype=dtype, head_dim=head_dim, rotary_dim=rotary_dim, block_h=block_h)
+def _spec(dtype: str, head_dim: int, rotary_dim: int, block_h: int, cos_dtype: Optional[str] = None,
+          out_dtype: Optional[str] = None) -> KernelSpec:
+    """A spec; cos_dtype and out_dtype are keys of it only where they differ from x's dtype."""
+    more = {k: v for k, v in (("cos_dtype", cos_dtype), ("out_dtype", out_dtype)) if v not in (None, dtype)}
+    return KernelSpec("rope", dtype=dtype, head_dim=head_dim, rotary_dim=rotary_dim, block_h=block_h, **more)
 
 
 _kernel = cached_kernel(_spec)
 
 
-def spec_for(x, rotary_dim: Optional[int] = None, block_h: int = 4) -> KernelSpec:
-    """The spec serving x (..., D) with the first `rotary_dim` (default D) channels rotated."""
+def spec_for(x, rotary_dim: Optional[int] = None, block_h: int = 4, cos=None,
+             out_dtype: Optional[torch.dtype] = None) -> KernelSpec:
+    """The spec serving x (..., D) with the first `rotary_dim` (default D) channels rotated, cos
+    (and sin) of cos's dtype (default x's), the result in `out_dtype` (default x's)."""
     d = int(x.shape[-1])
-    return _spec(DTYPE_NAMES[x.dtype], d, d if rotary_dim is None else int(rotary_dim), int(block_h))
+    return _spec(DTYPE_NAMES[x.dtype], d, d if rotary_dim is None else int(rotary_dim), int(block_h),
+                 None if cos is None else DTYPE_NAMES[cos.dtype], None if out_dtype is None else DTYPE_NAMES[out_dtype])
 
 
 def examples() -> list:
@@ -150,13 +162,25 @@ def examples() -> list:
     def spec(dtype, d, r=None, bh=4):
         return KernelSpec("rope", dtype=dtype, head_dim=d, rotary_dim=d if r is None else r, block_h=bh)
     return [spec("fp32", 128), spec("bf16", 128, bh=8), spec("fp16", 64), spec("bf16", 96),
-            spec("fp16", 80, 32), spec("bf16", 64, 16, bh=8), spec("fp32", 256, 64)]
+            spec("fp16", 80, 32), spec("bf16", 64, 16, bh=8), spec("fp32", 256, 64),
+            _spec("bf16", 128, 128, 8, cos_dtype="fp32", out_dtype="fp32"),   # autocast's forward
+            _spec("fp32", 128, 128, 8, out_dtype="bf16")]                     # and its backward
+
+
+@functools.lru_cache(maxsize=None)
+def promoted(*dtypes: torch.dtype) -> torch.dtype:
+    """torch's promotion of `dtypes` (`x * cos`'s dtype), cached: a warm launch dispatches no
+    `promote_types`."""
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
 
 
 def _cos_sin(t, batch: int, seq: int, rot: int, dtype, name: str):
     """cos/sin, (B or 1, S, R) as (S, R), (B or 1, S, R) or (B or 1, 1, S, R), read where it lies:
-    the tensor (in x's dtype, as HF's rotary embedding returns it already; a contiguous last dim)
-    and its batch (0 when broadcast) and position strides. No view is made."""
+    the tensor (in `dtype`: its own, or cos's and sin's promoted where they differ; a contiguous
+    last dim) and its batch (0 when broadcast) and position strides. No view is made."""
     shape = tuple(t.shape)
     rows = (1, *shape) if len(shape) == 2 else (shape[0], *shape[2:]) if len(shape) == 4 and shape[1] == 1 \
         else shape
@@ -170,25 +194,29 @@ def _cos_sin(t, batch: int, seq: int, rot: int, dtype, name: str):
     return t, (batch_stride if rows[0] > 1 else 0), seq_stride
 
 
-def output_like(x):
-    """The tensor `apply` writes for x: x's layout when its last dim is contiguous, else a
-    contiguous one (the runtime op's fake kernel allocates the same)."""
+def output_like(x, dtype: Optional[torch.dtype] = None):
+    """The tensor `apply` writes for x (in `dtype`, default x's): x's layout when its last dim is
+    contiguous, else a contiguous one (the runtime op's fake kernel allocates the same)."""
+    dtype = x.dtype if dtype is None else dtype
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty_like(x)
-    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x, dtype=dtype)
+    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=dtype, device=x.device)
 
 
-def apply(x, cos, sin, rotary_dim: Optional[int] = None, *, backward: bool = False, block_h: int = 4):
+def apply(x, cos, sin, rotary_dim: Optional[int] = None, *, backward: bool = False, block_h: int = 4,
+          out_dtype: Optional[torch.dtype] = None):
     """The rotation of x (B, H, S, D) (its transpose with `backward`: x is then the incoming grad),
-    a new tensor with x's dtype and layout. `rotary_dim` defaults to cos's last dim, as in HF (a
-    partial rotary's cos/sin are (.., S, R))."""
-    return apply_pair(x, None, cos, sin, rotary_dim, backward=backward, block_h=block_h)[0]
+    a new tensor with x's layout, in `out_dtype` (default x's). `rotary_dim` defaults to cos's last
+    dim, as in HF (a partial rotary's cos/sin are (.., S, R))."""
+    return apply_pair(x, None, cos, sin, rotary_dim, backward=backward, block_h=block_h, out_dtype=out_dtype)[0]
 
 
-def apply_pair(q, k, cos, sin, rotary_dim: Optional[int] = None, *, backward: bool = False, block_h: int = 4):
+def apply_pair(q, k, cos, sin, rotary_dim: Optional[int] = None, *, backward: bool = False, block_h: int = 4,
+               out_dtype: Optional[torch.dtype] = None):
     """`apply` to q (B, H, S, D) and k (B, H_kv, S, D) in one launch: (q's rotation, k's), new
-    tensors with their dtype and layout; k may be None (q's alone, None for k)."""
+    tensors with their layout, in `out_dtype` (default q's); k may be None (q's alone, None for k).
+    cos and sin are read in their dtype (both in the promoted one where theirs differ)."""
     for name, x in (("q", q), ("k", k)):
         if x is not None and x.dim() != 4:
             raise ValueError(f"rope: {name} {tuple(x.shape)} is not (B, H, S, D)")
@@ -196,20 +224,25 @@ def apply_pair(q, k, cos, sin, rotary_dim: Optional[int] = None, *, backward: bo
     if k is not None and (k.shape[0] != bsz or k.shape[2:] != q.shape[2:] or k.dtype != q.dtype):
         raise ValueError(f"rope: k {tuple(k.shape)} {k.dtype} does not match q {tuple(q.shape)} {q.dtype}")
     rot = int(cos.shape[-1] if rotary_dim is None else rotary_dim)
-    kern = _kernel(DTYPE_NAMES[q.dtype], int(d), rot, int(block_h))
-    c, cb, cs = _cos_sin(cos, bsz, seq, rot, q.dtype, "cos")
-    s, sb, ss = _cos_sin(sin, bsz, seq, rot, q.dtype, "sin")
+    out_dtype = q.dtype if out_dtype is None else out_dtype
+    cs_dtype = promoted(cos.dtype, sin.dtype)
+    for name, dt in (("x", q.dtype), ("cos/sin", cs_dtype), ("out", out_dtype)):
+        if dt not in DTYPE_NAMES:
+            raise ValueError(f"rope: {name} dtype {dt}: one of {list(DTYPE_NAMES)}")
+    kern = _kernel(DTYPE_NAMES[q.dtype], int(d), rot, int(block_h), DTYPE_NAMES[cs_dtype], DTYPE_NAMES[out_dtype])
+    c, cb, cs = _cos_sin(cos, bsz, seq, rot, cs_dtype, "cos")
+    s, sb, ss = _cos_sin(sin, bsz, seq, rot, cs_dtype, "sin")
     if (cb, cs) != (sb, ss):   # one set of offsets serves both
         c, s = (t.reshape(-1, seq, rot).expand(bsz, seq, rot).contiguous() for t in (c, s))
         cb, cs = seq * rot, rot
     if q.stride(-1) != 1:
         q = q.contiguous()
-    qo = output_like(q)
+    qo = output_like(q, out_dtype)
     heads_k, ko = 0, None
     if k is not None:
         if k.stride(-1) != 1:
             k = k.contiguous()
-        heads_k, ko = k.shape[1], output_like(k)
+        heads_k, ko = k.shape[1], output_like(k, out_dtype)
     if bsz * seq == 0:
         return qo, ko
     kk, kko = (k, ko) if k is not None else (q, qo)   # no k: no k blocks, its pointers unread

@@ -17,6 +17,7 @@ reference formula, so a norm spelled in an unexpected way is left as it was and 
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -213,8 +214,11 @@ def _match_rope(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swa
             continue
         x, cos, sin, members = parts
         xv, cv, sv, ov = (node_value(a) for a in (x, cos, sin, n))
-        if not (xv.dim() == 4 and ov.shape == xv.shape and xv.dtype == cv.dtype == sv.dtype == ov.dtype):
-            why = f"{n.name}: not (B, H, S, D) with cos, sin and the result in x's dtype"
+        # autocast's bf16 q and k meet fp32 cos and sin: the result is fp32, as torch promotes it
+        if not (xv.dim() == 4 and ov.shape == xv.shape and cv.dtype == sv.dtype
+                and ov.dtype == torch.promote_types(xv.dtype, cv.dtype)
+                and {xv.dtype, cv.dtype} <= {torch.float32, torch.bfloat16, torch.float16}):
+            why = f"{n.name}: not (B, H, S, D) with cos and sin of one dtype and the result in x's and theirs promoted"
             continue
         if cv.requires_grad or sv.requires_grad or cv.shape != sv.shape or cv.shape[-1] != xv.shape[-1]:
             why = f"{n.name}: cos/sin need a gradient or do not match x's last dim"
@@ -240,6 +244,18 @@ def _match_rope(region: Region, nodes: dict, ctx: PassContext) -> Union[list[Swa
     return _paired(swaps, order) or why
 
 
+def _narrowed(sw: Swap) -> Swap:
+    """A rotation computed in fp32 whose one use casts it to 16 bits (autocast's q and k before
+    attention: the attention pass's cast) written in that dtype by the kernel, the cast dropped:
+    the same one rounding of the fp32 result, and of its gradient, with no fp32 copy moved."""
+    users = list(sw.out.users)
+    cast = users[0] if len(users) == 1 else None
+    if (cast is None or cast.op != "call_method" or cast.target != "to" or len(cast.args) != 2 or cast.kwargs
+            or node_value(sw.out).dtype != torch.float32 or cast.args[1] not in (torch.bfloat16, torch.float16)):
+        return sw
+    return dataclasses.replace(sw, out=cast, kwargs={"out_dtype": cast.args[1]})
+
+
 def _paired(swaps: list[Swap], order: Optional[dict]) -> list[Swap]:
     """Two rotations by the same cos and sin (an attention's q and k) as one `triton_rope_qk`
     call, one launch each way, where both inputs exist before the first rotation's result."""
@@ -254,10 +270,14 @@ def _paired(swaps: list[Swap], order: Optional[dict]) -> list[Swap]:
         kv = node_value(second.args[0]) if second is not None else None
         if (first is None or kv.shape[0] != qv.shape[0] or kv.shape[2:] != qv.shape[2:]
                 or order[second.args[0]] > order[first.out]):
-            out += group
+            out += [_narrowed(sw) for sw in group]
             continue
-        out.append(Swap(first.out, triton_rope_qk, (first.args[0], second.args[0], *first.args[1:]), {}, "rope",
-                        more=(second.out,)))
+        nq, nk = _narrowed(first), _narrowed(second)
+        if nq.kwargs and nq.kwargs == nk.kwargs and all(order[u] > order[nq.out] for u in nk.out.users):
+            # both cast alike, k's cast read only after q's (where the call goes): both written narrow
+            first, second = nq, nk
+        out.append(Swap(first.out, triton_rope_qk, (first.args[0], second.args[0], *first.args[1:]), first.kwargs,
+                        "rope", more=(second.out,)))
     return out
 
 
@@ -385,8 +405,9 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
         spec = glu.spec_for(gate, kw["act"])
         return [(spec, f"({_cdiv(_int(gate.numel()), spec['block'])},)")]
     if node.target in (triton_rope, triton_rope_qk):
-        x = node_value(node.args[0])
-        spec = rope.spec_for(x)
+        x, cos, out = node_value(node.args[0]), node_value(node.args[-2]), node_value(node)
+        out = out[0] if isinstance(out, (tuple, list)) else out   # (a qk call's value is q's result's)
+        spec = rope.spec_for(x, cos=cos, out_dtype=out.dtype)
         batch, heads, seq = (_int(d) for d in x.shape[:3])
         blocks = _cdiv(heads, spec["block_h"])
         if node.target is triton_rope_qk:   # q's head blocks, then k's, in one launch

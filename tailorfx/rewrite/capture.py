@@ -111,6 +111,19 @@ def autocast_of(v: Any) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(v.device.type)
 
 
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """(device type, dtype) of each torch.autocast on now: what a graph captured now runs under."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
+
+
+def under_autocast(state: tuple[tuple[str, torch.dtype], ...]) -> contextlib.ExitStack:
+    """The autocast of `autocast_state()` entered again (a graph traced later, as it was captured)."""
+    stack = contextlib.ExitStack()
+    for device, dtype in state:
+        stack.enter_context(torch.autocast(device, dtype=dtype))
+    return stack
+
+
 def cast_value(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The fake value of `v.to(dtype)` for a node a pass inserts: in v's fake mode, needing a
     gradient where v does (what reads the graph's outputs tells a loss by it)."""

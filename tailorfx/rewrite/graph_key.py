@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from tailorfx import compat
-from tailorfx.rewrite.capture import node_value
+from tailorfx.rewrite.capture import autocast_state, node_value
 
 # node metadata that is a value (described from its sizes instead) or provenance no trace reads
 _NOT_KEYED = frozenset({"val", "example_value", "tensor_meta", "grapharg", "from_node"})
@@ -39,7 +39,7 @@ def graph_key(gm: fx.GraphModule) -> Optional[str]:
 def _module(gm: fx.GraphModule) -> tuple:
     codegen = gm.graph._codegen
     # AOTAutograd traces under the caller's autocast, which puts its casts in the trace
-    amp = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    amp = list(autocast_state())
     rows = [type(codegen).__name__, repr(getattr(codegen, "pytree_info", None)), gm.code, repr(amp)]
     for n in gm.graph.nodes:
         meta = sorted((k, _meta(k, v)) for k, v in n.meta.items() if k not in _NOT_KEYED)

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch.fx as fx
 
 from tailorfx.rewrite.capture import OWNED, SeqInfo, cast_value, clone, node_value, own, owned  # noqa: F401  (re-exported)
+from tailorfx.rewrite.capture import autocast_state, under_autocast
 from tailorfx.rewrite.regions import RegionMap
 
 PASS_META = "tailorfx_pass"   # node.meta key: the pass that created the node
@@ -53,6 +54,7 @@ class LazyPeak:
 
     def __init__(self, predict: Callable[[fx.GraphModule], int], gm: fx.GraphModule):
         self._predict, self._gm = predict, gm
+        self._autocast = autocast_state()   # read later (the report), traced as it was captured
         self._value: Optional[int] = None
         self._done = False
 
@@ -61,7 +63,8 @@ class LazyPeak:
         if not self._done:
             self._done = True
             try:
-                self._value = self._predict(self._gm)
+                with under_autocast(self._autocast):
+                    self._value = self._predict(self._gm)
             except Exception as e:   # the report shows "-" for it; predict_memory() raises its own error
                 warnings.warn(f"cannot predict the peak of a rewritten graph: {type(e).__name__}: {e}")
         return self._value

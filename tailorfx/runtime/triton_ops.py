@@ -6,8 +6,8 @@
     tailorfx::triton_glu(gate, up, act) -> act(gate) * up                     + _backward
     tailorfx::triton_linear_cross_entropy(hidden, weight, bias, labels, ...)
         -> (loss, grad_hidden, grad_weight, grad_bias)     gradient taken in the forward
-    tailorfx::triton_rope(x, cos, sin, backward) -> x * cos + rotate_half(x) * sin (or its transpose)
-    tailorfx::triton_rope_qk(q, k, cos, sin, backward) -> (q's rotation, k's)   one launch for both
+    tailorfx::triton_rope(x, cos, sin, backward, out_dtype) -> x * cos + rotate_half(x) * sin (or its transpose)
+    tailorfx::triton_rope_qk(q, k, cos, sin, backward, out_dtype) -> (q's rotation, k's)   one launch for both
 
 Each op launches kernels rendered by `tailorfx.kernels` and has an autograd registration, so a
 rewritten graph keeps one node per op through AOTAutograd. On a GPU the ops are
@@ -313,70 +313,81 @@ def triton_linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[T
 
 # ---- rotary embedding ------------------------------------------------------------------------
 
+# The result's dtype is `out_dtype`, torch's promotion of x's, cos's and sin's where the op is made
+# (`x * cos` of autocast's bf16 q and fp32 cos is fp32); the backward writes x's gradient in x's.
+
+def _promoted(*ts: Tensor) -> torch.dtype:
+    return _rope.promoted(*(t.dtype for t in ts))
+
+
 @_op("triton_rope")
-def _rope_fwd(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
-    return _rope.apply(x, cos, sin, backward=backward)
+def _rope_fwd(x: Tensor, cos: Tensor, sin: Tensor, backward: bool, out_dtype: torch.dtype) -> Tensor:
+    return _rope.apply(x, cos, sin, backward=backward, out_dtype=out_dtype)
 
 
 @_fake(_rope_fwd)
-def _rope_fwd_fake(x, cos, sin, backward):
-    return _rope.output_like(x)
+def _rope_fwd_fake(x, cos, sin, backward, out_dtype):
+    return _rope.output_like(x, out_dtype)
 
 
 def _rope_setup(ctx, inputs, output):
-    x, cos, sin, backward = inputs
+    x, cos, sin, backward, _ = inputs
     ctx.save_for_backward(cos, sin)
-    ctx.backward = backward
+    ctx.backward, ctx.x_dtype = backward, x.dtype
 
 
 def _rope_grad(ctx, dout):
     cos, sin = ctx.saved_tensors
-    return _rope_fwd(dout, cos, sin, not ctx.backward), None, None, None
+    return _rope_fwd(dout, cos, sin, not ctx.backward, ctx.x_dtype), None, None, None, None
 
 
 _rope_fwd.register_autograd(_rope_grad, setup_context=_rope_setup)
 
 
-def triton_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def triton_rope(x: Tensor, cos: Tensor, sin: Tensor, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """transformers' `x * cos + rotate_half(x) * sin` for x (B, H, S, D), cos/sin (B or 1, 1, S, D)
-    or (B or 1, S, D), all of x's dtype; the backward is the transposed rotation (no gradient for
-    cos and sin, which HF builds from position ids without one)."""
-    return _rope_fwd(x, cos, sin, False)
+    or (B or 1, S, D), in the dtype torch promotes theirs to; the backward is the transposed rotation
+    (no gradient for cos and sin, which HF builds from position ids without one). `out_dtype`: the
+    fp32 result written in 16 bits (the kernels pass's fusion of a cast that follows it)."""
+    return _rope_fwd(x, cos, sin, False, out_dtype or _promoted(x, cos, sin))
 
 
 @_op("triton_rope_qk")
-def _rope_qk_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[Tensor, Tensor]:
-    return _rope.apply_pair(q, k, cos, sin, backward=backward)
+def _rope_qk_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool,
+                 out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return _rope.apply_pair(q, k, cos, sin, backward=backward, out_dtype=out_dtype)
 
 
 @_fake(_rope_qk_fwd)
-def _rope_qk_fwd_fake(q, k, cos, sin, backward):
-    return _rope.output_like(q), _rope.output_like(k)
+def _rope_qk_fwd_fake(q, k, cos, sin, backward, out_dtype):
+    return _rope.output_like(q, out_dtype), _rope.output_like(k, out_dtype)
 
 
 def _rope_qk_setup(ctx, inputs, output):
-    q, k, cos, sin, backward = inputs
+    q, k, cos, sin, backward, _ = inputs
     ctx.set_materialize_grads(False)   # an unused q or k output: no zero-filled gradient to rotate
     ctx.save_for_backward(cos, sin)
-    ctx.backward = backward
+    ctx.backward, ctx.x_dtype = backward, q.dtype
 
 
 def _rope_qk_grad(ctx, dq, dk):
     cos, sin = ctx.saved_tensors
     dq, dk = (g if need else None for g, need in zip((dq, dk), ctx.needs_input_grad[:2]))
+    back, dtype = not ctx.backward, ctx.x_dtype
     if dq is not None and dk is not None:
-        dq, dk = _rope_qk_fwd(dq, dk, cos, sin, not ctx.backward)
+        dq, dk = _rope_qk_fwd(dq, dk, cos, sin, back, dtype)
     elif dq is not None:
-        dq = _rope_fwd(dq, cos, sin, not ctx.backward)
+        dq = _rope_fwd(dq, cos, sin, back, dtype)
     elif dk is not None:
-        dk = _rope_fwd(dk, cos, sin, not ctx.backward)
-    return dq, dk, None, None, None
+        dk = _rope_fwd(dk, cos, sin, back, dtype)
+    return dq, dk, None, None, None, None
 
 
 _rope_qk_fwd.register_autograd(_rope_qk_grad, setup_context=_rope_qk_setup)
 
 
-def triton_rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+def triton_rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
+                   out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     """`triton_rope` of q (B, H, S, D) and k (B, H_kv, S, D) in one launch per direction, as HF's
     `apply_rotary_pos_emb(q, k, cos, sin)`: what the kernels pass emits for an attention's q and k."""
-    return _rope_qk_fwd(q, k, cos, sin, False)
+    return _rope_qk_fwd(q, k, cos, sin, False, out_dtype or _promoted(q, cos, sin))
