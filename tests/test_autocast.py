@@ -19,12 +19,12 @@ AMP = torch.bfloat16
 class Autocast(torch.nn.Module):
     """The module's forward under CPU autocast, as accelerate wraps a prepared model's."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, dtype=AMP):
         super().__init__()
-        self.inner = inner
+        self.inner, self.dtype = inner, dtype
 
     def forward(self, **kw):
-        with torch.autocast("cpu", dtype=AMP):
+        with torch.autocast("cpu", dtype=self.dtype):
             return self.inner(**kw)
 
 
@@ -41,9 +41,11 @@ def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def test_under_autocast_the_rewrites_compute_in_its_dtype_and_are_predicted():
+# fp16: Trainer's fp16=True (its loss scaling outside the step)
+@pytest.mark.parametrize("amp", [AMP, pytest.param(torch.float16, marks=pytest.mark.slow)], ids=["bf16", "fp16"])
+def test_under_autocast_the_rewrites_compute_in_its_dtype_and_are_predicted(amp):
     model, inputs = hf_llama(2), batch(2, 256)
-    amp_loss, amp_logits, amp_grads = step(Autocast(m := copy.deepcopy(model)), m, inputs)
+    amp_loss, amp_logits, amp_grads = step(Autocast(m := copy.deepcopy(model), amp), m, inputs)
     fp32_loss, fp32_logits, fp32_grads = step(m := copy.deepcopy(model), m, inputs)
 
     # the head left unfused: the forward through rewritten attention and chunked MLPs is autocast's
@@ -51,10 +53,10 @@ def test_under_autocast_the_rewrites_compute_in_its_dtype_and_are_predicted():
     # own distance from fp32 away from autocast's, where these are autocast's to the bit here)
     kept = copy.deepcopy(model)
     opt = tailorfx.optimize(kept, passes=["attention", "minisequence"], keep_logits=True)   # captured under autocast
-    _, logits, _ = step(Autocast(opt), kept, inputs)
+    _, logits, _ = step(Autocast(opt, amp), kept, inputs)
     rec = opt.session.graphs[-1]
     assert {r.name: r.changed for r in rec.records} == {"attention": True, "minisequence": True}, rec.warnings
-    assert logits.dtype == AMP
+    assert logits.dtype == amp
     assert rel(logits, amp_logits) <= 0.05 * rel(amp_logits, fp32_logits)
 
     # the head fused: q, k, v and the head's input and weight cast as autocast cast them; the loss
@@ -63,17 +65,17 @@ def test_under_autocast_the_rewrites_compute_in_its_dtype_and_are_predicted():
     # fused head's per-row temporaries on 16-bit inputs on the CPU go uncounted: 0.26% here)
     fused = copy.deepcopy(model)
     opt = tailorfx.optimize(fused, passes=["attention", "minisequence"])
-    loss, logits, grads = step(Autocast(opt), fused, inputs)
+    loss, logits, grads = step(Autocast(opt, amp), fused, inputs)
     graph = opt.session.graphs[-1].rewritten.graph
     head = next(n for n in graph.nodes if getattr(n.target, "__name__", "") == "chunked_linear_cross_entropy")
     attention = [n for n in graph.nodes if getattr(n.target, "__name__", "") == "attention_call"]
-    assert [node_value(a).dtype for a in head.args[:2]] == [AMP, AMP] and len(attention) == 2
-    assert all(node_value(a).dtype == AMP for n in attention for a in n.args[:3])
+    assert [node_value(a).dtype for a in head.args[:2]] == [amp, amp] and len(attention) == 2
+    assert all(node_value(a).dtype == amp for n in attention for a in n.args[:3])
     assert logits is None and loss.dtype == torch.float32
     assert abs(loss - amp_loss).item() <= 2 ** -8 * amp_loss.item()
     for name, g in grads.items():
         assert g.dtype == torch.float32 and rel(g, amp_grads[name]) <= 1.5 * rel(amp_grads[name], fp32_grads[name]), name
-    measured = peak_of_step(Autocast(opt), fused, inputs)
+    measured = peak_of_step(Autocast(opt, amp), fused, inputs)
     assert abs(opt.predict_memory().dynamic_peak_bytes / measured - 1) <= 0.01
 
 
