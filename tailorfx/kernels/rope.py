@@ -17,11 +17,12 @@ Spec: dtype ("fp32" | "fp16" | "bf16", of x; of out, cos and sin too unless `out
 say otherwise), head_dim D, rotary_dim R (even, <= D), block_h (heads per program, a power of two).
 Under autocast HF's q and k come out of their projections in bf16 and meet fp32 cos and sin: torch's
 type promotion makes the rotation fp32, and its backward hands q a bf16 gradient; the kernel reads
-and writes each pointer in its own dtype, so one spec serves each direction. One program per (batch, position) row and
-block of heads, q's blocks then k's (a single tensor has no k blocks); x and out may have any
-strides but a contiguous last dim (HF's q is a (B, S, H, D) buffer transposed). Computed in fp32,
-rounded once on store; the pass-through channels are copied as they are (their code is rendered
-only when R < D).
+and writes each pointer in its own dtype, so one spec serves each direction.
+
+One program per (batch, position) row and block of heads, q's blocks then k's (a single tensor has
+no k blocks); x and out may have any strides but a contiguous last dim (HF's q is a (B, S, H, D)
+buffer transposed). Computed in fp32, rounded once on store; the pass-through channels are copied as
+they are (their code is rendered only when R < D).
 """
 from __future__ import annotations
 
