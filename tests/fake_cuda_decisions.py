@@ -5,7 +5,8 @@
 For HF Llama, Qwen3 and Gemma-2 (tests/models.py's tiny configs, bf16, batch 1 x 64 tokens,
 parameters without gradients) under optimize()'s default plan, kernels="triton" and
 attention=SlidingWindow(16), and in fp32 Llama's default plan and a model of its own whose SDPA
-call takes grouped k, v without a mask (GroupedSdpaLM), each graph's decisions (passes that
+call takes grouped k, v without a mask (GroupedSdpaLM), and Llama's kernels="triton" with fp32
+weights under autocast to bf16 (amp-triton), each graph's decisions (passes that
 changed it, the attention calls' specs, chunk counts, the head's dtypes) and what its rewritten
 graph calls when run on fake tensors of DEVICE at the captured sizes: the dispatched ops and
 torch's SDPA calls. Needs a torch linked with CUDA (a CPU wheel cannot index a fake CUDA tensor)
@@ -14,6 +15,7 @@ script of its own.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -38,6 +40,8 @@ VARIANTS = {"default": {}, "triton": {"kernels": "triton"},
             "window": {"attention": tailorfx.attention.SlidingWindow(16)}}
 EXTRA = {"flex": {"attention_kernel": "flex"}}   # gemma2's only, below
 DTYPES = {"fp32": torch.float32}   # variants in another dtype than bf16 (llama's only, below)
+# llama's only: fp32 weights, the forward under torch.autocast to bf16 (Trainer's bf16=True), no KV cache
+AUTOCAST = {"amp-triton": {"kernels": "triton"}}
 SEQ = 64
 
 
@@ -107,6 +111,8 @@ def graph_decisions(gm) -> list:
         if t in ("attention_call", "triton_attention", "flex_attention"):
             out.append(["attention", t, n.kwargs["kind"], [list(p) for p in n.kwargs["params"]],
                         n.kwargs.get("softcap"), bool(n.kwargs["causal"]), str(node_value(n.args[0]).dtype)])
+        elif t.startswith("triton_rope"):   # and the dtype it writes where the pass fused a cast into it
+            out.append(["kernel", t, str(n.kwargs.get("out_dtype"))])
         elif t.startswith("triton_"):
             out.append(["kernel", t])
         elif "token_chunked" in t:
@@ -116,8 +122,26 @@ def graph_decisions(gm) -> list:
     return out
 
 
-def run_static(gm, device: str) -> dict:
-    """Run the rewritten graph on fresh fake tensors at the captured sizes (their hints)."""
+@contextlib.contextmanager
+def autocast_to_bf16(device: str, on: bool):
+    """torch.autocast(device, bf16) when `on`: set directly, as torch.autocast("cuda") turns itself
+    off where no CUDA device is present (the dispatcher casts fake CUDA tensors all the same)."""
+    if not on:
+        yield
+        return
+    was = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+    torch.set_autocast_enabled(device, True)
+    torch.set_autocast_dtype(device, torch.bfloat16)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled(device, was[0])
+        torch.set_autocast_dtype(device, was[1])
+
+
+def run_static(gm, device: str, amp: bool = False) -> dict:
+    """Run the rewritten graph on fresh fake tensors at the captured sizes (their hints), under
+    autocast to bf16 with `amp` (as it was captured)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def static(v):
@@ -130,7 +154,7 @@ def run_static(gm, device: str) -> dict:
     args = [static(node_value(n)) for n in gm.graph.nodes if n.op == "placeholder"]
     assert all(a.device.type == device for a in args if isinstance(a, torch.Tensor) and a.is_floating_point())
     ops, sdpa = Dispatched(), Sdpa()
-    with mode, sdpa, ops:
+    with mode, sdpa, ops, autocast_to_bf16(device, amp):
         torch.fx.Interpreter(gm).run(*args)
     return {"ops": sorted(ops.ops), "head_inputs": ops.head, "sdpa": sdpa.calls}
 
@@ -182,17 +206,21 @@ class GroupedSdpaLM(torch.nn.Module):
 
 
 def case(family: str, variant: str, device: str) -> dict:
-    cfg = GroupedSdpaLM if family == "grouped_sdpa" else hf_config(family)
-    with built_on_fake_tensors(cfg, DTYPES.get(variant, torch.bfloat16)) as model:
+    amp = variant in AUTOCAST
+    # (under autocast without a KV cache, as trainers that checkpoint run: RoPE writes q, k in bf16)
+    cfg = GroupedSdpaLM if family == "grouped_sdpa" else hf_config(family, **({"use_cache": False} if amp else {}))
+    with built_on_fake_tensors(cfg, torch.float32 if amp else DTYPES.get(variant, torch.bfloat16)) as model:
         model, ids = on_device(model, device)
-        opt = tailorfx.optimize(model, example_inputs={"input_ids": ids, "labels": ids}, lowering="eager",
-                                predict=False, verify=False, **VARIANTS.get(variant, EXTRA.get(variant, {})))
+        with autocast_to_bf16(device, amp):
+            opt = tailorfx.optimize(model, example_inputs={"input_ids": ids, "labels": ids}, lowering="eager",
+                                    predict=False, verify=False,
+                                    **{**VARIANTS, **EXTRA, **AUTOCAST}.get(variant, {}))
     graphs = []
     for g in opt.session.graphs:
         rec = {"failed": g.failed, "warnings": g.warnings[:3],
                "passes": [[r.name, bool(r.changed)] for r in g.records], "calls": graph_decisions(g.rewritten)}
         if not g.failed:
-            rec.update(run_static(g.rewritten, device))
+            rec.update(run_static(g.rewritten, device, amp))
         if variant in DTYPES:   # what the parallel layouts run: the captured graph, its causal masks dropped
             rec["masks_dropped_sdpa"] = run_static(drop_causal_sdpa_masks(g.original), device)["sdpa"]
         graphs.append(rec)
@@ -203,7 +231,7 @@ def main() -> None:
     device = sys.argv[1]
     out = {}
     for family, variant in [*((f, v) for f in FAMILIES for v in VARIANTS), ("llama", "fp32"), ("grouped_sdpa", "fp32"),
-                            ("gemma2", "flex")]:
+                            ("gemma2", "flex"), ("llama", "amp-triton")]:
         try:
             out[f"{family}/{variant}"] = case(family, variant, device)
         except Exception as e:   # noqa: BLE001  (reported per case; the test names it)

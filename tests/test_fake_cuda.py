@@ -125,6 +125,19 @@ def test_kernels_triton_runs_every_triton_op_on_cuda(runs, family):
     assert ["kernels", True] in cuda["passes"]
 
 
+def test_under_autocast_the_triton_ops_run_on_cuda_and_rope_writes_bf16(runs):
+    """fp32 weights, the forward under autocast to bf16 (Trainer's bf16=True), no KV cache: every
+    Triton op runs on CUDA (the rotation's `out_dtype` taken by the triton_op), attention on bf16,
+    and each rotation, fp32 as torch promotes bf16 q by fp32 cos, writes bf16 where the
+    attention's cast to it was its one use (the cast fused), on both devices."""
+    for device in ("cpu", "cuda"):
+        g = _graph(runs, device, "llama/amp-triton")
+        assert {"tailorfx.triton_norm", "tailorfx.triton_rope_qk", "tailorfx.triton_attention",
+                "tailorfx.triton_linear_cross_entropy"} <= set(g["ops"]), device
+        assert [c[2] for c in g["calls"] if c[:2] == ["kernel", "triton_rope_qk"]] == ["torch.bfloat16"] * 2, device
+        assert [c[6] for c in g["calls"] if c[0] == "attention"] == ["torch.bfloat16"] * 2, device
+
+
 def test_fp32_exact_attention_repeats_grouped_kv_on_cuda_only(runs):
     """On CUDA neither flash (fp16/bf16 only) nor the memory-efficient kernel (no grouped heads)
     takes grouped k, v in fp32: SDPA's math kernel would hold (B, H, S, S) scores (8.4 GiB at 16K
