@@ -92,6 +92,7 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         trainers.BypassWatch.ran(self.model.training and torch.is_grad_enabled())
         if self.session.parallel is not None:   # sharded by DTensor/FSDP2: runs as torch.distributed runs it
             return self.session.parallel.runtime.run(self.model, args, kwargs)
+        kwargs = self.checkpointing_kwargs(kwargs)
         self.session.seq_len = mark_sequence_dims(args, kwargs)
         self.session.training = self.model.training
         self._check_budget_at(self.session.seq_len)

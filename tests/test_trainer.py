@@ -15,7 +15,7 @@ from transformers import Trainer, TrainingArguments
 import tailorfx
 from tailorfx.rewrite.capture import node_value
 from harness import sweep_dynamo_limits
-from models import hf_llama
+from models import batch, hf_llama
 
 
 def _data(n=16, S=32, vocab=256):
@@ -102,3 +102,31 @@ def test_trainer_bf16_trains_as_eager_trainer_bf16_does():
     amp = [g for g in opt.session.graphs if fused_in_bf16(g)]
     assert len(amp) == 1, [g.records for g in opt.session.graphs]
     assert {r.name: r.changed for r in amp[0].records} == {"attention": True, "minisequence": True}
+
+
+@pytest.mark.slow
+def test_checkpointing_through_tailorfx_fills_no_kv_cache():
+    """`gradient_checkpointing_enable()` called on the optimized model (as a custom or accelerate
+    loop calls it; Trainer sets `config.use_cache = args.use_cache`, False, itself): tailorfx
+    recomputes the blocks and, as transformers' own checkpointing does in each layer, runs training
+    calls with use_cache=False, so no layer fills a KV cache. The loss and gradients are eager
+    checkpointed HF's."""
+    base, inputs = hf_llama(), batch(2, 64)
+    assert base.config.use_cache
+    eager = copy.deepcopy(base)
+    eager.gradient_checkpointing_enable()
+    eager.train()
+    want = eager(**inputs).loss
+    want.backward()
+    model = copy.deepcopy(base)
+    opt = tailorfx.optimize(model)
+    opt.gradient_checkpointing_enable()
+    opt.train()
+    out = opt(**inputs)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, want, rtol=1e-6, atol=0)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert out.past_key_values is None and "recompute" in opt.session.graphs[-1].plan.passes
+    assert any("use_cache=False" in n for n in opt.session.notes), opt.session.notes
+    assert model(**inputs).past_key_values is not None   # the model's own call keeps its cache
