@@ -2,7 +2,8 @@
 
 Default TrainingArguments except gradient accumulation (2 micro-batches), so the loss Trainer logs
 goes through `num_items_in_batch` (token-mean over the whole accumulated batch), and labels padded
-with -100 so the micro-batches hold different numbers of tokens.
+with -100 so the micro-batches hold different numbers of tokens. In make test-slow: the same under
+`bf16=True` (autocast), and activation checkpointing served by tailorfx without a KV cache.
 """
 import contextlib
 import copy
