@@ -227,10 +227,11 @@ def apply_pair(q, k, cos, sin, rotary_dim: Optional[int] = None, *, backward: bo
     rot = int(cos.shape[-1] if rotary_dim is None else rotary_dim)
     out_dtype = q.dtype if out_dtype is None else out_dtype
     cs_dtype = promoted(cos.dtype, sin.dtype)
-    for name, dt in (("x", q.dtype), ("cos/sin", cs_dtype), ("out", out_dtype)):
-        if dt not in DTYPE_NAMES:
-            raise ValueError(f"rope: {name} dtype {dt}: one of {list(DTYPE_NAMES)}")
-    kern = _kernel(DTYPE_NAMES[q.dtype], int(d), rot, int(block_h), DTYPE_NAMES[cs_dtype], DTYPE_NAMES[out_dtype])
+    try:
+        names = DTYPE_NAMES[q.dtype], DTYPE_NAMES[cs_dtype], DTYPE_NAMES[out_dtype]
+    except KeyError:
+        raise ValueError(f"rope: x {q.dtype}, cos/sin {cs_dtype}, out {out_dtype}: each one of {list(DTYPE_NAMES)}") from None
+    kern = _kernel(names[0], int(d), rot, int(block_h), *names[1:])
     c, cb, cs = _cos_sin(cos, bsz, seq, rot, cs_dtype, "cos")
     s, sb, ss = _cos_sin(sin, bsz, seq, rot, cs_dtype, "sin")
     if (cb, cs) != (sb, ss):   # one set of offsets serves both

@@ -405,9 +405,8 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
         spec = glu.spec_for(gate, kw["act"])
         return [(spec, f"({_cdiv(_int(gate.numel()), spec['block'])},)")]
     if node.target in (triton_rope, triton_rope_qk):
-        x, cos, out = node_value(node.args[0]), node_value(node.args[-2]), node_value(node)
-        out = out[0] if isinstance(out, (tuple, list)) else out   # (a qk call's value is q's result's)
-        spec = rope.spec_for(x, cos=cos, out_dtype=out.dtype)
+        x, cos = node_value(node.args[0]), node_value(node.args[-2])
+        spec = rope.spec_for(x, cos=cos, out_dtype=node_value(node).dtype)   # (a qk call's value: q's result)
         batch, heads, seq = (_int(d) for d in x.shape[:3])
         blocks = _cdiv(heads, spec["block_h"])
         if node.target is triton_rope_qk:   # q's head blocks, then k's, in one launch
