@@ -273,3 +273,24 @@ def sweep_dynamo_limits():
     torch.compile(..., backend="tailorfx")."""
     import torch
     return torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096)
+
+
+def round_bf16_to_nearest_even(monkeypatch) -> None:
+    """Triton's interpreter rounding fp32 to bf16 to nearest even, as a GPU does: it truncates
+    (`InterpreterBuilder.cast_impl` passes no rounding mode; `fp_downcast_rounding` is not
+    reached), a bias toward zero that a sum over tokens (a bias's gradient) accumulates. For
+    numerics checks that claim a GPU's rounding; pytest's monkeypatch restores it after the test."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    truncating = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            wide = torch.from_numpy(np.ascontiguousarray(src.data))
+            return interpreter.TensorHandle(wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16),
+                                            dst_type.scalar)
+        return truncating(self, src, dst_type)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
