@@ -30,7 +30,7 @@ from tailorfx.rewrite.capture import mark_sequence_dims
 from tailorfx.runtime.log_prob_ops import chunked_token_log_probs
 
 # TRL's per-token outputs this head computes; TRL's other optional ones are not
-SUPPORTED_OUTPUTS = frozenset({"log_probs", "entropy", "is_top1"})
+SUPPORTED_OUTPUTS = frozenset({"log_probs", "entropy", "is_top1", "log_sum_sq_probs", "mean_logits"})
 
 
 def adapted_model(model: nn.Module) -> nn.Module:
@@ -82,9 +82,10 @@ def trl_fused_head(fn: Any, model: nn.Module) -> Union[TrlHead, str, None]:
 
 class LogProbStep(nn.Module):
     """The step TRL's fused forward describes, as one module tailorfx captures: the backbone, then
-    per-token log-probs of the next-token labels (and the entropy and is_top1 TRL asked for).
-    Returns (log_probs, entropy or None, is_top1 or None, label_mask), each (B, S - 1) (or the
-    shape of `shift_labels`); the loss is left to the caller, as TRL computes it."""
+    per-token log-probs of the next-token labels (and the other outputs TRL asked for). Returns
+    (log_probs, entropy, is_top1, log_sum_sq_probs, mean_logits, label_mask), each (B, S - 1) (or
+    the shape of `shift_labels`), None where not asked for; the loss is left to the caller, as TRL
+    computes it."""
 
     def __init__(self, model: nn.Module, head: TrlHead):
         super().__init__()
@@ -103,13 +104,13 @@ class LogProbStep(nn.Module):
         if self.head.cast_to_fp32:
             hidden = hidden.float()
         h = self.head
-        lp, ent, top = chunked_token_log_probs(
+        per_token = chunked_token_log_probs(
             hidden.reshape(-1, hidden.shape[-1]), lm_head.weight, lm_head.bias, labels.reshape(-1),
             softcap=h.softcap, logit_scale=h.logit_scale, temperature=h.temperature,
-            entropy="entropy" in h.outputs, top1="is_top1" in h.outputs)
+            entropy="entropy" in h.outputs, top1="is_top1" in h.outputs,
+            log_sum_sq_probs="log_sum_sq_probs" in h.outputs, mean_logits="mean_logits" in h.outputs)
         mask = labels != -100
-        return (lp.view(mask.shape), None if ent is None else ent.view(mask.shape),
-                None if top is None else top.view(mask.shape), mask)
+        return (*(None if x is None else x.view(mask.shape) for x in per_token), mask)
 
 
 CHECKPOINTING_NOTE = ("gradient checkpointing asked for (gradient_checkpointing_enable, as trainers call it): run by "
@@ -135,12 +136,12 @@ def with_checkpointing(options: Options, budgeted: bool, offload: bool = False) 
     return replace(options, pass_options=tuple(sorted(opts.items(), key=lambda kv: kv[0])))
 
 
-def trl_output(head: TrlHead, log_probs, entropy, is_top1, mask, num_items_in_batch):
+def trl_output(head: TrlHead, log_probs, entropy, is_top1, log_sum_sq_probs, mean_logits, mask, num_items_in_batch):
     """TRL's FusedCausalLMOutput from LogProbStep's values, its loss as TRL's forward makes it."""
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     return head.output_type(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
-                            log_sum_sq_probs=None, mean_logits=None, is_top1=is_top1, label_mask=mask,
-                            aux_loss=None)
+                            log_sum_sq_probs=log_sum_sq_probs, mean_logits=mean_logits, is_top1=is_top1,
+                            label_mask=mask, aux_loss=None)
 
 
 def describe(fn: Any) -> str:
@@ -343,9 +344,13 @@ class TrainerHooks:
             return
         self.__dict__["_checkpointing"] = on
         base = self.__dict__.setdefault("_options_before_checkpointing", self.options)
+        # trainers toggle it around a reference forward on every step (TRL's DPO): the compiled
+        # modules of each options are kept, so a toggle back reuses their graphs, not captures anew
+        kept = self.__dict__.setdefault("_compiled_by_options", {})
+        kept[self.options] = (self._compiled, self._trl_step)
         self.options = with_checkpointing(base, self.budget is not None, offload) if on else base
-        self.__dict__["_compiled"] = self._compile(self.model)
-        self.__dict__["_trl_step"] = None
+        compiled, trl_step = kept.get(self.options) or (self._compile(self.model), None)
+        self.__dict__["_compiled"], self.__dict__["_trl_step"] = compiled, trl_step
         note = CHECKPOINTING_NOTE
         if on and note not in self.session.notes:
             self.session.notes.append(note)

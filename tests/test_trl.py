@@ -121,6 +121,67 @@ def test_sft_trainer_runs_tailorfx_on_every_step(family, packing):
         assert err <= RTOL, f"{name}: normwise relative error {err:.2e}"
 
 
+def preferences(n: int = 16, vocab: int = 256, seed: int = 0):
+    """DPO's data: prompts and chosen and rejected completions of random words (text, as DPO tokenizes)."""
+    from datasets import Dataset
+    g = torch.Generator().manual_seed(seed)
+
+    def words(lo, hi):
+        n = int(torch.randint(lo, hi, (), generator=g))
+        return " ".join(f"t{int(i)}" for i in torch.randint(2, vocab, (n,), generator=g)) + " "
+    return Dataset.from_list([{"prompt": words(5, 20), "chosen": words(3, 15), "rejected": words(3, 15)}
+                              for _ in range(n)])
+
+
+def dpo(model, ref_model, grads_of):
+    """Train `model` with DPOTrainer (its default DPOConfig but fp32) against `ref_model` for STEPS
+    steps: (logged rows, first grads)."""
+    from tokenizers import pre_tokenizers
+    words = tokenizer()
+    words.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    with tempfile.TemporaryDirectory() as d:
+        args = trl.DPOConfig(output_dir=d, per_device_train_batch_size=4, max_steps=STEPS, logging_steps=1,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, bf16=False, seed=0,
+                             max_length=64)
+        grads = FirstGrads(grads_of)
+        trainer = trl.DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=preferences(),
+                                 processing_class=words, callbacks=[grads])
+        trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h], grads.grads
+
+
+def test_dpo_trainer_runs_tailorfx_on_every_step():
+    """DPOTrainer asks TRL's head for the metrics it logs (mean_logits for logits/chosen and
+    logits/rejected) and turns gradient checkpointing off and on around the reference forward of
+    every step: tailorfx serves the head (one graph, run on every step: no capture per toggle) and
+    DPO logs eager DPO's loss, log-probs, logits and accuracies, with its first gradients (rtol 1e-4)."""
+    base = hf_family("llama")
+    eager_model = copy.deepcopy(base)
+    eager, eager_grads = dpo(eager_model, copy.deepcopy(base), eager_model)
+    model = copy.deepcopy(base)
+    opt = tailorfx.optimize(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(without tailorfx's graph|not served by tailorfx)")
+        got, grads = dpo(opt, copy.deepcopy(base), model)
+
+    steps = [g for g in opt.graph_records if "chunked_token_log_probs" in str([n.target for n in g.rewritten.graph.nodes])]
+    assert len(opt.graph_records) == len(steps) == 1 and opt.session.runs[steps[0].index] == STEPS, opt.session.runs
+    head = next(n for n in steps[0].rewritten.graph.nodes if "chunked_token_log_probs" in str(n.target))
+    assert head.args[11:] == (False, True), head.args       # mean_logits computed, log_sum_sq_probs not asked for
+    assert "recompute" in steps[0].plan.passes and opt.is_activation_checkpointing
+    for key in ("loss", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy",
+                "mean_token_accuracy", "rewards/accuracies"):
+        torch.testing.assert_close([h[key] for h in got], [h[key] for h in eager], rtol=RTOL, atol=0,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+    for a, b in zip(got, eager):      # beta times a difference of log-probs: their tolerance, scaled
+        tol = 0.1 * RTOL * (abs(b["logps/chosen"]) + abs(b["logps/rejected"]))
+        assert abs(a["rewards/margins"] - b["rewards/margins"]) <= tol, (a, b)
+    for name, g in grads.items():
+        ref = eager_grads[name]
+        err = ((g - ref).abs().max() / ref.abs().max()).item()
+        assert err <= RTOL, f"{name}: normwise relative error {err:.2e}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_sft_trainer_under_a_budget_holds_it_on_every_step(family):
@@ -146,17 +207,18 @@ def test_sft_trainer_under_a_budget_holds_it_on_every_step(family):
 
 def test_trl_head_outputs_and_gradients_match_trls_head_under_any_token_weights():
     """fused_lm_head=True through tailorfx returns what TRL's head returns (log_probs, entropy,
-    is_top1, label_mask, loss), and a loss that weighs tokens unequally (TRL's DFT) and the entropy
+    is_top1, log_sum_sq_probs, mean_logits, label_mask, loss), and a loss that weighs tokens unequally (TRL's DFT) and the entropy
     gets eager TRL's gradients: the head's backward takes the per-token gradients it is given."""
     base = hf_family("gemma2")   # a soft-capped head
     ids = torch.randint(2, 256, (2, 40))
     labels = ids.clone()
     labels[0, :7] = -100
     eager_model = copy.deepcopy(base)
-    add_fused_lm_head(eager_model, outputs=("log_probs", "entropy", "is_top1"))
+    outputs = ("log_probs", "entropy", "is_top1", "log_sum_sq_probs", "mean_logits")
+    add_fused_lm_head(eager_model, outputs=outputs)
     model = copy.deepcopy(base)
     opt = tailorfx.optimize(model, example_inputs={"input_ids": ids, "labels": labels})
-    add_fused_lm_head(opt, outputs=("log_probs", "entropy", "is_top1"))
+    add_fused_lm_head(opt, outputs=outputs)
 
     def step(m):
         out = m(input_ids=ids, labels=labels, fused_lm_head=True)
@@ -164,13 +226,36 @@ def test_trl_head_outputs_and_gradients_match_trls_head_under_any_token_weights(
         loss.backward()
         return out
     ref, got = step(eager_model), step(opt)
-    for k in ("loss", "log_probs", "entropy"):
+    for k in ("loss", "log_probs", "entropy", "log_sum_sq_probs", "mean_logits"):
         torch.testing.assert_close(getattr(got, k), getattr(ref, k), rtol=RTOL, atol=1e-6, msg=k)
     assert torch.equal(got.is_top1, ref.is_top1) and torch.equal(got.label_mask, ref.label_mask)
     for (name, p), q in zip(model.named_parameters(), eager_model.parameters()):
         err = ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
         assert err <= RTOL, f"{name}: normwise relative error {err:.2e}"
     assert any("chunked_token_log_probs" in str(n.target) for g in opt.graph_records for n in g.rewritten.graph.nodes)
+
+
+def test_the_head_computes_every_output_trls_head_does():
+    """Each per-token output TRL's head offers (log_probs, entropy, is_top1, and the metrics DPO logs,
+    mean_logits, and WPO weighs by, log_sum_sq_probs) equals TRL's own kernel's, under a soft-cap,
+    a logit scale and a temperature, in chunks that split the rows; ignored rows 0 (False)."""
+    from trl.kernels.chunked_logprob import OPTIONAL_OUTPUTS, ChunkedLogProbFunction
+    from tailorfx.runtime.log_prob_ops import chunked_token_log_probs
+    g = torch.Generator().manual_seed(0)
+    hidden, weight, bias = (torch.randn(*s, generator=g) for s in ((37, 16), (50, 16), (50,)))
+    labels = torch.randint(0, 50, (37,), generator=g)
+    labels[::5] = -100
+    head = {"softcap": 5.0, "logit_scale": 0.5, "temperature": 0.7}
+    got = chunked_token_log_probs(hidden, weight, bias, labels, num_chunks=3, entropy=True, top1=True,
+                                  log_sum_sq_probs=True, mean_logits=True, **head)
+    lp, ent, sq, mean, top = ChunkedLogProbFunction.apply(hidden, weight, bias, labels.clamp(min=0), head["temperature"],
+                                                          32768, head["softcap"], head["logit_scale"], OPTIONAL_OUTPUTS)
+    keep = labels != -100
+    for name, a, b in zip(("log_probs", "entropy", "is_top1", "log_sum_sq_probs", "mean_logits"),
+                          got, (lp, ent, top, sq, mean)):
+        assert a.dtype == b.dtype and not a[~keep].any(), name
+        torch.testing.assert_close(a[keep], b[keep], rtol=1e-5, atol=1e-6, msg=name)
+    assert not any(x.requires_grad for x in got[2:])
 
 
 def test_a_replaced_forward_that_skips_tailorfx_is_said_once():
@@ -211,13 +296,14 @@ def test_trls_patch_is_served_and_a_directly_called_backbone_is_said():
 
 
 def test_unserved_trl_options_leave_trls_head_and_say_why():
-    """TRL asked for an output tailorfx's head does not compute: TRL's head runs (on the unoptimized
-    backbone), and both the choice and the bypass are said."""
-    model = hf_family("llama")
+    """TRL's head on a model whose config asks for router logits (an MoE auxiliary loss tailorfx's
+    head does not add): TRL's head runs (on the unoptimized backbone), and both the choice and the
+    bypass are said."""
+    model = hf_family("mixtral", output_router_logits=True)
     ids = torch.randint(2, 256, (2, 32))
     opt = tailorfx.optimize(model, example_inputs={"input_ids": ids, "labels": ids})
-    with pytest.warns(UserWarning, match="TRL's fused LM head is not served by tailorfx: TRL asked for "
-                                         r"\['mean_logits'\]"):
-        add_fused_lm_head(opt, outputs=("log_probs", "mean_logits"))
+    with pytest.warns(UserWarning, match="TRL's fused LM head is not served by tailorfx: the model returns router "
+                                         "logits"):
+        add_fused_lm_head(opt)
     with pytest.warns(UserWarning, match="a training step ran without tailorfx's graph"):
         opt(input_ids=ids, labels=ids, fused_lm_head=True).loss.backward()

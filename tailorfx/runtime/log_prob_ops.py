@@ -1,7 +1,8 @@
 """Per-token log-probabilities of the LM head's labels, chunked: what TRL's trainers read from
-`model(..., fused_lm_head=True)` (log_probs, entropy, is_top1), without the N x V logits.
+`model(..., fused_lm_head=True)` (log_probs, entropy, is_top1, and DPO's metrics mean_logits and
+log_sum_sq_probs), without the N x V logits.
 
-    log_probs, entropy, is_top1 = chunked_token_log_probs(hidden, weight, bias, labels, ...)
+    log_probs, entropy, is_top1, log_sum_sq_probs, mean_logits = chunked_token_log_probs(hidden, weight, ...)
 
 Unlike the fused loss (linear_ops.py), whose gradient is taken in forward for a loss of known
 weights, a caller weighs these per-token values as it likes (TRL's nll, DFT or policy-gradient
@@ -51,7 +52,7 @@ def _transform(z: Tensor, logit_scale: float, softcap: Optional[float], inv_t: f
 
 
 def _forward(hidden, weight, bias, labels, ignore_index, num_chunks, softcap, logit_scale, inv_t,
-             want_entropy, want_top1):
+             want_entropy, want_top1, want_sum_sq, want_mean):
     n_rows = hidden.shape[0]
     w, b, h_dtype = _operands(hidden, weight, bias)
     f32 = torch.promote_types(hidden.dtype, torch.float32)
@@ -59,6 +60,8 @@ def _forward(hidden, weight, bias, labels, ignore_index, num_chunks, softcap, lo
     log_z = hidden.new_zeros(n_rows, dtype=f32)
     entropy = hidden.new_zeros(n_rows if want_entropy else 0, dtype=f32)
     top1 = hidden.new_zeros(n_rows if want_top1 else 0, dtype=torch.bool)
+    sum_sq = hidden.new_zeros(n_rows if want_sum_sq else 0, dtype=f32)
+    mean = hidden.new_zeros(n_rows if want_mean else 0, dtype=f32)
     rows = (labels != ignore_index).nonzero().squeeze(1)
     step = _rows_per_chunk(n_rows, num_chunks)
     for start in range(0, rows.numel(), step):
@@ -67,6 +70,8 @@ def _forward(hidden, weight, bias, labels, ignore_index, num_chunks, softcap, lo
         z, _ = _transform(F.linear(hidden[idx].to(h_dtype), w, b).to(f32), logit_scale, softcap, inv_t)
         if want_top1:
             top1[idx] = z.argmax(1) == y.squeeze(1)      # the first maximum, as TRL's is_top1
+        if want_mean:
+            mean[idx] = z.mean(1)
         z_t = z.gather(1, y).squeeze(1)
         m = z.amax(1, keepdim=True)
         z.sub_(m)
@@ -75,13 +80,16 @@ def _forward(hidden, weight, bias, labels, ignore_index, num_chunks, softcap, lo
             s = e.sum(1)
             ez = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1)   # sum_v e_v (z_v - m), no chunk x V temporary
             entropy[idx] = s.log() - ez / s
-            del e
         else:
-            s = z.exp_().sum(1)
+            e = z.exp_()
+            s = e.sum(1)
+        if want_sum_sq:         # log sum_v p_v^2 = log sum_v e_v^2 - 2 log sum_v e_v
+            sum_sq[idx] = torch.bmm(e.unsqueeze(1), e.unsqueeze(2)).view(-1).log() - 2 * s.log()
+        del e
         lz = m.squeeze(1) + s.log()
         log_z[idx] = lz
         log_probs[idx] = z_t - lz
-    return log_probs, entropy, top1, log_z
+    return log_probs, entropy, top1, log_z, sum_sq, mean
 
 
 def _backward(hidden, weight, bias, labels, log_z, entropy, grad_lp, grad_ent, ignore_index, num_chunks,
@@ -135,18 +143,21 @@ def _backward(hidden, weight, bias, labels, log_z, entropy, grad_lp, grad_ent, i
 @torch.library.custom_op("tailorfx::chunked_token_log_probs", mutates_args=())
 def _token_log_probs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, ignore_index: int,
                      num_chunks: int, softcap: Optional[float], logit_scale: float, inv_temperature: float,
-                     want_entropy: bool, want_top1: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(log_probs, entropy or empty, is_top1 or empty, log-partition) per row."""
+                     want_entropy: bool, want_top1: bool, want_sum_sq: bool = False, want_mean: bool = False
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(log_probs, entropy, is_top1, log-partition, log_sum_sq_probs, mean_logits) per row; those
+    not asked for empty."""
     return _forward(hidden, weight, bias, labels, ignore_index, num_chunks, softcap, logit_scale, inv_temperature,
-                    want_entropy, want_top1)
+                    want_entropy, want_top1, want_sum_sq, want_mean)
 
 
 @_token_log_probs.register_fake
 def _token_log_probs_fake(hidden, weight, bias, labels, ignore_index, num_chunks, softcap, logit_scale,
-                          inv_temperature, want_entropy, want_top1):
+                          inv_temperature, want_entropy, want_top1, want_sum_sq=False, want_mean=False):
     n, f32 = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
     return (hidden.new_empty(n, dtype=f32), hidden.new_empty(n if want_entropy else 0, dtype=f32),
-            hidden.new_empty(n if want_top1 else 0, dtype=torch.bool), hidden.new_empty(n, dtype=f32))
+            hidden.new_empty(n if want_top1 else 0, dtype=torch.bool), hidden.new_empty(n, dtype=f32),
+            hidden.new_empty(n if want_sum_sq else 0, dtype=f32), hidden.new_empty(n if want_mean else 0, dtype=f32))
 
 
 @torch.library.custom_op("tailorfx::chunked_token_log_probs_backward", mutates_args=())
@@ -172,8 +183,8 @@ def _token_log_probs_backward_fake(hidden, weight, bias, labels, log_z, entropy,
 
 def _setup(ctx, inputs, output):
     hidden, weight, bias, labels, *options = inputs
-    log_probs, entropy, top1, log_z = output
-    ctx.mark_non_differentiable(top1, log_z)
+    log_probs, entropy, top1, log_z, sum_sq, mean = output
+    ctx.mark_non_differentiable(top1, log_z, sum_sq, mean)     # TRL's metrics: no gradient, as TRL's
     ctx.set_materialize_grads(False)    # entropy is most often a metric: no zero-filled gradient for it
     ctx.save_for_backward(hidden, weight, bias, labels, log_z, entropy)
     ctx.options = options
@@ -181,14 +192,14 @@ def _setup(ctx, inputs, output):
 
 def _grad(ctx, grad_lp, grad_ent, *_):
     hidden, weight, bias, labels, log_z, entropy = ctx.saved_tensors
-    ignore_index, num_chunks, softcap, logit_scale, inv_t, _, _ = ctx.options
+    ignore_index, num_chunks, softcap, logit_scale, inv_t, *_ = ctx.options
     need = ctx.needs_input_grad[:3]
     if (grad_lp is None and grad_ent is None) or not any(need):
-        return (None,) * 11
+        return (None,) * 13
     gh, gw, gb = torch.ops.tailorfx.chunked_token_log_probs_backward(
         hidden, weight, bias, labels, log_z, entropy, grad_lp, grad_ent, ignore_index, num_chunks, softcap,
         logit_scale, inv_t, *need)
-    return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None, *[None] * 8)
+    return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None, *[None] * 10)
 
 
 _token_log_probs.register_autograd(_grad, setup_context=_setup)
@@ -197,14 +208,18 @@ _token_log_probs.register_autograd(_grad, setup_context=_setup)
 def chunked_token_log_probs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, *,
                             ignore_index: int = -100, num_chunks: int = 8, softcap: Optional[float] = None,
                             logit_scale: float = 1.0, temperature: float = 1.0, entropy: bool = True,
-                            top1: bool = True) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-    """(log p(label), entropy, label is the argmax) per row of `hidden` [N, H] under the head
-    `softcap(logit_scale * (hidden @ weight.T + bias)) / temperature`, N x V logits never whole;
-    0 (False) on ignored rows; entropy and is_top1 None unless asked for."""
-    lp, ent, top, _ = torch.ops.tailorfx.chunked_token_log_probs(
+                            top1: bool = True, log_sum_sq_probs: bool = False, mean_logits: bool = False
+                            ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(log p(label), entropy, label is the argmax, log sum_v p_v^2, mean_v z_v) per row of
+    `hidden` [N, H] under the head `z = softcap(logit_scale * (hidden @ weight.T + bias)) /
+    temperature`, N x V logits never whole; 0 (False) on ignored rows; all but log p None unless
+    asked for. The last two are metrics (TRL's DPO logs them; WPO weighs by the first), without
+    gradient, as TRL's."""
+    lp, ent, top, _, sq, mean = torch.ops.tailorfx.chunked_token_log_probs(
         hidden, weight, bias, labels, ignore_index, num_chunks, softcap, float(logit_scale), 1.0 / temperature,
-        entropy, top1)
-    return lp, (ent if entropy else None), (top if top1 else None)
+        entropy, top1, log_sum_sq_probs, mean_logits)
+    return (lp, (ent if entropy else None), (top if top1 else None), (sq if log_sum_sq_probs else None),
+            (mean if mean_logits else None))
 
 
 def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = False) -> int:
