@@ -122,6 +122,11 @@ CACHE_NOTE = ("gradient checkpointing: training calls run with use_cache=False, 
               "sets it, so the layers fill no KV cache (past_key_values is None)")
 
 
+INPUT_GRADS_NOTE = ("enable_input_require_grads (peft with gradient checkpointing): no hook registered; tailorfx's "
+                    "recompute pass does not need the embeddings' output to require grad, and the hook would split "
+                    "the step into three graphs")
+
+
 def with_checkpointing(options: Options, budgeted: bool, offload: bool = False) -> Options:
     """`options` with the blocks recomputed, as a trainer's activation checkpointing asks: the
     recompute pass added to named passes, the policy "full" unless given or a budget lets the
@@ -320,6 +325,25 @@ class TrainerHooks:
         self._set_checkpointing(False)
 
     gradient_checkpointing_disable = activation_checkpointing_disable
+
+    def enable_input_require_grads(self) -> None:
+        """What trainers call for peft with gradient checkpointing (TRL's, transformers'): a hook that
+        makes the embeddings' output require grad, which torch.utils.checkpoint's reentrant form
+        needs. tailorfx's recompute pass needs none, and the hook's `requires_grad_()` would split
+        Dynamo's capture into three graphs (the head apart from the backbone, so no pass fuses it):
+        not registered, said in the report. Under `parallel=`, where checkpointing is the model's
+        own, the model's hook is registered."""
+        if self.session.parallel is not None:
+            self.model.enable_input_require_grads()
+        elif INPUT_GRADS_NOTE not in self.session.notes:
+            self.session.notes.append(INPUT_GRADS_NOTE)
+
+    def disable_input_require_grads(self) -> None:
+        """Undoes enable_input_require_grads."""
+        if self.session.parallel is not None:
+            self.model.disable_input_require_grads()
+        elif INPUT_GRADS_NOTE in self.session.notes:
+            self.session.notes.remove(INPUT_GRADS_NOTE)
 
     def checkpointing_kwargs(self, kwargs: dict) -> dict:
         """A training call's kwargs while tailorfx serves activation checkpointing: use_cache=False,

@@ -203,6 +203,46 @@ def test_sft_trainers_peft_config_adds_adapters_to_an_optimized_model():
     got, grads, counts = _sft_losses_and_grads(opt, model, copy.deepcopy(config))
     assert counts["tailorfx::chunked_token_log_probs_backward"] >= len(got[0]) and counts["tailorfx::token_chunked"] > 0
     _assert_as_eager(got, grads, eager, eager_grads)
+    # TRL's enable_input_require_grads hook left unregistered: the step is one graph, head included
+    _assert_one_graph_a_step(opt, len(got[0]))
+
+
+def _assert_one_graph_a_step(opt, steps: int):
+    """The training step a trainer ran is one graph of the backbone (MLPs chunked) and the head,
+    run on every step: TRL's enable_input_require_grads hook (peft with gradient checkpointing),
+    which split it into three (the head apart), is not registered, and the report says so."""
+    from tailorfx.trainers import INPUT_GRADS_NOTE
+    step = [g for g in opt.graph_records if g.plan is not None and "recompute" in g.plan.passes]
+    assert len(step) == 1 and opt.session.runs[step[0].index] == steps, (opt.session.runs, len(opt.graph_records))
+    targets = [str(n.target) for n in step[0].rewritten.graph.nodes]
+    assert any("chunked_token_log_probs" in t for t in targets) and any("token_chunked" in t for t in targets)
+    assert INPUT_GRADS_NOTE in opt.session.notes
+
+
+@pytest.mark.slow
+def test_dpo_trainers_peft_config_trains_as_eager_dpo():
+    """DPOTrainer(model=opt, peft_config=...): its reference is the model with the adapters
+    disabled (peft's context, in a no_grad forward with checkpointing turned off), a graph of its
+    own; the training step one graph (backbone and head); the logged loss, log-probs and rewards
+    and the adapters' first gradients equal eager DPO's with the same peft_config (rtol 1e-4)."""
+    from test_trl import dpo
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0,
+                        init_lora_weights=False)
+    base = hf_family("llama")
+    eager_model = copy.deepcopy(base)
+    eager, eager_grads = dpo(eager_model, None, eager_model, copy.deepcopy(config))
+    model = copy.deepcopy(base)
+    opt = tailorfx.optimize(model)
+    got, grads = dpo(opt, None, model, copy.deepcopy(config))
+    _assert_one_graph_a_step(opt, len(got))
+    assert len(opt.graph_records) == 2 and all(opt.session.runs[g.index] == len(got) for g in opt.graph_records)
+    assert eager[0]["rewards/chosen"] != 0        # random adapters: the reference differs from the policy
+    for key in ("loss", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected", "logits/chosen"):
+        torch.testing.assert_close([h[key] for h in got], [h[key] for h in eager], rtol=1e-4, atol=0,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+    assert grads.keys() == eager_grads.keys() and all("lora_" in n for n in grads), sorted(grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_trls_own_head_runs_on_a_lora_models_backbone_where_tailorfx_does_not_serve_it():

@@ -133,9 +133,9 @@ def preferences(n: int = 16, vocab: int = 256, seed: int = 0):
                               for _ in range(n)])
 
 
-def dpo(model, ref_model, grads_of):
-    """Train `model` with DPOTrainer (its default DPOConfig but fp32) against `ref_model` for STEPS
-    steps: (logged rows, first grads)."""
+def dpo(model, ref_model, grads_of, peft_config=None):
+    """Train `model` with DPOTrainer (its default DPOConfig but fp32) against `ref_model` (with
+    `peft_config`: the model with its adapters disabled) for STEPS steps: (logged rows, first grads)."""
     from tokenizers import pre_tokenizers
     words = tokenizer()
     words.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -144,8 +144,9 @@ def dpo(model, ref_model, grads_of):
                              report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, bf16=False, seed=0,
                              max_length=64)
         grads = FirstGrads(grads_of)
+        torch.manual_seed(1)   # the adapters TRL's get_peft_model makes (peft_config=)
         trainer = trl.DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=preferences(),
-                                 processing_class=words, callbacks=[grads])
+                                 processing_class=words, callbacks=[grads], peft_config=peft_config)
         trainer.train()
     return [h for h in trainer.state.log_history if "loss" in h], grads.grads
 
