@@ -184,6 +184,55 @@ def test_dpo_trainer_runs_tailorfx_on_every_step():
 
 
 @pytest.mark.slow
+def test_grpo_trainer_runs_tailorfx_on_every_step():
+    """GRPOTrainer: completions sampled by the model's own generate (the unoptimized forward,
+    inference), the policy loss through TRL's head at GRPO's temperature, served by tailorfx
+    (checkpointing toggled off for generation and back): one graph run on every step, and the
+    logged entropy and completion lengths and the first step's gradients equal eager GRPO's."""
+    from datasets import Dataset
+    from tokenizers import pre_tokenizers
+
+    def prompts(n: int = 8):
+        g = torch.Generator().manual_seed(0)
+        return Dataset.from_list([{"prompt": " ".join(f"t{int(i)}" for i in torch.randint(2, 256, (6,), generator=g)) + " "}
+                                  for _ in range(n)])
+
+    def grpo(model, grads_of):
+        words = tokenizer()
+        words.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        with tempfile.TemporaryDirectory() as d:
+            args = trl.GRPOConfig(output_dir=d, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                                  temperature=0.7, max_steps=STEPS, logging_steps=1, report_to=[], use_cpu=True,
+                                  save_strategy="no", disable_tqdm=True, bf16=False, seed=0)
+            grads = FirstGrads(grads_of)
+            torch.manual_seed(0)      # the same samples drawn in both runs
+            trainer = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [len(c) / 10 for c in completions],
+                                      args=args, train_dataset=prompts(), processing_class=words, callbacks=[grads])
+            trainer.train()
+        return [h for h in trainer.state.log_history if "loss" in h], grads.grads
+
+    base = hf_family("llama")
+    eager_model = copy.deepcopy(base)
+    eager, eager_grads = grpo(eager_model, eager_model)
+    model = copy.deepcopy(base)
+    opt = tailorfx.optimize(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(without tailorfx's graph|not served by tailorfx)")
+        got, grads = grpo(opt, model)
+    assert len(opt.graph_records) == 1 and opt.session.runs[0] == STEPS, opt.session.runs
+    head = next(n for n in opt.graph_records[0].rewritten.graph.nodes if "chunked_token_log_probs" in str(n.target))
+    assert head.args[8] == pytest.approx(1 / 0.7)         # GRPO's temperature, in tailorfx's head
+    for key in ("entropy", "completions/mean_length", "reward"):
+        torch.testing.assert_close([h[key] for h in got], [h[key] for h in eager], rtol=RTOL, atol=0,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+    assert grads.keys() == eager_grads.keys()
+    for name, g in grads.items():
+        ref = eager_grads[name]
+        err = ((g - ref).abs().max() / ref.abs().max()).item()
+        assert err <= RTOL, f"{name}: normwise relative error {err:.2e}"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_sft_trainer_under_a_budget_holds_it_on_every_step(family):
     """optimize(budget=...) handed to SFTTrainer: the measured memory of the whole training run
