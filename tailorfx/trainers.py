@@ -29,7 +29,7 @@ from tailorfx.parallel.plan import accepts_use_cache
 from tailorfx.rewrite.capture import mark_sequence_dims
 from tailorfx.runtime.log_prob_ops import chunked_token_log_probs
 
-# TRL's per-token outputs this head computes; TRL's other optional ones are not
+# TRL's per-token outputs this head computes (every one TRL 1.16's head offers; a later one is refused)
 SUPPORTED_OUTPUTS = frozenset({"log_probs", "entropy", "is_top1", "log_sum_sq_probs", "mean_logits"})
 
 

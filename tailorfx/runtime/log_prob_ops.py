@@ -1,6 +1,6 @@
 """Per-token log-probabilities of the LM head's labels, chunked: what TRL's trainers read from
-`model(..., fused_lm_head=True)` (log_probs, entropy, is_top1, and DPO's metrics mean_logits and
-log_sum_sq_probs), without the N x V logits.
+`model(..., fused_lm_head=True)` (log_probs, entropy, is_top1, mean_logits that DPO and KTO log,
+log_sum_sq_probs that WPO weighs by), without the N x V logits.
 
     log_probs, entropy, is_top1, log_sum_sq_probs, mean_logits = chunked_token_log_probs(hidden, weight, ...)
 
