@@ -182,7 +182,7 @@ class TailorBackend:
         when there is one (Dynamo guards on grad mode and module.training, so each mode gets its
         own graph and plan); under the eager lowering, a shallow capture's plan if `hinted`. With
         the warning that the plan fits only with the optimizer step in backward, if it does."""
-        opts = {**self.options.options_dict(),
+        opts = {**self.options.options_dict(), "grad": torch.is_grad_enabled(),
                 "training": torch.is_grad_enabled() and self.session.training is not False, "lowering": lowering}
         plan = planner.choose(self.options.passes, ctx.regions, opts)
         if not (opts.get("budget_bytes") and self.options.passes is None):

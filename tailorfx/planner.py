@@ -82,15 +82,23 @@ def _order(names: Sequence[str]) -> tuple[str, ...]:
     return tuple(graphlib.TopologicalSorter(graph).static_order())
 
 
+NO_BACKWARD = "; recompute left out: no backward (grad mode off)"
+
+
 def choose(requested: Optional[Sequence[str]], regions: RegionMap, options: dict) -> Plan:
     """`requested=None`: the planner picks; a list: exactly those passes, in pipeline order."""
     # kernels="triton" runs the kernels pass, and the exact attention pass that it lowers from
     implied = ("attention", "kernels") if options.get("kernels") else ()
+    # a graph captured with grad mode off (a reference model's or a KL term's forward) has no
+    # backward: nothing to recompute, and AOTAutograd's inference path refuses recompute tags
+    # around an op it counts as random (SDPA's)
+    no_backward = options.get("grad", True) is False
     if requested is not None:
         requested = [*requested, *(p for p in implied if p not in requested)]
         for name in requested:
             pass_registry.make(name, options)   # fails early, naming the available passes
-        return Plan(_order(requested), dict(options), "requested")
+        kept = [p for p in requested if not (no_backward and p == "recompute")]
+        return Plan(_order(kept), dict(options), "requested" + (NO_BACKWARD if len(kept) < len(requested) else ""))
     chosen = list(implied)
     for name in ("attention", "precision"):
         # asked for by the user: approximate rewrites never run unasked
@@ -103,7 +111,7 @@ def choose(requested: Optional[Sequence[str]], regions: RegionMap, options: dict
         # scores): less memory, and on CPU faster (Falcon: docs/passes.md#attention)
         chosen.append("attention")
         options["attention_only_dense"] = True
-    if options.get("recompute_policy") is not None or options.get("offload") is not None:
+    if (options.get("recompute_policy") is not None or options.get("offload") is not None) and not no_backward:
         chosen.append("recompute")
     if "minisequence" in pass_registry.available() and (
             regions.of_kind("mlp") or regions.of_kind("lm_head_loss")):
@@ -295,7 +303,10 @@ def _candidates(gm: fx.GraphModule, ctx: PassContext, base: Plan) -> tuple[list[
     cpu = plans_for_cpu(graph_device(gm), base.options.get("setup"))
     depth = ctx.seq.depth   # a shallow capture standing for a deeper model (rewrite/depth.py): its blocks are counted
     blocks = depth.layers if depth is not None else len(ctx.regions.of_kind("block"))
-    return budget_candidates(base, blocks, bool(ctx.regions.of_kind("lm_head_loss")), cpu=cpu), cpu
+    found = budget_candidates(base, blocks, bool(ctx.regions.of_kind("lm_head_loss")), cpu=cpu)
+    if base.options.get("grad", True) is False:   # no backward: nothing to recompute (choose())
+        found = [c for c in found if "recompute" not in c.passes]
+    return found, cpu
 
 
 def in_backward(setup: TrainingSetup) -> TrainingSetup:

@@ -160,3 +160,29 @@ def test_recompute_lowers_measured_peak_as_predicted():
         rows[name] = (measured, predicted)
         assert -0.02 <= (predicted - measured) / measured <= 0.03, (name, measured, predicted)
     assert rows["full"][0] < rows["selective"][0] < rows["none"][0], rows
+
+
+@pytest.mark.parametrize("passes", [None, ("minisequence", "recompute")], ids=["default", "named"])
+def test_a_forward_without_grad_under_checkpointing_is_rewritten_without_recompute(passes):
+    """A forward under torch.no_grad in train mode with checkpointing on (KTO's KL term, a reference
+    forward): no backward, so the plan leaves recompute out (AOTAutograd's inference path refused
+    its tags around SDPA, an op it counts as random, and the graph ran as captured, nothing
+    rewritten, with a warning); the other rewrites run, exact, and the training step recomputes."""
+    import warnings
+    from tailorfx.planner import NO_BACKWARD
+    model, inputs = hf_llama(2), batch(2, 64)
+    with torch.no_grad():
+        want = copy.deepcopy(model)(**inputs).loss
+    opt = tailorfx.optimize(model, passes=passes, strict=passes is not None)
+    opt.gradient_checkpointing_enable()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(passes failed|requested rewrites not applied)")
+        with torch.no_grad():
+            got = opt(**inputs).loss
+    rec = opt.session.graphs[-1]
+    assert not rec.failed and "recompute" not in rec.plan.passes, (rec.failed, rec.plan)
+    assert passes is None or rec.plan.reason.endswith(NO_BACKWARD)
+    assert any(r.name == "minisequence" and r.changed for r in rec.records)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    opt(**inputs).loss.backward()
+    assert "recompute" in opt.session.graphs[-1].plan.passes

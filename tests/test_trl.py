@@ -184,6 +184,54 @@ def test_dpo_trainer_runs_tailorfx_on_every_step():
 
 
 @pytest.mark.slow
+def test_kto_trainer_runs_tailorfx_on_every_step():
+    """KTOTrainer (TRL's head asked for log_probs, entropy and mean_logits, which left it unserved
+    before mean_logits was computed), an eager reference: the policy's forward and its KL forward
+    (no gradient) each one rewritten graph run on every step, and the logged loss, KL, log-probs,
+    logits and rewards and the first gradients equal eager KTO's (rtol 1e-4)."""
+    from datasets import Dataset
+    from tokenizers import pre_tokenizers
+    g = torch.Generator().manual_seed(0)
+
+    def words(n):
+        return " ".join(f"t{int(i)}" for i in torch.randint(2, 256, (n,), generator=g)) + " "
+    data = Dataset.from_list([{"prompt": words(8), "completion": words(6), "label": bool(i % 2)} for i in range(16)])
+
+    def kto(model, ref_model, grads_of):
+        tok = tokenizer()
+        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        with tempfile.TemporaryDirectory() as d:
+            args = trl.KTOConfig(output_dir=d, per_device_train_batch_size=4, max_steps=STEPS, logging_steps=1,
+                                 report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, bf16=False, seed=0)
+            grads = FirstGrads(grads_of)
+            trainer = trl.KTOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=data,
+                                     processing_class=tok, callbacks=[grads])
+            trainer.train()
+        return [h for h in trainer.state.log_history if "loss" in h], grads.grads
+
+    base = hf_family("llama")
+    eager_model = copy.deepcopy(base)
+    eager, eager_grads = kto(eager_model, copy.deepcopy(base), eager_model)
+    model = copy.deepcopy(base)
+    opt = tailorfx.optimize(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(without tailorfx's graph|not served by tailorfx)")
+        got, grads = kto(opt, copy.deepcopy(base), model)
+    assert len(opt.graph_records) == 2 and all(opt.session.runs[g.index] == STEPS for g in opt.graph_records)
+    # both rewritten, the KL forward (grad mode off, checkpointing on) without recompute: its
+    # recompute tags made AOTAutograd's inference path refuse it, and it ran as captured
+    assert [("recompute" in g.plan.passes, any(r.name == "minisequence" and r.changed for r in g.records))
+            for g in opt.graph_records] == [(False, True), (True, True)]
+    for key in ("loss", "kl", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "rewards/chosen"):
+        torch.testing.assert_close([h[key] for h in got], [h[key] for h in eager], rtol=RTOL, atol=0,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+    for name, g in grads.items():
+        ref = eager_grads[name]
+        err = ((g - ref).abs().max() / ref.abs().max()).item()
+        assert err <= RTOL, f"{name}: normwise relative error {err:.2e}"
+
+
+@pytest.mark.slow
 def test_grpo_trainer_runs_tailorfx_on_every_step():
     """GRPOTrainer: completions sampled by the model's own generate (the unoptimized forward,
     inference), the policy loss through TRL's head at GRPO's temperature, served by tailorfx
