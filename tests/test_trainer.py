@@ -131,3 +131,38 @@ def test_checkpointing_through_tailorfx_fills_no_kv_cache():
     assert out.past_key_values is None and "recompute" in opt.session.graphs[-1].plan.passes
     assert any("use_cache=False" in n for n in opt.session.notes), opt.session.notes
     assert model(**inputs).past_key_values is not None   # the model's own call keeps its cache
+
+
+def test_an_accelerate_loop_trains_an_optimized_model_as_the_model():
+    """A custom loop on accelerate (`Accelerator.prepare`, `accumulate` over 2 micro-batches of
+    lengths that differ, `accelerator.backward`): one graph serves every micro-batch, the MLPs
+    chunked, and the losses and the first accumulated gradients equal the model's own (rtol 1e-4)."""
+    from accelerate import Accelerator
+
+    def run(module, model):
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        module, optimizer = accelerator.prepare(module, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        g, losses, grads = torch.Generator().manual_seed(0), [], None
+        for i in range(4):
+            ids = torch.randint(2, 256, (2, 48 + 8 * i), generator=g)
+            with accelerator.accumulate(module):
+                loss = module(input_ids=ids, labels=ids).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and grads is None:
+                    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, grads
+
+    base = hf_llama(2)
+    eager, eager_grads = run(m := copy.deepcopy(base), m)
+    model = copy.deepcopy(base)
+    opt = tailorfx.optimize(model)
+    got, grads = run(opt, model)
+    assert len(opt.graph_records) == 1 and opt.session.runs[0] == 4, opt.session.runs
+    assert any(r.name == "minisequence" and r.changed for r in opt.graph_records[0].records)
+    torch.testing.assert_close(got, eager, rtol=1e-4, atol=0)
+    for name, g in grads.items():
+        ref = eager_grads[name]
+        assert ((g - ref).abs().max() / ref.abs().max()).item() <= 1e-4, name
