@@ -151,19 +151,36 @@ def dpo(model, ref_model, grads_of, peft_config=None):
     return [h for h in trainer.state.log_history if "loss" in h], grads.grads
 
 
+def eager_then_served(train, base):
+    """`train(model, grads_of)` on a copy of `base`, then on optimize() of another copy, where no
+    step may bypass tailorfx and TRL's head must be served: (eager rows, eager first gradients,
+    rows, first gradients, the optimized module)."""
+    eager_model = copy.deepcopy(base)
+    eager, eager_grads = train(eager_model, eager_model)
+    model = copy.deepcopy(base)
+    opt = tailorfx.optimize(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(without tailorfx's graph|not served by tailorfx)")
+        got, grads = train(opt, model)
+    return eager, eager_grads, got, grads, opt
+
+
+def assert_grads_close(grads: dict, eager_grads: dict) -> None:
+    assert grads.keys() == eager_grads.keys()
+    for name, g in grads.items():
+        ref = eager_grads[name]
+        err = ((g - ref).abs().max() / ref.abs().max()).item()
+        assert err <= RTOL, f"{name}: normwise relative error {err:.2e}"
+
+
 def test_dpo_trainer_runs_tailorfx_on_every_step():
     """DPOTrainer asks TRL's head for the metrics it logs (mean_logits for logits/chosen and
     logits/rejected) and turns gradient checkpointing off and on around the reference forward of
     every step: tailorfx serves the head (one graph, run on every step: no capture per toggle) and
     DPO logs eager DPO's loss, log-probs, logits and accuracies, with its first gradients (rtol 1e-4)."""
     base = hf_family("llama")
-    eager_model = copy.deepcopy(base)
-    eager, eager_grads = dpo(eager_model, copy.deepcopy(base), eager_model)
-    model = copy.deepcopy(base)
-    opt = tailorfx.optimize(model)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*(without tailorfx's graph|not served by tailorfx)")
-        got, grads = dpo(opt, copy.deepcopy(base), model)
+    eager, eager_grads, got, grads, opt = eager_then_served(
+        lambda model, grads_of: dpo(model, copy.deepcopy(base), grads_of), base)
 
     steps = [g for g in opt.graph_records if "chunked_token_log_probs" in str([n.target for n in g.rewritten.graph.nodes])]
     assert len(opt.graph_records) == len(steps) == 1 and opt.session.runs[steps[0].index] == STEPS, opt.session.runs
@@ -177,10 +194,7 @@ def test_dpo_trainer_runs_tailorfx_on_every_step():
     for a, b in zip(got, eager):      # beta times a difference of log-probs: their tolerance, scaled
         tol = 0.1 * RTOL * (abs(b["logps/chosen"]) + abs(b["logps/rejected"]))
         assert abs(a["rewards/margins"] - b["rewards/margins"]) <= tol, (a, b)
-    for name, g in grads.items():
-        ref = eager_grads[name]
-        err = ((g - ref).abs().max() / ref.abs().max()).item()
-        assert err <= RTOL, f"{name}: normwise relative error {err:.2e}"
+    assert_grads_close(grads, eager_grads)
 
 
 @pytest.mark.slow
@@ -210,13 +224,8 @@ def test_kto_trainer_runs_tailorfx_on_every_step():
         return [h for h in trainer.state.log_history if "loss" in h], grads.grads
 
     base = hf_family("llama")
-    eager_model = copy.deepcopy(base)
-    eager, eager_grads = kto(eager_model, copy.deepcopy(base), eager_model)
-    model = copy.deepcopy(base)
-    opt = tailorfx.optimize(model)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*(without tailorfx's graph|not served by tailorfx)")
-        got, grads = kto(opt, copy.deepcopy(base), model)
+    eager, eager_grads, got, grads, opt = eager_then_served(
+        lambda model, grads_of: kto(model, copy.deepcopy(base), grads_of), base)
     assert len(opt.graph_records) == 2 and all(opt.session.runs[g.index] == STEPS for g in opt.graph_records)
     # both rewritten, the KL forward (grad mode off, checkpointing on) without recompute: its
     # recompute tags made AOTAutograd's inference path refuse it, and it ran as captured
@@ -225,10 +234,7 @@ def test_kto_trainer_runs_tailorfx_on_every_step():
     for key in ("loss", "kl", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "rewards/chosen"):
         torch.testing.assert_close([h[key] for h in got], [h[key] for h in eager], rtol=RTOL, atol=0,
                                    msg=lambda m, key=key: f"{key}: {m}")
-    for name, g in grads.items():
-        ref = eager_grads[name]
-        err = ((g - ref).abs().max() / ref.abs().max()).item()
-        assert err <= RTOL, f"{name}: normwise relative error {err:.2e}"
+    assert_grads_close(grads, eager_grads)
 
 
 @pytest.mark.slow
@@ -259,25 +265,14 @@ def test_grpo_trainer_runs_tailorfx_on_every_step():
             trainer.train()
         return [h for h in trainer.state.log_history if "loss" in h], grads.grads
 
-    base = hf_family("llama")
-    eager_model = copy.deepcopy(base)
-    eager, eager_grads = grpo(eager_model, eager_model)
-    model = copy.deepcopy(base)
-    opt = tailorfx.optimize(model)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*(without tailorfx's graph|not served by tailorfx)")
-        got, grads = grpo(opt, model)
+    eager, eager_grads, got, grads, opt = eager_then_served(grpo, hf_family("llama"))
     assert len(opt.graph_records) == 1 and opt.session.runs[0] == STEPS, opt.session.runs
     head = next(n for n in opt.graph_records[0].rewritten.graph.nodes if "chunked_token_log_probs" in str(n.target))
     assert head.args[8] == pytest.approx(1 / 0.7)         # GRPO's temperature, in tailorfx's head
     for key in ("entropy", "completions/mean_length", "reward"):
         torch.testing.assert_close([h[key] for h in got], [h[key] for h in eager], rtol=RTOL, atol=0,
                                    msg=lambda m, key=key: f"{key}: {m}")
-    assert grads.keys() == eager_grads.keys()
-    for name, g in grads.items():
-        ref = eager_grads[name]
-        err = ((g - ref).abs().max() / ref.abs().max()).item()
-        assert err <= RTOL, f"{name}: normwise relative error {err:.2e}"
+    assert_grads_close(grads, eager_grads)
 
 
 @pytest.mark.slow
