@@ -400,7 +400,7 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
                       lowering=lowering, predict=check_flag("predict", predict), verify=check_flag("verify", verify))
     if parallel is not None:
         return _parallel_module(model, options, b, parallel, *examples)
-    opt = OptimizedModule(model, options, b)
+    opt = OptimizedModule.like(model)(model, options, b)
     if example_inputs is not None or example_kwargs is not None:
         opt(*examples[0], **examples[1])
         opt._bypass.forget_calls()    # no backward follows the example call
@@ -422,7 +422,7 @@ def _parallel_module(model: nn.Module, options: Options, budget: Optional[Budget
     """optimize(parallel=...): the layout (given, or "auto") applied with torch.distributed."""
     plan = parallel_plan(model, parallel, args, kwargs, budget=budget, requested=options.passes,
                          options=options.options_dict())
-    opt = OptimizedModule(model, options, budget)
+    opt = OptimizedModule.like(model)(model, options, budget)
     opt.session.parallel = plan
     return opt
 

@@ -221,6 +221,22 @@ def bypass_message(replaced: Optional[str]) -> str:
 
 
 
+@functools.lru_cache(maxsize=None)
+def _wrapper_like(cls: type, model_cls: type) -> type:
+    def forward(self, *args, **kwargs):
+        return self.__dict__["forward"](*args, **kwargs)     # the instance's, which Module.__call__ finds first
+    try:
+        forward.__signature__ = inspect.signature(model_cls.forward)
+    except (TypeError, ValueError):      # a forward without a signature to read: the wrapper's own
+        pass
+    name = model_cls.__name__
+
+    def __repr__(self):      # Module's repr starts with _get_name(): the wrapper's own name instead
+        return type(self).__name__ + nn.Module.__repr__(self)[len(name):]
+    return type(f"Optimized{name}", (cls,), {"forward": forward, "_get_name": lambda self: name, "__repr__": __repr__,
+                                              "__module__": cls.__module__, "__doc__": cls.__doc__})
+
+
 def warn_once(session, msg: str) -> None:
     if msg not in session.warnings:
         session.warnings.append(msg)
@@ -231,6 +247,14 @@ class TrainerHooks:
     """OptimizedModule's side that trainers meet: TRL's fused head served (a replaced `forward`
     watched), activation checkpointing run as the recompute pass, and the bypass watch. Reads
     the module's `model`, `options`, `budget` and `session`."""
+
+    @classmethod
+    def like(cls, model: nn.Module) -> type:
+        """`cls` as trainers read it for `model`: a subclass whose class-level `forward` has the
+        signature of the model's (Trainer finds its label names in `type(model).forward`; on the
+        plain wrapper it found none, so `evaluate()` computed no eval_loss) and whose `_get_name()`
+        is the model's (Trainer's label smoothing shifts the labels of a causal LM it names)."""
+        return _wrapper_like(cls, type(adapted_model(model)))
 
     def named_modules(self, memo: Optional[set] = None, prefix: str = "", remove_duplicate: bool = True):
         """This wrapper, then the model's modules under the names `model.named_modules()` gives them

@@ -166,3 +166,28 @@ def test_an_accelerate_loop_trains_an_optimized_model_as_the_model():
     for name, g in grads.items():
         ref = eager_grads[name]
         assert ((g - ref).abs().max() / ref.abs().max()).item() <= 1e-4, name
+
+
+def test_trainer_evaluates_and_smooths_labels_as_for_the_model():
+    """Trainer reads its label names from `type(model).forward` and shifts smoothed labels for a
+    class it names a causal LM: the optimized model's class takes the model's signature and name,
+    so `evaluate()` reports eval_loss (on the plain wrapper it found no labels and computed none)
+    and `label_smoothing_factor` gives eager's losses (it smoothed unshifted labels)."""
+    def run(model):
+        with tempfile.TemporaryDirectory() as d:
+            args = TrainingArguments(output_dir=d, per_device_train_batch_size=4, max_steps=2, logging_steps=1,
+                                     report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+                                     label_smoothing_factor=0.1, per_device_eval_batch_size=4)
+            trainer = Trainer(model=model, args=args, train_dataset=_data(), eval_dataset=_data(8))
+            trainer.train()
+            return trainer.label_names, [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer.evaluate()
+    base = hf_llama(2)
+    names, eager, eager_eval = run(copy.deepcopy(base))
+    opt = tailorfx.optimize(copy.deepcopy(base))
+    got_names, got, got_eval = run(opt)
+    assert opt.session.runs and all(n > 0 for n in opt.session.runs.values())
+    torch.testing.assert_close(got, eager, rtol=1e-4, atol=0)
+    assert type(opt).__name__ == "OptimizedLlamaForCausalLM" and repr(opt).startswith(type(opt).__name__)
+    assert got_names == names == ["labels"]
+    assert "eval_loss" in got_eval, got_eval
+    torch.testing.assert_close(got_eval["eval_loss"], eager_eval["eval_loss"], rtol=1e-4, atol=0)
