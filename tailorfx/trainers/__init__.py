@@ -16,8 +16,8 @@ import functools
 import inspect
 import warnings
 import weakref
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Union
+from dataclasses import replace
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -27,91 +27,10 @@ from tailorfx.backend import TailorBackend
 from tailorfx.options import Options
 from tailorfx.parallel.plan import accepts_use_cache
 from tailorfx.rewrite.capture import mark_sequence_dims
-from tailorfx.runtime.log_prob_ops import chunked_token_log_probs
+from tailorfx.trainers.trl_head import LogProbStep, TrlHead, adapted_model, trl_fused_head, trl_output
+from tailorfx.trainers.watch import BypassWatch, bypass_message, describe
 
-# TRL's per-token outputs this head computes (every one TRL 1.16's head offers; a later one is refused)
-SUPPORTED_OUTPUTS = frozenset({"log_probs", "entropy", "is_top1", "log_sum_sq_probs", "mean_logits"})
-
-
-def adapted_model(model: nn.Module) -> nn.Module:
-    """The model under an adapter wrapper (peft's PeftModel: `get_base_model()`, the causal LM with
-    its adapters injected in place), else `model`: its `base_model` is the backbone, as TRL reads it."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-@dataclass(frozen=True)
-class TrlHead:
-    """What TRL's fused forward computes, read off the function `add_fused_lm_head` made."""
-    patched: Callable            # TRL's function, bound to the module it patched
-    output_type: type            # trl's FusedCausalLMOutput
-    temperature: float
-    softcap: Optional[float]
-    logit_scale: float
-    outputs: tuple
-    cast_to_fp32: bool
-
-
-def trl_fused_head(fn: Any, model: nn.Module) -> Union[TrlHead, str, None]:
-    """A TrlHead when `fn` is the forward TRL's `add_fused_lm_head` made; the reason it cannot be
-    served (a str) when it is one with options this head lacks; None when it is not TRL's."""
-    func = getattr(fn, "__func__", fn)
-    code = getattr(func, "__code__", None)
-    # TRL wraps it as the model class's forward (functools.wraps): its own code and module tell it
-    if code is None or code.co_name != "_fused_forward" or \
-            not getattr(func, "__globals__", {}).get("__name__", "").startswith("trl."):
-        return None
-    cells = dict(zip(code.co_freevars, (c.cell_contents for c in func.__closure__ or ())))
-    needed = {"temperature", "final_logit_softcapping", "logit_scale", "outputs", "cast_lm_head_to_fp32",
-              "backbone_attr", "text_config"}
-    output_type = func.__globals__.get("FusedCausalLMOutput")
-    if not needed <= cells.keys() or output_type is None:
-        return f"TRL's fused forward keeps {sorted(cells)}, not what this TRL release's was read for"
-    outputs = tuple(cells["outputs"])
-    if not set(outputs) <= SUPPORTED_OUTPUTS:
-        return f"TRL asked for {sorted(set(outputs) - SUPPORTED_OUTPUTS)}, which tailorfx's head does not compute"
-    if cells["backbone_attr"] != "base_model":
-        return f"TRL reads the backbone as {cells['backbone_attr']!r} (a vision-language model)"
-    if getattr(cells["text_config"], "output_router_logits", False):
-        return "the model returns router logits (MoE auxiliary loss), which tailorfx's head does not add"
-    model = adapted_model(model)
-    if not (hasattr(model, "base_model") and hasattr(model, "get_output_embeddings")):
-        return "the model has no base_model / get_output_embeddings"
-    return TrlHead(fn, output_type, float(cells["temperature"]), cells["final_logit_softcapping"],
-                   float(cells["logit_scale"]), outputs, bool(cells["cast_lm_head_to_fp32"]))
-
-
-class LogProbStep(nn.Module):
-    """The step TRL's fused forward describes, as one module tailorfx captures: the backbone, then
-    per-token log-probs of the next-token labels (and the other outputs TRL asked for). Returns
-    (log_probs, entropy, is_top1, log_sum_sq_probs, mean_logits, label_mask), each (B, S - 1) (or
-    the shape of `shift_labels`), None where not asked for; the loss is left to the caller, as TRL
-    computes it."""
-
-    def __init__(self, model: nn.Module, head: TrlHead):
-        super().__init__()
-        self.model = model
-        self.head = head
-
-    def forward(self, *args, labels=None, shift_labels=None, **kwargs):
-        kwargs["use_cache"] = False
-        model = adapted_model(self.model)   # a LoRA model's backbone runs its adapters
-        hidden = model.base_model(*args, **kwargs).last_hidden_state
-        if shift_labels is None:
-            hidden, labels = hidden[:, :-1], labels[:, 1:]
-        else:
-            labels = shift_labels
-        lm_head = model.get_output_embeddings()
-        if self.head.cast_to_fp32:
-            hidden = hidden.float()
-        h = self.head
-        per_token = chunked_token_log_probs(
-            hidden.reshape(-1, hidden.shape[-1]), lm_head.weight, lm_head.bias, labels.reshape(-1),
-            softcap=h.softcap, logit_scale=h.logit_scale, temperature=h.temperature,
-            entropy="entropy" in h.outputs, top1="is_top1" in h.outputs,
-            log_sum_sq_probs="log_sum_sq_probs" in h.outputs, mean_logits="mean_logits" in h.outputs)
-        mask = labels != -100
-        return (*(None if x is None else x.view(mask.shape) for x in per_token), mask)
-
+__all__ = ["TrainerHooks", "BypassWatch", "with_checkpointing", "CHECKPOINTING_NOTE", "CACHE_NOTE", "INPUT_GRADS_NOTE"]
 
 CHECKPOINTING_NOTE = ("gradient checkpointing asked for (gradient_checkpointing_enable, as trainers call it): run by "
                       "tailorfx's recompute pass (every block recomputed in full, or under a budget the blocks the "
@@ -141,99 +60,25 @@ def with_checkpointing(options: Options, budgeted: bool, offload: bool = False) 
     return replace(options, pass_options=tuple(sorted(opts.items(), key=lambda kv: kv[0])))
 
 
-def trl_output(head: TrlHead, log_probs, entropy, is_top1, log_sum_sq_probs, mean_logits, mask, num_items_in_batch):
-    """TRL's FusedCausalLMOutput from LogProbStep's values, its loss as TRL's forward makes it."""
-    count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-    return head.output_type(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
-                            log_sum_sq_probs=log_sum_sq_probs, mean_logits=mean_logits, is_top1=is_top1,
-                            label_mask=mask, aux_loss=None)
-
-
-def describe(fn: Any) -> str:
-    """A replaced forward, as a message names it: where its code is (functools.wraps may have
-    given it another function's name)."""
-    func = getattr(fn, "__func__", fn)
-    code = getattr(func, "__code__", None)
-    if code is None:
-        return type(fn).__qualname__
-    return f"{getattr(func, '__globals__', {}).get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}"
-
-
-class BypassWatch:
-    """Says, once, when a training backward accumulated gradients into the model's parameters
-    with no training call of a tailorfx graph since the previous backward: a replaced `forward`,
-    a submodule called directly, or a trainer's own head around the backbone. It cannot live in
-    `forward` (what gets replaced), so it sits on the parameters' post-accumulate-grad hooks.
-    Training calls are counted over every optimized module of the process (`calls`), so a module
-    a user made and dropped before training another over the same parameters says nothing."""
-    calls = 0        # training calls of any OptimizedModule's graphs in this process
-
-    def __init__(self, params, on_bypass: Callable[[], None]):
-        self.seen = BypassWatch.calls        # the count at the last backward checked
-        self.backward_id: Optional[int] = None
-        self.said = False
-        self.on_bypass = on_bypass
-        me = weakref.ref(self)
-        self.handles = [p.register_post_accumulate_grad_hook(lambda p, me=me: _check(me)) for p in params
-                        if p.requires_grad]
-
-    @staticmethod
-    def ran(training: bool) -> None:
-        """A call of a tailorfx graph (counted when it trains: the model in train mode, grads on)."""
-        BypassWatch.calls += bool(training)
-
-    def forget_calls(self) -> None:
-        """The calls so far are followed by no backward (optimize()'s example call)."""
-        self.seen = BypassWatch.calls
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-
-
-def _check(ref: Callable[[], Optional[BypassWatch]]) -> None:
-    watch = ref()
-    if watch is None:
-        return
-    pass_id = compat.backward_pass_id()
-    if pass_id == watch.backward_id:
-        return          # the same backward, already checked
-    watch.backward_id = pass_id
-    if watch.seen != BypassWatch.calls:
-        watch.seen = BypassWatch.calls
-    elif not watch.said:
-        watch.said = True
-        watch.on_bypass()
-
-
-def bypass_message(replaced: Optional[str]) -> str:
-    """What the bypass warning says: what happened and how to wire it."""
-    what = (f"model.forward was replaced by {replaced}, which does not call tailorfx's forward"
-            if replaced else "the model's parameters got gradients from code that did not call the optimized "
-                             "module (a submodule such as opt.model.model called directly, or work outside "
-                             "the captured graph)")
-    return (f"a training step ran without tailorfx's graph: {what}. Nothing of that step was rewritten, "
-            "and budgets and predictions do not cover it. Call the module optimize() returned for the whole "
-            "forward (`opt(**batch).loss.backward()`); a trainer's own head goes in front of it only through "
-            "what tailorfx serves (TRL's fused_lm_head is served; docs/usage.md lists the wirings)")
-
-
-
-
 @functools.lru_cache(maxsize=None)
-def _wrapper_like(cls: type, model_cls: type) -> type:
+def _wrapper_like(cls: type, model_cls: type, causal_lm_cls: type) -> type:
     def forward(self, *args, **kwargs):
         return self.__dict__["forward"](*args, **kwargs)     # the instance's, which Module.__call__ finds first
     try:
-        forward.__signature__ = inspect.signature(model_cls.forward)
+        forward.__signature__ = inspect.signature(causal_lm_cls.forward)
     except (TypeError, ValueError):      # a forward without a signature to read: the wrapper's own
         pass
-    name = model_cls.__name__
+    name = causal_lm_cls.__name__
 
     def __repr__(self):      # Module's repr starts with _get_name(): the wrapper's own name instead
         return type(self).__name__ + nn.Module.__repr__(self)[len(name):]
+
+    def set_class(self, new: type) -> None:      # FSDP2's fully_shard gives a module a class of its own
+        object.__dict__["__class__"].__set__(self, new)
+    # isinstance() reads `__class__` where type() does not answer (as wrapt's proxies do it)
+    the_models_class = property(lambda self: model_cls, set_class)
     return type(f"Optimized{name}", (cls,), {"forward": forward, "_get_name": lambda self: name, "__repr__": __repr__,
+                                              "__class__": the_models_class,
                                               "__module__": cls.__module__, "__doc__": cls.__doc__})
 
 
@@ -252,9 +97,17 @@ class TrainerHooks:
     def like(cls, model: nn.Module) -> type:
         """`cls` as trainers read it for `model`: a subclass whose class-level `forward` has the
         signature of the model's (Trainer finds its label names in `type(model).forward`; on the
-        plain wrapper it found none, so `evaluate()` computed no eval_loss) and whose `_get_name()`
-        is the model's (Trainer's label smoothing shifts the labels of a causal LM it names)."""
-        return _wrapper_like(cls, type(adapted_model(model)))
+        plain wrapper it found none, so `evaluate()` computed no eval_loss), whose `_get_name()` is
+        the model's (Trainer's label smoothing shifts the labels of a causal LM it names), and whose
+        instances are instances of the model's class to `isinstance` (`type()` still names the
+        wrapper): Trainer saves a `PreTrainedModel` with `save_pretrained` (config and tied weights;
+        otherwise a bare state dict, which safetensors refuses for tied embeddings), TRL and
+        accelerate treat a `PeftModel` as one (its reference the adapters disabled, its checkpoints
+        the adapters)."""
+        return _wrapper_like(cls, type(model), type(adapted_model(model)))
+
+    def __dir__(self):
+        return sorted(set(nn.Module.__dir__(self)) | set(dir(type(self))))
 
     def named_modules(self, memo: Optional[set] = None, prefix: str = "", remove_duplicate: bool = True):
         """This wrapper, then the model's modules under the names `model.named_modules()` gives them
@@ -324,6 +177,34 @@ class TrainerHooks:
             return serve(head, args, kwargs, labels, shift_labels, num_items_in_batch)
         self.__dict__["forward"] = forward
         self.__dict__["_replaced_forward"] = None
+        self._note_served(fn, head)
+
+    def _fused_call(self, args: tuple, kwargs: dict):
+        """A `fused_lm_head=True` call that reached the wrapper's own forward: TRL put its head on the
+        causal LM under the PeftModel this wraps (TRL patches `get_base_model()` of a model accelerate
+        calls a PeftModel, as this one is to isinstance). Served as if it had replaced this module's
+        forward; None where no head of TRL's is there (the call runs as it is)."""
+        fn = vars(adapted_model(self.model)).get("forward")
+        seen = self.__dict__.get("_inner_head")
+        if seen is None or seen[0] is not fn:
+            seen = (fn, None if fn is None else trl_fused_head(fn, self.model))
+            self.__dict__["_inner_head"] = seen
+            if isinstance(seen[1], TrlHead):
+                self._note_served(fn, seen[1])
+        head = seen[1]
+        if head is None:
+            return None
+        kwargs = dict(kwargs)
+        kwargs.pop("fused_lm_head")
+        labels, shift_labels, n = (kwargs.pop(k, None) for k in ("labels", "shift_labels", "num_items_in_batch"))
+        if isinstance(head, str):   # TRL's, with options tailorfx's head lacks: as the model runs it
+            warn_once(self.session, f"TRL's fused LM head is not served by tailorfx: {head}; "
+                                    f"TRL's head will run on the unoptimized backbone")
+            return self.model(*args, fused_lm_head=True, labels=labels, shift_labels=shift_labels,
+                              num_items_in_batch=n, **kwargs)
+        return self._trl_forward(head, args, kwargs, labels, shift_labels, n)
+
+    def _note_served(self, fn, head: TrlHead) -> None:
         note = (f"TRL's fused LM head ({describe(fn)}, outputs {', '.join(head.outputs)}) is served by "
                 f"tailorfx: fused_lm_head=True calls run the backbone's rewritten graph and tailorfx's chunked "
                 f"log-prob head (one fused head, sized by the plan), not TRL's")
