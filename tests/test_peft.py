@@ -3,11 +3,14 @@ handed to optimize() and trained by hand or by transformers.Trainer. The frozen 
 gradient and no optimizer state; the rewrites reach the blocks under peft's wrappers and name them
 as `named_modules()` does."""
 import copy
+import os
 import tempfile
+import warnings
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from transformers import Trainer, TrainingArguments
 
 import tailorfx
 from harness import peak_of_step, tailorfx_ops
@@ -191,31 +194,34 @@ def test_sft_trainer_trains_an_optimized_lora_model_through_tailorfxs_head():
 def test_sft_trainers_peft_config_adds_adapters_to_an_optimized_model():
     """SFTTrainer(model=opt, peft_config=...): peft injects the adapters into the captured model's
     layers; the graph is captured again with them (dynamo's guards), and the run equals eager TRL's
-    with the same peft_config. Explicit target_modules: under "all-linear" peft would adapt lm_head
-    too (it spares the output layer of a PreTrainedModel only), which TRL refuses (docs/usage.md)."""
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0,
-                        init_lora_weights=False)
+    with the same peft_config. Under "all-linear" peft spares the output layer of a PreTrainedModel
+    only, which the optimized model answers to be: lm_head keeps no adapter (TRL refuses one)."""
+    config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
     base = hf_family("llama")
     eager_model = copy.deepcopy(base)
     eager, eager_grads, _ = _sft_losses_and_grads(eager_model, eager_model, copy.deepcopy(config))
     model = copy.deepcopy(base)
     opt = tailorfx.optimize(model, example_inputs=_inputs())
     got, grads, counts = _sft_losses_and_grads(opt, model, copy.deepcopy(config))
+    assert any(".down_proj.lora_A" in n for n in grads) and not any("lm_head" in n for n in grads), sorted(grads)
     assert counts["tailorfx::chunked_token_log_probs_backward"] >= len(got[0]) and counts["tailorfx::token_chunked"] > 0
     _assert_as_eager(got, grads, eager, eager_grads)
     # TRL's enable_input_require_grads hook left unregistered: the step is one graph, head included
     _assert_one_graph_a_step(opt, len(got[0]))
 
 
-def _assert_one_graph_a_step(opt, steps: int):
-    """The training step a trainer ran is one graph of the backbone (MLPs chunked) and the head,
-    run on every step: TRL's enable_input_require_grads hook (peft with gradient checkpointing),
-    which split it into three (the head apart), is not registered, and the report says so."""
+def _assert_one_graph_a_step(opt, steps: int, graphs: int = 1):
+    """The training step a trainer ran is one graph of the backbone (MLPs chunked) and the head
+    (`graphs` of them where a guard recaptures it), run on every step: TRL's
+    enable_input_require_grads hook (peft with gradient checkpointing), which split it into three
+    (the head apart), is not registered, and the report says so."""
     from tailorfx.trainers import INPUT_GRADS_NOTE
     step = [g for g in opt.graph_records if g.plan is not None and "recompute" in g.plan.passes]
-    assert len(step) == 1 and opt.session.runs[step[0].index] == steps, (opt.session.runs, len(opt.graph_records))
-    targets = [str(n.target) for n in step[0].rewritten.graph.nodes]
-    assert any("chunked_token_log_probs" in t for t in targets) and any("token_chunked" in t for t in targets)
+    runs = [opt.session.runs[g.index] for g in step]
+    assert len(step) == graphs and sum(runs) == steps, (opt.session.runs, len(opt.graph_records))
+    for g in step:
+        targets = [str(n.target) for n in g.rewritten.graph.nodes]
+        assert any("chunked_token_log_probs" in t for t in targets) and any("token_chunked" in t for t in targets)
     assert INPUT_GRADS_NOTE in opt.session.notes
 
 
@@ -243,6 +249,44 @@ def test_dpo_trainers_peft_config_trains_as_eager_dpo():
     assert grads.keys() == eager_grads.keys() and all("lora_" in n for n in grads), sorted(grads)
     for name, g in grads.items():
         torch.testing.assert_close(g, eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_dpo_trainer_takes_an_optimized_peft_models_reference_from_its_adapters():
+    """DPOTrainer(model=optimize(peft model)), no ref_model: accelerate's is_peft_model sees a
+    PeftModel (the optimized class answers isinstance as the model's), so TRL keeps a frozen copy of
+    the adapters ("ref") for the reference, as for the PeftModel itself (before, it loaded a second
+    model by the config's hub name: with none, it raised), and puts its head on the causal LM under
+    peft, which tailorfx serves. The logged rows and the adapters' first gradients equal eager DPO's
+    on the PeftModel (rtol 1e-4); the training step runs as tailorfx's graphs; Trainer's save
+    writes the adapters."""
+    from peft import PeftModel
+    from test_trl import dpo
+    base = lora("llama")
+    eager_model = copy.deepcopy(base)
+    eager, eager_grads = dpo(eager_model, None, eager_model)
+    model = copy.deepcopy(base)
+    opt = tailorfx.optimize(model)
+    assert isinstance(opt, PeftModel)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(without tailorfx's graph|not served by tailorfx)")
+        got, grads = dpo(opt, None, model)
+    assert "ref" in model.peft_config and any(".ref." in n for n, _ in model.named_parameters())
+    # TRL swaps the "ref" adapter in for the reference and back, and peft's set_adapter leaves the
+    # layers' `_active_adapter` distinct objects, which Dynamo guards on: the first step's graph
+    # serves that step only, the second every step after
+    _assert_one_graph_a_step(opt, len(got), graphs=2)
+    assert any("TRL's fused LM head" in n for n in opt.session.notes)
+    assert eager[-1]["rewards/chosen"] != 0        # the policy moved away from its reference
+    for key in ("loss", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected", "logits/chosen"):
+        torch.testing.assert_close([h[key] for h in got], [h[key] for h in eager], rtol=1e-4, atol=0,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+    assert grads.keys() == eager_grads.keys() and all("lora_" in n and ".default." in n for n in grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    with tempfile.TemporaryDirectory() as d:
+        Trainer(model=opt, args=TrainingArguments(output_dir=d, report_to=[], use_cpu=True)).save_model(d)
+        assert "adapter_model.safetensors" in os.listdir(d) and "model.safetensors" not in os.listdir(d)
 
 
 def test_trls_own_head_runs_on_a_lora_models_backbone_where_tailorfx_does_not_serve_it():
