@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from tailorfx import planner
+from tailorfx import compat, planner
 from tailorfx.budget import format_bytes
 from tailorfx.errors import BudgetError
 from tailorfx.options import Options, backend_options
@@ -24,6 +24,12 @@ from tailorfx.rewrite.passes import LazyPeak, PassContext, PassRecord, peak_of
 from tailorfx.rewrite.regions import RegionMap, find_regions
 from tailorfx.progress import stage
 from tailorfx.runtime.optim import GraphInputs
+
+DDP_SPLIT = ("inside DistributedDataParallel, Dynamo's DDPOptimizer hands tailorfx the step in pieces cut at "
+             "DDP's gradient buckets, which cut regions (an MLP, attention and its causal mask) apart: the pieces "
+             "run as captured. Set optimize_ddp = False in Dynamo's config "
+             "before the first step, or hand DDP (or Trainer) tailorfx.optimize(model), which keeps the step "
+             "one graph")
 
 
 @dataclass
@@ -120,6 +126,10 @@ class TailorBackend:
         return _live(self._session_ref)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        if compat.ddp_splits_graphs():   # a piece of the step: run as captured, and say why
+            self.session.warnings.append(DDP_SPLIT)
+            warnings.warn(DDP_SPLIT)
+            return gm.forward
         pin_to_model(gm, example_inputs)   # may ask Dynamo to trace again (symbolic length, constant floats)
         strip_identity_dropout(gm)
         return self._compile(gm, example_inputs, hinted=True)

@@ -244,3 +244,16 @@ def test_trainer_checkpoints_an_optimized_model_as_the_model():
         _, again = train(resumed, d + "/opt", resume_from_checkpoint=d + "/opt/checkpoint-1")
         torch.testing.assert_close(again, losses, rtol=1e-6, atol=0)   # the first read back from checkpoint-1
         assert resumed.session.runs, "the resumed run did not call tailorfx's graph"
+
+
+@pytest.mark.multiprocess
+def test_trainer_under_torchrun_trains_an_optimized_model_in_one_graph_inside_ddp():
+    """Trainer on 2 gloo processes wraps the model in DistributedDataParallel, whose forward makes
+    Dynamo cut the step at DDP's gradient buckets (DDPOptimizer: 5 pieces here, each MLP and the
+    causal mask apart, nothing chunked): optimize() keeps it one graph, MLPs chunked, and trains as
+    eager Trainer does; the backend under DDP says its pieces run as captured
+    (tests/dist/ddp_trainer_check.py)."""
+    from test_parallel import launch
+    out = launch(2, "ddp_trainer_check.py", timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "ok 0" in out.stdout and "ok 1" in out.stdout, out.stdout[-2000:]

@@ -264,6 +264,10 @@ def capture_config() -> Iterator[None]:
       it cannot (torch 2.11), every optimize() of the process counts against one limit: 1024.
     - `transformers`' `logger.warning_once` (an lru_cache) breaks the graph, which splits GPT-2's
       LM head from its loss: trace through it as a no-op (the warning is not printed under compile).
+    - Inside DistributedDataParallel (Trainer or accelerate on several processes) Dynamo's
+      DDPOptimizer splits the graph at DDP's gradient buckets, which cut MLPs and the causal mask
+      apart from what reads them: no split (`optimize_ddp=False`); DDP's reducer then all-reduces
+      the gradients as the backward hands them over (docs/usage.md).
     """
     import logging
     cfg = torch._dynamo.config
@@ -272,7 +276,7 @@ def capture_config() -> Iterator[None]:
         ignored.add(logging.Logger.warning_once)
     with cfg.patch(recompile_limit=max(cfg.recompile_limit, 64 if compile_isolation() else 1024),
                    accumulated_recompile_limit=max(cfg.accumulated_recompile_limit, 4096),
-                   ignore_logging_functions=ignored, specialize_float=True), \
+                   ignore_logging_functions=ignored, specialize_float=True, optimize_ddp=False), \
             _quiet_metrics_logging(frozenset(id(f) for f in ignored)):
         yield
 
@@ -316,3 +320,16 @@ def _quiet_metrics_logging(ignored_ids: frozenset) -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(drop)
+
+
+def active_ddp() -> Optional[torch.nn.Module]:
+    """The DistributedDataParallel module whose forward is running, if any (DDP sets it for
+    Dynamo, which compiles a model under it in pieces cut at DDP's gradient buckets)."""
+    return torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
+
+
+def ddp_splits_graphs() -> bool:
+    """Whether Dynamo, compiling now, hands the backend a DDP module's graph in pieces cut at its
+    gradient buckets (DDPOptimizer: `torch._dynamo.config.optimize_ddp` True or "ddp_optimizer")."""
+    mode = torch._dynamo.config.optimize_ddp
+    return active_ddp() is not None and (mode is True or mode == "ddp_optimizer")

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from tailorfx import compat
 from tailorfx.backend import TailorBackend
+from tailorfx.budget import format_bytes
 from tailorfx.options import Options
 from tailorfx.parallel.plan import accepts_use_cache
 from tailorfx.rewrite.capture import mark_sequence_dims
@@ -210,6 +211,22 @@ class TrainerHooks:
                 f"log-prob head (one fused head, sized by the plan), not TRL's")
         if note not in self.session.notes:
             self.session.notes.append(note)
+
+    def _note_ddp(self) -> None:
+        """Inside DistributedDataParallel (Trainer or accelerate on several processes): say once what
+        it changes for the step; capture_config keeps the step one graph (docs/usage.md)."""
+        ddp = compat.active_ddp()
+        if ddp is None or self.__dict__.get("_ddp_seen") == id(ddp):
+            return
+        self.__dict__["_ddp_seen"] = id(ddp)
+        copy = 0 if ddp.gradient_as_bucket_view else sum(
+            p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        self.session.notes.append(
+            "inside DistributedDataParallel: the step is one graph (Dynamo's DDPOptimizer would cut it at "
+            "DDP's gradient buckets, leaving regions across a cut as captured); DDP all-reduces the gradients "
+            "once the backward has made them all, so communication does not overlap the backward; its buckets "
+            f"hold a copy of the gradients, {format_bytes(copy)} on each rank, not in the predicted peak"
+            + (" (gradient_as_bucket_view=True makes them the gradients)" if copy else ""))
 
     def activation_checkpointing_enable(self, activation_checkpointing_kwargs: Optional[dict] = None,
                                         every_n_layers: int = 1, offload: bool = False) -> None:
