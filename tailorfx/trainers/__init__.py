@@ -89,6 +89,16 @@ def warn_once(session, msg: str) -> None:
         warnings.warn(msg, stacklevel=3)
 
 
+def note_once(session, msg: str) -> None:
+    if msg not in session.notes:
+        session.notes.append(msg)
+
+
+def unserved_head(head: str) -> str:
+    """The warning for TRL's fused head with options tailorfx's head lacks (`head` says which)."""
+    return f"TRL's fused LM head is not served by tailorfx: {head}; TRL's head will run on the unoptimized backbone"
+
+
 class TrainerHooks:
     """OptimizedModule's side that trainers meet: TRL's fused head served (a replaced `forward`
     watched), activation checkpointing run as the recompute pass, and the bypass watch. Reads
@@ -165,8 +175,7 @@ class TrainerHooks:
             self.__dict__["forward"] = fn
             self.__dict__["_replaced_forward"] = describe(fn) + (f" ({head})" if head else "")
             if head:   # TRL's, with options tailorfx's head lacks: its head runs on the unoptimized backbone
-                warn_once(self.session, f"TRL's fused LM head is not served by tailorfx: {head}; "
-                                        f"TRL's head will run on the unoptimized backbone")
+                warn_once(self.session, unserved_head(head))
             return
         serve = self._trl_forward
 
@@ -199,8 +208,7 @@ class TrainerHooks:
         kwargs.pop("fused_lm_head")
         labels, shift_labels, n = (kwargs.pop(k, None) for k in ("labels", "shift_labels", "num_items_in_batch"))
         if isinstance(head, str):   # TRL's, with options tailorfx's head lacks: as the model runs it
-            warn_once(self.session, f"TRL's fused LM head is not served by tailorfx: {head}; "
-                                    f"TRL's head will run on the unoptimized backbone")
+            warn_once(self.session, unserved_head(head))
             return self.model(*args, fused_lm_head=True, labels=labels, shift_labels=shift_labels,
                               num_items_in_batch=n, **kwargs)
         return self._trl_forward(head, args, kwargs, labels, shift_labels, n)
@@ -209,8 +217,7 @@ class TrainerHooks:
         note = (f"TRL's fused LM head ({describe(fn)}, outputs {', '.join(head.outputs)}) is served by "
                 f"tailorfx: fused_lm_head=True calls run the backbone's rewritten graph and tailorfx's chunked "
                 f"log-prob head (one fused head, sized by the plan), not TRL's")
-        if note not in self.session.notes:
-            self.session.notes.append(note)
+        note_once(self.session, note)
 
     def _note_ddp(self) -> None:
         """Inside DistributedDataParallel (Trainer or accelerate on several processes): say once what
@@ -257,8 +264,8 @@ class TrainerHooks:
         own, the model's hook is registered."""
         if self.session.parallel is not None:
             self.model.enable_input_require_grads()
-        elif INPUT_GRADS_NOTE not in self.session.notes:
-            self.session.notes.append(INPUT_GRADS_NOTE)
+        else:
+            note_once(self.session, INPUT_GRADS_NOTE)
 
     def disable_input_require_grads(self) -> None:
         """Undoes enable_input_require_grads."""
@@ -275,8 +282,7 @@ class TrainerHooks:
         if not (self.is_activation_checkpointing and self.model.training and torch.is_grad_enabled()) \
                 or kwargs.get("use_cache") is False or not accepts_use_cache(adapted_model(self.model)):
             return kwargs
-        if CACHE_NOTE not in self.session.notes:
-            self.session.notes.append(CACHE_NOTE)
+        note_once(self.session, CACHE_NOTE)
         return {**kwargs, "use_cache": False}
 
     @property
