@@ -257,8 +257,9 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
     @property
     def setup(self) -> TrainingSetup:
         """The training setup the graphs were planned and lowered for (the planner may have moved
-        the optimizer step into backward to fit the budget)."""
-        for g in self.session.graphs:
+        the optimizer step into backward to fit the budget): those of the last training step first."""
+        obs, gs = self.session.last_step, self.session.graphs
+        for g in ([gs[i] for i in obs.calls] if obs is not None else []) + gs:
             if g.plan.options.get("setup") is not None:
                 return g.plan.options["setup"]
         return self.options.options_dict()["setup"]

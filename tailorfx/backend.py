@@ -194,6 +194,8 @@ class TailorBackend:
         the warning that the plan fits only with the optimizer step in backward, if it does."""
         opts = {**self.options.options_dict(), "grad": torch.is_grad_enabled(),
                 "training": torch.is_grad_enabled() and self.session.training is not False, "lowering": lowering}
+        if compat.active_ddp() is not None and opts.get("setup") is not None:   # its buckets, no step in backward
+            opts["setup"] = opts["setup"].with_(ddp=True)
         plan = planner.choose(self.options.passes, ctx.regions, opts)
         if not (opts.get("budget_bytes") and self.options.passes is None):
             return plan, None

@@ -330,12 +330,13 @@ def plan_for_budget(gm: fx.GraphModule, ctx: PassContext, base: Plan, lowering: 
     cands, cpu = _candidates(gm, ctx, base)
     rewritten: dict = {}      # candidate -> its rewritten graph: the second search predicts the same graphs
     hint = opts.get("plan_hint")   # shallow.py: the plan a shallow capture of the config chose, tried first
-    if not (hint and hint.fused):   # else that search found none without the optimizer step in backward
+    fixed = setup is None or not setup.step_can_move_into_backward
+    if not (hint and hint.fused) or fixed:   # else that search found none without the optimizer step in backward
         try:
             chosen, o, others, est = _search_setup(gm, ctx, cands, opts, setup, lowering, verify, rewritten, cpu)
             return Plan(chosen.passes, o, f"fits budget {label}{hint.note(chosen, others) if hint else ''}", chosen, tuple(others), est), None
         except BudgetError:
-            if setup is None or setup.optimizer is None or setup.optimizer_in_backward or setup.grad_accum_steps > 1:
+            if fixed:
                 raise
     fused = in_backward(setup)
     chosen, o, others, est = _search_setup(gm, ctx, cands, opts, fused, lowering, verify, rewritten, cpu)   # raises if none fits
@@ -350,7 +351,7 @@ def hinted_plan(gm: fx.GraphModule, ctx: PassContext, base: Plan) -> Optional[tu
     graph is traced once, not once to plan and again to lower. None without a hint naming a candidate."""
     opts = base.options
     hint = opts.get("plan_hint")
-    if hint is None or not opts.get("budget_bytes"):
+    if hint is None or not opts.get("budget_bytes") or (hint.fused and getattr(opts.get("setup"), "ddp", False)):
         return None
     cands, cpu = _candidates(gm, ctx, base)
     c = next((c for c in cands if c.label == hint.label), None)

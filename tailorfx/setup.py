@@ -53,6 +53,10 @@ class TrainingSetup:
     `head_grad_dtype`: the dtype the fused LM head sums a 16-bit weight's gradient in over its row
     chunks. None: the weight's own (Liger-Kernel's default); fp32 (Liger's `accum_dtype`): one
     rounding instead of one per chunk, for 4 more bytes per head weight while the head runs.
+    `ddp`: trained inside torch's DistributedDataParallel (optimize() sets it when it captures
+    inside one): DDP's gradient buckets hold a copy of the gradients across steps (in the weights'
+    dtype; with gradient_as_bucket_view too, as the gradients a backward makes are copied in), and
+    the step cannot run in backward, since DDP averages the gradients over ranks after it.
     """
     param_dtype: torch.dtype = torch.float32
     grad_dtype: Optional[torch.dtype] = None
@@ -66,6 +70,7 @@ class TrainingSetup:
     name: str = "custom"
     device: Optional["CudaCosts"] = None
     head_grad_dtype: Optional[torch.dtype] = None
+    ddp: bool = False
 
     def __post_init__(self):
         for f in ("param_dtype", "grad_dtype", "state_dtype", "head_grad_dtype"):
@@ -91,6 +96,11 @@ class TrainingSetup:
             raise ValueError("optimizer_in_backward=True updates each parameter as soon as its gradient is "
                              "ready, so gradients cannot be accumulated over micro-batches: set "
                              "grad_accum_steps=1 or optimizer_in_backward=False")
+        if self.ddp and self.optimizer_in_backward:
+            raise ValueError("optimizer_in_backward=True inside DistributedDataParallel would update each "
+                             "parameter with this rank's gradient before DDP averages it over the ranks (the ranks' "
+                             "weights drift apart): train with optimizer_in_backward=False under DDP, or shard "
+                             "with optimize(..., parallel=dict(dp=N)) (FSDP2)")
         if self.micro_batch_size < 1 or self.grad_accum_steps < 1:
             raise ValueError("micro_batch_size and grad_accum_steps must be >= 1")
         if not 0.0 <= self.headroom < 1.0:
@@ -101,6 +111,13 @@ class TrainingSetup:
     def head_grad_fp32(self) -> bool:
         """Whether the fused LM head sums a 16-bit weight's gradient in fp32 (head_grad_dtype)."""
         return self.head_grad_dtype == torch.float32
+
+    @property
+    def step_can_move_into_backward(self) -> bool:
+        """Whether the planner may move the optimizer step into backward to fit a budget: not with
+        accumulated micro-batches, nor inside DDP, which averages the gradients after backward."""
+        return (self.optimizer is not None and not self.optimizer_in_backward and self.grad_accum_steps == 1
+                and not self.ddp)
 
     @property
     def grads(self) -> torch.dtype:
@@ -127,6 +144,10 @@ class TrainingSetup:
     def master_bytes(self, numel: int) -> int:
         return 4 * numel if self.master_weights else 0
 
+    def bucket_bytes(self, numel: int) -> int:
+        """DDP's gradient buckets for `numel` trained elements (0 outside DDP)."""
+        return numel * self.param_dtype.itemsize if self.ddp else 0
+
     def update_temp_bytes(self, numel: int) -> int:
         """Temporaries of one parameter's update, as tailorfx's runtime optimizer makes them:
         AdamW's `exp_avg_sq.sqrt() / bias_correction` (two state-sized tensors, measured on CPU),
@@ -139,10 +160,10 @@ class TrainingSetup:
 
     def static_bytes(self, num_params: int) -> int:
         """Bytes held across steps for `num_params` trained parameters: weights, master copy,
-        optimizer state, and gradients unless the optimizer runs in backward."""
+        optimizer state, gradients unless the optimizer runs in backward, and DDP's buckets."""
         grads = 0 if self.optimizer_in_backward or self.optimizer is None else num_params * self.grads.itemsize
         return (num_params * self.param_dtype.itemsize + self.master_bytes(num_params)
-                + self.state_bytes(num_params) + grads)
+                + self.state_bytes(num_params) + grads + self.bucket_bytes(num_params))
 
     def bytes_per_param(self) -> float:
         n = BLOCK_8BIT * 1024
@@ -158,6 +179,8 @@ class TrainingSetup:
             parts.append("optimizer step in backward")
         if self.head_grad_dtype is not None and self.param_dtype != self.head_grad_dtype:
             parts.append(f"LM head gradient summed in {short(self.head_grad_dtype)}")
+        if self.ddp:
+            parts.append("DDP gradient buckets")
         if self.device is not None:
             parts.append(f"modelled for CUDA ({self.device.arch})")
         if self.grad_accum_steps > 1:

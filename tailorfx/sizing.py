@@ -123,7 +123,7 @@ def max_seq_len(model_or_config: Any, budget: Union[str, int, Budget], batch_siz
 
     one = peak(1)
     fits, also = [peak] if one <= usable else [], ""
-    if passes is None and s.optimizer is not None and not s.optimizer_in_backward and s.grad_accum_steps == 1:
+    if passes is None and s.step_can_move_into_backward:
         # as the planner does when nothing else fits: the optimizer step moved into backward
         fused = planner.in_backward(s)
 
@@ -159,8 +159,10 @@ def _check_static(model: nn.Module, s: TrainingSetup, b: Budget, usable: float,
         return
     held_grads = 0 if s.optimizer_in_backward or s.optimizer is None else trained * s.grads.itemsize
     parts = {"weights": trained * s.param_dtype.itemsize + other, "master weights": s.master_bytes(trained),
-             "optimizer state": s.state_bytes(trained), "gradients": held_grads}
-    fits = [f"{name} ({format_bytes(p.static_bytes(trained) + other)})" for name, p in PRESETS.items()
+             "optimizer state": s.state_bytes(trained), "gradients": held_grads,
+             "DDP gradient buckets": s.bucket_bytes(trained)}
+    alike = {name: p.with_(ddp=s.ddp) for name, p in PRESETS.items() if not (s.ddp and p.optimizer_in_backward)}
+    fits = [f"{name} ({format_bytes(p.static_bytes(trained) + other)})" for name, p in alike.items()
             if p.static_bytes(trained) + other <= usable]
     raise BudgetError(
         f"the static part alone does not fit {b} less {planner.HEADROOM:.0%} headroom for prediction error"

@@ -12,6 +12,7 @@ import torch
 
 import tailorfx
 from models import batch
+from tailorfx.budget import format_bytes
 from tailorfx.models import LlamaConfig, LlamaLM
 from tailorfx.setup import PRESETS, TrainingSetup
 
@@ -80,6 +81,7 @@ def test_presets_bytes_per_parameter():
     (dict(optimizer="lion"), "optimizer must be one of"),
     (dict(optimizer=None, optimizer_in_backward=True), "needs an optimizer"),
     (dict(headroom=1.5), "headroom"),
+    (dict(ddp=True, optimizer_in_backward=True), "before DDP averages it over the ranks"),
 ])
 def test_invalid_setups_say_why(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -94,6 +96,42 @@ def test_optimize_refuses_a_setup_the_model_is_not_in():
     with pytest.raises(ValueError, match="bitsandbytes"):
         tailorfx.SetupOptimizer(reference(torch.bfloat16).parameters(),
                                 TrainingSetup(param_dtype=torch.bfloat16, optimizer="adamw8bit"))
+
+
+def test_ddp_buckets_are_a_static_copy_of_the_trained_gradients():
+    """setup.ddp (optimize() sets it inside DistributedDataParallel) adds DDP's gradient buckets, one
+    copy of every trained parameter's gradient in its dtype, to the static part and to nothing else;
+    frozen parameters get no bucket. The buckets against DDP's real ones: tests/dist/ddp_memory_check.py."""
+    m = reference()
+    m.model.embed_tokens.weight.requires_grad_(False)
+    b = lm(64)
+    opt = tailorfx.optimize(m, passes=[], example_inputs=b)
+    opt(**b).loss.backward()
+    plain = opt.predict_memory()
+    ddp = opt.predict_memory(setup=opt.setup.with_(ddp=True))
+    trained = sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad)
+    assert trained < sum(p.numel() * p.element_size() for p in m.parameters())
+    assert (plain.bucket_bytes, ddp.bucket_bytes) == (0, trained)
+    assert ddp.static_bytes - plain.static_bytes == trained
+    assert ddp.peak_bytes - plain.peak_bytes == trained
+    assert ddp.dynamic_peak_bytes == plain.dynamic_peak_bytes
+    assert ddp.breakdown()["DDP gradient buckets"] == trained and sum(ddp.breakdown().values()) == ddp.peak_bytes
+    assert PRESETS["fp32"].with_(ddp=True).bytes_per_param() == 20
+    assert "DDP gradient buckets" in opt.setup.with_(ddp=True).describe()
+
+
+def test_sizing_under_ddp_counts_the_buckets_and_suggests_setups_ddp_can_run():
+    """max_seq_len's refusal of a static part that alone overflows names the buckets, and the setups
+    it suggests are those that fit with buckets, not stepping in backward (refused inside DDP)."""
+    m = reference()
+    params = sum(p.numel() * p.element_size() for p in m.parameters())
+    budget = int(1.2 * params * 16 / 4 / 0.96)   # fp32 AdamW's 16 B/param fits, its 20 with buckets do not
+    assert tailorfx.max_seq_len(m, budget, setup="fp32", limit=256) > 0
+    with pytest.raises(tailorfx.BudgetError) as e:
+        tailorfx.max_seq_len(m, budget, setup=PRESETS["fp32"].with_(ddp=True), limit=256)
+    msg = str(e.value)
+    assert f"DDP gradient buckets {format_bytes(params)}" in msg and "fp32 (" not in msg.split("Setups")[1], msg
+    assert "pure-bf16 (" in msg and "fused-optimizer" not in msg, msg
 
 
 @pytest.mark.slow

@@ -257,3 +257,15 @@ def test_trainer_under_torchrun_trains_an_optimized_model_in_one_graph_inside_dd
     out = launch(2, "ddp_trainer_check.py", timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "ok 0" in out.stdout and "ok 1" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.multiprocess
+def test_ddp_gradient_buckets_are_predicted_and_planned_for():
+    """An optimized model inside DistributedDataParallel (2 gloo processes) under a budget: DDP's
+    gradient buckets (a copy of the gradients) measured within -2%..+3% of the prediction, the step
+    captured before DDP planned again with them and fitting the budget, losses and averaged gradients
+    as eager DDP's, an optimizer step in backward refused (tests/dist/ddp_memory_check.py)."""
+    from test_parallel import launch
+    out = launch(2, "ddp_memory_check.py", timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "ok 0" in out.stdout and "ok 1" in out.stdout, out.stdout[-2000:]

@@ -130,7 +130,8 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
         master = sum(setup.master_bytes(n) for n, _ in trained) if has_opt else 0
         state = sum(setup.state_bytes(n) for n, _ in trained) if has_opt else 0
     dyn_peak, phase, node = timeline.peak()
-    static = param_bytes + master + state
+    buckets = sum(n * dt.itemsize for n, dt in trained) if setup.ddp else 0   # DDP's copy of the gradients
+    static = param_bytes + master + state + buckets
     length = seq_len or next((s.length for s in (seq if isinstance(seq, (list, tuple)) else [seq]) if s), 0)
     device = setup.device.bytes(length) if setup.device is not None else 0
     return MemoryEstimate(peak_bytes=static + dyn_peak + device, static_bytes=static, device_bytes=device,
@@ -138,7 +139,8 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
                           optimizer_bytes=state, dynamic_peak_bytes=dyn_peak,
                           saved_bytes=saved_total, peak_phase=phase, peak_node=node,
                           timeline=timeline, master_bytes=master,
-                          grads_at_peak=timeline.grads_at_peak(), setup=setup, host_bytes=timeline.host_peak)
+                          grads_at_peak=timeline.grads_at_peak(), setup=setup, host_bytes=timeline.host_peak,
+                          bucket_bytes=buckets)
 
 
 def _depth(seq, steps: Sequence[StepGraphs], setup: TrainingSetup) -> Optional["depth_mod.Depth"]:

@@ -34,11 +34,11 @@ class Timeline:
 class MemoryEstimate:
     """Predicted memory of one training step.
 
-    static (held across steps: weights, master weights, optimizer state) + dynamic peak (above
+    static (held across steps: weights, master weights, optimizer state, DDP's gradient buckets) + dynamic peak (above
     static during the step: gradients, activations, transients) = peak.
     """
     peak_bytes: int            # static + dynamic peak: what a device must hold
-    static_bytes: int          # parameters, buffers, master weights and optimizer state
+    static_bytes: int          # parameters, buffers, master weights, optimizer state and DDP's buckets
     param_bytes: int
     grad_bytes: int            # gradients held after backward (0 with the optimizer in backward)
     optimizer_bytes: int       # optimizer state (0 when no optimizer is modelled)
@@ -52,6 +52,7 @@ class MemoryEstimate:
     setup: Optional[TrainingSetup] = None
     device_bytes: int = 0      # a CUDA device's workspaces the graphs do not show (setup.device; part of peak)
     host_bytes: int = 0        # the most bytes of offloaded activations in host memory at once (not in peak)
+    bucket_bytes: int = 0      # DDP's gradient buckets, a copy of the gradients (setup.ddp; part of static)
 
     @property
     def forward_backward_peak_bytes(self) -> int:
@@ -65,11 +66,13 @@ class MemoryEstimate:
                 "master_weights": self.master_bytes, "grads": self.grad_bytes,
                 "optimizer_state": self.optimizer_bytes, "dynamic_peak": self.dynamic_peak_bytes,
                 "grads_at_peak": self.grads_at_peak, "saved_activations": self.saved_bytes,
-                "cuda_workspaces": self.device_bytes, "host_offloaded": self.host_bytes}
+                "cuda_workspaces": self.device_bytes, "host_offloaded": self.host_bytes,
+                "ddp_buckets": self.bucket_bytes}
 
     def breakdown(self) -> dict[str, int]:
         """The peak split into what it is made of (sums to peak_bytes)."""
         return {"weights": self.param_bytes, "master weights": self.master_bytes,
-                "optimizer state": self.optimizer_bytes, "gradients": self.grads_at_peak,
+                "optimizer state": self.optimizer_bytes, "DDP gradient buckets": self.bucket_bytes,
+                "gradients": self.grads_at_peak,
                 "activations and transients": self.dynamic_peak_bytes - self.grads_at_peak,
                 "CUDA workspaces": self.device_bytes}

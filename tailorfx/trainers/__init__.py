@@ -28,6 +28,7 @@ from tailorfx.budget import format_bytes
 from tailorfx.options import Options
 from tailorfx.parallel.plan import accepts_use_cache
 from tailorfx.rewrite.capture import mark_sequence_dims
+from tailorfx.runtime.optim import updater_for
 from tailorfx.trainers.trl_head import LogProbStep, TrlHead, adapted_model, trl_fused_head, trl_output
 from tailorfx.trainers.watch import BypassWatch, bypass_message, describe
 
@@ -221,19 +222,30 @@ class TrainerHooks:
 
     def _note_ddp(self) -> None:
         """Inside DistributedDataParallel (Trainer or accelerate on several processes): say once what
-        it changes for the step; capture_config keeps the step one graph (docs/usage.md)."""
+        it changes for the step; capture_config keeps the step one graph, and graphs planned inside it
+        count its gradient buckets (setup.ddp; docs/usage.md). A step captured before DDP wrapped the
+        model (example inputs) is captured again inside it; an optimizer step in backward is refused."""
         ddp = compat.active_ddp()
         if ddp is None or self.__dict__.get("_ddp_seen") == id(ddp):
             return
-        self.__dict__["_ddp_seen"] = id(ddp)
-        copy = 0 if ddp.gradient_as_bucket_view else sum(
-            p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-        self.session.notes.append(
+        if in_backward := [n for n, p in self.model.named_parameters() if updater_for(p) is not None]:
+            raise ValueError(f"a tailorfx.SetupOptimizer updates {in_backward[0]} (and {len(in_backward) - 1} more) "
+                             f"in backward, before DistributedDataParallel averages its gradient over the ranks (the "
+                             f"ranks' weights would drift apart): under DDP make it with a setup whose "
+                             f"optimizer_in_backward=False, or shard with optimize(..., parallel=dict(dp=N)) (FSDP2)")
+        first, self.__dict__["_ddp_seen"] = "_ddp_seen" not in self.__dict__, id(ddp)
+        if first and any(g.plan.options.get("training") and not getattr(g.plan.options.get("setup"), "ddp", True)
+                         for g in self.session.graphs):   # a training step planned outside DDP
+            self.__dict__["_compiled"] = self._compile(self.model)
+            self.__dict__.pop("_compiled_by_options", None)
+            self.session.last_step = None
+        copy = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        note_once(self.session, (
             "inside DistributedDataParallel: the step is one graph (Dynamo's DDPOptimizer would cut it at "
             "DDP's gradient buckets, leaving regions across a cut as captured); DDP all-reduces the gradients "
             "once the backward has made them all, so communication does not overlap the backward; its buckets "
-            f"hold a copy of the gradients, {format_bytes(copy)} on each rank, not in the predicted peak"
-            + (" (gradient_as_bucket_view=True makes them the gradients)" if copy else ""))
+            f"hold a copy of the gradients, {format_bytes(copy)} on each rank, in the predicted peak (static) "
+            "of the steps captured inside it"))
 
     def activation_checkpointing_enable(self, activation_checkpointing_kwargs: Optional[dict] = None,
                                         every_n_layers: int = 1, offload: bool = False) -> None:
