@@ -97,6 +97,7 @@ class Session:
     last_step: Optional[StepObservation] = None     # the last training call's observation
     seq_len: Optional[int] = None
     training: Optional[bool] = None    # the model's .training at the call (None: not known)
+    accumulating: bool = False         # a training call found gradients held (accumulated micro-batches)
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)    # how callers reach the graphs (a trainer's head served)
     param_readers: dict = field(default_factory=dict)      # id(param) -> graphs reading it
@@ -194,8 +195,13 @@ class TailorBackend:
         the warning that the plan fits only with the optimizer step in backward, if it does."""
         opts = {**self.options.options_dict(), "grad": torch.is_grad_enabled(),
                 "training": torch.is_grad_enabled() and self.session.training is not False, "lowering": lowering}
-        if compat.active_ddp() is not None and opts.get("setup") is not None:   # its buckets, no step in backward
-            opts["setup"] = opts["setup"].with_(ddp=True)
+        if (setup := opts.get("setup")) is not None:   # what the loop around the model holds: trainers/
+            if compat.active_ddp() is not None:   # DDP's buckets, no step in backward
+                setup = setup.with_(ddp=True)
+            if self.session.accumulating and setup.grad_accum_steps == 1 and setup.optimizer is not None \
+                    and not setup.optimizer_in_backward:
+                setup = setup.with_(grad_accum_steps=2)   # the earlier micro-batches' gradients held
+            opts["setup"] = setup
         plan = planner.choose(self.options.passes, ctx.regions, opts)
         if not (opts.get("budget_bytes") and self.options.passes is None):
             return plan, None

@@ -351,7 +351,8 @@ def hinted_plan(gm: fx.GraphModule, ctx: PassContext, base: Plan) -> Optional[tu
     graph is traced once, not once to plan and again to lower. None without a hint naming a candidate."""
     opts = base.options
     hint = opts.get("plan_hint")
-    if hint is None or not opts.get("budget_bytes") or (hint.fused and getattr(opts.get("setup"), "ddp", False)):
+    if hint is None or not opts.get("budget_bytes") or (
+            hint.fused and not getattr(opts.get("setup"), "step_can_move_into_backward", True)):
         return None
     cands, cpu = _candidates(gm, ctx, base)
     c = next((c for c in cands if c.label == hint.label), None)

@@ -14,6 +14,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 import tailorfx
+from tailorfx import planner
 from tailorfx.rewrite.capture import node_value
 from harness import sweep_dynamo_limits
 from models import batch, hf_gpt2, hf_llama
@@ -184,6 +185,50 @@ def test_an_accelerate_loop_trains_an_optimized_model_as_the_model():
     for name, p in fp32.named_parameters():
         assert rel(grads[name], p.grad) <= 1.5 * rel(eager_grads[name], p.grad), name
 
+
+
+def test_gradients_accumulated_over_micro_batches_are_predicted_and_planned_for():
+    """A loop that accumulates gradients (Trainer's gradient_accumulation_steps, accelerate's
+    accumulate) holds the earlier micro-batches' gradients through the last one's step. Found at the
+    call that finds them on the parameters: the step is predicted with them (the last micro-batch's
+    forward and backward measured within -2%..+3%; no new capture), and under a budget the plan the
+    step had, made without them, is made again with them (recompute added), its gradients eager's."""
+    base = hf_llama(2)
+    ids = torch.randint(0, 256, (2, 256), generator=torch.Generator().manual_seed(0))
+    b = {"input_ids": ids, "labels": ids}
+    grads = sum(p.numel() * p.element_size() for p in base.parameters())
+
+    def micro_batch(module):
+        out = module(**b)
+        out.loss.backward()
+        return out
+
+    model = copy.deepcopy(base)
+    opt = tailorfx.optimize(model, example_inputs=b)
+    plain = opt.predict_memory()
+    micro_batch(opt)
+    peak = tailorfx.measure_peak(lambda: micro_batch(opt))
+    pred = opt.predict_memory()
+    assert len(opt.graph_records) == 1 and opt.setup.grad_accum_steps == 2 and plain.setup.grad_accum_steps == 1
+    assert 0.98 * (grads + peak) <= pred.forward_backward_peak_bytes <= 1.03 * (grads + peak), (grads, peak, pred)
+    assert plain.forward_backward_peak_bytes < 0.98 * (grads + peak)   # what was predicted before
+    assert any("accumulated over micro-batches" in n for n in opt.session.notes), opt.session.notes
+
+    budget = int((plain.peak_bytes + grads / 2) / (1 - planner.HEADROOM))
+    model = copy.deepcopy(base)
+    opt = tailorfx.optimize(model, budget=budget, example_inputs=b)
+    before = opt.plan[0]
+    micro_batch(opt)
+    micro_batch(opt)
+    after = opt.session.graphs[-1].plan
+    assert len(opt.session.graphs) == 2 and after.options["setup"].grad_accum_steps == 2, [str(p) for p in opt.plan]
+    assert "recompute" not in before.passes and "recompute" in after.passes, (before, after)
+    assert opt.predict_memory().peak_bytes <= planner.usable(budget)
+    eager = copy.deepcopy(base)
+    micro_batch(eager)
+    micro_batch(eager)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 def test_trainer_evaluates_and_smooths_labels_as_for_the_model():
     """Trainer reads its label names from `type(model).forward` and shifts smoothed labels for a

@@ -12,6 +12,7 @@ function as before.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -22,9 +23,10 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from tailorfx import compat
+from tailorfx import compat, planner
 from tailorfx.backend import TailorBackend
 from tailorfx.budget import format_bytes
+from tailorfx.errors import PredictionError
 from tailorfx.options import Options
 from tailorfx.parallel.plan import accepts_use_cache
 from tailorfx.rewrite.capture import mark_sequence_dims
@@ -220,11 +222,16 @@ class TrainerHooks:
                 f"log-prob head (one fused head, sized by the plan), not TRL's")
         note_once(self.session, note)
 
+    def _note_loop(self) -> None:
+        """What the loop around the model holds besides the step, found at its calls and said once:
+        DDP's gradient buckets, gradients accumulated over micro-batches (_loop_holds)."""
+        self._note_ddp()
+        self._note_accumulation()
+
     def _note_ddp(self) -> None:
-        """Inside DistributedDataParallel (Trainer or accelerate on several processes): say once what
-        it changes for the step; capture_config keeps the step one graph, and graphs planned inside it
-        count its gradient buckets (setup.ddp; docs/usage.md). A step captured before DDP wrapped the
-        model (example inputs) is captured again inside it; an optimizer step in backward is refused."""
+        """Inside DistributedDataParallel (Trainer or accelerate on several processes): the step is one
+        graph (capture_config) whose setup counts DDP's gradient buckets (setup.ddp); an optimizer step
+        in backward is refused (docs/usage.md)."""
         ddp = compat.active_ddp()
         if ddp is None or self.__dict__.get("_ddp_seen") == id(ddp):
             return
@@ -233,19 +240,53 @@ class TrainerHooks:
                              f"in backward, before DistributedDataParallel averages its gradient over the ranks (the "
                              f"ranks' weights would drift apart): under DDP make it with a setup whose "
                              f"optimizer_in_backward=False, or shard with optimize(..., parallel=dict(dp=N)) (FSDP2)")
-        first, self.__dict__["_ddp_seen"] = "_ddp_seen" not in self.__dict__, id(ddp)
-        if first and any(g.plan.options.get("training") and not getattr(g.plan.options.get("setup"), "ddp", True)
-                         for g in self.session.graphs):   # a training step planned outside DDP
-            self.__dict__["_compiled"] = self._compile(self.model)
-            self.__dict__.pop("_compiled_by_options", None)
-            self.session.last_step = None
+        self.__dict__["_ddp_seen"] = id(ddp)
+        self._loop_holds(lambda s: s.with_(ddp=True))
         copy = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         note_once(self.session, (
             "inside DistributedDataParallel: the step is one graph (Dynamo's DDPOptimizer would cut it at "
             "DDP's gradient buckets, leaving regions across a cut as captured); DDP all-reduces the gradients "
             "once the backward has made them all, so communication does not overlap the backward; its buckets "
-            f"hold a copy of the gradients, {format_bytes(copy)} on each rank, in the predicted peak (static) "
-            "of the steps captured inside it"))
+            f"hold a copy of the gradients, {format_bytes(copy)} on each rank, in the predicted peak (static)"))
+
+    def _note_accumulation(self) -> None:
+        """A training call that finds gradients on the parameters (Trainer's gradient_accumulation_steps,
+        accelerate's accumulate, a loop that keeps them): they are held through the step, which is
+        predicted and planned as setup.grad_accum_steps 2 (any count > 1 peaks alike)."""
+        if self.session.accumulating or self.session.parallel is not None or not (
+                self.model.training and torch.is_grad_enabled()):
+            return
+        if not any(p.grad is not None for p in self.model.parameters() if p.requires_grad):
+            return
+        self.session.accumulating = True
+        self._loop_holds(lambda s: s.with_(grad_accum_steps=2) if s.grad_accum_steps == 1 and s.optimizer is not None
+                         and not s.optimizer_in_backward else s)
+        note_once(self.session, "gradients were held at a training call (accumulated over micro-batches): the "
+                                "step is predicted and planned with them held through it (grad_accum_steps 2)")
+
+    def _loop_holds(self, change: Callable) -> None:
+        """Training steps captured before the loop showed what it holds take it into their setup
+        (`change`; those captured later get it in the backend), so predictions count it; under a
+        budget, a step that then no longer fits, or whose optimizer step the planner moved into
+        backward where `change` rules that out, is captured and planned again at the next call."""
+        again, asked = False, self.options.options_dict().get("setup")
+        for g in self.session.graphs:
+            s = g.plan.options.get("setup")
+            if not g.plan.options.get("training") or s is None:
+                continue
+            try:
+                g.plan = replace(g.plan, options={**g.plan.options, "setup": change(s)})
+            except ValueError:
+                if asked is not None and asked.optimizer_in_backward:
+                    raise   # the user's own step in backward: the error says why and what to do
+                again = True   # the planner's: planned again without it
+        if not again and self.budget is not None and self.session.graphs:
+            with contextlib.suppress(PredictionError):
+                again = self.predict_memory().peak_bytes > planner.usable(self.budget.bytes, self.setup.headroom)
+        if again:
+            self.__dict__["_compiled"], self.__dict__["_trl_step"] = self._compile(self.model), None
+            self.__dict__.pop("_compiled_by_options", None)
+            self.session.last_step = None
 
     def activation_checkpointing_enable(self, activation_checkpointing_kwargs: Optional[dict] = None,
                                         every_n_layers: int = 1, offload: bool = False) -> None:
