@@ -89,10 +89,10 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         return loss.detach()
 
     def _forward(self, *args, **kwargs):
+        self._note_loop()
         if kwargs.get("fused_lm_head") and (out := self._fused_call(args, kwargs)) is not None:
             return out
         trainers.BypassWatch.ran(self.model.training and torch.is_grad_enabled())
-        self._note_loop()
         if self.session.parallel is not None:   # sharded by DTensor/FSDP2: runs as torch.distributed runs it
             return self.session.parallel.runtime.run(self.model, args, kwargs)
         kwargs = self.checkpointing_kwargs(kwargs)

@@ -370,6 +370,7 @@ class TrainerHooks:
         """TRL's `fused_lm_head=True` call through tailorfx: LogProbStep compiled by the same
         backend and session (planned under the same budget), its outputs as TRL's."""
         BypassWatch.ran(self.model.training and torch.is_grad_enabled())
+        self._note_loop()   # TRL's replaced forward comes here, not through _forward
         if self.session.parallel is not None or self._eager_reason is not None:
             warn_once(self.session, "TRL's fused LM head runs as TRL wrote it (its head on the backbone): "
                       + ("tailorfx does not serve it under parallel=" if self.session.parallel is not None
