@@ -106,9 +106,9 @@ class Report:
         for col in ("part", "", "as captured", "rewritten"):
             t.add_column(col)
         b, a = before.breakdown(), after.breakdown()
-        for k in b:
+        for k in {**b, **a}:
             kind = "dynamic" if k in ("gradients", "activations and transients") else "static"
-            t.add_row(k, kind, _fmt(b[k]), _fmt(a[k]))
+            t.add_row(k, kind, _fmt(b.get(k, 0)), _fmt(a.get(k, 0)))
         t.add_row("static (held across steps)", "", _fmt(before.static_bytes), _fmt(after.static_bytes))
         t.add_row("dynamic (at the peak)", "", _fmt(before.dynamic_peak_bytes), _fmt(after.dynamic_peak_bytes))
         t.add_row("peak", "", _fmt(before.peak_bytes), _fmt(after.peak_bytes))

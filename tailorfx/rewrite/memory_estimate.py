@@ -70,9 +70,10 @@ class MemoryEstimate:
                 "ddp_buckets": self.bucket_bytes}
 
     def breakdown(self) -> dict[str, int]:
-        """The peak split into what it is made of (sums to peak_bytes)."""
+        """The peak split into what it is made of (sums to peak_bytes; DDP's buckets only inside DDP)."""
         return {"weights": self.param_bytes, "master weights": self.master_bytes,
-                "optimizer state": self.optimizer_bytes, "DDP gradient buckets": self.bucket_bytes,
+                "optimizer state": self.optimizer_bytes,
+                **({"DDP gradient buckets": self.bucket_bytes} if self.bucket_bytes else {}),
                 "gradients": self.grads_at_peak,
                 "activations and transients": self.dynamic_peak_bytes - self.grads_at_peak,
                 "CUDA workspaces": self.device_bytes}
