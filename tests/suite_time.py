@@ -79,7 +79,7 @@ MOVED = frozenset({
     "tests/test_trl.py::test_trl_head_outputs_and_gradients_match_trls_head_under_any_token_weights",
     "tests/test_trl.py::test_trls_patch_is_served_and_a_directly_called_backbone_is_said",
     "tests/test_validation.py::test_backend_options",
-    "tests/test_validation.py::test_gradient_checkpointing_hides_the_mlps_and_says_so",
+    "tests/test_validation.py::test_a_model_given_with_gradient_checkpointing_on_is_recomputed_by_tailorfx",
     "tests/test_attention_tiles_tuning.py::test_the_fastest_candidate_is_chosen_once_per_key",
     "tests/test_triton_kernels.py::test_compiles_for_sm90[rope]",
     "tests/test_setup.py::test_fp32_gradients_of_bf16_weights_are_predicted[256]",

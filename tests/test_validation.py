@@ -90,13 +90,30 @@ def test_attention_specs_refuse_bad_numbers(make, message):
         make()
 
 
-def test_gradient_checkpointing_hides_the_mlps_and_says_so():
+def test_a_model_given_with_gradient_checkpointing_on_is_recomputed_by_tailorfx():
+    """transformers' checkpointing (torch.utils.checkpoint around each layer) hides the MLPs from every
+    pass: optimize() turns it off in the model and serves it with its recompute pass, so the MLPs are
+    chunked and the blocks recomputed, and the loss and every gradient are those of the model trained
+    with its own checkpointing (rtol 1e-5)."""
+    import copy
     from models import hf_family
     model = hf_family("llama")
     model.gradient_checkpointing_enable()
-    with pytest.warns(UserWarning, match=r"minisequence: \(graph\): no MLP region is visible: the layers run under "
-                                         r"torch.utils.checkpoint"):
-        tailorfx.optimize(model, passes=["minisequence"], example_inputs=batch())
+    eager, b = copy.deepcopy(model), batch()
+    opt = tailorfx.optimize(model, passes=["minisequence"], example_inputs=b)
+    assert opt.is_activation_checkpointing and not model.is_gradient_checkpointing
+    loss = opt(**b).loss
+    loss.backward()
+    g = opt.graph_records[-1]
+    assert "recompute" in g.plan.passes and any(r.name == "recompute" and r.changed for r in g.records), g.plan
+    chunked = [t for r in g.records if r.name == "minisequence" and r.changed for t in r.touched]
+    assert sum(".mlp" in t for t in chunked) == 2, chunked
+    assert any("came with transformers' activation checkpointing on" in n for n in opt.session.notes)
+    ref = eager(**b).loss
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 class _PrintingBlock(torch.nn.Module):

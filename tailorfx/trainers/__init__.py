@@ -225,8 +225,27 @@ class TrainerHooks:
     def _note_loop(self) -> None:
         """What the loop around the model holds besides the step, found at its calls and said once:
         DDP's gradient buckets, gradients accumulated over micro-batches (_loop_holds)."""
+        self._take_model_checkpointing()
         self._note_ddp()
         self._note_accumulation()
+
+    def _take_model_checkpointing(self) -> None:
+        """A model given with transformers' activation checkpointing on: torch.utils.checkpoint around each
+        layer hides its MLP from every pass (and under transformers 5.25's hub-kernel wrappers Dynamo
+        skips the model), so at the first call it is turned off in the model and served by tailorfx's
+        recompute pass, as a trainer's activation_checkpointing_enable() is. Not under parallel=."""
+        if "_model_checkpointing_seen" in self.__dict__ or self.session.parallel is not None:
+            return
+        self.__dict__["_model_checkpointing_seen"] = True
+        model = self.model
+        on = getattr(model, "is_activation_checkpointing", None)   # transformers' name; before 5.x the other
+        if not (on if on is not None else getattr(model, "is_gradient_checkpointing", False)):
+            return
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+        self._set_checkpointing(True)
+        note_once(self.session, "the model came with transformers' activation checkpointing on: turned off in the "
+                                "model (torch.utils.checkpoint around each layer hides its MLP from every pass) and "
+                                "served by tailorfx's recompute pass")
 
     def _note_ddp(self) -> None:
         """Inside DistributedDataParallel (Trainer or accelerate on several processes): the step is one
