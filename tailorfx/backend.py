@@ -195,13 +195,8 @@ class TailorBackend:
         the warning that the plan fits only with the optimizer step in backward, if it does."""
         opts = {**self.options.options_dict(), "grad": torch.is_grad_enabled(),
                 "training": torch.is_grad_enabled() and self.session.training is not False, "lowering": lowering}
-        if (setup := opts.get("setup")) is not None:   # what the loop around the model holds: trainers/
-            if compat.active_ddp() is not None:   # DDP's buckets, no step in backward
-                setup = setup.with_(ddp=True)
-            if self.session.accumulating and setup.grad_accum_steps == 1 and setup.optimizer is not None \
-                    and not setup.optimizer_in_backward:
-                setup = setup.with_(grad_accum_steps=2)   # the earlier micro-batches' gradients held
-            opts["setup"] = setup
+        if opts.get("setup") is not None:   # what the loop around the model holds: trainers/
+            opts["setup"] = opts["setup"].held_by_loop(compat.active_ddp() is not None, self.session.accumulating)
         plan = planner.choose(self.options.passes, ctx.regions, opts)
         if not (opts.get("budget_bytes") and self.options.passes is None):
             return plan, None

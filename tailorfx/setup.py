@@ -187,6 +187,15 @@ class TrainingSetup:
             parts.append(f"{self.grad_accum_steps} micro-batches of {self.micro_batch_size}")
         return f"{self.name}: " + ", ".join(parts) + f" ({self.bytes_per_param():g} B/param held)"
 
+    def held_by_loop(self, ddp: bool, accumulating: bool) -> "TrainingSetup":
+        """This setup with what the training loop around the model holds (trainers/): DDP's gradient
+        buckets, and the earlier micro-batches' gradients (grad_accum_steps 2, which peaks as any count
+        > 1 does; not with the step in backward, which consumes them)."""
+        s = self.with_(ddp=True) if ddp and not self.ddp else self
+        if accumulating and s.grad_accum_steps == 1 and s.optimizer is not None and not s.optimizer_in_backward:
+            s = s.with_(grad_accum_steps=2)
+        return s
+
     def with_(self, **changes) -> "TrainingSetup":
         return replace(self, **changes)
 

@@ -260,7 +260,7 @@ class TrainerHooks:
                              f"ranks' weights would drift apart): under DDP make it with a setup whose "
                              f"optimizer_in_backward=False, or shard with optimize(..., parallel=dict(dp=N)) (FSDP2)")
         self.__dict__["_ddp_seen"] = id(ddp)
-        self._loop_holds(lambda s: s.with_(ddp=True))
+        self._loop_holds()
         copy = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         note_once(self.session, (
             "inside DistributedDataParallel: the step is one graph (Dynamo's DDPOptimizer would cut it at "
@@ -278,23 +278,24 @@ class TrainerHooks:
         if not any(p.grad is not None for p in self.model.parameters() if p.requires_grad):
             return
         self.session.accumulating = True
-        self._loop_holds(lambda s: s.with_(grad_accum_steps=2) if s.grad_accum_steps == 1 and s.optimizer is not None
-                         and not s.optimizer_in_backward else s)
+        self._loop_holds()
         note_once(self.session, "gradients were held at a training call (accumulated over micro-batches): the "
                                 "step is predicted and planned with them held through it (grad_accum_steps 2)")
 
-    def _loop_holds(self, change: Callable) -> None:
+    def _loop_holds(self) -> None:
         """Training steps captured before the loop showed what it holds take it into their setup
-        (`change`; those captured later get it in the backend), so predictions count it; under a
-        budget, a step that then no longer fits, or whose optimizer step the planner moved into
-        backward where `change` rules that out, is captured and planned again at the next call."""
+        (TrainingSetup.held_by_loop, as the backend plans those captured later), so predictions count
+        it; under a budget, a step that then no longer fits, or whose optimizer step the planner moved
+        into backward where DDP rules that out, is captured and planned again at the next call."""
         again, asked = False, self.options.options_dict().get("setup")
+        ddp = compat.active_ddp() is not None
         for g in self.session.graphs:
             s = g.plan.options.get("setup")
             if not g.plan.options.get("training") or s is None:
                 continue
             try:
-                g.plan = replace(g.plan, options={**g.plan.options, "setup": change(s)})
+                g.plan = replace(g.plan, options={**g.plan.options,
+                                                  "setup": s.held_by_loop(ddp, self.session.accumulating)})
             except ValueError:
                 if asked is not None and asked.optimizer_in_backward:
                     raise   # the user's own step in backward: the error says why and what to do
