@@ -91,10 +91,10 @@ def test_many_models_in_one_process_are_each_rewritten_exact_and_predicted():
         num_layers = model.config.num_hidden_layers
         assert ops["tailorfx::chunked_linear_cross_entropy_with_grads"] == 1, (tag, ops)   # the fused head
         assert ops["tailorfx::token_chunked"] == num_layers, (tag, ops)                    # every MLP chunked
+        model.zero_grad(set_to_none=True)   # before the forward: gradients held through it are predicted held
         with _as_a_sweep_sets_dynamo(how):
             out = wrapped(**inputs)
         assert out.logits is None, tag
-        model.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-5, atol=1e-6, msg=tag)
         ref = dict(eager.named_parameters())

@@ -270,8 +270,9 @@ class TrainerHooks:
 
     def _note_accumulation(self) -> None:
         """A training call that finds gradients on the parameters (Trainer's gradient_accumulation_steps,
-        accelerate's accumulate, a loop that keeps them): they are held through the step, which is
-        predicted and planned as setup.grad_accum_steps 2 (any count > 1 peaks alike)."""
+        accelerate's accumulate, a loop that keeps them or clears them only after the forward): they are
+        held through the forward, where the step peaks, so the step is predicted and planned as
+        setup.grad_accum_steps 2 (any count > 1 peaks alike) from then on."""
         if self.session.accumulating or self.session.parallel is not None or not (
                 self.model.training and torch.is_grad_enabled()):
             return
@@ -279,8 +280,9 @@ class TrainerHooks:
             return
         self.session.accumulating = True
         self._loop_holds()
-        note_once(self.session, "gradients were held at a training call (accumulated over micro-batches): the "
-                                "step is predicted and planned with them held through it (grad_accum_steps 2)")
+        note_once(self.session, "gradients were held at a training call (accumulated over micro-batches, or cleared "
+                                "only after the forward): the step is predicted and planned with them held "
+                                "(grad_accum_steps 2)")
 
     def _loop_holds(self) -> None:
         """Training steps captured before the loop showed what it holds take it into their setup
