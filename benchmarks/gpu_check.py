@@ -11,7 +11,7 @@ Sections (default: all, in this order):
            + cross-entropy) against torch, forward and backward, fp32 and bf16: relative error
            ||out - ref|| / ||ref|| against an fp64 reference on the same rounded inputs (torch's
            own error in the same dtype beside it), pass/fail per tolerance; then the kernel
-           benchmark, benchmarks/kernels.py's cases at Llama-3-8B shapes case by case while time is
+           benchmark, benchmarks/kernel_speed.py's cases at Llama-3-8B shapes case by case while time is
            left (every provider interleaved: device and wall time, GB/s or TFLOP/s, memory,
            agreement; the attention tiles tuned on the first call).
   memory   the CUDA allocator's history of one training step (HF Llama, bf16, optimize()

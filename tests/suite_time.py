@@ -147,7 +147,7 @@ LONG = {
     "tests/test_gpu_check.py::test_dry_run_passes_every_section":
         "tests/test_gpu_scale.py::test_dry_run_runs_every_section"
         " - benchmarks/gpu_check.py, which the next GPU run does not call (docs/gpu.md: gpu_scale.py, then "
-        "kernels.py, whose dry run is tests/test_kernels_benchmark.py's)",
+        "kernel_speed.py, whose dry run is tests/test_kernels_benchmark.py's)",
 }
 
 # Parametrized tests of `make test-slow` whose slow cases beyond those kept here run in `make test-long`

@@ -1,7 +1,7 @@
 """Flash attention's tiles chosen by measurement (tailorfx/kernels/flash_tiles.py, tuning.py):
 the candidates, the choice of the fastest per key, remembered in the process and on disk, a
 candidate the device cannot run skipped, and every candidate exact under Triton's interpreter.
-The GPU's own timings are in benchmarks/kernels.py; here a timer stands in for the device."""
+The GPU's own timings are in benchmarks/kernel_speed.py; here a timer stands in for the device."""
 import json
 import os
 import subprocess

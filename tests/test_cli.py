@@ -138,7 +138,7 @@ def test_demo_and_bench_are_reached_through_the_cli(capsys):
         main(["demo", "--help"])                 # the demo's own options
     assert e.value.code == 0 and "--quick" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
-        main(["bench", "kernels"])               # benchmarks/kernels.py: needs a GPU, says so
+        main(["bench", "kernel_speed"])          # benchmarks/kernel_speed.py: needs a GPU, says so
     assert e.value.code == 1
 
 

@@ -265,3 +265,50 @@ def test_a_deep_model_is_planned_on_a_shallow_capture_of_its_config():
     measured = peak_of_step(hinted, m, inputs)
     predicted = hinted.predict_memory(S).forward_backward_peak_bytes
     assert -0.02 <= (predicted - measured) / measured <= 0.03, (measured, predicted)
+
+
+class _HubFunction(torch.nn.Module):
+    """As transformers' hub-kernel wrapper (`kernels` installed) makes of apply_rotary_pos_emb: a
+    function in a module reached through a global, called inside each block."""
+    def forward(self, x):
+        return torch.cat((-x[..., 1:], x[..., :1]), dim=-1) * 2
+
+
+_ROTATE = _HubFunction()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + _ROTATE(self.proj(x))
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_function_wrapped_as_a_global_module_is_placed_in_the_block_that_calls_it():
+    """Ops inside a global module (transformers 5.25's hub-kernel wrappers) belong to the block that
+    calls it: a shallow capture weights them by that block's repeats (with `kernels` installed, a
+    10-layer Llama's recompute FLOPs from a shallow capture fell 2,293,760 short of the whole
+    model's), and module paths name no module of the model for them."""
+    from tailorfx.rewrite.regions import module_paths
+    graphs = []
+    model = torch.compile(_Blocks(), backend=lambda gm, _: graphs.append(gm) or gm, fullgraph=True)
+    model(torch.randn(2, 8))
+    d = depth.Depth(layers=3, captured=3, start=0, period=1, times=(0,), blocks_path="layers")
+    inside = [n for n in graphs[0].graph.nodes if any("_ROTATE" in p for p, _ in (n.meta.get("nn_module_stack") or {}).values())]
+    assert [n.target for n in inside].count(torch.cat) == 3, [n.format_node() for n in inside]
+    for n in inside:
+        paths = module_paths(n)
+        assert d.block_of(n) == int(paths[-1].rsplit(".", 1)[-1]) and paths[-1].startswith("layers."), (n, paths)

@@ -2,7 +2,7 @@
 block mask computed from the proved form bounds the mask (never skips a kept pair, never calls a
 tile full that is not), the mods compute each form forward and backward, HF families run exact on it
 through optimize(attention_kernel="flex"), and the choice between it and the Triton kernel by
-measurement (a timer stands in for the GPU, whose times are benchmarks/kernels.py's)."""
+measurement (a timer stands in for the GPU, whose times are benchmarks/kernel_speed.py's)."""
 import copy
 import uuid
 

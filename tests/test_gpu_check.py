@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = {f"{k}/{dt}" for k in ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "attention_causal",
                                   "linear_cross_entropy") for dt in ("float32", "bfloat16")} | {
     "attention_sliding_window/bfloat16", "attention_documents/bfloat16", "attention_alibi_tiles/float32",
-    "attention_alibi_tiles/bfloat16"} | {   # benchmarks/kernels.py's norm cases, at the dry run's shapes
+    "attention_alibi_tiles/bfloat16"} | {   # benchmarks/kernel_speed.py's norm cases, at the dry run's shapes
     "benchmark rms_norm 64x64", "benchmark rms_norm 128x64", "benchmark layer_norm 64x64"}
 
 

@@ -20,8 +20,8 @@ SCRIPT = os.path.join(BENCH_DIR, "gpu_scale.py")
 
 @pytest.fixture(scope="module")
 def gpu_scale():
-    """The script as a module; the benchmarks folder it puts on sys.path is taken off again (its
-    kernels.py would shadow the `kernels` package transformers looks for)."""
+    """The script as a module; the benchmarks folder it puts on sys.path is taken off again (a
+    user's process does not have it)."""
     saved = list(sys.path)
     spec = importlib.util.spec_from_file_location("gpu_scale_under_test", SCRIPT)
     module = importlib.util.module_from_spec(spec)

@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py --dry-run: every case of the kernel benchmark at tiny shapes on CPU (Triton's
+"""benchmarks/kernel_speed.py --dry-run: every case of the kernel benchmark at tiny shapes on CPU (Triton's
 interpreter), so the benchmark a lent GPU runs does not rot between loans; eager and tailorfx's
 kernels must agree in every case (bf16: 2e-2 relative on the output and every gradient)."""
 import json
@@ -17,7 +17,7 @@ KERNELS = {"rms_norm", "layer_norm", "swiglu", "rope", "attention causal", "atte
 def test_dry_run_covers_every_case_and_agrees(tmp_path):
     out = tmp_path / "kernels.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernels.py"), "--dry-run", "--out", str(out)],
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernel_speed.py"), "--dry-run", "--out", str(out)],
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]

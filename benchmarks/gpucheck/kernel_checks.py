@@ -1,6 +1,6 @@
 """The kernels section: each Triton kernel family of tailorfx/runtime/triton_ops.py against torch,
 forward and backward, fp32 and bf16, against an fp64 reference on the same rounded inputs; then
-the kernel benchmark (benchmarks/kernels.py's cases at Llama-3-8B shapes, every provider
+the kernel benchmark (benchmarks/kernel_speed.py's cases at Llama-3-8B shapes, every provider
 interleaved: device and wall time, GB/s or TFLOP/s, memory, agreement), case by case while time
 is left; on the CPU dry run its tiny norm cases, through the interpreter."""
 from __future__ import annotations
@@ -173,7 +173,7 @@ def section_kernels(run: Run, sec: dict) -> None:
                 skip(f"{name}/{dt}")
                 continue
             run.check(sec, f"{name}/{dt}", lambda make=make, dt=dt: kernel_check(run, make, dt))
-    bench = bench_module("kernels")
+    bench = bench_module("kernel_speed")
     reps = 3 if run.dry else 25
     for case in bench.cases(run.device, run.dry):
         if run.dry and "norm" not in case.kernel:   # the dry run: the wiring, on the two tiny norm cases
@@ -186,7 +186,7 @@ def section_kernels(run: Run, sec: dict) -> None:
 
 
 def _benchmark_case(bench, case, device: str, reps: int) -> dict:
-    """One case of benchmarks/kernels.py, every provider: its rows; ok when every provider that ran
+    """One case of benchmarks/kernel_speed.py, every provider: its rows; ok when every provider that ran
     agrees with torch eager (a provider that cannot run here says why, as a row)."""
     rows = bench.run_case(case, device, reps)
     ran = [r for r in rows if "skipped" not in r]

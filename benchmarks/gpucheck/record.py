@@ -15,7 +15,7 @@ BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def bench_module(name: str):
-    """benchmarks/NAME.py, loaded by its path (an installed package may be called `kernels`)."""
+    """benchmarks/NAME.py, loaded by its path (under a name no installed package has)."""
     import importlib.util
     mod_name = f"tailorfx_benchmarks_{name}"
     if mod_name not in sys.modules:

@@ -37,7 +37,7 @@ from tailorfx.parallel.tp_plan import TPPlan
 from tailorfx.passes.attention.rules import drop_causal_sdpa_masks
 from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import isolated_captures, node_value, seq_info
-from tailorfx.rewrite.regions import find_regions, is_param, normalize_path, param_source
+from tailorfx.rewrite.regions import find_regions, is_param, param_source, stack_paths
 from tailorfx.runtime.accumulation import model_device
 
 
@@ -287,11 +287,6 @@ def read_tp_plan(src: Any, dtype: torch.dtype, model: Optional[nn.Module] = None
     return plan
 
 
-def _stack_paths(meta: Optional[dict]) -> list[str]:
-    paths = [normalize_path(v[0] if isinstance(v, tuple) else str(v)) for v in (meta or {}).values()]
-    return [p for p in paths if p]
-
-
 def _groups(g: fx.GraphModule, key: str, block_index: dict[str, int], backward: bool) -> dict[fx.Node, int]:
     """Node -> part: 1 + block index inside a block; outside blocks, the root before the first
     block (0) or after the last one (L+1), in forward order (backward runs the head's first)."""
@@ -299,7 +294,7 @@ def _groups(g: fx.GraphModule, key: str, block_index: dict[str, int], backward: 
     nodes = [n for n in g.graph.nodes if n.op not in ("placeholder", "output")]
     found: dict[fx.Node, Optional[int]] = {}
     for n in nodes:
-        found[n] = next((block_index[p] for p in _stack_paths(n.meta.get(key)) if p in block_index), None)
+        found[n] = next((block_index[p] for p in stack_paths(n.meta.get(key)) if p in block_index), None)
     inside = [i for i, n in enumerate(nodes) if found[n] is not None]
     out: dict[fx.Node, int] = {}
     first, last = (inside[0], inside[-1]) if inside else (len(nodes), len(nodes))
@@ -327,12 +322,12 @@ def _annotate(gm: fx.GraphModule, steps: memory.StepGraphs, local: dict, scope,
     if checkpointed and bw:
         recompute_first(steps.bw, bw, hold_inputs=checkpointed == "modules")
     attn_paths = {r.path for r in regions.of_kind("attention")}
-    fw_attn = frozenset(n.name for n in fw if attn_paths & set(_stack_paths(n.meta.get("nn_module_stack"))))
-    bw_attn = frozenset(n.name for n in bw if attn_paths & set(_stack_paths(n.meta.get("fwd_nn_module_stack"))))
+    fw_attn = frozenset(n.name for n in fw if attn_paths & set(stack_paths(n.meta.get("nn_module_stack"))))
+    bw_attn = frozenset(n.name for n in bw if attn_paths & set(stack_paths(n.meta.get("fwd_nn_module_stack"))))
     # each module's part: the part of the first forward node inside it
     module_group: dict[str, int] = {}
     for n, grp in fw.items():
-        for p in _stack_paths(n.meta.get("nn_module_stack")):
+        for p in stack_paths(n.meta.get("nn_module_stack")):
             module_group.setdefault(p, grp)
     L = len(blocks)
     params: list[list] = [[] for _ in range(L + 2)]

@@ -88,9 +88,11 @@ class Depth:
         stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
         if not stack:
             return None
-        path = list(stack.values())[-1][0]
-        m = re.search(rf"{re.escape(self.blocks_path)}\.(\d+)(?:\.|$)", _dotted(path))
-        return int(m.group(1)) if m else None
+        # innermost first; the innermost may be no block's (transformers' hub-kernel function wrappers)
+        for path, _ in reversed(list(stack.values())):
+            if m := re.search(rf"{re.escape(self.blocks_path)}\.(\d+)(?:\.|$)", _dotted(path)):
+                return int(m.group(1))
+        return None
 
     def weight(self, node: fx.Node) -> int:
         """How many blocks of the real model a captured op stands for (1 outside the repeats)."""

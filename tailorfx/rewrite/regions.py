@@ -71,11 +71,17 @@ def normalize_path(p: str) -> str:
     return p.strip(".")
 
 
+def stack_paths(stack: Optional[dict]) -> list[str]:
+    """The model's module paths in an nn_module_stack, outermost first (root excluded); a module
+    reached through a global is no submodule of the model (transformers' hub-kernel function
+    wrappers, such as the one `kernels` puts around apply_rotary_pos_emb) and is left out."""
+    raw = [v[0] if isinstance(v, tuple) else str(v) for v in (stack or {}).values()]
+    return [p for p in map(normalize_path, (r for r in raw if not r.startswith("G["))) if p]
+
+
 def module_paths(node: fx.Node) -> list[str]:
     """Module paths enclosing a node, outermost first (root excluded)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = [normalize_path(v[0] if isinstance(v, tuple) else str(v)) for v in stack.values()]
-    return [p for p in paths if p]
+    return stack_paths(node.meta.get("nn_module_stack"))
 
 
 _FLOAT_CASTS = frozenset({"to", "type", "float", "half", "bfloat16", "double"})

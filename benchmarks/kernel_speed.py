@@ -1,8 +1,8 @@
 """Each generated Triton kernel against the best of torch and the anchors, at Llama-3-8B shapes, forward + backward.
 
-    python benchmarks/kernels.py                  # one CUDA GPU: prints a table, writes benchmarks/out/kernels.json
-    python benchmarks/kernels.py --only attention # the cases whose kernel name contains this
-    python benchmarks/kernels.py --dry-run        # CPU, tiny shapes, Triton's interpreter (CI)
+    python benchmarks/kernel_speed.py                  # one CUDA GPU: prints a table, writes benchmarks/out/kernels.json
+    python benchmarks/kernel_speed.py --only attention # the cases whose kernel name contains this
+    python benchmarks/kernel_speed.py --dry-run        # CPU, tiny shapes, Triton's interpreter (CI)
 
 Cases, at Llama-3-8B per-GPU shapes (hidden 4096, MLP 14336, 32 heads / 8 KV heads of 128, vocab
 128256, bf16, batch 1): RMSNorm at 8K, 16K and 32K tokens, LayerNorm at 8K; SwiGLU at 8K x 14336;
@@ -386,7 +386,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
     elif not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU; on CPU run it with --dry-run", file=sys.stderr)
+        print("benchmarks/kernel_speed.py needs a CUDA GPU; on CPU run it with --dry-run", file=sys.stderr)
         return 1
     dev = "cpu" if args.dry_run else "cuda"
     rows = run_all(dev, args.dry_run, args.only, args.reps)
