@@ -73,10 +73,12 @@ def normalize_path(p: str) -> str:
 
 def stack_paths(stack: Optional[dict]) -> list[str]:
     """The model's module paths in an nn_module_stack, outermost first (root excluded); a module
-    reached through a global is no submodule of the model (transformers' hub-kernel function
-    wrappers, such as the one `kernels` puts around apply_rotary_pos_emb) and is left out."""
+    reached through a global inside the model's is no submodule of it (transformers' hub-kernel
+    function wrappers, such as the one `kernels` puts around apply_rotary_pos_emb) and is left out."""
     raw = [v[0] if isinstance(v, tuple) else str(v) for v in (stack or {}).values()]
-    return [p for p in map(normalize_path, (r for r in raw if not r.startswith("G["))) if p]
+    if any(not r.startswith("G[") for r in raw):   # not a model itself reached through a global
+        raw = [r for r in raw if not r.startswith("G[")]
+    return [p for p in map(normalize_path, raw) if p]
 
 
 def module_paths(node: fx.Node) -> list[str]:
