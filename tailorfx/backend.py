@@ -49,6 +49,7 @@ class GraphRecord:
     step: Optional[memory.StepGraphs] = None   # forward/backward graphs as lowered (eager lowering)
     step_static: bool = False                  # ... at the captured sizes only (lower.lower)
     failed: bool = False                       # passes failed: the graph runs as captured
+    replaced: str = ""                         # why a later capture took its place (trainers/ _loop_holds)
     # position_ids inputs whose example batch holds one document a row (as_eager predictions)
     single_document: frozenset = frozenset()
 

@@ -124,6 +124,8 @@ class Report:
         for g in self.session.graphs:
             head.append(f"graph {g.index}: lowering={g.lowering}, plan: {g.plan}, "
                         f"sequence symbol={g.seq.symbol} (S={g.seq.length})")
+            if g.replaced:
+                head.append(f"graph {g.index}: replaced, not run since: {g.replaced}")
             if g.peak_captured is not None:
                 head.append(f"graph {g.index}: predicted peak of one step (params + forward + backward): "
                             f"{_fmt(g.peak_captured)} as captured, {_fmt(g.peak_final)} rewritten")

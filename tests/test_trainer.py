@@ -261,6 +261,7 @@ def test_gradients_accumulated_over_micro_batches_are_planned_for():
     after = opt.session.graphs[-1].plan
     assert len(opt.session.graphs) == 2 and after.options["setup"].grad_accum_steps == 2, [str(p) for p in opt.plan]
     assert "recompute" not in before.passes and "recompute" in after.passes, (before, after)
+    assert "graph 0: replaced, not run since: planned again with gradients held" in str(opt.report())
     assert opt.predict_memory().peak_bytes <= planner.usable(budget)
     eager = copy.deepcopy(base)
     micro_batch(eager)

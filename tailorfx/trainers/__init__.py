@@ -306,6 +306,11 @@ class TrainerHooks:
             with contextlib.suppress(PredictionError):
                 again = self.predict_memory().peak_bytes > planner.usable(self.budget.bytes, self.setup.headroom)
         if again:
+            held = [w for w, on in (("DDP's gradient buckets", ddp), ("gradients held over the step",
+                                                                    self.session.accumulating)) if on]
+            for g in self.session.graphs:
+                if g.plan.options.get("training") and not g.replaced:
+                    g.replaced = f"planned again with {' and '.join(held)}"
             self.__dict__["_compiled"], self.__dict__["_trl_step"] = self._compile(self.model), None
             self.__dict__.pop("_compiled_by_options", None)
             self.session.last_step = None

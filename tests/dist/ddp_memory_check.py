@@ -66,6 +66,7 @@ assert pred.peak_bytes <= planner.usable(BUDGET, 0.0) and weights + buckets + mi
 assert outside.peak_bytes + weights > planner.usable(BUDGET, 0.0), outside.peak_bytes   # the plan outside DDP would not fit
 assert any("its buckets hold a copy of the gradients" in n for n in opt.session.notes), opt.session.notes
 assert "DDP gradient buckets" in str(opt.report())
+assert "graph 0: replaced, not run since: planned again with DDP's gradient buckets" in str(opt.report())
 
 eager_model = copy.deepcopy(base)
 eager = DDP(eager_model, bucket_cap_mb=1)
