@@ -290,14 +290,12 @@ class TrainerHooks:
         it; under a budget, a step that then no longer fits, or whose optimizer step the planner moved
         into backward where DDP rules that out, is captured and planned again at the next call."""
         again, asked = False, self.options.options_dict().get("setup")
-        ddp = compat.active_ddp() is not None
-        for g in self.session.graphs:
-            s = g.plan.options.get("setup")
-            if not g.plan.options.get("training") or s is None:
-                continue
+        ddp, accumulating = compat.active_ddp() is not None, self.session.accumulating
+        steps = [g for g in self.session.graphs if g.plan.options.get("training") and g.plan.options.get("setup")]
+        for g in steps:
             try:
                 g.plan = replace(g.plan, options={**g.plan.options,
-                                                  "setup": s.held_by_loop(ddp, self.session.accumulating)})
+                                                  "setup": g.plan.options["setup"].held_by_loop(ddp, accumulating)})
             except ValueError:
                 if asked is not None and asked.optimizer_in_backward:
                     raise   # the user's own step in backward: the error says why and what to do
@@ -306,11 +304,9 @@ class TrainerHooks:
             with contextlib.suppress(PredictionError):
                 again = self.predict_memory().peak_bytes > planner.usable(self.budget.bytes, self.setup.headroom)
         if again:
-            held = [w for w, on in (("DDP's gradient buckets", ddp), ("gradients held over the step",
-                                                                    self.session.accumulating)) if on]
-            for g in self.session.graphs:
-                if g.plan.options.get("training") and not g.replaced:
-                    g.replaced = f"planned again with {' and '.join(held)}"
+            held = " and ".join(["DDP's gradient buckets"] * ddp + ["gradients held over the step"] * accumulating)
+            for g in steps:
+                g.replaced = g.replaced or f"planned again with {held}"
             self.__dict__["_compiled"], self.__dict__["_trl_step"] = self._compile(self.model), None
             self.__dict__.pop("_compiled_by_options", None)
             self.session.last_step = None
