@@ -6,7 +6,7 @@ import torch
 
 import tailorfx
 from harness import check_exact, compare_with_eager, float64_reference, step_values
-from models import batch, hf_gpt2, tiny_llama
+from models import batch, hf_gpt2, hf_llama, tiny_llama
 from tailorfx import passes as pass_registry
 from tailorfx.rewrite.passes import PassResult
 
@@ -156,3 +156,30 @@ def test_model_that_cannot_be_captured_still_runs():
     out.sum().backward()
     want.sum().backward()
     check_exact(step_values(m, out.sum()), step_values(ref, want.sum()), truth)
+
+
+def test_a_copy_or_a_saved_module_trains_its_own_parameters(tmp_path):
+    """copy.deepcopy (a reference model, an EMA) and torch.save/torch.load of an optimized module:
+    the copy optimizes its own model again (its graph rewritten, its checkpointing kept) and its
+    step is eager's on its own parameters, the original's untouched. (A deep copy ran the
+    original's forward, so its step trained the original's parameters; torch.save failed.)"""
+    model, inputs = hf_llama(num_layers=2), batch()
+    opt = tailorfx.optimize(model, passes=["minisequence"], example_inputs=inputs)
+    opt.gradient_checkpointing_enable()
+    opt(**inputs).loss.backward()
+    model.zero_grad(set_to_none=True)
+    torch.save(opt, tmp_path / "opt.pt")
+    for twin in (copy.deepcopy(opt), torch.load(tmp_path / "opt.pt", weights_only=False)):
+        assert twin.model is not model and twin.is_gradient_checkpointing and isinstance(twin, type(model))
+        ref = copy.deepcopy(model)
+        truth = float64_reference(ref, inputs)
+        loss, loss_ref = twin(**inputs).loss, ref(**inputs).loss
+        loss.backward()
+        loss_ref.backward()
+        check_exact(step_values(twin.model, loss), step_values(ref, loss_ref), truth)
+        assert all(p.grad is None for p in model.parameters())
+        done = {r.name for r in twin.session.graphs[-1].records if r.changed and r.touched}
+        assert {"minisequence", "recompute"} <= done, done
+    opt.forward = lambda **kw: model(**kw)   # a replaced forward reads the original: no copy of it is one
+    with pytest.raises(TypeError, match="forward was replaced.*copy the model before optimize"):
+        copy.deepcopy(opt)

@@ -82,8 +82,16 @@ def _wrapper_like(cls: type, model_cls: type, causal_lm_cls: type) -> type:
     # isinstance() reads `__class__` where type() does not answer (as wrapt's proxies do it)
     the_models_class = property(lambda self: model_cls, set_class)
     return type(f"Optimized{name}", (cls,), {"forward": forward, "_get_name": lambda self: name, "__repr__": __repr__,
-                                              "__class__": the_models_class,
+                                              "__class__": the_models_class, "_plain": cls,
                                               "__module__": cls.__module__, "__doc__": cls.__doc__})
+
+
+def _copied(cls: type, model: nn.Module, options: Options, budget, training: bool, state: dict) -> nn.Module:
+    """A copy of an optimized module (TrainerHooks.__reduce_ex__): its model optimized again, as it was."""
+    opt = cls.like(model)(model, options, budget)
+    opt.training = training
+    opt.__dict__.update(state)
+    return opt
 
 
 def warn_once(session, msg: str) -> None:
@@ -148,7 +156,22 @@ class TrainerHooks:
             return run(*args, **kwargs)
         if (base := adapted_model(model)) is not model:
             forward.__signature__ = inspect.signature(base.forward)
-        self.__dict__["forward"] = forward
+        self.__dict__["forward"] = self.__dict__["_own_forward"] = forward
+
+    def __reduce_ex__(self, protocol: int):
+        """copy.deepcopy (a reference model, an EMA) and torch.save copy the model and the options, as
+        torch.compile's wrapper does: the copy optimizes its own model again at its first call (this
+        module's graphs and forward read this model's parameters, so a copy of them would train these)."""
+        why = None
+        if self.session.parallel is not None:
+            why = "its model is sharded (parallel=): copy the model before optimize()"
+        elif self.__dict__["forward"] is not self._own_forward:
+            why = (f"its forward was replaced ({describe(self.__dict__['forward'])}): copy the model before "
+                   f"optimize() and the replacement")
+        if why is not None:
+            raise TypeError(f"cannot copy or pickle this tailorfx module: {why}, or save opt.state_dict()")
+        state = {k: v for k, v in self.__dict__.items() if k in ("_checkpointing", "_options_before_checkpointing")}
+        return _copied, (type(self)._plain, self.model, self.options, self.budget, self.training, state)
 
     def _watch_trainers(self) -> None:
         self.__dict__["_replaced_forward"] = None   # what replaced forward, when tailorfx cannot serve it
