@@ -120,17 +120,15 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
     def _observed_call(self, compiled: Callable, args: tuple, kwargs: dict):
         """Run a compiled callable; in a training call, record which graphs ran and whether they
         are the whole step (warn once if not: predictions and budgets then cannot cover it)."""
-        observed = self.session.last_step
-        if not (self.model.training and torch.is_grad_enabled()) or (
-                observed is not None and observed.num_graphs == len(self.session.graphs)
-                and observed.source == id(compiled)):
-            return compiled(*args, **kwargs)   # observed already, and nothing recompiled since
+        if not (self.model.training and torch.is_grad_enabled()):
+            return compiled(*args, **kwargs)
         obs = self.session.observing = StepObservation(source=id(compiled))
         try:
-            out = compiled(*args, **kwargs)
+            out = compiled(*args, **kwargs)   # may compile a graph (a cast model, a new batch size)
         finally:
             self.session.observing = None
-        if obs.calls:
+        last, key = self.session.last_step, (obs.calls, obs.source, len(self.session.graphs))
+        if obs.calls and (last is None or (last.calls, last.source, last.num_graphs) != key):   # a new step
             obs.outside = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in obs.params]
             obs.num_graphs = len(self.session.graphs)
             self.session.last_step = obs

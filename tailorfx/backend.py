@@ -19,11 +19,12 @@ from tailorfx.errors import BudgetError
 from tailorfx.options import Options, backend_options
 from tailorfx.codegen import lower as lowering_mod
 from tailorfx.rewrite import memory, trace_cache
-from tailorfx.rewrite.capture import SeqInfo, pin_to_model, seq_info, strip_identity_dropout
+from tailorfx.rewrite.capture import SeqInfo, node_value, pin_to_model, seq_info, strip_identity_dropout
 from tailorfx.rewrite.passes import LazyPeak, PassContext, PassRecord, peak_of
-from tailorfx.rewrite.regions import RegionMap, find_regions
+from tailorfx.rewrite.regions import RegionMap, find_regions, is_param
 from tailorfx.progress import stage
 from tailorfx.runtime.optim import GraphInputs
+from tailorfx.setup import following
 
 DDP_SPLIT = ("inside DistributedDataParallel, Dynamo's DDPOptimizer hands tailorfx the step in pieces cut at "
              "DDP's gradient buckets, which cut regions (an MLP, attention and its causal mask) apart: the pieces "
@@ -196,8 +197,10 @@ class TailorBackend:
         the warning that the plan fits only with the optimizer step in backward, if it does."""
         opts = {**self.options.options_dict(), "grad": torch.is_grad_enabled(),
                 "training": torch.is_grad_enabled() and self.session.training is not False, "lowering": lowering}
-        if opts.get("setup") is not None:   # what the loop around the model holds: trainers/
-            opts["setup"] = opts["setup"].held_by_loop(compat.active_ddp() is not None, self.session.accumulating)
+        if opts.get("setup") is not None:   # the model's dtype now, and what the loop around it holds: trainers/
+            followed = following(opts["setup"], _trained_dtypes(gm), opts["training"])
+            hinted = hinted and followed == opts["setup"]    # the shallow capture planned for the dtype given
+            opts["setup"] = followed.held_by_loop(compat.active_ddp() is not None, self.session.accumulating)
         plan = planner.choose(self.options.passes, ctx.regions, opts)
         if not (opts.get("budget_bytes") and self.options.passes is None):
             return plan, None
@@ -333,6 +336,12 @@ def _check_requested(requested, records: list[PassRecord], idx: int, strict: boo
         raise RewriteNotApplied(msg + " (strict=True; drop strict to run the rest)")
     notes.append(msg)
     warnings.warn(msg)
+
+
+def _trained_dtypes(gm: fx.GraphModule) -> set:
+    """The dtypes of the parameters the graph trains (those that require grad)."""
+    values = (node_value(n) for n in gm.graph.nodes if n.op == "placeholder" and is_param(n))
+    return {v.dtype for v in values if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point()}
 
 
 def _single_document(gm: fx.GraphModule, example_inputs: list) -> frozenset:

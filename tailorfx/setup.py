@@ -236,3 +236,22 @@ def with_device_costs(s: TrainingSetup, budget, model, batch: int) -> TrainingSe
     from tailorfx.budget import CudaCosts
     costs = CudaCosts.for_model(budget.arch, model, batch)
     return s.with_(device=costs, headroom=s.headroom or costs.allocator_headroom)
+
+
+def following(s: TrainingSetup, dtypes: set, training: bool) -> TrainingSetup:
+    """`s` for a graph whose trainable parameters are of `dtypes`: the default setup (resolve(None):
+    the model's dtype at optimize()) follows a model cast since (`opt.to(torch.bfloat16)`: Dynamo
+    captures it again); a setup the user gave, for another dtype, is an error that says so in
+    training (kept for an inference graph)."""
+    if len(dtypes) != 1 or (dtype := next(iter(dtypes))) == s.param_dtype:
+        return s
+    if replace(s, device=None, headroom=0.0) != resolve(None, param_dtype=s.param_dtype, optimizer=s.optimizer):
+        if not training:
+            return s
+        raise ValueError(f"setup {s.name!r} trains {s.param_dtype} parameters but the model's are now {dtype} "
+                         f"(cast after optimize()): cast the model back, or call tailorfx.optimize again with a "
+                         f"setup for {dtype}")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return s    # as optimize() plans such a model (fp32's setup)
+    return s.with_(param_dtype=dtype, name=resolve(None, param_dtype=dtype, optimizer=s.optimizer).name)
+

@@ -183,3 +183,27 @@ def test_a_copy_or_a_saved_module_trains_its_own_parameters(tmp_path):
     opt.forward = lambda **kw: model(**kw)   # a replaced forward reads the original: no copy of it is one
     with pytest.raises(TypeError, match="forward was replaced.*copy the model before optimize"):
         copy.deepcopy(opt)
+
+
+def test_a_model_cast_after_optimize_is_planned_and_predicted_in_its_dtype():
+    """`opt.to(torch.bfloat16)` after optimize(): Dynamo captures the cast model again, and that
+    step is planned and predicted as optimize() of a bf16 model plans it (it was planned for fp32
+    weights, gradients and AdamW state, and the first step after the cast was predicted from the
+    fp32 graph); a setup the user named for fp32 says the cast is its error."""
+    model, inputs = hf_llama(num_layers=2), batch()
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    opt = tailorfx.optimize(model, budget="1GB", example_inputs=inputs)
+    fp32_peak = opt.predict_memory().peak_bytes
+    opt.to(torch.bfloat16)
+    opt(**inputs).loss.backward()
+    want = tailorfx.optimize(bf16, budget="1GB", example_inputs=inputs)
+    assert len(opt.session.graphs) == 2 and opt.setup == want.setup, (opt.setup, want.setup)
+    assert opt.plan[-1].chosen.label == want.plan[0].chosen.label
+    assert opt.predict_memory().peak_bytes == want.predict_memory().peak_bytes < fp32_peak
+    named = tailorfx.optimize(hf_llama(num_layers=2), setup="fp32", example_inputs=inputs)
+    named.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="setup 'fp32' trains torch.float32 parameters but the model's are now "
+                                         "torch.bfloat16 .cast after optimize"):
+        named(**inputs)
+    with torch.no_grad():   # inference: no step to plan for
+        assert named.eval()(**inputs).logits.dtype == torch.bfloat16
