@@ -88,6 +88,7 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         loss.backward()
         return loss.detach()
 
+    @torch.compiler.disable   # an outer torch.compile (Trainer's torch_compile=True) runs it as it is
     def _forward(self, *args, **kwargs):
         self._note_loop()
         if kwargs.get("fused_lm_head") and (out := self._fused_call(args, kwargs)) is not None:

@@ -31,13 +31,15 @@ def _data(n=16, S=32, vocab=256):
     return rows
 
 
-def _train(model, data, **overrides):
+def _train(model, data, trainers: list | None = None, **overrides):
     with tempfile.TemporaryDirectory() as d:
         args = TrainingArguments(output_dir=d, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                                  max_steps=2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
                                  disable_tqdm=True, **overrides)
         trainer = Trainer(model=model, args=args, train_dataset=data)
         trainer.train()
+    if trainers is not None:
+        trainers.append(trainer)
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
@@ -52,11 +54,15 @@ def test_trainer_logs_the_losses_of_the_unoptimized_model():
         # (model.compile(backend="tailorfx") is this same call, in place)
         # Dynamo's wrapper shows forward(*args, **kwargs): Trainer would drop every column
         "torch.compile": lambda m: torch.compile(m, backend="tailorfx"),
+        # Trainer compiles the optimized module too (accelerate's torch.compile around it): run as it is
+        "optimize, torch_compile=True": lambda m: tailorfx.optimize(m, example_inputs=example),
     }
     for name, wrap in runs.items():
         model = copy.deepcopy(base)
         wrapped = wrap(model)
         extra = {"remove_unused_columns": False} if name == "torch.compile" else {}
+        if name.endswith("torch_compile=True"):
+            extra = {"torch_compile": True, "trainers": []}
         with sweep_dynamo_limits() if name == "torch.compile" else contextlib.nullcontext():
             _check_run(name, wrapped, model, eager_model, data, eager, example, extra)
 
@@ -64,6 +70,9 @@ def test_trainer_logs_the_losses_of_the_unoptimized_model():
 def _check_run(name, wrapped, model, eager_model, data, eager, example, extra):
     """One wrapped model trained by Trainer: eager's losses and weights, the rewrites fired."""
     losses = _train(wrapped, data, **extra)
+    for trainer in extra.get("trainers", []):   # its outer compile was there, around tailorfx's module
+        assert isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule), type(trainer.model_wrapped)
+        assert trainer.model_wrapped._orig_mod is wrapped
     assert len(losses) == len(eager) == 2
     torch.testing.assert_close(losses, eager, rtol=1e-5, atol=0, msg=name)
     for (pname, p), q in zip(model.named_parameters(), eager_model.parameters()):
@@ -71,7 +80,7 @@ def _check_run(name, wrapped, model, eager_model, data, eager, example, extra):
     # the rewrites fired inside Trainer's loop: training mode with labels returns no logits
     model.train()
     assert wrapped(**example).logits is None, name
-    if name == "optimize":
+    if name.startswith("optimize"):
         touched = [t for g in wrapped.graph_records for r in g.records for t in r.touched]
         assert any("lm_head" in t for t in touched), touched
 

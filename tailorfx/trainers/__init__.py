@@ -411,6 +411,7 @@ class TrainerHooks:
     def _on_bypass(self) -> None:
         warn_once(self.session, bypass_message(self._replaced_forward))
 
+    @torch.compiler.disable   # under an outer torch.compile, as _forward
     def _trl_forward(self, head: TrlHead, args: tuple, kwargs: dict, labels, shift_labels,
                      num_items_in_batch):
         """TRL's `fused_lm_head=True` call through tailorfx: LogProbStep compiled by the same
