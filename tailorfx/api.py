@@ -133,8 +133,8 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
             obs.outside = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in obs.params]
             obs.num_graphs = len(self.session.graphs)
             self.session.last_step = obs
-            problems = obs.problems()
-            if problems:
+            problems = obs.problems()   # the model's checkpointing turned on since: taken over, whole next call
+            if problems and not self._take_model_checkpointing(again=True):
                 msg = ("the captured graphs are not the whole training step: " + "; ".join(problems) +
                        ". Memory predictions, budgets and max_seq_len cannot cover it: remove the graph break "
                        "(a print, logging or .item() in forward; TORCH_LOGS=graph_breaks names it)")
@@ -295,8 +295,8 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         or PredictionError when they are not the whole step or cannot follow `seq_len`."""
         obs, gs = self.session.last_step, self.session.graphs
         if obs is not None:
-            problems = obs.problems()
-            if problems:
+            problems = obs.problems()   # the model's checkpointing turned on since: taken over, whole next call
+            if problems and not self._take_model_checkpointing(again=True):
                 raise PredictionError("cannot predict one training step: " + "; ".join(problems))
             gs = [gs[i] for i in obs.calls]
         S = seq_len or gs[0].seq.length

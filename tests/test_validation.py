@@ -116,6 +116,39 @@ def test_a_model_given_with_gradient_checkpointing_on_is_recomputed_by_tailorfx(
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+
+def test_gradient_checkpointing_turned_on_in_the_model_after_optimize_is_taken_over():
+    """`model.gradient_checkpointing_enable()` on the model after optimize(): the step that finds it
+    runs the layers outside the graph (Dynamo cannot trace transformers' checkpointing here), and is
+    not warned about as a graph break; from the next step on it is tailorfx's recompute pass, the
+    step one graph again, and the loss and gradients the model's own (it was eager's on every step,
+    warned about as a graph break)."""
+    import copy
+    import warnings
+    from models import hf_family
+    model, b = hf_family("llama"), batch()
+    eager = copy.deepcopy(model)
+    opt = tailorfx.optimize(model, passes=["minisequence"], example_inputs=b)
+    model.gradient_checkpointing_enable()
+    eager.gradient_checkpointing_enable()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            loss = opt(**b).loss
+            loss.backward()
+    assert not [w for w in seen if "not the whole training step" in str(w.message)]
+    assert opt.is_activation_checkpointing and not model.is_activation_checkpointing
+    g = opt.graph_records[-1]
+    assert list(opt.session.last_step.calls) == [g.index], opt.session.last_step.calls
+    assert any(r.name == "recompute" and r.changed for r in g.records), g.plan
+    assert any("turned on after optimize()" in n for n in opt.session.notes), opt.session.notes
+    ref = eager(**b).loss
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
 class _PrintingBlock(torch.nn.Module):
     def __init__(self, d):
         super().__init__()

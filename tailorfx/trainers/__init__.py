@@ -252,23 +252,26 @@ class TrainerHooks:
         self._note_ddp()
         self._note_accumulation()
 
-    def _take_model_checkpointing(self) -> None:
+    def _take_model_checkpointing(self, again: bool = False) -> bool:
         """A model given with transformers' activation checkpointing on: torch.utils.checkpoint around each
         layer hides its MLP from every pass (and under transformers 5.25's hub-kernel wrappers Dynamo
-        skips the model), so at the first call it is turned off in the model and served by tailorfx's
-        recompute pass, as a trainer's activation_checkpointing_enable() is. Not under parallel=."""
-        if "_model_checkpointing_seen" in self.__dict__ or self.session.parallel is not None:
-            return
+        skips the model), so at the first call (`again`: at a step that ran layers outside every graph)
+        it is turned off in the model and served by tailorfx's recompute pass, as a trainer's
+        activation_checkpointing_enable() is; True if it was. Not under parallel=."""
+        if ("_model_checkpointing_seen" in self.__dict__ and not again) or self.session.parallel is not None:
+            return False
         self.__dict__["_model_checkpointing_seen"] = True
         model = self.model
         on = getattr(model, "is_activation_checkpointing", None)   # transformers' name; before 5.x the other
         if not (on if on is not None else getattr(model, "is_gradient_checkpointing", False)):
-            return
+            return False
         (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
         self._set_checkpointing(True)
-        note_once(self.session, "the model came with transformers' activation checkpointing on: turned off in the "
-                                "model (torch.utils.checkpoint around each layer hides its MLP from every pass) and "
-                                "served by tailorfx's recompute pass")
+        note_once(self.session, f"the model {'came with' if not again else 'had'} transformers' activation "
+                                f"checkpointing on{'' if not again else ' (turned on after optimize())'}: turned off "
+                                f"in the model (torch.utils.checkpoint around each layer hides its MLP from every "
+                                f"pass) and served by tailorfx's recompute pass")
+        return True
 
     def _note_ddp(self) -> None:
         """Inside DistributedDataParallel (Trainer or accelerate on several processes): the step is one
