@@ -295,8 +295,8 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         or PredictionError when they are not the whole step or cannot follow `seq_len`."""
         obs, gs = self.session.last_step, self.session.graphs
         if obs is not None:
-            problems = obs.problems()   # the model's checkpointing turned on since: taken over, whole next call
-            if problems and not self._take_model_checkpointing(again=True):
+            problems = obs.problems()
+            if problems:
                 raise PredictionError("cannot predict one training step: " + "; ".join(problems))
             gs = [gs[i] for i in obs.calls]
         S = seq_len or gs[0].seq.length

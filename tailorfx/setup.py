@@ -254,4 +254,3 @@ def following(s: TrainingSetup, dtypes: set, training: bool) -> TrainingSetup:
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return s    # as optimize() plans such a model (fp32's setup)
     return s.with_(param_dtype=dtype, name=resolve(None, param_dtype=dtype, optimizer=s.optimizer).name)
-
