@@ -386,6 +386,10 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
+    if (inner := compat.compiled_original(model)) is not None:   # Trainer and accelerate unwrap it alike
+        warnings.warn("optimize() was given torch.compile's wrapper: tailorfx compiles the model it wraps, with "
+                      "its own backend (the wrapper's backend and options are not used)")
+        model = inner
     plain = setup = _setup_for(model, setup, optimizer)
     examples = split_examples(example_inputs, example_kwargs)
     if budget is not None:   # a device preset: CUDA's workspaces at the example inputs' batch (1 without them)
@@ -396,6 +400,7 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
                            precision_policy=precision_policy, setup=setup, recompute=recompute, offload=offload,
                            keep_logits=keep_logits, strict=strict, kernels=kernels)
     if kernels == "triton":
+        from tailorfx.kernels import check_triton
         check_triton(model)
     if b is not None and passes is None and parallel is None:   # a deep model planned on a shallow capture
         opts["plan_hint"] = shallow_hint(model, b, plain, examples, opts, lowering, optimize)
@@ -408,16 +413,6 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
         opt(*examples[0], **examples[1])
         opt._bypass.forget_calls()    # no backward follows the example call
     return opt
-
-
-def check_triton(model: nn.Module) -> None:
-    """kernels="triton" needs a CUDA model, or Triton's CPU interpreter for a CPU one."""
-    from tailorfx.kernels import interpreted
-    devices = {p.device.type for p in model.parameters()}
-    if devices - {"cuda"} and not interpreted():
-        raise ValueError(f"kernels='triton' on a {'/'.join(sorted(devices))} model needs Triton's CPU interpreter: "
-                         f"set TRITON_INTERPRET=1 before importing tailorfx (slow; for tests), or move the "
-                         f"model to a CUDA GPU, or drop kernels= to run torch's own ops")
 
 
 def _parallel_module(model: nn.Module, options: Options, budget: Optional[Budget], parallel: Any,

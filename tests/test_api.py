@@ -207,3 +207,20 @@ def test_a_model_cast_after_optimize_is_planned_and_predicted_in_its_dtype():
         named(**inputs)
     with torch.no_grad():   # inference: no step to plan for
         assert named.eval()(**inputs).logits.dtype == torch.bfloat16
+
+
+def test_a_model_given_compiled_is_optimized_as_the_model_it_wraps():
+    """optimize(torch.compile(model)): tailorfx compiles the model the wrapper holds, and says so, so
+    the module answers isinstance as the model (Trainer saves it with save_pretrained) and its step,
+    rewritten, is eager's. (It wrapped Dynamo's wrapper: a class of its own, not the model's.)"""
+    model, inputs = hf_llama(num_layers=2), batch()
+    ref = copy.deepcopy(model)
+    truth = float64_reference(ref, inputs)
+    with pytest.warns(UserWarning, match="given torch.compile's wrapper: tailorfx compiles the model it wraps"):
+        opt = tailorfx.optimize(torch.compile(model), example_inputs=inputs)
+    assert opt.model is model and isinstance(opt, type(model)), type(opt)
+    loss, loss_ref = opt(**inputs).loss, ref(**inputs).loss
+    loss.backward()
+    loss_ref.backward()
+    check_exact(step_values(model, loss), step_values(ref, loss_ref), truth)
+    assert any(r.changed and r.touched for r in opt.graph_records[-1].records)

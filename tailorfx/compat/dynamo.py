@@ -322,6 +322,11 @@ def _quiet_metrics_logging(ignored_ids: frozenset) -> Iterator[None]:
         logger.removeFilter(drop)
 
 
+def compiled_original(module: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The module torch.compile wrapped (Dynamo's wrapper's `_orig_mod`); None for any other module."""
+    return module._orig_mod if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) else None
+
+
 def active_ddp() -> Optional[torch.nn.Module]:
     """The DistributedDataParallel module whose forward is running, if any (DDP sets it for
     Dynamo, which compiles a model under it in pieces cut at DDP's gradient buckets)."""

@@ -281,3 +281,12 @@ SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}   # opt-in shared memory per blo
 def interpreted() -> bool:
     """Triton runs kernels on CPU only through its interpreter."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_triton(model: torch.nn.Module) -> None:
+    """kernels="triton" needs a CUDA model, or Triton's CPU interpreter for a CPU one."""
+    devices = {p.device.type for p in model.parameters()}
+    if devices - {"cuda"} and not interpreted():
+        raise ValueError(f"kernels='triton' on a {'/'.join(sorted(devices))} model needs Triton's CPU interpreter: "
+                         f"set TRITON_INTERPRET=1 before importing tailorfx (slow; for tests), or move the "
+                         f"model to a CUDA GPU, or drop kernels= to run torch's own ops")
