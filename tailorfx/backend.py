@@ -133,7 +133,8 @@ class TailorBackend:
             self.session.warnings.append(DDP_SPLIT)
             warnings.warn(DDP_SPLIT)
             return gm.forward
-        pin_to_model(gm, example_inputs)   # may ask Dynamo to trace again (symbolic length, constant floats)
+        # may ask Dynamo to trace again (symbolic length, constant floats)
+        pin_to_model(gm, example_inputs, inference=not torch.is_grad_enabled())
         strip_identity_dropout(gm)
         return self._compile(gm, example_inputs, hinted=True)
 

@@ -223,7 +223,7 @@ def with_eager_grouped_mm(gm: fx.GraphModule) -> fx.GraphModule:
     return out
 
 
-def pin_to_model(gm: fx.GraphModule, example_inputs: list, seq_dim: int = 1) -> list[str]:
+def pin_to_model(gm: fx.GraphModule, example_inputs: list, seq_dim: int = 1, inference: bool = False) -> list[str]:
     """Make a Dynamo graph what optimize() would capture for this model, whatever was compiled
     before it: symbolic in the sequence length, the model's own values constant.
 
@@ -238,7 +238,9 @@ def pin_to_model(gm: fx.GraphModule, example_inputs: list, seq_dim: int = 1) -> 
     symbol, as Dynamo's duck sizing gives a fresh process). Every other size symbol (the model's
     own sizes, a batch size that changed) is pinned to its value with a guard, as in a process
     that compiled nothing before; an int passed in the call (e.g. `num_items_in_batch`) stays as
-    Dynamo made it (pinned, every new value would compile again).
+    Dynamo made it (pinned, every new value would compile again). In an `inference` graph (grad
+    off: generate()'s decode steps, whose KV cache grows a token a call) the inputs' sizes stay
+    as Dynamo made them: pinned, each step would compile again.
     Returns the pinned symbols' names.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -257,6 +259,9 @@ def pin_to_model(gm: fx.GraphModule, example_inputs: list, seq_dim: int = 1) -> 
     keep = {compat.sym_expr(length) for length in lengths}
     keep |= {compat.sym_expr(node_value(n)) for n, _ in user
              if isinstance(node_value(n), torch.SymInt) and not compat.is_size_input(n)}
+    if inference:
+        keep |= {compat.sym_expr(size) for n, _ in user if isinstance(node_value(n), torch.Tensor)
+                 for size in node_value(n).shape}
     pinned = []
     for n in placeholders:
         v = node_value(n)
