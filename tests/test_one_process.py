@@ -239,3 +239,24 @@ def test_captures_after_a_users_compile_hit_its_recompile_limit():
     code = _AFTER_THE_LIMIT.format(tests=os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_generate_through_a_model_compiled_in_place_compiles_each_kind_of_step_once():
+    """model.compile(backend="tailorfx") then generate(): the decode steps' KV cache grows a token a
+    call, and its length stays a symbol in their inference graph, so generation compiles the prefill
+    and two decode graphs (static, then dynamic), as Dynamo's own backends do, and its tokens are the
+    model's. (Each step's length was pinned: a compile per token, to Dynamo's recompile limit.) Not
+    in `make test-torch211`'s files: torch 2.11 has no regions, so there an in-place compile meets
+    the recompiles of every optimize() of the worker (docs/usage.md, "One process, many models")."""
+    from torch._dynamo.utils import counters
+    from models import batch, hf_llama
+    model, prompt = hf_llama(num_layers=2), batch(B=2, S=12)["input_ids"]
+    ref = copy.deepcopy(model).eval()
+    model.compile(backend="tailorfx")
+    model(**batch()).loss.backward()
+    model.eval()
+    before = counters["stats"]["unique_graphs"]
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False)
+    assert counters["stats"]["unique_graphs"] - before <= 3, counters["stats"]["unique_graphs"] - before
+    want = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False)
+    assert out.shape == (2, 22) and torch.equal(out, want)
