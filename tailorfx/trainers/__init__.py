@@ -267,10 +267,10 @@ class TrainerHooks:
             return False
         (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
         self._set_checkpointing(True)
-        note_once(self.session, f"the model {'came with' if not again else 'had'} transformers' activation "
-                                f"checkpointing on{'' if not again else ' (turned on after optimize())'}: turned off "
-                                f"in the model (torch.utils.checkpoint around each layer hides its MLP from every "
-                                f"pass) and served by tailorfx's recompute pass")
+        how = ("had transformers' activation checkpointing on (turned on after optimize())" if again
+               else "came with transformers' activation checkpointing on")
+        note_once(self.session, f"the model {how}: turned off in the model (torch.utils.checkpoint around each "
+                                f"layer hides its MLP from every pass) and served by tailorfx's recompute pass")
         return True
 
     def _note_ddp(self) -> None:
