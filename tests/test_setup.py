@@ -348,3 +348,47 @@ def test_headroom_and_micro_batch_shorten_max_seq_len():
     assert roomy < plain and double < plain
     # the answer with 25% headroom is what fits 72 MiB without any
     assert abs(roomy - tailorfx.max_seq_len(cfg, "72MiB", passes=[], setup=base, granularity=16)) <= 16
+
+
+def _with_generator_input(g, name: str):
+    """A copy of `g` with a generator placeholder appended, as AOTAutograd's partitioner appends one
+    per recomputed random op on CUDA (apply_graphsafe_rng_functionalization)."""
+    import torch.fx as fx
+    g = fx.GraphModule(g, copy.deepcopy(g.graph))
+    last = [n for n in g.graph.nodes if n.op == "placeholder"][-1]
+    with g.graph.inserting_after(last):
+        g.graph.placeholder(name).meta["val"] = torch.Generator()
+    g.recompile()
+    return g
+
+
+def test_the_generator_inputs_cudas_partitioner_appends_keep_weights_predicted_and_steps_in_backward():
+    """On CUDA a recomputed SDPA flash call gets a generator input at the end of AOTAutograd's forward
+    (`fwd_rng_state_<i>`). On the 2026-12-04 H200 run that hid Llama-3-8B's 48 GB of weights and AdamW
+    state from opt.predict_memory() under full recompute (fwd inputs no longer lined up with Dynamo's),
+    and the optimizer steps were not put into the backward. With the generators appended as CUDA's
+    partitioner appends them, the step predicts and fuses as without them."""
+    from dataclasses import replace
+    from tailorfx.rewrite import memory
+    from tailorfx.rewrite.optimizer_step import fuse_into_backward
+    from tailorfx.rewrite.trace import make_step, trainable_inputs
+    from tailorfx.rewrite.trace_cache import traced_step
+    model = reference(torch.bfloat16)
+    opt = tailorfx.optimize(model, passes=["recompute"], setup="pure-bf16-fused-optimizer", example_inputs=lm(64),
+                            lowering="eager")
+    g = opt.session.graphs[0]
+    assert any(r.changed for r in g.records if r.name == "recompute")
+    step = traced_step(g.rewritten, "min_cut", None, static=True)   # the forward and backward the lowering runs
+    fw, bw = _with_generator_input(step.fw, "fwd_rng_state_0"), _with_generator_input(step.bw, "bwd_rng_state_0")
+    cuda = make_step(g.rewritten, fw, bw, step.num_user_outputs)
+    assert cuda.static_inputs == step.static_inputs + [False]
+    trained = trainable_inputs(g.rewritten)
+    plain_bw = _with_generator_input(step.bw, "unused")   # a copy, fused as the CUDA-like one
+    fused = [fuse_into_backward(f, b, step.num_user_outputs, trained, handle=-1) for f, b in ((step.fw, plain_bw), (fw, bw))]
+    assert fused[0] == fused[1] == sum(trained) > 0, fused
+    setup = PRESETS["pure-bf16-fused-optimizer"]
+    plain, on_cuda = (memory.simulate_step([replace(s, bw=b)], g.seq, setup=setup)
+                      for s, b in ((step, plain_bw), (cuda, bw)))
+    n, buffers = sum(p.numel() for p in model.parameters()), sum(b.nbytes for b in model.buffers())
+    assert on_cuda.static_bytes == plain.static_bytes == 6 * n + buffers   # bf16 weights, two bf16 AdamW moments
+    assert on_cuda.peak_bytes == plain.peak_bytes

@@ -120,8 +120,11 @@ def _aot_compiler(gm: fx.GraphModule, lowering: str, needs: dict, on_partition: 
             fw, bw = partition_fn(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
             store_saved_low(fw, bw, num_fwd_outputs)
             offload.offload_saved(fw, bw, num_fwd_outputs)
-            if steps_in_backward is not None and bw is not None:
-                fuse_into_backward(fw, bw, num_fwd_outputs, trainable_inputs(gm), steps_in_backward.handle)
+            if steps_in_backward is not None and bw is not None and any(trained := trainable_inputs(gm)) \
+                    and not fuse_into_backward(fw, bw, num_fwd_outputs, trained, steps_in_backward.handle):
+                warnings.warn("tailorfx: the optimizer steps could not be put inside the backward graph (its "
+                              "inputs do not line up with the captured graph's); they run from hooks after it, "
+                              "every gradient alive at its end, more than the memory model predicts")
             if on_partition is not None:
                 on_partition(fw, bw, num_fwd_outputs, static)
             # a pending backward may outlive the rewritten graph: the graphs that run own what it owns

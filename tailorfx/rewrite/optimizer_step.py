@@ -48,6 +48,16 @@ def _num_placeholders(nodes: list) -> int:
     return sum(1 for n in nodes if n.op == "placeholder")
 
 
+RNG_STATE_INPUT = "fwd_rng_state_"
+
+
+def forward_inputs(fw: fx.GraphModule) -> list[fx.Node]:
+    """The placeholders of AOTAutograd's forward that stand for the Dynamo graph's inputs, in order.
+    On CUDA its partitioner appends to them one generator (`fwd_rng_state_<i>`) per recomputed op
+    that draws random numbers (SDPA's flash kernel is one: full recompute of an attention block)."""
+    return [n for n in fw.graph.nodes if n.op == "placeholder" and not n.name.startswith(RNG_STATE_INPUT)]
+
+
 def fuse_into_backward(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
                        trainable: Sequence[bool], handle: int) -> int:
     """Rewrite `bw` in place (and recompile it): one grad_ready per trainable input's gradient.
@@ -56,7 +66,7 @@ def fuse_into_backward(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     gradient). Returns the number of gradients handed over; 0 when the graphs do not line up.
     """
     from tailorfx.runtime.optim import grad_ready
-    fw_ph = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    fw_ph = forward_inputs(fw)   # one backward output each
     out, grads = _outputs(bw)
     if len(grads) != len(fw_ph) or len(trainable) != len(fw_ph):
         return 0

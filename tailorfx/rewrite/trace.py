@@ -17,7 +17,7 @@ import torch.fx as fx
 from tailorfx import compat
 from tailorfx.rewrite.capture import node_value, without_identity_dropout
 from tailorfx.rewrite.lazy_outputs import split_lazy_outputs
-from tailorfx.rewrite.optimizer_step import fuse_into_backward
+from tailorfx.rewrite.optimizer_step import forward_inputs, fuse_into_backward
 from tailorfx.rewrite.offload import offload_saved
 from tailorfx.rewrite.saved_dtype import store_saved_low
 from tailorfx.rewrite.regions import is_param
@@ -156,7 +156,9 @@ def make_step(gm: fx.GraphModule, fw: fx.GraphModule, bw: Optional[fx.GraphModul
     dyn_ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fw_ph = [n for n in fw.graph.nodes if n.op == "placeholder"]
     static = [is_param(n) for n in dyn_ph]
-    if len(static) != len(fw_ph):   # AOTAutograd added or removed inputs: fall back on requires_grad
+    if len(static) == len(forward_inputs(fw)):   # the generators CUDA's partitioner appends come last
+        static += [False] * (len(fw_ph) - len(static))
+    else:   # AOTAutograd added or removed inputs: fall back on requires_grad
         static = [isinstance(node_value(n), torch.Tensor) and node_value(n).requires_grad for n in fw_ph]
     grads = [isinstance(v, torch.Tensor) and v.requires_grad for v in fake_inputs(gm)]
     n_out = num_user_outputs if num_user_outputs is not None else len(graph_outputs(fw))
