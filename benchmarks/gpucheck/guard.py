@@ -13,15 +13,17 @@ from typing import Callable, Optional
 from gpucheck.record import Run, Skip, describe, finish, new_section
 from gpucheck.steps import config_params, step_flops
 
-# What a check is estimated to take on the GPU, so that it starts only when it can finish. A budgeted
-# optimize() of the 32-layer graph, timed on fake tensors on a busy 2-core CPU, planned in 3-3.5 min
-# at 8K and 32K tokens and predicted in 30 s; a run replaces PLAN_S by its first optimize()'s time.
-ESTIMATE_TFLOPS = 350.0        # what a step is assumed to reach (about a third of the peak)
+# What a check is estimated to take on the GPU, so that it starts only when it can finish. Measured on
+# the H200 on 2026-12-04 (Llama-3-8B, one step at 32K tokens in 8.0 s, at 79,360 in 27.5 s: about 300
+# TFLOP/s): the model made in 0.3 s, the first step 1-2 s over a steady one, a budgeted optimize() in
+# 45 s at 32K and 60 s at 79K tokens; the constants keep a margin over those, and a run replaces PLAN_S
+# by its first optimize()'s time.
+ESTIMATE_TFLOPS = 350.0        # what a step is assumed to reach (about a third of the peak; slowdown below)
 OFFLOAD_SLOWDOWN = 1.6         # a step with host copies the compute does not hide, over its FLOPs' time
 STEP_OVERHEAD_S = 1.0          # launches and 291 single-tensor AdamW updates a step
-BUILD_S = 20.0                 # an 8B model made on the GPU, random weights
-FIRST_STEP_S = 20.0            # the first step's extra: Triton's compiles, the allocator's growth
-PLAN_S = 150.0                 # a budgeted optimize(): capture and the planner's traces
+BUILD_S = 5.0                  # an 8B model made on the GPU, random weights
+FIRST_STEP_S = 5.0             # the first step's extra: Triton's compiles, the allocator's growth
+PLAN_S = 90.0                  # a budgeted optimize(): capture and the planner's traces
 PREDICT_S = 30.0               # one predict_memory(), or max_seq_len / plan_for_budget on a shallow capture
 TRACE_S = 60.0                 # optimize() with fixed passes and one prediction: capture, one trace
 PYTHON_S = 30.0                # a fresh interpreter's imports (the probe's subprocess)
