@@ -40,7 +40,8 @@ Sections, in this order; each writes the JSON (benchmarks/out/gpu_scale.json) as
            activation checkpointing, Liger-Kernel (its defaults, fused linear cross-entropy among
            them) + HF checkpointing, the ALST recipe (DeepSpeed's TiledMLP + TiledFusedLogitsLoss
            + HF checkpointing, benchmarks/alst.py; no ZeRO): step time, tokens/s, MFU; tailorfx's
-           rows also the chosen plan and the peak against the prediction. Each provider is
+           rows also the chosen plan and the peak against the prediction; every row one step
+           profiled (kernel time by kind against the wall: where an MFU goes). Each provider is
            checked against eager at a short length (the loss, every weight's gradient norm, one
            step updating each parameter once; ALST with two shards or more of each kind) and for
            its feature firing. The 32K row runs first, then those checks, then 16K and 8K: at 32K
@@ -74,7 +75,7 @@ from gpucheck.guard import (OFFLOAD_SLOWDOWN, PREDICT_S, PYTHON_S, TRACE_S, WATC
                             estimate_s, guarded, run_child, run_sections, start_watchdog)
 from gpucheck.record import Run, Skip, bench_module, describe  # noqa: E402
 from gpucheck.steps import (PEAK_TFLOPS, against_prediction, capped, first_step, grad_norms,  # noqa: E402
-                            median_step_s, mfu, peak_of, stepper, worst_grad_rel)
+                            median_step_s, mfu, peak_of, step_profile, stepper, worst_grad_rel)
 
 SECTIONS = ("longest", "speed", "offload", "probe")
 SETUP = "pure-bf16-fused-optimizer"
@@ -329,6 +330,7 @@ def timed_steps(run: Run, name: str, S: int, reps: int) -> dict:
                     if name in TAILORFX:
                         res["prediction"] = against_prediction(res["measured"], p.module.predict_memory())
                     res["step_s"] = median_step_s(step, reps)
+                    res["profile"] = step_profile(run, step)   # where the time goes (the MFU goal's gap)
             finally:
                 p.cleanup()
             res.update(tokens_per_s=S / res["step_s"], mfu=mfu(model, S, res["step_s"]))
@@ -360,7 +362,7 @@ def section_speed(run: Run, sec: dict) -> None:
 
 def speed_row(run: Run, sec: dict, S: int, names: tuple, reps: int) -> None:
     for name in names:
-        need = estimate_s(run, config(run.dry), S, steps=2 + reps, plan=name in TAILORFX,
+        need = estimate_s(run, config(run.dry), S, steps=3 + reps, plan=name in TAILORFX,
                           slowdown=OFFLOAD_SLOWDOWN if name == OFFLOADED else 4 / 3)
         guarded(run, sec, f"{name} S={S}", need, lambda name=name: timed_steps(run, name, S, reps))
 

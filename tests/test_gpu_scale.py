@@ -172,6 +172,13 @@ def test_dry_run_runs_every_section(tmp_path):
     for S in (256, 512):
         assert speed[f"tailorfx S={S}"]["fired"]["logits_skipped"]          # the fused head ran
         assert "predicted" in speed[f"tailorfx S={S}"]["prediction"]
+        # what the prediction counted: the weights and AdamW state among them (6 bytes a parameter)
+        parts = speed[f"tailorfx S={S}"]["prediction"]["parts"]
+        assert 0 < parts["params"] < parts["optimizer_state"]   # two bf16 moments a bf16 weight
+        for name in ("tailorfx", "eager", "hf-checkpointing"):   # one step profiled: the matmuls and attention seen
+            prof = speed[f"{name} S={S}"]["profile"]
+            assert prof["by_kind_s"]["gemm"] > 0 and prof["by_kind_s"]["attention"] > 0, (name, prof)
+            assert 0 < prof["kernel_s"] and prof["top"], (name, prof)
         assert speed[f"hf-checkpointing S={S}"]["fired"]["checkpointing"]
         # the same model: checkpointing holds less than eager
         assert (speed[f"hf-checkpointing S={S}"]["measured"]["dynamic_peak"]

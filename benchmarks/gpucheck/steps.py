@@ -144,3 +144,37 @@ def worst_grad_rel(ref: dict, got: dict) -> float:
                          f"provider only {sorted(set(got) - set(ref))[:4]}")
     return max(abs(got[n] - g) / max(g, 1e-30) for n, g in ref.items())
 
+
+
+KINDS = (("attention", ("flash", "fmha", "attention", "sdpa")),
+         ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
+         ("triton", ("triton",)),
+         ("copy", ("memcpy", "memset", "aten::copy_", "aten::to")))
+
+
+def kind_of(name: str) -> str:
+    """A kernel's (or, on the CPU, an op's) kind by its name: attention, gemm, triton, copy, other."""
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def step_profile(run: Run, step, top: int = 12) -> dict:
+    """Where one step's time goes: the GPU's kernel time by kind (on the CPU, the ops' own time),
+    against the step's wall time (the rest: the GPU idle, waiting on the host), and the `top`
+    kernels by time. What an MFU below the goal is made of."""
+    from torch.profiler import ProfilerActivity, profile
+    sync(run)
+    with profile(activities=[ProfilerActivity.CUDA if run.cuda else ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        step()   # ends in a synchronize
+        wall = time.perf_counter() - t0
+    own = "self_device_time_total" if run.cuda else "self_cpu_time_total"
+    rows = [(e.key, getattr(e, own, 0) / 1e6, e.count) for e in prof.key_averages()]
+    rows = [r for r in rows if r[1] > 0 and (run.cuda or r[0].startswith("aten::"))]
+    by_kind: dict = {}
+    for name, s, _ in rows:
+        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + s
+    busy = sum(by_kind.values())
+    return {"wall_s": round(wall, 4), "kernel_s": round(busy, 4), "kernel_fraction": round(busy / wall, 3),
+            "by_kind_s": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "top": [{"name": n[:120], "s": round(s, 4), "count": c} for n, s, c in sorted(rows, key=lambda r: -r[1])[:top]]}
