@@ -145,7 +145,6 @@ def worst_grad_rel(ref: dict, got: dict) -> float:
     return max(abs(got[n] - g) / max(g, 1e-30) for n, g in ref.items())
 
 
-
 KINDS = (("attention", ("flash", "fmha", "attention", "sdpa")),
          ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
          ("triton", ("triton",)),
