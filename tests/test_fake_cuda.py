@@ -179,15 +179,19 @@ def test_flex_attention_asked_for_runs_flexattention_on_cuda(runs):
 
 
 def test_a_chunked_16bit_weight_gradient_is_summed_by_a_tensor_core_gemm_on_cuda():
-    """The mini-sequence MLP sums a bf16 weight's gradient over chunks in fp32
-    (runtime/ops.py::add_weight_grad). On the 2026-12-04 H200 run that sum ran as an fp32 GEMM on
-    upcast copies (`cutlass_80_simt_sgemm`, no tensor cores): 2.5 s of Llama-3-8B's 7.9 s step at 32K
-    tokens. On CUDA it is now one bf16 GEMM with an fp32 result (`mm.dtype`); the CPU keeps its upcast."""
+    """The mini-sequence MLP and the fused head sum a bf16 weight's gradient over chunks in fp32
+    (kernels/weight_grad.py::add_weight_grad). On the 2026-12-04 H200 run the MLP's sum ran as an
+    fp32 GEMM on upcast copies (`cutlass_80_simt_sgemm`, no tensor cores): 2.5 s of Llama-3-8B's
+    7.9 s step at 32K tokens, and each chunk's gate and up gradients were added into the sum by a
+    kernel of their own (`CUDAFunctor_add<float>`, 896 calls). On CUDA it is one bf16 GEMM that
+    accumulates into the fp32 sum (`addmm.dtype_out`, out= the sum): no upcast, no temporary, no add;
+    the CPU keeps its upcast."""
     script = os.path.join(HERE, "fake_cuda_weight_grad.py")
     r = subprocess.run([_cuda_python(), script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    cuda, cpu = ({op: dtypes for op, dtypes in got[d]} for d in ("cuda", "cpu"))
-    assert cuda["aten.mm.dtype"] == ["torch.bfloat16", "torch.bfloat16"], got["cuda"]
-    assert not any("addmm" in op or "_to_copy" in op for op in cuda), got["cuda"]
-    assert cpu["aten.addmm_.default"] == ["torch.float32"] * 3 and "aten.mm.dtype" not in cpu, got["cpu"]
+    cuda, cpu = ({op: (dtypes, into) for op, dtypes, into in got[d] if not op.startswith("prim.")}
+                 for d in ("cuda", "cpu"))
+    assert cuda["aten.addmm.dtype_out"] == (["torch.float32", "torch.bfloat16", "torch.bfloat16"], True), got["cuda"]
+    assert set(cuda) == {"aten.t.default", "aten.addmm.dtype_out"}, got["cuda"]   # no copy, no mm, no add
+    assert cpu["aten.addmm_.default"] == (["torch.float32"] * 3, False) and "aten.addmm.dtype_out" not in cpu, got["cpu"]

@@ -262,6 +262,7 @@ def _denominator(labels, ignore_index: int, reduction: str, normalizer):
 def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, logit_scale, z_loss, chunk, normalizer,
              block, grads, in_weight_dtype=None, grad_weight_fp32=False):
     import torch
+    from tailorfx.kernels.weight_grad import add_weight_grad
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy: reduction {reduction!r} not in mean/sum")
     if normalizer is not None and reduction != "mean":
@@ -318,7 +319,7 @@ def _forward(hidden, weight, bias, labels, ignore_index, reduction, softcap, log
             torch.mm(g, w, out=chunk_grad_h[i])
         else:
             chunk_grad_h[i].copy_(g @ w)
-        accumulate_weight_grad(grad_w, g, h)
+        add_weight_grad(grad_w, g, h, slab=4096)
         if grad_b is not None:
             grad_b.add_(g.sum(0, dtype=f32))
         del g, h
@@ -342,23 +343,6 @@ def loss_dtype(hidden, weight):
     eager's `cross_entropy(logits.float())`; a model whose loss was 16-bit gets a cast in the graph."""
     import torch
     return torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32   # no ATen call
-
-
-def accumulate_weight_grad(grad_w, g, h, slab: int = 4096) -> None:
-    """`grad_w += g^T @ h` for a chunk's logit gradient `g` (rows x V) and input `h` (rows x H).
-    An fp32 `grad_w` of 16-bit operands sums the exact products: on CUDA one GEMM writes into it
-    (`addmm(out_dtype=float32)`, fp32 accumulation, no V x H temporary); elsewhere the operands are
-    upcast a slab of `slab` vocabulary rows at a time."""
-    import torch
-    if grad_w.dtype == g.dtype == h.dtype:
-        grad_w.addmm_(g.t(), h)
-    elif (grad_w.device.type == "cuda" and g.dtype == h.dtype
-          and torch.cuda.get_device_capability(grad_w.device)[0] >= 8):   # cuBLAS's bf16 -> fp32 GEMM
-        torch.addmm(grad_w, g.t(), h, out_dtype=grad_w.dtype, out=grad_w)
-    else:
-        h_up = h.to(grad_w.dtype)
-        for s in range(0, g.shape[1], slab):
-            grad_w[s:s + slab].addmm_(g[:, s:s + slab].t().to(grad_w.dtype), h_up)
 
 
 def gemms_in_weight_dtype(hidden, weight, cuda: bool = False) -> bool:

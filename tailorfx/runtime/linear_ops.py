@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from tailorfx.kernels.linear_cross_entropy import accumulate_weight_grad, loss_dtype
+from tailorfx.kernels.linear_cross_entropy import loss_dtype
+from tailorfx.kernels.weight_grad import add_weight_grad
 from tailorfx.kernels.linear_cross_entropy import gemms_in_weight_dtype  # noqa: F401 (this module's rule too)
 
 
@@ -159,7 +160,7 @@ def _lce_chunk(h, y, w, b, ignore_index, softcap, logit_scale, scale, grad_h, gr
         else:
             grad_h.copy_(g_w @ w if rs is None else (g_w @ w).mul_(rs))
     if grad_w is not None:
-        accumulate_weight_grad(grad_w, g_w, h if rs is None else h * rs.to(h.dtype))
+        add_weight_grad(grad_w, g_w, h if rs is None else h * rs.to(h.dtype), slab=4096)
     if grad_b is not None:
         grad_b.add_(g_w.sum(0, dtype=grad_b.dtype) if rs is None else (g_w.t() @ rs).squeeze(1).to(grad_b.dtype))
     return loss

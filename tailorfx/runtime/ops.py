@@ -27,6 +27,7 @@ from tailorfx.runtime.region_registry import (ChunkedRegion, chunked_region, ent
                                               exit_autocast, function_apply, get_region, live_region,
                                               register_region)
 from tailorfx.runtime.chunk_memory import transient_bytes  # noqa: F401  (the memory model reads it here)
+from tailorfx.runtime.chunk_backward import region_chunk_grads, store_grads  # noqa: F401  (cost.py reads the first here)
 
 __all__ = ["ChunkedRegion", "register_region", "chunked_region", "get_region", "token_chunked",
            "chunked_linear_cross_entropy", "transient_bytes", "linear_fp32_out"]
@@ -96,68 +97,6 @@ def _token_chunked_fake(key, seq_inputs, whole_inputs, seq_dim, num_chunks):
     return y.new_empty(y.shape)
 
 
-def add_weight_grad(acc: Tensor, g: Tensor, a: Tensor) -> None:
-    """acc += g^T a: a chunk's share of a weight's gradient, summed over chunks in acc's dtype. On
-    CUDA a 16-bit pair summed in fp32 runs as one tensor-core GEMM with an fp32 result (mm's
-    out_dtype), not an fp32 GEMM on upcast copies (CUDA cores: a third of Llama-3-8B's step at 32K
-    tokens on an H200); the same sums, each product of two 16-bit floats exact in fp32."""
-    if acc.is_cuda and acc.dtype == torch.float32 and g.dtype == a.dtype \
-            and g.dtype in (torch.bfloat16, torch.float16):
-        acc.add_(torch.mm(g.t(), a, out_dtype=torch.float32))
-    else:
-        acc.addmm_(g.t().to(acc.dtype), a.to(acc.dtype))
-
-
-def _linear_tail_grads(tail, xs, whole, grad_out, whole_acc):
-    """Grads through the region's final linear by hand; returns (a, grad_a) to backprop into pre."""
-    pre, wi, bi = tail
-    a = pre(*xs, *whole)
-    # autocast as the region entered it (pre did), whatever the caller's: a `pre` that ran under it
-    # made `a` in a lower precision than the fp32 weight, and the linear ran in a's dtype
-    with torch.no_grad(), torch.autocast(a.device.type, enabled=False):
-        w = whole[wi]
-        low = a.dtype if a.is_floating_point() and a.dtype.itemsize < w.dtype.itemsize else None
-        go2 = grad_out.reshape(-1, grad_out.shape[-1])
-        if w.requires_grad:
-            acc, a2 = whole_acc[wi], a.detach().reshape(-1, a.shape[-1])
-            if low is None:
-                add_weight_grad(acc, go2, a2)
-            else:   # the chunk's product in autocast's dtype, summed in the master's
-                acc.add_(go2.t().to(low) @ a2)
-        if bi >= 0 and whole[bi].requires_grad:
-            whole_acc[bi].add_(go2.sum(0).to(whole_acc[bi].dtype))
-        # an fp32 grad_out when the linear was linear_fp32_out
-        grad_a = grad_out.to(w.dtype) @ w if low is None else grad_out.to(low) @ w.to(low)
-    return a, grad_a
-
-
-def _store_grads(grads, xs, seq_grads, whole, whole_acc) -> None:
-    """One chunk's grads (of the inputs that require them, in order) written into its slices of
-    seq_grads and added into whole_acc."""
-    grads = iter(grads)
-    for x, out in zip(xs, seq_grads):
-        if x.requires_grad:
-            g = next(grads)
-            out.copy_(g) if g is not None else out.zero_()
-    for w, acc in zip(whole, whole_acc):
-        if w.requires_grad and (g := next(grads)) is not None:
-            acc.add_(g)
-
-
-def region_chunk_grads(fn, xs, whole, grad_out, seq_grads, whole_acc, tail=None):
-    """Recompute one chunk and backprop it: writes seq_grads, adds into whole_acc. With a `tail`
-    (ChunkedRegion.tail), the region's final linear is differentiated by hand, not recomputed.
-
-    A call per chunk, so the chunk's activations and grads die before the next chunk starts.
-    """
-    wrt = [t for t in (*xs, *whole) if t.requires_grad]
-    if tail is not None:
-        out, grad_out = _linear_tail_grads(tail, xs, whole, grad_out, whole_acc)
-    else:
-        out = fn(*xs, *whole)
-    _store_grads(torch.autograd.grad(out, wrt, grad_out, allow_unused=True), xs, seq_grads, whole, whole_acc)
-
-
 @torch.library.custom_op("tailorfx::token_chunked_backward", mutates_args=())
 def _token_chunked_backward(
     key: str, grad_out: Tensor, seq_inputs: list[Tensor], whole_inputs: list[Tensor],
@@ -184,7 +123,7 @@ def _chunk_grads(key, grad_out, seq_inputs, whole_inputs, seq_dim, num_chunks, s
             xs = [c[i].contiguous().detach().requires_grad_(need)
                   for c, need in zip(seq_chunks, seq_needs_grad)]
             region_chunk_grads(region.fn, xs, whole, go_chunks[i].contiguous(), [g[i] for g in grad_chunks],
-                                whole_acc, region.tail)
+                               whole_acc, region.tail, region.heads)
     return [g for g in seq_grads if g is not None] + [
         acc.to(w.dtype) for acc, w in zip(whole_acc, whole_inputs) if acc is not None
     ]
@@ -364,7 +303,7 @@ def segment_chunk_grads(fn, xs, whole, grad_outs, seq_grads, whole_acc) -> None:
     wrt = [t for t in (*xs, *whole) if t.requires_grad]
     ys = fn(*xs, *whole)
     pairs = [(y, g) for y, g in zip(ys, grad_outs) if y.requires_grad and g is not None]
-    _store_grads(torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True),
+    store_grads(torch.autograd.grad([y for y, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True),
                  xs, seq_grads, whole, whole_acc)
 
 
