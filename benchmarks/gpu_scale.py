@@ -35,7 +35,9 @@ Sections, in this order; each writes the JSON (benchmarks/out/gpu_scale.json) as
            by the planner on the device alone (plan_for_budget on fake tensors: on a GPU budget
            its last candidate, checkpoints offloaded to host, may still meet it).
   speed    32K, 16K and 8K tokens, a row of providers each: tailorfx's plan for the budget (at
-           32K also with offload="activations": the first k blocks' saved tensors wait in host
+           32K also with kernels="triton": the norms, SwiGLU, RoPE and the head on tailorfx's
+           kernels, against the eager lowering's unfused ATen ops; and with
+           offload="activations": the first k blocks' saved tensors wait in host
            memory instead of those blocks being recomputed, the planner picking k), eager, HF
            activation checkpointing, Liger-Kernel (its defaults, fused linear cross-entropy among
            them) + HF checkpointing, the ALST recipe (DeepSpeed's TiledMLP + TiledFusedLogitsLoss
@@ -75,7 +77,7 @@ from gpucheck.guard import (OFFLOAD_SLOWDOWN, PREDICT_S, PYTHON_S, TRACE_S, WATC
                             estimate_s, guarded, run_child, run_sections, start_watchdog)
 from gpucheck.record import Run, Skip, bench_module, describe  # noqa: E402
 from gpucheck.steps import (PEAK_TFLOPS, against_prediction, capped, first_step, grad_norms,  # noqa: E402
-                            median_step_s, mfu, peak_of, step_profile, stepper, worst_grad_rel)
+                            median_step_s, mfu, peak_of, step_profile, stepper, weight_grad_sum, worst_grad_rel)
 
 SECTIONS = ("longest", "speed", "offload", "probe")
 SETUP = "pure-bf16-fused-optimizer"
@@ -90,7 +92,9 @@ LENGTHS = (8192, 16384, 32768)
 GRANULE = 128
 PROVIDERS = ("tailorfx", "eager", "hf-checkpointing", "liger+hf-checkpointing", "alst")
 OFFLOADED = "tailorfx, activations offloaded"   # in the longest row only
-TAILORFX = {"tailorfx": {}, OFFLOADED: {"offload": "activations"}}   # provider -> optimize() options
+TRITON_KERNELS = "tailorfx, Triton kernels"     # likewise: norms, SwiGLU, RoPE, the head on tailorfx/kernels
+TAILORFX = {"tailorfx": {}, TRITON_KERNELS: {"kernels": "triton"},
+            OFFLOADED: {"offload": "activations"}}   # provider -> optimize() options
 # dry run: a 2-layer Llama on CPU, budgets in MiB, lengths short enough for CPU steps
 DRY = dict(budget=3 << 20, offload_budget=3 << 20, lengths=(256, 512), granule=64, limit=2048)
 
@@ -214,6 +218,9 @@ def make_provider(run: Run, name: str, model, inputs: dict, min_shards: int = 1)
     """One provider on a fresh model: tailorfx's (optimize() under the budget, TAILORFX's options)
     or a peer's. `min_shards`: ALST's least shard count of each kind (the agreement's 2)."""
     import tailorfx
+    if name == TRITON_KERNELS and run.dry:
+        raise Skip("Triton's interpreter takes minutes a step at the dry run's lengths; the kernels' exactness "
+                   "under it is make test's (tests/test_kernels_pass.py, tests/test_autocast.py)")
     if name in TAILORFX:
         opt = tailorfx.optimize(model, budget=budgets(run)["budget"], setup=SETUP, example_inputs=inputs,
                                 lowering=LOWERING, **TAILORFX[name])
@@ -350,7 +357,7 @@ def section_speed(run: Run, sec: dict) -> None:
     sec["notes"].append("the longest row runs first, then the agreements at a short length, then the shorter rows: "
                         "a budgeted optimize() takes minutes, so the rows at the end of the time may be skipped")
     lengths = sorted(b["lengths"], reverse=True)
-    speed_row(run, sec, lengths[0], PROVIDERS[:1] + (OFFLOADED,) + PROVIDERS[1:], reps)
+    speed_row(run, sec, lengths[0], PROVIDERS[:1] + (TRITON_KERNELS, OFFLOADED) + PROVIDERS[1:], reps)
     short = b["lengths"][0] // 16 if not run.dry else 64
     for name in PROVIDERS[:1] + PROVIDERS[2:]:   # every provider but eager, the reference
         need = estimate_s(run, config(run.dry), short, steps=3, plan=name in TAILORFX,
@@ -556,7 +563,8 @@ def main(argv=None) -> int:
     run = Run(args, "cpu" if args.dry_run else "cuda", sections=SECTIONS)
     run.data["meta"].update(torch=torch.__version__, device=run.device, dry_run=run.dry, setup=SETUP,
                             gpu=torch.cuda.get_device_name() if run.cuda else None, peak_tflops=PEAK_TFLOPS,
-                            lowering=LOWERING, lowering_why=LOWERING_WHY, budget_s=args.budget_s)
+                            lowering=LOWERING, lowering_why=LOWERING_WHY, budget_s=args.budget_s,
+                            weight_grad_sum=weight_grad_sum(run.device))
     run.save()
     start_watchdog(run, WATCHDOG_MARGIN_S)
     run_sections(run, RUNNERS)

@@ -156,12 +156,15 @@ def test_dry_run_runs_every_section(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     data = json.loads(out.read_text())
     assert data["meta"]["lowering"] == "eager"
+    assert data["meta"]["weight_grad_sum"]["rel_err"] < 1e-6   # bf16 products summed in fp32
     assert list(data["sections"]) == ["longest", "speed", "offload", "probe"]
     for name, sec in data["sections"].items():
         bad = [(c["name"], c.get("error", c)) for c in sec["checks"] if c["status"] not in ("pass", "skipped")]
         assert sec["status"] == "ok" and not bad, (name, bad)
-        # only a peer that is not installed here is skipped, and it says how to carry it
+        # only a peer that is not installed here is skipped, and it says how to carry it; and the
+        # Triton row, which Triton's interpreter would take minutes a step over
         assert all("not installed" in c["reason"] or "needs DeepSpeed" in c["reason"]
+                   or c["name"].startswith("tailorfx, Triton kernels") and "interpreter" in c["reason"]
                    for c in sec["checks"] if c["status"] == "skipped"), name
         assert all("started" in c and "estimate_s" in c for c in sec["checks"] if c["status"] == "pass"), name
     longest = {c["name"]: c for c in data["sections"]["longest"]["checks"]}

@@ -177,3 +177,25 @@ def step_profile(run: Run, step, top: int = 12) -> dict:
     return {"wall_s": round(wall, 4), "kernel_s": round(busy, 4), "kernel_fraction": round(busy / wall, 3),
             "by_kind_s": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "top": [{"name": n[:120], "s": round(s, 4), "count": c} for n, s, c in sorted(rows, key=lambda r: -r[1])[:top]]}
+
+
+def weight_grad_sum(device: str) -> dict:
+    """The chunked weight-gradient sum (tailorfx/kernels/weight_grad.py) on `device` against fp64,
+    bf16 operands into an fp32 sum; `in_place_gemm`: whether this torch's cuBLAS took the one GEMM
+    into the sum (addmm.dtype_out, out=the sum) rather than the upcast fallback."""
+    import torch
+    from tailorfx.kernels.weight_grad import add_weight_grad
+    gen = torch.Generator().manual_seed(0)
+    g, a = (torch.randn(512, n, generator=gen).to(device, torch.bfloat16) for n in (384, 256))
+    acc = torch.randn(384, 256, generator=gen).to(device)
+    want = acc.double() + g.double().t() @ a.double()
+    add_weight_grad(acc, g, a)
+    in_place = False
+    if acc.is_cuda:
+        try:
+            into = acc.clone()
+            torch.addmm(into, g.t(), a, out_dtype=torch.float32, out=into)
+            in_place = True
+        except RuntimeError:
+            pass
+    return {"rel_err": float((acc.double() - want).abs().max() / want.abs().max()), "in_place_gemm": in_place}
