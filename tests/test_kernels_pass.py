@@ -291,12 +291,13 @@ def test_unknown_kernels_value():
         tailorfx.optimize(tiny_llama(num_layers=1), kernels="cuda")
 
 
-def test_under_inductor_a_region_whose_own_code_is_faster_is_left_to_it(monkeypatch, tmp_path):
-    """kernels="triton" under the Inductor lowering: each norm, gated activation and rotary region is
-    timed both ways (here on the CPU, as on a GPU: the Triton op by the interpreter, the region's own
-    nodes compiled by Inductor, forward and backward, inside the capture) and left to Inductor where
-    its own code was faster (a stand-in timer: norms), with the key in the report; the step stays
-    exact, and a second model reuses the choices untimed."""
+@pytest.mark.parametrize("lowering", ["inductor", "eager"])
+def test_a_region_whose_own_code_is_faster_is_left_as_it_was(lowering, monkeypatch, tmp_path):
+    """kernels="triton": each norm, gated activation and rotary region is timed both ways (here on
+    the CPU, as on a GPU: the Triton op by the interpreter, the region's own nodes forward and
+    backward as the lowering runs them: compiled by Inductor inside the capture, or as its ATen ops)
+    and left as it was where its own code was faster (a stand-in timer: norms), with the key in the
+    report; the step stays exact, and a second model reuses the choices untimed."""
     from tailorfx.kernels import tuning
     from tailorfx.passes import kernel_choice
     monkeypatch.setenv("TAILORFX_TRITON_CACHE", str(tmp_path))
@@ -308,20 +309,20 @@ def test_under_inductor_a_region_whose_own_code_is_faster_is_left_to_it(monkeypa
 
     def keyed(key, runs, timer=None):
         def timed(fn):
-            fn()   # both really run: the Triton op and Inductor's compiled region, forward and backward
+            fn()   # both really run: the Triton op and the region's own code, forward and backward
             ran.append((key.split()[0], fn.__name__))
-            return 1.0 if (fn.__name__ == "inductor") == key.startswith("kernels.norm") else 2.0
+            return 1.0 if (fn.__name__ == lowering) == key.startswith("kernels.norm") else 2.0
         return pick(key, runs, timed)
     monkeypatch.setattr(tuning, "pick", keyed)
-    opt = run_triton("llama", lowering="inductor")
+    opt = run_triton("llama", lowering=lowering)
     assert sorted(set(ran)) == [(k, n) for k in ("kernels.glu", "kernels.norm", "kernels.rope")
-                                for n in ("inductor", "triton")]
+                                for n in sorted((lowering, "triton"))]
     rec = kernels_record(opt)
     assert "norm" not in rec.stats and rec.stats["glu"] == 1 and rec.stats["rope"] == 1, rec.stats
-    left = [s for s in rec.skipped if "left to Inductor: its own code was measured faster (kernels.norm cpu" in s]
-    assert len(left) == 3, rec.skipped
+    left = [s for s in rec.skipped if f"{kernel_choice.LEFT_TO[lowering]} (kernels.norm cpu" in s]
+    assert len(left) == 3 and all(s.endswith(f"vs {lowering})") for s in left), rec.skipped
     code = opt.session.graphs[0].rewritten.code
     assert "triton_norm" not in code and "triton_glu" in code and "rsqrt" in code
     ran.clear()
-    again = run_triton("llama", lowering="inductor")
+    again = run_triton("llama", lowering=lowering)
     assert not ran and kernels_record(again).stats == rec.stats

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from tailorfx import compat
 from tailorfx.passes import register
-from tailorfx.passes.kernel_choice import inductor_wins, subgraph
+from tailorfx.passes.kernel_choice import own_code_wins, subgraph
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PassContext, PassResult, annotate
@@ -346,7 +346,7 @@ class KernelsPass:
                 if isinstance(got, str):
                     skipped.append(f"{region.path}: {got}")
                     continue
-                kept = [(s, inductor_wins(s, ctx.options.get("lowering"))) for s in got]
+                kept = [(s, own_code_wins(s, ctx.options.get("lowering"))) for s in got]
                 skipped.extend(f"{region.path}: {why}" for _, why in kept if why)
                 got = [s for s, why in kept if not why]
                 if not got:
