@@ -131,6 +131,13 @@ def plan_labels(opt) -> list:
     return [p.chosen.label if p.chosen else p.reason for p in opt.plan]
 
 
+def kernel_choices(opt) -> dict:
+    """The Triton kernels a tailorfx row runs, and the regions left to their own code because it was
+    measured faster (kernels="triton": passes/kernel_choice.py)."""
+    left = [s for g in opt.graph_records for r in g.records for s in r.skipped if "measured faster" in s]
+    return {"triton_kernels": sorted(opt.kernel_launches()), "left_to_own_code": left}
+
+
 def budgets(run: Run) -> dict:
     from tailorfx.budget import PRESETS
     if run.dry:
@@ -224,7 +231,8 @@ def make_provider(run: Run, name: str, model, inputs: dict, min_shards: int = 1)
     if name in TAILORFX:
         opt = tailorfx.optimize(model, budget=budgets(run)["budget"], setup=SETUP, example_inputs=inputs,
                                 lowering=LOWERING, **TAILORFX[name])
-        return Provider(opt, lambda out: {"plan": plan_labels(opt), "logits_skipped": out.logits is None})
+        return Provider(opt, lambda out: {"plan": plan_labels(opt), "logits_skipped": out.logits is None,
+                                          **kernel_choices(opt)})
     if name == "eager":
         return Provider(model, lambda out: {})
     if name == "hf-checkpointing":
