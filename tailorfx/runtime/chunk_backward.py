@@ -15,7 +15,7 @@ __all__ = ["region_chunk_grads", "store_grads"]
 
 def _linear_tail_grads(tail, a, whole, grad_out, whole_acc):
     """Grads through the region's final linear by hand, its input `a` recomputed by the caller:
-    returns (a, grad_a) to backprop into pre."""
+    returns grad_a to backprop into pre."""
     _, wi, bi = tail
     # autocast as the region entered it (pre did), whatever the caller's: a `pre` that ran under it
     # made `a` in a lower precision than the fp32 weight, and the linear ran in a's dtype
@@ -33,7 +33,7 @@ def _linear_tail_grads(tail, a, whole, grad_out, whole_acc):
             whole_acc[bi].add_(go2.sum(0).to(whole_acc[bi].dtype))
         # an fp32 grad_out when the linear was linear_fp32_out
         grad_a = grad_out.to(w.dtype) @ w if low is None else grad_out.to(low) @ w.to(low)
-    return a, grad_a
+    return grad_a
 
 
 def store_grads(grads, xs, seq_grads, whole, whole_acc) -> None:
@@ -59,5 +59,5 @@ def region_chunk_grads(fn, xs, whole, grad_out, seq_grads, whole_acc, tail=None)
     wrt = [t for t in (*xs, *whole) if t.requires_grad]
     out = fn(*xs, *whole) if tail is None else tail[0](*xs, *whole)
     if tail is not None:
-        out, grad_out = _linear_tail_grads(tail, out, whole, grad_out, whole_acc)
+        grad_out = _linear_tail_grads(tail, out, whole, grad_out, whole_acc)
     store_grads(torch.autograd.grad(out, wrt, grad_out, allow_unused=True), xs, seq_grads, whole, whole_acc)
