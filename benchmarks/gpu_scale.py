@@ -134,7 +134,9 @@ def plan_labels(opt) -> list:
 def kernel_choices(opt) -> dict:
     """The Triton kernels a tailorfx row runs, and the regions left to their own code because it was
     measured faster (kernels="triton": passes/kernel_choice.py)."""
-    left = [s for g in opt.graph_records for r in g.records for s in r.skipped if "measured faster" in s]
+    from tailorfx.passes.kernel_choice import LEFT_TO
+    left = [s for g in opt.graph_records for r in g.records for s in r.skipped
+            if any(m in s for m in LEFT_TO.values())]
     return {"triton_kernels": sorted(opt.kernel_launches()), "left_to_own_code": left}
 
 

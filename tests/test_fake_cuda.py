@@ -182,9 +182,10 @@ def test_a_chunked_16bit_weight_gradient_is_summed_by_a_tensor_core_gemm_on_cuda
     """The mini-sequence MLP and the fused head sum a bf16 weight's gradient over chunks in fp32
     (kernels/weight_grad.py::add_weight_grad). On the 2026-12-04 H200 run the MLP's sum ran as an
     fp32 GEMM on upcast copies (`cutlass_80_simt_sgemm`, no tensor cores): 2.5 s of Llama-3-8B's
-    7.9 s step at 32K tokens. On CUDA it is one bf16 GEMM that accumulates into the fp32 sum
-    (`addmm.dtype_out`, out= the sum): no upcast, no weight-sized temporary, no separate add; the CPU
-    keeps its upcast."""
+    7.9 s step at 32K tokens, and each chunk's gate and up gradients were added into the sum by a
+    kernel of their own (`CUDAFunctor_add<float>`, 896 calls). On CUDA it is one bf16 GEMM that
+    accumulates into the fp32 sum (`addmm.dtype_out`, out= the sum): no upcast, no temporary, no add;
+    the CPU keeps its upcast."""
     script = os.path.join(HERE, "fake_cuda_weight_grad.py")
     r = subprocess.run([_cuda_python(), script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

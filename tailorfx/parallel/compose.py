@@ -154,7 +154,7 @@ def stage_groups(cap: RankCapture, stage_blocks: list[list[str]]) -> list[set[in
 def stage_profiles(cap: RankCapture, points: list[Point], stage_blocks: list[list[str]], setup) -> list[_Stage]:
     groups = stage_groups(cap, stage_blocks)
     stage_of = {g: k for k, gs in enumerate(groups) for g in gs}
-    burst = grad_burst(cap, setup)
+    burst, chunk_grad = grad_burst(cap, setup)
     fw_points = [p for p in points if p.kind == "f"]
     out = []
     for k, gs in enumerate(groups):
@@ -172,11 +172,13 @@ def stage_profiles(cap: RankCapture, points: list[Point], stage_blocks: list[lis
         wgrad = sum(cap.wgrad[g] for g in gs) if cap.wgrad else 0     # activation gradients: their own dtype
         # a later micro-batch's new gradient bytes at each point: its part's (a block's, a root's)
         # largest weight's, or where one op makes several at once (a chunked region's backward: its
-        # weights' gradient buffers) those and a chunk's weight gradient before it is added in. torch
-        # adds each new gradient into the held one as it is made: the stage's largest (the
-        # embedding's) is not new inside a block
+        # weights' gradient buffers) those and the largest weight gradient one chunk makes through
+        # autograd before it is added in (none where the chunk sums each weight's share in place:
+        # runtime/chunk_backward.py). torch adds each new gradient into the held one as it is made:
+        # the stage's largest (the embedding's) is not new inside a block
         part = {grp: int(max([math.prod(x) * b for x, b in cap.params[grp]] + [0]) * ratio) for grp in gs}
-        fresh = [part[g] + burst[g] if burst[g] > part[g] else part[g]
+        fresh = [(part[g] if chunk_grad[g] is None else chunk_grad[g]) + burst[g]
+                 if burst[g] > part[g] else part[g]
                  for g in (p.group for p in points if p.kind == "b" and p.group in gs)]
         out.append(_Stage(gs, fwd, bwd, kept, gbytes, wgrad, retained, fresh))
     return out

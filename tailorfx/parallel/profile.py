@@ -8,10 +8,13 @@ gradient bytes per part.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch.fx as fx
 
+from tailorfx import compat
 from tailorfx.parallel.trace import RankCapture
+from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite import memory
 from tailorfx.setup import TrainingSetup
 
@@ -42,6 +45,9 @@ class _TaggedPool(memory.Pool):
         # per part, the most gradient bytes one op makes at once (a chunked region's backward makes
         # all its weights' gradients together): what a later micro-batch adds beside the held ones
         self.grad_burst = [0] * n
+        # and the largest weight gradient that op's chunks make through autograd beside them (None:
+        # not a chunked op, or unknown)
+        self.burst_chunk_grad: list = [None] * n
         self._burst_of: tuple = (None, 0)
         self.rng: dict[int, int] = {}     # checkpointed block -> its saved RNG state's storage
 
@@ -57,7 +63,9 @@ class _TaggedPool(memory.Pool):
             node, run = self._burst_of
             run = (run if node is holder else 0) + nbytes
             self._burst_of = (holder, run)
-            self.grad_burst[g] = max(self.grad_burst[g], run)
+            if run > self.grad_burst[g]:
+                self.grad_burst[g] = run
+                self.burst_chunk_grad[g] = _chunk_grad(holder)
         return sid
 
     def hold(self, sid: int, holder) -> None:
@@ -121,8 +129,17 @@ def profile(cap: RankCapture, setup: TrainingSetup, keep_outputs: bool = True) -
         memory.simulate_step([cap.steps], cap.seq, setup=s, pool=pool,
                              hold=memory.all_outputs if keep_outputs else memory.scalar_outputs)
         cap.profiles[key] = pool.points
-        cap.profiles[("grad_burst", *_setup_key(setup))] = pool.grad_burst
+        cap.profiles[("grad_burst", *_setup_key(setup))] = pool.grad_burst, pool.burst_chunk_grad
     return cap.profiles[key]
+
+
+def _chunk_grad(node) -> Optional[int]:
+    """What chunk_memory.chunk_weight_grad_bytes says of a backward node making gradients."""
+    name = compat.tailorfx_op_name(node.target) if isinstance(node, fx.Node) else None
+    if name is None:
+        return None
+    from tailorfx.runtime.chunk_memory import chunk_weight_grad_bytes
+    return chunk_weight_grad_bytes(name, list(fx.node.map_arg(node.args, node_value)), compat.size_hint)
 
 
 def _setup_key(setup: TrainingSetup) -> tuple:
@@ -130,7 +147,9 @@ def _setup_key(setup: TrainingSetup) -> tuple:
     return setup.param_dtype, setup.grads, setup.optimizer, setup.optimizer_in_backward, setup.master_weights
 
 
-def grad_burst(cap: RankCapture, setup: TrainingSetup) -> list[int]:
-    """Per part, the most gradient bytes one backward op makes at once (after profile())."""
-    return cap.profiles.get(("grad_burst", *_setup_key(setup)), [0] * cap.num_groups)
+def grad_burst(cap: RankCapture, setup: TrainingSetup) -> tuple[list[int], list]:
+    """Per part, the most gradient bytes one backward op makes at once, and the largest weight
+    gradient that op's chunks make through autograd beside them (None: not a chunked op) (after
+    profile())."""
+    return cap.profiles.get(("grad_burst", *_setup_key(setup)), ([0] * cap.num_groups, [None] * cap.num_groups))
 

@@ -9,9 +9,10 @@ from collections.abc import Callable
 from torch import Tensor
 
 from tailorfx.runtime import linear_ops, log_prob_ops, vocab_parallel
+from tailorfx.runtime.chunk_backward import summed_in_place
 from tailorfx.runtime.region_registry import live_region
 
-__all__ = ["transient_bytes"]
+__all__ = ["transient_bytes", "chunk_weight_grad_bytes"]
 
 
 def _copies(as_int: Callable, tensors: list) -> int:
@@ -70,3 +71,18 @@ def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = Fal
     if op_name.startswith("chunked_token_log_probs"):
         return log_prob_ops.transient_bytes(op_name, args, as_int, cuda)
     return linear_ops.transient_bytes(op_name, args, as_int, cuda)
+
+
+def chunk_weight_grad_bytes(op_name: str, args: list, as_int: Callable) -> int | None:
+    """The largest weight gradient one chunk of a token_chunked backward makes through autograd
+    before it is added into its accumulator (0 where the chunk sums every weight's share in place:
+    chunk_backward.summed_in_place); None for other ops. `args` as transient_bytes takes them."""
+    if op_name not in ("token_chunked_backward", "token_chunked_random_backward"):
+        return None
+    region = live_region(args[0])
+    seq, whole, needs = args[2], args[3], args[7]
+    if region is None:
+        return None
+    done = summed_in_place(region, [x.dtype for x in seq], [w.dtype for w in whole])
+    return max([as_int(w.numel()) * w.element_size() for i, (w, need) in enumerate(zip(whole, needs))
+                if need and i not in done], default=0)

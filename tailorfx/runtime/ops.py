@@ -123,7 +123,7 @@ def _chunk_grads(key, grad_out, seq_inputs, whole_inputs, seq_dim, num_chunks, s
             xs = [c[i].contiguous().detach().requires_grad_(need)
                   for c, need in zip(seq_chunks, seq_needs_grad)]
             region_chunk_grads(region.fn, xs, whole, go_chunks[i].contiguous(), [g[i] for g in grad_chunks],
-                               whole_acc, region.tail)
+                               whole_acc, region.tail, region.heads)
     return [g for g in seq_grads if g is not None] + [
         acc.to(w.dtype) for acc, w in zip(whole_acc, whole_inputs) if acc is not None
     ]

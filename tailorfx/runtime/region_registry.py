@@ -30,12 +30,16 @@ class ChunkedRegion:
     t tokens holding the most of them at t (passes/minisequence/cost.py). `tail`: (pre, weight
     index, bias index or -1) when the region is
     ``F.linear(pre(*inputs), whole[weight_index], whole[bias_index])``: backward then recomputes
-    only `pre`, not the last matmul whose output it never needs.
+    only `pre`, not the last matmul whose output it never needs. `heads`: (core, ((seq input
+    index, weight index, bias index or -1), ...)) when `pre` starts with linears of seq inputs by
+    its own weights, `core(*seq_inputs, *whole_inputs, *their outputs)` the rest: backward then
+    sums those weights' gradients in place (kernels/weight_grad.py), not through autograd.
     """
     key: str
     fn: Callable[..., Tensor]
     cost: tuple[float, tuple] = (0.0, ((0.0, 0.0),))
     tail: Optional[tuple[Callable[..., Tensor], int, int]] = None
+    heads: Optional[tuple[Callable[..., Tensor], tuple[tuple[int, int, int], ...]]] = None
 
 
 # The only module-level state: a weak index, key -> the live region of that key, owned elsewhere

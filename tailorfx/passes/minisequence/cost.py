@@ -74,12 +74,12 @@ def cached_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, ctx: P
                                                       if n.op == "placeholder"]),
             str(ctx.seq.symbol), ctx.seq.length, tokens)
     if memo not in ctx.memo:
-        ctx.memo[memo] = _simulated_backward_cost(sub, chunked.tail, ctx, tokens, skey)
+        ctx.memo[memo] = _simulated_backward_cost(sub, chunked.tail, ctx, tokens, skey, chunked.heads)
     return ctx.memo[memo]
 
 
 def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
-                             tokens: int, skey: str) -> Optional[Lines]:
+                             tokens: int, skey: str, heads=None) -> Optional[Lines]:
     """The bytes one chunk holds in backward, as lines (_cost_lines): the runtime's own chunk
     backward (ops.region_chunk_grads: the chunk's contiguous copies, the recompute, what eager
     autograd saves, the grads) run on fake tensors under memory.LiveBytes, at the captured length
@@ -114,7 +114,7 @@ def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
             with torch.enable_grad(), memory.LiveBytes() as live:
                 xc = x.detach().clone() if copied else x.detach()
                 ops.region_chunk_grads(sub, [xc.requires_grad_(x.requires_grad)], whole,
-                                       go.clone() if copied else go, seq_grad, acc, tail)
+                                       go.clone() if copied else go, seq_grad, acc, tail, heads)
             return live.peak
     tail_key = None if tail is None else (
         (structure_key(tail[0]), *tail[1:]) if isinstance(tail[0], fx.GraphModule) else False)

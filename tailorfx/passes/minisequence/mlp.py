@@ -3,10 +3,12 @@ intermediates made one chunk at a time in forward and recomputed per chunk in ba
 """
 from __future__ import annotations
 
+import copy
 import operator
 from typing import Optional
 
 import torch
+import torch.fx as fx
 
 from tailorfx.passes.minisequence.chunks import NAME, Chunking, Rewrite, auto_chunks
 from tailorfx.passes.minisequence.cost import cached_backward_cost, hint_bytes, hint_tokens, region_cost
@@ -92,6 +94,39 @@ def _declare_linear_tail(gm, chunked: ops.ChunkedRegion, members, xs, region, no
     except Unsupported:
         return
     chunked.tail = (pre, params.index(w), params.index(b) if b is not None else -1)
+    chunked.heads = linear_heads(pre, len(xs))
+
+
+def linear_heads(pre: fx.GraphModule, num_seq: int) -> Optional[tuple[fx.GraphModule, tuple]]:
+    """(core, specs) when `pre` applies F.linear(x, W, b) to its seq inputs with weights it uses
+    nowhere else (an MLP's gate and up projections): `core` is `pre` with those linears' outputs as
+    inputs, so backward sums their weight gradients in place (ChunkedRegion.heads). None where a
+    linear runs under the region's own autocast (its casts are the region's)."""
+    if any(n.target is ops.enter_autocast for n in pre.graph.nodes):
+        return None
+    core = fx.GraphModule(pre, copy.deepcopy(pre.graph))
+    phs = [n for n in core.graph.nodes if n.op == "placeholder"]
+    seq, params = phs[:num_seq], phs[num_seq:]
+    specs, heads = [], []
+    for n in core.graph.nodes:
+        if n.op != "call_function" or match.op_name(n) != "linear":
+            continue
+        x, w = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
+        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        if x in seq and w in params and len(w.users) == 1 and (b is None or (b in params and len(b.users) == 1)):
+            specs.append((seq.index(x), params.index(w), params.index(b) if b is not None else -1))
+            heads.append(n)
+    if not heads:
+        return None
+    last = phs[-1]
+    for i, n in enumerate(heads):
+        with core.graph.inserting_after(last):
+            last = core.graph.placeholder(f"head_{i}")
+        last.meta = dict(n.meta)
+        n.replace_all_uses_with(last)
+        core.graph.erase_node(n)
+    core.recompile()
+    return core, tuple(specs)
 
 
 def _routes(region: Region, nodes: dict) -> bool:
