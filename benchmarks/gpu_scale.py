@@ -132,12 +132,13 @@ def plan_labels(opt) -> list:
 
 
 def kernel_choices(opt) -> dict:
-    """The Triton kernels a tailorfx row runs, and the regions left to their own code because it was
-    measured faster (kernels="triton": passes/kernel_choice.py)."""
+    """The Triton kernels a tailorfx row runs, the norms lowered to torch's fused kernel and the
+    regions left to their own code, each as measured fastest (kernels="triton": passes/kernel_choice.py)."""
     from tailorfx.passes.kernel_choice import LEFT_TO
-    left = [s for g in opt.graph_records for r in g.records for s in r.skipped
-            if any(m in s for m in LEFT_TO.values())]
-    return {"triton_kernels": sorted(opt.kernel_launches()), "left_to_own_code": left}
+    records = [r for g in opt.graph_records for r in g.records]
+    left = [s for r in records for s in r.skipped if any(m in s for m in LEFT_TO.values())]
+    fused = sum(r.stats.get("torch_norm", 0) for r in records if r.name == "kernels")
+    return {"triton_kernels": sorted(opt.kernel_launches()), "torch_fused_norms": fused, "left_to_own_code": left}
 
 
 def budgets(run: Run) -> dict:

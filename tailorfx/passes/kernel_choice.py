@@ -1,12 +1,16 @@
-"""The region's own code or the runtime's Triton kernel, per region, by measurement: under
-`kernels="triton"` on a GPU, a norm, gated activation or rotary region is timed both ways (forward
-and backward, on random tensors of its shapes) the first time its key is seen: against the code
-Inductor compiles for it under the Inductor lowering, against its ATen ops as captured under the
-eager lowering. Where its own code is faster it is left as it was; the report lists it among the
-regions left unchanged, with the key. The choice is kept with the attention tiles' (kernels/tuning.py).
+"""The region's own code, torch's fused kernel or the runtime's Triton kernel, per region, by
+measurement: under `kernels="triton"` on a GPU, a norm, gated activation or rotary region is timed
+each way (forward and backward, on random tensors of its shapes) the first time its key is seen:
+against the code Inductor compiles for it under the Inductor lowering, against its ATen ops as
+captured under the eager lowering, and there a norm also against torch's fused one
+(runtime/triton_ops.torch_norm: F.rms_norm, F.layer_norm). Where its own code is faster it is left
+as it was; the report lists it among the regions left unchanged, with the key. Where torch's fused
+kernel is, the norm is lowered to it; the report counts it as `torch_norm`. The choice is kept
+with the attention tiles' (kernels/tuning.py).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import torch
@@ -17,8 +21,9 @@ from tailorfx.rewrite.capture import node_value
 
 TIMED = ("norm", "glu", "rope")   # kernels whose region's own code may be the faster: small, memory-bound
 LEFT_TO = {"inductor": "left to Inductor: its own code was measured faster",
-           "eager": "left as its ATen ops: they were measured faster than the Triton kernel"}
+           "eager": "left as its ATen ops: they were measured the fastest"}
 TIMED_ON = ("cuda",)              # device types a choice is timed on
+FUSED = "torch"                   # a norm on torch's fused kernel (under the eager lowering)
 TIMER: Optional[Callable] = None  # timer(fn) -> ms; None: triton.testing.do_bench
 
 
@@ -44,19 +49,21 @@ def subgraph(inputs: list[fx.Node], outputs: list[fx.Node], within: Optional[set
     return fx.GraphModule(torch.nn.Module(), g)
 
 
-def _key(swap, values: list[torch.Tensor], lowering: str) -> str:
+def _key(swap, values: list[torch.Tensor], lowering: str, names: tuple) -> str:
     from tailorfx.kernels.flash_tiles import arch_of
     device = values[0].device
     where = f"sm{arch_of(device)}" if device.type == "cuda" else device.type
     shapes = " ".join(f"{tuple(compat.size_hint(d) for d in v.shape)}:{str(v.dtype).removeprefix('torch.')}"
                       for v in values)
     options = ",".join(f"{k}={v}" for k, v in sorted(swap.kwargs.items()))
-    return f"kernels.{swap.kernel} {where} {options} {shapes} vs {lowering}"
+    return f"kernels.{swap.kernel} {where} {options} {shapes} vs {'+'.join(n for n in names if n != 'triton')}"
 
 
-def _runs(swap, fn: fx.GraphModule, inputs: list[fx.Node], values: list[torch.Tensor], lowering: str) -> dict:
-    """Both implementations of the region, forward and backward, on random tensors of its shapes:
-    the Triton op, and the region's nodes as `lowering` runs them."""
+def _runs(swap, fn: fx.GraphModule, inputs: list[fx.Node], values: list[torch.Tensor], lowering: str,
+          fused: Optional[Callable]) -> dict:
+    """Each implementation of the region, forward and backward, on random tensors of its shapes:
+    the Triton op, torch's fused kernel (`fused`, a norm's), and the region's nodes as `lowering`
+    runs them."""
     xs = [torch.randn(tuple(compat.size_hint(d) for d in v.shape), dtype=v.dtype, device=v.device)
           .requires_grad_(bool(v.requires_grad)) for v in values]
     wrt = [x for x in xs if x.requires_grad]
@@ -72,30 +79,50 @@ def _runs(swap, fn: fx.GraphModule, inputs: list[fx.Node], values: list[torch.Te
     def triton():
         step(swap.fn(*args, **swap.kwargs))
 
+    def torch_fused():
+        step(fused(*args, **swap.kwargs))
+
     def region():
         step(own(*xs))
-    region.__name__ = lowering
-    return {"triton": triton, lowering: region}
+    region.__name__, torch_fused.__name__ = lowering, FUSED
+    return {"triton": triton, **({FUSED: torch_fused} if fused is not None else {}), lowering: region}
 
 
-def own_code_wins(swap, lowering: Optional[str]) -> Optional[str]:
-    """Why this swap is not made (the region's own code, Inductor's or its ATen ops as the lowering
-    runs it, measured faster at its key), or None: the swap is made (not timed: no GPU,
-    TAILORFX_AUTOTUNE=0, a region that cannot be cut out on its own; or the Triton kernel measured
-    faster)."""
+def _fused_of(swap, values: list[torch.Tensor], lowering: str) -> Optional[Callable]:
+    """torch's fused kernel for a norm region under the eager lowering (Inductor fuses its own),
+    where it computes what the Triton kernel does: weight and bias in x's dtype, no weight offset."""
+    if lowering != "eager" or swap.kernel != "norm" or swap.kwargs.get("offset"):
+        return None
+    if any(v.dtype != values[0].dtype for v in values):
+        return None
+    from tailorfx.runtime.triton_ops import torch_norm
+    return torch_norm
+
+
+def choose(swap, lowering: Optional[str]) -> tuple[Optional[object], Optional[str]]:
+    """(the swap to make, or None; why not, for the report): the Triton swap as it is (not timed:
+    no GPU, TAILORFX_AUTOTUNE=0, a region that cannot be cut out on its own; or the Triton kernel
+    measured the fastest), the norm on torch's fused kernel where that was, or None where the
+    region's own code (Inductor's, or its ATen ops as the lowering runs them) was."""
     from tailorfx.kernels import tuning
     if lowering not in LEFT_TO or swap.kernel not in TIMED or not tuning.enabled():
-        return None
+        return swap, None
     inputs = [a for a in swap.args if isinstance(a, fx.Node)]
     values = [node_value(a) for a in inputs]
     if not values or not all(isinstance(v, torch.Tensor) for v in values):
-        return None
+        return swap, None
     device = values[0].device.type
     if device not in TIMED_ON or (device == "cuda" and not torch.cuda.is_available()):
-        return None
+        return swap, None
     fn = subgraph(inputs, [swap.out, *swap.more])
     if fn is None:
-        return None
-    key = _key(swap, values, lowering)
-    got = tuning.pick_apart(key, ("triton", lowering), lambda: _runs(swap, fn, inputs, values, lowering), TIMER)
-    return f"{LEFT_TO[lowering]} ({key})" if got == lowering else None
+        return swap, None
+    fused = _fused_of(swap, values, lowering)
+    names = ("triton", *((FUSED,) if fused is not None else ()), lowering)
+    key = _key(swap, values, lowering, names)
+    got = tuning.pick_apart(key, names, lambda: _runs(swap, fn, inputs, values, lowering, fused), TIMER)
+    if got == lowering:
+        return None, f"{LEFT_TO[lowering]} ({key})"
+    if got == FUSED:
+        return dataclasses.replace(swap, fn=fused, kernel="torch_norm"), None
+    return swap, None

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from tailorfx import compat
 from tailorfx.passes import register
-from tailorfx.passes.kernel_choice import own_code_wins, subgraph
+from tailorfx.passes.kernel_choice import choose, subgraph
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PassContext, PassResult, annotate
@@ -346,9 +346,9 @@ class KernelsPass:
                 if isinstance(got, str):
                     skipped.append(f"{region.path}: {got}")
                     continue
-                kept = [(s, own_code_wins(s, ctx.options.get("lowering"))) for s in got]
+                kept = [choose(s, ctx.options.get("lowering")) for s in got]
                 skipped.extend(f"{region.path}: {why}" for _, why in kept if why)
-                got = [s for s, why in kept if not why]
+                got = [s for s, _ in kept if s is not None]
                 if not got:
                     continue
                 for swap in got:

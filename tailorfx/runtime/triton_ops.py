@@ -8,6 +8,7 @@
         -> (loss, grad_hidden, grad_weight, grad_bias)     gradient taken in the forward
     tailorfx::triton_rope(x, cos, sin, backward, out_dtype) -> x * cos + rotate_half(x) * sin (or its transpose)
     tailorfx::triton_rope_qk(q, k, cos, sin, backward, out_dtype) -> (q's rotation, k's)   one launch for both
+    torch_norm(x, weight, bias, eps, kind, offset)   the norm on torch's own fused kernels (no Triton)
 
 Each op launches kernels rendered by `tailorfx.kernels` and has an autograd registration, so a
 rewritten graph keeps one node per op through AOTAutograd. On a GPU the ops are
@@ -105,6 +106,19 @@ def triton_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], *, eps: float
     """RMSNorm (`kind="rms"`, `x * rsqrt(mean(x^2) + eps) * (offset + w)`) or LayerNorm over the
     last dim, computed in fp32 and returned in x's dtype."""
     return _norm_fwd(x, weight, bias, eps, kind, offset)[0]
+
+
+def torch_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], *, eps: float, kind: str, offset: float = 0.0) -> Tensor:
+    """triton_norm's norm on torch's own kernels, F.rms_norm or F.layer_norm: on CUDA one fused
+    kernel each way, computed in fp32 and rounded once to x's dtype, as the Triton kernel does.
+    What kernels="triton" lowers a norm to where these were measured the faster
+    (passes/kernel_choice.py): weights in x's dtype, no weight offset."""
+    if offset:
+        raise ValueError("torch_norm takes no weight offset (a 16-bit 1 + w would be rounded first)")
+    shape = (x.shape[-1],)
+    if kind == "rms":
+        return torch.nn.functional.rms_norm(x, shape, weight, eps)
+    return torch.nn.functional.layer_norm(x, shape, weight, bias, eps)
 
 
 # ---- attention -----------------------------------------------------------------------------
