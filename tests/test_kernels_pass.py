@@ -291,13 +291,9 @@ def test_unknown_kernels_value():
         tailorfx.optimize(tiny_llama(num_layers=1), kernels="cuda")
 
 
-@pytest.mark.parametrize("lowering", ["inductor", "eager"])
-def test_a_region_whose_own_code_is_faster_is_left_as_it_was(lowering, monkeypatch, tmp_path):
-    """kernels="triton": each norm, gated activation and rotary region is timed both ways (here on
-    the CPU, as on a GPU: the Triton op by the interpreter, the region's own nodes forward and
-    backward as the lowering runs them: compiled by Inductor inside the capture, or as its ATen ops)
-    and left as it was where its own code was faster (a stand-in timer: norms), with the key in the
-    report; the step stays exact, and a second model reuses the choices untimed."""
+def stand_in_timer(monkeypatch, tmp_path, ms) -> list:
+    """kernel_choice timed on the CPU as on a GPU, each implementation really run (forward and
+    backward) and given `ms(key, name)`; returns the (kernel, implementation) runs as they happen."""
     from tailorfx.kernels import tuning
     from tailorfx.passes import kernel_choice
     monkeypatch.setenv("TAILORFX_TRITON_CACHE", str(tmp_path))
@@ -309,11 +305,24 @@ def test_a_region_whose_own_code_is_faster_is_left_as_it_was(lowering, monkeypat
 
     def keyed(key, runs, timer=None):
         def timed(fn):
-            fn()   # both really run: the Triton op and the region's own code, forward and backward
+            fn()
             ran.append((key.split()[0], fn.__name__))
-            return 1.0 if (fn.__name__ == lowering) == key.startswith("kernels.norm") else 2.0
+            return ms(key, fn.__name__)
         return pick(key, runs, timed)
     monkeypatch.setattr(tuning, "pick", keyed)
+    return ran
+
+
+@pytest.mark.parametrize("lowering", ["inductor", "eager"])
+def test_a_region_whose_own_code_is_faster_is_left_as_it_was(lowering, monkeypatch, tmp_path):
+    """kernels="triton": each norm, gated activation and rotary region is timed both ways (here on
+    the CPU, as on a GPU: the Triton op by the interpreter, the region's own nodes forward and
+    backward as the lowering runs them: compiled by Inductor inside the capture, or as its ATen ops)
+    and left as it was where its own code was faster (a stand-in timer: norms), with the key in the
+    report; the step stays exact, and a second model reuses the choices untimed."""
+    from tailorfx.passes import kernel_choice
+    ran = stand_in_timer(monkeypatch, tmp_path,
+                         lambda key, name: 1.0 if (name == lowering) == key.startswith("kernels.norm") else 2.0)
     opt = run_triton("llama", lowering=lowering)
     # under the eager lowering a norm is also timed on torch's fused kernel (the test below)
     fused = {"torch"} if lowering == "eager" else set()
@@ -335,22 +344,7 @@ def test_a_norm_is_lowered_to_torchs_fused_kernel_where_that_is_fastest(monkeypa
     torch's fused kernel (F.rms_norm: one CUDA kernel each way where HF's RMSNorm runs eight or more
     forward); where the fused kernel is fastest (a stand-in timer) the norm is lowered to it, the
     report counts it, and the step stays exact. A gated activation has no such candidate."""
-    from tailorfx.kernels import tuning
-    from tailorfx.passes import kernel_choice
-    monkeypatch.setenv("TAILORFX_TRITON_CACHE", str(tmp_path))
-    for memo in ("_PICKS", "_TIMES"):
-        monkeypatch.setattr(tuning, memo, {})
-    monkeypatch.setattr(tuning, "_MISSED", set())
-    monkeypatch.setattr(kernel_choice, "TIMED_ON", ("cuda", "cpu"))
-    ran, pick = [], tuning.pick
-
-    def keyed(key, runs, timer=None):
-        def timed(fn):
-            fn()
-            ran.append((key.split()[0], fn.__name__))
-            return {"torch": 1.0, "triton": 2.0}.get(fn.__name__, 3.0)
-        return pick(key, runs, timed)
-    monkeypatch.setattr(tuning, "pick", keyed)
+    ran = stand_in_timer(monkeypatch, tmp_path, lambda key, name: {"torch": 1.0, "triton": 2.0}.get(name, 3.0))
     opt = run_triton("llama", lowering="eager")
     assert {n for k, n in ran if k == "kernels.norm"} == {"torch", "triton", "eager"}
     assert {n for k, n in ran if k != "kernels.norm"} == {"triton", "eager"}
