@@ -116,9 +116,10 @@ def torch_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], *, eps: float,
     if offset:
         raise ValueError("torch_norm takes no weight offset (a 16-bit 1 + w would be rounded first)")
     shape = (x.shape[-1],)
-    if kind == "rms":
-        return torch.nn.functional.rms_norm(x, shape, weight, eps)
-    return torch.nn.functional.layer_norm(x, shape, weight, bias, eps)
+    with torch.autocast(x.device.type, enabled=False):   # autocast would return layer_norm's in fp32
+        if kind == "rms":
+            return torch.nn.functional.rms_norm(x, shape, weight, eps)
+        return torch.nn.functional.layer_norm(x, shape, weight, bias, eps)
 
 
 # ---- attention -----------------------------------------------------------------------------
