@@ -315,7 +315,7 @@ def stand_in_timer(monkeypatch, tmp_path, ms) -> list:
 
 @pytest.mark.parametrize("lowering", ["inductor", "eager"])
 def test_a_region_whose_own_code_is_faster_is_left_as_it_was(lowering, monkeypatch, tmp_path):
-    """kernels="triton": each norm, gated activation and rotary region is timed both ways (here on
+    """kernels="triton": each norm, gated activation, rotary and attention region is timed both ways (here on
     the CPU, as on a GPU: the Triton op by the interpreter, the region's own nodes forward and
     backward as the lowering runs them: compiled by Inductor inside the capture, or as its ATen ops)
     and left as it was where its own code was faster (a stand-in timer: norms), with the key in the
@@ -326,10 +326,11 @@ def test_a_region_whose_own_code_is_faster_is_left_as_it_was(lowering, monkeypat
     opt = run_triton("llama", lowering=lowering)
     # under the eager lowering a norm is also timed on torch's fused kernel (the test below)
     fused = {"torch"} if lowering == "eager" else set()
-    assert sorted(set(ran)) == sorted((k, n) for k in ("kernels.glu", "kernels.norm", "kernels.rope")
+    assert sorted(set(ran)) == sorted((k, n) for k in ("kernels.glu", "kernels.norm", "kernels.rope", "kernels.flash_attention")
                                       for n in {lowering, "triton"} | (fused if k == "kernels.norm" else set()))
     rec = kernels_record(opt)
     assert "norm" not in rec.stats and rec.stats["glu"] == 1 and rec.stats["rope"] == 1, rec.stats
+    assert rec.stats["flash_attention"] == 1, rec.stats
     left = [s for s in rec.skipped if f"{kernel_choice.LEFT_TO[lowering]} (kernels.norm cpu" in s]
     assert len(left) == 3 and all(s.endswith(f"{lowering})") for s in left), rec.skipped
     code = opt.session.graphs[0].rewritten.code
@@ -353,3 +354,20 @@ def test_a_norm_is_lowered_to_torchs_fused_kernel_where_that_is_fastest(monkeypa
     code = opt.session.graphs[0].rewritten.code
     assert code.count("torch_norm(") == 3 and "triton_norm" not in code and "rsqrt" not in code
     assert not [s for s in rec.skipped if "measured" in s], rec.skipped
+
+
+def test_an_attention_is_left_on_its_own_kernel_where_that_is_faster(monkeypatch, tmp_path):
+    """kernels="triton" times an exact attention too: the Triton flash kernel against the region's
+    own code (on a GPU SDPA's flash kernel; here its CPU path), forward and backward, and leaves it
+    where that is faster (a stand-in timer), with the key in the report; the step stays exact."""
+    from tailorfx.passes import kernel_choice
+    ran = stand_in_timer(monkeypatch, tmp_path,
+                         lambda key, name: 1.0 if (name == "eager") == key.startswith("kernels.flash_attention") else 2.0)
+    opt = run_triton("llama", passes=["attention"], lowering="eager")
+    assert {n for k, n in ran if k == "kernels.flash_attention"} == {"triton", "eager"}
+    rec = kernels_record(opt)
+    assert "flash_attention" not in rec.stats and rec.stats["norm"] == 3, rec.stats
+    left = [s for s in rec.skipped if f"{kernel_choice.LEFT_TO['eager']} (kernels.flash_attention cpu" in s]
+    assert len(left) == 1, rec.skipped
+    code = opt.session.graphs[0].rewritten.code
+    assert "triton_attention" not in code and "attention_call" in code and "triton_norm" in code

@@ -1,9 +1,10 @@
 """The region's own code, torch's fused kernel or the runtime's Triton kernel, per region, by
-measurement: under `kernels="triton"` on a GPU, a norm, gated activation or rotary region is timed
-each way (forward and backward, on random tensors of its shapes) the first time its key is seen:
-against the code Inductor compiles for it under the Inductor lowering, against its ATen ops as
-captured under the eager lowering, and there a norm also against torch's fused one
-(runtime/triton_ops.torch_norm: F.rms_norm, F.layer_norm). Where its own code is faster it is left
+measurement: under `kernels="triton"` on a GPU, a norm, gated activation, rotary or attention
+region is timed each way (forward and backward, on random tensors of its shapes, where those take
+under a quarter of the free memory) the first time its key is seen: against the code Inductor
+compiles for it under the Inductor lowering, against its ATen ops as captured under the eager
+lowering (an attention's: SDPA's flash kernel), and there a norm also against torch's fused one
+(runtime/triton_ops.torch_norm: F.rms_norm, F.layer_norm). Where its own code is fastest it is left
 as it was; the report lists it among the regions left unchanged, with the key. Where torch's fused
 kernel is, the norm is lowered to it; the report counts it as `torch_norm`. The choice is kept
 with the attention tiles' (kernels/tuning.py).
@@ -19,7 +20,9 @@ import torch.fx as fx
 from tailorfx import compat
 from tailorfx.rewrite.capture import node_value
 
-TIMED = ("norm", "glu", "rope")   # kernels whose region's own code may be the faster: small, memory-bound
+# kernels whose region's own code may be the faster: the small, memory-bound ones, and attention
+# (its own code: SDPA's flash kernel where the form has no mask SDPA cannot take)
+TIMED = ("norm", "glu", "rope", "flash_attention")
 LEFT_TO = {"inductor": "left to Inductor: its own code was measured faster",
            "eager": "left as its ATen ops: they were measured the fastest"}
 TIMED_ON = ("cuda",)              # device types a choice is timed on
@@ -65,7 +68,9 @@ def _runs(swap, fn: fx.GraphModule, inputs: list[fx.Node], values: list[torch.Te
     the Triton op, torch's fused kernel (`fused`, a norm's), and the region's nodes as `lowering`
     runs them."""
     xs = [torch.randn(tuple(compat.size_hint(d) for d in v.shape), dtype=v.dtype, device=v.device)
-          .requires_grad_(bool(v.requires_grad)) for v in values]
+          .requires_grad_(bool(v.requires_grad)) if v.is_floating_point()
+          else torch.zeros(tuple(compat.size_hint(d) for d in v.shape), dtype=v.dtype, device=v.device)
+          for v in values]
     wrt = [x for x in xs if x.requires_grad]
     args = [xs[inputs.index(a)] if isinstance(a, fx.Node) else a for a in swap.args]
     # a function, not the module: inside a capture a nested torch.compile of a module compiles no frame
@@ -99,6 +104,14 @@ def _fused_of(swap, values: list[torch.Tensor], lowering: str) -> Optional[Calla
     return torch_norm
 
 
+def _room(values: list[torch.Tensor]) -> bool:
+    """Whether timing at these shapes (inputs, their gradients, outputs and theirs: four times the
+    inputs' bytes) takes under a quarter of the GPU's free memory, as the attention pass asks."""
+    import math
+    need = 4 * sum(math.prod(compat.size_hint(d) for d in v.shape) * v.element_size() for v in values)
+    return need < torch.cuda.mem_get_info(values[0].device)[0] / 4
+
+
 def choose(swap, lowering: Optional[str]) -> tuple[Optional[object], Optional[str]]:
     """(the swap to make, or None; why not, for the report): the Triton swap as it is (not timed:
     no GPU, TAILORFX_AUTOTUNE=0, a region that cannot be cut out on its own; or the Triton kernel
@@ -112,7 +125,7 @@ def choose(swap, lowering: Optional[str]) -> tuple[Optional[object], Optional[st
     if not values or not all(isinstance(v, torch.Tensor) for v in values):
         return swap, None
     device = values[0].device.type
-    if device not in TIMED_ON or (device == "cuda" and not torch.cuda.is_available()):
+    if device not in TIMED_ON or (device == "cuda" and not (torch.cuda.is_available() and _room(values))):
         return swap, None
     fn = subgraph(inputs, [swap.out, *swap.more])
     if fn is None:
@@ -120,7 +133,10 @@ def choose(swap, lowering: Optional[str]) -> tuple[Optional[object], Optional[st
     fused = _fused_of(swap, values, lowering)
     names = ("triton", *((FUSED,) if fused is not None else ()), lowering)
     key = _key(swap, values, lowering, names)
-    got = tuning.pick_apart(key, names, lambda: _runs(swap, fn, inputs, values, lowering, fused), TIMER)
+    try:
+        got = tuning.pick_apart(key, names, lambda: _runs(swap, fn, inputs, values, lowering, fused), TIMER)
+    except RuntimeError:   # no implementation ran at this shape here: the swap, untimed, as without a GPU
+        return swap, None
     if got == lowering:
         return None, f"{LEFT_TO[lowering]} ({key})"
     if got == FUSED:
