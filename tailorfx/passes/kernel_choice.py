@@ -12,6 +12,7 @@ with the attention tiles' (kernels/tuning.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Optional
 
 import torch
@@ -52,7 +53,7 @@ def subgraph(inputs: list[fx.Node], outputs: list[fx.Node], within: Optional[set
     return fx.GraphModule(torch.nn.Module(), g)
 
 
-def _key(swap, values: list[torch.Tensor], lowering: str, names: tuple) -> str:
+def _key(swap, values: list[torch.Tensor], names: tuple) -> str:
     from tailorfx.kernels.flash_tiles import arch_of
     device = values[0].device
     where = f"sm{arch_of(device)}" if device.type == "cuda" else device.type
@@ -107,7 +108,6 @@ def _fused_of(swap, values: list[torch.Tensor], lowering: str) -> Optional[Calla
 def _room(values: list[torch.Tensor]) -> bool:
     """Whether timing at these shapes (inputs, their gradients, outputs and theirs: four times the
     inputs' bytes) takes under a quarter of the GPU's free memory, as the attention pass asks."""
-    import math
     need = 4 * sum(math.prod(compat.size_hint(d) for d in v.shape) * v.element_size() for v in values)
     return need < torch.cuda.mem_get_info(values[0].device)[0] / 4
 
@@ -132,7 +132,7 @@ def choose(swap, lowering: Optional[str]) -> tuple[Optional[object], Optional[st
         return swap, None
     fused = _fused_of(swap, values, lowering)
     names = ("triton", *((FUSED,) if fused is not None else ()), lowering)
-    key = _key(swap, values, lowering, names)
+    key = _key(swap, values, names)
     try:
         got = tuning.pick_apart(key, names, lambda: _runs(swap, fn, inputs, values, lowering, fused), TIMER)
     except RuntimeError:   # no implementation ran at this shape here: the swap, untimed, as without a GPU
