@@ -138,7 +138,10 @@ def kernel_choices(opt) -> dict:
     records = [r for g in opt.graph_records for r in g.records]
     left = [s for r in records for s in r.skipped if any(m in s for m in LEFT_TO.values())]
     fused = sum(r.stats.get("torch_norm", 0) for r in records if r.name == "kernels")
-    return {"triton_kernels": sorted(opt.kernel_launches()), "torch_fused_norms": fused, "left_to_own_code": left}
+    from tailorfx.kernels import tuning   # each choice's key: what won and every candidate's ms
+    timed = {k: v for k, v in tuning.choices().items() if k.startswith("kernels.") and "pick" in v}
+    return {"triton_kernels": sorted(opt.kernel_launches()), "torch_fused_norms": fused, "left_to_own_code": left,
+            "kernel_choices": timed}
 
 
 def budgets(run: Run) -> dict:
