@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 from tailorfx.kernels import DTYPE_NAMES, KernelSpec, cached_kernel, interpreted
 from tailorfx.kernels.flash_attention import MODES, Config, num_warps
-from tailorfx.kernels.tuning import Tiles
+from tailorfx.kernels.tuning import Tiles, room_to_time
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -304,7 +304,7 @@ def _real(*tensors):
     with compat.untraced_real_tensors():
         shapes = [tuple(compat.size_hint(d) for d in t.shape) for t in tensors]
         need = sum(math.prod(sh) * t.element_size() for sh, t in zip(shapes, tensors))
-        if need > torch.cuda.mem_get_info(tensors[0].device)[0] // 4:
+        if not room_to_time(need, tensors[0].device):
             yield None
             return
         made = [torch.zeros(sh, dtype=t.dtype, device=t.device) if not t.is_floating_point()

@@ -42,6 +42,13 @@ def enabled() -> bool:
     return os.environ.get("TAILORFX_AUTOTUNE", "1") != "0"
 
 
+def room_to_time(need: int, device) -> bool:
+    """Whether `need` bytes of stand-in tensors to time kernels on take under a quarter of the
+    GPU's free memory (the rule every timing on real tensors inside a capture keeps)."""
+    import torch
+    return need < torch.cuda.mem_get_info(device)[0] / 4
+
+
 def _path() -> str:
     from tailorfx.kernels import cache_dir
     return os.path.join(cache_dir(), "tuned.json")

@@ -57,7 +57,7 @@ def _key(swap, values: list[torch.Tensor], names: tuple) -> str:
     from tailorfx.kernels.flash_tiles import arch_of
     device = values[0].device
     where = f"sm{arch_of(device)}" if device.type == "cuda" else device.type
-    shapes = " ".join(f"{tuple(compat.size_hint(d) for d in v.shape)}:{str(v.dtype).removeprefix('torch.')}"
+    shapes = " ".join(f"{_hinted(v)}:{str(v.dtype).removeprefix('torch.')}"
                       for v in values)
     options = ",".join(f"{k}={v}" for k, v in sorted(swap.kwargs.items()))
     return f"kernels.{swap.kernel} {where} {options} {shapes} vs {'+'.join(n for n in names if n != 'triton')}"
@@ -68,10 +68,8 @@ def _runs(swap, fn: fx.GraphModule, inputs: list[fx.Node], values: list[torch.Te
     """Each implementation of the region, forward and backward, on random tensors of its shapes:
     the Triton op, torch's fused kernel (`fused`, a norm's), and the region's nodes as `lowering`
     runs them."""
-    xs = [torch.randn(tuple(compat.size_hint(d) for d in v.shape), dtype=v.dtype, device=v.device)
-          .requires_grad_(bool(v.requires_grad)) if v.is_floating_point()
-          else torch.zeros(tuple(compat.size_hint(d) for d in v.shape), dtype=v.dtype, device=v.device)
-          for v in values]
+    xs = [torch.randn(_hinted(v), dtype=v.dtype, device=v.device).requires_grad_(bool(v.requires_grad))
+          if v.is_floating_point() else torch.zeros(_hinted(v), dtype=v.dtype, device=v.device) for v in values]
     wrt = [x for x in xs if x.requires_grad]
     args = [xs[inputs.index(a)] if isinstance(a, fx.Node) else a for a in swap.args]
     # a function, not the module: inside a capture a nested torch.compile of a module compiles no frame
@@ -107,9 +105,13 @@ def _fused_of(swap, values: list[torch.Tensor], lowering: str) -> Optional[Calla
 
 def _room(values: list[torch.Tensor]) -> bool:
     """Whether timing at these shapes (inputs, their gradients, outputs and theirs: four times the
-    inputs' bytes) takes under a quarter of the GPU's free memory, as the attention pass asks."""
-    need = 4 * sum(math.prod(compat.size_hint(d) for d in v.shape) * v.element_size() for v in values)
-    return need < torch.cuda.mem_get_info(values[0].device)[0] / 4
+    inputs' bytes) leaves the GPU room (tuning.room_to_time)."""
+    from tailorfx.kernels.tuning import room_to_time
+    return room_to_time(4 * sum(math.prod(_hinted(v)) * v.element_size() for v in values), values[0].device)
+
+
+def _hinted(v: torch.Tensor) -> tuple[int, ...]:
+    return tuple(compat.size_hint(d) for d in v.shape)   # a traced length, read without a guard
 
 
 def choose(swap, lowering: Optional[str]) -> tuple[Optional[object], Optional[str]]:

@@ -240,7 +240,6 @@ def memory_ok(q: Tensor, k: Tensor) -> bool:
     the device's free memory: where not, the attention pass keeps the remembered or first choice."""
     if q.device.type != "cuda":
         return False
-    free, _ = torch.cuda.mem_get_info(q.device)
+    from tailorfx.kernels.tuning import room_to_time
     numel = math.prod(_shape(q)) + 2 * math.prod(_shape(k))
-    need = 4 * numel * q.element_size() + 8 * math.prod(_shape(q)[:3])
-    return need < free / 4
+    return room_to_time(4 * numel * q.element_size() + 8 * math.prod(_shape(q)[:3]), q.device)
