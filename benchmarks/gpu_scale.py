@@ -73,8 +73,8 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH_DIR)
 sys.path[:0] = [REPO, BENCH_DIR]
 
-from gpucheck.guard import (OFFLOAD_SLOWDOWN, PREDICT_S, PYTHON_S, TRACE_S, WATCHDOG_MARGIN_S,  # noqa: E402
-                            estimate_s, guarded, run_child, run_sections, start_watchdog)
+from gpucheck.guard import (KERNEL_CHOICE_S, OFFLOAD_SLOWDOWN, PREDICT_S, PYTHON_S, TRACE_S,  # noqa: E402
+                            WATCHDOG_MARGIN_S, estimate_s, guarded, run_child, run_sections, start_watchdog)
 from gpucheck.record import Run, Skip, bench_module, describe  # noqa: E402
 from gpucheck.steps import (PEAK_TFLOPS, against_prediction, capped, first_step, grad_norms,  # noqa: E402
                             median_step_s, mfu, peak_of, step_profile, stepper, weight_grad_sum, worst_grad_rel)
@@ -132,15 +132,18 @@ def plan_labels(opt) -> list:
 
 
 def kernel_choices(opt) -> dict:
-    """The Triton kernels a tailorfx row runs, the norms lowered to torch's fused kernel and the
-    regions left to their own code, each as measured fastest (kernels="triton": passes/kernel_choice.py)."""
+    """The Triton kernels a tailorfx row runs, the norms lowered to torch's fused kernel, the regions
+    on Inductor's code alone and those left to their own code, each as measured fastest
+    (kernels="triton": passes/kernel_choice.py)."""
     from tailorfx.passes.kernel_choice import LEFT_TO
     records = [r for g in opt.graph_records for r in g.records]
     left = [s for r in records for s in r.skipped if any(m in s for m in LEFT_TO.values())]
-    fused = sum(r.stats.get("torch_norm", 0) for r in records if r.name == "kernels")
+    fused, alone = (sum(r.stats.get(kind, 0) for r in records if r.name == "kernels")
+                    for kind in ("torch_norm", "inductor_region"))
     from tailorfx.kernels import tuning   # each choice's key: what won and every candidate's ms
     timed = {k: v for k, v in tuning.choices().items() if k.startswith("kernels.") and "pick" in v}
-    return {"triton_kernels": sorted(opt.kernel_launches()), "torch_fused_norms": fused, "left_to_own_code": left,
+    return {"triton_kernels": sorted(opt.kernel_launches()), "torch_fused_norms": fused,
+            "inductor_regions": alone, "left_to_own_code": left,
             "kernel_choices": timed}
 
 
@@ -385,6 +388,7 @@ def speed_row(run: Run, sec: dict, S: int, names: tuple, reps: int) -> None:
     for name in names:
         need = estimate_s(run, config(run.dry), S, steps=3 + reps, plan=name in TAILORFX,
                           slowdown=OFFLOAD_SLOWDOWN if name == OFFLOADED else 4 / 3)
+        need += KERNEL_CHOICE_S if name == TRITON_KERNELS else 0.0
         guarded(run, sec, f"{name} S={S}", need, lambda name=name: timed_steps(run, name, S, reps))
 
 

@@ -22,6 +22,9 @@ Providers, in one interleaved run (every provider of a case runs before the next
   fp32 (Liger's accum_dtype=torch.float32; tailorfx's TrainingSetup(head_grad_dtype="fp32"));
 - `tailorfx`: tailorfx.runtime.triton_ops (what the kernels pass emits, and on CUDA the attention
   pass for masks, documents and ALiBi where the Triton kernel is timed faster);
+- `tailorfx inductor`: the eager code as the kernels pass runs a region on Inductor's code alone under
+  the eager lowering (tailorfx.runtime.inductor_region: one opaque op each way, the backward
+  recomputing the forward; what the pass runs where that is timed fastest);
 - `tailorfx flex`: tailorfx.runtime.flex, compiled: FlexAttention with the block mask the attention
   pass builds from the proved form in the graph, each call (what the pass runs where FlexAttention
   is timed faster, or with attention_kernel="flex").
@@ -142,25 +145,28 @@ def cases(dev: str, dry: bool) -> list[Case]:
     def compiled(f):
         return torch.compile(f) if cuda else "Inductor's timing needs CUDA (dry run on CPU)"
 
+    def alone(f, n: int):
+        return inductor_region_of(f, n) if cuda else "Inductor's timing needs CUDA (dry run on CPU)"
+
     for T in norm_T:
         eager = lambda x, w: F.rms_norm(x, (H,), w, 1e-6)   # noqa: E731
         out.append(Case("rms_norm", f"{T}x{H}", lambda T=T: [rnd(T, H, dtype=dt), rnd(H, dtype=dt)],
                         lambda T=T: rnd(T, H, dtype=dt, grad=False), ("GB", 5 * T * H * 2), {
-            "torch eager": eager, "inductor": compiled(eager),
+            "torch eager": eager, "inductor": compiled(eager), "tailorfx inductor": alone(eager, 2),
             "liger": _liger("liger_rms_norm", cuda, lambda op: lambda x, w: op(x, w, 1e-6, in_place=False)),
             "tailorfx": lambda x, w: ops.triton_norm(x, w, None, eps=1e-6, kind="rms")}))
     T = norm_T[0]
     eager = lambda x, w, b: F.layer_norm(x, (H,), w, b, 1e-6)   # noqa: E731
     out.append(Case("layer_norm", f"{T}x{H}", lambda: [rnd(T, H, dtype=dt), rnd(H, dtype=dt), rnd(H, dtype=dt)],
                     lambda: rnd(T, H, dtype=dt, grad=False), ("GB", 5 * T * H * 2), {
-        "torch eager": eager, "inductor": compiled(eager),
+        "torch eager": eager, "inductor": compiled(eager), "tailorfx inductor": alone(eager, 3),
         "liger": _liger("liger_layer_norm", cuda, lambda op: lambda x, w, b: op(x, w, b, 1e-6)),
         "tailorfx": lambda x, w, b: ops.triton_norm(x, w, b, eps=1e-6, kind="layer")}))
 
     eager = lambda g, u: F.silu(g) * u   # noqa: E731
     out.append(Case("swiglu", f"{T}x{INTER}", lambda: [rnd(T, INTER, dtype=dt, scale=2.0), rnd(T, INTER, dtype=dt)],
                     lambda: rnd(T, INTER, dtype=dt, grad=False), ("GB", 8 * T * INTER * 2), {
-        "torch eager": eager, "inductor": compiled(eager),
+        "torch eager": eager, "inductor": compiled(eager), "tailorfx inductor": alone(eager, 2),
         "liger": _liger("liger_swiglu", cuda),
         "tailorfx": lambda g, u: ops.triton_glu(g, u, act="silu")}))
 
@@ -186,7 +192,7 @@ def cases(dev: str, dry: bool) -> list[Case]:
         out.append(Case("rope", f"q,k {S}x{NH}/{NKV}x{D}",
                         lambda S=S: [rnd(1, NH, S, D, dtype=dt), rnd(1, NKV, S, D, dtype=dt)],
                         lambda S=S: rnd(1, (NH + NKV) * S, D, dtype=dt, grad=False), ("GB", 4 * qk_bytes), {
-            "torch eager": hf, "inductor": compiled(hf),
+            "torch eager": hf, "inductor": compiled(hf), "tailorfx inductor": alone(hf, 2),
             "liger": _liger("liger_rope", cuda, liger_qk),
             "tailorfx": ours}))
 
@@ -213,6 +219,17 @@ def cases(dev: str, dry: bool) -> list[Case]:
             "tailorfx fp32 sum": lambda h, w, labels=labels, chunks=chunks: ops.triton_linear_cross_entropy(
                 h, w, None, labels, num_chunks=chunks, grad_weight_fp32=True)}))
     return out
+
+
+def inductor_region_of(f, n: int):
+    """`f` of `n` (2 or 3) tensors as one region on Inductor's code alone (runtime/inductor_region.py),
+    its graph traced by torch.fx as the capture gives the kernels pass a region's."""
+    import torch.fx as fx
+
+    from tailorfx.runtime.inductor_region import inductor_region, register
+    root = {2: lambda x0, x1: (f(x0, x1),), 3: lambda x0, x1, x2: (f(x0, x1, x2),)}[n]
+    key = register(fx.symbolic_trace(root), (True,) * n)
+    return lambda *a: inductor_region(key, *a)
 
 
 def attention_cases(dev, dry, S, NH, NKV, D, window, rnd, compiled) -> list[Case]:

@@ -29,4 +29,4 @@ def test_dry_run_covers_every_case_and_agrees(tmp_path):
     # only what needs CUDA or an uninstalled peer is skipped, and it says so
     assert all("CUDA" in r["skipped"] or "not installed" in r["skipped"] for r in rows if "skipped" in r)
     assert {r["provider"] for r in rows} == {"torch eager", "inductor", "liger", "tailorfx", "sdpa flash", "flex",
-                                           "tailorfx flex", "liger fp32 sum", "tailorfx fp32 sum"}
+                                           "tailorfx flex", "tailorfx inductor", "liger fp32 sum", "tailorfx fp32 sum"}

@@ -324,10 +324,13 @@ def test_a_region_whose_own_code_is_faster_is_left_as_it_was(lowering, monkeypat
     ran = stand_in_timer(monkeypatch, tmp_path,
                          lambda key, name: 1.0 if (name == lowering) == key.startswith("kernels.norm") else 2.0)
     opt = run_triton("llama", lowering=lowering)
-    # under the eager lowering a norm is also timed on torch's fused kernel (the test below)
+    # under the eager lowering a norm is also timed on torch's fused kernel, and a norm, gated
+    # activation or rotary region compiled by Inductor alone (the tests below)
     fused = {"torch"} if lowering == "eager" else set()
+    alone = {"inductor"} if lowering == "eager" else set()
     assert sorted(set(ran)) == sorted((k, n) for k in ("kernels.glu", "kernels.norm", "kernels.rope", "kernels.flash_attention")
-                                      for n in {lowering, "triton"} | (fused if k == "kernels.norm" else set()))
+                                      for n in {lowering, "triton"} | (fused if k == "kernels.norm" else set())
+                                      | (alone if k != "kernels.flash_attention" else set()))
     rec = kernels_record(opt)
     assert "norm" not in rec.stats and rec.stats["glu"] == 1 and rec.stats["rope"] == 1, rec.stats
     assert rec.stats["flash_attention"] == 1, rec.stats
@@ -347,13 +350,33 @@ def test_a_norm_is_lowered_to_torchs_fused_kernel_where_that_is_fastest(monkeypa
     report counts it, and the step stays exact. A gated activation has no such candidate."""
     ran = stand_in_timer(monkeypatch, tmp_path, lambda key, name: {"torch": 1.0, "triton": 2.0}.get(name, 3.0))
     opt = run_triton("llama", lowering="eager")
-    assert {n for k, n in ran if k == "kernels.norm"} == {"torch", "triton", "eager"}
-    assert {n for k, n in ran if k != "kernels.norm"} == {"triton", "eager"}
+    assert {n for k, n in ran if k == "kernels.norm"} == {"torch", "triton", "inductor", "eager"}
+    assert {n for k, n in ran if k in ("kernels.glu", "kernels.rope")} == {"triton", "inductor", "eager"}
     rec = kernels_record(opt)
     assert rec.stats.get("torch_norm") == 3 and "norm" not in rec.stats and rec.stats["glu"] == 1, rec.stats
     code = opt.session.graphs[0].rewritten.code
     assert code.count("torch_norm(") == 3 and "triton_norm" not in code and "rsqrt" not in code
     assert not [s for s in rec.skipped if "measured" in s], rec.skipped
+
+
+def test_a_region_is_lowered_to_inductors_code_alone_where_that_is_fastest(monkeypatch, tmp_path):
+    """Under the eager lowering a norm, gated activation and rotary region is also timed as Inductor
+    compiles it alone (one opaque op each way, the backward recomputing the forward); where that is
+    fastest (a stand-in timer) the region becomes that op, the report counts it, the layers' norms
+    share one compiled forward and backward, and the step stays exact (loss and every gradient)."""
+    from tailorfx.runtime import inductor_region
+    ran = stand_in_timer(monkeypatch, tmp_path, lambda key, name: 1.0 if name == "inductor" else 2.0)
+    opt = run_triton("llama", lowering="eager")
+    assert {k for k, n in ran if n == "inductor"} == {"kernels.norm", "kernels.glu", "kernels.rope"}
+    rec = kernels_record(opt)
+    assert rec.stats.get("inductor_region") == 5 and not {"norm", "glu", "rope"} & set(rec.stats), rec.stats
+    assert rec.stats["flash_attention"] == 1, rec.stats
+    code = opt.session.graphs[0].rewritten.code
+    assert code.count("inductor_region(") == 5 and "rsqrt" not in code and "silu" not in code, code
+    keys = {n.args[0] for n in opt.session.graphs[0].rewritten.graph.nodes
+            if n.target is inductor_region.inductor_region}
+    assert len(keys) == 3, keys   # one norm form for the layer's two norms and the last
+    assert all(inductor_region.region_of(k).compiled.get("bw") is not None for k in keys)
 
 
 def test_an_attention_is_left_on_its_own_kernel_where_that_is_faster(monkeypatch, tmp_path):

@@ -24,6 +24,8 @@ STEP_OVERHEAD_S = 1.0          # launches and 291 single-tensor AdamW updates a 
 BUILD_S = 5.0                  # an 8B model made on the GPU, random weights
 FIRST_STEP_S = 5.0             # the first step's extra: Triton's compiles, the allocator's growth
 PLAN_S = 90.0                  # a budgeted optimize(): capture and the planner's traces
+KERNEL_CHOICE_S = 90.0         # kernels="triton": each norm, SwiGLU, rotary and attention form timed, its Triton
+                               # kernels and Inductor's code for it alone compiled first (not yet measured on a GPU)
 PREDICT_S = 30.0               # one predict_memory(), or max_seq_len / plan_for_budget on a shallow capture
 TRACE_S = 60.0                 # optimize() with fixed passes and one prediction: capture, one trace
 PYTHON_S = 30.0                # a fresh interpreter's imports (the probe's subprocess)

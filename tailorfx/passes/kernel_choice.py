@@ -1,13 +1,16 @@
-"""The region's own code, torch's fused kernel or the runtime's Triton kernel, per region, by
-measurement: under `kernels="triton"` on a GPU, a norm, gated activation, rotary or attention
-region is timed each way (forward and backward, on random tensors of its shapes, where those take
-under a quarter of the free memory) the first time its key is seen: against the code Inductor
-compiles for it under the Inductor lowering, against its ATen ops as captured under the eager
-lowering (an attention's: SDPA's flash kernel), and there a norm also against torch's fused one
-(runtime/triton_ops.torch_norm: F.rms_norm, F.layer_norm). Where its own code is fastest it is left
-as it was; the report lists it among the regions left unchanged, with the key. Where torch's fused
-kernel is, the norm is lowered to it; the report counts it as `torch_norm`. The choice is kept
-with the attention tiles' (kernels/tuning.py).
+"""The region's own code, torch's fused kernel, Inductor's code for it or the runtime's Triton
+kernel, per region, by measurement: under `kernels="triton"` on a GPU, a norm, gated activation,
+rotary or attention region is timed each way (forward and backward, on random tensors of its
+shapes, where those take under a quarter of the free memory) the first time its key is seen:
+against the code Inductor compiles for it under the Inductor lowering, against its ATen ops as
+captured under the eager lowering (an attention's: SDPA's flash kernel). Under the eager lowering a
+norm, gated activation or rotary region is also timed as Inductor compiles it alone
+(runtime/inductor_region.py: one opaque op each way, the backward recomputing the forward), and a
+norm on torch's fused kernel (runtime/triton_ops.torch_norm: F.rms_norm, F.layer_norm). Where its
+own code is fastest it is left as it was; the report lists it among the regions left unchanged,
+with the key. Where torch's fused kernel or Inductor's code is, the region is lowered to it; the
+report counts it as `torch_norm` or `inductor_region`. The choice is kept with the attention
+tiles' (kernels/tuning.py).
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ LEFT_TO = {"inductor": "left to Inductor: its own code was measured faster",
            "eager": "left as its ATen ops: they were measured the fastest"}
 TIMED_ON = ("cuda",)              # device types a choice is timed on
 FUSED = "torch"                   # a norm on torch's fused kernel (under the eager lowering)
+COMPILED = "inductor"             # a region as Inductor compiles it alone (under the eager lowering)
+COMPILED_KINDS = ("norm", "glu", "rope")
 TIMER: Optional[Callable] = None  # timer(fn) -> ms; None: triton.testing.do_bench
 
 
@@ -64,10 +69,10 @@ def _key(swap, values: list[torch.Tensor], names: tuple) -> str:
 
 
 def _runs(swap, fn: fx.GraphModule, inputs: list[fx.Node], values: list[torch.Tensor], lowering: str,
-          fused: Optional[Callable]) -> dict:
+          fused: Optional[Callable], compiled: Optional[object]) -> dict:
     """Each implementation of the region, forward and backward, on random tensors of its shapes:
-    the Triton op, torch's fused kernel (`fused`, a norm's), and the region's nodes as `lowering`
-    runs them."""
+    the Triton op, torch's fused kernel (`fused`, a norm's), Inductor's code for it (`compiled`, a
+    swap) and the region's nodes as `lowering` runs them."""
     xs = [torch.randn(_hinted(v), dtype=v.dtype, device=v.device).requires_grad_(bool(v.requires_grad))
           if v.is_floating_point() else torch.zeros(_hinted(v), dtype=v.dtype, device=v.device) for v in values]
     wrt = [x for x in xs if x.requires_grad]
@@ -86,10 +91,25 @@ def _runs(swap, fn: fx.GraphModule, inputs: list[fx.Node], values: list[torch.Te
     def torch_fused():
         step(fused(*args, **swap.kwargs))
 
+    def inductor():
+        step(compiled.fn(*compiled.args[:1], *xs))
+
     def region():
         step(own(*xs))
-    region.__name__, torch_fused.__name__ = lowering, FUSED
-    return {"triton": triton, **({FUSED: torch_fused} if fused is not None else {}), lowering: region}
+    region.__name__, torch_fused.__name__, inductor.__name__ = lowering, FUSED, COMPILED
+    return {"triton": triton, **({FUSED: torch_fused} if fused is not None else {}),
+            **({COMPILED: inductor} if compiled is not None else {}), lowering: region}
+
+
+def _compiled_of(swap, fn: fx.GraphModule, inputs: list[fx.Node], values: list[torch.Tensor],
+                 lowering: str) -> Optional[object]:
+    """The swap running the region as Inductor compiles it alone, under the eager lowering (the
+    Inductor lowering compiles it with the rest of the graph)."""
+    if lowering != "eager" or swap.kernel not in COMPILED_KINDS:
+        return None
+    from tailorfx.runtime.inductor_region import inductor_region, register
+    key = register(fn, tuple(bool(v.requires_grad) and v.is_floating_point() for v in values))
+    return dataclasses.replace(swap, fn=inductor_region, args=(key, *inputs), kwargs={}, kernel="inductor_region")
 
 
 def _fused_of(swap, values: list[torch.Tensor], lowering: str) -> Optional[Callable]:
@@ -117,8 +137,9 @@ def _hinted(v: torch.Tensor) -> tuple[int, ...]:
 def choose(swap, lowering: Optional[str]) -> tuple[Optional[object], Optional[str]]:
     """(the swap to make, or None; why not, for the report): the Triton swap as it is (not timed:
     no GPU, TAILORFX_AUTOTUNE=0, a region that cannot be cut out on its own; or the Triton kernel
-    measured the fastest), the norm on torch's fused kernel where that was, or None where the
-    region's own code (Inductor's, or its ATen ops as the lowering runs them) was."""
+    measured the fastest), the norm on torch's fused kernel or the region on Inductor's code alone
+    where that was, or None where the region's own code (Inductor's, or its ATen ops as the
+    lowering runs them) was."""
     from tailorfx.kernels import tuning
     if lowering not in LEFT_TO or swap.kernel not in TIMED or not tuning.enabled():
         return swap, None
@@ -133,14 +154,19 @@ def choose(swap, lowering: Optional[str]) -> tuple[Optional[object], Optional[st
     if fn is None:
         return swap, None
     fused = _fused_of(swap, values, lowering)
-    names = ("triton", *((FUSED,) if fused is not None else ()), lowering)
+    compiled = _compiled_of(swap, fn, inputs, values, lowering)
+    names = ("triton", *((FUSED,) if fused is not None else ()), *((COMPILED,) if compiled is not None else ()),
+             lowering)
     key = _key(swap, values, names)
     try:
-        got = tuning.pick_apart(key, names, lambda: _runs(swap, fn, inputs, values, lowering, fused), TIMER)
+        got = tuning.pick_apart(key, names, lambda: _runs(swap, fn, inputs, values, lowering, fused, compiled),
+                                TIMER)
     except RuntimeError:   # no implementation ran at this shape here: the swap, untimed, as without a GPU
         return swap, None
     if got == lowering:
         return None, f"{LEFT_TO[lowering]} ({key})"
     if got == FUSED:
         return dataclasses.replace(swap, fn=fused, kernel="torch_norm"), None
+    if got == COMPILED:
+        return compiled, None
     return swap, None
