@@ -28,11 +28,13 @@ from tailorfx import compat
 
 @dataclass
 class Region:
-    """A region's graph f(*xs) -> tuple of outputs, which inputs it is differentiated in, and its
-    compiled forward and backward (made at their first call)."""
+    """A region's graph f(*xs) -> tuple of outputs, which inputs it is differentiated in, its
+    compiled forward and backward (made at their first call), and its outputs' strides run eagerly,
+    per input layout."""
     fn: fx.GraphModule
     wrt: tuple[bool, ...]
     compiled: dict = field(default_factory=dict)
+    strides: dict = field(default_factory=dict)
 
 
 _REGIONS: dict[str, Region] = {}
@@ -106,11 +108,11 @@ def _eager_strides(r: Region, xs: list[Tensor]) -> list[tuple]:
     """The strides of the region's outputs run eagerly on `xs` (what the fake kernel promised),
     found on fake tensors once per input layout."""
     sig = tuple((tuple(x.shape), x.stride(), x.dtype, x.device) for x in xs)
-    got = r.compiled.get(sig)
+    got = r.strides.get(sig)
     if got is None:
         with compat.FakeTensorMode(allow_non_fake_inputs=True) as mode:
             like = r.fn(*(mode.from_tensor(x) for x in xs))
-        got = r.compiled[sig] = [o.stride() for o in like]
+        got = r.strides[sig] = [o.stride() for o in like]
     return got
 
 
