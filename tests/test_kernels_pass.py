@@ -379,6 +379,20 @@ def test_a_region_is_lowered_to_inductors_code_alone_where_that_is_fastest(monke
     assert all(inductor_region.region_of(k).compiled.get("bw") is not None for k in keys)
 
 
+@pytest.mark.parametrize("family, want", [("gemma2", 7), ("gpt_neox", 4)])
+def test_other_families_regions_go_to_inductors_code_alone_exactly(family, want, monkeypatch, tmp_path):
+    """The same on other forms, one layer each: Gemma-2's four `1 + w` RMSNorms, the last one, its
+    GeGLU (tanh GELU) and rotary (7); GPT-NeoX's two biased LayerNorms, the last one and its partial
+    rotary, a quarter of each head (4). Each becomes the op, and the step is exact against eager."""
+    from tailorfx.runtime import inductor_region
+    stand_in_timer(monkeypatch, tmp_path, lambda key, name: 1.0 if name == "inductor" else 2.0)
+    opt = run_triton(family, lowering="eager")
+    rec = kernels_record(opt)
+    assert rec.stats.get("inductor_region") == want and not {"norm", "glu", "rope"} & set(rec.stats), rec.stats
+    targets = [n.target for n in opt.session.graphs[0].rewritten.graph.nodes]
+    assert targets.count(inductor_region.inductor_region) == want
+
+
 def test_a_step_with_regions_on_inductors_code_alone_is_predicted(monkeypatch, tmp_path):
     """The memory model sees each region on Inductor's code alone as its one opaque op each way, the
     backward saving only the region's inputs: a 2-layer HF Llama's step with its nine norms, gated
