@@ -1,7 +1,8 @@
 """Llama-3-8B on one GPU at the scale users train, beside the recipes users run (issue 64).
 
     python3 benchmarks/gpu_scale.py                      # one H100/H200, about 9 min (--budget-s)
-    python3 benchmarks/gpu_scale.py --section longest    # some sections only
+    python3 benchmarks/gpu_scale.py --section longest    # some sections only, in the order given
+    python3 benchmarks/gpu_scale.py --section speed --length 32768 --provider tailorfx   # some rows only
     python  benchmarks/gpu_scale.py --dry-run            # CPU, a 2-layer Llama, every code path (CI)
     python  benchmarks/gpu_scale.py --predict            # the same tables predicted on fake tensors
 
@@ -28,7 +29,7 @@ only while time is left. Each check is saved as "running" before it starts. A wa
 with exit status 3. A check fails at once if more than 1 GiB is still allocated on the GPU from
 an earlier one (a leak): it would otherwise fail for that reason and not its own.
 
-Sections, in this order; each writes the JSON (benchmarks/out/gpu_scale.json) as it ends:
+Sections, in this order (or --section's); each writes the JSON (benchmarks/out/gpu_scale.json) as it ends:
   longest  tailorfx.max_seq_len for the budget (the planner's time), optimize() at that length
            (capture and planning), the first step, then a steady step: no OOM and the
            measured peak within -2%..+3% of opt.predict_memory(); the next granule up is refused
@@ -43,10 +44,12 @@ Sections, in this order; each writes the JSON (benchmarks/out/gpu_scale.json) as
            them) + HF checkpointing, the ALST recipe (DeepSpeed's TiledMLP + TiledFusedLogitsLoss
            + HF checkpointing, benchmarks/alst.py; no ZeRO): step time, tokens/s, MFU; tailorfx's
            rows also the chosen plan and the peak against the prediction; every row one step
-           profiled (kernel time by kind against the wall: where an MFU goes). Each provider is
+           profiled (kernel time by kind against the wall, and by the op that launched it: where
+           an MFU goes). --provider and --length narrow the section to some rows. Each provider is
            checked against eager at a short length (the loss, every weight's gradient norm, one
            step updating each parameter once; ALST with two shards or more of each kind) and for
-           its feature firing. The 32K row runs first, then those checks, then 16K and 8K: at 32K
+           its feature firing. The 32K row runs first (tailorfx's plan, Liger-Kernel's, the fastest
+           peer measured, and tailorfx's Triton row, then the others: TOP_ROW), then those checks, then 16K and 8K: at 32K
            the rewrites decide what fits and how fast, so its MFU comparison is what the run is
            for, and a budgeted optimize() takes minutes, so what runs last may find no time.
   offload  under a lower budget (OFFLOAD_BUDGET): offload="checkpoints" at the longest length
@@ -95,6 +98,10 @@ OFFLOADED = "tailorfx, activations offloaded"   # in the longest row only
 TRITON_KERNELS = "tailorfx, Triton kernels"     # likewise: norms, SwiGLU, RoPE, the head on tailorfx/kernels
 TAILORFX = {"tailorfx": {}, TRITON_KERNELS: {"kernels": "triton"},
             OFFLOADED: {"offload": "activations"}}   # provider -> optimize() options
+# the longest length's row: what the MFU goal compares first (tailorfx's plan, the fastest peer
+# measured, Liger-Kernel, then tailorfx's Triton row, whose planning and kernel timing take
+# minutes), then the rows that end at once in an OOM, then the slower ones
+TOP_ROW = ("tailorfx", "liger+hf-checkpointing", TRITON_KERNELS, "eager", "hf-checkpointing", OFFLOADED, "alst")
 # dry run: a 2-layer Llama on CPU, budgets in MiB, lengths short enough for CPU steps
 DRY = dict(budget=3 << 20, offload_budget=3 << 20, lengths=(256, 512), granule=64, limit=2048)
 
@@ -373,10 +380,10 @@ def section_speed(run: Run, sec: dict) -> None:
                         "state, so two cannot share the 80 GB budget); the GPU's clocks are steady enough for that")
     sec["notes"].append("the longest row runs first, then the agreements at a short length, then the shorter rows: "
                         "a budgeted optimize() takes minutes, so the rows at the end of the time may be skipped")
-    lengths = sorted(b["lengths"], reverse=True)
-    speed_row(run, sec, lengths[0], PROVIDERS[:1] + (TRITON_KERNELS, OFFLOADED) + PROVIDERS[1:], reps)
-    short = b["lengths"][0] // 16 if not run.dry else 64
-    for name in PROVIDERS[:1] + PROVIDERS[2:]:   # every provider but eager, the reference
+    lengths = sorted(getattr(run.args, "length", None) or b["lengths"], reverse=True)
+    speed_row(run, sec, lengths[0], TOP_ROW, reps)
+    short = min(lengths) // 16 if not run.dry else 64
+    for name in asked(run, PROVIDERS[:1] + PROVIDERS[2:]):   # every provider but eager, the reference
         need = estimate_s(run, config(run.dry), short, steps=3, plan=name in TAILORFX,
                           builds=1 + ("eager_reference" not in run.shared))
         guarded(run, sec, f"agreement {name}", need, lambda name=name: agreement(run, name, short))
@@ -384,8 +391,14 @@ def section_speed(run: Run, sec: dict) -> None:
         speed_row(run, sec, S, PROVIDERS, reps)
 
 
+def asked(run: Run, names: tuple) -> tuple:
+    """`names` less the providers --provider left out (none named: all)."""
+    wanted = getattr(run.args, "provider", None)
+    return tuple(n for n in names if not wanted or n in wanted)
+
+
 def speed_row(run: Run, sec: dict, S: int, names: tuple, reps: int) -> None:
-    for name in names:
+    for name in asked(run, names):
         need = estimate_s(run, config(run.dry), S, steps=3 + reps, plan=name in TAILORFX,
                           slowdown=OFFLOAD_SLOWDOWN if name == OFFLOADED else 4 / 3)
         need += KERNEL_CHOICE_S if name == TRITON_KERNELS else 0.0
@@ -555,7 +568,12 @@ RUNNERS = {"longest": section_longest, "speed": section_speed, "offload": sectio
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--section", action="append", choices=SECTIONS, help="repeatable; default: all, in order")
+    ap.add_argument("--section", action="append", choices=SECTIONS,
+                    help="repeatable, run in the order given; default: all, in the order below")
+    ap.add_argument("--provider", action="append", choices=TOP_ROW,
+                    help="repeatable; the speed section's rows for these providers only (default: all)")
+    ap.add_argument("--length", action="append", type=int,
+                    help="repeatable; the speed section's lengths in tokens (default: 32K, 16K, 8K)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, a 2-layer Llama, Triton's interpreter")
     ap.add_argument("--predict", action="store_true", help="the tables on fake tensors (no GPU, no steps)")
     ap.add_argument("--out", default=None)

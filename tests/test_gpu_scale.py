@@ -65,6 +65,43 @@ def test_estimates_count_planning_and_the_first_step(gpu_scale, gpucheck, tmp_pa
     assert guard.estimate_s(run, cfg, 32768, steps=5, plan=True) < planned
 
 
+def test_a_call_runs_the_sections_rows_and_lengths_asked_in_the_order_asked(gpu_scale, gpucheck, tmp_path, monkeypatch):
+    """A GPU lease allows one call of a few minutes: --section runs in the order given, --provider
+    and --length narrow the speed section to the rows that call is for."""
+    args = types.SimpleNamespace(dry_run=False, budget_s=600, out=str(tmp_path / "out.json"),
+                                 section=["speed", "longest", "speed"], provider=["liger+hf-checkpointing", "tailorfx"],
+                                 length=[16384])
+    run = gpu_scale.Run(args, "cpu", sections=gpu_scale.SECTIONS)
+    assert run.sections == ["speed", "longest"]
+    names = []
+    monkeypatch.setattr(gpu_scale, "guarded", lambda run, sec, name, need, fn: names.append(name))
+    gpu_scale.section_speed(run, gpucheck.record.new_section())
+    assert names == ["tailorfx S=16384", "liger+hf-checkpointing S=16384",
+                     "agreement tailorfx", "agreement liger+hf-checkpointing"]
+    args.provider, args.length = None, None   # the default: every row, the longest length first
+    names.clear()
+    gpu_scale.section_speed(run, gpucheck.record.new_section())
+    assert names[:3] == ["tailorfx S=32768", "liger+hf-checkpointing S=32768", "tailorfx, Triton kernels S=32768"]
+    assert len(names) == 7 + 4 + 2 * 5 and names[-1] == "alst S=8192"
+
+
+def test_a_gpu_profile_splits_kernels_from_the_ops_that_launched_them(gpucheck):
+    """On a GPU the profile holds both the device's kernels and the host's ops (each with the time of
+    the kernels it launched itself): kind sums take the kernels alone, `by_op` the ops alone."""
+    from torch.autograd import DeviceType
+    ev = lambda key, dev, us: types.SimpleNamespace(key=key, device_type=dev, self_device_time_total=us,
+                                                    self_cpu_time_total=5, count=2)
+    events = [ev("nvjet_sm90_tst_256x128", DeviceType.CUDA, 3e6), ev("aten::mm", DeviceType.CPU, 3e6),
+              ev("elementwise_kernel<BinaryFunctor<BFloat16>>", DeviceType.CUDA, 1e6),
+              ev("aten::mul", DeviceType.CPU, 1e6), ev("aten::matmul", DeviceType.CPU, 0),
+              ev("autograd::engine::evaluate_function: MmBackward0", DeviceType.CPU, 0)]
+    kernels, ops = gpucheck.steps.profile_rows(events, cuda=True)
+    assert kernels == [("nvjet_sm90_tst_256x128", 3.0, 2), ("elementwise_kernel<BinaryFunctor<BFloat16>>", 1.0, 2)]
+    assert ops == [("aten::mm", 3.0, 2), ("aten::mul", 1.0, 2)]
+    on_cpu, same = gpucheck.steps.profile_rows(events, cuda=False)   # ATen's ops by their own time
+    assert on_cpu is same and [r[0] for r in on_cpu] == ["aten::mm", "aten::mul", "aten::matmul"]
+
+
 def test_the_watchdog_writes_the_json_and_ends_the_process(tmp_path):
     out = tmp_path / "out.json"
     code = textwrap.dedent(f"""
@@ -181,7 +218,7 @@ def test_dry_run_runs_every_section(tmp_path):
         for name in ("tailorfx", "eager", "hf-checkpointing"):   # one step profiled: the matmuls and attention seen
             prof = speed[f"{name} S={S}"]["profile"]
             assert prof["by_kind_s"]["gemm"] > 0 and prof["by_kind_s"]["attention"] > 0, (name, prof)
-            assert 0 < prof["kernel_s"] and prof["top"], (name, prof)
+            assert 0 < prof["kernel_s"] and prof["top"] and prof["by_op"], (name, prof)
         assert speed[f"hf-checkpointing S={S}"]["fired"]["checkpointing"]
         # the same model: checkpointing holds less than eager
         assert (speed[f"hf-checkpointing S={S}"]["measured"]["dynamic_peak"]

@@ -51,7 +51,7 @@ class Run:
 
     def __init__(self, args, device: str, sections: tuple = SECTIONS):
         self.args, self.dry, self.device = args, args.dry_run, device
-        self.sections = [s for s in sections if s in (args.section or sections)]
+        self.sections = [s for s in dict.fromkeys(args.section or sections) if s in sections]   # in the order asked
         self.cuda = device == "cuda"
         self.start = time.time()
         self.shared: dict = {}   # trained models the sections reuse (compiling costs most of the time)

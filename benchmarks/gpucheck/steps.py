@@ -157,26 +157,44 @@ def kind_of(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
 
 
-def step_profile(run: Run, step, top: int = 12) -> dict:
+def step_profile(run: Run, step, top: int = 20) -> dict:
     """Where one step's time goes: the GPU's kernel time by kind (on the CPU, the ops' own time),
-    against the step's wall time (the rest: the GPU idle, waiting on the host), and the `top`
-    kernels by time. What an MFU below the goal is made of."""
+    against the step's wall time (the rest: the GPU idle, waiting on the host), the `top` kernels
+    by time, and the `top` ops (ATen's, tailorfx's) by the device time of the kernels each launched
+    itself (`by_op`): which op an "other" kernel comes from. What an MFU below the goal is made of."""
     from torch.profiler import ProfilerActivity, profile
     sync(run)
-    with profile(activities=[ProfilerActivity.CUDA if run.cuda else ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.cuda else [])
+    with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         step()   # ends in a synchronize
         wall = time.perf_counter() - t0
-    own = "self_device_time_total" if run.cuda else "self_cpu_time_total"
-    rows = [(e.key, getattr(e, own, 0) / 1e6, e.count) for e in prof.key_averages()]
-    rows = [r for r in rows if r[1] > 0 and (run.cuda or r[0].startswith("aten::"))]
+    kernels, ops = profile_rows(prof.key_averages(), run.cuda)
     by_kind: dict = {}
-    for name, s, _ in rows:
+    for name, s, _ in kernels:
         by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + s
     busy = sum(by_kind.values())
+
+    def listed(rows):
+        return [{"name": n[:120], "s": round(s, 4), "count": c} for n, s, c in sorted(rows, key=lambda r: -r[1])[:top]]
     return {"wall_s": round(wall, 4), "kernel_s": round(busy, 4), "kernel_fraction": round(busy / wall, 3),
             "by_kind_s": {k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-            "top": [{"name": n[:120], "s": round(s, 4), "count": c} for n, s, c in sorted(rows, key=lambda r: -r[1])[:top]]}
+            "top": listed(kernels), "by_op": listed(ops)}
+
+
+def profile_rows(events, cuda: bool) -> tuple[list, list]:
+    """(kernels, ops) as (name, seconds, count) from a profile's key_averages. On a GPU: the
+    device's kernels by their time, and the host's ops by the time of the kernels each launched
+    itself (its children's excluded, so the ops' times add up to the kernels'). On the CPU both are
+    ATen's ops by their own time."""
+    from torch.autograd import DeviceType
+    if not cuda:
+        rows = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in events
+                if e.key.startswith("aten::") and e.self_cpu_time_total > 0]
+        return rows, rows
+    timed = [(e, e.self_device_time_total / 1e6) for e in events if e.self_device_time_total > 0]
+    return ([(e.key, s, e.count) for e, s in timed if e.device_type != DeviceType.CPU],
+            [(e.key, s, e.count) for e, s in timed if e.device_type == DeviceType.CPU])
 
 
 def weight_grad_sum(device: str) -> dict:
