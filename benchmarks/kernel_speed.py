@@ -351,12 +351,27 @@ def measure(case: Case, name: str, f, inputs, dout, cuda: bool, reps: int) -> di
     return res
 
 
-def run_all(dev: str, dry: bool, only: str | None, reps: int) -> list[dict]:
-    rows = []
+def run_all(dev: str, dry: bool, only: str | None, reps: int, budget_s: float | None = None,
+            saved=lambda rows: None) -> list[dict]:
+    """Every case (or those `only` names), `saved(rows)` after each. A case starts only while
+    `budget_s` leaves the time the longest case so far took; a case it cannot start is a row per
+    provider, skipped with both figures (a GPU call has a hard wall: what ran is kept)."""
+    rows: list[dict] = []
+    start, longest = time.time(), 0.0
     for case in cases(dev, dry):
         if only and only not in case.kernel:
             continue
-        rows += run_case(case, dev, reps)
+        left = None if budget_s is None else budget_s - (time.time() - start)
+        if left is not None and left < longest:
+            why = f"time budget: {left:.1f} s left, the longest case so far took {longest:.1f} s"
+            rows += [{"kernel": case.kernel, "shape": case.shape, "provider": name, "skipped": why}
+                     for name in case.providers]
+            print(table_line(rows[-1]), flush=True)
+        else:
+            t0 = time.time()
+            rows += run_case(case, dev, reps)
+            longest = max(longest, time.time() - t0)
+        saved(rows)
     return rows
 
 
@@ -399,6 +414,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="the cases whose kernel name contains this")
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--out", default=os.path.join(BENCH_DIR, "out", "kernels.json"))
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds: a case starts only while the longest case so far fits what is left "
+                         "(default 480 on a GPU, none with --dry-run); the JSON is written after every case")
     args = ap.parse_args(argv)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -406,17 +424,22 @@ def main(argv=None) -> int:
         print("benchmarks/kernel_speed.py needs a CUDA GPU; on CPU run it with --dry-run", file=sys.stderr)
         return 1
     dev = "cpu" if args.dry_run else "cuda"
-    rows = run_all(dev, args.dry_run, args.only, args.reps)
+    budget_s = args.budget_s if args.budget_s or args.dry_run else 480.0
     from tailorfx.kernels import tuning
     meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
-            "dry_run": args.dry_run,
-            # the attention tiles each key chose on this GPU, with every candidate's time
-            "tuned": tuning.choices()}
+            "dry_run": args.dry_run, "budget_s": budget_s}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def saved(rows: list[dict]) -> None:
+        meta["tuned"] = tuning.choices()   # the attention tiles each key chose on this GPU, every candidate's time
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        os.replace(tmp, args.out)
+    rows = run_all(dev, args.dry_run, args.only, args.reps, budget_s, saved)
+    saved(rows)
     for key, choice in meta["tuned"].items():
         print(f"tuned {key}: {choice['tiles']}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

@@ -30,3 +30,29 @@ def test_dry_run_covers_every_case_and_agrees(tmp_path):
     assert all("CUDA" in r["skipped"] or "not installed" in r["skipped"] for r in rows if "skipped" in r)
     assert {r["provider"] for r in rows} == {"torch eager", "inductor", "liger", "tailorfx", "sdpa flash", "flex",
                                            "tailorfx flex", "tailorfx inductor", "liger fp32 sum", "tailorfx fp32 sum"}
+
+
+def test_a_case_starts_only_while_the_time_left_fits_and_each_is_saved(monkeypatch):
+    """A GPU call has a hard wall: the benchmark starts a case only while the time left fits the
+    longest case so far, records the rest as skipped with both figures, and saves after each case."""
+    import importlib.util
+    import time
+    saved_path = list(sys.path)
+    spec = importlib.util.spec_from_file_location("kernel_speed_under_test", os.path.join(ROOT, "benchmarks", "kernel_speed.py"))
+    ks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ks)
+    sys.path[:] = saved_path   # the benchmarks folder it put on sys.path is taken off again
+    two = [ks.Case(k, "tiny", None, None, (), {"torch eager": None, "tailorfx": None}) for k in ("rms_norm", "swiglu")]
+    monkeypatch.setattr(ks, "cases", lambda dev, dry: two)
+
+    def run_case(case, dev, reps):
+        time.sleep(0.3)
+        return [{"kernel": case.kernel, "provider": p} for p in case.providers]
+    monkeypatch.setattr(ks, "run_case", run_case)
+    saves = []
+    rows = ks.run_all("cpu", True, None, 1, budget_s=0.45, saved=lambda rows: saves.append(len(rows)))
+    assert [r["kernel"] for r in rows] == ["rms_norm", "rms_norm", "swiglu", "swiglu"]
+    assert "skipped" not in rows[0] and all("time budget" in r["skipped"] and "took 0.3 s" in r["skipped"]
+                                            for r in rows[2:])
+    assert saves == [2, 4]
+    assert [r.get("skipped") for r in ks.run_all("cpu", True, None, 1)] == [None] * 4   # no budget: every case
