@@ -48,9 +48,9 @@ Sections, in this order (or --section's); each writes the JSON (benchmarks/out/g
            an MFU goes). --provider and --length narrow the section to some rows. Each provider is
            checked against eager at a short length (the loss, every weight's gradient norm, one
            step updating each parameter once; ALST with two shards or more of each kind) and for
-           its feature firing. The 32K row runs first (tailorfx's plan, Liger-Kernel's, the fastest
-           peer measured, and tailorfx's Triton row, then the others: TOP_ROW), then those checks, then 16K and 8K: at 32K
-           the rewrites decide what fits and how fast, so its MFU comparison is what the run is
+           its feature firing. The 32K row runs first (tailorfx's plan, Liger-Kernel's, the
+           fastest peer measured, and tailorfx's Triton row, then the others: TOP_ROW), then those
+           checks, then 16K and 8K: at 32K the rewrites decide what fits and how fast, so its MFU comparison is what the run is
            for, and a budgeted optimize() takes minutes, so what runs last may find no time.
   offload  under a lower budget (OFFLOAD_BUDGET): offload="checkpoints" at the longest length
            it reaches (peak vs prediction, host bytes), and its time per token against the
@@ -382,7 +382,7 @@ def section_speed(run: Run, sec: dict) -> None:
                         "a budgeted optimize() takes minutes, so the rows at the end of the time may be skipped")
     lengths = sorted(getattr(run.args, "length", None) or b["lengths"], reverse=True)
     speed_row(run, sec, lengths[0], TOP_ROW, reps)
-    short = min(lengths) // 16 if not run.dry else 64
+    short = min(b["lengths"]) // 16 if not run.dry else 64   # 512 tokens, whatever --length asks
     for name in asked(run, PROVIDERS[:1] + PROVIDERS[2:]):   # every provider but eager, the reference
         need = estimate_s(run, config(run.dry), short, steps=3, plan=name in TAILORFX,
                           builds=1 + ("eager_reference" not in run.shared))
