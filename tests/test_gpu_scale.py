@@ -74,9 +74,13 @@ def test_a_call_runs_the_sections_rows_and_lengths_asked_in_the_order_asked(gpu_
     run = gpu_scale.Run(args, "cpu", sections=gpu_scale.SECTIONS)
     assert run.sections == ["speed", "longest"]
     names = []
-    monkeypatch.setattr(gpu_scale, "guarded", lambda run, sec, name, need, fn:
-                        names.append(name) or (fn() if name.startswith("agreement") else None))
     agreed = []
+
+    def guarded(run, sec, name, need, fn):   # the rows' names; an agreement's length
+        names.append(name)
+        if name.startswith("agreement"):
+            fn()
+    monkeypatch.setattr(gpu_scale, "guarded", guarded)
     monkeypatch.setattr(gpu_scale, "agreement", lambda run, name, S: agreed.append(S))
     gpu_scale.section_speed(run, gpucheck.record.new_section())
     assert names == ["tailorfx S=16384", "liger+hf-checkpointing S=16384",
