@@ -77,6 +77,20 @@ def test_the_key_is_what_traces(graph):
     assert key_mod.graph_key(opaque) is None
 
 
+def test_a_trace_made_under_no_grad_does_not_serve_a_training_step(graph):
+    """An evaluation under torch.no_grad makes Dynamo capture the model again, and that graph is
+    traced with no backward. The same graph traced for training afterwards (another model of the
+    class, optimized under a budget) has its backward: before, the key was the same, and that
+    model was planned for a forward alone (a 17-layer Llama: "no memory rewrite" at 9.06 MiB,
+    against 29.58 MiB over the budget)."""
+    with torch.no_grad():
+        evaluated = trace_cache.traced_step(copy.deepcopy(graph), "eager", None)
+        k = key_mod.graph_key(graph)
+    trained = trace_cache.traced_step(copy.deepcopy(graph), "eager", None)
+    assert evaluated.bw is None and trained.bw is not None, (evaluated.bw, trained.bw)
+    assert key_mod.graph_key(graph) != k
+
+
 def test_the_least_recently_used_trace_is_dropped_past_the_size(graph, monkeypatch):
     """The cache holds at most _BY_CONTENT_SIZE traces (a user's process plans many models); a
     trace found again is kept over one not used since."""

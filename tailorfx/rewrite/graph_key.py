@@ -1,11 +1,11 @@
 """A key for what a graph module computes and how AOTAutograd traces it, so that a trace serves
 every module that has the key, not only the object it was made on: a model optimized again (the
 budget a BudgetError suggests, a copy compared with eager) or a step sized twice traces each
-rewritten graph once per process. The key holds the autocast it is traced under, every node (its
-op, target, arguments and metadata: recompute tags, offload and precision tags, module stacks),
-each input's dtype, device, sizes as expressions and at their hints, and the module's constants;
-a module that holds what it cannot describe (a module it calls that is no graph, a DTensor, an
-opaque attribute) has no key and is traced each time."""
+rewritten graph once per process. The key holds the autocast and grad mode it is traced under,
+every node (its op, target, arguments and metadata: recompute tags, offload and precision tags,
+module stacks), each input's dtype, device, sizes as expressions and at their hints, and the
+module's constants; a module that holds what it cannot describe (a module it calls that is no
+graph, a DTensor, an opaque attribute) has no key and is traced each time."""
 from __future__ import annotations
 
 import hashlib
@@ -38,9 +38,11 @@ def graph_key(gm: fx.GraphModule) -> Optional[str]:
 
 def _module(gm: fx.GraphModule) -> tuple:
     codegen = gm.graph._codegen
-    # AOTAutograd traces under the caller's autocast, which puts its casts in the trace
+    # AOTAutograd traces under the caller's autocast, which puts its casts in the trace, and grad
+    # mode: under no_grad (an evaluation's graph, Dynamo's recompile for it) the trace has no backward
     amp = list(autocast_state())
-    rows = [type(codegen).__name__, repr(getattr(codegen, "pytree_info", None)), gm.code, repr(amp)]
+    rows = [type(codegen).__name__, repr(getattr(codegen, "pytree_info", None)), gm.code, repr(amp),
+            torch.is_grad_enabled()]
     for n in gm.graph.nodes:
         meta = sorted((k, _meta(k, v)) for k, v in n.meta.items() if k not in _NOT_KEYED)
         value = _value(node_value(n)) if n.op == "placeholder" else None
