@@ -1,12 +1,17 @@
 """How long optimize() under a budget takes to plan a deep HF model: from a shallow capture of its
 config (tailorfx/shallow.py: the planner traces the model's own step once, for the hinted plan)
-against the search over the whole graph (the same model with one extra, unused parameter, which
-the hint refuses: its config no longer builds it). One run, one process, both in turn after a
+against the search over the whole graph (the same model, the hint left out: until 2026-12-05 the
+model had one extra, unused parameter, which the hint refuses; under kernels="triton" the planner
+took that parameter for one Dynamo ran outside the graph). One run, one process, both in turn after a
 warm-up; each chosen plan's predicted peak as the planner saw it, and the AOTAutograd traces
 each made of the model's step (the lowering's included) and of the shallow capture's.
 
     python benchmarks/plan_time.py                         # Llama, 32 layers, hidden 256, 2,048 tokens
     python benchmarks/plan_time.py --layers 16 --seq 1024 --out /tmp/plan_time.json
+    python benchmarks/plan_time.py --kernels triton --layers 17 --hidden 64 --seq 256   # Triton's interpreter
+
+With --kernels the example forward runs the Triton kernels (on the CPU under the interpreter, which
+dominates there): each row also times a second forward, which the planning does not include.
 """
 from __future__ import annotations
 
@@ -28,8 +33,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--kernels", choices=["triton"], default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.kernels and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"   # before tailorfx's kernels are imported
     import tailorfx
     from models import hf_family
     from tailorfx import api, compat
@@ -40,12 +48,13 @@ def main() -> None:
     ids = torch.randint(0, 2048, (1, args.seq), generator=torch.Generator().manual_seed(0))
     inputs = {"input_ids": ids, "labels": ids.clone()}
     t = time.perf_counter()
-    sel = tailorfx.optimize(copy.deepcopy(base), recompute="selective", optimizer=None, example_inputs=inputs)
+    kw = {"kernels": args.kernels} if args.kernels else {}
+    sel = tailorfx.optimize(copy.deepcopy(base), recompute="selective", optimizer=None, example_inputs=inputs, **kw)
     budget = int(0.98 * sel.predict_memory(args.seq).peak_bytes / (1 - HEADROOM))   # the ladder's rungs: over selective
     warm = time.perf_counter() - t
     rows = {}
     traces = {"model": 0, "shallow": 0}
-    inside = []
+    inside, whole = [], False
     real_aot, real_hint = compat.aot_module_simplified, api.shallow_hint
 
     def counted_aot(*a, **kw):
@@ -53,6 +62,8 @@ def main() -> None:
         return real_aot(*a, **kw)
 
     def timed_hint(*a, **kw):
+        if whole:
+            return None
         inside.append(time.perf_counter())
         try:
             return real_hint(*a, **kw)
@@ -60,26 +71,33 @@ def main() -> None:
             traces["shallow_s"] = time.perf_counter() - inside.pop()
     compat.aot_module_simplified, api.shallow_hint = counted_aot, timed_hint
     for name in ("shallow hint", "whole search"):
-        m = copy.deepcopy(base)
-        if name == "whole search":
-            m.register_parameter("unused", torch.nn.Parameter(torch.zeros(1)))
+        m, whole = copy.deepcopy(base), name == "whole search"
         traces.update(model=0, shallow=0, shallow_s=0.0)
         t = time.perf_counter()
-        opt = tailorfx.optimize(m, budget=budget, optimizer=None, example_inputs=inputs)
+        opt = tailorfx.optimize(m, budget=budget, optimizer=None, example_inputs=inputs, **kw)
         seconds = time.perf_counter() - t
+        forward = 0.0
+        if args.kernels:
+            t = time.perf_counter()
+            with torch.no_grad():
+                opt(**inputs)
+            forward = time.perf_counter() - t
         plan = opt.plan[0]
         rows[name] = {"seconds": round(seconds, 1), "shallow_capture_s": round(traces["shallow_s"], 1),
+                      "a_second_forward_s": round(forward, 1),
                       "chosen": plan.chosen.label, "reason": plan.reason,
                       "traces_of_the_model": traces["model"], "traces_of_the_shallow_capture": traces["shallow"],
                       "predicted_peak": plan.chosen.peak}
-        print(f"{name:>13}: {seconds:7.1f} s ({traces['shallow_s']:.1f} s in the shallow capture), "
+        print(f"{name:>13}: {seconds:7.1f} s ({traces['shallow_s']:.1f} s in the shallow capture, a second forward "
+              f"{forward:.1f} s), "
               f"{traces['model']:2d} traces of the model's step, {traces['shallow']:2d} of the shallow capture's, "
               f"chosen: {plan.chosen.label}", flush=True)
     compat.aot_module_simplified, api.shallow_hint = real_aot, real_hint
     same = rows["shallow hint"]["chosen"] == rows["whole search"]["chosen"]
-    print(f"same plan: {same}; the hint's planning took {rows['shallow hint']['seconds'] / rows['whole search']['seconds']:.2f}x "
-          f"the whole search's")
-    out = {"meta": {"layers": args.layers, "hidden": args.hidden, "seq": args.seq, "budget": budget,
+    hint, whole = (rows[k]["seconds"] - rows[k]["a_second_forward_s"] for k in ("shallow hint", "whole search"))
+    print(f"same plan: {same}; the hint's optimize() took {hint:.1f} s against {whole:.1f} s ({hint / whole:.2f}x), "
+          f"{'less a second forward each' if args.kernels else 'the example forward included'}")
+    out = {"meta": {"layers": args.layers, "hidden": args.hidden, "seq": args.seq, "budget": budget, "kernels": args.kernels,
                     "torch": torch.__version__, "threads": 1, "warm_up_s": round(warm, 1)},
            "rows": rows, "same_plan": same}
     if args.out:

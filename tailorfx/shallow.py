@@ -19,7 +19,7 @@ from tailorfx.rewrite import capture, depth
 from tailorfx.setup import with_device_costs
 
 INPUTS = frozenset({"input_ids", "labels"})   # the step sizing.plan_for_budget captures
-OPTIONS = ("minisequence_chunks", "attention", "attention_kernel", "precision", "keep_logits")
+OPTIONS = ("minisequence_chunks", "attention", "attention_kernel", "precision", "keep_logits", "kernels")
 
 
 @contextlib.contextmanager
@@ -83,13 +83,15 @@ def shallow_hint(model: nn.Module, budget: Any, setup: Any, examples: tuple, opt
     None where none stands for the model: a config whose layers do not repeat (or fewer than twice
     the shallow capture's), examples other than input_ids and labels, a model the config does not
     build (another class or parameter count; an adapter wrapper such as peft's, seen before any capture)
-    or one built to predict for, a CUDA model under a budget that names no GPU, Triton kernels or a
-    precision policy asked for, or no plan that fits."""
+    or one built to predict for, a CUDA model under a budget that names no GPU, a precision policy
+    asked for, or no plan that fits. Under kernels="triton" the capture takes every region's Triton
+    kernel (nothing is timed on fake tensors, kernel_choice.choose); where the model's lowering
+    times another faster, the hint stands only if the check on its trace still fits (planner.check_hinted)."""
     config, (args, kwargs) = getattr(model, "config", None), examples
     ids = kwargs.get("input_ids")
     if config is None or hasattr(model, "get_base_model") or args or set(kwargs) != INPUTS \
             or not isinstance(ids, torch.Tensor) or ids.dim() != 2 \
-            or options.get("kernels") or options.get("precision_policy") \
+            or options.get("precision_policy") \
             or any(isinstance(p, compat.FakeTensor) for p in model.parameters()):
         return None
     small = depth.reduced(config, sites=2)

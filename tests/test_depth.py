@@ -267,6 +267,34 @@ def test_a_deep_model_is_planned_on_a_shallow_capture_of_its_config():
     assert -0.02 <= (predicted - measured) / measured <= 0.03, (measured, predicted)
 
 
+@pytest.mark.slow
+def test_triton_kernels_are_planned_on_a_shallow_capture_too():
+    """optimize(kernels="triton", budget=) of the 17-layer HF Llama under a budget selective
+    recompute (with the kernels) is over: the plan of a shallow capture with the kernels, checked
+    on the model's own graph, whose Triton kernels it keeps (tests/test_kernels_pass.py's GPU-machine
+    test makes the same capture without the interpreter)."""
+    import copy
+    import tailorfx
+    from models import hf_family
+    from tailorfx.planner import HEADROOM
+    S = 256
+    base = hf_family("llama", num_layers=17, hidden_size=64, intermediate_size=172, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=512)
+    ids = torch.randint(0, 512, (1, S), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    sel = tailorfx.optimize(copy.deepcopy(base), recompute="selective", optimizer=None, example_inputs=inputs,
+                            kernels="triton")
+    budget = int(0.98 * sel.predict_memory(S).peak_bytes / (1 - HEADROOM))
+    hinted = tailorfx.optimize(copy.deepcopy(base), budget=budget, optimizer=None, example_inputs=inputs,
+                               kernels="triton")
+    plan = hinted.plan[0]
+    assert "chosen on a shallow capture of its config (8 of 17 blocks), checked on this graph" in plan.reason, str(plan)
+    assert all(c.label == plan.chosen.label or plan.chosen.label.startswith(c.label + " + ") for c in plan.runners_up), str(plan)
+    assert "kernels" in plan.passes and plan.chosen.fits and plan.chosen.peak <= budget, str(plan)
+    for kind in ("norm", "glu", "rope", "flash_attention", "linear_cross_entropy"):
+        assert any(name.startswith(kind + "_") for name in hinted.kernel_launches()), (kind, hinted.kernel_launches())
+
+
 class _HubFunction(torch.nn.Module):
     """As transformers' hub-kernel wrapper (`kernels` installed) makes of apply_rotary_pos_emb: a
     function in a module reached through a global, called inside each block."""

@@ -286,6 +286,44 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch):
         tailorfx.optimize(tiny_llama(num_layers=1), kernels="triton")
 
 
+def test_a_model_of_fake_tensors_is_planned_with_triton_kernels_where_a_gpu_can_trace_them(monkeypatch):
+    """The shallow capture of a CUDA model's config (shallow.py) is a CPU model of fake tensors:
+    nothing runs on it, so with a GPU's Triton driver at hand kernels="triton" takes it without the
+    interpreter; a real CPU model is still refused there, and a fake one without a GPU."""
+    from tailorfx.kernels import check_triton
+    from tailorfx.models.build import fake_copy
+    monkeypatch.delenv("TRITON_INTERPRET")
+    model = tiny_llama(num_layers=1)
+    fake = fake_copy(model)
+    with pytest.raises(ValueError, match="needs Triton's CPU interpreter"):
+        check_triton(fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_triton(fake)
+    with pytest.raises(ValueError, match="on a cpu model needs Triton's CPU interpreter"):
+        check_triton(model)
+
+
+@pytest.mark.slow   # a minute in a process of its own
+def test_a_gpu_machine_plans_triton_kernels_on_a_shallow_capture():
+    """optimize(kernels="triton", budget=) of a 17-layer HF Llama as a GPU machine runs it (no
+    interpreter, Triton's driver for sm90: tests/gpu_view_hint.py) gets the plan of a shallow
+    capture of its config: a memory rewrite meeting three quarters of the unrewritten step's peak,
+    chosen on fake CPU tensors with every Triton kernel in the graph."""
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_view_hint.py")
+    r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["hint"] is not None and got["hint"]["layers"] == "8 of 17", got
+    assert got["hint"]["label"] != "no memory rewrite" and got["budget"] < got["unrewritten_peak"], got
+    assert "kernels" in got["passes"] and got["fake"], got
+    for kind in ("norm", "glu", "rope", "flash_attention", "linear_cross_entropy"):
+        assert any(name.startswith(kind + "_") for name in got["launches"]), (kind, got["launches"])
+
+
 def test_unknown_kernels_value():
     with pytest.raises(ValueError, match="kernels='cuda' is not valid"):
         tailorfx.optimize(tiny_llama(num_layers=1), kernels="cuda")

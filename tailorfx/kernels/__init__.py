@@ -284,8 +284,14 @@ def interpreted() -> bool:
 
 
 def check_triton(model: torch.nn.Module) -> None:
-    """kernels="triton" needs a CUDA model, or Triton's CPU interpreter for a CPU one."""
-    devices = {p.device.type for p in model.parameters()}
+    """kernels="triton" needs a CUDA model, or Triton's CPU interpreter for a CPU one; a model of
+    fake tensors (predicted for, never run: shallow.py's capture of a config) a GPU's Triton driver
+    to trace the kernels' launches with, or the interpreter."""
+    from tailorfx import compat
+    params = list(model.parameters())
+    if params and all(isinstance(p, compat.FakeTensor) for p in params) and torch.cuda.is_available():
+        return
+    devices = {p.device.type for p in params}
     if devices - {"cuda"} and not interpreted():
         raise ValueError(f"kernels='triton' on a {'/'.join(sorted(devices))} model needs Triton's CPU interpreter: "
                          f"set TRITON_INTERPRET=1 before importing tailorfx (slow; for tests), or move the "
