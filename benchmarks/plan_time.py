@@ -1,8 +1,8 @@
 """How long optimize() under a budget takes to plan a deep HF model: from a shallow capture of its
 config (tailorfx/shallow.py: the planner traces the model's own step once, for the hinted plan)
 against the search over the whole graph (the same model, the hint left out: until 2026-12-05 the
-model had one extra, unused parameter, which the hint refuses; under kernels="triton" the planner
-took that parameter for one Dynamo ran outside the graph). One run, one process, both in turn after a
+model had one extra, unused parameter, which the hint refuses, and for which optimize() warned that
+the step was not whole). One run, one process, both in turn after a
 warm-up; each chosen plan's predicted peak as the planner saw it, and the AOTAutograd traces
 each made of the model's step (the lowering's included) and of the shallow capture's.
 
@@ -94,8 +94,8 @@ def main() -> None:
               f"chosen: {plan.chosen.label}", flush=True)
     compat.aot_module_simplified, api.shallow_hint = real_aot, real_hint
     same = rows["shallow hint"]["chosen"] == rows["whole search"]["chosen"]
-    hint, whole = (rows[k]["seconds"] - rows[k]["a_second_forward_s"] for k in ("shallow hint", "whole search"))
-    print(f"same plan: {same}; the hint's optimize() took {hint:.1f} s against {whole:.1f} s ({hint / whole:.2f}x), "
+    hint_s, whole_s = (rows[k]["seconds"] - rows[k]["a_second_forward_s"] for k in ("shallow hint", "whole search"))
+    print(f"same plan: {same}; the hint's optimize() took {hint_s:.1f} s against {whole_s:.1f} s ({hint_s / whole_s:.2f}x), "
           f"{'less a second forward each' if args.kernels else 'the example forward included'}")
     out = {"meta": {"layers": args.layers, "hidden": args.hidden, "seq": args.seq, "budget": budget, "kernels": args.kernels,
                     "torch": torch.__version__, "threads": 1, "warm_up_s": round(warm, 1)},

@@ -235,6 +235,23 @@ def test_the_activation_offload_ladder_from_a_shallow_capture_is_the_whole_ones(
     assert tried(budget) == whole
 
 
+def deep_llama_under_selective(S: int = 256, **options):
+    """An HF Llama of 17 layers (more than twice the 8 a shallow capture keeps), example input_ids
+    and labels of S tokens, and a budget 2% under selective recompute's predicted peak (with
+    `options`, as optimize() takes them)."""
+    import copy
+    import tailorfx
+    from models import hf_family
+    from tailorfx.planner import HEADROOM
+    base = hf_family("llama", num_layers=17, hidden_size=64, intermediate_size=172, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=512)
+    ids = torch.randint(0, 512, (1, S), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    sel = tailorfx.optimize(copy.deepcopy(base), recompute="selective", optimizer=None, example_inputs=inputs,
+                            **options)
+    return base, inputs, int(0.98 * sel.predict_memory(S).peak_bytes / (1 - HEADROOM))
+
+
 @pytest.mark.slow
 def test_a_deep_model_is_planned_on_a_shallow_capture_of_its_config():
     """optimize(budget=) of an HF Llama of 17 layers (more than twice the 8 a shallow capture keeps)
@@ -247,15 +264,8 @@ def test_a_deep_model_is_planned_on_a_shallow_capture_of_its_config():
     import copy
     import tailorfx
     from harness import peak_of_step
-    from models import hf_family
-    from tailorfx.planner import HEADROOM
     S = 256
-    base = hf_family("llama", num_layers=17, hidden_size=64, intermediate_size=172, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=512)
-    ids = torch.randint(0, 512, (1, S), generator=torch.Generator().manual_seed(0))
-    inputs = {"input_ids": ids, "labels": ids.clone()}
-    sel = tailorfx.optimize(copy.deepcopy(base), recompute="selective", optimizer=None, example_inputs=inputs)
-    budget = int(0.98 * sel.predict_memory(S).peak_bytes / (1 - HEADROOM))
+    base, inputs, budget = deep_llama_under_selective(S)
     m = copy.deepcopy(base)
     hinted = tailorfx.optimize(m, budget=budget, optimizer=None, example_inputs=inputs)
     plan = hinted.plan[0]
@@ -275,16 +285,7 @@ def test_triton_kernels_are_planned_on_a_shallow_capture_too():
     test makes the same capture without the interpreter)."""
     import copy
     import tailorfx
-    from models import hf_family
-    from tailorfx.planner import HEADROOM
-    S = 256
-    base = hf_family("llama", num_layers=17, hidden_size=64, intermediate_size=172, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=512)
-    ids = torch.randint(0, 512, (1, S), generator=torch.Generator().manual_seed(0))
-    inputs = {"input_ids": ids, "labels": ids.clone()}
-    sel = tailorfx.optimize(copy.deepcopy(base), recompute="selective", optimizer=None, example_inputs=inputs,
-                            kernels="triton")
-    budget = int(0.98 * sel.predict_memory(S).peak_bytes / (1 - HEADROOM))
+    base, inputs, budget = deep_llama_under_selective(kernels="triton")
     hinted = tailorfx.optimize(copy.deepcopy(base), budget=budget, optimizer=None, example_inputs=inputs,
                                kernels="triton")
     plan = hinted.plan[0]
