@@ -2,13 +2,19 @@
 config (tailorfx/shallow.py: the planner traces the model's own step once, for the hinted plan)
 against the search over the whole graph (the same model, the hint left out: until 2026-12-05 the
 model had one extra, unused parameter, which the hint refuses, and for which optimize() warned that
-the step was not whole). One run, one process, both in turn after a
-warm-up; each chosen plan's predicted peak as the planner saw it, and the AOTAutograd traces
-each made of the model's step (the lowering's included) and of the shallow capture's.
+the step was not whole). Each row runs in a process of its own, after a warm-up (until 2026-12-05
+both ran in one process, one after the other: traces the first made served the second); each
+chosen plan's predicted peak as the planner saw it, and the AOTAutograd traces each made of the
+model's step (the lowering's included) and of the shallow capture's.
 
     python benchmarks/plan_time.py                         # Llama, 32 layers, hidden 256, 2,048 tokens
     python benchmarks/plan_time.py --layers 16 --seq 1024 --out /tmp/plan_time.json
     python benchmarks/plan_time.py --kernels triton --layers 17 --hidden 64 --seq 256   # Triton's interpreter
+    python benchmarks/plan_time.py --lowering inductor --layers 17 --hidden 64 --seq 256  # CUDA's default lowering
+
+With --lowering inductor every candidate is traced through Inductor's code generation (its own
+AOTAutograd call, which the trace counts leave out), and the shallow capture's plan stands only
+where its blocks' kernels repeat alike (rewrite/depth.py); the row's `hint_stood` says whether it did.
 
 With --kernels the example forward runs the Triton kernels (on the CPU under the interpreter, which
 dominates there): each row also times a second forward, which the planning does not include.
@@ -19,6 +25,7 @@ import argparse
 import copy
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -34,8 +41,39 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--kernels", choices=["triton"], default=None)
+    ap.add_argument("--lowering", choices=["eager", "inductor"], default="eager")
+    ap.add_argument("--row", choices=ROWS, default=None, help=argparse.SUPPRESS)   # one row, in this process
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.row:
+        print(json.dumps(one_row(args)))
+        return
+    rows = {}
+    for name in ROWS:   # each in a process of its own: the traces one row made would serve the other
+        cmd = [sys.executable, os.path.abspath(__file__), "--row", name, "--layers", str(args.layers), "--hidden",
+               str(args.hidden), "--seq", str(args.seq), "--lowering", args.lowering] + \
+            (["--kernels", args.kernels] if args.kernels else [])
+        done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        r = rows[name] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"{name:>13}: {r['seconds']:7.1f} s ({r['shallow_capture_s']:.1f} s in the shallow capture, a second "
+              f"forward {r['a_second_forward_s']:.1f} s), {r['traces_of_the_model']:2d} traces of the model's step, "
+              f"{r['traces_of_the_shallow_capture']:2d} of the shallow capture's, chosen: {r['chosen']}"
+              f"{'' if name == 'whole search' or r['hint_stood'] else ' (the hint did not stand)'}", flush=True)
+    same = rows["shallow hint"]["chosen"] == rows["whole search"]["chosen"]
+    hint_s, whole_s = (rows[k]["seconds"] - rows[k]["a_second_forward_s"] for k in ROWS)
+    print(f"same plan: {same}; the hint's optimize() took {hint_s:.1f} s against {whole_s:.1f} s ({hint_s / whole_s:.2f}x), "
+          f"{'less a second forward each' if args.kernels else 'the example forward included'}")
+    meta = rows["shallow hint"].pop("meta")
+    rows["whole search"].pop("meta")
+    out = {"meta": meta, "rows": rows, "same_plan": same}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def one_row(args) -> dict:
+    """optimize() under the budget, planned from the shallow capture or by the whole search (`args.row`),
+    after a warm-up that sets the budget: 2% under the selective-recompute plan's peak."""
     if args.kernels and not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"   # before tailorfx's kernels are imported
     import tailorfx
@@ -49,12 +87,12 @@ def main() -> None:
     inputs = {"input_ids": ids, "labels": ids.clone()}
     t = time.perf_counter()
     kw = {"kernels": args.kernels} if args.kernels else {}
+    kw["lowering"] = args.lowering
     sel = tailorfx.optimize(copy.deepcopy(base), recompute="selective", optimizer=None, example_inputs=inputs, **kw)
     budget = int(0.98 * sel.predict_memory(args.seq).peak_bytes / (1 - HEADROOM))   # the ladder's rungs: over selective
     warm = time.perf_counter() - t
-    rows = {}
-    traces = {"model": 0, "shallow": 0}
-    inside, whole = [], False
+    traces = {"model": 0, "shallow": 0, "shallow_s": 0.0}
+    inside, whole = [], args.row == "whole search"
     real_aot, real_hint = compat.aot_module_simplified, api.shallow_hint
 
     def counted_aot(*a, **kw):
@@ -70,39 +108,26 @@ def main() -> None:
         finally:
             traces["shallow_s"] = time.perf_counter() - inside.pop()
     compat.aot_module_simplified, api.shallow_hint = counted_aot, timed_hint
-    for name in ("shallow hint", "whole search"):
-        m, whole = copy.deepcopy(base), name == "whole search"
-        traces.update(model=0, shallow=0, shallow_s=0.0)
+    t = time.perf_counter()
+    opt = tailorfx.optimize(base, budget=budget, optimizer=None, example_inputs=inputs, **kw)
+    seconds = time.perf_counter() - t
+    forward = 0.0
+    if args.kernels:
         t = time.perf_counter()
-        opt = tailorfx.optimize(m, budget=budget, optimizer=None, example_inputs=inputs, **kw)
-        seconds = time.perf_counter() - t
-        forward = 0.0
-        if args.kernels:
-            t = time.perf_counter()
-            with torch.no_grad():
-                opt(**inputs)
-            forward = time.perf_counter() - t
-        plan = opt.plan[0]
-        rows[name] = {"seconds": round(seconds, 1), "shallow_capture_s": round(traces["shallow_s"], 1),
-                      "a_second_forward_s": round(forward, 1),
-                      "chosen": plan.chosen.label, "reason": plan.reason,
-                      "traces_of_the_model": traces["model"], "traces_of_the_shallow_capture": traces["shallow"],
-                      "predicted_peak": plan.chosen.peak}
-        print(f"{name:>13}: {seconds:7.1f} s ({traces['shallow_s']:.1f} s in the shallow capture, a second forward "
-              f"{forward:.1f} s), "
-              f"{traces['model']:2d} traces of the model's step, {traces['shallow']:2d} of the shallow capture's, "
-              f"chosen: {plan.chosen.label}", flush=True)
-    compat.aot_module_simplified, api.shallow_hint = real_aot, real_hint
-    same = rows["shallow hint"]["chosen"] == rows["whole search"]["chosen"]
-    hint_s, whole_s = (rows[k]["seconds"] - rows[k]["a_second_forward_s"] for k in ("shallow hint", "whole search"))
-    print(f"same plan: {same}; the hint's optimize() took {hint_s:.1f} s against {whole_s:.1f} s ({hint_s / whole_s:.2f}x), "
-          f"{'less a second forward each' if args.kernels else 'the example forward included'}")
-    out = {"meta": {"layers": args.layers, "hidden": args.hidden, "seq": args.seq, "budget": budget, "kernels": args.kernels,
-                    "torch": torch.__version__, "threads": 1, "warm_up_s": round(warm, 1)},
-           "rows": rows, "same_plan": same}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        with torch.no_grad():
+            opt(**inputs)
+        forward = time.perf_counter() - t
+    plan = opt.plan[0]
+    return {"seconds": round(seconds, 1), "shallow_capture_s": round(traces["shallow_s"], 1),
+            "a_second_forward_s": round(forward, 1), "chosen": plan.chosen.label, "reason": plan.reason,
+            "hint_stood": "shallow capture" in plan.reason, "traces_of_the_model": traces["model"],
+            "traces_of_the_shallow_capture": traces["shallow"], "predicted_peak": plan.chosen.peak,
+            "meta": {"layers": args.layers, "hidden": args.hidden, "seq": args.seq, "budget": budget,
+                     "kernels": args.kernels, "lowering": args.lowering, "torch": torch.__version__, "threads": 1,
+                     "warm_up_s": round(warm, 1)}}
+
+
+ROWS = ("shallow hint", "whole search")
 
 
 if __name__ == "__main__":
