@@ -33,6 +33,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+ROWS = ("shallow hint", "whole search")
 
 
 def main() -> None:
@@ -50,9 +51,7 @@ def main() -> None:
         return
     rows = {}
     for name in ROWS:   # each in a process of its own: the traces one row made would serve the other
-        cmd = [sys.executable, os.path.abspath(__file__), "--row", name, "--layers", str(args.layers), "--hidden",
-               str(args.hidden), "--seq", str(args.seq), "--lowering", args.lowering] + \
-            (["--kernels", args.kernels] if args.kernels else [])
+        cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--row", name]   # a row writes no --out
         done = subprocess.run(cmd, check=True, capture_output=True, text=True)
         r = rows[name] = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"{name:>13}: {r['seconds']:7.1f} s ({r['shallow_capture_s']:.1f} s in the shallow capture, a second "
@@ -125,9 +124,6 @@ def one_row(args) -> dict:
             "meta": {"layers": args.layers, "hidden": args.hidden, "seq": args.seq, "budget": budget,
                      "kernels": args.kernels, "lowering": args.lowering, "torch": torch.__version__, "threads": 1,
                      "warm_up_s": round(warm, 1)}}
-
-
-ROWS = ("shallow hint", "whole search")
 
 
 if __name__ == "__main__":
