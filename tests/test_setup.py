@@ -156,6 +156,20 @@ def test_optimizer_in_backward_lowers_the_measured_peak():
     assert abs((plain - fused) - (est_plain.peak_bytes - est_fused.peak_bytes)) < 0.1 * (plain - fused)
 
 
+def test_under_inductor_a_gradient_no_step_takes_reaches_autograd_whole():
+    """A setup with the step in backward and no SetupOptimizer to take it (yet): each grad_ready
+    op inside Inductor's backward leaves its gradient, which the backward hands to autograd as
+    eager autograd computes it (a buffer Inductor reused after the op would corrupt it)."""
+    base = reference(torch.float32, vocab=512)
+    m = copy.deepcopy(base)
+    run = tailorfx.optimize(m, setup=TrainingSetup(optimizer_in_backward=True), passes=[], lowering="inductor")
+    b = batch(B=2, S=48, seed=0)
+    assert grad_ready_calls(lambda: run(**b).loss.backward()) > 0
+    base(**b).loss.backward()
+    for (k, p), ref in zip(m.named_parameters(), base.parameters()):
+        torch.testing.assert_close(p.grad, ref.grad, rtol=1e-4, atol=1e-6, msg=k)
+
+
 @pytest.mark.slow
 def test_under_inductor_the_steps_in_backward_lower_the_measured_peak_as_predicted():
     """lowering="inductor": the steps inside Inductor's backward free each gradient as it is made

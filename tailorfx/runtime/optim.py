@@ -200,10 +200,11 @@ def grad_ready_op(handle: int, slot: int, grad: torch.Tensor, after: List[torch.
     """grad_ready as an op Inductor's generated code calls. It updates the parameter in place, so it
     takes what every read of the parameter computes (`after`: Inductor schedules them first), and
     it is declared to write `grad` (its last use; an op that writes nothing would be dropped). A
-    gradient it does not consume is kept for the backward's caller to hand to autograd (kept_grads)."""
+    gradient it does not consume is kept, as a copy, for the backward's caller to hand to autograd
+    (kept_grads): after its last use Inductor may reuse the gradient's buffer for later kernels."""
     g = grad_ready(handle, slot, grad)
     if g is not None:
-        _KEPT.setdefault(handle, {})[slot] = g
+        _KEPT.setdefault(handle, {})[slot] = g.clone()
 
 
 @grad_ready_op.register_fake
