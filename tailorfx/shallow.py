@@ -84,10 +84,9 @@ def shallow_hint(model: nn.Module, budget: Any, setup: Any, examples: tuple, opt
     the shallow capture's), examples other than input_ids and labels, a model the config does not
     build (another class or parameter count; an adapter wrapper such as peft's, seen before any capture)
     or one built to predict for, a CUDA model under a budget that names no GPU, a precision policy
-    asked for, or no plan that fits. Under kernels="triton"
-    the capture takes every region's Triton kernel (nothing is timed on fake tensors,
-    kernel_choice.choose); where the model's lowering times another faster, the hint stands only if
-    the check on its trace still fits (planner.check_hinted)."""
+    asked for, or no plan that fits. Under kernels="triton" the capture takes every region's Triton
+    kernel (nothing is timed on fake tensors, kernel_choice.choose); where the model's lowering
+    times another faster, the hint stands only if the check on its trace still fits (planner.check_hinted)."""
     config, (args, kwargs) = getattr(model, "config", None), examples
     ids = kwargs.get("input_ids")
     if config is None or hasattr(model, "get_base_model") or args or set(kwargs) != INPUTS \

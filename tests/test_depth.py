@@ -341,4 +341,3 @@ def test_a_function_wrapped_as_a_global_module_is_placed_in_the_block_that_calls
     for n in inside:
         paths = module_paths(n)
         assert d.block_of(n) == int(paths[-1].rsplit(".", 1)[-1]) and paths[-1].startswith("layers."), (n, paths)
-
