@@ -38,18 +38,6 @@ def storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def _tensor_of(node: fx.Node):
-    """A tensor `node` computes (itself, or one of its outputs), None if it computes none."""
-    if isinstance(node_value(node), torch.Tensor):
-        return node
-    return next((u for u in node.users if isinstance(node_value(u), torch.Tensor)), None)
-
-
-def is_step(node: fx.Node) -> bool:
-    """A parameter's optimizer step that fuse_into_backward put in a backward graph (either form)."""
-    return node.op == "call_function" and getattr(node.target, "__name__", "") in ("grad_ready", "grad_ready.default")
-
-
 def _outputs(g: fx.GraphModule) -> tuple[fx.Node, list]:
     out = next(n for n in reversed(g.graph.nodes) if n.op == "output")
     vals = out.args[0]
@@ -61,9 +49,6 @@ def _num_placeholders(nodes: list) -> int:
 
 
 RNG_STATE_INPUT = "fwd_rng_state_"
-STEPS_NOT_FUSED = ("tailorfx: the optimizer steps could not be put inside the backward graph (its inputs do not "
-                   "line up with the captured graph's); they run from hooks after it, every gradient alive at its "
-                   "end, more than the memory model predicts")
 
 
 def forward_inputs(fw: fx.GraphModule) -> list[fx.Node]:
@@ -74,18 +59,13 @@ def forward_inputs(fw: fx.GraphModule) -> list[fx.Node]:
 
 
 def fuse_into_backward(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
-                       trainable: Sequence[bool], handle: int, op: bool = False) -> int:
+                       trainable: Sequence[bool], handle: int) -> int:
     """Rewrite `bw` in place (and recompile it): one grad_ready per trainable input's gradient.
 
     `trainable[i]`: forward placeholder i is a parameter being trained (bw output i is its
-    gradient). `op`: for Inductor, the `tailorfx::grad_ready` op (it returns nothing, and the
-    graph returns None for the gradient), given what every read of the weight computes, so that
-    Inductor's schedule runs those reads before the update. (Declaring the weight written instead
-    made Inductor's in-place reuse of the backward's inputs differ between the first compile in a
-    process and later ones, so the memory model's trace and the lowering's code disagreed.)
-    Returns the number of gradients handed over; 0 when the graphs do not line up.
+    gradient). Returns the number of gradients handed over; 0 when the graphs do not line up.
     """
-    from tailorfx.runtime.optim import GRAD_READY_OP, grad_ready
+    from tailorfx.runtime.optim import grad_ready
     fw_ph = forward_inputs(fw)   # one backward output each
     out, grads = _outputs(bw)
     if len(grads) != len(fw_ph) or len(trainable) != len(fw_ph):
@@ -100,7 +80,6 @@ def fuse_into_backward(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     index = {n: i for i, n in enumerate(nodes)}
     reads: dict[int, int] = {}     # slot -> index of the last node reading its weight
     alias: dict[fx.Node, int] = {}
-    readers: dict[int, set] = {}   # slot -> the nodes computing from its weight (not views of it)
     for n in nodes:
         if n.op == "placeholder" and n.name in saved_slot:
             alias[n] = saved_slot[n.name]
@@ -109,23 +88,17 @@ def fuse_into_backward(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
         for a in n.all_input_nodes:
             if a in alias and n is not out:
                 reads[alias[a]] = max(reads.get(alias[a], -1), index[n])
-                if n not in alias:
-                    readers.setdefault(alias[a], set()).add(n)
     count = 0
     new_outs = list(grads)
     for slot, g in enumerate(grads):
         if not (trainable[slot] and isinstance(g, fx.Node) and isinstance(node_value(g), torch.Tensor)):
             continue
         after = nodes[max(index[g], reads.get(slot, -1), _num_placeholders(nodes) - 1)]
-        deps = [_tensor_of(r) for r in sorted(readers.get(slot, ()), key=index.__getitem__)]
-        if op and any(d is None for d in deps):
-            continue   # a read Inductor could move past the update: the gradient goes back to autograd
         with bw.graph.inserting_after(after):
-            ready = bw.graph.call_function(GRAD_READY_OP, (handle, slot, g, deps)) if op \
-                else bw.graph.call_function(grad_ready, (handle, slot, g))
+            ready = bw.graph.call_function(grad_ready, (handle, slot, g))
         ready.meta["val"] = None
         ready.meta["tailorfx_pass"] = "optimizer_in_backward"
-        new_outs[slot] = None if op else ready
+        new_outs[slot] = ready
         count += 1
     out.args = (tuple(new_outs),)
     bw.graph.lint()
