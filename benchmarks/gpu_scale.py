@@ -18,8 +18,9 @@ Every tailorfx.optimize() here passes lowering="eager" (meta.lowering in the JSO
 "auto", which means Inductor on CUDA. Eager is the lowering of every prediction the run checks
 (max_seq_len, plan_for_budget, benchmarks/results/gpu_scale_predicted.json) and of the dry run.
 Under Inductor a budgeted optimize() traces each candidate plan through Inductor (about 78 s a
-trace at 32 layers, 10-15 min of planning), and the optimizer steps run after the compiled
-backward returns, so every gradient is alive at its end (the 56 GiB budget cannot be met).
+trace at 32 layers, 10-15 min of planning). Until 2026-12-05 its optimizer steps also ran after
+the compiled backward returned, every gradient alive at its end (the 56 GiB budget could not be
+met); they now run inside it (docs/memory.md), not yet on a GPU.
 
 The call has a hard wall (10 min). A check starts only when its estimate (the model's build,
 optimize() with its planning, the first step, the steady steps: `estimate_s` in its entry) fits

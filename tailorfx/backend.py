@@ -243,12 +243,8 @@ class TailorBackend:
         setup = rec.plan.options.get("setup")
         steps_in_backward = None
         if setup is not None and setup.optimizer_in_backward:
-            if rec.lowering == "eager":
-                steps_in_backward = GraphInputs(self.session.param_readers)
-                self.session.graph_inputs.append(steps_in_backward)
-            else:
-                rec.warnings.append(f"graph {rec.index}: {rec.lowering} lowering: the optimizer steps in backward "
-                                    f"run from post-accumulate-grad hooks after the graph's backward, not inside it")
+            steps_in_backward = GraphInputs(self.session.param_readers)
+            self.session.graph_inputs.append(steps_in_backward)
         with stage(f"graph {rec.index}: lowering ({rec.lowering})"):
             return lowering_mod.lower(rec.rewritten, example_inputs, rec.lowering, on_partition=keep,
                                       steps_in_backward=steps_in_backward)

@@ -77,15 +77,6 @@ class Hint(NamedTuple):
         return f"; chosen on a shallow capture of its config ({self.layers} blocks), checked on this graph"
 
 
-def composes(lowering: Optional[str], setup: Any) -> bool:
-    """Whether a shallow capture under `lowering` and `setup` can be composed at all: under Inductor
-    the optimizer steps a setup puts in backward run from hooks after the compiled backward, one per
-    gradient, which the composition does not repeat (depth.PER_GRADIENT), so such a capture would
-    be made for nothing."""
-    return not (lowering == "inductor" and setup is not None and setup.optimizer is not None
-                and setup.optimizer_in_backward)
-
-
 def shallow_hint(model: nn.Module, budget: Any, setup: Any, examples: tuple, options: dict, lowering: str,
                  optimize: Callable[..., Any]) -> Optional[Hint]:
     """The plan a shallow capture of `model.config` chooses for the example step under `budget`, or
@@ -93,15 +84,14 @@ def shallow_hint(model: nn.Module, budget: Any, setup: Any, examples: tuple, opt
     the shallow capture's), examples other than input_ids and labels, a model the config does not
     build (another class or parameter count; an adapter wrapper such as peft's, seen before any capture)
     or one built to predict for, a CUDA model under a budget that names no GPU, a precision policy
-    asked for, a step that cannot compose (`composes`), or no plan that fits. Under kernels="triton"
-    the capture takes every region's Triton kernel (nothing is timed on fake tensors,
-    kernel_choice.choose); where the model's lowering times another faster, the hint stands only if
-    the check on its trace still fits (planner.check_hinted)."""
+    asked for, or no plan that fits. Under kernels="triton" the capture takes every region's Triton
+    kernel (nothing is timed on fake tensors, kernel_choice.choose); where the model's lowering
+    times another faster, the hint stands only if the check on its trace still fits (planner.check_hinted)."""
     config, (args, kwargs) = getattr(model, "config", None), examples
     ids = kwargs.get("input_ids")
     if config is None or hasattr(model, "get_base_model") or args or set(kwargs) != INPUTS \
             or not isinstance(ids, torch.Tensor) or ids.dim() != 2 \
-            or options.get("precision_policy") or not composes(lowering, setup) \
+            or options.get("precision_policy") \
             or any(isinstance(p, compat.FakeTensor) for p in model.parameters()):
         return None
     small = depth.reduced(config, sites=2)

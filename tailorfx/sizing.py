@@ -20,7 +20,7 @@ from tailorfx.rewrite import bound, depth, memory
 from tailorfx.runtime.accumulation import model_device
 from tailorfx.setup import PRESETS, TrainingSetup, with_device_costs
 from tailorfx.setup import resolve as resolve_setup
-from tailorfx.shallow import capture_step, composes, parameter_count, prediction_model as _prediction_model
+from tailorfx.shallow import capture_step, parameter_count, prediction_model as _prediction_model
 
 
 def _shallow_first(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -58,8 +58,6 @@ def plan_for_budget(model_or_config: Any, budget: Union[str, int, Budget], seq_l
     b = Budget.parse(budget)
     positive_int("seq_len", seq_len, allow_none=False)
     positive_int("batch_size", batch_size)
-    if shallow and not composes(optimize_kwargs.get("lowering"), s):
-        raise depth.NotComposable("Inductor's optimizer steps after its backward: not composed")
     with _prediction_model(model_or_config, s.param_dtype, shallow, sites=2) as (model, d):
         s = with_device_costs(s, b, model, batch_size or s.micro_batch_size)
         _check_static(model, s, b, planner.usable(b.bytes, s.headroom), d)   # before an 8B model's captures

@@ -341,39 +341,3 @@ def test_a_function_wrapped_as_a_global_module_is_placed_in_the_block_that_calls
     for n in inside:
         paths = module_paths(n)
         assert d.block_of(n) == int(paths[-1].rsplit(".", 1)[-1]) and paths[-1].startswith("layers."), (n, paths)
-
-
-def test_an_inductor_step_with_its_optimizer_in_backward_is_not_captured_shallow(monkeypatch):
-    """Under Inductor the steps of a setup's optimizer in backward run from hooks after the compiled
-    backward, one per gradient, which no composition repeats: neither optimize()'s hint nor sizing
-    captures the shallow model for nothing (a 17-layer capture under Inductor took 58.9 s,
-    docs/memory.md); the eager lowering's hint and a setup without the step in backward still do."""
-    from models import hf_family
-    from tailorfx import shallow
-    from tailorfx.budget import Budget
-    from tailorfx.setup import PRESETS
-    model = hf_family("llama", num_layers=17, hidden_size=64, intermediate_size=172, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512)
-    ids = torch.zeros(1, 64, dtype=torch.long)
-    examples = ((), {"input_ids": ids, "labels": ids})
-
-    class Built(Exception):
-        pass
-
-    def build(*a, **kw):
-        raise Built   # the shallow capture would start here
-    monkeypatch.setattr(shallow, "prediction_model", build)
-
-    def hint(setup, lowering):
-        try:
-            return shallow.shallow_hint(model, Budget.parse("1GB"), PRESETS[setup], examples, {}, lowering,
-                                        lambda *a, **kw: None)
-        except Built:
-            return "captured"
-    assert hint("pure-bf16-fused-optimizer", "inductor") is None
-    assert hint("pure-bf16-fused-optimizer", "eager") == "captured"
-    assert hint("pure-bf16-fused-optimizer", "auto") == "captured"   # a CPU capture: the eager lowering
-    assert hint("pure-bf16", "inductor") == "captured"
-    with pytest.raises(depth.NotComposable, match="optimizer steps after its backward"):
-        sizing.plan_for_budget.__wrapped__(config("llama", 9), "1GB", 256, setup="pure-bf16-fused-optimizer",
-                                           shallow=True, lowering="inductor")

@@ -13,12 +13,12 @@ from tailorfx.rewrite.capture import with_eager_grouped_mm
 from tailorfx.rewrite.inductor_schedule import compile_context
 from tailorfx.rewrite.lazy_outputs import Split, split_lazy_outputs
 from tailorfx.rewrite.trace import captured_inputs, fake_inputs, trainable_inputs
-from tailorfx.rewrite.optimizer_step import fuse_into_backward
+from tailorfx.rewrite.optimizer_step import STEPS_NOT_FUSED, fuse_into_backward
 from tailorfx.rewrite.passes import own, owned
 from tailorfx.rewrite import offload
 from tailorfx.rewrite.saved_dtype import store_saved_low
 from tailorfx.runtime.lazy_grad import reattach
-from tailorfx.runtime.optim import GraphInputs
+from tailorfx.runtime.optim import GraphInputs, kept_grads
 
 LOWERINGS = ("eager", "inductor")
 
@@ -80,8 +80,11 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     split = split_lazy_outputs(gm)
     gm = split.gm
     if lowering == "inductor":
-        with compile_context(gm):
-            return _with_lazy_outputs(compat.compile_fx()(gm, list(example_inputs)), split)
+        trained = trainable_inputs(gm)
+        steps = (steps_in_backward.handle, tuple(trained)) if steps_in_backward is not None and any(trained) else None
+        kw = {"inner_compile": _compiler_with_steps(steps_in_backward)} if steps else {}
+        with compile_context(gm, steps):
+            return _with_lazy_outputs(compat.compile_fx()(gm, list(example_inputs), **kw), split)
     compile_on = _aot_compiler(gm, lowering, needs, on_partition, steps_in_backward)
     return _with_lazy_outputs(_compile_per_size(gm, example_inputs, compile_on), split)
 
@@ -92,6 +95,30 @@ def _eager_forward(g: fx.GraphModule, _) -> Callable:
 
 def _eager_backward(g: fx.GraphModule, _) -> Callable:   # saved tensors freed at their last use
     return compat.args_clearing_func(g)
+
+
+def _compiler_with_steps(steps_in_backward: GraphInputs) -> Callable:
+    """Inductor's per-graph compiler, its forward recording its inputs for the optimizer steps in
+    its backward (tailorfx::grad_ready), and its backward handing autograd the gradients those
+    steps left (a parameter with no in-backward optimizer, or read by another graph too)."""
+    def inner(g: fx.GraphModule, inputs, **kw):
+        compiled = compat.compile_fx_inner()(g, inputs, **kw)
+        if kw.get("is_inference"):
+            return compiled
+
+        def forward(args):
+            steps_in_backward.record(args)
+            return compiled(args)
+
+        def backward(args):
+            outs = list(compiled(args))
+            for slot, grad in kept_grads(steps_in_backward.handle).items():
+                outs[slot] = grad
+            return outs
+        run = backward if kw.get("is_backward") else forward
+        run._boxed_call = True
+        return run
+    return inner
 
 
 def _recording_forward(steps_in_backward: GraphInputs) -> Callable:
@@ -122,9 +149,7 @@ def _aot_compiler(gm: fx.GraphModule, lowering: str, needs: dict, on_partition: 
             offload.offload_saved(fw, bw, num_fwd_outputs)
             if steps_in_backward is not None and bw is not None and any(trained := trainable_inputs(gm)) \
                     and not fuse_into_backward(fw, bw, num_fwd_outputs, trained, steps_in_backward.handle):
-                warnings.warn("tailorfx: the optimizer steps could not be put inside the backward graph (its "
-                              "inputs do not line up with the captured graph's); they run from hooks after it, "
-                              "every gradient alive at its end, more than the memory model predicts")
+                warnings.warn(STEPS_NOT_FUSED)
             if on_partition is not None:
                 on_partition(fw, bw, num_fwd_outputs, static)
             # a pending backward may outlive the rewritten graph: the graphs that run own what it owns

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -23,6 +25,7 @@ import torch.fx as fx
 
 from tailorfx import compat
 from tailorfx.rewrite import offload, saved_dtype
+from tailorfx.rewrite.optimizer_step import STEPS_NOT_FUSED, fuse_into_backward
 
 
 @dataclass
@@ -186,29 +189,43 @@ def _real(name: str, real: dict) -> str:
     return name
 
 
-def compile_context(gm: fx.GraphModule) -> contextlib.AbstractContextManager:
+def compile_context(gm: fx.GraphModule, steps: Optional[tuple] = None) -> contextlib.AbstractContextManager:
     """What compiling `gm` with Inductor needs of tailorfx's decisions that the graph's code does
     not show: values tagged to be saved in bf16 cross to the backward in bf16 (a joint-graph pass,
     rewrite/saved_dtype.py), and a graph with recompute or save tags compiles with AOTAutograd's
     cache off (its key is the code, blind to the tags: a tagged graph compiled after the same
-    graph untagged loaded the untagged artifact); tensors tagged for host memory are offloaded after
-    Inductor's partitioner (rewrite/offload.py). Used alike by the lowering and the prediction."""
+    graph untagged loaded the untagged artifact); after Inductor's partitioner, tensors tagged for
+    host memory are offloaded (rewrite/offload.py) and, with `steps` (a handle, and per input whether
+    it is trained), the optimizer steps go into the backward (rewrite/optimizer_step.py). Used
+    alike by the lowering and the prediction."""
     stack = contextlib.ExitStack()
     low = saved_dtype.tagged(gm)
     host = any(offload.tagged(n) for n in gm.graph.nodes)
-    if low or host or any("recompute" in n.meta for n in gm.graph.nodes):
+    if low or host or steps is not None or any("recompute" in n.meta for n in gm.graph.nodes):
         stack.enter_context(compat.autograd_cache_off())
     if low:
         stack.enter_context(compat.inductor_joint_pass(saved_dtype.round_trip_backward_reads, "tailorfx-saved-low-1"))
-    if host:
-        stack.enter_context(compat.inductor_partitioner(offload.offload_saved_waiting, "tailorfx-offload-3"))
+    if host or steps is not None:
+        after = functools.partial(after_partition, host=host, steps=steps)
+        stack.enter_context(compat.inductor_partitioner(after, f"tailorfx-partition-5-{host}-{steps}"))
     return stack
 
 
-def trace(gm: fx.GraphModule, example_inputs: Sequence) -> tuple[fx.GraphModule, Optional[fx.GraphModule], int,
-                                                                   Schedule, Optional[Schedule]]:
+def after_partition(fw: fx.GraphModule, bw: Optional[fx.GraphModule], num_fwd_outputs: int,
+                    host: bool = False, steps: Optional[tuple] = None) -> None:
+    """compile_context's work on Inductor's forward and backward: offload, then the steps in backward."""
+    if host:
+        offload.offload_saved_waiting(fw, bw, num_fwd_outputs)
+    if steps is not None and bw is not None and not fuse_into_backward(fw, bw, num_fwd_outputs, steps[1], steps[0],
+                                                                      op=True):
+        warnings.warn(STEPS_NOT_FUSED)
+
+
+def trace(gm: fx.GraphModule, example_inputs: Sequence, steps: Optional[tuple] = None
+          ) -> tuple[fx.GraphModule, Optional[fx.GraphModule], int, Schedule, Optional[Schedule]]:
     """(forward, backward, number of user outputs, their schedules) of `gm` as Inductor compiles
-    it for training, on `example_inputs` (fake, possibly symbolic); compiles no code."""
+    it for training, on `example_inputs` (fake, possibly symbolic); compiles no code. `steps`:
+    compile_context's."""
     rec: dict = {}
 
     def inner(g: fx.GraphModule, inputs, **kw):
@@ -218,7 +235,7 @@ def trace(gm: fx.GraphModule, example_inputs: Sequence) -> tuple[fx.GraphModule,
         return compat.make_boxed_func(as_traced.forward)
 
     own = fx.GraphModule(gm, copy.deepcopy(gm.graph))   # compile_fx takes ownership of what it gets
-    with compat.isolated_tracing(example_inputs), compat.backward_compiled_with_forward(), compile_context(own):
+    with compat.isolated_tracing(example_inputs), compat.backward_compiled_with_forward(), compile_context(own, steps):
         compat.compile_fx()(own, list(example_inputs), inner_compile=inner)
     fw, fw_sched = rec["fw"]
     bw, bw_sched = rec.get("bw", (None, None))

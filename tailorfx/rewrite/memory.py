@@ -23,7 +23,7 @@ from tailorfx.rewrite import depth as depth_mod
 from tailorfx.rewrite.capture import SeqInfo, node_value
 from tailorfx.rewrite.memory_estimate import MemoryEstimate, Timeline
 from tailorfx.rewrite.memory_graph import Pool, eager_last_uses, placeholders, run_graph, run_schedule
-from tailorfx.rewrite.optimizer_step import storage_root
+from tailorfx.rewrite.optimizer_step import is_step, storage_root
 from tailorfx.rewrite.trace import (Sizer, StepGraphs, fake_inputs, graph_outputs, make_step,  # noqa: F401
                                     trace_step, trainable_inputs)
 from tailorfx.setup import TrainingSetup, resolve
@@ -45,8 +45,7 @@ def scalar_outputs(output) -> bool:
 def _grad_nodes(bw: fx.GraphModule) -> frozenset:
     """The backward's gradient values: its outputs and what it hands to in-graph optimizer steps."""
     out = {o for o in graph_outputs(bw) if isinstance(o, fx.Node)}
-    out |= {n.args[2] for n in bw.graph.nodes
-            if n.op == "call_function" and getattr(n.target, "__name__", "") == "grad_ready"}
+    out |= {n.args[2] for n in bw.graph.nodes if is_step(n)}
     out = {o for o in out if isinstance(node_value(o), torch.Tensor)}
     return frozenset(out | {storage_root(o) for o in out})   # a gradient that is a view: count its base
 

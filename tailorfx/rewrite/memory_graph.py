@@ -16,7 +16,7 @@ from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.memory_estimate import Timeline
 from tailorfx.rewrite.offload import HOST_OPS
-from tailorfx.rewrite.optimizer_step import aliases_input
+from tailorfx.rewrite.optimizer_step import aliases_input, is_step
 from tailorfx.rewrite.trace import Sizer, graph_outputs
 from tailorfx.runtime.flash_cpu import flash_thread_bytes
 from tailorfx.setup import TrainingSetup
@@ -102,7 +102,7 @@ def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup, inductor: b
     one parameter's optimizer update in backward), or an ATen op whose kernel makes a temporary
     (`inductor`: an origin of a kernel Inductor generated, which fuses what it computes)."""
     t = node.target
-    if getattr(t, "__name__", "") == "grad_ready":
+    if is_step(node):
         g = node_value(node.args[2])
         return setup.update_temp_bytes(sizer(g) // g.element_size()) if isinstance(g, torch.Tensor) else 0
     if t in (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,

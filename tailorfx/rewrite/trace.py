@@ -99,9 +99,10 @@ def trace_step(gm: fx.GraphModule, example_inputs: Optional[Sequence] = None,
     split = split_lazy_outputs(without_identity_dropout(gm))
     gm, anchors = split.gm, len(graph_outputs(split.gm)) - split.num_outputs if split.lazy else 0
     example_inputs = fake_inputs(gm) if example_inputs is None else example_inputs
-    if partition == "inductor":   # Inductor's partition and schedules (its optimizer steps run from hooks)
+    if partition == "inductor":   # Inductor's partition and schedules
         from tailorfx.rewrite import inductor_schedule
-        fw, bw, n, fw_s, bw_s = inductor_schedule.trace(gm, example_inputs)
+        steps = (-1, tuple(trainable_inputs(gm))) if setup is not None and setup.optimizer_in_backward else None
+        fw, bw, n, fw_s, bw_s = inductor_schedule.trace(gm, example_inputs, steps)
         return replace(make_step(gm, fw, bw, n), fw_schedule=fw_s, bw_schedule=bw_s, lazy_anchors=anchors)
     rec: dict = {}
     partition_fn = (compat.default_partition if partition == "default"

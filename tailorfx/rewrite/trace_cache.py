@@ -31,7 +31,8 @@ def traced_step(gm: fx.GraphModule, partition: str, setup: Optional[TrainingSetu
     for kind in kinds:
         if (partition, in_backward, gm.code, kind) in cache:
             return cache[(partition, in_backward, gm.code, kind)]
-    for kind in kinds if in_backward else ():   # the same trace, the optimizer steps put in its backward
+    # the same trace, the optimizer steps put in its backward (Inductor's code is generated with them in)
+    for kind in kinds if in_backward and partition != "inductor" else ():
         if (partition, False, gm.code, kind) in cache:
             step = trace.with_steps_in_backward(cache[(partition, False, gm.code, kind)], gm)
             cache[(partition, True, gm.code, kind)] = step
@@ -45,13 +46,12 @@ def traced_step(gm: fx.GraphModule, partition: str, setup: Optional[TrainingSetu
 def _by_content(gm: fx.GraphModule, partition: str, in_backward: bool, inputs: Optional[list],
                 setup: Optional[TrainingSetup]) -> memory.StepGraphs:
     """The trace of a module with gm's key (the optimizer steps put in its backward if need be),
-    else gm traced and kept under its key. Inductor's trace does not take the steps (its hooks run them)."""
+    else gm traced and kept under its key. Inductor's trace with the steps is its own (its code is generated with them)."""
     digest = graph_key(gm)
     if digest is None:
         return memory.trace_step(gm, inputs, partition, setup)
-    in_backward = in_backward and partition != "inductor"
     for static in (False, True) if inputs is not None else (False,):   # a symbolic trace serves every length
-        for kind in (True, False) if in_backward else (False,):
+        for kind in (True, False) if in_backward and partition != "inductor" else (in_backward,):
             if (key := (digest, partition, static, kind)) in _BY_CONTENT:
                 _BY_CONTENT.move_to_end(key)
                 step = _BY_CONTENT[key]

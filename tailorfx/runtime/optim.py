@@ -7,14 +7,15 @@ Each parameter gets its own torch.optim optimizer (single-tensor AdamW/SGD), so 
 be updated on its own: in a loop after backward (normal step), or as soon as its gradient is
 complete (optimizer in backward: a `register_post_accumulate_grad_hook` in eager code, or a
 `grad_ready` call that tailorfx's lowering places inside the compiled backward graph, right after
-the gradient's last use). Either way the gradient is freed at once, so full gradients never
+the gradient's last use; under Inductor, the `tailorfx::grad_ready` op, which its generated code
+calls there). Either way the gradient is freed at once, so full gradients never
 coexist. With master weights the update runs on an fp32 copy and is copied back.
 """
 from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, List, Optional, Union
 
 import torch
 
@@ -189,3 +190,34 @@ def grad_ready(handle: int, slot: int, grad: Optional[torch.Tensor]) -> Optional
         return grad
     opt.update(p, grad)
     return None
+
+
+_KEPT: dict = {}   # handle -> {slot: gradient} that tailorfx::grad_ready left to autograd (kept_grads)
+
+
+@torch.library.custom_op("tailorfx::grad_ready", mutates_args=("grad", "weights"), tags=(torch.Tag.flexible_layout,))
+def grad_ready_op(handle: int, slot: int, grad: torch.Tensor, after: List[torch.Tensor],
+                  weights: List[torch.Tensor]) -> None:
+    """grad_ready as an op Inductor's generated code calls. It updates the parameter in place, so it
+    is declared to write `weights` (the parameter's inputs to the backward: Inductor schedules
+    their reads first) and takes `after` (values computed from the parameter that later kernels
+    read); it is declared to write `grad` too (its last use; an op that writes nothing would be
+    dropped). A gradient it does not consume is kept, as a copy, for the backward's caller to hand
+    to autograd (kept_grads): after its last use Inductor may reuse the gradient's buffer."""
+    g = grad_ready(handle, slot, grad)
+    if g is not None:
+        _KEPT.setdefault(handle, {})[slot] = g.clone()
+
+
+@grad_ready_op.register_fake
+def _grad_ready_fake(handle: int, slot: int, grad: torch.Tensor, after: List[torch.Tensor],
+                     weights: List[torch.Tensor]) -> None:
+    return None
+
+
+GRAD_READY_OP = torch.ops.tailorfx.grad_ready.default
+
+
+def kept_grads(handle: int) -> dict:
+    """{slot: gradient} that graph `handle`'s last backward left to autograd (taken once)."""
+    return _KEPT.pop(handle, {})
