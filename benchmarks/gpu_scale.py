@@ -14,13 +14,15 @@ ALST's alst.LastShardOptimizer updates a parameter after its last shard only).
 The budget is the H100-80GB preset, emulated on a larger GPU by capping the caching allocator
 (torch.cuda.set_per_process_memory_fraction) at 79 GiB: an H100's 79.6 GiB less its CUDA context.
 
-Every tailorfx.optimize() here passes lowering="eager" (meta.lowering in the JSON), not the default
-"auto", which means Inductor on CUDA. Eager is the lowering of every prediction the run checks
+Every tailorfx.optimize() here but the speed row's "tailorfx, lowering auto" passes lowering="eager"
+(meta.lowering in the JSON), not the default "auto", which means Inductor on CUDA. Eager is the lowering of every prediction the run checks
 (max_seq_len, plan_for_budget, benchmarks/results/gpu_scale_predicted.json) and of the dry run.
 Under Inductor a budgeted optimize() traces each candidate plan through Inductor (about 78 s a
 trace at 32 layers, 10-15 min of planning). Until 2026-12-05 its optimizer steps also ran after
 the compiled backward returned, every gradient alive at its end (the 56 GiB budget could not be
-met); they now run inside it (docs/memory.md), not yet on a GPU.
+met); they now run inside it (docs/memory.md), not yet on a GPU. Under "auto" a CUDA model is
+planned on a shallow capture made on fake CPU tensors (eager) and the plan checked on its own
+Inductor trace, one trace: the row that measures what Inductor's fused kernels do to the MFU.
 
 The call has a hard wall (10 min). A check starts only when its estimate (the model's build,
 optimize() with its planning, the first step, the steady steps: `estimate_s` in its entry) fits
@@ -38,7 +40,9 @@ Sections, in this order (or --section's); each writes the JSON (benchmarks/out/g
            its last candidate, checkpoints offloaded to host, may still meet it).
   speed    32K, 16K and 8K tokens, a row of providers each: tailorfx's plan for the budget (at
            32K also with kernels="triton": the norms, SwiGLU, RoPE and the head on tailorfx's
-           kernels, against the eager lowering's unfused ATen ops; and with
+           kernels, against the eager lowering's unfused ATen ops; with lowering="auto",
+           optimize()'s default: on CUDA Inductor's fused kernels, the optimizer steps inside its
+           backward, the plan chosen on the shallow capture checked on its trace; and with
            offload="activations": the first k blocks' saved tensors wait in host
            memory instead of those blocks being recomputed, the planner picking k), eager, HF
            activation checkpointing, Liger-Kernel (its defaults, fused linear cross-entropy among
@@ -50,7 +54,7 @@ Sections, in this order (or --section's); each writes the JSON (benchmarks/out/g
            checked against eager at a short length (the loss, every weight's gradient norm, one
            step updating each parameter once; ALST with two shards or more of each kind) and for
            its feature firing. The 32K row runs first (tailorfx's plan, Liger-Kernel's, the
-           fastest peer measured, and tailorfx's Triton row, then the others: TOP_ROW), then those
+           fastest peer measured, tailorfx's Inductor and Triton rows, then the others: TOP_ROW), then those
            checks, then 16K and 8K: at 32K the rewrites decide what fits and how fast, so its MFU comparison is what the run is
            for, and a budgeted optimize() takes minutes, so what runs last may find no time.
   offload  under a lower budget (OFFLOAD_BUDGET): offload="checkpoints" at the longest length
@@ -77,7 +81,7 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH_DIR)
 sys.path[:0] = [REPO, BENCH_DIR]
 
-from gpucheck.guard import (KERNEL_CHOICE_S, OFFLOAD_SLOWDOWN, PREDICT_S, PYTHON_S, TRACE_S,  # noqa: E402
+from gpucheck.guard import (INDUCTOR_S, KERNEL_CHOICE_S, OFFLOAD_SLOWDOWN, PREDICT_S, PYTHON_S, TRACE_S,  # noqa: E402
                             WATCHDOG_MARGIN_S, estimate_s, guarded, run_child, run_sections, start_watchdog)
 from gpucheck.record import Run, Skip, bench_module, describe  # noqa: E402
 from gpucheck.steps import (PEAK_TFLOPS, against_prediction, capped, first_step, grad_norms,  # noqa: E402
@@ -97,12 +101,14 @@ GRANULE = 128
 PROVIDERS = ("tailorfx", "eager", "hf-checkpointing", "liger+hf-checkpointing", "alst")
 OFFLOADED = "tailorfx, activations offloaded"   # in the longest row only
 TRITON_KERNELS = "tailorfx, Triton kernels"     # likewise: norms, SwiGLU, RoPE, the head on tailorfx/kernels
-TAILORFX = {"tailorfx": {}, TRITON_KERNELS: {"kernels": "triton"},
-            OFFLOADED: {"offload": "activations"}}   # provider -> optimize() options
+INDUCTOR = "tailorfx, lowering auto"            # likewise: optimize()'s default, Inductor on CUDA (eager on CPU)
+TAILORFX = {"tailorfx": {}, TRITON_KERNELS: {"kernels": "triton"}, INDUCTOR: {"lowering": "auto"},
+            OFFLOADED: {"offload": "activations"}}   # provider -> optimize() options (lowering: LOWERING's)
 # the longest length's row: what the MFU goal compares first (tailorfx's plan, the fastest peer
 # measured, Liger-Kernel, then tailorfx's Triton row, whose planning and kernel timing take
 # minutes), then the rows that end at once in an OOM, then the slower ones
-TOP_ROW = ("tailorfx", "liger+hf-checkpointing", TRITON_KERNELS, "eager", "hf-checkpointing", OFFLOADED, "alst")
+TOP_ROW = ("tailorfx", "liger+hf-checkpointing", INDUCTOR, TRITON_KERNELS, "eager", "hf-checkpointing", OFFLOADED,
+           "alst")
 # dry run: a 2-layer Llama on CPU, budgets in MiB, lengths short enough for CPU steps
 DRY = dict(budget=3 << 20, offload_budget=3 << 20, lengths=(256, 512), granule=64, limit=2048)
 
@@ -247,8 +253,9 @@ def make_provider(run: Run, name: str, model, inputs: dict, min_shards: int = 1)
                    "under it is make test's (tests/test_kernels_pass.py, tests/test_autocast.py)")
     if name in TAILORFX:
         opt = tailorfx.optimize(model, budget=budgets(run)["budget"], setup=SETUP, example_inputs=inputs,
-                                lowering=LOWERING, **TAILORFX[name])
+                                **{"lowering": LOWERING, **TAILORFX[name]})
         return Provider(opt, lambda out: {"plan": plan_labels(opt), "logits_skipped": out.logits is None,
+                                          "lowerings": sorted({g.lowering for g in opt.graph_records}),
                                           **kernel_choices(opt)})
     if name == "eager":
         return Provider(model, lambda out: {})
@@ -402,7 +409,7 @@ def speed_row(run: Run, sec: dict, S: int, names: tuple, reps: int) -> None:
     for name in asked(run, names):
         need = estimate_s(run, config(run.dry), S, steps=3 + reps, plan=name in TAILORFX,
                           slowdown=OFFLOAD_SLOWDOWN if name == OFFLOADED else 4 / 3)
-        need += KERNEL_CHOICE_S if name == TRITON_KERNELS else 0.0
+        need += {TRITON_KERNELS: KERNEL_CHOICE_S, INDUCTOR: INDUCTOR_S}.get(name, 0.0)
         guarded(run, sec, f"{name} S={S}", need, lambda name=name: timed_steps(run, name, S, reps))
 
 

@@ -89,8 +89,9 @@ def test_a_call_runs_the_sections_rows_and_lengths_asked_in_the_order_asked(gpu_
     args.provider, args.length = None, None   # the default: every row, the longest length first
     names.clear()
     gpu_scale.section_speed(run, gpucheck.record.new_section())
-    assert names[:3] == ["tailorfx S=32768", "liger+hf-checkpointing S=32768", "tailorfx, Triton kernels S=32768"]
-    assert len(names) == 7 + 4 + 2 * 5 and names[-1] == "alst S=8192"
+    assert names[:4] == ["tailorfx S=32768", "liger+hf-checkpointing S=32768", "tailorfx, lowering auto S=32768",
+                         "tailorfx, Triton kernels S=32768"]
+    assert len(names) == 8 + 4 + 2 * 5 and names[-1] == "alst S=8192"
 
 
 def test_a_gpu_profile_splits_kernels_from_the_ops_that_launched_them(gpucheck):
@@ -234,6 +235,9 @@ def test_dry_run_runs_every_section(tmp_path):
     offloaded = speed["tailorfx, activations offloaded S=512"]
     assert offloaded["status"] == "pass" and offloaded["fired"]["plan"] and offloaded["mfu"] > 0
     assert "tailorfx, activations offloaded S=256" not in speed   # the longest row only
+    auto = speed["tailorfx, lowering auto S=512"]   # on the CPU "auto" is the eager lowering, as LOWERING
+    assert auto["status"] == "pass" and auto["fired"]["lowerings"] == speed["tailorfx S=512"]["fired"]["lowerings"]
+    assert "eager" in auto["fired"]["lowerings"] and "tailorfx, lowering auto S=256" not in speed
     for name in ("tailorfx", "hf-checkpointing"):
         agree = speed[f"agreement {name}"]
         assert agree["status"] == "pass" and agree["updates_in_one_step"] == agree["parameters"] > 0
