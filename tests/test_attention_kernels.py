@@ -147,7 +147,10 @@ def test_flash_transients_per_intra_op_thread(dtype):
     peak (tailorfx.measure_peak, profiler events) less the outputs, to 1%. 1088 tokens, GQA 4/2,
     D 16: 256-query blocks, the kernel's largest (a CPU dry run of gpu_scale.py on bf16: at two
     threads its forward measured 16% over the step's prediction when its scratch was modelled as
-    fp32's and for a thread count the planner did not use)."""
+    fp32's and for a thread count the planner did not use). On a CPU with AMX the bf16 forward
+    packs k and v (flash_cpu.flash_pack_bytes, to 1% as elsewhere); its backward's oneDNN scratch
+    is AVX-512's figure, not AMX's, which is not modelled: 1.5% at this shape, docs/memory.md."""
+    from tailorfx import compat
     from tailorfx.runtime import attention_kernels as ak
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 1088, 16, generator=g).to(dtype) for h in (4, 2, 2))
@@ -166,7 +169,8 @@ def test_flash_transients_per_intra_op_thread(dtype):
                 got = tailorfx.measure_peak(lambda: op(*args)) - sum(t.numel() * t.element_size() for t in outputs)
                 predicted = ak.transient_bytes(name, args, int)
                 measured[num_threads, call] = got
-                assert abs(predicted - got) <= 0.01 * got, (num_threads, call, got, predicted)
+                amx = call != "forward" and compat.cpu_packs_16bit_matmuls(dtype)
+                assert abs(predicted - got) <= (0.015 if amx else 0.01) * got, (num_threads, call, got, predicted)
     finally:
         torch.set_num_threads(threads)
     # the second thread's buffers are real: each call holds more on two threads

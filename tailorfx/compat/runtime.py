@@ -156,3 +156,11 @@ def flex_attention_op(q, k, v, score_mod, block_mask, scale: float, score_buffer
         return hop(q, k, v, scores, (*block_mask.as_tuple()[:-1], keep), scale, options)[0]
     return hop(q, k, v, score_mod, block_mask.as_tuple(), scale, options, tuple(score_buffers),
                tuple(mask_buffers))[0]
+
+
+def cpu_packs_16bit_matmuls(dtype: torch.dtype) -> bool:
+    """Whether ATen's CPU kernels pack `dtype` matmul operands for oneDNN's brgemm (its
+    cpublas::need_pack): bf16 on a CPU with AMX, fp16 on one with AMX-FP16 (checked on torch 2.13)."""
+    if dtype == torch.bfloat16:
+        return bool(torch.cpu._is_amx_tile_supported())
+    return dtype == torch.float16 and bool(torch.cpu._is_amx_fp16_supported())

@@ -18,7 +18,7 @@ from tailorfx.rewrite.memory_estimate import Timeline
 from tailorfx.rewrite.offload import HOST_OPS
 from tailorfx.rewrite.optimizer_step import aliases_input, is_step
 from tailorfx.rewrite.trace import Sizer, graph_outputs
-from tailorfx.runtime.flash_cpu import flash_thread_bytes
+from tailorfx.runtime.flash_cpu import flash_pack_bytes, flash_thread_bytes
 from tailorfx.setup import TrainingSetup
 
 
@@ -118,7 +118,11 @@ def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup, inductor: b
             return 0
         q_len, kv_len, dim = (sizer.as_int(d) for d in (q.shape[-2], k.shape[-2], q.shape[-1]))
         buffers = flash_thread_bytes(backward, q_len, kv_len, dim, q.dtype)
-        dout = node_value(node.args[0]) if backward else None
+        if not backward:   # on a CPU with AMX, 16-bit k and v packed for oneDNN
+            causal = bool(compat.op_argument(t, "is_causal", node.args, node.kwargs, False))
+            shape = tuple(sizer.as_int(d) for d in q.shape)
+            return buffers + flash_pack_bytes(shape, sizer.as_int(k.shape[1]), kv_len, q.dtype, causal)
+        dout = node_value(node.args[0])
         if not isinstance(dout, torch.Tensor) or sizer.as_int(dout.shape[1]) == 1:
             return buffers
         return buffers + (sizer(dout) if sizer.as_int(dout.stride(1)) != dim else 0)

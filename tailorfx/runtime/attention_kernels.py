@@ -401,7 +401,7 @@ def transient_bytes(op_name: str, args: list, as_int) -> int:
         return work * 13 // 8 + narrow * acc * (q_elems + 2 * kv_elems)
     kind, params = pattern_args
     if kind == "full" and doc is None and softcap is None and not modded and not dropout and q.device.type == "cpu":
-        return flash_transient_bytes(backward, (batch, heads, seq, dim), num_kv, q.dtype, params)
+        return flash_transient_bytes(backward, (batch, heads, seq, dim), num_kv, q.dtype, params, bool(extra[4]))
     if kind == "full" and softcap is None and not modded and not dropout:   # CPU flash per document (sorted ids: packed sequences, the usual case)
         half = narrow * item * q_elems // 2   # narrow dtypes: measured +50% (fp32 work rows)
         return item * q_elems + half if not backward else item * (q_elems + 2 * kv_elems) + half

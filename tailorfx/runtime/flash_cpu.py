@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tailorfx import compat
 from tailorfx.runtime.attention_tiles import Pattern, tile_backward, tile_forward
 
 __all__ = ["FLASH", "FLASH_BACKWARD", "MIN_BLOCK_TOKENS", "lse_dtype", "flash_runs", "dense_forward", "dense_backward",
            "one_flash_call", "block_step", "flash_backward", "blocked_flash_backward", "flash_split",
-           "flash_thread_bytes", "flash_transient_bytes", "grouped_sdpa"]
+           "flash_pack_bytes", "flash_thread_bytes", "flash_transient_bytes", "grouped_sdpa"]
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -189,7 +190,30 @@ def _bf16_gemm_scratch(qs: int, ks: int, dim: int) -> int:
     return torch.get_num_threads() * max(qk, dv) + 512
 
 
-def flash_transient_bytes(backward: bool, shape: tuple, num_kv: int, dtype: torch.dtype, params) -> int:
+def flash_pack_bytes(shape: tuple, num_kv: int, kv_len: int, dtype: torch.dtype, causal: bool) -> int:
+    """What ATen's CPU flash forward allocates to pack k and v for oneDNN's brgemm, where its
+    16-bit matmuls pack (a CPU with AMX) and the matmuls outweigh the packing: k and v reordered
+    per kv head, a transposed key block per thread (a padded query block for an odd D); q `shape`
+    (B, H, S, D). Read off FlashAttentionKernel.cpp (`need_pack`); measured to the byte (bf16,
+    AMX, 128 to 2048 tokens, D 16 to 128, 1 and 2 threads). 0 where it does not pack."""
+    batch, heads, q_len, dim = shape
+    if kv_len < (thresh := 64 if dtype == torch.bfloat16 else 16) or q_len < thresh \
+            or not compat.cpu_packs_16bit_matmuls(dtype):
+        return 0
+    qs, ks = flash_split(q_len, kv_len)
+    threads = torch.get_num_threads()
+    blocks_per_thread = -(-batch * heads * -(-q_len // qs) // threads)
+    gemm = blocks_per_thread * qs * (min(q_len, kv_len) if causal else kv_len) * dim
+    if gemm < batch * num_kv * kv_len * dim * (4 if dtype == torch.bfloat16 else 1):
+        return 0
+    tail = (kv_len - 1) % ks + 1
+    padded = (kv_len - 1) // ks * (ks + ks % 2) + tail + tail % 2
+    per_thread = ks * dim + qs * (dim + 1) * (dim % 2) + qs * (ks % 2)   # (the score tile's odd column)
+    return dtype.itemsize * (batch * num_kv * ((dim + dim % 2) * kv_len + padded * dim) + threads * per_thread)
+
+
+def flash_transient_bytes(backward: bool, shape: tuple, num_kv: int, dtype: torch.dtype, params,
+                          causal: bool = True) -> int:
     """Bytes one call of the CPU flash kernel (the op's forward, or its backward as `params`
     [blocks, repeat] says) holds beyond its outputs: q `shape` (B, H, S, D) of `dtype`, `num_kv`
     kv heads. Measured against the allocator in tests/test_attention_kernels.py."""
@@ -200,7 +224,7 @@ def flash_transient_bytes(backward: bool, shape: tuple, num_kv: int, dtype: torc
     step = block_step(seq, blocks) if backward else seq
     buffers = flash_thread_bytes(backward, step, step, dim, dtype)
     if not backward:
-        return buffers
+        return buffers + flash_pack_bytes(shape, num_kv, seq, dtype, causal)
     # repeated k, v: two q-sized copies and their q-sized gradients, less the kv-sized ones
     # they replace (measured, fp32, 1 and 2 kv heads of 4: to the KiB)
     qb, kb = q_elems * step // seq, kv_elems * step // seq
