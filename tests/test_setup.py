@@ -322,7 +322,7 @@ def test_under_inductor_no_kernel_recomputes_a_read_of_a_weight_after_its_update
     """One fp32 SGD step with the steps inside Inductor's backward moves every weight as the plain
     step does. Until 2026-12-05 two reads ran after the update: Gemma-2's norms scale by
     (1 + weight), which Inductor inlined into a kernel after it, and Mixtral's router gradient
-    `add(x, mm(y, w))` became an `addmm` after it; every earlier weight's update was 3-60% off."""
+    `add(x, mm(y, w))` became an `addmm` after it; every earlier weight's update was 2-61% off."""
     from models import hf_family
     model = hf_family(family, num_layers=1)
     b = batch(B=2, S=32, seed=0)
