@@ -81,6 +81,17 @@ def _held_reads(readers: set, index: dict, at: int, out: fx.Node) -> list:
             if n in readers or (not _own_buffer(n) and read_later(n))]
 
 
+def _placed(readers: set, index: dict, at: int, out: fx.Node) -> tuple[int, list]:
+    """(position, _held_reads) of an update inserted no earlier than `at`: after the last value it
+    holds (a reader's output can come after the reader: a getitem)."""
+    while True:
+        deps = _held_reads(readers, index, at, out)
+        late = max((index[d] for d in deps if d is not None), default=-1)
+        if late < at:
+            return at, deps
+        at = late + 1
+
+
 def is_step(node: fx.Node) -> bool:
     """A parameter's optimizer step that fuse_into_backward put in a backward graph (either form)."""
     return node.op == "call_function" and getattr(node.target, "__name__", "") in ("grad_ready", "grad_ready.default")
@@ -137,9 +148,11 @@ def fuse_into_backward(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     reads: dict[int, int] = {}     # slot -> index of the last node reading its weight
     alias: dict[fx.Node, int] = {}
     readers: dict[int, set] = {}   # slot -> the nodes computing from its weight (not views of it)
+    inputs_of: dict[int, list] = {}   # slot -> the backward's inputs sharing its weight's storage
     for n in nodes:
         if n.op == "placeholder" and n.name in saved_slot:
             alias[n] = saved_slot[n.name]
+            inputs_of.setdefault(alias[n], []).append(n)
         elif n.op == "call_function" and aliases_input(n) and n.args and n.args[0] in alias:
             alias[n] = alias[n.args[0]]
         for a in n.all_input_nodes:
@@ -152,17 +165,13 @@ def fuse_into_backward(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     for slot, g in enumerate(grads):
         if not (trainable[slot] and isinstance(g, fx.Node) and isinstance(node_value(g), torch.Tensor)):
             continue
-        at = max(index[g], reads.get(slot, -1), _num_placeholders(nodes) - 1) + 1
-        deps = _held_reads(readers.get(slot, set()), index, at, out) if op else []
-        while (late := max((index[d] for d in deps if d is not None), default=-1)) >= at:
-            at = late + 1   # a reader's output comes after it (a getitem): the update goes after that
-            deps = _held_reads(readers.get(slot, set()), index, at, out)
-        after = nodes[at - 1]
-        if any(d is None for d in deps):
-            continue   # a read Inductor could move past the update: the gradient goes back to autograd
-        with bw.graph.inserting_after(after):
-            held = [a for a in alias if a.op == "placeholder" and alias[a] == slot]
-            ready = bw.graph.call_function(GRAD_READY_OP, (handle, slot, g, deps, held)) if op \
+        at, deps = max(index[g], reads.get(slot, -1), _num_placeholders(nodes) - 1) + 1, []
+        if op:
+            at, deps = _placed(readers.get(slot, set()), index, at, out)
+            if any(d is None for d in deps):
+                continue   # a read Inductor could move past the update: the gradient goes back to autograd
+        with bw.graph.inserting_after(nodes[at - 1]):
+            ready = bw.graph.call_function(GRAD_READY_OP, (handle, slot, g, deps, inputs_of.get(slot, []))) if op \
                 else bw.graph.call_function(grad_ready, (handle, slot, g))
         ready.meta["val"] = None
         ready.meta["tailorfx_pass"] = "optimizer_in_backward"
