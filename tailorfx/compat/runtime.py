@@ -164,3 +164,8 @@ def cpu_packs_16bit_matmuls(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return bool(torch.cpu._is_amx_tile_supported())
     return dtype == torch.float16 and bool(torch.cpu._is_amx_fp16_supported())
+
+
+def profiler_running() -> bool:
+    """Whether a torch.profiler (autograd profiler or Kineto) session is recording in this process."""
+    return bool(torch._C._autograd._profiler_enabled())

@@ -26,6 +26,7 @@ from tailorfx.rewrite.memory_graph import Pool, eager_last_uses, placeholders, r
 from tailorfx.rewrite.optimizer_step import is_step, storage_root
 from tailorfx.rewrite.trace import (Sizer, StepGraphs, fake_inputs, graph_outputs, make_step,  # noqa: F401
                                     trace_step, trainable_inputs)
+from tailorfx.runtime.cpu_scratch import matmul_scratch_bytes
 from tailorfx.setup import TrainingSetup, resolve
 
 
@@ -285,6 +286,8 @@ class LiveBytes(compat.TorchDispatchMode):
                 self.live += n
                 self.peak = max(self.peak, self.live)
                 self._seen[id(st)] = weakref.ref(st, functools.partial(self._free, id(st), n))
+        # a 16-bit CPU matmul's oneDNN scratchpad, beside its output while it runs
+        self.peak = max(self.peak, self.live + matmul_scratch_bytes(func, args))
         return out
 
     def _free(self, key: int, n: int, _ref) -> None:

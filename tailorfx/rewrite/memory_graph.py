@@ -18,6 +18,7 @@ from tailorfx.rewrite.memory_estimate import Timeline
 from tailorfx.rewrite.offload import HOST_OPS
 from tailorfx.rewrite.optimizer_step import aliases_input, is_step
 from tailorfx.rewrite.trace import Sizer, graph_outputs
+from tailorfx.runtime.cpu_scratch import MATMULS, matmul_scratch_bytes
 from tailorfx.runtime.flash_cpu import flash_pack_bytes, flash_thread_bytes
 from tailorfx.setup import TrainingSetup
 
@@ -105,6 +106,8 @@ def _op_transient(node: fx.Node, sizer: Sizer, setup: TrainingSetup, inductor: b
     if is_step(node):
         g = node_value(node.args[2])
         return setup.update_temp_bytes(sizer(g) // g.element_size()) if isinstance(g, torch.Tensor) else 0
+    if t in MATMULS:   # a 16-bit CPU matmul's oneDNN scratchpad (none in a GPU budget's prediction)
+        return 0 if setup.device is not None else matmul_scratch_bytes(t, fx.node.map_arg(node.args, node_value))
     if t in (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default):
         # CPU flash attention's per-thread buffers (flash_thread_bytes), and in backward a copy of

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from tailorfx.runtime.attention_tiles import KV_CHUNK, TILE, Dropout, Pattern, ScoreMod, tile_backward, tile_forward
-from tailorfx.runtime.flash_cpu import (FLASH, blocked_flash_backward, dense_backward, dense_forward, flash_backward,
-                                        flash_transient_bytes, lse_dtype, one_flash_call)
+from tailorfx.runtime.flash_cpu import (FLASH, block_step, blocked_flash_backward, dense_backward, dense_forward,
+                                        flash_backward, flash_transient_bytes, lse_dtype, one_flash_call)
 
 __all__ = ["sparse_attention", "dilated_attention", "dilated_workspace_bytes", "score_mod_attention",
            "register_score_mod", "SCORE_MODS"]
@@ -80,7 +80,7 @@ def sparse_attention_backward(
     drop = _dropout(dropout_p, seed)
     if one_flash_call(q, kind, document_ids, softcap, drop):   # params: [blocks, repeat] of the backward, or none
         blocks, repeat = (list(params) + [0, 0])[:2]
-        if blocks > 1:
+        if block_step(q.shape[2], blocks) < q.shape[2]:   # one block would only add zeros to its gradients
             return _contiguous(*blocked_flash_backward(dout, q, k, v, out, lse, scale, causal, blocks, bool(repeat)))
         return _contiguous(*flash_backward(dout, q, k, v, out, lse, scale, causal, bool(repeat)))
     if kind == "full":

@@ -23,9 +23,10 @@ def _copies(as_int: Callable, tensors: list) -> int:
 
 
 def _held(lines: tuple, tokens: int) -> int:
-    """Bytes a chunk of `tokens` holds in backward: the most of the region's cost lines
-    (passes/minisequence/cost.py) at that many tokens."""
-    return int(max(p * tokens + c for p, c in lines))
+    """Bytes a chunk of `tokens` holds in backward: the region's cost line (passes/minisequence/
+    cost.py: per token, constant, and the tokens it holds from) that `tokens` falls under."""
+    per_token, const = next(line for line in reversed(lines) if (line[2] if len(line) > 2 else 0) <= tokens)[:2]
+    return int(per_token * tokens + const)
 
 
 def transient_bytes(op_name: str, args: list, as_int: Callable, cuda: bool = False) -> int:

@@ -8,6 +8,7 @@ lse, so a row's documents and a backward's block pairs are exact pieces of one c
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -16,10 +17,11 @@ from torch import Tensor
 
 from tailorfx import compat
 from tailorfx.runtime.attention_tiles import Pattern, tile_backward, tile_forward
+from tailorfx.runtime.cpu_scratch import SIXTEEN_BIT, measured_once
 
 __all__ = ["FLASH", "FLASH_BACKWARD", "MIN_BLOCK_TOKENS", "lse_dtype", "flash_runs", "dense_forward", "dense_backward",
            "one_flash_call", "block_step", "flash_backward", "blocked_flash_backward", "flash_split",
-           "flash_pack_bytes", "flash_thread_bytes", "flash_transient_bytes", "grouped_sdpa"]
+           "flash_gemm_scratch", "flash_pack_bytes", "flash_thread_bytes", "flash_transient_bytes", "grouped_sdpa"]
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -159,35 +161,54 @@ def flash_thread_bytes(backward: bool, q_len: int, kv_len: int, dim: int, dtype:
     intra-op threads, a slice each: forward, an fp32 (query block x key block) score tile, the
     block's row max and sum and its fp32 (query block x D) output rows; backward, two fp32 tiles
     (probabilities and their gradient) and a row sum. 16-bit inputs add each tile once more in
-    their dtype (fp64 ones hold them in fp64), and bf16's backward oneDNN's matmul scratch.
-    Measured against the allocator (fp32, fp64, bf16, fp16; 32 to 2048 tokens, D 16 to 128; 1
-    and 2 threads): to the byte, and to 256 bytes on two threads (the second thread's row sum is
-    allocated where the profiler does not look), but for bf16's oneDNN part."""
+    their dtype (fp64 ones hold them in fp64), and a 16-bit backward oneDNN's matmul scratch
+    (flash_gemm_scratch). Measured against the allocator (fp32, fp64, bf16, fp16; 32 to 2048
+    tokens, D 16 to 128; 1 and 2 threads): to the byte, and to 256 bytes on two threads (the second
+    thread's row sum is allocated where the profiler does not look)."""
+    scratch = flash_gemm_scratch(q_len, kv_len, dim, dtype) if backward else 0
+    return _own_buffers(backward, q_len, kv_len, dim, dtype) + scratch
+
+
+def _own_buffers(backward: bool, q_len: int, kv_len: int, dim: int, dtype: torch.dtype) -> int:
     qs, ks = flash_split(q_len, kv_len)
     item, acc = dtype.itemsize, lse_dtype(dtype).itemsize
     tiles = 2 if backward else 1
     per_thread = tiles * qs * ks * (acc + item * (item < acc))
     per_thread += qs * acc if backward else qs * (2 + dim) * acc
-    scratch = _bf16_gemm_scratch(qs, ks, dim) if backward and dtype == torch.bfloat16 else 0
-    return torch.get_num_threads() * per_thread + scratch
+    return torch.get_num_threads() * per_thread
 
 
-def _bf16_gemm_scratch(qs: int, ks: int, dim: int) -> int:
-    """What oneDNN allocates (through torch's allocator) in bf16's flash backward, whose matmuls
-    write fp32 tiles: for one matmul at a time, a slice for every intra-op thread. q k^T's: (2 qs
-    + 4 D') bytes a key of the key block, halved above 256 keys, + 128 qs + 640; v's gradient's:
-    4 qs D' + 128 bytes a key (rounded up to 32) + 512; D' = min(D, 64); + 512 once. Measured
-    (torch 2.13, AVX-512): to the byte on one thread (32 to 2048 tokens, D 8 to 256), and on two
-    from 288 keys up; on two threads with at most 256 keys oneDNN splits them between the threads
-    and holds less (the whole backward over-predicted by up to 26%, from 32 to 256 tokens). On a
-    CPU without AVX-512 (torch's capability AVX2) oneDNN allocates none of it through torch: 0
-    (measured on an AMD EPYC, to the byte; the AVX-512 figure there was 11% over)."""
-    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        return 0
-    dk, n_blk = min(dim, 64), ks if ks <= 256 else -(-ks // 2)
-    qk = n_blk * (2 * qs + 4 * dk) + 128 * qs + 640
-    dv = 4 * qs * dk + 128 * (-(-ks // 32) * 32) + 512
-    return torch.get_num_threads() * max(qk, dv) + 512
+def flash_gemm_scratch(q_len: int, kv_len: int, dim: int, dtype: torch.dtype) -> int:
+    """What oneDNN allocates through torch's allocator in the CPU flash backward of 16-bit inputs,
+    whose matmuls write fp32 tiles: one scratchpad per matmul, freed before the next, sized by
+    oneDNN for the intra-op threads and for the ISA it runs on (AVX-512, AVX512-FP16, AMX; none on
+    AVX2). Measured, not modelled: the most one backward call of one head holds on this CPU with
+    the same tiles (query and key blocks, their tails, D) beyond its gradients and the kernel's own
+    buffers; cached per shape and thread count. The profiler sees the calling thread's scratchpads
+    only, and so does this figure: on two threads the other thread's is allocated unseen."""
+    if dtype not in SIXTEEN_BIT:
+        return 0   # fp32 and fp64 matmuls run in MKL, whose buffers torch's allocator never sees
+    probes = [(_probe_length(q_len), _probe_length(kv_len), dim, dtype, causal)
+              for causal in ((False, True) if q_len == kv_len else (False,))]
+    measured = [measured_once(("flash backward", *p, torch.get_num_threads()),
+                              functools.partial(_measure_gemm_scratch, *p)) for p in probes]
+    return max(m or 0 for m in measured)
+
+
+def _probe_length(length: int) -> int:
+    """A length with the same flash tiles as `length` (256-query and 512-key blocks from 768 up,
+    so the same tails modulo 512), short enough to run in milliseconds."""
+    return length if length < 1536 else 1024 + length % 512
+
+
+def _measure_gemm_scratch(q_len: int, kv_len: int, dim: int, dtype: torch.dtype, causal: bool) -> int:
+    from tailorfx.runtime.measure import peak_and_net
+    q, dout = (torch.full((1, 1, q_len, dim), 0.5, dtype=dtype) for _ in range(2))
+    k = v = torch.full((1, 1, kv_len, dim), 0.5, dtype=dtype)
+    out, lse = FLASH(q, k, v, 0.0, causal)[:2]
+    peak = peak_and_net(lambda: FLASH_BACKWARD(dout, q, k, v, out, lse, 0.0, causal), collect=False)[0]
+    grads = dtype.itemsize * dim * (q_len + 2 * kv_len)
+    return max(0, peak - grads - _own_buffers(True, q_len, kv_len, dim, dtype))
 
 
 def flash_pack_bytes(shape: tuple, num_kv: int, kv_len: int, dtype: torch.dtype, causal: bool) -> int:

@@ -83,11 +83,13 @@ def measure_peak(fn: Callable[[], Any], return_result: bool = False):
     return (peak, result) if return_result else peak
 
 
-def peak_and_net(fn: Callable[[], Any]) -> tuple[int, int, Any]:
+def peak_and_net(fn: Callable[[], Any], collect: bool = True) -> tuple[int, int, Any]:
     """(peak, net, fn's result): measure_peak's peak, and the bytes the profiler saw allocated in
     `fn` and not freed. A net above what `fn` leaves (its gradients, its result) is frees another
-    thread made unseen: the true peak lies between peak less that excess and peak."""
-    gc.collect()
+    thread made unseen: the true peak lies between peak less that excess and peak. `collect`:
+    collect garbage first (0.1 s), so that no cycle's tensors are freed inside `fn`."""
+    if collect:
+        gc.collect()
     with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                                    record_shapes=False) as prof:
         result = fn()

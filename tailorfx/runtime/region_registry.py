@@ -26,8 +26,9 @@ class ChunkedRegion:
     it owns it (rewrite.passes.own): it lives exactly as long as a graph that can run it.
 
     `cost`: the bytes a chunk holds inside the op, so the memory model sees the transients: in
-    forward per token of the chunk; in backward as lines ((per token, constant), ...), a chunk of
-    t tokens holding the most of them at t (passes/minisequence/cost.py). `tail`: (pre, weight
+    forward per token of the chunk; in backward as lines ((per token, constant, first token), ...),
+    a chunk of t tokens holding the last line whose first token is at most t
+    (passes/minisequence/cost.py). `tail`: (pre, weight
     index, bias index or -1) when the region is
     ``F.linear(pre(*inputs), whole[weight_index], whole[bias_index])``: backward then recomputes
     only `pre`, not the last matmul whose output it never needs. `heads`: (core, ((seq input

@@ -18,7 +18,9 @@ from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.passes import PassContext
 from tailorfx.runtime import ops
 
-Lines = tuple   # ((bytes per token, constant bytes), ...): held by a chunk of t tokens is the most of p * t + c
+# ((bytes per token, constant bytes, first token), ...): a chunk of t tokens holds p * t + c of the
+# last line whose first token is at most t
+Lines = tuple
 ENVELOPE_TOKENS = 16384   # backward costs sampled up to chunks of this many tokens (past it: the last line)
 MIN_TOKENS = 64           # and down to this many (below it: the first line)
 # held(n) samples kept per process by what they depend on (the region's structure, the concrete
@@ -123,15 +125,17 @@ def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
 
 
 def _cost_lines(held: Callable[[int], int], length: int, tokens: int) -> Optional[Lines]:
-    """The backward's bytes as lines (bytes per token, constant bytes), one through each pair of
-    neighbouring samples of `held` at the captured length halved down to MIN_TOKENS tokens and
-    doubled up to ENVELOPE_TOKENS; a chunk of t tokens holds the most of them at t
-    (chunk_memory.transient_bytes). `held` is the most of a few phases each linear in the tokens
-    (the weight gradients' phase at small chunks, the activations' at large ones): a convex
-    function, which each line bounds from above between its samples, so the most of them is exact
-    at the samples and above it between (one line through two small samples, extended, fell 16%
-    under at 512-token chunks). None when `held` cannot run (the estimate by hand, region_cost,
-    stands in)."""
+    """The backward's bytes as lines (bytes per token, constant bytes, first token), one through
+    each pair of neighbouring samples of `held` at the captured length halved down to MIN_TOKENS
+    tokens and doubled up to ENVELOPE_TOKENS; a chunk of t tokens holds the line of the samples t
+    lies between, the outermost lines extended beyond them (chunk_memory.transient_bytes): exact at
+    the samples. `held` is mostly the most of a few phases each linear in the tokens (the weight
+    gradients' phase at small chunks, the activations' at large ones), a convex function, which
+    each line bounds from above between its samples (one line through two small samples, extended,
+    fell 16% under at 512-token chunks); a 16-bit matmul's oneDNN scratch grows with its rows up to
+    a few hundred and then stays, so a line through smaller samples extended past them ran 1.2% over
+    a whole fp16 step, and each line holds between its own samples only. None when `held` cannot
+    run (the estimate by hand, region_cost, stands in)."""
     lengths = [length]
     while lengths[0] % 2 == 0 and lengths[0] // 2 * tokens // length >= MIN_TOKENS:   # shorter chunks too
         lengths.insert(0, lengths[0] // 2)
@@ -144,8 +148,8 @@ def _cost_lines(held: Callable[[int], int], length: int, tokens: int) -> Optiona
     lines = []
     for (t1, b1), (t2, b2) in zip(samples, samples[1:]):
         per_token = max(0.0, (b2 - b1) / (t2 - t1))
-        line = (per_token, max(0.0, b1 - per_token * t1))
-        if not lines or lines[-1] != line:
+        line = (per_token, max(0.0, b1 - per_token * t1), t1 if lines else 0)
+        if not lines or lines[-1][:2] != line[:2]:
             lines.append(line)
     return tuple(lines)
 
