@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from tailorfx import compat
+from tailorfx.runtime.measure import peak_and_net
 
 __all__ = ["SIXTEEN_BIT", "measured_once", "matmul_scratch_bytes"]
 
@@ -44,10 +45,10 @@ def measured_once(key: tuple, measure: Callable[[], int]) -> Optional[int]:
 def matmul_scratch_bytes(func, args) -> int:
     """Bytes a CPU mm, addmm, bmm or baddbmm (or one in place) of 16-bit operands holds beyond its
     output, from a run of the same op on real zeros of the same shapes and layouts (0 for other
-    ops, dtypes and devices). Above EXACT_ROWS rows, probed at 2048 and 4096 rows and extended linearly in the rows:
-    measured, the scratch is constant or linear in the rows once every intra-op thread has a block
-    of them (on two threads bf16's doubled from 1024 to 2048 rows, so a line through fewer rows
-    ran 2x over). Probes of more than MAX_PROBE_MACS multiply-adds are not run: 0 (at 4096 rows,
+    ops, dtypes and devices). Above EXACT_ROWS rows, probed at 2048 and 4096 rows and extended
+    linearly in the rows: measured, the scratch is constant or linear in the rows once every
+    intra-op thread has a block of them (on two threads bf16's doubled from 1024 to 2048 rows, so a
+    line through fewer rows ran 2x over). Probes of more than MAX_PROBE_MACS multiply-adds are not run: 0 (at 4096 rows,
     matmuls of K x N above 8M, such as a 4096-wide model's MLP; not measured against a step)."""
     first = MATMULS.get(func)
     if first is None or len(args) < first + 2:
@@ -67,7 +68,8 @@ def matmul_scratch_bytes(func, args) -> int:
 
 def _probe(func, args, tensors: list, rows: int, probe_rows: int) -> Optional[int]:
     first = MATMULS[func]
-    layouts = tuple(_layout(t, rows, probe_rows, i == first or (i == 0 and first == 1)) for i, t in enumerate(tensors))
+    # the first operand's rows are cut, and an addmm's bias's where it has them
+    layouts = tuple(_layout(t, rows, probe_rows, i in (first, 0)) for i, t in enumerate(tensors))
     (shape_a, _, _, _), (shape_b, _, _, _) = layouts[first], layouts[first + 1]
     macs = shape_a[-1]
     for d in (*shape_a[:-1], shape_b[-1]):
@@ -76,7 +78,6 @@ def _probe(func, args, tensors: list, rows: int, probe_rows: int) -> Optional[in
         return None
 
     def measure() -> int:
-        from tailorfx.runtime.measure import peak_and_net
         real = iter([_zeros(*layout) for layout in layouts])
         probe_args = [next(real) if isinstance(x, Tensor) else x for x in args]
         out = func(*probe_args)

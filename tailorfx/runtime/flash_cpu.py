@@ -18,6 +18,7 @@ from torch import Tensor
 from tailorfx import compat
 from tailorfx.runtime.attention_tiles import Pattern, tile_backward, tile_forward
 from tailorfx.runtime.cpu_scratch import SIXTEEN_BIT, measured_once
+from tailorfx.runtime.measure import peak_and_net
 
 __all__ = ["FLASH", "FLASH_BACKWARD", "MIN_BLOCK_TOKENS", "lse_dtype", "flash_runs", "dense_forward", "dense_backward",
            "one_flash_call", "block_step", "flash_backward", "blocked_flash_backward", "flash_split",
@@ -202,7 +203,6 @@ def _probe_length(length: int) -> int:
 
 
 def _measure_gemm_scratch(q_len: int, kv_len: int, dim: int, dtype: torch.dtype, causal: bool) -> int:
-    from tailorfx.runtime.measure import peak_and_net
     q, dout = (torch.full((1, 1, q_len, dim), 0.5, dtype=dtype) for _ in range(2))
     k = v = torch.full((1, 1, kv_len, dim), 0.5, dtype=dtype)
     out, lse = FLASH(q, k, v, 0.0, causal)[:2]
