@@ -266,11 +266,14 @@ def predict(graphs: Sequence[fx.GraphModule], seq: Optional[SeqInfo] = None,
 
 class LiveBytes(compat.TorchDispatchMode):
     """Peak bytes of the storages that eager code allocates while active, on real or fake
-    tensors: each new storage counts until Python frees it (what autograd saves included)."""
+    tensors: each new storage counts until Python frees it (what autograd saves included), and
+    with `cpu_scratch` each 16-bit CPU matmul's oneDNN scratch beside its output (fake tensors
+    standing in for a CUDA model's say they are on the CPU: pass False there)."""
 
-    def __init__(self):
+    def __init__(self, cpu_scratch: bool = True):
         super().__init__()
         self.live = self.peak = 0
+        self.cpu_scratch = cpu_scratch
         self._seen: dict[int, object] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -286,8 +289,8 @@ class LiveBytes(compat.TorchDispatchMode):
                 self.live += n
                 self.peak = max(self.peak, self.live)
                 self._seen[id(st)] = weakref.ref(st, functools.partial(self._free, id(st), n))
-        # a 16-bit CPU matmul's oneDNN scratchpad, beside its output while it runs
-        self.peak = max(self.peak, self.live + matmul_scratch_bytes(func, args))
+        if self.cpu_scratch:   # a 16-bit CPU matmul's oneDNN scratchpad, beside its output while it runs
+            self.peak = max(self.peak, self.live + matmul_scratch_bytes(func, args))
         return out
 
     def _free(self, key: int, n: int, _ref) -> None:

@@ -94,6 +94,7 @@ def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
     if not length or not all(isinstance(v, torch.Tensor) for v in vals) or len(ctx.seq.dims(vals[0])) != 1:
         return None
     seq_dim = ctx.seq.dims(vals[0])[0]
+    on_cpu = vals[0].device.type == "cpu"   # the fake tensors below are the CPU's, whatever the model's device
 
     def shape(v, seq_len):
         if ctx.seq.symbol is None:   # a static capture (pipeline stages): only the chunked input has the length
@@ -113,7 +114,7 @@ def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
             acc = [torch.zeros_like(w, dtype=ops.acc_dtype(w)) if w.requires_grad else None for w in whole]
             # a chunk is copied (.contiguous()) unless every dim before the sequence dim is 1
             copied = any(d != 1 for d in x.shape[:seq_dim])
-            with torch.enable_grad(), memory.LiveBytes() as live:
+            with torch.enable_grad(), memory.LiveBytes(cpu_scratch=on_cpu) as live:
                 xc = x.detach().clone() if copied else x.detach()
                 ops.region_chunk_grads(sub, [xc.requires_grad_(x.requires_grad)], whole,
                                        go.clone() if copied else go, seq_grad, acc, tail, heads)
@@ -171,6 +172,7 @@ def cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule
     ctx.memo[memo] = None
     if not length or ctx.seq.symbol is None:
         return None
+    on_cpu = all(v.device.type == "cpu" for v in xvs)   # the fake tensors below are the CPU's
 
     def shape(v, seq_len):
         subs = {**ctx.seq.hints, ctx.seq.symbol: seq_len}
@@ -187,7 +189,7 @@ def cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule
             grads = [torch.empty_like(y) for y in ys]
             seq_grads = [torch.empty_like(t) if t.requires_grad else None for t in x]
             acc = [torch.zeros_like(t, dtype=ops.acc_dtype(t)) if t.requires_grad else None for t in w]
-            with torch.enable_grad(), memory.LiveBytes() as live:
+            with torch.enable_grad(), memory.LiveBytes(cpu_scratch=on_cpu) as live:
                 # each chunk is a .contiguous() copy unless every dim before its sequence dim is 1
                 xc = [t.detach().clone() if any(d != 1 for d in t.shape[:dim]) else t.detach()
                       for t, dim in zip(x, x_dims)]
@@ -201,7 +203,8 @@ def cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule
 
 def _kept(base: Optional[Hashable], vals: list, shape: Callable, held: Callable[[int], int]) -> Callable[[int], int]:
     """`held`, its samples kept per process (_SAMPLES) under `base` (what the region computes) and
-    the concrete shape, dtype and requires_grad each input takes at the length: all a sample reads.
+    the concrete shape, dtype, device and requires_grad each input takes at the length, and the
+    intra-op threads: all a sample reads.
     `base` None: not kept. The samples run on CPU fake tensors with autocast off, as the compiled
     graph runs the op (a region captured under autocast enters it itself: extract.py)."""
     def quiet(n: int) -> int:
@@ -211,7 +214,9 @@ def _kept(base: Optional[Hashable], vals: list, shape: Callable, held: Callable[
         return quiet
 
     def sample(n: int) -> int:
-        key = (base, n, tuple((tuple(shape(v, n)), str(v.dtype), v.requires_grad) for v in vals))
+        # the device and intra-op threads: a CPU sample holds oneDNN's matmul scratch, sized for the threads
+        key = (base, n, torch.get_num_threads(),
+               tuple((tuple(shape(v, n)), str(v.dtype), v.device.type, v.requires_grad) for v in vals))
         if key in _SAMPLES:
             _SAMPLES.move_to_end(key)
             return _SAMPLES[key]
