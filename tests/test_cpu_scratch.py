@@ -58,3 +58,29 @@ def test_a_prediction_inside_a_users_profiler_leaves_the_profile_running():
         torch.mm(a, b)
     assert any("torch.profiler runs" in str(w.message) for w in caught)
     assert any(e.name == "aten::mm" for e in prof.events())
+
+
+def test_live_bytes_adds_a_cpu_matmuls_scratch_beside_its_output_unless_told_not_to():
+    """memory.LiveBytes on fake tensors: the output of a bf16 mm, plus its scratch where the chunk
+    runs on the CPU; a chunk's costs leave the scratch out for a model on another device or one
+    planned for a GPU budget (passes/minisequence/cost.py::runs_on_cpu)."""
+    from dataclasses import replace
+
+    from tailorfx.passes.minisequence.cost import runs_on_cpu
+    from tailorfx.rewrite.memory import LiveBytes
+    from tailorfx.rewrite.passes import PassContext
+    from tailorfx.setup import PRESETS
+    real = torch.zeros(300, 64, dtype=torch.bfloat16), torch.zeros(64, 176, dtype=torch.bfloat16)
+    scratch = _measured(aten.mm.default, real)
+    peaks = {}
+    with tailorfx.compat.FakeTensorMode():
+        fake = [torch.empty(t.shape, dtype=t.dtype) for t in real]
+        for on_cpu in (True, False):
+            with LiveBytes(cpu_scratch=on_cpu) as live:
+                torch.mm(*fake)
+            peaks[on_cpu] = live.peak
+    assert peaks == {True: 300 * 176 * 2 + scratch, False: 300 * 176 * 2}
+    ctx = PassContext(regions=None, seq=None)
+    assert runs_on_cpu(ctx, real) and not runs_on_cpu(ctx, [torch.empty(1, device="meta")])
+    gpu = replace(PRESETS["pure-bf16"], device=object())
+    assert not runs_on_cpu(replace(ctx, options={"setup": gpu}), real)

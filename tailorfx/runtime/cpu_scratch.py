@@ -57,6 +57,8 @@ def matmul_scratch_bytes(func, args) -> int:
     a, b = args[first], args[first + 1]
     if not isinstance(a, Tensor) or not isinstance(b, Tensor) or a.device.type != "cpu" or a.dtype not in SIXTEEN_BIT:
         return 0
+    if not _any_scratch(a.dtype):
+        return 0
     rows = compat.size_hint(a.shape[-2])
     if rows <= EXACT_ROWS:
         return _probe(func, args, tensors, rows, rows) or 0
@@ -64,6 +66,13 @@ def matmul_scratch_bytes(func, args) -> int:
     if low is None or high is None:
         return 0
     return max(high, high + (high - low) * (rows - EXACT_ROWS) // (EXACT_ROWS // 2))
+
+
+def _any_scratch(dtype: torch.dtype) -> bool:
+    """Whether this CPU's 16-bit matmuls allocate scratch through torch at all (a 64-cube mm
+    does on AVX-512; nothing does on AVX2), so that no larger probe runs where all are 0."""
+    cube = torch.empty(64, 64, dtype=dtype, device="meta")   # its layout only: the probe runs on zeros
+    return _probe(aten.mm.default, (cube, cube), [cube, cube], 64, 64) != 0
 
 
 def _probe(func, args, tensors: list, rows: int, probe_rows: int) -> Optional[int]:

@@ -72,9 +72,9 @@ def cached_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule, ctx: P
     """_simulated_backward_cost, memoised in ctx.memo by the region's structure: the planner runs
     this pass once per candidate plan, and every block of a model has a region like it."""
     skey = structure_key(sub)
-    memo = (NAME, "backward_cost", skey, _values_key([node_value(n) for n in sub.graph.nodes
-                                                      if n.op == "placeholder"]),
-            str(ctx.seq.symbol), ctx.seq.length, tokens)
+    vals = [node_value(n) for n in sub.graph.nodes if n.op == "placeholder"]
+    memo = (NAME, "backward_cost", skey, _values_key(vals), str(ctx.seq.symbol), ctx.seq.length, tokens,
+            runs_on_cpu(ctx, [v for v in vals if isinstance(v, torch.Tensor)]))
     if memo not in ctx.memo:
         ctx.memo[memo] = _simulated_backward_cost(sub, chunked.tail, ctx, tokens, skey, chunked.heads)
     return ctx.memo[memo]
@@ -94,7 +94,7 @@ def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
     if not length or not all(isinstance(v, torch.Tensor) for v in vals) or len(ctx.seq.dims(vals[0])) != 1:
         return None
     seq_dim = ctx.seq.dims(vals[0])[0]
-    on_cpu = vals[0].device.type == "cpu"   # the fake tensors below are the CPU's, whatever the model's device
+    on_cpu = runs_on_cpu(ctx, vals)
 
     def shape(v, seq_len):
         if ctx.seq.symbol is None:   # a static capture (pipeline stages): only the chunked input has the length
@@ -122,7 +122,7 @@ def _simulated_backward_cost(sub: fx.GraphModule, tail, ctx: PassContext,
     tail_key = None if tail is None else (
         (structure_key(tail[0]), *tail[1:]) if isinstance(tail[0], fx.GraphModule) else False)
     base = None if tail_key is False else ("region", skey, tail_key, seq_dim)
-    return _cost_lines(_kept(base, vals, shape, held), length, tokens)
+    return _cost_lines(_kept(base, vals, shape, held, on_cpu), length, tokens)
 
 
 def _cost_lines(held: Callable[[int], int], length: int, tokens: int) -> Optional[Lines]:
@@ -165,14 +165,14 @@ def cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule
     xvs, wvs = [node_value(x) for x in xs], [node_value(w) for w in whole]
     skey = structure_key(sub)
     memo = (NAME, "segment_backward_cost", skey, tuple(x_dims), _values_key(xvs + wvs),
-            str(ctx.seq.symbol), ctx.seq.length, tokens)
+            str(ctx.seq.symbol), ctx.seq.length, tokens, runs_on_cpu(ctx, xvs))
     if memo in ctx.memo:
         return ctx.memo[memo]
     length = ctx.seq.length
     ctx.memo[memo] = None
     if not length or ctx.seq.symbol is None:
         return None
-    on_cpu = all(v.device.type == "cpu" for v in xvs)   # the fake tensors below are the CPU's
+    on_cpu = runs_on_cpu(ctx, xvs)
 
     def shape(v, seq_len):
         subs = {**ctx.seq.hints, ctx.seq.symbol: seq_len}
@@ -197,14 +197,23 @@ def cached_segment_backward_cost(chunked: ops.ChunkedRegion, sub: fx.GraphModule
                                         [g.clone() for g in grads], seq_grads, acc)
             return live.peak
     base = ("segment", skey, tuple(x_dims), len(xvs))
-    ctx.memo[memo] = _cost_lines(_kept(base, xvs + wvs, shape, held), length, tokens)
+    ctx.memo[memo] = _cost_lines(_kept(base, xvs + wvs, shape, held, on_cpu), length, tokens)
     return ctx.memo[memo]
 
 
-def _kept(base: Optional[Hashable], vals: list, shape: Callable, held: Callable[[int], int]) -> Callable[[int], int]:
+def runs_on_cpu(ctx: PassContext, vals: list) -> bool:
+    """Whether a chunk's backward runs on the CPU, and so holds a 16-bit matmul's oneDNN scratch:
+    a CPU model not planned for a GPU budget (the setup's device). Its costs run on CPU fake
+    tensors whatever the model's device."""
+    setup = ctx.options.get("setup")
+    return all(v.device.type == "cpu" for v in vals) and getattr(setup, "device", None) is None
+
+
+def _kept(base: Optional[Hashable], vals: list, shape: Callable, held: Callable[[int], int],
+          on_cpu: bool) -> Callable[[int], int]:
     """`held`, its samples kept per process (_SAMPLES) under `base` (what the region computes) and
-    the concrete shape, dtype, device and requires_grad each input takes at the length, and the
-    intra-op threads: all a sample reads.
+    the concrete shape, dtype and requires_grad each input takes at the length, and on the CPU
+    (`on_cpu`) the intra-op threads: all a sample reads.
     `base` None: not kept. The samples run on CPU fake tensors with autocast off, as the compiled
     graph runs the op (a region captured under autocast enters it itself: extract.py)."""
     def quiet(n: int) -> int:
@@ -214,9 +223,9 @@ def _kept(base: Optional[Hashable], vals: list, shape: Callable, held: Callable[
         return quiet
 
     def sample(n: int) -> int:
-        # the device and intra-op threads: a CPU sample holds oneDNN's matmul scratch, sized for the threads
-        key = (base, n, torch.get_num_threads(),
-               tuple((tuple(shape(v, n)), str(v.dtype), v.device.type, v.requires_grad) for v in vals))
+        # a CPU sample holds oneDNN's matmul scratch, sized for the intra-op threads
+        key = (base, n, on_cpu and torch.get_num_threads(),
+               tuple((tuple(shape(v, n)), str(v.dtype), v.requires_grad) for v in vals))
         if key in _SAMPLES:
             _SAMPLES.move_to_end(key)
             return _SAMPLES[key]
