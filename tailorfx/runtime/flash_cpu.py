@@ -242,7 +242,7 @@ def flash_transient_bytes(backward: bool, shape: tuple, num_kv: int, dtype: torc
     item = dtype.itemsize
     q_elems, kv_elems = batch * heads * seq * dim, batch * num_kv * seq * dim
     blocks, repeat = (int(p) for p in (list(params) + [0, 0])[:2])
-    step = block_step(seq, blocks) if backward else seq
+    step = min(block_step(seq, blocks), seq) if backward else seq
     buffers = flash_thread_bytes(backward, step, step, dim, dtype)
     if not backward:
         return buffers + flash_pack_bytes(shape, num_kv, seq, dtype, causal)
