@@ -139,8 +139,9 @@ def test_a_blocked_backward_holds_one_blocks_accumulator():
     assert peaks[8] < 0.45 * peaks[0], peaks
 
 
+@pytest.mark.parametrize("seq, dim", [(1088, 16), (128, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_flash_transients_per_intra_op_thread(dtype):
+def test_flash_transients_per_intra_op_thread(dtype, seq, dim):
     """The CPU flash kernel's buffers for each intra-op thread, on one thread and on two: forward,
     and backward in one call, with k, v repeated, and in blocks of 272 tokens; fp32 score tiles,
     16-bit ones beside them and oneDNN's matmul scratch in a 16-bit backward. Against the
@@ -151,10 +152,12 @@ def test_flash_transients_per_intra_op_thread(dtype):
     packs k and v (flash_cpu.flash_pack_bytes); the scratch oneDNN's matmuls take differs by ISA
     (AVX-512, AVX512-FP16, AMX) and is measured once per shape (flash_cpu.flash_gemm_scratch): the
     1.5% this test allowed AMX's backward, and fp16's 20-29% under, came from modelling it as
-    AVX-512's bf16 figure and as none."""
+    AVX-512's bf16 figure and as none. At 128 tokens, D 128, blocks of 4 run as one call (a block
+    is at least 256 tokens): their transients were 94-111% over (bf16) while the model took the
+    block step, not the sequence."""
     from tailorfx.runtime import attention_kernels as ak
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, 1088, 16, generator=g).to(dtype) for h in (4, 2, 2))
+    q, k, v = (torch.randn(1, h, seq, dim, generator=g).to(dtype) for h in (4, 2, 2))
     fargs = [q, k, v, None, "full", [], 0.25, True]
     out, lse = torch.ops.tailorfx.sparse_attention(*fargs)
     dout = torch.randn(q.shape, generator=g).to(dtype)
@@ -173,8 +176,9 @@ def test_flash_transients_per_intra_op_thread(dtype):
                 assert abs(predicted - got) <= 0.01 * got, (num_threads, call, got, predicted)
     finally:
         torch.set_num_threads(threads)
-    # the second thread's buffers are real: each call holds more on two threads
-    assert all(measured[2, call] > measured[1, call] for call in calls), measured
+    # the second thread's buffers are real: each call holds more on two threads (at 128 tokens an
+    # fp32 backward's contiguous copies after the kernel outweigh them)
+    assert all(measured[2, call] > measured[1, call] for call in calls if seq == 1088 or call == "forward"), measured
 
 
 @SETTINGS
