@@ -48,12 +48,12 @@ def matmul_scratch_bytes(func, args) -> int:
     ops, dtypes and devices). Above EXACT_ROWS rows, probed at 2048 and 4096 rows and extended
     linearly in the rows: measured, the scratch is constant or linear in the rows once every
     intra-op thread has a block of them (on two threads bf16's doubled from 1024 to 2048 rows, so a
-    line through fewer rows ran 2x over). Probes of more than MAX_PROBE_MACS multiply-adds are not run: 0 (at 4096 rows,
-    matmuls of K x N above 8M, such as a 4096-wide model's MLP; not measured against a step)."""
+    line through fewer rows ran 2x over). Probes of more than MAX_PROBE_MACS multiply-adds are not
+    run: 0 (at 4096 rows, matmuls of K x N above 8M, such as a 4096-wide model's MLP; not measured
+    against a step)."""
     first = MATMULS.get(func)
     if first is None or len(args) < first + 2:
         return 0
-    tensors = [a for a in args if isinstance(a, Tensor)]
     a, b = args[first], args[first + 1]
     if not isinstance(a, Tensor) or not isinstance(b, Tensor) or a.device.type != "cpu" or a.dtype not in SIXTEEN_BIT:
         return 0
@@ -61,8 +61,8 @@ def matmul_scratch_bytes(func, args) -> int:
         return 0
     rows = compat.size_hint(a.shape[-2])
     if rows <= EXACT_ROWS:
-        return _probe(func, args, tensors, rows, rows) or 0
-    low, high = (_probe(func, args, tensors, rows, r) for r in (EXACT_ROWS // 2, EXACT_ROWS))
+        return _probe(func, args, rows, rows) or 0
+    low, high = (_probe(func, args, rows, r) for r in (EXACT_ROWS // 2, EXACT_ROWS))
     if low is None or high is None:
         return 0
     return max(high, high + (high - low) * (rows - EXACT_ROWS) // (EXACT_ROWS // 2))
@@ -72,11 +72,12 @@ def _any_scratch(dtype: torch.dtype) -> bool:
     """Whether this CPU's 16-bit matmuls allocate scratch through torch at all (a 64-cube mm
     does on AVX-512; nothing does on AVX2), so that no larger probe runs where all are 0."""
     cube = torch.empty(64, 64, dtype=dtype, device="meta")   # its layout only: the probe runs on zeros
-    return _probe(aten.mm.default, (cube, cube), [cube, cube], 64, 64) != 0
+    return _probe(aten.mm.default, (cube, cube), 64, 64) != 0
 
 
-def _probe(func, args, tensors: list, rows: int, probe_rows: int) -> Optional[int]:
+def _probe(func, args, rows: int, probe_rows: int) -> Optional[int]:
     first = MATMULS[func]
+    tensors = [a for a in args if isinstance(a, Tensor)]
     # the first operand's rows are cut, and an addmm's bias's where it has them
     layouts = tuple(_layout(t, rows, probe_rows, i in (first, 0)) for i, t in enumerate(tensors))
     (shape_a, _, _, _), (shape_b, _, _, _) = layouts[first], layouts[first + 1]
