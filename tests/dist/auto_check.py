@@ -12,7 +12,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tailorfx  # noqa: E402
 from models import hf_family  # noqa: E402
-from results import grad_mismatches, write  # noqa: E402
+from results import grad_mismatches, leave, write  # noqa: E402
 
 
 def main(family: str, budget: str) -> int:
@@ -46,5 +46,4 @@ def main(family: str, budget: str) -> int:
 
 if __name__ == "__main__":     # auto_check.py BUDGET FAMILY ...
     failed = sum(main(f, sys.argv[1]) for f in sys.argv[2:])
-    dist.destroy_process_group()
-    sys.exit(1 if failed else 0)
+    leave(1 if failed else 0)

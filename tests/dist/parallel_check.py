@@ -14,7 +14,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tailorfx  # noqa: E402
 from models import hf_family  # noqa: E402
-from results import grad_mismatches, steps_unseen_and_predicted, write  # noqa: E402
+from results import grad_mismatches, leave, steps_unseen_and_predicted, write  # noqa: E402
 
 
 def main(run: str, tp: int, dp: int) -> int:
@@ -130,5 +130,4 @@ _MESHES = itertools.count()
 
 if __name__ == "__main__":     # parallel_check.py TP DP FAMILY[-untied][+SP][:loss_parallel][:nomem][:recompute][:ms][:budget60][:vN][:sN][:lN][:hN] ...: one launch, several models
     failed = sum(main(f, int(sys.argv[1]), int(sys.argv[2])) for f in sys.argv[3:])
-    dist.destroy_process_group()
-    sys.exit(1 if failed else 0)
+    leave(1 if failed else 0)

@@ -13,7 +13,7 @@ import tailorfx  # noqa: E402
 from tailorfx.passes.attention.rules import SDPA_ARGS  # noqa: E402
 from tailorfx.rewrite.match import named_args  # noqa: E402
 from models import hf_family  # noqa: E402
-from results import grad_mismatches, measured_and_predicted, write  # noqa: E402
+from results import grad_mismatches, leave, measured_and_predicted, write  # noqa: E402
 
 
 def main(family: str, schedule: str, microbatches: int, tp: int = 1, dp: int = 1, memory: bool = False,
@@ -109,5 +109,4 @@ if __name__ == "__main__":     # pipeline_check.py TP[xDP] MICROBATCHES FAMILY:S
                                  for k, d in (("s", 32), ("v", 512), ("h", None)))
         failed += main(*spec.split(":")[:2], m, int(rtp), int(rdp or 1), "mem" in flags, "rc" in flags,
                        "budget60" in flags, tokens, vocab, hidden)
-    dist.destroy_process_group()
-    sys.exit(1 if failed else 0)
+    leave(1 if failed else 0)

@@ -2,6 +2,7 @@
 (one per rank and run: ranks share stdout, and their lines interleave)."""
 import json
 import os
+import sys
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -63,3 +64,17 @@ def write(row: dict, *tags: str) -> None:
     path = os.path.join(os.environ["TAILORFX_RESULTS"], "_".join([f"rank{row['rank']}", *tags]) + ".json")
     with open(path, "w") as f:
         json.dump(row, f)
+
+
+def leave(code: int) -> None:
+    """End a rank: every rank past its last collective, gloo torn down, then exit without interpreter
+    finalization. gloo objects freed while Python clears its modules can abort the process ("terminate
+    called without an active exception", pytorch#65231; seen in CI under load with test_steptime's
+    script and the torchrun example)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

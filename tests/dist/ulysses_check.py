@@ -10,7 +10,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tailorfx  # noqa: E402
 from models import hf_family  # noqa: E402
-from results import grad_mismatches, measured_and_predicted, write  # noqa: E402
+from results import grad_mismatches, leave, measured_and_predicted, write  # noqa: E402
 
 
 def main(family: str) -> int:
@@ -49,5 +49,4 @@ def main(family: str) -> int:
 
 if __name__ == "__main__":     # ulysses_check.py FAMILY [FAMILY ...]
     failed = sum(main(f) for f in sys.argv[1:])
-    dist.destroy_process_group()
-    sys.exit(1 if failed else 0)
+    leave(1 if failed else 0)
