@@ -62,7 +62,8 @@ Sections, in this order (or --section's); each writes the JSON (benchmarks/out/g
            device-only plan at the longest length that one reaches.
   probe    last, in a subprocess: the longest length's plan run one granule longer. An OOM, or a
            peak over the budget less the planner's headroom (what max_seq_len holds a plan to),
-           is what the prediction implies (ok); a step that fits is not.
+           is what the prediction implies (ok); a step that fits is not. Without the longest
+           section in the same call, it predicts that length itself (max_seq_len).
 
 MFU = (6 x N x tokens + 6 x layers x tokens^2 x heads x head_dim) / step time / 989 TFLOP/s, the
 H100 and H200 dense bf16 peak. N counts every weight but the input embedding (a lookup); the second
@@ -179,18 +180,23 @@ def section_longest(run: Run, sec: dict) -> None:
     b = budgets(run)
     cfg = config(run.dry)
 
-    def predict():
-        t0 = time.time()
-        S = tailorfx.max_seq_len(cfg, b["budget"], setup=SETUP, granularity=b["granule"], limit=b["limit"])
-        run.shared["longest"] = S
-        return {"predicted_longest": S, "planner_s": round(time.time() - t0, 1), "budget": str(b["budget"])}
-    guarded(run, sec, "max_seq_len", PREDICT_S, predict)
+    guarded(run, sec, "max_seq_len", PREDICT_S, lambda: predict_longest(run))
     if "longest" not in run.shared:
         raise Skip("max_seq_len gave no length to train at")
     S = run.shared["longest"]
     guarded(run, sec, "next granule refused", PREDICT_S, lambda: next_granule(cfg, b["budget"], S + b["granule"]))
     guarded(run, sec, "train at the longest length", estimate_s(run, cfg, S, steps=3, plan=True),
             lambda: train_longest(run, S))
+
+
+def predict_longest(run: Run) -> dict:
+    """tailorfx.max_seq_len for the budget, kept in run.shared["longest"] for the sections after."""
+    import tailorfx
+    b = budgets(run)
+    t0 = time.time()
+    S = tailorfx.max_seq_len(config(run.dry), b["budget"], setup=SETUP, granularity=b["granule"], limit=b["limit"])
+    run.shared["longest"] = S
+    return {"predicted_longest": S, "planner_s": round(time.time() - t0, 1), "budget": str(b["budget"])}
 
 
 def train_longest(run: Run, S: int) -> dict:
@@ -380,6 +386,15 @@ def timed_steps(run: Run, name: str, S: int, reps: int) -> dict:
     return res
 
 
+def asked_lengths(run: Run, b: dict) -> list[int]:
+    """The speed rows' lengths: --length's, or the section's. A dry run scales --length's by its own
+    longest over the GPU's (32K -> 512), so the GPU's exact command can be rehearsed on the CPU."""
+    asked = getattr(run.args, "length", None)
+    if not asked:
+        return list(b["lengths"])
+    return [max(DRY["granule"], L * max(DRY["lengths"]) // max(LENGTHS)) for L in asked] if run.dry else list(asked)
+
+
 def section_speed(run: Run, sec: dict) -> None:
     """The longest row, the agreements, the other rows (see the module's docstring for why)."""
     b = budgets(run)
@@ -388,7 +403,7 @@ def section_speed(run: Run, sec: dict) -> None:
                         "state, so two cannot share the 80 GB budget); the GPU's clocks are steady enough for that")
     sec["notes"].append("the longest row runs first, then the agreements at a short length, then the shorter rows: "
                         "a budgeted optimize() takes minutes, so the rows at the end of the time may be skipped")
-    lengths = sorted(getattr(run.args, "length", None) or b["lengths"], reverse=True)
+    lengths = sorted(asked_lengths(run, b), reverse=True)
     speed_row(run, sec, lengths[0], TOP_ROW, reps)
     short = min(b["lengths"]) // 16 if not run.dry else 64   # 512 tokens, whatever --length asks
     for name in asked(run, PROVIDERS[:1] + PROVIDERS[2:]):   # every provider but eager, the reference
@@ -467,8 +482,12 @@ def train_offload(run: Run, S: int, offload: bool, reps: int) -> dict:
 
 
 def section_probe(run: Run, sec: dict) -> None:
+    """The longest length's plan one granule longer, in a subprocess; the length predicted here when
+    the longest section did not run in this call (a lease's second call: --section offload --section probe)."""
     if "longest" not in run.shared:
-        raise Skip("the longest section did not predict a length")
+        guarded(run, sec, "max_seq_len", PREDICT_S, lambda: predict_longest(run))
+    if "longest" not in run.shared:
+        raise Skip("max_seq_len gave no length to probe past")
     S = run.shared["longest"] + budgets(run)["granule"]
     need = PYTHON_S + TRACE_S + estimate_s(run, config(run.dry), S, steps=2)
     guarded(run, sec, f"the longest plan at {S} tokens", need, lambda: probe(run, S, need))

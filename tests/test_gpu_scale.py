@@ -5,6 +5,7 @@ comparison by name, ALST's one update a step."""
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -246,3 +247,60 @@ def test_dry_run_runs_every_section(tmp_path):
     probe = data["sections"]["probe"]["checks"][0]
     assert probe["returncode"] == 0 and probe["tokens"] == longest["max_seq_len"]["predicted_longest"] + 64
     assert probe["status"] == "pass" and "error" not in probe and "over_limit" in probe
+
+
+def next_gpu_run_commands() -> list[list[str]]:
+    """The benchmark commands docs/gpu.md's "The next GPU run" gives a lent GPU, as argument lists
+    after `python3` ($OUT left in)."""
+    text = open(os.path.join(ROOT, "docs", "gpu.md")).read()
+    section = text.split("\n## The next GPU run\n", 1)[1].split("\n## ", 1)[0]
+    commands, pending = [], ""
+    for line in section.splitlines():
+        if not line.startswith("    "):
+            continue
+        pending += line.strip()
+        if pending.endswith("\\"):
+            pending = pending[:-1] + " "
+            continue
+        words = shlex.split(pending)
+        pending = ""
+        while words and "=" in words[0]:   # PYTHONUNBUFFERED=1
+            words.pop(0)
+        if words[:1] == ["python3"] and words[1:2] and words[1].startswith("benchmarks/"):
+            commands.append(words[1:])
+    return commands
+
+
+@pytest.mark.slow
+def test_the_next_gpu_runs_commands_rehearse_on_the_cpu(tmp_path):
+    """Each benchmark command docs/gpu.md gives the next lease, its flags as written, under --dry-run:
+    every section it asks for runs at least one check and none fails (the speed rows at --length
+    32768 scaled to the dry run's lengths; a second call's probe predicts its own length: before,
+    the first errored on the CPU budget and the probe ran nothing, reported ok)."""
+    commands = next_gpu_run_commands()
+    scale = [c for c in commands if c[0] == "benchmarks/gpu_scale.py"]
+    kernels = [c for c in commands if c[0] == "benchmarks/kernel_speed.py"]
+    assert len(scale) >= 2 and len(kernels) == 1, commands
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    for i, words in enumerate(commands):
+        out = tmp_path / f"call{i}"
+        out.mkdir()
+        args = [w.replace("$OUT", str(out)) for w in words] + ["--dry-run"]
+        if words in kernels:   # every case's dry run: tests/test_kernels_benchmark.py
+            args += ["--only", "rms_norm"]
+        r = subprocess.run([sys.executable, os.path.join(ROOT, *args[0].split("/")), *args[1:]],
+                           env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+        assert r.returncode == 0, (words, r.stderr[-4000:])
+        written = [json.loads(p.read_text()) for p in out.glob("*.json")]
+        assert len(written) == 1, (words, list(out.iterdir()))
+        if words in kernels:
+            rows = written[0]["rows"]
+            assert rows and not [r for r in rows if "error" in r], rows
+            continue
+        asked = [words[j + 1] for j, w in enumerate(words) if w == "--section"]
+        sections = written[0]["sections"]
+        assert asked and list(sections) == asked, (words, list(sections))
+        for name, sec in sections.items():
+            bad = [(c["name"], c.get("error", c)) for c in sec["checks"] if c["status"] not in ("pass", "skipped")]
+            assert sec["status"] == "ok" and not bad, (words, name, bad)
+            assert any(c["status"] == "pass" for c in sec["checks"]), (words, name, sec)
