@@ -200,6 +200,7 @@ LONGEST = {
     "tests/test_depth.py::test_the_activation_offload_ladder_from_a_shallow_capture_is_the_whole_ones": 198,
     "tests/test_parallel.py::test_pipeline_schedules_equal_one_process": 180,
     "tests/test_inductor.py::test_the_planner_keeps_a_budget_under_inductor": 171,
+    "tests/test_gpu_scale.py::test_the_next_gpu_runs_commands_rehearse_on_the_cpu": 170,   # 85 s idle, 2026-12-06
     "tests/test_depth.py::test_a_deep_model_is_planned_on_a_shallow_capture_of_its_config": 169,
     "tests/test_inductor.py::test_every_rewrite_holds_under_inductor": 157,
     "tests/test_examples.py::test_example_runs[plain_loop.py]": 152,
