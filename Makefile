@@ -41,6 +41,8 @@ COMPILE211 := tests/test_triton_codegen.py::test_every_example_compiles_for_sm80
 	tests/test_triton_attention.py::test_compiles_for_sm90_without_spills \
 	tests/test_triton_kernels.py::test_compiles_for_sm90 \
 	tests/test_cli.py::test_kernels_compile_for_sm80_at_the_configs_shapes
+# and the next GPU run's commands as docs/gpu.md gives them, under --dry-run with the machines' torch
+REHEARSE211 := tests/test_gpu_scale.py::test_the_next_gpu_runs_commands_rehearse_on_the_cpu
 $(VENV211)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV211)
 	$(VENV211)/bin/pip install --upgrade pip
@@ -50,7 +52,8 @@ $(VENV211)/.installed: pyproject.toml
 	touch $@
 
 test-torch211: $(VENV211)/.installed
-	$(VENV211)/bin/python $(PYTEST) -m "ptxas or cuda_build or not (slow or multiprocess or long)" $(SMOKE211) $(COMPILE211)
+	$(VENV211)/bin/python $(PYTEST) -m "ptxas or cuda_build or gpu_release or not (slow or multiprocess or long)" \
+		$(SMOKE211) $(COMPILE211) $(REHEARSE211)
 
 # not in CI: the property test's long profile (200 random models; CI runs its short profile in
 # `make test`) and the tests marked long, each the costly form of a claim a test in CI checks

@@ -271,7 +271,22 @@ def next_gpu_run_commands() -> list[list[str]]:
     return commands
 
 
+def triton_interpreter_runs(tmp_path, env: dict) -> bool:
+    """Whether Triton's interpreter runs tailorfx's RMSNorm, forward and backward, here: under torch
+    2.11 (make test-torch211) its Triton 3.6 fails on numpy 2.4 in the backward ("only 0-dimensional
+    arrays can be converted to Python scalars"); only the GPU runs the kernels with that Triton."""
+    script = tmp_path / "interpreted.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from tailorfx.runtime import triton_ops
+        x = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
+        triton_ops.triton_norm(x, torch.ones(64, dtype=torch.bfloat16), None, eps=1e-6, kind="rms").sum().backward()
+    """))
+    return subprocess.run([sys.executable, str(script)], env=env, capture_output=True, timeout=300).returncode == 0
+
+
 @pytest.mark.slow
+@pytest.mark.gpu_release
 def test_the_next_gpu_runs_commands_rehearse_on_the_cpu(tmp_path):
     """Each benchmark command docs/gpu.md gives the next lease, its flags as written, under --dry-run:
     every section it asks for runs at least one check and none fails (the speed rows at --length
@@ -282,6 +297,7 @@ def test_the_next_gpu_runs_commands_rehearse_on_the_cpu(tmp_path):
     kernels = [c for c in commands if c[0] == "benchmarks/kernel_speed.py"]
     assert len(scale) >= 2 and len(kernels) == 1, commands
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    interpreted = triton_interpreter_runs(tmp_path, env)
     for i, words in enumerate(commands):
         out = tmp_path / f"call{i}"
         out.mkdir()
@@ -295,7 +311,10 @@ def test_the_next_gpu_runs_commands_rehearse_on_the_cpu(tmp_path):
         assert len(written) == 1, (words, list(out.iterdir()))
         if words in kernels:
             rows = written[0]["rows"]
-            assert rows and not [r for r in rows if "error" in r], rows
+            errors = [r for r in rows if "error" in r]
+            if not interpreted:   # its rows ran up to the kernel; the kernels' exactness: make test
+                errors = [r for r in errors if not r["error"].startswith("InterpreterError")]
+            assert rows and not errors, rows
             continue
         asked = [words[j + 1] for j, w in enumerate(words) if w == "--section"]
         sections = written[0]["sections"]
