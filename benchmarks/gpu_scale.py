@@ -176,10 +176,8 @@ def budgets(run: Run) -> dict:
 # ---- sections --------------------------------------------------------------------------------
 
 def section_longest(run: Run, sec: dict) -> None:
-    import tailorfx
     b = budgets(run)
     cfg = config(run.dry)
-
     guarded(run, sec, "max_seq_len", PREDICT_S, lambda: predict_longest(run))
     if "longest" not in run.shared:
         raise Skip("max_seq_len gave no length to train at")

@@ -311,9 +311,9 @@ def test_the_next_gpu_runs_commands_rehearse_on_the_cpu(tmp_path):
         assert len(written) == 1, (words, list(out.iterdir()))
         if words in kernels:
             rows = written[0]["rows"]
-            errors = [r for r in rows if "error" in r]
+            errors = [row for row in rows if "error" in row]
             if not interpreted:   # its rows ran up to the kernel; the kernels' exactness: make test
-                errors = [r for r in errors if not r["error"].startswith("InterpreterError")]
+                errors = [row for row in errors if not row["error"].startswith("InterpreterError")]
             assert rows and not errors, rows
             continue
         asked = [words[j + 1] for j, w in enumerate(words) if w == "--section"]
