@@ -390,7 +390,7 @@ def asked_lengths(run: Run, b: dict) -> list[int]:
     asked = getattr(run.args, "length", None)
     if not asked:
         return list(b["lengths"])
-    return [max(DRY["granule"], L * max(DRY["lengths"]) // max(LENGTHS)) for L in asked] if run.dry else list(asked)
+    return [max(b["granule"], L * max(b["lengths"]) // max(LENGTHS)) for L in asked] if run.dry else list(asked)
 
 
 def section_speed(run: Run, sec: dict) -> None:

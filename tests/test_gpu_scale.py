@@ -194,6 +194,11 @@ def test_alst_optimizer_updates_once_after_the_last_shard(gpu_scale):
     assert sharded_step(tailorfx.SetupOptimizer)[0] == 3   # the plain hooks step once a shard
 
 
+def failed_checks(sec: dict) -> list:
+    """(name, error) of each check of a section of the JSON that neither passed nor was skipped."""
+    return [(c["name"], c.get("error", c)) for c in sec["checks"] if c["status"] not in ("pass", "skipped")]
+
+
 @pytest.mark.slow
 def test_dry_run_runs_every_section(tmp_path):
     out = tmp_path / "gpu_scale.json"
@@ -206,7 +211,7 @@ def test_dry_run_runs_every_section(tmp_path):
     assert data["meta"]["weight_grad_sum"]["rel_err"] < 1e-6   # bf16 products summed in fp32
     assert list(data["sections"]) == ["longest", "speed", "offload", "probe"]
     for name, sec in data["sections"].items():
-        bad = [(c["name"], c.get("error", c)) for c in sec["checks"] if c["status"] not in ("pass", "skipped")]
+        bad = failed_checks(sec)
         assert sec["status"] == "ok" and not bad, (name, bad)
         # only a peer that is not installed here is skipped, and it says how to carry it; and the
         # Triton row, which Triton's interpreter would take minutes a step over
@@ -320,6 +325,6 @@ def test_the_next_gpu_runs_commands_rehearse_on_the_cpu(tmp_path):
         sections = written[0]["sections"]
         assert asked and list(sections) == asked, (words, list(sections))
         for name, sec in sections.items():
-            bad = [(c["name"], c.get("error", c)) for c in sec["checks"] if c["status"] not in ("pass", "skipped")]
+            bad = failed_checks(sec)
             assert sec["status"] == "ok" and not bad, (words, name, bad)
             assert any(c["status"] == "pass" for c in sec["checks"]), (words, name, sec)
