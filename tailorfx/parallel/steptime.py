@@ -85,19 +85,24 @@ class DeviceClass:
         return self.latency, self.link_bandwidth if inside_node else self.network_bandwidth
 
 
-# Datasheet figures times the fraction training sustains (bf16 dense matmuls at 45% of peak,
-# flash attention's forward and backward at 35% on Hopper, 50% on Ampere (FlashAttention-2's
-# published figures through SDPA), memory at 80%); collectives at NCCL's bus bandwidth on 8-GPU
-# NVLink nodes and one 400 (H100) or 200 (A100) Gb/s InfiniBand port per GPU. Modelled: no GPU has
-# checked them yet (calibrate() measures a CPU machine's own, on gloo).
+# Datasheet figures times the fraction training sustains. Hopper's, measured on an H200 (Llama-3-8B,
+# 2026-12-04, its kernels profiled by kind; benchmarks/steptime_gpu.py fits them on one row and holds
+# the others out): bf16 matmuls at 75% of peak, flash attention's forward and backward at 52%, the
+# other ops (with the optimizer's) at 63% of the memory bandwidth; the H100 shares the H200's compute
+# and is taken at the same fractions of its own datasheet. The A100's are assumed (matmuls at 45%,
+# FlashAttention-2's published 50%, memory at 80%). Collectives at NCCL's bus bandwidth on 8-GPU
+# NVLink nodes and one 400 (H100) or 200 (A100) Gb/s InfiniBand port per GPU, not measured on a GPU
+# (calibrate() measures a CPU machine's own, on gloo).
 _GPU = dict(op_overhead=5e-6, dtensor_overhead=40e-6, latency=15e-6, ranks_per_node=8, overlap_fsdp=True)
 DEVICE_CLASSES = {
-    "H100": DeviceClass("H100", matmul_flops=0.45 * 989e12, attention_flops=0.35 * 989e12,
-                        memory_bandwidth=0.8 * 3.35e12, link_bandwidth=360e9, network_bandwidth=40e9, **_GPU,
-                        source="H100 SXM datasheet (989 TFLOP/s bf16, 3.35 TB/s), NVLink 4, 400 Gb/s IB per GPU"),
-    "H200": DeviceClass("H200", matmul_flops=0.45 * 989e12, attention_flops=0.35 * 989e12,
-                        memory_bandwidth=0.8 * 4.8e12, link_bandwidth=360e9, network_bandwidth=40e9, **_GPU,
-                        source="H200 SXM datasheet (989 TFLOP/s bf16, 4.8 TB/s), NVLink 4, 400 Gb/s IB per GPU"),
+    "H100": DeviceClass("H100", matmul_flops=0.75 * 989e12, attention_flops=0.52 * 989e12,
+                        memory_bandwidth=0.63 * 3.35e12, link_bandwidth=360e9, network_bandwidth=40e9, **_GPU,
+                        source="H100 SXM datasheet (989 TFLOP/s bf16, 3.35 TB/s) at the H200's measured fractions, "
+                               "NVLink 4, 400 Gb/s IB per GPU"),
+    "H200": DeviceClass("H200", matmul_flops=0.75 * 989e12, attention_flops=0.52 * 989e12,
+                        memory_bandwidth=0.63 * 4.8e12, link_bandwidth=360e9, network_bandwidth=40e9, **_GPU,
+                        source="H200 SXM datasheet (989 TFLOP/s bf16, 4.8 TB/s) at the fractions measured on one "
+                               "(2026-12-04), NVLink 4, 400 Gb/s IB per GPU"),
     "A100": DeviceClass("A100", matmul_flops=0.45 * 312e12, attention_flops=0.5 * 312e12,
                         memory_bandwidth=0.8 * 2.04e12, link_bandwidth=230e9, network_bandwidth=20e9, **_GPU,
                         source="A100 SXM 80GB datasheet (312 TFLOP/s bf16, 2.04 TB/s), NVLink 3, 200 Gb/s IB per GPU"),
@@ -129,6 +134,7 @@ class StepTime:
     optimizer_s: float
     flops: int                   # the rank's FLOPs in the step (recompute included)
     overlap_fsdp: bool = False
+    by_kind: tuple = ()          # compute_s by kind: (("gemm", s), ("attention", s), ("other", s)); pp=1 only
 
     @property
     def forward_backward_s(self) -> float:
@@ -219,11 +225,13 @@ class _GraphTime:
     compute: dict
     flops: dict
     comm: list                   # (kind, bytes, calls) of each collective in the graph
+    kinds: dict                  # the same seconds by kind: attention, gemm (other ops with FLOPs), other
 
 
 def _graph_time(g: fx.GraphModule, group_of: dict, dev: DeviceClass, dtensor: bool) -> _GraphTime:
     compute: dict[int, float] = {}
     flops: dict[int, int] = {}
+    kinds: dict[str, float] = {}
     comm = []
     overhead = dev.op_overhead + (dev.dtensor_overhead if dtensor else 0.0)
     for n in g.graph.nodes:
@@ -244,9 +252,12 @@ def _graph_time(g: fx.GraphModule, group_of: dict, dev: DeviceClass, dtensor: bo
         nbytes = _nbytes(args) + _nbytes(out)
         grp = group_of.get(n.name, 0)
         rate = dev.attention_flops if _is_attention(n.target) else dev.matmul_flops
-        compute[grp] = compute.get(grp, 0.0) + max(f / rate, nbytes / dev.memory_bandwidth) + overhead
+        t = max(f / rate, nbytes / dev.memory_bandwidth) + overhead
+        compute[grp] = compute.get(grp, 0.0) + t
         flops[grp] = flops.get(grp, 0) + f
-    return _GraphTime(compute, flops, comm)
+        kind = "attention" if _is_attention(n.target) else "gemm" if f else "other"
+        kinds[kind] = kinds.get(kind, 0.0) + t
+    return _GraphTime(compute, flops, comm, kinds)
 
 
 def _collective_s(dev: DeviceClass, kind: str, nbytes: float, calls: int, size: int, stride: int) -> float:
@@ -283,7 +294,7 @@ def predict_step_time(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: int
     if key not in cap.profiles:
         cap.profiles[key] = (_graph_time(cap.steps.fw, cap.fw_group, dev, rm.tp > 1),
                              _graph_time(cap.steps.bw, cap.bw_group, dev, rm.tp > 1) if cap.steps.bw is not None
-                             else _GraphTime({}, {}, []))
+                             else _GraphTime({}, {}, [], {}))
     fw, bw = cap.profiles[key]
     per_group = {g: fw.compute.get(g, 0.0) + bw.compute.get(g, 0.0) for g in range(cap.num_groups)}
     flops = sum(fw.flops.values()) + sum(bw.flops.values())
@@ -297,8 +308,9 @@ def predict_step_time(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: int
     share = max(1.0, world / dev.shared_cores) if dev.shared_cores else 1.0
     if rm.pp == 1:
         units = [{g} for g in range(cap.num_groups)]
+        kinds = tuple((k, (fw.kinds.get(k, 0.0) + bw.kinds.get(k, 0.0)) * share) for k in ("gemm", "attention", "other"))
         return StepTime(layout, dev.name, sum(per_group.values()) * share, tp_comm, _fsdp_s(cap, dev, rm, units), uly,
-                        0.0, 0.0, opt * share, flops, dev.overlap_fsdp)
+                        0.0, 0.0, opt * share, flops, dev.overlap_fsdp, kinds)
     m = rm.microbatches
     ranks = _pipeline_ranks(cap, spec, dev, per_group, tp_comm)
     compute, p2p, tp_share, stages = max(ranks, key=lambda t: t[0] + t[1] + t[2])
