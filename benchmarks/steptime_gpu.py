@@ -4,6 +4,7 @@ of benchmarks/gpu_scale.py with each step's kernels profiled by kind).
 
     python benchmarks/steptime_gpu.py          # predicted against measured, each row and kind; JSON
     python benchmarks/steptime_gpu.py --fit    # the device fractions the fit row implies
+    python benchmarks/steptime_gpu.py --measured PATH   # a later gpu_scale.py JSON (its profiled rows)
 
 What the model can be held to: the rows whose recipe it represents as `passes=["recompute"]` on
 tailorfx's capture of the same model (pure-bf16-fused-optimizer, batch 1). HF gradient
@@ -31,10 +32,21 @@ FIT_ROW = ("hf-checkpointing", 16384)
 # provider -> the kinds of kernel the model is held to for it
 KINDS = {"hf-checkpointing": ("step", "gemm", "attention", "other"), "liger+hf-checkpointing": ("gemm", "attention")}
 SETUP = "pure-bf16-fused-optimizer"
-# the fractions of the H200's datasheet (989 TFLOP/s bf16, 4.8 TB/s) the model took before this check
+# the fractions of Hopper's datasheets (989 TFLOP/s bf16; 3.35 or 4.8 TB/s) the model took before this check
 DATASHEET = {"matmul_flops": 0.45, "attention_flops": 0.35, "memory_bandwidth": 0.8}
-PEAKS = {"matmul_flops": 989e12, "attention_flops": 989e12, "memory_bandwidth": 4.8e12}
+PEAKS = {"H100": {"matmul_flops": 989e12, "attention_flops": 989e12, "memory_bandwidth": 3.35e12},
+         "H200": {"matmul_flops": 989e12, "attention_flops": 989e12, "memory_bandwidth": 4.8e12}}
 KIND_OF = {"gemm": "matmul_flops", "attention": "attention_flops", "other": "memory_bandwidth"}
+
+
+def gpu_of(path: str = MEASURED) -> str:
+    """The device class of the GPU a gpu_scale.py JSON was measured on."""
+    with open(path) as f:
+        gpu = json.load(f)["meta"].get("gpu", "")
+    name = next((k for k in PEAKS if k in gpu), None)
+    if name is None:
+        raise ValueError(f"{path} was measured on {gpu!r}: this check has Hopper's figures ({sorted(PEAKS)}) only")
+    return name
 
 
 def measured_rows(path: str = MEASURED) -> list[dict]:
@@ -62,11 +74,11 @@ def predicted(S: int, device) -> dict:
             "other": kinds["other"] + st.optimizer_s}
 
 
-def datasheet_class():
-    """The H200 class with the fractions the model took before this check."""
+def datasheet_class(gpu: str = "H200"):
+    """The GPU's class with the fractions the model took before this check."""
     from tailorfx.parallel.steptime import DEVICE_CLASSES
-    return dataclasses.replace(DEVICE_CLASSES["H200"], **{k: f * PEAKS[k] for k, f in DATASHEET.items()},
-                               source="H200 datasheet x the fractions assumed before 2026-12-06")
+    return dataclasses.replace(DEVICE_CLASSES[gpu], **{k: f * PEAKS[gpu][k] for k, f in DATASHEET.items()},
+                               source=f"{gpu} datasheet x the fractions assumed before 2026-12-06")
 
 
 def compare(devices: dict, rows: list[dict]) -> list[dict]:
@@ -94,24 +106,29 @@ def fit(rows: list[dict]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit", action="store_true", help="print the fractions FIT_ROW implies, and stop")
+    ap.add_argument("--measured", default=MEASURED, help="a gpu_scale.py JSON with profiled speed rows")
     args = ap.parse_args(argv)
-    rows = measured_rows()
+    rows = measured_rows(args.measured)
+    if not rows:
+        ap.error(f"{args.measured} has no profiled speed row of {sorted(KINDS)} (gpu_scale.py --section speed writes them)")
     t0 = time.time()
     if args.fit:
         print(json.dumps({"fit_row": FIT_ROW, "fractions": fit(rows)}))
         return 0
     from tailorfx.parallel.steptime import DEVICE_CLASSES
-    devices = {"datasheet": datasheet_class(), "H200": DEVICE_CLASSES["H200"]}
+    gpu = gpu_of(args.measured)
+    devices = {"datasheet": datasheet_class(gpu), gpu: DEVICE_CLASSES[gpu]}
     res = compare(devices, rows)
-    print_table("Llama-3-8B on one H200 (2026-12-04): the step-time model against the profile, seconds",
-                ["provider", "tokens", "kind", "measured", "datasheet class", "error", "H200 class", "error"],
+    print_table(f"Llama-3-8B, {os.path.basename(args.measured)}: the step-time model against the profile, seconds",
+                ["provider", "tokens", "kind", "measured", "datasheet class", "error", f"{gpu} class", "error"],
                 [[e["provider"] + (" (fit)" if e["fit_row"] else ""), f"{e['tokens']:,}", e["kind"],
                   f"{e['measured_s']:.3f}", f"{e['datasheet']['predicted_s']:.3f}", f"{e['datasheet']['error']:+.1%}",
-                  f"{e['H200']['predicted_s']:.3f}", f"{e['H200']['error']:+.1%}"] for e in res])
-    held = [abs(e["H200"]["error"]) for e in res if not e["fit_row"]]
-    print(f"held-out rows: worst error {max(held):.1%} on the H200 class ({time.time() - t0:.0f} s)")
-    path = write_json("steptime_h200_2026-12-06.json", {
-        "measured": os.path.basename(MEASURED), "fit_row": FIT_ROW, "setup": SETUP,
+                  f"{e[gpu]['predicted_s']:.3f}", f"{e[gpu]['error']:+.1%}"] for e in res])
+    held = [abs(e[gpu]["error"]) for e in res if not e["fit_row"]]
+    print(f"held-out rows: worst error {max(held, default=0):.1%} on the {gpu} class ({time.time() - t0:.0f} s)")
+    name = "steptime_h200_2026-12-06.json" if args.measured == MEASURED else "steptime_vs_" + os.path.basename(args.measured)
+    path = write_json(name, {
+        "measured": os.path.basename(args.measured), "fit_row": FIT_ROW, "setup": SETUP,
         "classes": {name: d.as_dict() for name, d in devices.items()}, "rows": res})
     print("wrote", path)
     return 0
