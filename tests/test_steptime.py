@@ -2,7 +2,8 @@
 cluster: FLOPs against torch's FlopCounterMode on the eager step and the closed forms of
 recompute and attention; collective traffic against the ring model's closed forms, on device
 classes that make one term the whole step; the pipeline's bubble; the world planner's ranking.
-How well it ranks measured layouts is benchmarks/parallel.py's (Spearman on 4 gloo processes)."""
+How well it ranks measured layouts is benchmarks/parallel.py's (Spearman on 4 gloo processes); the
+Hopper classes against Llama-3-8B's steps measured on an H200, benchmarks/steptime_gpu.py's."""
 import json
 import math
 import os
@@ -56,6 +57,10 @@ def test_flops_of_a_step_are_torchs_flop_counter_plus_attention():
     assert st.flops == counter.get_total_flops() + attention_flops(ROWS)
     assert counter.get_total_flops() == 6 * ROWS * SEQ * linear_params(model)
     assert st.compute_s == pytest.approx(st.flops)       # 1 s per FLOP, nothing else costs
+    kinds = dict(st.by_kind)     # what a GPU profile is checked against by kind (steptime_gpu.py)
+    assert kinds == pytest.approx({"gemm": counter.get_total_flops(), "attention": attention_flops(ROWS), "other": 0})
+    moved = dict(step(replace(FLOPS, memory_bandwidth=1.0), passes=[]).by_kind)   # 1 s per byte as well
+    assert moved["other"] > 0 and moved["gemm"] >= kinds["gemm"]
 
 
 def test_recompute_adds_each_blocks_forward_again():
