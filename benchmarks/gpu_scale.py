@@ -551,10 +551,25 @@ def probe_main(S: int, dry: bool) -> None:
 
 # ---- predicted tables (fake tensors, no GPU) -----------------------------------------------------
 
+def predicted_time(opt, cfg, S: int) -> dict:
+    """The step-time model's figures for a plan (`tailorfx.parallel.plan_step_time`, its graphs as
+    lowered): seconds by kind of kernel and MFU on the Hopper classes (fitted on the H200 of
+    2026-12-04, benchmarks/steptime_gpu.py)."""
+    from tailorfx.parallel import plan_step_time
+    from gpucheck.steps import config_params, step_flops
+    out = {}
+    for gpu in ("H200", "H100"):
+        st = plan_step_time(opt, gpu)
+        out[gpu] = {"step_s": round(st.total_s, 2), **{k: round(v, 2) for k, v in st.by_kind},
+                    "optimizer_s": round(st.optimizer_s, 3),
+                    "mfu": round(step_flops(cfg, config_params(cfg), S) / st.total_s / (PEAK_TFLOPS * 1e12), 3)}
+    return out
+
+
 def predict_tables(out: str) -> dict:
     """What the GPU run should measure, from the memory model alone (CUDA's costs of the sm90
-    budget modelled): the longest lengths, the refusal above, the predicted peaks at the speed
-    section's lengths, the offload lengths. Written beside the measured JSON."""
+    budget modelled): the longest lengths, the refusal above, the predicted peaks and step times at
+    the speed section's lengths, the offload lengths. Written beside the measured JSON."""
     import tailorfx
     from tailorfx.budget import Budget, PRESETS
     from tailorfx.sizing import plan_for_budget
@@ -567,11 +582,11 @@ def predict_tables(out: str) -> dict:
     print("longest", res["longest"], res["longest_s"], "s", flush=True)
     res["next_granule"] = next_granule(cfg, b, res["longest"] + GRANULE)
     res["speed"] = {}
-    for S in LENGTHS:
-        opt = plan_for_budget(cfg, b, S, setup=SETUP, lowering=LOWERING)
+    for S in LENGTHS:   # the whole model captured: its step time is read off its own graphs
+        opt = plan_for_budget(cfg, b, S, setup=SETUP, lowering=LOWERING, shallow=False)
         est = opt.predict_memory()
-        res["speed"][S] = {"plan": plan_labels(opt),
-                           "predicted_peak_gib": round(est.peak_bytes / 2**30, 2)}
+        res["speed"][S] = {"plan": plan_labels(opt), "predicted_peak_gib": round(est.peak_bytes / 2**30, 2),
+                           "predicted_time": predicted_time(opt, cfg, S)}
         if S == max(LENGTHS):   # the row that also runs offload="activations"
             act = plan_for_budget(cfg, b, S, setup=SETUP, lowering=LOWERING, offload="activations")
             aest = act.predict_memory()

@@ -25,9 +25,12 @@ from tailorfx.shallow import capture_step, parameter_count, prediction_model as 
 
 def _shallow_first(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn(..., shallow=True)`, predicted from a shallow capture of a config's repeating layers,
-    and again from the whole model where its blocks do not repeat alike (depth.NotComposable)."""
+    and again from the whole model where its blocks do not repeat alike (depth.NotComposable).
+    `shallow=False` asks for the whole model at once (what plan_step_time walks)."""
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args, shallow: bool = True, **kwargs):
+        if not shallow:
+            return fn(*args, shallow=False, **kwargs)
         try:
             return fn(*args, shallow=True, **kwargs)
         except depth.NotComposable:

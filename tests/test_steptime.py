@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tailorfx import planner
 from tailorfx.budget import Budget
-from tailorfx.parallel import DEVICE_CLASSES, DeviceClass, plan_world, predict_step_time, preference
+from tailorfx.parallel import DEVICE_CLASSES, DeviceClass, plan_step_time, plan_world, predict_step_time, preference
 from tailorfx.parallel.steptime import device_class
 
 SEQ, ROWS = 64, 2
@@ -61,6 +61,45 @@ def test_flops_of_a_step_are_torchs_flop_counter_plus_attention():
     assert kinds == pytest.approx({"gemm": counter.get_total_flops(), "attention": attention_flops(ROWS), "other": 0})
     moved = dict(step(replace(FLOPS, memory_bandwidth=1.0), passes=[]).by_kind)   # 1 s per byte as well
     assert moved["other"] > 0 and moved["gemm"] >= kinds["gemm"]
+
+
+def test_a_plans_step_time_walks_the_graphs_it_lowered():
+    """plan_step_time(opt): an optimize()d HF Llama, nothing rewritten, costs the eager step's FLOPs;
+    with its MLPs in sequence chunks (the regions replaced them), each MLP's three matmuls run
+    forward once more in backward, and the regions' pointwise bytes count with the other ops."""
+    import tailorfx
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CFG)
+    ids = torch.randint(0, CFG.vocab_size, (ROWS, SEQ))
+    plain = plan_step_time(tailorfx.optimize(model, passes=[], example_inputs={"input_ids": ids, "labels": ids}), FLOPS)
+    assert plain.flops == 6 * ROWS * SEQ * linear_params(model) + attention_flops(ROWS)
+    assert plain.compute_s == pytest.approx(plain.flops) and plain.optimizer_s < 1e-12   # memory is free on FLOPS
+    opt = tailorfx.optimize(LlamaForCausalLM(CFG), passes=["minisequence"], example_inputs={"input_ids": ids,
+                                                                                           "labels": ids})
+    assert any(r.name == "minisequence" and r.changed for r in opt.graph_records[0].records)
+    chunked = plan_step_time(opt, FLOPS)
+    assert chunked.flops - plain.flops == 2 * ROWS * SEQ * linear_params(model, inside="mlp")
+    mem = replace(FLOPS, memory_bandwidth=1.0)          # 1 s per FLOP and per byte
+    assert dict(plan_step_time(opt, mem).by_kind)["other"] > dict(plan_step_time(opt, FLOPS).by_kind)["other"]
+    # captured again at twice the length: the region's key, and its graph's recorded sizes, are the first's
+    ids2 = torch.randint(0, CFG.vocab_size, (ROWS, 2 * SEQ))
+    longer = tailorfx.optimize(LlamaForCausalLM(CFG), passes=["minisequence"], example_inputs={"input_ids": ids2,
+                                                                                              "labels": ids2})
+    regions = [{n.args[0] for n in o.graph_records[0].rewritten.graph.nodes if "token_chunked" in str(n.target)}
+               for o in (opt, longer)]
+    assert regions[0] == regions[1] and regions[0], regions
+    assert plan_step_time(longer, FLOPS).flops == 6 * ROWS * 2 * SEQ * linear_params(model) + 4 * attention_flops(
+        ROWS) + 2 * ROWS * 2 * SEQ * linear_params(model, inside="mlp")
+
+
+@pytest.mark.slow
+def test_a_plan_captured_shallow_has_no_step_time_until_planned_whole():
+    from tailorfx.sizing import plan_for_budget
+    deep = LlamaConfig(**{**CFG.to_dict(), "num_hidden_layers": 16})
+    with pytest.raises(ValueError, match="shallow capture.*shallow=False"):
+        plan_step_time(plan_for_budget(deep, "1GB", SEQ, setup="fp32"), FLOPS)
+    whole = plan_step_time(plan_for_budget(deep, "1GB", SEQ, setup="fp32", shallow=False), FLOPS)
+    assert whole.flops > 8 * attention_flops(1)      # sixteen blocks' attention, and more
 
 
 def test_recompute_adds_each_blocks_forward_again():

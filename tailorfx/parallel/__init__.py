@@ -14,7 +14,8 @@ The modules import one way, each only those above it in this list (tests/test_la
     compose        that simulation composed under FSDP2 and a pipeline schedule
     memory         per-rank memory of a layout (predict_rank_memory, RankMemory, RankPrediction)
     fit            the rewrites each rank takes under optimize(budget=..., parallel=...)
-    steptime       a layout's predicted step time on a device class (predict_step_time)
+    steptime       a layout's predicted step time on a device class (predict_step_time), or a
+                   single process's plan's (plan_step_time)
     calibrate      a device class measured on this machine's process group (gloo)
     world          the layout a world of devices should use under a budget (plan_world)
     apply          optimize(parallel=...) inside torchrun: each parallelism applied (parallelize)
@@ -26,9 +27,9 @@ from tailorfx.parallel.apply import ParallelPlan, parallelize
 from tailorfx.parallel.memory import RankMemory, StageMemory, predict_rank_memory
 from tailorfx.parallel.plan import plan_tensor_parallel
 from tailorfx.parallel.spec import ParallelSpec, describe_layout
-from tailorfx.parallel.steptime import DEVICE_CLASSES, DeviceClass, StepTime, predict_step_time
+from tailorfx.parallel.steptime import DEVICE_CLASSES, DeviceClass, StepTime, plan_step_time, predict_step_time
 from tailorfx.parallel.world import WorldCandidate, plan_world, preference
 
 __all__ = ["DEVICE_CLASSES", "DeviceClass", "ParallelPlan", "ParallelSpec", "RankMemory", "StageMemory", "StepTime",
            "WorldCandidate", "describe_layout", "parallelize", "plan_tensor_parallel", "plan_world",
-           "predict_rank_memory", "predict_step_time", "preference"]
+           "plan_step_time", "predict_rank_memory", "predict_step_time", "preference"]

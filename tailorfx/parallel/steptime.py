@@ -184,6 +184,12 @@ def _causal(target, args, kwargs) -> bool:
     return bool(compat.op_argument(target, "is_causal", args, kwargs, False))
 
 
+# a mini-sequence region's op -> how many times it runs its graph's work: once forward; in backward each
+# chunk's forward again, then its backward (about twice the forward's)
+_REGIONS = {"token_chunked": 1, "token_segment": 1, "token_chunked_random": 1,
+            "token_chunked_backward": 3, "token_segment_backward": 3, "token_chunked_random_backward": 3}
+
+
 def op_flops(target, args, kwargs, out) -> int:
     """FLOPs of one call: torch's formulas, the CPU flash kernels', tailorfx's ops' (0 if unknown)."""
     if target in (torch.ops.higher_order.run_and_save_rng_state, torch.ops.higher_order.run_with_rng_state):
@@ -206,11 +212,25 @@ def op_flops(target, args, kwargs, out) -> int:
         rows = hidden.numel() // hidden.shape[-1]
         passes = 3 if name.endswith("with_grads") else 1      # logits, then the two gradients' matmuls
         return 2 * passes * rows * weight.numel()
-    if name in ("token_chunked", "token_segment", "token_chunked_random"):
-        return cost.region_flops(args[0], compat.size_hint)
-    if name in ("token_chunked_backward", "token_segment_backward", "token_chunked_random_backward"):
-        return 3 * cost.region_flops(args[0], compat.size_hint)       # each chunk's forward again, then its backward
+    if name in _REGIONS:          # its matmuls; the rest is priced by its bytes (_region_bytes)
+        return int(_REGIONS[name] * _region_scale(name, args) * cost.region_flops(args[0], compat.size_hint,
+                                                                                 matmuls_only=True))
     return 0
+
+
+def _region_scale(name: str, args) -> float:
+    """A mini-sequence op's tokens over those its region's graph holds (the capture that registered
+    its key first, maybe at another length): a token-wise region's cost scales with them."""
+    seq = args[2] if name.endswith("backward") else args[1]
+    recorded = cost.region_input_numel(args[0], compat.size_hint)
+    return compat.size_hint(seq[0].numel()) / recorded if recorded else 1.0
+
+
+def _region_bytes(name: str, args) -> int:
+    """A mini-sequence region's pointwise bytes, which its op's FLOPs leave out: its graph's over
+    every chunk, as many times as _REGIONS says."""
+    times = _REGIONS.get(name)
+    return int(times * _region_scale(name, args) * cost.region_bytes(args[0], compat.size_hint)) if times else 0
 
 
 def _is_attention(target) -> bool:
@@ -253,10 +273,12 @@ def _graph_time(g: fx.GraphModule, group_of: dict, dev: DeviceClass, dtensor: bo
         grp = group_of.get(n.name, 0)
         rate = dev.attention_flops if _is_attention(n.target) else dev.matmul_flops
         t = max(f / rate, nbytes / dev.memory_bandwidth) + overhead
-        compute[grp] = compute.get(grp, 0.0) + t
+        inner = _region_bytes(name, args) / dev.memory_bandwidth     # a region's pointwise ops, after its matmuls
+        compute[grp] = compute.get(grp, 0.0) + t + inner
         flops[grp] = flops.get(grp, 0) + f
         kind = "attention" if _is_attention(n.target) else "gemm" if f else "other"
         kinds[kind] = kinds.get(kind, 0.0) + t
+        kinds["other"] = kinds.get("other", 0.0) + inner
     return _GraphTime(compute, flops, comm, kinds)
 
 
@@ -324,6 +346,28 @@ def predict_step_time(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: int
                     step - busy, opt * share, flops * m, dev.overlap_fsdp)
 
 
+def plan_step_time(opt: Any, device: Union[str, DeviceClass] = "H100") -> StepTime:
+    """Predicted step time of one process's optimize()d model on `device`: the plan as lowered (each
+    graph's forward and backward, walked as a rank's are above) and its optimizer's pass. A plan of a
+    config captured shallow (sizing's default) holds fewer blocks than it stands for: ValueError,
+    plan it with shallow=False."""
+    from tailorfx.planner import partition_for, traced_step
+    dev = device_class(device)
+    if any(g.seq.depth is not None for g in opt.graph_records):
+        raise ValueError("this plan was made on a shallow capture of the config (a few of its blocks stand for "
+                         "all): its step time needs the whole model's graphs; plan it with shallow=False")
+    times = []
+    for g in opt.graph_records:
+        st = g.step or traced_step(g.rewritten, partition_for(g.lowering, g.rewritten), opt.setup, False)
+        times += [_graph_time(gm, {}, dev, False) for gm in (st.fw, st.bw) if gm is not None]
+    kinds = tuple((k, sum(t.kinds.get(k, 0.0) for t in times)) for k in ("gemm", "attention", "other"))
+    s, n = opt.setup, sum(p.numel() for p in opt.model.parameters() if p.requires_grad)
+    moved = 2 * (n * s.param_dtype.itemsize + s.master_bytes(n) + s.state_bytes(n)) + n * s.grads.itemsize
+    return StepTime(describe_layout(1, 1, 1, None), dev.name, sum(sum(t.compute.values()) for t in times), 0.0, 0.0,
+                    0.0, 0.0, 0.0, moved / dev.memory_bandwidth if s.optimizer else 0.0,
+                    sum(sum(t.flops.values()) for t in times), False, kinds)
+
+
 def _fsdp_s(cap: RankCapture, dev: DeviceClass, rm: RankMemory, units: list[set]) -> float:
     """FSDP2's collectives over the dp ranks, per unit (its groups): an all-gather in forward and
     another in backward for a block (reshard_after_forward), one for the root; a reduce-scatter of
@@ -367,4 +411,5 @@ def _optimizer_s(rm: RankMemory, dev: DeviceClass) -> float:
     return moved / dev.memory_bandwidth
 
 
-__all__ = ["DEVICE_CLASSES", "RING", "DeviceClass", "StepTime", "device_class", "op_flops", "predict_step_time"]
+__all__ = ["DEVICE_CLASSES", "RING", "DeviceClass", "StepTime", "device_class", "op_flops", "plan_step_time",
+           "predict_step_time"]

@@ -42,11 +42,49 @@ def node_flops(node: fx.Node, as_int) -> int:
     return sum(_numel(t, as_int) for t in match.tensors_in(out)) if node.op != "placeholder" else 0
 
 
-def region_flops(key: str, as_int) -> int:
-    """Forward FLOPs of a registered region's graph (a token_chunked / token_segment op's)."""
+def region_flops(key: str, as_int, matmuls_only: bool = False) -> int:
+    """Forward FLOPs of a registered region's graph (a token_chunked / token_segment op's);
+    `matmuls_only`: its matmuls' and attention's, without node_flops' numel of the other ops."""
     from tailorfx.runtime import ops
     region = ops.get_region(key)
-    return sum(node_flops(n, as_int) for n in region.graph.nodes) if isinstance(region, fx.GraphModule) else 0
+    if not isinstance(region, fx.GraphModule):
+        return 0
+    kept = match.MATMUL_OPS | match.ATTENTION_OPS
+    return sum(node_flops(n, as_int) for n in region.graph.nodes if not matmuls_only or match.op_name(n) in kept)
+
+
+# torch-level ops that move no bytes of their own (a view, a size)
+_VIEWS = frozenset({"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "getitem", "size",
+                    "t", "flatten", "unflatten", "split", "chunk", "narrow", "movedim", "view_as", "expand_as", "dim",
+                    "contiguous", "placeholder", "output", "get_attr"})
+
+
+def region_bytes(key: str, as_int) -> int:
+    """Bytes that a registered region's ops other than its matmuls and attention read and write, at
+    its graph's sizes (a token_chunked op's pointwise work over every chunk; views free)."""
+    from tailorfx.runtime import ops
+    region = ops.get_region(key)
+    if not isinstance(region, fx.GraphModule):
+        return 0
+    total = 0
+    for n in region.graph.nodes:
+        name = match.op_name(n)
+        if name in _VIEWS or name in match.MATMUL_OPS or name in match.ATTENTION_OPS:
+            continue
+        total += sum(_numel(t, as_int) * t.element_size()
+                     for t in match.tensors_in((n.args, n.kwargs)) + match.tensors_in(node_value(n)))
+    return total
+
+
+def region_input_numel(key: str, as_int) -> int:
+    """Elements of a registered region's first input, at its graph's sizes: one key serves every
+    capture whose graph prints alike (a symbolic length), recorded at the first one's sizes."""
+    from tailorfx.runtime import ops
+    region = ops.get_region(key)
+    first = next((n for n in region.graph.nodes if n.op == "placeholder"), None) if isinstance(region, fx.GraphModule) \
+        else None
+    value = node_value(first) if first is not None else None
+    return _numel(value, as_int) if isinstance(value, torch.Tensor) else 0
 
 
 def recompute_flops(gm: fx.GraphModule, as_int, weight: Optional[Callable[[fx.Node], int]] = None) -> int:
