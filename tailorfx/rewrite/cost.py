@@ -1,4 +1,5 @@
-"""FLOPs per node of a Dynamo (torch-level) graph, at a chosen sequence length.
+"""FLOPs per node of a Dynamo (torch-level) graph, at a chosen sequence length; and the bytes a
+mini-sequence region's pointwise ops move, which the step-time model prices apart from its matmuls.
 
 Used by the planner to rank plans by the compute they add: recompute reruns forward ops, and
 mini-sequence reruns each chunked MLP's matmuls but its last.
@@ -42,15 +43,18 @@ def node_flops(node: fx.Node, as_int) -> int:
     return sum(_numel(t, as_int) for t in match.tensors_in(out)) if node.op != "placeholder" else 0
 
 
+def _region_nodes(key: str) -> list[fx.Node]:
+    """The nodes of a registered region's graph (a token_chunked / token_segment op's), if it has one."""
+    from tailorfx.runtime import ops
+    region = ops.get_region(key)
+    return list(region.graph.nodes) if isinstance(region, fx.GraphModule) else []
+
+
 def region_flops(key: str, as_int, matmuls_only: bool = False) -> int:
     """Forward FLOPs of a registered region's graph (a token_chunked / token_segment op's);
     `matmuls_only`: its matmuls' and attention's, without node_flops' numel of the other ops."""
-    from tailorfx.runtime import ops
-    region = ops.get_region(key)
-    if not isinstance(region, fx.GraphModule):
-        return 0
     kept = match.MATMUL_OPS | match.ATTENTION_OPS
-    return sum(node_flops(n, as_int) for n in region.graph.nodes if not matmuls_only or match.op_name(n) in kept)
+    return sum(node_flops(n, as_int) for n in _region_nodes(key) if not matmuls_only or match.op_name(n) in kept)
 
 
 # torch-level ops that move no bytes of their own (a view, a size)
@@ -62,12 +66,8 @@ _VIEWS = frozenset({"view", "reshape", "transpose", "permute", "unsqueeze", "squ
 def region_bytes(key: str, as_int) -> int:
     """Bytes that a registered region's ops other than its matmuls and attention read and write, at
     its graph's sizes (a token_chunked op's pointwise work over every chunk; views free)."""
-    from tailorfx.runtime import ops
-    region = ops.get_region(key)
-    if not isinstance(region, fx.GraphModule):
-        return 0
     total = 0
-    for n in region.graph.nodes:
+    for n in _region_nodes(key):
         name = match.op_name(n)
         if name in _VIEWS or name in match.MATMUL_OPS or name in match.ATTENTION_OPS:
             continue
@@ -79,10 +79,7 @@ def region_bytes(key: str, as_int) -> int:
 def region_input_numel(key: str, as_int) -> int:
     """Elements of a registered region's first input, at its graph's sizes: one key serves every
     capture whose graph prints alike (a symbolic length), recorded at the first one's sizes."""
-    from tailorfx.runtime import ops
-    region = ops.get_region(key)
-    first = next((n for n in region.graph.nodes if n.op == "placeholder"), None) if isinstance(region, fx.GraphModule) \
-        else None
+    first = next((n for n in _region_nodes(key) if n.op == "placeholder"), None)
     value = node_value(first) if first is not None else None
     return _numel(value, as_int) if isinstance(value, torch.Tensor) else 0
 
