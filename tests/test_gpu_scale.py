@@ -2,7 +2,6 @@
 so the script a lent GPU runs first does not rot between loans; a few minutes: `make test-slow`),
 and the parts only a GPU run would otherwise exercise: the time guard, the watchdog, the gradient
 comparison by name, ALST's one update a step."""
-import importlib.util
 import json
 import os
 import shlex
@@ -14,6 +13,8 @@ import types
 import pytest
 import torch
 
+import bench_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(ROOT, "benchmarks")
 SCRIPT = os.path.join(BENCH_DIR, "gpu_scale.py")
@@ -21,14 +22,8 @@ SCRIPT = os.path.join(BENCH_DIR, "gpu_scale.py")
 
 @pytest.fixture(scope="module")
 def gpu_scale():
-    """The script as a module; the benchmarks folder it puts on sys.path is taken off again (a
-    user's process does not have it)."""
-    saved = list(sys.path)
-    spec = importlib.util.spec_from_file_location("gpu_scale_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.path[:] = saved
-    return module
+    """The script as a module (its folder off sys.path again)."""
+    return bench_script.load("gpu_scale")
 
 
 @pytest.fixture(scope="module")

@@ -251,16 +251,9 @@ def test_calibrate_measures_this_machine_on_two_processes(tmp_path):
 
 @pytest.fixture(scope="module")
 def steptime_gpu():
-    """benchmarks/steptime_gpu.py as a module; the benchmarks folder it puts on sys.path is taken off
-    again (a user's process does not have it)."""
-    import importlib.util
-    saved = list(sys.path)
-    spec = importlib.util.spec_from_file_location("steptime_gpu_under_test",
-                                                  os.path.join(os.path.dirname(HERE), "benchmarks", "steptime_gpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.path[:] = saved
-    return module
+    """benchmarks/steptime_gpu.py as a module (its folder off sys.path again)."""
+    import bench_script
+    return bench_script.load("steptime_gpu")
 
 
 @pytest.mark.slow
