@@ -271,12 +271,12 @@ def _graph_time(g: fx.GraphModule, group_of: dict, dev: DeviceClass, dtensor: bo
         f = compat.size_hint(op_flops(n.target, args, kwargs, out))
         nbytes = _nbytes(args) + _nbytes(out)
         grp = group_of.get(n.name, 0)
-        rate = dev.attention_flops if _is_attention(n.target) else dev.matmul_flops
-        t = max(f / rate, nbytes / dev.memory_bandwidth) + overhead
+        attention = _is_attention(n.target)
+        t = max(f / (dev.attention_flops if attention else dev.matmul_flops), nbytes / dev.memory_bandwidth) + overhead
         inner = _region_bytes(name, args) / dev.memory_bandwidth     # a region's pointwise ops, after its matmuls
         compute[grp] = compute.get(grp, 0.0) + t + inner
         flops[grp] = flops.get(grp, 0) + f
-        kind = "attention" if _is_attention(n.target) else "gemm" if f else "other"
+        kind = "attention" if attention else "gemm" if f else "other"
         kinds[kind] = kinds.get(kind, 0.0) + t
         kinds["other"] = kinds.get("other", 0.0) + inner
     return _GraphTime(compute, flops, comm, kinds)
@@ -330,9 +330,8 @@ def predict_step_time(model_or_config: Any, *, tp: int = 1, dp: int = 1, pp: int
     share = max(1.0, world / dev.shared_cores) if dev.shared_cores else 1.0
     if rm.pp == 1:
         units = [{g} for g in range(cap.num_groups)]
-        kinds = tuple((k, (fw.kinds.get(k, 0.0) + bw.kinds.get(k, 0.0)) * share) for k in ("gemm", "attention", "other"))
         return StepTime(layout, dev.name, sum(per_group.values()) * share, tp_comm, _fsdp_s(cap, dev, rm, units), uly,
-                        0.0, 0.0, opt * share, flops, dev.overlap_fsdp, kinds)
+                        0.0, 0.0, opt * share, flops, dev.overlap_fsdp, _by_kind([fw, bw], share))
     m = rm.microbatches
     ranks = _pipeline_ranks(cap, spec, dev, per_group, tp_comm)
     compute, p2p, tp_share, stages = max(ranks, key=lambda t: t[0] + t[1] + t[2])
@@ -360,12 +359,16 @@ def plan_step_time(opt: Any, device: Union[str, DeviceClass] = "H100") -> StepTi
     for g in opt.graph_records:
         st = g.step or traced_step(g.rewritten, partition_for(g.lowering, g.rewritten), opt.setup, False)
         times += [_graph_time(gm, {}, dev, False) for gm in (st.fw, st.bw) if gm is not None]
-    kinds = tuple((k, sum(t.kinds.get(k, 0.0) for t in times)) for k in ("gemm", "attention", "other"))
     s, n = opt.setup, sum(p.numel() for p in opt.model.parameters() if p.requires_grad)
-    moved = 2 * (n * s.param_dtype.itemsize + s.master_bytes(n) + s.state_bytes(n)) + n * s.grads.itemsize
+    optimizer = _adamw_s(n * s.param_dtype.itemsize, s.master_bytes(n), s.state_bytes(n), n * s.grads.itemsize, dev)
     return StepTime(describe_layout(1, 1, 1, None), dev.name, sum(sum(t.compute.values()) for t in times), 0.0, 0.0,
-                    0.0, 0.0, 0.0, moved / dev.memory_bandwidth if s.optimizer else 0.0,
-                    sum(sum(t.flops.values()) for t in times), False, kinds)
+                    0.0, 0.0, 0.0, optimizer if s.optimizer else 0.0, sum(sum(t.flops.values()) for t in times), False,
+                    _by_kind(times))
+
+
+def _by_kind(times: list, scale: float = 1.0) -> tuple:
+    """StepTime.by_kind of graphs' _GraphTimes: their seconds by kind, summed, times `scale`."""
+    return tuple((k, scale * sum(t.kinds.get(k, 0.0) for t in times)) for k in ("gemm", "attention", "other"))
 
 
 def _fsdp_s(cap: RankCapture, dev: DeviceClass, rm: RankMemory, units: list[set]) -> float:
@@ -405,10 +408,13 @@ def _pipeline_ranks(cap: RankCapture, spec: ParallelSpec, dev: DeviceClass, per_
 
 
 def _optimizer_s(rm: RankMemory, dev: DeviceClass) -> float:
+    return _adamw_s(rm.param_bytes, rm.master_bytes, rm.optimizer_bytes, rm.grad_bytes, dev)
+
+
+def _adamw_s(params: int, master: int, state: int, grads: int, dev: DeviceClass) -> float:
     """AdamW, memory-bound: parameters, gradients, master weights and moments read, all but the
     gradients written."""
-    moved = 2 * (rm.param_bytes + rm.master_bytes + rm.optimizer_bytes) + rm.grad_bytes
-    return moved / dev.memory_bandwidth
+    return (2 * (params + master + state) + grads) / dev.memory_bandwidth
 
 
 __all__ = ["DEVICE_CLASSES", "RING", "DeviceClass", "StepTime", "device_class", "op_flops", "plan_step_time",
