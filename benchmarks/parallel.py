@@ -165,7 +165,7 @@ def calibrate_worker() -> None:
 def calibrated(world: int):
     """This machine's step-time figures, measured on `world` gloo processes."""
     import tempfile
-    from tailorfx.parallel.steptime import DeviceClass
+    from tailorfx.parallel.devices import DeviceClass
     results = tempfile.mkdtemp()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            os.path.abspath(__file__), "--calibrate-worker"]
@@ -464,7 +464,7 @@ def step_times(results: list, a, saved: dict) -> dict:
     rank's median of 5, and the spread of those 5 as noise) against predict_step_time on this
     machine's calibrated figures, and Spearman's correlation of the two rankings."""
     from common import print_table
-    from tailorfx.parallel.steptime import DeviceClass
+    from tailorfx.parallel.devices import DeviceClass
     out = {}
     worlds = {}
     for r in results:

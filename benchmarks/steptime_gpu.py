@@ -76,7 +76,7 @@ def predicted(S: int, device) -> dict:
 
 def datasheet_class(gpu: str = "H200"):
     """The GPU's class with the fractions the model took before this check."""
-    from tailorfx.parallel.steptime import DEVICE_CLASSES
+    from tailorfx.parallel.devices import DEVICE_CLASSES
     return dataclasses.replace(DEVICE_CLASSES[gpu], **{k: f * PEAKS[gpu][k] for k, f in DATASHEET.items()},
                                source=f"{gpu} datasheet x the fractions assumed before 2026-12-06")
 
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     if args.fit:
         print(json.dumps({"fit_row": FIT_ROW, "fractions": fit(rows)}))
         return 0
-    from tailorfx.parallel.steptime import DEVICE_CLASSES
+    from tailorfx.parallel.devices import DEVICE_CLASSES
     gpu = gpu_of(args.measured)
     devices = {"datasheet": datasheet_class(gpu), gpu: DEVICE_CLASSES[gpu]}
     res = compare(devices, rows)

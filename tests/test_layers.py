@@ -114,7 +114,7 @@ def test_no_import_cycle():
 
 # tailorfx/parallel/: each module imports only the ones before it (the package's docstring says what each is)
 PARALLEL_ORDER = ("spec", "shapes", "tp_plan", "sequence_plan", "stages", "plan", "shard", "recompute_order", "trace", "profile", "compose",
-                  "memory", "fit", "steptime", "calibrate", "world", "apply", "entry")
+                  "memory", "fit", "devices", "steptime", "calibrate", "world", "apply", "entry")
 
 
 def test_the_parallel_package_imports_one_way():

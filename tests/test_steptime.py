@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tailorfx import planner
 from tailorfx.budget import Budget
 from tailorfx.parallel import DEVICE_CLASSES, DeviceClass, plan_step_time, plan_world, predict_step_time, preference
-from tailorfx.parallel.steptime import device_class
+from tailorfx.parallel.devices import device_class
 
 SEQ, ROWS = 64, 2
 CFG = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -90,6 +90,56 @@ def test_a_plans_step_time_walks_the_graphs_it_lowered():
     assert regions[0] == regions[1] and regions[0], regions
     assert plan_step_time(longer, FLOPS).flops == 6 * ROWS * 2 * SEQ * linear_params(model) + 4 * attention_flops(
         ROWS) + 2 * ROWS * 2 * SEQ * linear_params(model, inside="mlp")
+
+
+def test_triton_kernels_cost_the_flops_of_the_ops_they_replace():
+    """kernels="triton": attention on the Triton flash kernel and the head on the fused Triton kernel
+    (both replaced in the graph) cost what SDPA's and the chunked head's ATen ops did; a sliding
+    window on the kernel, the pairs its dense mask holds."""
+    import tailorfx
+    from tailorfx.attention import SlidingWindow
+    from tailorfx.runtime import triton_ops
+    ids = torch.randint(0, CFG.vocab_size, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def planned(**kw):
+        return tailorfx.optimize(LlamaForCausalLM(CFG), passes=["attention", "minisequence"],
+                                 example_inputs={"input_ids": ids, "labels": ids}, **kw)
+    aten, triton, window = planned(), planned(kernels="triton"), planned(kernels="triton", attention=SlidingWindow(
+        window=8))
+    for opt in (triton, window):
+        targets = [n.target for n in opt.graph_records[0].rewritten.graph.nodes]
+        assert targets.count(triton_ops.triton_attention) == 2 and triton_ops.triton_linear_cross_entropy in targets
+    assert plan_step_time(triton, FLOPS).flops == plan_step_time(aten, FLOPS).flops
+    dim = CFG.hidden_size // CFG.num_attention_heads
+    heads = CFG.num_attention_heads     # the mask is (1, heads or 1, SEQ, SEQ)
+    pairs = int(SlidingWindow(window=8).dense_mask(SEQ, heads).expand(1, heads, SEQ, SEQ).sum())
+    windowed = CFG.num_hidden_layers * 14 * ROWS * pairs * dim
+    assert plan_step_time(window, FLOPS).flops == plan_step_time(aten, FLOPS).flops - attention_flops(ROWS) + windowed
+
+
+def test_offloads_host_copies_cross_the_host_link_behind_the_compute():
+    """offload="checkpoints": each block's checkpoint (rows x tokens x hidden, fp32) goes to the host
+    in forward and comes back in backward. Over a host link of 1 s per byte and nothing else to pay,
+    the step takes those bytes twice, none of it as compute; behind compute that outlasts them
+    (CUDA's copy stream), nothing; where host and device share one memory (a CPU), each copy is read
+    and written."""
+    import tailorfx
+    from models import batch, hf_family
+    from tailorfx.runtime.offload import OFFLOAD, RELOAD
+    inputs = batch(pad=4)
+    opt = tailorfx.optimize(hf_family("llama", num_layers=3), passes=["attention", "minisequence", "recompute"],
+                            recompute="full", offload="checkpoints", example_inputs=inputs)
+    opt(**inputs).loss.backward()
+    step = opt.graph_records[0].step
+    copies = [sum(n.target is op for n in gm.graph.nodes) for gm, op in ((step.fw, OFFLOAD), (step.bw, RELOAD))]
+    assert copies == [3, 3], copies
+    checkpoint = 2 * 40 * 64 * 4
+    link = DeviceClass("host link", **{**FREE, "host_bandwidth": 1.0})
+    st = plan_step_time(opt, link)
+    assert st.host_copies_s == 6 * checkpoint and st.compute_s < 1e-12 and st.total_s == pytest.approx(6 * checkpoint)
+    assert plan_step_time(opt, replace(link, overlap_fsdp=True, memory_bandwidth=1e-3)).host_copies_s == 0
+    assert plan_step_time(opt, DeviceClass("one memory", **{**FREE, "memory_bandwidth": 1.0})).host_copies_s == (
+        12 * checkpoint)
 
 
 @pytest.mark.slow

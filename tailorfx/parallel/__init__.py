@@ -14,6 +14,7 @@ The modules import one way, each only those above it in this list (tests/test_la
     compose        that simulation composed under FSDP2 and a pipeline schedule
     memory         per-rank memory of a layout (predict_rank_memory, RankMemory, RankPrediction)
     fit            the rewrites each rank takes under optimize(budget=..., parallel=...)
+    devices        the device classes the step-time model reads (H100, H200, A100, or one measured)
     steptime       a layout's predicted step time on a device class (predict_step_time), or a
                    single process's plan's (plan_step_time)
     calibrate      a device class measured on this machine's process group (gloo)
@@ -27,7 +28,8 @@ from tailorfx.parallel.apply import ParallelPlan, parallelize
 from tailorfx.parallel.memory import RankMemory, StageMemory, predict_rank_memory
 from tailorfx.parallel.plan import plan_tensor_parallel
 from tailorfx.parallel.spec import ParallelSpec, describe_layout
-from tailorfx.parallel.steptime import DEVICE_CLASSES, DeviceClass, StepTime, plan_step_time, predict_step_time
+from tailorfx.parallel.devices import DEVICE_CLASSES, DeviceClass
+from tailorfx.parallel.steptime import StepTime, plan_step_time, predict_step_time
 from tailorfx.parallel.world import WorldCandidate, plan_world, preference
 
 __all__ = ["DEVICE_CLASSES", "DeviceClass", "ParallelPlan", "ParallelSpec", "RankMemory", "StageMemory", "StepTime",

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from tailorfx import compat
-from tailorfx.parallel.steptime import RING, DeviceClass
+from tailorfx.parallel.devices import DeviceClass
+from tailorfx.parallel.steptime import RING
 
 
 def _median_s(fn: Callable, repeats: int, inner: int = 1) -> float:

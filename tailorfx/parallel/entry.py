@@ -19,9 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from tailorfx.budget import Budget
 from tailorfx.parallel.apply import ParallelPlan, parallelize
 from tailorfx.parallel.calibrate import calibrate
+from tailorfx.parallel.devices import DEVICE_CLASSES
 from tailorfx.parallel.fit import fit_rewrites
 from tailorfx.parallel.spec import ParallelSpec
-from tailorfx.parallel.steptime import DEVICE_CLASSES
 from tailorfx.parallel.world import plan_world
 from tailorfx.runtime.tensor_parallel import device_mesh, rank_device
 

@@ -1,5 +1,5 @@
 """Predicted time of one training step of a parallel layout, for its slowest rank, from the graph
-the memory prediction reads (trace.capture_rank), on a device class (DEVICE_CLASSES, or one
+the memory prediction reads (trace.capture_rank), on a device class (devices.py's DEVICE_CLASSES, or one
 measured by calibrate.py):
 
     predict_step_time(config, tp=2, dp=4, seq_len=8192, device="H100") -> StepTime
@@ -10,7 +10,8 @@ compute      each op of the rank's forward and backward graphs (recompute includ
              overhead (more on DTensors: tensor parallel runs the sharded model eagerly). FLOPs
              are torch.utils.flop_counter's formulas, the CPU flash kernels' and tailorfx's own
              ops' (the fused head: logits, both gradients; mini-sequence regions: their graph's,
-             three times in backward). Views cost nothing.
+             three times in backward; the Triton flash kernel: the pairs its mask attends). Views
+             cost nothing.
 collectives  the ring's steps x latency + its traffic / bandwidth per call: an all-reduce takes
              2(n-1) steps and moves 2(n-1)/n of its bytes, an all-gather, reduce-scatter or
              all-to-all n-1 steps and (n-1)/n; a group inside a node
@@ -28,11 +29,12 @@ optimizer    AdamW as a memory-bound pass: read parameters, gradients, master we
              moments, write all but the gradients.
 overlap      where the device overlaps FSDP's collectives with compute (CUDA streams), the step
              takes the larger of the two; on CPU (gloo) they add up.
+host copies  offload's copies to pinned host memory and back, at the host link's bandwidth on a
+             copy stream: only what outlasts its graph's compute counts (a plan's, plan_step_time).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -40,8 +42,9 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from tailorfx import compat
-from tailorfx.attention import BACKWARD_FLOPS, FORWARD_FLOPS
+from tailorfx.attention import BACKWARD_FLOPS, FORWARD_FLOPS, build_spec
 from tailorfx.parallel.compose import stage_groups, stage_io
+from tailorfx.parallel.devices import DeviceClass, device_class
 from tailorfx.parallel.memory import RankMemory, predict_rank_memory
 from tailorfx.parallel.plan import head_style
 from tailorfx.parallel.spec import ParallelSpec, describe_layout
@@ -49,75 +52,7 @@ from tailorfx.parallel.stages import block_costs, stage_blocks
 from tailorfx.parallel.trace import RankCapture, capture_rank
 from tailorfx.rewrite import cost
 from tailorfx.rewrite.capture import node_value
-
-
-@dataclass(frozen=True)
-class DeviceClass:
-    """What one rank of a kind of device sustains, as the step-time model reads it."""
-    name: str
-    matmul_flops: float          # FLOP/s in matmuls, in the training dtype
-    attention_flops: float       # FLOP/s in fused attention kernels (forward and backward)
-    memory_bandwidth: float      # bytes/s read + written by the other ops
-    op_overhead: float           # s per op dispatched
-    dtensor_overhead: float      # s more per op on DTensors (eager tensor parallel)
-    link_bandwidth: float        # bytes/s of a collective's ring traffic inside a node
-    network_bandwidth: float     # the same across nodes, per rank
-    latency: float               # s per step of a ring collective, and per point-to-point send
-    ranks_per_node: int
-    overlap_fsdp: bool           # FSDP's collectives hidden behind compute (CUDA streams)
-    shared_cores: int = 0        # CPU: the cores all ranks share (the rates above are one core's); 0: a device each
-    fits: tuple = ()             # (kind, latency, bandwidth) measured per collective kind, over link_bandwidth/latency
-    source: str = ""
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "DeviceClass":
-        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
-        return cls(**{**kw, "fits": tuple(tuple(f) for f in kw.get("fits", ()))})
-
-    def link(self, kind: str, inside_node: bool) -> tuple[float, float]:
-        """(latency per ring step, bandwidth) of a collective of `kind`."""
-        fit = next((f for f in self.fits if f[0] == kind), None)
-        if fit is not None and inside_node:
-            return fit[1], fit[2]
-        return self.latency, self.link_bandwidth if inside_node else self.network_bandwidth
-
-
-# Datasheet figures times the fraction training sustains. Hopper's, measured on an H200 (Llama-3-8B,
-# 2026-12-04, its kernels profiled by kind; benchmarks/steptime_gpu.py fits them on one row and holds
-# the others out): bf16 matmuls at 75% of peak, flash attention's forward and backward at 52%, the
-# other ops (with the optimizer's) at 63% of the memory bandwidth; the H100 shares the H200's compute
-# and is taken at the same fractions of its own datasheet. The A100's are assumed (matmuls at 45%,
-# FlashAttention-2's published 50%, memory at 80%). Collectives at NCCL's bus bandwidth on 8-GPU
-# NVLink nodes and one 400 (H100) or 200 (A100) Gb/s InfiniBand port per GPU, not measured on a GPU
-# (calibrate() measures a CPU machine's own, on gloo).
-_GPU = dict(op_overhead=5e-6, dtensor_overhead=40e-6, latency=15e-6, ranks_per_node=8, overlap_fsdp=True)
-DEVICE_CLASSES = {
-    "H100": DeviceClass("H100", matmul_flops=0.75 * 989e12, attention_flops=0.52 * 989e12,
-                        memory_bandwidth=0.63 * 3.35e12, link_bandwidth=360e9, network_bandwidth=40e9, **_GPU,
-                        source="H100 SXM datasheet (989 TFLOP/s bf16, 3.35 TB/s) at the H200's measured fractions, "
-                               "NVLink 4, 400 Gb/s IB per GPU"),
-    "H200": DeviceClass("H200", matmul_flops=0.75 * 989e12, attention_flops=0.52 * 989e12,
-                        memory_bandwidth=0.63 * 4.8e12, link_bandwidth=360e9, network_bandwidth=40e9, **_GPU,
-                        source="H200 SXM datasheet (989 TFLOP/s bf16, 4.8 TB/s) at the fractions measured on one "
-                               "(2026-12-04), NVLink 4, 400 Gb/s IB per GPU"),
-    "A100": DeviceClass("A100", matmul_flops=0.45 * 312e12, attention_flops=0.5 * 312e12,
-                        memory_bandwidth=0.8 * 2.04e12, link_bandwidth=230e9, network_bandwidth=20e9, **_GPU,
-                        source="A100 SXM 80GB datasheet (312 TFLOP/s bf16, 2.04 TB/s), NVLink 3, 200 Gb/s IB per GPU"),
-}
-
-
-def device_class(device: Union[str, DeviceClass]) -> DeviceClass:
-    """A DeviceClass, or the one a name or GPU budget names ("H100", "H100-80GB", "a100-40gb")."""
-    if isinstance(device, DeviceClass):
-        return device
-    name = str(device).upper().split("-")[0]
-    if name not in DEVICE_CLASSES:
-        raise ValueError(f"no step-time figures for device {device!r}: give one of {sorted(DEVICE_CLASSES)}, a GPU "
-                         f"budget such as 'H100-80GB', or a DeviceClass (calibrate() measures one on this machine)")
-    return DEVICE_CLASSES[name]
+from tailorfx.runtime.triton_ops import attention_kind
 
 
 @dataclass(frozen=True)
@@ -135,10 +70,11 @@ class StepTime:
     flops: int                   # the rank's FLOPs in the step (recompute included)
     overlap_fsdp: bool = False
     by_kind: tuple = ()          # compute_s by kind: (("gemm", s), ("attention", s), ("other", s)); pp=1 only
+    host_copies_s: float = 0.0   # offload's copies to and from the host, what compute does not hide
 
     @property
     def forward_backward_s(self) -> float:
-        work = self.compute_s + self.tp_comm_s + self.ulysses_comm_s + self.p2p_s + self.bubble_s
+        work = self.compute_s + self.tp_comm_s + self.ulysses_comm_s + self.p2p_s + self.bubble_s + self.host_copies_s
         return max(work, self.fsdp_comm_s) if self.overlap_fsdp else work + self.fsdp_comm_s
 
     @property
@@ -148,7 +84,7 @@ class StepTime:
     def breakdown(self) -> dict[str, float]:
         return {"compute": self.compute_s, "tp collectives": self.tp_comm_s, "FSDP collectives": self.fsdp_comm_s,
                 "Ulysses all-to-alls": self.ulysses_comm_s, "pipeline sends": self.p2p_s,
-                "pipeline bubble": self.bubble_s, "optimizer": self.optimizer_s}
+                "pipeline bubble": self.bubble_s, "host copies": self.host_copies_s, "optimizer": self.optimizer_s}
 
     def __str__(self) -> str:
         parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.breakdown().items() if v)
@@ -156,7 +92,9 @@ class StepTime:
 
 
 # ---- one op --------------------------------------------------------------------------------------------
-_FREE = {"getitem", "wait_tensor", "detach", "alias", "empty", "zeros", "full", "scalar_tensor", "lift_fresh_copy"}
+_FREE = {"getitem", "wait_tensor", "detach", "alias", "empty", "zeros", "full", "scalar_tensor", "lift_fresh_copy",
+         "reloaded"}
+_HOST_COPIES = ("offload", "reload")   # runtime/offload.py's copies, on a stream of their own
 # (steps, fraction of the bytes each rank sends) of a ring collective over n ranks
 RING = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
         "all_gather_into_tensor": lambda n: (n - 1, (n - 1) / n),
@@ -206,16 +144,35 @@ def op_flops(target, args, kwargs, out) -> int:
         q, k = args[first], args[first + 1]
         pairs = q.numel() // q.shape[-1] * k.shape[-2] // (2 if _causal(target, args, kwargs) else 1)
         return _CPU_FLASH[name] * pairs * q.shape[-1]
+    if name in ("triton_attention", "triton_attention_backward"):
+        return _triton_attention_flops(name, args)
     if name in ("chunked_linear_cross_entropy_with_grads", "vocab_parallel_cross_entropy_with_grads",
-                "chunked_linear_cross_entropy", "vocab_parallel_cross_entropy"):
+                "chunked_linear_cross_entropy", "vocab_parallel_cross_entropy", "triton_linear_cross_entropy"):
         hidden, weight = args[0], args[1]
         rows = hidden.numel() // hidden.shape[-1]
-        passes = 3 if name.endswith("with_grads") else 1      # logits, then the two gradients' matmuls
+        # logits, then the two gradients' matmuls (the Triton kernel's: those its arguments ask for)
+        passes = 1 + bool(args[9]) + bool(args[10]) if name.startswith("triton") else 3 if name.endswith(
+            "with_grads") else 1
         return 2 * passes * rows * weight.numel()
     if name in _REGIONS:          # its matmuls; the rest is priced by its bytes (_region_bytes)
         return int(_REGIONS[name] * _region_scale(name, args) * cost.region_flops(args[0], compat.size_hint,
                                                                                  matmuls_only=True))
     return 0
+
+
+def _triton_attention_flops(name: str, args) -> int:
+    """tailorfx's Triton flash kernel, forward or backward: flash's FLOPs per pair its mask attends
+    (the spec's count: a window's, BigBird's, LongNet's; documents not known here count whole)."""
+    back = name.endswith("backward")
+    q, k = args[1:3] if back else args[0:2]
+    mask, flat, causal = args[7:10] if back else args[4:7]
+    rows, heads, seq = (compat.size_hint(d) for d in q.shape[:3])
+    if mask == "full":
+        pairs = rows * heads * seq * compat.size_hint(k.shape[-2]) // (2 if causal else 1)
+    else:
+        kind, params = attention_kind(mask, flat)
+        pairs = rows * build_spec(kind, tuple(params.items()), causal, 1.0).num_pairs(seq, heads)
+    return (BACKWARD_FLOPS if back else FORWARD_FLOPS) * pairs * compat.size_hint(q.shape[-1])
 
 
 def _region_scale(name: str, args) -> float:
@@ -246,13 +203,14 @@ class _GraphTime:
     flops: dict
     comm: list                   # (kind, bytes, calls) of each collective in the graph
     kinds: dict                  # the same seconds by kind: attention, gemm (other ops with FLOPs), other
+    host_bytes: int = 0          # offload's copies to the host (forward) or back (backward)
 
 
 def _graph_time(g: fx.GraphModule, group_of: dict, dev: DeviceClass, dtensor: bool) -> _GraphTime:
     compute: dict[int, float] = {}
     flops: dict[int, int] = {}
     kinds: dict[str, float] = {}
-    comm = []
+    comm, host = [], 0
     overhead = dev.op_overhead + (dev.dtensor_overhead if dtensor else 0.0)
     for n in g.graph.nodes:
         if n.op != "call_function":
@@ -264,6 +222,9 @@ def _graph_time(g: fx.GraphModule, group_of: dict, dev: DeviceClass, dtensor: bo
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), node_value)
         if name in RING:
             comm.append((name, _nbytes(args[0]) if name != "all_gather_into_tensor" else _nbytes(out), 1))
+            continue
+        if name in _HOST_COPIES:
+            host += _nbytes(args[0] if name == "offload" else out)
             continue
         if name.startswith("vocab_parallel_cross_entropy"):     # max and sums all-reduced per chunk
             rows = compat.size_hint(args[0].numel() // args[0].shape[-1])
@@ -279,7 +240,18 @@ def _graph_time(g: fx.GraphModule, group_of: dict, dev: DeviceClass, dtensor: bo
         kind = "attention" if attention else "gemm" if f else "other"
         kinds[kind] = kinds.get(kind, 0.0) + t
         kinds["other"] = kinds.get("other", 0.0) + inner
-    return _GraphTime(compute, flops, comm, kinds)
+    return _GraphTime(compute, flops, comm, kinds, host)
+
+
+def _host_copies_s(dev: DeviceClass, times: list) -> float:
+    """offload's copies, per graph: on a GPU over PCIe on a copy stream, exposed only where they
+    outlast the graph's compute (a forward's copies out, a backward's prefetched reloads); where
+    host and device share one memory (a CPU), read and written in line."""
+    if not dev.host_bandwidth:
+        return sum(2 * t.host_bytes for t in times) / dev.memory_bandwidth
+    hidden = dev.overlap_fsdp
+    return sum(max(0.0, t.host_bytes / dev.host_bandwidth - (sum(t.compute.values()) if hidden else 0.0))
+               for t in times)
 
 
 def _collective_s(dev: DeviceClass, kind: str, nbytes: float, calls: int, size: int, stride: int) -> float:
@@ -363,7 +335,7 @@ def plan_step_time(opt: Any, device: Union[str, DeviceClass] = "H100") -> StepTi
     optimizer = _adamw_s(n * s.param_dtype.itemsize, s.master_bytes(n), s.state_bytes(n), n * s.grads.itemsize, dev)
     return StepTime(describe_layout(1, 1, 1, None), dev.name, sum(sum(t.compute.values()) for t in times), 0.0, 0.0,
                     0.0, 0.0, 0.0, optimizer if s.optimizer else 0.0, sum(sum(t.flops.values()) for t in times), False,
-                    _by_kind(times))
+                    _by_kind(times), _host_copies_s(dev, times))
 
 
 def _by_kind(times: list, scale: float = 1.0) -> tuple:
@@ -417,5 +389,4 @@ def _adamw_s(params: int, master: int, state: int, grads: int, dev: DeviceClass)
     return (2 * (params + master + state) + grads) / dev.memory_bandwidth
 
 
-__all__ = ["DEVICE_CLASSES", "RING", "DeviceClass", "StepTime", "device_class", "op_flops", "plan_step_time",
-           "predict_step_time"]
+__all__ = ["RING", "StepTime", "op_flops", "plan_step_time", "predict_step_time"]

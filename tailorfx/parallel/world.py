@@ -19,7 +19,8 @@ from tailorfx.options import positive_int
 from tailorfx.parallel.fit import try_rewrites
 from tailorfx.parallel.memory import RankMemory
 from tailorfx.parallel.spec import ParallelSpec, describe_layout
-from tailorfx.parallel.steptime import DeviceClass, StepTime, device_class, predict_step_time
+from tailorfx.parallel.devices import DeviceClass, device_class
+from tailorfx.parallel.steptime import StepTime, predict_step_time
 from tailorfx.parallel.trace import RankCapture, capture_rank, param_dtype, read_tp_plan
 from tailorfx.setup import TrainingSetup
 from tailorfx.setup import resolve as resolve_setup

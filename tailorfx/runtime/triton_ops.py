@@ -154,6 +154,19 @@ def _unflat(mask: str, flat: list[int]) -> tuple:
     return tuple(flat)
 
 
+def attention_kind(mask: str, flat: list[int]) -> tuple[str, dict]:
+    """The attention spec (class name, fields) a kernel's mask and flat params stand for:
+    attention_params' inverse (the step-time model counts the pairs it attends)."""
+    params = _unflat(mask, flat)
+    if mask == "full":
+        return "Exact", {}
+    if mask == "window":
+        return "SlidingWindow", dict(zip(("window", "global_tokens"), params))
+    if mask == "bigbird":
+        return "BigBird", dict(zip(("block", "window", "num_global", "num_random", "seed"), params))
+    return "Dilated", {"segments": params[0], "rates": params[1]}
+
+
 @_op("triton_attention")
 def _attn_fwd(q: Tensor, k: Tensor, v: Tensor, document_ids: Optional[Tensor], mask: str, params: list[int],
               causal: bool, scale: float, softcap: Optional[float],
