@@ -63,22 +63,43 @@ def test_flops_of_a_step_are_torchs_flop_counter_plus_attention():
     assert moved["other"] > 0 and moved["gemm"] >= kinds["gemm"]
 
 
+def matmuls_run(opt, ids) -> int:
+    """FLOPs of the matmuls one step of `opt` runs, inside tailorfx's ops as well (the profiler's
+    shapes: the in-place weight-gradient GEMMs, addmm_, are ones its FLOP count leaves out)."""
+    from torch.profiler import ProfilerActivity, profile
+    opt(input_ids=ids, labels=ids).loss.backward()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        opt(input_ids=ids, labels=ids).loss.backward()
+    total = 0
+    for e in prof.events():
+        if e.name in ("aten::mm", "aten::addmm", "aten::addmm_"):
+            first = 0 if e.name == "aten::mm" else 1     # addmm's: (input, mat1, mat2, beta, alpha)
+            (m, k), (_, n) = e.input_shapes[first:first + 2]
+            total += 2 * m * k * n
+    return total
+
+
 def test_a_plans_step_time_walks_the_graphs_it_lowered():
     """plan_step_time(opt): an optimize()d HF Llama, nothing rewritten, costs the eager step's FLOPs;
-    with its MLPs in sequence chunks (the regions replaced them), each MLP's three matmuls run
-    forward once more in backward, and the regions' pointwise bytes count with the other ops."""
+    with its MLPs in sequence chunks (the regions replaced them), the gate and up projections run
+    forward once more in backward (not down_proj: ChunkedRegion.tail), as many matmul FLOPs as the
+    step runs, and the regions' pointwise bytes count with the other ops."""
     import tailorfx
     torch.manual_seed(0)
     model = LlamaForCausalLM(CFG)
     ids = torch.randint(0, CFG.vocab_size, (ROWS, SEQ))
-    plain = plan_step_time(tailorfx.optimize(model, passes=[], example_inputs={"input_ids": ids, "labels": ids}), FLOPS)
+    plain_opt = tailorfx.optimize(model, passes=[], example_inputs={"input_ids": ids, "labels": ids})
+    plain = plan_step_time(plain_opt, FLOPS)
     assert plain.flops == 6 * ROWS * SEQ * linear_params(model) + attention_flops(ROWS)
     assert plain.compute_s == pytest.approx(plain.flops) and plain.optimizer_s < 1e-12   # memory is free on FLOPS
     opt = tailorfx.optimize(LlamaForCausalLM(CFG), passes=["minisequence"], example_inputs={"input_ids": ids,
                                                                                            "labels": ids})
     assert any(r.name == "minisequence" and r.changed for r in opt.graph_records[0].records)
     chunked = plan_step_time(opt, FLOPS)
-    assert chunked.flops - plain.flops == 2 * ROWS * SEQ * linear_params(model, inside="mlp")
+    rerun = linear_params(model, inside="mlp") - linear_params(model, inside="down_proj")
+    assert chunked.flops - plain.flops == 2 * ROWS * SEQ * rerun
+    assert [matmuls_run(o, ids) for o in (plain_opt, opt)] == [plain.flops - attention_flops(ROWS),
+                                                               chunked.flops - attention_flops(ROWS)]
     mem = replace(FLOPS, memory_bandwidth=1.0)          # 1 s per FLOP and per byte
     assert dict(plan_step_time(opt, mem).by_kind)["other"] > dict(plan_step_time(opt, FLOPS).by_kind)["other"]
     # captured again at twice the length: the region's key, and its graph's recorded sizes, are the first's
@@ -89,7 +110,7 @@ def test_a_plans_step_time_walks_the_graphs_it_lowered():
                for o in (opt, longer)]
     assert regions[0] == regions[1] and regions[0], regions
     assert plan_step_time(longer, FLOPS).flops == 6 * ROWS * 2 * SEQ * linear_params(model) + 4 * attention_flops(
-        ROWS) + 2 * ROWS * 2 * SEQ * linear_params(model, inside="mlp")
+        ROWS) + 2 * ROWS * 2 * SEQ * rerun
 
 
 def test_triton_kernels_cost_the_flops_of_the_ops_they_replace():

@@ -9,9 +9,9 @@ compute      each op of the rank's forward and backward graphs (recompute includ
              max(FLOPs / matmul (or fused attention) rate, bytes read and written / memory bandwidth) plus a dispatch
              overhead (more on DTensors: tensor parallel runs the sharded model eagerly). FLOPs
              are torch.utils.flop_counter's formulas, the CPU flash kernels' and tailorfx's own
-             ops' (the fused head: logits, both gradients; mini-sequence regions: their graph's,
-             three times in backward; the Triton flash kernel: the pairs its mask attends). Views
-             cost nothing.
+             ops' (the fused head: logits, both gradients; mini-sequence regions: their graph's, in
+             backward twice more and its forward again but a final linear's; the Triton flash
+             kernel: the pairs its mask attends). Views cost nothing.
 collectives  the ring's steps x latency + its traffic / bandwidth per call: an all-reduce takes
              2(n-1) steps and moves 2(n-1)/n of its bytes, an all-gather, reduce-scatter or
              all-to-all n-1 steps and (n-1)/n; a group inside a node
@@ -122,8 +122,8 @@ def _causal(target, args, kwargs) -> bool:
     return bool(compat.op_argument(target, "is_causal", args, kwargs, False))
 
 
-# a mini-sequence region's op -> how many times it runs its graph's work: once forward; in backward each
-# chunk's forward again, then its backward (about twice the forward's)
+# a mini-sequence region's op -> how many times it runs its graph's pointwise work: once forward; in
+# backward each chunk's forward again, then its backward (about twice the forward's)
 _REGIONS = {"token_chunked": 1, "token_segment": 1, "token_chunked_random": 1,
             "token_chunked_backward": 3, "token_segment_backward": 3, "token_chunked_random_backward": 3}
 
@@ -155,8 +155,11 @@ def op_flops(target, args, kwargs, out) -> int:
             "with_grads") else 1
         return 2 * passes * rows * weight.numel()
     if name in _REGIONS:          # its matmuls; the rest is priced by its bytes (_region_bytes)
-        return int(_REGIONS[name] * _region_scale(name, args) * cost.region_flops(args[0], compat.size_hint,
-                                                                                 matmuls_only=True))
+        f = _region_scale(name, args) * cost.region_flops(args[0], compat.size_hint, matmuls_only=True)
+        if name.endswith("backward"):   # each chunk's forward again (a final linear's not), then its backward
+            f = 2 * f + _region_scale(name, args, recompute=True) * cost.region_recompute_flops(
+                args[0], compat.size_hint, matmuls_only=True)
+        return int(f)
     return 0
 
 
@@ -175,11 +178,12 @@ def _triton_attention_flops(name: str, args) -> int:
     return (BACKWARD_FLOPS if back else FORWARD_FLOPS) * pairs * compat.size_hint(q.shape[-1])
 
 
-def _region_scale(name: str, args) -> float:
+def _region_scale(name: str, args, recompute: bool = False) -> float:
     """A mini-sequence op's tokens over those its region's graph holds (the capture that registered
-    its key first, maybe at another length): a token-wise region's cost scales with them."""
+    its key first, maybe at another length; `recompute`: its recomputed part's, the last capture's):
+    a token-wise region's cost scales with them."""
     seq = args[2] if name.endswith("backward") else args[1]
-    recorded = cost.region_input_numel(args[0], compat.size_hint)
+    recorded = cost.region_input_numel(args[0], compat.size_hint, recompute)
     return compat.size_hint(seq[0].numel()) / recorded if recorded else 1.0
 
 

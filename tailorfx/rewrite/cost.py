@@ -43,18 +43,30 @@ def node_flops(node: fx.Node, as_int) -> int:
     return sum(_numel(t, as_int) for t in match.tensors_in(out)) if node.op != "placeholder" else 0
 
 
-def _region_nodes(key: str) -> list[fx.Node]:
-    """The nodes of a registered region's graph (a token_chunked / token_segment op's), if it has one."""
+def _region_nodes(key: str, recompute: bool = False) -> list[fx.Node]:
+    """The nodes of a registered region's graph (a token_chunked / token_segment op's), if it has one;
+    `recompute`: of the part its backward runs again (before a final linear: ChunkedRegion.tail)."""
     from tailorfx.runtime import ops
-    region = ops.get_region(key)
-    return list(region.graph.nodes) if isinstance(region, fx.GraphModule) else []
+    region = ops.chunked_region(key)
+    src = region.tail[0] if recompute and region.tail else region.fn
+    return list(src.graph.nodes) if isinstance(src, fx.GraphModule) else []
 
 
 def region_flops(key: str, as_int, matmuls_only: bool = False) -> int:
     """Forward FLOPs of a registered region's graph (a token_chunked / token_segment op's);
     `matmuls_only`: its matmuls' and attention's, without node_flops' numel of the other ops."""
+    return _flops(_region_nodes(key), as_int, matmuls_only)
+
+
+def region_recompute_flops(key: str, as_int, matmuls_only: bool = False) -> int:
+    """Forward FLOPs a registered region's backward runs again: its graph's, or where it ends in a
+    linear whose output the backward never needs (ChunkedRegion.tail), those before that linear."""
+    return _flops(_region_nodes(key, recompute=True), as_int, matmuls_only)
+
+
+def _flops(nodes: list, as_int, matmuls_only: bool) -> int:
     kept = match.MATMUL_OPS | match.ATTENTION_OPS
-    return sum(node_flops(n, as_int) for n in _region_nodes(key) if not matmuls_only or match.op_name(n) in kept)
+    return sum(node_flops(n, as_int) for n in nodes if not matmuls_only or match.op_name(n) in kept)
 
 
 # torch-level ops that move no bytes of their own (a view, a size)
@@ -76,10 +88,11 @@ def region_bytes(key: str, as_int) -> int:
     return total
 
 
-def region_input_numel(key: str, as_int) -> int:
+def region_input_numel(key: str, as_int, recompute: bool = False) -> int:
     """Elements of a registered region's first input, at its graph's sizes: one key serves every
-    capture whose graph prints alike (a symbolic length), recorded at the first one's sizes."""
-    first = next((n for n in _region_nodes(key) if n.op == "placeholder"), None)
+    capture whose graph prints alike (a symbolic length), recorded at the first one's sizes (the
+    part recomputed, `recompute`, at the last one's: each capture sets it)."""
+    first = next((n for n in _region_nodes(key, recompute) if n.op == "placeholder"), None)
     value = node_value(first) if first is not None else None
     return _numel(value, as_int) if isinstance(value, torch.Tensor) else 0
 
@@ -94,11 +107,7 @@ def recompute_flops(gm: fx.GraphModule, as_int, weight: Optional[Callable[[fx.No
         if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
             total += node_flops(n, as_int) * (weight(n) if weight else 1)
         elif match.op_name(n) in ("token_chunked", "token_segment"):
-            from tailorfx.runtime import ops
-            region = ops.chunked_region(n.args[0])
-            src = region.tail[0] if region.tail else region.fn
-            flops = sum(node_flops(m, as_int) for m in src.graph.nodes) if isinstance(src, fx.GraphModule) else 0
-            total += flops * (weight(n) if weight else 1)
+            total += region_recompute_flops(n.args[0], as_int) * (weight(n) if weight else 1)
     return total
 
 
@@ -115,4 +124,4 @@ def fmt_flops(n: float) -> str:
     return f"{n:.1f} PFLOP"
 
 
-__all__ = ["node_flops", "region_flops", "recompute_flops", "graph_flops", "fmt_flops"]
+__all__ = ["node_flops", "region_flops", "region_recompute_flops", "recompute_flops", "graph_flops", "fmt_flops"]
