@@ -44,7 +44,9 @@ Sections, in this order (or --section's); each writes the JSON (benchmarks/out/g
            optimize()'s default: on CUDA Inductor's fused kernels, the optimizer steps inside its
            backward, the plan chosen on the shallow capture checked on its trace; and with
            offload="activations": the first k blocks' saved tensors wait in host
-           memory instead of those blocks being recomputed, the planner picking k), eager, HF
+           memory instead of those blocks being recomputed, the planner picking k; and with both
+           offload="activations" and kernels="triton", the plan the step-time model predicts
+           fastest at 32K, --predict), eager, HF
            activation checkpointing, Liger-Kernel (its defaults, fused linear cross-entropy among
            them) + HF checkpointing, the ALST recipe (DeepSpeed's TiledMLP + TiledFusedLogitsLoss
            + HF checkpointing, benchmarks/alst.py; no ZeRO): step time, tokens/s, MFU; tailorfx's
@@ -54,7 +56,8 @@ Sections, in this order (or --section's); each writes the JSON (benchmarks/out/g
            checked against eager at a short length (the loss, every weight's gradient norm, one
            step updating each parameter once; ALST with two shards or more of each kind) and for
            its feature firing. The 32K row runs first (tailorfx's plan, Liger-Kernel's, the
-           fastest peer measured, tailorfx's Inductor and Triton rows, then the others: TOP_ROW), then those
+           fastest peer measured, tailorfx's offloaded Triton row, its Inductor and Triton rows, then the
+           others: TOP_ROW), then those
            checks, then 16K and 8K: at 32K the rewrites decide what fits and how fast, so its MFU comparison is what the run is
            for, and a budgeted optimize() takes minutes, so what runs last may find no time.
   offload  under a lower budget (OFFLOAD_BUDGET): offload="checkpoints" at the longest length
@@ -103,12 +106,14 @@ PROVIDERS = ("tailorfx", "eager", "hf-checkpointing", "liger+hf-checkpointing", 
 OFFLOADED = "tailorfx, activations offloaded"   # in the longest row only
 TRITON_KERNELS = "tailorfx, Triton kernels"     # likewise: norms, SwiGLU, RoPE, the head on tailorfx/kernels
 INDUCTOR = "tailorfx, lowering auto"            # likewise: optimize()'s default, Inductor on CUDA (eager on CPU)
+BOTH = "tailorfx, offloaded, Triton kernels"    # likewise: both, the plan predicted fastest at 32K (--predict)
 TAILORFX = {"tailorfx": {}, TRITON_KERNELS: {"kernels": "triton"}, INDUCTOR: {"lowering": "auto"},
-            OFFLOADED: {"offload": "activations"}}   # provider -> optimize() options (lowering: LOWERING's)
+            OFFLOADED: {"offload": "activations"},
+            BOTH: {"offload": "activations", "kernels": "triton"}}   # provider -> optimize() options (+ LOWERING)
 # the longest length's row: what the MFU goal compares first (tailorfx's plan, the fastest peer
-# measured, Liger-Kernel, then tailorfx's Triton row, whose planning and kernel timing take
-# minutes), then the rows that end at once in an OOM, then the slower ones
-TOP_ROW = ("tailorfx", "liger+hf-checkpointing", INDUCTOR, TRITON_KERNELS, "eager", "hf-checkpointing", OFFLOADED,
+# measured, Liger-Kernel, tailorfx's plan predicted fastest, then its Inductor and Triton rows;
+# planning and kernel timing take minutes), then the rows that end at once in an OOM, then the slower ones
+TOP_ROW = ("tailorfx", "liger+hf-checkpointing", BOTH, INDUCTOR, TRITON_KERNELS, "eager", "hf-checkpointing", OFFLOADED,
            "alst")
 # dry run: a 2-layer Llama on CPU, budgets in MiB, lengths short enough for CPU steps
 DRY = dict(budget=3 << 20, offload_budget=3 << 20, lengths=(256, 512), granule=64, limit=2048)
@@ -252,7 +257,7 @@ def make_provider(run: Run, name: str, model, inputs: dict, min_shards: int = 1)
     """One provider on a fresh model: tailorfx's (optimize() under the budget, TAILORFX's options)
     or a peer's. `min_shards`: ALST's least shard count of each kind (the agreement's 2)."""
     import tailorfx
-    if name == TRITON_KERNELS and run.dry:
+    if "kernels" in TAILORFX.get(name, {}) and run.dry:
         raise Skip("Triton's interpreter takes minutes a step at the dry run's lengths; the kernels' exactness "
                    "under it is make test's (tests/test_kernels_pass.py, tests/test_autocast.py)")
     if name in TAILORFX:
@@ -421,8 +426,8 @@ def asked(run: Run, names: tuple) -> tuple:
 def speed_row(run: Run, sec: dict, S: int, names: tuple, reps: int) -> None:
     for name in asked(run, names):
         need = estimate_s(run, config(run.dry), S, steps=3 + reps, plan=name in TAILORFX,
-                          slowdown=OFFLOAD_SLOWDOWN if name == OFFLOADED else 4 / 3)
-        need += {TRITON_KERNELS: KERNEL_CHOICE_S, INDUCTOR: INDUCTOR_S}.get(name, 0.0)
+                          slowdown=OFFLOAD_SLOWDOWN if "offload" in TAILORFX.get(name, {}) else 4 / 3)
+        need += {TRITON_KERNELS: KERNEL_CHOICE_S, BOTH: KERNEL_CHOICE_S, INDUCTOR: INDUCTOR_S}.get(name, 0.0)
         guarded(run, sec, f"{name} S={S}", need, lambda name=name: timed_steps(run, name, S, reps))
 
 
@@ -561,7 +566,7 @@ def predicted_time(opt, cfg, S: int) -> dict:
     for gpu in ("H200", "H100"):
         st = plan_step_time(opt, gpu)
         out[gpu] = {"step_s": round(st.total_s, 2), **{k: round(v, 2) for k, v in st.by_kind},
-                    "optimizer_s": round(st.optimizer_s, 3),
+                    "optimizer_s": round(st.optimizer_s, 3), "host_copies_s": round(st.host_copies_s, 3),
                     "mfu": round(step_flops(cfg, config_params(cfg), S) / st.total_s / (PEAK_TFLOPS * 1e12), 3)}
     return out
 
@@ -587,11 +592,14 @@ def predict_tables(out: str) -> dict:
         est = opt.predict_memory()
         res["speed"][S] = {"plan": plan_labels(opt), "predicted_peak_gib": round(est.peak_bytes / 2**30, 2),
                            "predicted_time": predicted_time(opt, cfg, S)}
-        if S == max(LENGTHS):   # the row that also runs offload="activations"
-            act = plan_for_budget(cfg, b, S, setup=SETUP, lowering=LOWERING, offload="activations")
-            aest = act.predict_memory()
-            res["speed"][S][OFFLOADED] = {"plan": plan_labels(act), "predicted_peak_gib": round(aest.peak_bytes / 2**30, 2),
-                                          "host_gib": round(aest.host_bytes / 2**30, 2)}
+        if S == max(LENGTHS):   # the row that also runs offload="activations" and kernels="triton"; both together
+            for name in (OFFLOADED, TRITON_KERNELS, BOTH):
+                other = plan_for_budget(cfg, b, S, setup=SETUP, lowering=LOWERING, shallow=False, **TAILORFX[name])
+                oest = other.predict_memory()
+                res["speed"][S][name] = {"plan": plan_labels(other),
+                                         "predicted_peak_gib": round(oest.peak_bytes / 2**30, 2),
+                                         "host_gib": round(oest.host_bytes / 2**30, 2),
+                                         "predicted_time": predicted_time(other, cfg, S)}
         print(S, res["speed"][S], flush=True)
     res["offload"] = {"device_only_longest": tailorfx.max_seq_len(cfg, ob, setup=SETUP, granularity=GRANULE),
                       "offloaded_longest": tailorfx.max_seq_len(cfg, ob, setup=SETUP, granularity=GRANULE,
@@ -622,7 +630,7 @@ def main(argv=None) -> int:
                          f"time left; {WATCHDOG_MARGIN_S:.0f} s after it a watchdog writes the JSON and exits (status 3)")
     ap.add_argument("--probe-tokens", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.dry_run:
+    if args.dry_run or args.predict:   # --predict: the Triton row's kernels planned on CPU, none run
         os.environ["TRITON_INTERPRET"] = "1"
     if args.probe_tokens:
         probe_main(args.probe_tokens, args.dry_run)

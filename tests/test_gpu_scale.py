@@ -85,9 +85,10 @@ def test_a_call_runs_the_sections_rows_and_lengths_asked_in_the_order_asked(gpu_
     args.provider, args.length = None, None   # the default: every row, the longest length first
     names.clear()
     gpu_scale.section_speed(run, gpucheck.record.new_section())
-    assert names[:4] == ["tailorfx S=32768", "liger+hf-checkpointing S=32768", "tailorfx, lowering auto S=32768",
+    assert names[:5] == ["tailorfx S=32768", "liger+hf-checkpointing S=32768",
+                         "tailorfx, offloaded, Triton kernels S=32768", "tailorfx, lowering auto S=32768",
                          "tailorfx, Triton kernels S=32768"]
-    assert len(names) == 8 + 4 + 2 * 5 and names[-1] == "alst S=8192"
+    assert len(names) == 9 + 4 + 2 * 5 and names[-1] == "alst S=8192"
 
 
 def test_a_gpu_profile_splits_kernels_from_the_ops_that_launched_them(gpucheck):
@@ -209,9 +210,10 @@ def test_dry_run_runs_every_section(tmp_path):
         bad = failed_checks(sec)
         assert sec["status"] == "ok" and not bad, (name, bad)
         # only a peer that is not installed here is skipped, and it says how to carry it; and the
-        # Triton row, which Triton's interpreter would take minutes a step over
+        # Triton rows, which Triton's interpreter would take minutes a step over
         assert all("not installed" in c["reason"] or "needs DeepSpeed" in c["reason"]
-                   or c["name"].startswith("tailorfx, Triton kernels") and "interpreter" in c["reason"]
+                   or c["name"].startswith(("tailorfx, Triton kernels", "tailorfx, offloaded, Triton kernels"))
+                   and "interpreter" in c["reason"]
                    for c in sec["checks"] if c["status"] == "skipped"), name
         assert all("started" in c and "estimate_s" in c for c in sec["checks"] if c["status"] == "pass"), name
     longest = {c["name"]: c for c in data["sections"]["longest"]["checks"]}

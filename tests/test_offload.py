@@ -158,6 +158,27 @@ def test_activation_offload_is_exact_and_fires(family, lowering):
     assert ops["tailorfx::offload"] == ops["tailorfx::reload"] >= 4 * 3, ops
 
 
+def test_activation_offload_runs_beside_the_triton_kernels():
+    """offload="activations" with kernels="triton" (the scale run's plan predicted fastest at 32K,
+    docs/gpu.md): each block's norms, SwiGLU, RoPE and attention on the Triton kernels (run by the
+    interpreter here), what they save offloaded; exact against eager, loss and every gradient."""
+    holder = {}
+
+    def wrap(m):
+        holder["opt"] = tailorfx.optimize(m, passes=PASSES, offload="activations", kernels="triton",
+                                          example_inputs=batch(pad=4))
+        return holder["opt"]
+    inputs = batch(pad=4)
+    compare_with_eager(hf_family("llama", num_layers=2), inputs, wrap, steps=2)
+    opt = holder["opt"]
+    rec = next(r for r in opt.graph_records[0].records if r.name == "recompute")
+    assert rec.stats["policy"] == "selective" and rec.stats["offloaded"] == 2, rec.stats
+    ops = tailorfx_ops(lambda: opt(**inputs).loss.backward())
+    assert ops["tailorfx::offload"] == ops["tailorfx::reload"] >= 4 * 2, ops
+    for kernel in ("triton_norm", "triton_glu", "triton_rope_qk", "triton_attention", "triton_linear_cross_entropy"):
+        assert ops[f"tailorfx::{kernel}"] >= 1, (kernel, ops)
+
+
 def _groups(opt) -> dict:
     """A backward placeholder's name -> the block (offload group) its forward tensor was tagged with."""
     from tailorfx.rewrite import match
