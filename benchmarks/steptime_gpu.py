@@ -13,6 +13,11 @@ optimizer's). Liger-Kernel + HF checkpointing: its GEMMs and attention only (the
 fused head's chunks included, and the same SDPA kernels; its own Triton kernels replace the rest).
 The ALST recipe recomputes its MLPs once more and is left out. `--fit` takes one row (FIT_ROW) and
 scales each datasheet fraction by predicted / measured of its kind: every other row is held out.
+
+A later run's tailorfx rows (`--measured`) are held to the predictions committed before it
+(`results/gpu_scale_predicted.json`, `gpu_scale.py --predict`: `plan_step_time` on each plan as
+lowered), where a row has one: its step and each kind of kernel. The 12-04 run came before them
+(and its tailorfx rows ran an fp32 GEMM on CUDA cores, fixed since).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from common import print_table, write_json  # noqa: E402
 from paper_table import MODELS  # noqa: E402
 
 MEASURED = os.path.join(os.path.dirname(__file__), "results", "gpu_scale_speed_h200_2026-12-04b.json")
+PREDICTED = os.path.join(os.path.dirname(__file__), "results", "gpu_scale_predicted.json")
 FIT_ROW = ("hf-checkpointing", 16384)
 # provider -> the kinds of kernel the model is held to for it
 KINDS = {"hf-checkpointing": ("step", "gemm", "attention", "other"), "liger+hf-checkpointing": ("gemm", "attention")}
@@ -49,14 +55,14 @@ def gpu_of(path: str = MEASURED) -> str:
     return name
 
 
-def measured_rows(path: str = MEASURED) -> list[dict]:
-    """The speed rows with a step time and a profile: provider, tokens, step_s, kernel seconds by kind
-    (copies counted with the other kernels)."""
+def measured_rows(path: str = MEASURED, providers=KINDS) -> list[dict]:
+    """The speed rows of `providers` with a step time and a profile: provider, tokens, step_s, kernel
+    seconds by kind (copies counted with the other kernels)."""
     with open(path) as f:
         checks = json.load(f)["sections"]["speed"]["checks"]
     rows = []
     for c in checks:
-        if c.get("provider") in KINDS and "step_s" in c and c.get("profile"):
+        if c.get("provider") in providers and "step_s" in c and c.get("profile"):
             k = c["profile"]["by_kind_s"]
             rows.append({"provider": c["provider"], "tokens": c["tokens"], "step": c["step_s"],
                          "gemm": k.get("gemm", 0.0), "attention": k.get("attention", 0.0),
@@ -96,6 +102,32 @@ def compare(devices: dict, rows: list[dict]) -> list[dict]:
     return out
 
 
+def plan_predictions(path: str = PREDICTED) -> dict:
+    """(provider, tokens) -> {gpu: seconds by kind and step} of each tailorfx row gpu_scale.py --predict
+    priced (the optimizer's pass counted with the other kernels, as the profile counts it)."""
+    with open(path) as f:
+        speed = json.load(f)["speed"]
+    out = {}
+    for S, row in speed.items():
+        entries = [("tailorfx", row)] + [(k, v) for k, v in row.items() if isinstance(v, dict)]
+        for provider, e in entries:
+            if "predicted_time" in e:
+                out[(provider, int(S))] = {gpu: {"step": t["step_s"], "gemm": t["gemm"], "attention": t["attention"],
+                                                 "other": t["other"] + t["optimizer_s"]}
+                                           for gpu, t in e["predicted_time"].items()}
+    return out
+
+
+def compare_plans(gpu: str, measured: str, predicted: str = PREDICTED) -> list[dict]:
+    """Each measured tailorfx row that has a prediction: its step and kinds against it, on `gpu`'s class."""
+    preds = plan_predictions(predicted)
+    rows = measured_rows(measured, providers={p for p, _ in preds})
+    return [{"provider": r["provider"], "tokens": r["tokens"], "kind": kind, "measured_s": r[kind],
+             "predicted_s": p[kind], "error": p[kind] / r[kind] - 1}
+            for r in rows if (r["provider"], r["tokens"]) in preds
+            for p in [preds[(r["provider"], r["tokens"])][gpu]] for kind in ("step", "gemm", "attention", "other")]
+
+
 def fit(rows: list[dict]) -> dict:
     """Each datasheet fraction scaled by predicted / measured of its kind on FIT_ROW."""
     row = next(r for r in rows if (r["provider"], r["tokens"]) == FIT_ROW)
@@ -126,10 +158,16 @@ def main(argv=None) -> int:
                   f"{e[gpu]['predicted_s']:.3f}", f"{e[gpu]['error']:+.1%}"] for e in res])
     held = [abs(e[gpu]["error"]) for e in res if not e["fit_row"]]
     print(f"held-out rows: worst error {max(held, default=0):.1%} on the {gpu} class ({time.time() - t0:.0f} s)")
+    plans = compare_plans(gpu, args.measured) if args.measured != MEASURED else []   # 12-04's came first
+    if plans:
+        print_table(f"tailorfx's plans against {os.path.basename(PREDICTED)} (predicted before the run), seconds",
+                    ["provider", "tokens", "kind", "measured", "predicted", "error"],
+                    [[e["provider"], f"{e['tokens']:,}", e["kind"], f"{e['measured_s']:.3f}",
+                      f"{e['predicted_s']:.3f}", f"{e['error']:+.1%}"] for e in plans])
     name = "steptime_h200_2026-12-06.json" if args.measured == MEASURED else "steptime_vs_" + os.path.basename(args.measured)
     path = write_json(name, {
         "measured": os.path.basename(args.measured), "fit_row": FIT_ROW, "setup": SETUP,
-        "classes": {name: d.as_dict() for name, d in devices.items()}, "rows": res})
+        "classes": {name: d.as_dict() for name, d in devices.items()}, "rows": res, "plans": plans})
     print("wrote", path)
     return 0
 

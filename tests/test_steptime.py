@@ -347,3 +347,25 @@ def test_the_hopper_classes_predict_the_h200s_measured_llama_8b_steps(steptime_g
     assert {e["tokens"] for e in held} == {8192, 16384, 32768}, held
     for e in held:
         assert abs(e["H200"]["error"]) <= (0.05 if e["kind"] == "step" else 0.07), e
+
+
+def test_a_later_runs_tailorfx_rows_are_held_to_the_committed_predictions(steptime_gpu, tmp_path):
+    """steptime_gpu.py --measured: each tailorfx row that gpu_scale.py --predict priced is compared with
+    that prediction (step and each kind; the optimizer's pass with the other kernels, as a profile
+    counts it); a row the prediction has no figure for (lowering auto) is left out."""
+    preds = json.load(open(steptime_gpu.PREDICTED))["speed"]["32768"]
+    both = "tailorfx, offloaded, Triton kernels"
+    row = lambda provider, step: {"provider": provider, "tokens": 32768, "step_s": step,
+                                  "profile": {"by_kind_s": {"gemm": 2.0, "attention": 2.0, "other": 0.4, "copy": 0.1}}}
+    measured = tmp_path / "run.json"
+    measured.write_text(json.dumps({"meta": {"gpu": "NVIDIA H200"}, "sections": {"speed": {"checks": [
+        row("tailorfx", 5.0), row(both, 4.0), row("tailorfx, lowering auto", 4.5)]}}}))
+    plans = steptime_gpu.compare_plans("H200", str(measured))
+    assert {(e["provider"], e["kind"]) for e in plans} == {(p, k) for p in ("tailorfx", both)
+                                                           for k in ("step", "gemm", "attention", "other")}
+    for e in plans:
+        t = (preds if e["provider"] == "tailorfx" else preds[both])["predicted_time"]["H200"]
+        expected = {"step": t["step_s"], "gemm": t["gemm"], "attention": t["attention"],
+                    "other": t["other"] + t["optimizer_s"]}[e["kind"]]
+        m = {"step": 5.0 if e["provider"] == "tailorfx" else 4.0, "gemm": 2.0, "attention": 2.0, "other": 0.5}[e["kind"]]
+        assert e["measured_s"] == m and e["predicted_s"] == expected and e["error"] == pytest.approx(expected / m - 1)
