@@ -565,7 +565,7 @@ def predicted_time(opt, cfg, S: int) -> dict:
     out = {}
     for gpu in ("H200", "H100"):
         st = plan_step_time(opt, gpu)
-        out[gpu] = {"step_s": round(st.total_s, 2), **{k: round(v, 2) for k, v in st.by_kind},
+        out[gpu] = {"step_s": round(st.total_s, 3), **{k: round(v, 2) for k, v in st.by_kind},
                     "optimizer_s": round(st.optimizer_s, 3), "host_copies_s": round(st.host_copies_s, 3),
                     "mfu": round(step_flops(cfg, config_params(cfg), S) / st.total_s / (PEAK_TFLOPS * 1e12), 3)}
     return out
@@ -601,13 +601,30 @@ def predict_tables(out: str) -> dict:
                                          "host_gib": round(oest.host_bytes / 2**30, 2),
                                          "predicted_time": predicted_time(other, cfg, S)}
         print(S, res["speed"][S], flush=True)
-    res["offload"] = {"device_only_longest": tailorfx.max_seq_len(cfg, ob, setup=SETUP, granularity=GRANULE),
-                      "offloaded_longest": tailorfx.max_seq_len(cfg, ob, setup=SETUP, granularity=GRANULE,
-                                                                offload="checkpoints")}
+    res["offload"] = predict_offload(cfg, ob)
     print("offload", res["offload"], flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(res, f, indent=1, default=str)
+    return res
+
+
+def predict_offload(cfg, ob) -> dict:
+    """The offload section's lengths under the lower budget, and its time check predicted: at the
+    device-only longest, the offloaded plan (checkpoints to host, every block recomputed, as
+    train_offload asks) against the device-only plan, per token."""
+    import tailorfx
+    from tailorfx.sizing import plan_for_budget
+    res = {"device_only_longest": tailorfx.max_seq_len(cfg, ob, setup=SETUP, granularity=GRANULE),
+           "offloaded_longest": tailorfx.max_seq_len(cfg, ob, setup=SETUP, granularity=GRANULE, offload="checkpoints")}
+    S = res["device_only_longest"]
+    for name, kw in (("device-only at its longest", {}),
+                     ("offloaded at the device-only longest", {"offload": "checkpoints", "recompute": "full"})):
+        opt = plan_for_budget(cfg, ob, S, setup=SETUP, lowering=LOWERING, shallow=False, **kw)
+        res[name] = {"tokens": S, "plan": plan_labels(opt), "predicted_time": predicted_time(opt, cfg, S)}
+    res["offload_time_ratio"] = {gpu: round(res["offloaded at the device-only longest"]["predicted_time"][gpu]["step_s"]
+                                            / res["device-only at its longest"]["predicted_time"][gpu]["step_s"], 3)
+                                 for gpu in ("H200", "H100")}
     return res
 
 
