@@ -425,9 +425,10 @@ def asked(run: Run, names: tuple) -> tuple:
 
 def speed_row(run: Run, sec: dict, S: int, names: tuple, reps: int) -> None:
     for name in asked(run, names):
+        opts = TAILORFX.get(name, {})     # a tailorfx row's options say what its setup and steps cost more
         need = estimate_s(run, config(run.dry), S, steps=3 + reps, plan=name in TAILORFX,
-                          slowdown=OFFLOAD_SLOWDOWN if "offload" in TAILORFX.get(name, {}) else 4 / 3)
-        need += {TRITON_KERNELS: KERNEL_CHOICE_S, BOTH: KERNEL_CHOICE_S, INDUCTOR: INDUCTOR_S}.get(name, 0.0)
+                          slowdown=OFFLOAD_SLOWDOWN if "offload" in opts else 4 / 3)
+        need += KERNEL_CHOICE_S if "kernels" in opts else INDUCTOR_S if opts.get("lowering") == "auto" else 0.0
         guarded(run, sec, f"{name} S={S}", need, lambda name=name: timed_steps(run, name, S, reps))
 
 
