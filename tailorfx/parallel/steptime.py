@@ -150,9 +150,9 @@ def op_flops(target, args, kwargs, out) -> int:
                 "chunked_linear_cross_entropy", "vocab_parallel_cross_entropy", "triton_linear_cross_entropy"):
         hidden, weight = args[0], args[1]
         rows = hidden.numel() // hidden.shape[-1]
-        # logits, then the two gradients' matmuls (the Triton kernel's: those its arguments ask for)
-        passes = 1 + bool(args[9]) + bool(args[10]) if name.startswith("triton") else 3 if name.endswith(
-            "with_grads") else 1
+        passes = 3 if name.endswith("with_grads") else 1      # logits, then the two gradients' matmuls
+        if name.startswith("triton"):                         # the gradients its arguments ask for
+            passes = 1 + bool(args[9]) + bool(args[10])
         return 2 * passes * rows * weight.numel()
     if name in _REGIONS:          # its matmuls; the rest is priced by its bytes (_region_bytes)
         f = _region_scale(name, args) * cost.region_flops(args[0], compat.size_hint, matmuls_only=True)
