@@ -107,6 +107,8 @@ OFFLOADED = "tailorfx, activations offloaded"   # in the longest row only
 TRITON_KERNELS = "tailorfx, Triton kernels"     # likewise: norms, SwiGLU, RoPE, the head on tailorfx/kernels
 INDUCTOR = "tailorfx, lowering auto"            # likewise: optimize()'s default, Inductor on CUDA (eager on CPU)
 BOTH = "tailorfx, offloaded, Triton kernels"    # likewise: both, the plan predicted fastest at 32K (--predict)
+INDUCTOR_OFFLOADED = "tailorfx, lowering auto, activations offloaded"
+PREDICTED_ONLY = {INDUCTOR_OFFLOADED: {"lowering": "auto", "offload": "activations"}}   # --predict's, no row's yet
 TAILORFX = {"tailorfx": {}, TRITON_KERNELS: {"kernels": "triton"}, INDUCTOR: {"lowering": "auto"},
             OFFLOADED: {"offload": "activations"},
             BOTH: {"offload": "activations", "kernels": "triton"}}   # provider -> optimize() options (+ LOWERING)
@@ -593,9 +595,12 @@ def predict_tables(out: str) -> dict:
         est = opt.predict_memory()
         res["speed"][S] = {"plan": plan_labels(opt), "predicted_peak_gib": round(est.peak_bytes / 2**30, 2),
                            "predicted_time": predicted_time(opt, cfg, S)}
-        if S == max(LENGTHS):   # the row that also runs offload="activations" and kernels="triton"; both together
-            for name in (OFFLOADED, TRITON_KERNELS, BOTH):
-                other = plan_for_budget(cfg, b, S, setup=SETUP, lowering=LOWERING, shallow=False, **TAILORFX[name])
+        if S == max(LENGTHS):   # the row that also runs offload="activations", kernels="triton", both, Inductor
+            for name in (OFFLOADED, TRITON_KERNELS, BOTH, INDUCTOR, INDUCTOR_OFFLOADED):
+                kw = {"lowering": LOWERING, **(TAILORFX.get(name) or PREDICTED_ONLY[name])}
+                if kw["lowering"] == "auto":   # Inductor on CUDA (eager on this CPU): 8 min a plan here
+                    kw["lowering"] = "inductor"
+                other = plan_for_budget(cfg, b, S, setup=SETUP, shallow=False, **kw)
                 oest = other.predict_memory()
                 res["speed"][S][name] = {"plan": plan_labels(other),
                                          "predicted_peak_gib": round(oest.peak_bytes / 2**30, 2),

@@ -163,6 +163,45 @@ def test_offloads_host_copies_cross_the_host_link_behind_the_compute():
         12 * checkpoint)
 
 
+def test_inductors_fused_kernels_move_each_tensor_once():
+    """lowering="inductor": each kernel Inductor generates costs the bytes its scheduler counts, not
+    the sum of the ATen ops fused into it. HF's RMSNorm over T x H (fp32) reads x and the weight and
+    writes the output once: 4(2TH + H) bytes, where its ops one by one move 3.5x that; trained, the
+    backward reads x and the output's gradient and writes the weight's (its reciprocal norm saved
+    or recomputed: up to 2T more, and the weight read again). An HF Llama's matmuls and attention
+    cost what they cost under the eager lowering; its pointwise ops less."""
+    import tailorfx
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    moved = DeviceClass("bytes moved", **{**FREE, "memory_bandwidth": 1.0})     # 1 s per byte
+    T, H = 2 * SEQ, CFG.hidden_size
+    seconds = {}
+    for grad in (False, True):
+        for lowering in ("eager", "inductor"):
+            norm = LlamaRMSNorm(H).requires_grad_(grad)
+            opt = tailorfx.optimize(norm, passes=[], lowering=lowering, example_inputs=(torch.randn(T, H),))
+            assert [g.lowering for g in opt.graph_records] == ["dynamo" if lowering == "eager" else "inductor"]
+            st = plan_step_time(opt, moved)
+            seconds[grad, lowering] = st.total_s - st.optimizer_s
+    assert seconds[False, "inductor"] == 4 * (2 * T * H + H)
+    assert seconds[False, "eager"] > 3.5 * seconds[False, "inductor"]
+    assert 2 * 4 * (2 * T * H + H) <= seconds[True, "inductor"] <= 4 * (4 * T * H + 3 * H + 2 * T)
+    assert seconds[True, "eager"] > 2.5 * seconds[True, "inductor"]
+    ids = torch.randint(0, CFG.vocab_size, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    kinds, flops = {}, {}
+    for lowering in ("eager", "inductor"):
+        torch.manual_seed(0)
+        opt = tailorfx.optimize(LlamaForCausalLM(CFG), passes=["minisequence"], lowering=lowering,
+                                example_inputs={"input_ids": ids, "labels": ids})
+        assert {g.lowering for g in opt.graph_records} == {lowering}
+        st = plan_step_time(opt, FLOPS)
+        assert st.flops == st.compute_s
+        flops[lowering], kinds[lowering] = st.flops, dict(plan_step_time(opt, moved).by_kind)
+    assert flops["inductor"] == flops["eager"]
+    assert kinds["inductor"]["gemm"] == kinds["eager"]["gemm"] and kinds["inductor"]["attention"] == kinds["eager"][
+        "attention"]
+    assert kinds["inductor"]["other"] < 0.6 * kinds["eager"]["other"], kinds
+
+
 @pytest.mark.slow
 def test_a_plan_captured_shallow_has_no_step_time_until_planned_whole():
     from tailorfx.sizing import plan_for_budget

@@ -49,6 +49,29 @@ def inductor_modules():
     return ir, wrapper
 
 
+def generated_kernels(graph) -> list:
+    """(bytes, origins) of each kernel Inductor generated for `graph` (a GraphLowering after codegen):
+    the bytes its scheduler counts the kernel reading and writing (each buffer once, at most its
+    size; what a fusion keeps in registers not at all), at the sizes' hints, and the fx nodes it
+    runs, not those of an extern kernel (matmuls, attention, custom ops) or template, left out."""
+    def origins(node) -> dict:
+        return {o: None for n in node.get_nodes() if n.node is not None for o in n.node.get_origins()
+                if isinstance(o, torch.fx.Node)}
+    def runs(node) -> list:   # the fx nodes an extern kernel runs: its op's (its origins hold its inputs' too)
+        op, first = getattr(node.node, "op_overload", None), getattr(node.node, "origin_node", None)
+        found = [o for o in origins(node) if op is not None and o.target is op]
+        return found or ([first] if first is not None else [o for o in origins(node) if not _pointwise(o)])
+    nodes = [n for n in graph.scheduler.nodes if type(n).__name__ != "NopKernelSchedulerNode"]
+    extern = {o for n in nodes if n.is_extern() or n.is_template() for o in runs(n)}
+    # a kernel reading an extern op's outputs names that op among its origins too: it runs there
+    return [(int(n.get_read_write_buffers_sizes()), [o for o in origins(n) if o not in extern])
+            for n in nodes if not (n.is_extern() or n.is_template())]
+
+
+def _pointwise(node) -> bool:
+    return torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
 def inductor_joint_pass(fn, version: str):
     """A config patch giving Inductor `fn(graph)` as its joint-graph custom post pass (run on the
     joint forward+backward graph before it partitions); `version` keys Inductor's caches."""

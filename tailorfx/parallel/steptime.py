@@ -11,7 +11,9 @@ compute      each op of the rank's forward and backward graphs (recompute includ
              are torch.utils.flop_counter's formulas, the CPU flash kernels' and tailorfx's own
              ops' (the fused head: logits, both gradients; mini-sequence regions: their graph's, in
              backward twice more and its forward again but a final linear's; the Triton flash
-             kernel: the pairs its mask attends). Views cost nothing.
+             kernel: the pairs its mask attends). Views cost nothing. A graph Inductor lowered is
+             walked by the kernels it generated: each fused kernel moves the bytes Inductor's
+             scheduler counts for it, once, and launches once.
 collectives  the ring's steps x latency + its traffic / bandwidth per call: an all-reduce takes
              2(n-1) steps and moves 2(n-1)/n of its bytes, an all-gather, reduce-scatter or
              all-to-all n-1 steps and (n-1)/n; a group inside a node
@@ -35,7 +37,7 @@ host copies  offload's copies to pinned host memory and back, at the host link's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -210,14 +212,26 @@ class _GraphTime:
     host_bytes: int = 0          # offload's copies to the host (forward) or back (backward)
 
 
-def _graph_time(g: fx.GraphModule, group_of: dict, dev: DeviceClass, dtensor: bool) -> _GraphTime:
+def _graph_time(g: fx.GraphModule, group_of: dict, dev: DeviceClass, dtensor: bool,
+                generated: Sequence = ()) -> _GraphTime:
+    """Each op of `g` priced alone, but those inside a kernel Inductor `generated` (its Schedule's:
+    (bytes, nodes)), which take that kernel's bytes, its matmuls' FLOPs, and one launch."""
     compute: dict[int, float] = {}
     flops: dict[int, int] = {}
     kinds: dict[str, float] = {}
     comm, host = [], 0
     overhead = dev.op_overhead + (dev.dtensor_overhead if dtensor else 0.0)
+    fused = {n for _, nodes in generated for n in nodes}
+    for nbytes, nodes in generated:
+        f = sum(compat.size_hint(op_flops(n.target, *fx.node.map_arg((n.args, n.kwargs), node_value), node_value(n)))
+                for n in nodes if n.op == "call_function")
+        t = max(f / dev.matmul_flops, nbytes / dev.memory_bandwidth) + overhead
+        grp = group_of.get(nodes[0].name, 0) if nodes else 0
+        compute[grp] = compute.get(grp, 0.0) + t
+        flops[grp] = flops.get(grp, 0) + f
+        kinds["gemm" if f else "other"] = kinds.get("gemm" if f else "other", 0.0) + t
     for n in g.graph.nodes:
-        if n.op != "call_function":
+        if n.op != "call_function" or n in fused:
             continue
         name = _short(n.target)
         if name in _FREE or getattr(n.target, "is_view", False):
@@ -334,7 +348,9 @@ def plan_step_time(opt: Any, device: Union[str, DeviceClass] = "H100") -> StepTi
     times = []
     for g in opt.graph_records:
         st = g.step or traced_step(g.rewritten, partition_for(g.lowering, g.rewritten), opt.setup, False)
-        times += [_graph_time(gm, {}, dev, False) for gm in (st.fw, st.bw) if gm is not None]
+        scheds = (st.fw_schedule, st.bw_schedule)   # Inductor's: walked as it generated them
+        times += [_graph_time(gm, {}, dev, False) if s is None else _graph_time(s.gm, {}, dev, False, s.generated)
+                  for gm, s in zip((st.fw, st.bw), scheds) if gm is not None]
     s, n = opt.setup, sum(p.numel() for p in opt.model.parameters() if p.requires_grad)
     optimizer = _adamw_s(n * s.param_dtype.itemsize, s.master_bytes(n), s.state_bytes(n), n * s.grads.itemsize, dev)
     return StepTime(describe_layout(1, 1, 1, None), dev.name, sum(sum(t.compute.values()) for t in times), 0.0, 0.0,

@@ -46,6 +46,9 @@ class Schedule:
     # boxed argument list; a saved activation then lives only as long as the backward needs it)
     inputs_done: list[list[int]] = field(default_factory=list)
     inputs_reused: list[list[int]] = field(default_factory=list)   # per step: inputs a kernel overwrites in place
+    # per kernel Inductor generated (not extern): the bytes its scheduler counts it moving, and the fx nodes it
+    # runs (a fusion's pointwise ops read and write memory once: parallel/steptime.py prices them so)
+    generated: list[tuple[int, list[fx.Node]]] = field(default_factory=list)
 
 
 def _schedule(g: fx.GraphModule, example_inputs: Sequence, is_backward: bool, is_inference: bool) -> Schedule:
@@ -54,6 +57,7 @@ def _schedule(g: fx.GraphModule, example_inputs: Sequence, is_backward: bool, is
     placeholders = {n.target: i for i, n in enumerate(n for n in g.graph.nodes if n.op == "placeholder")}
     with compat.inductor_generated(g, example_inputs, is_backward, is_inference) as graph:
         out = _walk(graph, placeholders)
+        out.generated = compat.generated_kernels(graph)
     out.gm = g
     return out
 
