@@ -162,6 +162,9 @@ def budget_candidates(base: Plan, num_blocks: int, has_head: bool = False, cpu: 
             out.append(Candidate("minisequence segments + full recompute, all blocks, checkpoints offloaded to host",
                                  ms_rc, (("minisequence_segments", True), ("offload", "checkpoints"),
                                          ("recompute_policy", "full"), ("recompute_blocks", None))))
+    if base.options.get("offload") == "checkpoints":   # asked for: every plan that recomputes offloads its checkpoints
+        out = [replace(c, label=f"{c.label}, checkpoints offloaded to host") if "recompute" in c.passes else c
+               for c in out]
     return out
 
 

@@ -128,6 +128,18 @@ def test_the_planner_offloads_on_a_gpu_budget_no_device_only_plan_meets():
     assert opt.predict_memory().host_bytes == L * S * 256 * 2
 
 
+def test_a_plan_under_a_budget_names_the_checkpoints_offload_asked_for():
+    """offload="checkpoints" with a budget: the plan chosen recomputes, so its checkpoints go to the
+    host, and its label says so (the report and plan_labels read it)."""
+    inputs = batch(pad=4)
+    peak = tailorfx.optimize(hf_family("llama", num_layers=3), passes=[], example_inputs=inputs).predict_memory()
+    opt = tailorfx.optimize(hf_family("llama", num_layers=3), budget=int(0.8 * peak.peak_bytes), offload="checkpoints",
+                            example_inputs=inputs)
+    label = opt.plan[0].chosen.label
+    assert "recompute" in label and "checkpoints offloaded to host" in label, label
+    assert opt.predict_memory().host_bytes > 0 and "checkpoints offloaded to host" in " ".join(str(opt.report()).split())
+
+
 def test_the_report_shows_the_host_bytes():
     opt = tailorfx.optimize(hf_family("llama"), passes=["recompute"], offload="checkpoints", example_inputs=batch())
     text = " ".join(str(opt.report()).split())   # the report wraps its lines at the console's width

@@ -391,20 +391,21 @@ def test_the_hopper_classes_predict_the_h200s_measured_llama_8b_steps(steptime_g
 def test_a_later_runs_tailorfx_rows_are_held_to_the_committed_predictions(steptime_gpu, tmp_path):
     """steptime_gpu.py --measured: each tailorfx row that gpu_scale.py --predict priced is compared with
     that prediction (step and each kind; the optimizer's pass with the other kernels, as a profile
-    counts it); a row the prediction has no figure for (lowering auto) is left out."""
+    counts it); a row the prediction has no figure for (a peer's) is left out."""
     preds = json.load(open(steptime_gpu.PREDICTED))["speed"]["32768"]
-    both = "tailorfx, offloaded, Triton kernels"
+    both, auto = "tailorfx, offloaded, Triton kernels", "tailorfx, lowering auto"
     row = lambda provider, step: {"provider": provider, "tokens": 32768, "step_s": step,
                                   "profile": {"by_kind_s": {"gemm": 2.0, "attention": 2.0, "other": 0.4, "copy": 0.1}}}
     measured = tmp_path / "run.json"
     measured.write_text(json.dumps({"meta": {"gpu": "NVIDIA H200"}, "sections": {"speed": {"checks": [
-        row("tailorfx", 5.0), row(both, 4.0), row("tailorfx, lowering auto", 4.5)]}}}))
+        row("tailorfx", 5.0), row(both, 4.0), row(auto, 4.5), row("liger+hf-checkpointing", 5.3)]}}}))
     plans = steptime_gpu.compare_plans("H200", str(measured))
-    assert {(e["provider"], e["kind"]) for e in plans} == {(p, k) for p in ("tailorfx", both)
+    assert {(e["provider"], e["kind"]) for e in plans} == {(p, k) for p in ("tailorfx", both, auto)
                                                            for k in ("step", "gemm", "attention", "other")}
     for e in plans:
-        t = (preds if e["provider"] == "tailorfx" else preds[both])["predicted_time"]["H200"]
+        t = (preds if e["provider"] == "tailorfx" else preds[e["provider"]])["predicted_time"]["H200"]
         expected = {"step": t["step_s"], "gemm": t["gemm"], "attention": t["attention"],
                     "other": t["other"] + t["optimizer_s"]}[e["kind"]]
-        m = {"step": 5.0 if e["provider"] == "tailorfx" else 4.0, "gemm": 2.0, "attention": 2.0, "other": 0.5}[e["kind"]]
+        step = {"tailorfx": 5.0, both: 4.0, auto: 4.5}[e["provider"]]
+        m = {"step": step, "gemm": 2.0, "attention": 2.0, "other": 0.5}[e["kind"]]
         assert e["measured_s"] == m and e["predicted_s"] == expected and e["error"] == pytest.approx(expected / m - 1)
