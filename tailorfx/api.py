@@ -364,9 +364,10 @@ def optimize(model: nn.Module, budget: Union[str, int, Budget, None] = None,
     head returns `logits=None` (Liger's skip_logits); `keep_logits=True` keeps them, head unfused.
     A pass named in `passes` that leaves a region unchanged warns with the region and the reason;
     `strict=True` raises instead. `precision_policy` overrides entries of the precision pass's
-    policy. `recompute="full"|"selective"` sets the recompute policy; `offload="checkpoints"` keeps each
-    recomputed block's input in host memory between forward and backward (ALST's; recompute "full"
-    unless `recompute` says), "activations" all it saves (selective). `minisequence="segments"` chunks
+    policy. `recompute="full"|"full-except-attention"|"selective"` sets the recompute policy (the
+    second saves each block's attention output: no attention forward again); `offload="checkpoints"`
+    keeps each recomputed block's input in host memory between forward and backward (ALST's; recompute
+    "full" unless `recompute` says), "activations" all it saves (selective). `minisequence="segments"` chunks
     each block's whole token-wise segments around attention, not only MLPs. With a budget and example
     input_ids and labels, a deep HF model is planned on a shallow capture of its config (shallow.py).
     Capture happens at the first call, or now when example inputs are given (their forward runs

@@ -11,7 +11,7 @@ import torch
 
 from tailorfx.budget import Budget
 
-RECOMPUTE_POLICIES = (None, "full", "selective")
+RECOMPUTE_POLICIES = (None, "full", "full-except-attention", "selective")
 PRECISIONS = (None, "bf16", "fp16", "fp32")
 # what torch.compile(..., backend="tailorfx", options=...) accepts: optimize()'s keywords
 BACKEND_OPTIONS = ("passes", "budget", "minisequence_chunks", "minisequence", "attention", "precision", "precision_policy",
@@ -73,7 +73,7 @@ def pass_options(*, budget=None, minisequence_chunks=None, minisequence=None, at
     if precision not in PRECISIONS:
         raise _bad("precision", precision, "'bf16', 'fp16', 'fp32' or None")
     if recompute not in RECOMPUTE_POLICIES:
-        raise _bad("recompute", recompute, "'full', 'selective' or None")
+        raise _bad("recompute", recompute, "'full', 'full-except-attention', 'selective' or None")
     from tailorfx.passes.recompute import OFFLOADS
     if offload not in OFFLOADS:
         raise _bad("offload", offload, "'checkpoints' (each recomputed block's saved input waits for the backward "

@@ -1,9 +1,9 @@
 """The planner: which passes run, in which order, with which parameters. Without a budget, the
 exact rewrites that only lower memory (the fused head and mini-sequence, the exact attention swap
 where an attention makes an S x S tensor) and any approximate rewrite the user asked for. With a
-budget it searches plans (mini-sequence, selective recompute, full recompute of the first k blocks
-and selective in the rest), predicts each one's peak with the memory model, and keeps the plan that
-fits with the least recomputed FLOPs."""
+budget it searches plans (mini-sequence, selective recompute, full recompute of the first k blocks,
+with or without their attention, and selective in the rest), predicts each one's peak with the
+memory model, and keeps the plan that fits with the least recomputed FLOPs."""
 from __future__ import annotations
 
 import graphlib
@@ -22,7 +22,7 @@ from tailorfx.codegen.lower import partition_for
 from tailorfx.passes.attention import grouped_query
 from tailorfx.progress import progress
 from tailorfx.rewrite import cost, memory
-from tailorfx.rewrite.capture import SeqInfo, node_value
+from tailorfx.rewrite.capture import SeqInfo, graph_device
 from tailorfx.rewrite.trace_cache import traced_step
 from tailorfx.rewrite.passes import PassContext
 from tailorfx.rewrite.regions import RegionMap
@@ -68,11 +68,8 @@ class Plan:
 
     def __str__(self) -> str:
         s = f"passes={list(self.passes)}" + (f" ({self.reason})" if self.reason else "")
-        if self.chosen is not None:
-            s += f"; chosen: {self.chosen}"
-        for c in self.runners_up:
-            s += f"\n    runner-up: {c}"
-        return s
+        s += f"; chosen: {self.chosen}" if self.chosen is not None else ""
+        return s + "".join(f"\n    runner-up: {c}" for c in self.runners_up)
 
 
 def _order(names: Sequence[str]) -> tuple[str, ...]:
@@ -124,7 +121,8 @@ def build_pipeline(plan: Plan) -> list:
     return [pass_registry.make(name, plan.options) for name in plan.passes]
 
 
-def budget_candidates(base: Plan, num_blocks: int, has_head: bool = False, cpu: bool = True) -> list[Candidate]:
+def budget_candidates(base: Plan, num_blocks: int, has_head: bool = False, cpu: bool = True,
+                      has_attention: bool = True) -> list[Candidate]:
     """Plans from least to most recompute, the user's own passes (attention...) in all. The fused LM
     head recomputes nothing (its gradient is taken in forward) and never materialises the logits:
     smaller and faster than no rewrite, kept with room to spare. `cpu`: on the CPU the last
@@ -138,11 +136,16 @@ def budget_candidates(base: Plan, num_blocks: int, has_head: bool = False, cpu: 
     act = base.options.get("offload") == "activations"   # the ladder offloads k blocks' tensors, not recomputes them
     out.append(Candidate("minisequence + selective recompute, all blocks", ms_rc,
                          (("recompute_policy", "selective"), ("recompute_blocks", None)) + ((("offload", None),) if act else ())))
-    for k in range(1, num_blocks + 1):   # full recompute (or offload) in the first k blocks, selective in the rest
-        rest, also = ((("recompute_rest", "selective"),), ", selective in the rest") if k < num_blocks else ((), "")
-        out.append(Candidate(f"minisequence + selective recompute, all blocks, saved activations of {k}/{num_blocks} "
-                             "blocks offloaded to host" if act else f"minisequence + full recompute, {k}/{num_blocks} blocks{also}",
-                             ms_rc, (("recompute_policy", "selective" if act else "full"), ("recompute_blocks", k)) + rest))
+    # full recompute (or offload) in the first k blocks, selective in the rest; then the same ladder
+    # with each full block's attention saved (no attention forward again, a q-sized tensor more a block)
+    rungs = [("selective", "selective recompute, all blocks, saved activations of {k} blocks offloaded to host")] \
+        if act else [("full", "full recompute, {k} blocks")] + (
+            [("full-except-attention", "full recompute but attention, {k} blocks")] if has_attention else [])
+    for policy, what in rungs:
+        for k in range(1, num_blocks + 1):
+            rest, also = ((("recompute_rest", "selective"),), ", selective in the rest") if k < num_blocks else ((), "")
+            out.append(Candidate(f"minisequence + {what.format(k=f'{k}/{num_blocks}')}{'' if act else also}", ms_rc,
+                                 (("recompute_policy", policy), ("recompute_blocks", k)) + rest))
     if num_blocks:   # past full recompute: the blocks' token-wise segments chunked too
         out.append(Candidate("minisequence segments", _order(keep + ("minisequence",)),
                              (("minisequence_segments", True),)))
@@ -189,8 +192,8 @@ def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_
     ks = [c for c in candidates if isinstance(dict(c.options).get("recompute_blocks"), int)]
     free = [c for c in candidates if c not in ks and c not in last and recomputes_nothing(c)]
     head = [c for c in candidates if c not in ks and c not in free and c not in last]
-    with progress(total=len(free) + len(head) + len(ks).bit_length() + len(last), desc="planning",
-                  unit="plan") as bar:
+    total = len(free) + len(head) + sum(len(x).bit_length() for x in ladders(ks)) + len(last)
+    with progress(total=total, desc="planning", unit="plan") as bar:
         done: dict[int, tuple[Candidate, object]] = {}   # the hint, when it does not fit, is not traced again
 
         def tried(c: Candidate) -> tuple[Candidate, object]:
@@ -205,29 +208,30 @@ def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_
         if any(c.fits for c, _ in seen):
             head, ks = [], []
         seen += [tried(c) for c in head]
-        lo, hi = 0, len(ks) - 1
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            c, payload = tried(ks[mid])
-            seen.append((c, payload))
-            if c.fits:
-                hi = mid - 1
-            else:
-                lo = mid + 1
+        floor = 0
+        for ladder in ladders(ks):   # a later ladder saves more a block: its smallest k is at least the last's
+            lo, hi = floor, len(ladder) - 1
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                c, payload = tried(ladder[mid])
+                seen.append((c, payload))
+                if c.fits:
+                    hi = mid - 1
+                else:
+                    lo = mid + 1
+            floor = lo
         if not any(c.fits for c, _ in seen):
             seen += [tried(c) for c in last]
     fitting = [(c, p) for c, p in seen if c.fits]
     if not fitting:
         smallest, payload = min(seen, key=lambda cp: cp[0].peak)
         parts = breakdown(payload)
-        dominant = max(parts, key=parts.get)
-        detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
+        dominant, detail = max(parts, key=parts.get), ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
         suggested = math.ceil(smallest.peak / usable(1, allocator_headroom))
         raise BudgetError(
             f"budget {budget_label} cannot be met: the smallest peak any plan reaches is "
-            f"{format_bytes(smallest.peak)} ({smallest.label}; {detail}), dominated by {dominant}. "
-            f"Use a budget of at least {format_bytes(suggested)} (that "
-            f"peak plus {HEADROOM:.0%} headroom for prediction error"
+            f"{format_bytes(smallest.peak)} ({smallest.label}; {detail}), dominated by {dominant}. Use a "
+            f"budget of at least {format_bytes(suggested)} (that peak plus {HEADROOM:.0%} headroom for prediction error"
             + (f" and the setup's {allocator_headroom:.0%} allocator headroom" if allocator_headroom else "")
             + "), or shrink what dominates (shorter sequences or smaller batches for activations; "
             "a lighter TrainingSetup for weights, gradients and optimizer state: pure-bf16, "
@@ -236,6 +240,14 @@ def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_
     chosen, payload = fitting[0]
     others = sorted((c for c, _ in seen if c is not chosen), key=lambda c: (not c.fits, c.added_flops))
     return chosen, payload, others
+
+
+def ladders(ks: list[Candidate]) -> list[list[Candidate]]:
+    """The first-k-blocks candidates by recompute policy, in order: each ladder's peak falls as k grows."""
+    out: dict = {}
+    for c in ks:
+        out.setdefault(dict(c.options).get("recompute_policy"), []).append(c)
+    return list(out.values())
 
 
 def recomputes_nothing(c: Candidate) -> bool:
@@ -285,15 +297,6 @@ def run_plan(plan: Plan, gm: fx.GraphModule, ctx: PassContext, verify: bool = Tr
 
 
 # ---- planning against a budget ------------------------------------------------------------------
-def graph_device(gm: fx.GraphModule) -> torch.device:
-    """Where a captured graph runs: the device of its first tensor input not on the CPU, else the CPU."""
-    for n in gm.graph.nodes:
-        v = node_value(n) if n.op == "placeholder" else None
-        if isinstance(v, torch.Tensor) and v.device.type != "cpu":
-            return v.device
-    return torch.device("cpu")
-
-
 def plans_for_cpu(device: torch.device, setup: Optional[TrainingSetup]) -> bool:
     """Whether a step is planned for the CPU's kernels (the blocked attention backward as the last
     candidate) or for a GPU's (checkpoints offloaded to host last): a model on the CPU without a
@@ -306,7 +309,8 @@ def _candidates(gm: fx.GraphModule, ctx: PassContext, base: Plan) -> tuple[list[
     cpu = plans_for_cpu(graph_device(gm), base.options.get("setup"))
     depth = ctx.seq.depth   # a shallow capture standing for a deeper model (rewrite/depth.py): its blocks are counted
     blocks = depth.layers if depth is not None else len(ctx.regions.of_kind("block"))
-    found = budget_candidates(base, blocks, bool(ctx.regions.of_kind("lm_head_loss")), cpu=cpu)
+    found = budget_candidates(base, blocks, bool(ctx.regions.of_kind("lm_head_loss")), cpu=cpu,
+                              has_attention=bool(ctx.regions.of_kind("attention")))
     if base.options.get("grad", True) is False:   # no backward: nothing to recompute (choose())
         found = [c for c in found if "recompute" not in c.passes]
     return found, cpu

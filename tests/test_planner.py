@@ -149,6 +149,38 @@ def test_the_blocked_attention_backward_is_tried_last():
     assert label == cands[-1].label == tried[-1]
 
 
+def test_the_ladder_that_saves_attention_is_bisected_from_the_full_ladders_smallest_k():
+    """Past selective recompute, two ladders of the first k blocks: recomputed whole, or whole but
+    their attention (saved: its forward not run again, more bytes a block). Each is bisected for its
+    smallest k that fits, the second from the first's (a block of it saves more), and the plan with
+    the fewest recomputed FLOPs taken. A model without attention has the first ladder only, as has
+    offload="activations" (its ladder offloads, recomputes nothing whole)."""
+    import re
+    from dataclasses import replace
+
+    from tailorfx.planner import Plan, budget_candidates, search
+    cands = budget_candidates(Plan(("attention",)), num_blocks=10, has_head=True)
+    full = [c for c in cands if re.search(r"full recompute, \d+/10", c.label)]
+    but = [c for c in cands if "full recompute but attention" in c.label]
+    assert len(full) == len(but) == 10 and all(dict(c.options)["recompute_policy"] == "full-except-attention" for c in but)
+    assert not any("but attention" in c.label for c in budget_candidates(Plan(("attention",)), 10, has_attention=False))
+    offloaded = budget_candidates(Plan(("attention",), {"offload": "activations"}), 10)
+    assert not any("but attention" in c.label for c in offloaded)
+    tried = []
+
+    def evaluate(c):   # peaks: whole 100 - 10k, whole but attention 100 - 8k; FLOPs 10k and 3k
+        tried.append(c.label)
+        k = dict(c.options).get("recompute_blocks")
+        per = (10, 10) if c in full else (8, 3) if c in but else None
+        peak, flops = (100 - per[0] * k, per[1] * k) if per else (200 if "recompute" not in c.passes
+                                                                    or "selective" in c.label else 10, 99)
+        return replace(c, peak=peak, fits=peak <= 60, added_flops=flops), None
+    chosen = search(cands, evaluate, 62, "62 B", lambda _: {"activations": 100}, allocator_headroom=0.0)[0]
+    assert chosen.label.startswith("minisequence + full recompute but attention, 5/10 blocks"), chosen
+    ks = [int(re.search(r"(\d+)/10", t).group(1)) for t in tried if "but attention" in t]
+    assert ks and min(ks) >= 4 and len(ks) <= 3, tried   # from the first ladder's k = 4: log2 of 7 rungs
+
+
 def test_a_hint_that_does_not_fit_is_traced_once():
     """The hinted candidate is tried first; when it is over the budget the search goes on without
     tracing it again, and still finds the plan that fits."""

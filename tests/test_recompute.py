@@ -7,7 +7,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import tailorfx
 from harness import compare_with_eager, peak_of_step
-from models import batch, hf_family, hf_llama, tiny_llama
+from models import VOCAB, batch, hf_family, hf_llama, tiny_llama
 from tailorfx.passes.recompute import Recompute
 from tailorfx.planner import HEADROOM
 from tailorfx.rewrite import match
@@ -16,7 +16,7 @@ from tailorfx.rewrite.passes import PassContext
 from tailorfx.rewrite.regions import find_regions
 
 
-@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("policy", ["full", "full-except-attention", "selective"])
 @pytest.mark.parametrize("make", [tiny_llama, hf_llama], ids=["reference", "hf-llama"])
 def test_recompute_is_exact(policy, make):
     holder = {}
@@ -46,6 +46,41 @@ def test_policy_tags():
     assert ("linear", S) in tags["selective"] and ("scaled_dot_product_attention", S) in tags["selective"]
     assert ("rsqrt", R) in tags["selective"] and ("silu", R) in tags["selective"]
     assert ("linear", R) not in tags["selective"]
+
+
+def _attention_forwards(opt, model, inputs) -> int:
+    """The attention forward kernels one training step runs (the profiler's count of ATen calls)."""
+    from torch.profiler import profile
+    with profile() as prof:
+        opt(**inputs).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(e.count for e in prof.key_averages()
+               if e.key.startswith("aten::_scaled_dot_product_flash_attention") and not e.key.endswith("_backward"))
+
+
+def test_full_except_attention_runs_each_attention_forward_once():
+    """Policy "full-except-attention" (the planner's second ladder): each block's attention is saved,
+    every other op recomputed, so a step runs each attention's forward once where "full" runs it
+    again in backward, and it saves each attention's output and statistics more than "full", less
+    than "selective" (HF Llama, 3 blocks, 256 tokens: the counts by the profiler, the bytes saved at
+    the forward's end by the memory model, against their closed form)."""
+    ids = torch.randint(0, VOCAB, (1, 256), generator=torch.Generator().manual_seed(0))
+    inputs, rows = {"input_ids": ids, "labels": ids.clone()}, {}
+    for policy in ("full", "full-except-attention", "selective"):
+        m = hf_llama(num_layers=3)
+        opt = tailorfx.optimize(m, passes=["recompute"], recompute=policy, example_inputs=inputs)
+        g = opt.graphs["recompute"]
+        tags = {(match.op_name(n), n.meta["recompute"]) for n in g.graph.nodes if "recompute" in n.meta}
+        rows[policy] = (_attention_forwards(opt, m, inputs), opt.predict_memory().saved_bytes, tags)
+    R, S = CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.MUST_SAVE
+    assert [rows[p][0] for p in rows] == [6, 3, 3], rows   # full: 3 blocks' attention again in backward
+    tags = rows["full-except-attention"][2]
+    assert ("scaled_dot_product_attention", S) in tags and ("scaled_dot_product_attention", R) not in tags
+    assert ("linear", R) in tags and ("linear", S) not in tags and ("rsqrt", R) in tags
+    # more saved than "full": per block the fp32 attention output (T x hidden) and its log-sum-exp (heads x T)
+    T, hidden, heads = 256, m.config.hidden_size, m.config.num_attention_heads
+    assert rows["full-except-attention"][1] - rows["full"][1] == 3 * 4 * (T * hidden + heads * T), rows
+    assert rows["full-except-attention"][1] < rows["selective"][1], rows
 
 
 def _linear_tags(gm) -> dict:
@@ -81,8 +116,10 @@ def test_full_in_the_first_blocks_selective_in_the_rest():
 def test_the_planner_recomputes_whole_blocks_only_where_selective_recompute_is_over(family):
     """An HF Llama (4 blocks, 1,024 tokens) under a budget 2% under selective recompute of every
     block's peak, which the ladder's rungs the search tried are below: the chosen plan recomputes k blocks whole
-    and the rest selectively, fewer FLOPs than any other plan that fits; exact against
-    eager (loss and every gradient, two steps), and its measured peak predicted within -2%..+3%."""
+    but their attention (at 1,024 tokens of hidden 128 the attention's forward outweighs the
+    projections of a block more) and the rest selectively, fewer FLOPs than any other plan that
+    fits, the ladder recomputing attention too among them; exact against eager (loss and every
+    gradient, two steps), and its measured peak predicted within -2%..+3%."""
     S = 1024
     base = hf_family(family, num_layers=4, hidden_size=128, intermediate_size=344, num_attention_heads=4,
                      num_key_value_heads=4, vocab_size=2048)
@@ -102,10 +139,12 @@ def test_the_planner_recomputes_whole_blocks_only_where_selective_recompute_is_o
     m = copy.deepcopy(base)
     opt = tailorfx.optimize(m, budget=budget, optimizer=None, example_inputs=inputs)
     chosen = opt.plan[0].chosen
-    assert "selective in the rest" in chosen.label, str(opt.plan[0])
+    assert "full recompute but attention" in chosen.label and "selective in the rest" in chosen.label, str(opt.plan[0])
     assert all(chosen.added_flops < c.added_flops for c in opt.plan[0].runners_up if c.fits), str(opt.plan[0])
+    assert any(c.fits and "full recompute, " in c.label for c in opt.plan[0].runners_up), str(opt.plan[0])
     rec = next(r for r in opt.graph_records[0].records if r.name == "recompute")
     k = rec.stats["blocks"]
+    assert rec.stats["policy"] == "full-except-attention", rec.stats
     assert 0 < k < 4 and rec.stats["rest"] == {"policy": "selective", "blocks": 4 - k}, rec.stats
     measured = peak_of_step(opt, m, inputs)
     predicted = opt.predict_memory(S).forward_backward_peak_bytes

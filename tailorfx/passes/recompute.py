@@ -10,10 +10,15 @@ min-cut partitioner, which must recompute what is tagged so and must save what i
                         only its input (the block before's output)
     policy "selective": matmuls and attention are saved, pointwise ops and norms recomputed
                         (Megatron's selective recompute, torch SAC's usual policy)
-    policy "full" on the first k blocks, "selective" on the rest (`recompute_rest`): the planner's
-                        ladder past selective recompute of every block, which costs little
-                        (pointwise ops) and saves much, so the full recompute of k blocks (a
-                        forward of each) is spent only on what selective cannot save
+    policy "full-except-attention": every op recomputed but the block's outputs and its attention
+                        (the attention's output and the statistics its backward reads are saved):
+                        a q-sized tensor per block more than "full", and no attention forward
+                        again, the most of a full recompute's time at long sequences
+    policy "full" (or "full-except-attention") on the first k blocks, "selective" on the rest
+                        (`recompute_rest`): the planner's ladders past selective recompute of every
+                        block, which costs little (pointwise ops) and saves much, so the full
+                        recompute of k blocks (a forward of each) is spent only on what selective
+                        cannot save
     offload "checkpoints": each block's input (its checkpoint) waits for the backward in host memory
                         (ALST's checkpoint offload; rewrite/offload.py)
     offload "activations": every tensor the chosen blocks save (their inputs too) waits in host
@@ -40,11 +45,12 @@ from tailorfx.rewrite.capture import node_value
 from tailorfx.rewrite.regions import module_paths
 
 NAME = "recompute"
-POLICIES = ("full", "selective")
+POLICIES = ("full", "full-except-attention", "selective")
 OFFLOADS = (None, "checkpoints", "activations")
 RESTS = (None, "selective")
 SAVE_OPS = match.MATMUL_OPS | match.ATTENTION_OPS | {"token_chunked", "token_segment", "chunked_linear_cross_entropy",
                                                      "triton_linear_cross_entropy", "triton_attention"}
+SAVED_BY = {"full": frozenset(), "full-except-attention": match.ATTENTION_OPS, "selective": SAVE_OPS}
 
 
 def has_recompute_tags(gm: fx.GraphModule) -> bool:
@@ -99,7 +105,7 @@ class Recompute:
         for n, block in block_of.items():
             if block is None:
                 continue
-            save = n in outputs or (policy[block] == "selective" and match.op_name(n) in SAVE_OPS)
+            save = n in outputs or match.op_name(n) in SAVED_BY[policy[block]]
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = index[block] + 1
             n.meta[PASS_META] = n.meta.get(PASS_META, NAME)

@@ -431,3 +431,12 @@ def _record_runs(gm: fx.GraphModule, example_inputs: list) -> Callable:
         _RAN.append((gm, list(args)))
         return gm.forward(*args)
     return run
+
+
+def graph_device(gm: fx.GraphModule) -> torch.device:
+    """Where a captured graph runs: the device of its first tensor input not on the CPU, else the CPU."""
+    for n in gm.graph.nodes:
+        v = node_value(n) if n.op == "placeholder" else None
+        if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+            return v.device
+    return torch.device("cpu")
