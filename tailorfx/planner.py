@@ -186,8 +186,8 @@ def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_
     """The fitting candidate with the least recompute (then the fewest blocks offloaded); raises
     BudgetError if none fits. The `hint`ed one (a label) is tried first and taken if it fits. Then
     candidates that recompute nothing: when one fits, no plan that recomputes can beat it, and none
-    is traced. The first-k-blocks candidates, whose peak falls as k grows, are bisected for the
-    smallest k that fits (log(blocks) traces); the others are all tried."""
+    is traced. Each ladder of first-k-blocks candidates (peak falling as k grows) is bisected for its
+    smallest k that fits, from the earlier ladder's (log(blocks) traces); the others are all tried."""
     last = [c for c in candidates if last_resort(c)]
     ks = [c for c in candidates if isinstance(dict(c.options).get("recompute_blocks"), int)]
     free = [c for c in candidates if c not in ks and c not in last and recomputes_nothing(c)]

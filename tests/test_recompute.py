@@ -83,6 +83,24 @@ def test_full_except_attention_runs_each_attention_forward_once():
     assert rows["full-except-attention"][1] < rows["selective"][1], rows
 
 
+@pytest.mark.slow
+def test_full_except_attention_is_exact_under_inductor():
+    """The CUDA default's lowering: HF Llama (2 blocks) under mini-sequence and policy
+    "full-except-attention" compiled by Inductor, exact against eager (loss and every gradient, two
+    steps), each attention's forward run once a step."""
+    holder = {}
+
+    def wrap(m):
+        holder["opt"] = tailorfx.optimize(m, passes=["minisequence", "recompute"], recompute="full-except-attention",
+                                          lowering="inductor", example_inputs=batch(pad=4))
+        holder["model"] = m
+        return holder["opt"]
+    compare_with_eager(hf_llama(), batch(pad=4), wrap, steps=2)
+    rec = next(r for r in holder["opt"].graph_records[0].records if r.name == "recompute")
+    assert rec.changed and rec.stats["policy"] == "full-except-attention" and rec.stats["blocks"] == 2, rec.stats
+    assert _attention_forwards(holder["opt"], holder["model"], batch(pad=4)) == 2
+
+
 def _linear_tags(gm) -> dict:
     """{block path: the set of tags its linear ops carry}."""
     from tailorfx.rewrite.regions import module_paths
