@@ -19,7 +19,7 @@ from tailorfx.passes.attention.rules import drop_causal_sdpa_masks
 from tailorfx.report import Report
 from tailorfx import compat
 from tailorfx.rewrite import bound, memory
-from tailorfx.rewrite.capture import mark_sequence_dims
+from tailorfx.rewrite.capture import graph_device, mark_sequence_dims
 from tailorfx.rewrite.regions import Region
 from tailorfx.setup import OPTIMIZERS, TrainingSetup, resolve as resolve_setup, with_device_costs
 from tailorfx.shallow import shallow_hint
@@ -235,7 +235,7 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         # a GPU's plans may keep checkpoints in host memory (the planner's last candidate there)
         if offload is None:
             offload = self.options.options_dict().get("offload") is not None or not planner.plans_for_cpu(
-                planner.graph_device(gs[0].rewritten), self.setup)
+                graph_device(gs[0].rewritten), self.setup)
         return bound.bound_at(gs[0].rewritten, gs[0].seq, fixed, offload)
 
     def limit(self, offload: Optional[bool] = None) -> Optional[tuple[bound.Bound, Optional[int]]]:

@@ -139,12 +139,12 @@ def budget_candidates(base: Plan, num_blocks: int, has_head: bool = False, cpu: 
     # full recompute (or offload) in the first k blocks, selective in the rest; then the same ladder
     # with each full block's attention saved (no attention forward again, a q-sized tensor more a block)
     rungs = [("selective", "selective recompute, all blocks, saved activations of {k} blocks offloaded to host")] \
-        if act else [("full", "full recompute, {k} blocks")] + (
-            [("full-except-attention", "full recompute but attention, {k} blocks")] if has_attention else [])
+        if act else [("full", "full recompute, {k} blocks{rest}")] + (
+            [("full-except-attention", "full recompute but attention, {k} blocks{rest}")] if has_attention else [])
     for policy, what in rungs:
         for k in range(1, num_blocks + 1):
             rest, also = ((("recompute_rest", "selective"),), ", selective in the rest") if k < num_blocks else ((), "")
-            out.append(Candidate(f"minisequence + {what.format(k=f'{k}/{num_blocks}')}{'' if act else also}", ms_rc,
+            out.append(Candidate(f"minisequence + {what.format(k=f'{k}/{num_blocks}', rest=also)}", ms_rc,
                                  (("recompute_policy", policy), ("recompute_blocks", k)) + rest))
     if num_blocks:   # past full recompute: the blocks' token-wise segments chunked too
         out.append(Candidate("minisequence segments", _order(keep + ("minisequence",)),
