@@ -1,5 +1,6 @@
 """Recompute pass: tags honoured by the partitioner; exact numerics; measured memory."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -81,6 +82,20 @@ def test_full_except_attention_runs_each_attention_forward_once():
     T, hidden, heads = 256, m.config.hidden_size, m.config.num_attention_heads
     assert rows["full-except-attention"][1] - rows["full"][1] == 3 * 4 * (T * hidden + heads * T), rows
     assert rows["full-except-attention"][1] < rows["selective"][1], rows
+
+
+def test_full_except_attention_says_where_no_attention_op_is_saved():
+    """Must not fire where it cannot: Gemma-2's soft-capped attention, captured as matmuls and a
+    softmax (only the recompute pass asked for), has no attention op to save; its blocks are
+    recomputed whole and the pass says so for each. HF Llama's SDPA is saved, nothing said."""
+    for family, unsaved in (("gemma2", 2), ("llama", 0)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = tailorfx.optimize(hf_family(family), passes=["recompute"], recompute="full-except-attention",
+                                    example_inputs=batch())
+        rec = opt.graph_records[0].records[0]
+        assert rec.changed and len(rec.skipped) == unsaved, rec.skipped
+        assert all("no attention op to save" in line for line in rec.skipped), rec.skipped
 
 
 @pytest.mark.slow

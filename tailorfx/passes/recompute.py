@@ -122,7 +122,12 @@ class Recompute:
             stats["rest"] = {"policy": self.rest, "blocks": len(policy) - len(chosen)}
         ckpt = {None: "", "checkpoints": ", its checkpoint offloaded to host",
                 "activations": ", its saved activations offloaded to host"}[self.offload]
-        return PassResult(gm, True, stats, tuple(f"{p} ({pol}{ckpt if p in chosen else ''})" for p, pol in policy.items()))
+        # an attention left as matmuls and softmax (not swapped to one op) has nothing to save: recomputed whole
+        kept = {block for n, block in block_of.items() if match.op_name(n) in match.ATTENTION_OPS}
+        skipped = tuple(f"{p}: no attention op to save (attention not swapped to one op): recomputed whole"
+                        for p, pol in policy.items() if pol == "full-except-attention" and p not in kept)
+        return PassResult(gm, True, stats, tuple(f"{p} ({pol}{ckpt if p in chosen else ''})" for p, pol in policy.items()),
+                          skipped)
 
     @staticmethod
     def _tag_checkpoints(gm: fx.GraphModule, blocks: list, grouped: bool = False, index: Optional[dict] = None) -> int:
