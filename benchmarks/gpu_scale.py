@@ -55,11 +55,12 @@ Sections, in this order (or --section's); each writes the JSON (benchmarks/out/g
            an MFU goes). --provider and --length narrow the section to some rows. Each provider is
            checked against eager at a short length (the loss, every weight's gradient norm, one
            step updating each parameter once; ALST with two shards or more of each kind) and for
-           its feature firing. The 32K row runs first (tailorfx's plan, Liger-Kernel's, the
-           fastest peer measured, tailorfx's offloaded Triton row, its Inductor and Triton rows, then the
-           others: TOP_ROW), then those
-           checks, then 16K and 8K: at 32K the rewrites decide what fits and how fast, so its MFU comparison is what the run is
-           for, and a budgeted optimize() takes minutes, so what runs last may find no time.
+           its feature firing. The 32K row runs first (optimize()'s default plan, Inductor on CUDA,
+           the goal's; Liger-Kernel's, the fastest peer measured; tailorfx's eager lowering, whose
+           optimize() time becomes the later rows' planning estimate; its offloaded Triton row and
+           its Triton row; then the others: TOP_ROW), then those checks, then 16K and 8K: at 32K the
+           rewrites decide what fits and how fast, so its MFU comparison is what the run is for, and
+           a budgeted optimize() takes minutes, so what runs last may find no time.
   offload  under a lower budget (OFFLOAD_BUDGET): offload="checkpoints" at the longest length
            it reaches (peak vs prediction, host bytes), and its time per token against the
            device-only plan at the longest length that one reaches.
@@ -112,10 +113,12 @@ PREDICTED_ONLY = {INDUCTOR_OFFLOADED: {"lowering": "auto", "offload": "activatio
 TAILORFX = {"tailorfx": {}, TRITON_KERNELS: {"kernels": "triton"}, INDUCTOR: {"lowering": "auto"},
             OFFLOADED: {"offload": "activations"},
             BOTH: {"offload": "activations", "kernels": "triton"}}   # provider -> optimize() options (+ LOWERING)
-# the longest length's row: what the MFU goal compares first (tailorfx's plan, the fastest peer
-# measured, Liger-Kernel, tailorfx's plan predicted fastest, then its Inductor and Triton rows;
-# planning and kernel timing take minutes), then the rows that end at once in an OOM, then the slower ones
-TOP_ROW = ("tailorfx", "liger+hf-checkpointing", BOTH, INDUCTOR, TRITON_KERNELS, "eager", "hf-checkpointing", OFFLOADED,
+# the longest length's row: what the MFU goal compares first (optimize()'s default, Inductor on CUDA:
+# the goal's plan, first while the whole budget is left for its compile; the fastest peer measured,
+# Liger-Kernel; tailorfx's eager lowering, whose optimize() times the later rows' planning; the plan
+# predicted fastest, then the Triton row: kernel timing takes minutes), then the rows that end at once
+# in an OOM, then the slower ones
+TOP_ROW = (INDUCTOR, "liger+hf-checkpointing", "tailorfx", BOTH, TRITON_KERNELS, "eager", "hf-checkpointing", OFFLOADED,
            "alst")
 # dry run: a 2-layer Llama on CPU, budgets in MiB, lengths short enough for CPU steps
 DRY = dict(budget=3 << 20, offload_budget=3 << 20, lengths=(256, 512), granule=64, limit=2048)
@@ -371,6 +374,8 @@ def timed_steps(run: Run, name: str, S: int, reps: int) -> dict:
             t0 = time.time()
             p = make_provider(run, name, model, inputs)
             res["setup_s"] = round(time.time() - t0, 1)
+            if name in TAILORFX and not setup_extra_s(TAILORFX[name]):
+                run.shared["plan_s"] = res["setup_s"]   # a budgeted optimize(): the later rows' planning estimate
             try:
                 with stepper(run, p.module, model, inputs, SETUP, p.optimizer) as (step, _):
                     res["first_step_s"], out = first_step(run, step)
@@ -429,9 +434,13 @@ def speed_row(run: Run, sec: dict, S: int, names: tuple, reps: int) -> None:
     for name in asked(run, names):
         opts = TAILORFX.get(name, {})     # a tailorfx row's options say what its setup and steps cost more
         need = estimate_s(run, config(run.dry), S, steps=3 + reps, plan=name in TAILORFX,
-                          slowdown=OFFLOAD_SLOWDOWN if "offload" in opts else 4 / 3)
-        need += KERNEL_CHOICE_S if "kernels" in opts else INDUCTOR_S if opts.get("lowering") == "auto" else 0.0
+                          slowdown=OFFLOAD_SLOWDOWN if "offload" in opts else 4 / 3) + setup_extra_s(opts)
         guarded(run, sec, f"{name} S={S}", need, lambda name=name: timed_steps(run, name, S, reps))
+
+
+def setup_extra_s(opts: dict) -> float:
+    """What a tailorfx row's options add to optimize()'s planning: kernel timing, or the Inductor trace."""
+    return KERNEL_CHOICE_S if "kernels" in opts else INDUCTOR_S if opts.get("lowering") == "auto" else 0.0
 
 
 def section_offload(run: Run, sec: dict) -> None:

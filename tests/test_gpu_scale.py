@@ -79,16 +79,53 @@ def test_a_call_runs_the_sections_rows_and_lengths_asked_in_the_order_asked(gpu_
     monkeypatch.setattr(gpu_scale, "guarded", guarded)
     monkeypatch.setattr(gpu_scale, "agreement", lambda run, name, S: agreed.append(S))
     gpu_scale.section_speed(run, gpucheck.record.new_section())
-    assert names == ["tailorfx S=16384", "liger+hf-checkpointing S=16384",
+    assert names == ["liger+hf-checkpointing S=16384", "tailorfx S=16384",   # TOP_ROW's order
                      "agreement tailorfx", "agreement liger+hf-checkpointing"]
     assert agreed == [512, 512]   # the agreements' length is the default's, whatever --length asks
     args.provider, args.length = None, None   # the default: every row, the longest length first
     names.clear()
     gpu_scale.section_speed(run, gpucheck.record.new_section())
-    assert names[:5] == ["tailorfx S=32768", "liger+hf-checkpointing S=32768",
-                         "tailorfx, offloaded, Triton kernels S=32768", "tailorfx, lowering auto S=32768",
-                         "tailorfx, Triton kernels S=32768"]
+    assert names[:5] == ["tailorfx, lowering auto S=32768", "liger+hf-checkpointing S=32768", "tailorfx S=32768",
+                         "tailorfx, offloaded, Triton kernels S=32768", "tailorfx, Triton kernels S=32768"]
     assert len(names) == 9 + 4 + 2 * 5 and names[-1] == "alst S=8192"
+
+
+def test_the_next_runs_first_call_starts_the_default_plans_row_and_learns_the_planning_time(gpu_scale, gpucheck,
+                                                                                            tmp_path, monkeypatch):
+    """docs/gpu.md's first scale command, each row taking all of its estimate: the row of optimize()'s
+    default plan (Inductor on CUDA), the one the MFU goal is for, starts (in the order before
+    2026-12-06 the rows ahead of it left it too little time). A plain tailorfx row's optimize()
+    time then stands for the later rows' planning."""
+    words = next(c for c in next_gpu_run_commands() if c[0] == "benchmarks/gpu_scale.py")
+    flag = lambda name: [words[i + 1] for i, w in enumerate(words) if w == name]
+    args = types.SimpleNamespace(dry_run=False, budget_s=float(flag("--budget-s")[0]), out=str(tmp_path / "o.json"),
+                                 section=flag("--section"), provider=flag("--provider"),
+                                 length=[int(x) for x in flag("--length")])
+    run = gpu_scale.Run(args, "cpu", sections=gpu_scale.SECTIONS)
+    clock = {"left": args.budget_s - 30.0}   # the wheels' install, the imports, the weight-gradient check
+    started = []
+
+    def guarded(run, sec, name, need, fn):
+        if need <= clock["left"]:
+            started.append(name)
+            clock["left"] -= need
+    monkeypatch.setattr(gpu_scale, "guarded", guarded)
+    gpu_scale.section_speed(run, gpucheck.record.new_section())
+    assert started[0] == f"{gpu_scale.INDUCTOR} S=32768", started
+    assert "liger+hf-checkpointing S=32768" in started   # the best peer measured, beside it
+
+    monkeypatch.setattr(gpu_scale, "build", lambda run: None)
+    monkeypatch.setattr(gpu_scale, "batch", lambda run, S: {})
+    monkeypatch.setattr(gpu_scale, "make_provider", lambda *a: gpu_scale.Provider(None, dict))
+
+    def oom(*a):
+        raise torch.OutOfMemoryError("the steps are not this test's")
+    monkeypatch.setattr(gpu_scale, "stepper", oom)
+    run.shared.pop("plan_s", None)
+    assert "oom" in gpu_scale.timed_steps(run, gpu_scale.INDUCTOR, 32768, reps=1)
+    assert "plan_s" not in run.shared   # its set-up holds the Inductor trace too
+    res = gpu_scale.timed_steps(run, "tailorfx", 32768, reps=1)
+    assert run.shared["plan_s"] == res["setup_s"]
 
 
 def test_a_gpu_profile_splits_kernels_from_the_ops_that_launched_them(gpucheck):
