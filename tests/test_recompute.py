@@ -1,5 +1,6 @@
 """Recompute pass: tags honoured by the partitioner; exact numerics; measured memory."""
 import copy
+import math
 import warnings
 
 import pytest
@@ -82,6 +83,49 @@ def test_full_except_attention_runs_each_attention_forward_once():
     T, hidden, heads = 256, m.config.hidden_size, m.config.num_attention_heads
     assert rows["full-except-attention"][1] - rows["full"][1] == 3 * 4 * (T * hidden + heads * T), rows
     assert rows["full-except-attention"][1] < rows["selective"][1], rows
+
+
+def _matmuls_run(opt, inputs) -> int:
+    """FLOPs of the matmuls and causal attention forwards one training step runs (the profiler's
+    ATen calls and their shapes; an attention forward 4 FLOPs per attended pair and head dim)."""
+    from torch.profiler import profile
+    with profile(record_shapes=True) as prof:
+        opt(**inputs).loss.backward()
+    total = 0
+    for e in prof.events():
+        if e.name in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm"):
+            a, b = e.input_shapes[0:2] if e.name in ("aten::mm", "aten::bmm") else e.input_shapes[1:3]
+            total += 2 * math.prod(a) * b[-1]
+        elif e.name == "aten::_scaled_dot_product_flash_attention_for_cpu":   # HF's SDPA call: causal
+            q, k = e.input_shapes[0:2]
+            total += 4 * math.prod(q[:3]) * k[2] // 2 * q[3]
+    return total
+
+
+@pytest.mark.parametrize("family,minisequence", [("llama", "mlp"), ("gemma2", "mlp"), ("llama", "segments")])
+def test_the_recompute_flops_planned_are_the_matmuls_a_step_runs_again(family, minisequence):
+    """The planner's added FLOPs (cost.recompute_flops) of whole blocks recomputed around their
+    chunked MLPs are the matmul FLOPs a step runs more, by the profiler. Llama: the MLP's output is
+    read in backward only where it is saved (the block's output, after the residual add), so its
+    region's forward is not run again, only its tail in its own backward (until 2026-12-06 its
+    whole forward was counted, down_proj's too). Gemma-2: a norm reads it, so it runs again. A block's
+    token-wise segments chunked (minisequence="segments"): each is read, so each runs again, then its
+    chunks' forward in its own backward (until 2026-12-06 counted once)."""
+    from tailorfx import compat
+    from tailorfx.rewrite import cost
+    inputs, runs, planned = batch(), [], []
+    for passes in (["minisequence"], ["minisequence", "recompute"]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = tailorfx.optimize(hf_family(family), passes=passes, recompute="full", minisequence=minisequence,
+                                    example_inputs=inputs)
+        g = opt.graph_records[0].rewritten
+        op = "token_segment" if minisequence == "segments" else "token_chunked"
+        assert sum(op in str(n.target) for n in g.graph.nodes) >= 2   # a region of each block replaced
+        opt(**inputs).loss.backward()   # the first step's compiles out of the count
+        runs.append(_matmuls_run(opt, inputs))
+        planned.append(cost.recompute_flops(g, compat.size_hint, matmuls_only=True))
+    assert planned[0] > 0 and planned[1] - planned[0] == runs[1] - runs[0] > 0, (planned, runs)
 
 
 def test_full_except_attention_says_where_no_attention_op_is_saved():

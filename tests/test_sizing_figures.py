@@ -16,7 +16,11 @@ tensor per sliding layer outside the layers). Since 2026-12-06 the plan rows hol
 ladder (the first k blocks recomputed whole but their attention): every row of the first ladder is
 unchanged, and Llama-3-8B and Qwen2-7B take a plan of the second; Qwen2-7B's and Gemma-2-9B's rows
 (cases of `make test-long` only) also take the fused head's fp32 loss, 2-4 bytes, as Llama-3-8B's did
-on 2026-12-02. The printed figures of `tailorfx plan` for Llama-3-8B,
+on 2026-12-02. Since 2026-12-06 the added FLOPs count the recomputed ops whose values the backward
+reads, as the partitioner runs them (rewrite/cost.py, tests/test_recompute.py): every peak, fit and
+longest sequence unchanged, Llama-3-8B's and Qwen2-7B's chosen plans too; Gemma-2-9B's MLP output,
+read by its post-feedforward norm, runs again in whole blocks, so its segments plan now recomputes
+fewer FLOPs than 38/42 whole blocks and is chosen. The printed figures of `tailorfx plan` for Llama-3-8B,
 pinned by a test of their own until 2026-12-01, are the same figures as printed digits: that test
 added 3-4 minutes to CI and checked nothing this one does not."""
 import json

@@ -97,17 +97,42 @@ def region_input_numel(key: str, as_int, recompute: bool = False) -> int:
     return _numel(value, as_int) if isinstance(value, torch.Tensor) else 0
 
 
-def recompute_flops(gm: fx.GraphModule, as_int, weight: Optional[Callable[[fx.Node], int]] = None) -> int:
-    """FLOPs rerun in backward: forward ops tagged for recompute, and chunked regions' recompute.
-    `weight(node)`: how many times the real model runs that op (a shallow capture's repeated
-    blocks, rewrite/depth.py; default once)."""
+# torch-level ops whose backward reads none of their inputs' values (a residual add, a cast, a view)
+_READS_NOTHING = _VIEWS | frozenset({"add", "sub", "neg", "to", "float", "type", "clone", "output"})
+
+
+def _rerun(n: fx.Node, memo: dict) -> bool:
+    """Whether the partitioner runs recomputed `n` again in backward: some op reads its value there,
+    directly or through recomputed ops that read nothing but are run again (a saved value is read
+    where it is kept: a down projection ending in a block's saved output is not run again)."""
     from torch.utils.checkpoint import CheckpointPolicy
-    total = 0
+    if n not in memo:
+        memo[n] = False   # a cycle cannot occur in a graph; this guards the recursion's memo only
+        memo[n] = any(match.op_name(u) not in _READS_NOTHING
+                      or (u.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE and _rerun(u, memo))
+                      for u in n.users)
+    return memo[n]
+
+
+def recompute_flops(gm: fx.GraphModule, as_int, weight: Optional[Callable[[fx.Node], int]] = None,
+                    matmuls_only: bool = False) -> int:
+    """FLOPs rerun in backward: forward ops tagged for recompute whose values backward reads, and
+    chunked regions' recompute (their tails, and their whole forward when so read). `weight(node)`:
+    how many times the real model runs that op (a shallow capture's repeated blocks, rewrite/depth.py;
+    default once); `matmuls_only`: matmuls' and attention's FLOPs only (a profiler's count)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    total, memo = 0, {}
+    kept = match.MATMUL_OPS | match.ATTENTION_OPS
     for n in gm.graph.nodes:
-        if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
-            total += node_flops(n, as_int) * (weight(n) if weight else 1)
-        elif match.op_name(n) in ("token_chunked", "token_segment"):
-            total += region_recompute_flops(n.args[0], as_int) * (weight(n) if weight else 1)
+        again = n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE and _rerun(n, memo)
+        if match.op_name(n) in ("token_chunked", "token_segment"):
+            f = region_recompute_flops(n.args[0], as_int, matmuls_only)
+            f += region_flops(n.args[0], as_int, matmuls_only) if again else 0
+        elif again and (not matmuls_only or match.op_name(n) in kept):
+            f = node_flops(n, as_int)
+        else:
+            continue
+        total += f * (weight(n) if weight else 1)
     return total
 
 
