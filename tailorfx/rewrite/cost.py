@@ -1,8 +1,8 @@
 """FLOPs per node of a Dynamo (torch-level) graph, at a chosen sequence length; and the bytes a
 mini-sequence region's pointwise ops move, which the step-time model prices apart from its matmuls.
 
-Used by the planner to rank plans by the compute they add: recompute reruns forward ops, and
-mini-sequence reruns each chunked MLP's matmuls but its last.
+Used by the planner to rank plans by the compute they add: recompute reruns the forward ops whose
+values backward reads, and mini-sequence reruns each chunked MLP's matmuls but its last.
 """
 from __future__ import annotations
 
@@ -107,7 +107,6 @@ def _rerun(n: fx.Node, memo: dict) -> bool:
     where it is kept: a down projection ending in a block's saved output is not run again)."""
     from torch.utils.checkpoint import CheckpointPolicy
     if n not in memo:
-        memo[n] = False   # a cycle cannot occur in a graph; this guards the recursion's memo only
         memo[n] = any(match.op_name(u) not in _READS_NOTHING
                       or (u.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE and _rerun(u, memo))
                       for u in n.users)
