@@ -86,8 +86,9 @@ def test_full_except_attention_runs_each_attention_forward_once():
 
 
 def _matmuls_run(opt, inputs) -> int:
-    """FLOPs of the matmuls and causal attention forwards one training step runs (the profiler's
-    ATen calls and their shapes; an attention forward 4 FLOPs per attended pair and head dim)."""
+    """FLOPs of the matmuls and attention forwards one training step runs (the profiler's ATen calls
+    and their shapes; an attention forward 4 FLOPs per pair and head dim: every pair where a mask
+    tensor is passed, as transformers does under torch 2.11, half of them where it is causal)."""
     from torch.profiler import profile
     with profile(record_shapes=True) as prof:
         opt(**inputs).loss.backward()
@@ -96,9 +97,10 @@ def _matmuls_run(opt, inputs) -> int:
         if e.name in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm"):
             a, b = e.input_shapes[0:2] if e.name in ("aten::mm", "aten::bmm") else e.input_shapes[1:3]
             total += 2 * math.prod(a) * b[-1]
-        elif e.name == "aten::_scaled_dot_product_flash_attention_for_cpu":   # HF's SDPA call: causal
+        elif e.name == "aten::_scaled_dot_product_flash_attention_for_cpu":
             q, k = e.input_shapes[0:2]
-            total += 4 * math.prod(q[:3]) * k[2] // 2 * q[3]
+            masked = len(e.input_shapes) > 5 and bool(e.input_shapes[5])   # attn_mask; else HF's call is causal
+            total += 4 * math.prod(q[:3]) * k[2] // (1 if masked else 2) * q[3]
     return total
 
 
