@@ -64,9 +64,11 @@ def region_recompute_flops(key: str, as_int, matmuls_only: bool = False) -> int:
     return _flops(_region_nodes(key, recompute=True), as_int, matmuls_only)
 
 
+_MATMULS = match.MATMUL_OPS | match.ATTENTION_OPS   # what `matmuls_only` keeps
+
+
 def _flops(nodes: list, as_int, matmuls_only: bool) -> int:
-    kept = match.MATMUL_OPS | match.ATTENTION_OPS
-    return sum(node_flops(n, as_int) for n in nodes if not matmuls_only or match.op_name(n) in kept)
+    return sum(node_flops(n, as_int) for n in nodes if not matmuls_only or match.op_name(n) in _MATMULS)
 
 
 # torch-level ops that move no bytes of their own (a view, a size)
@@ -81,7 +83,7 @@ def region_bytes(key: str, as_int) -> int:
     total = 0
     for n in _region_nodes(key):
         name = match.op_name(n)
-        if name in _VIEWS or name in match.MATMUL_OPS or name in match.ATTENTION_OPS:
+        if name in _VIEWS or name in _MATMULS:
             continue
         total += sum(_numel(t, as_int) * t.element_size()
                      for t in match.tensors_in((n.args, n.kwargs)) + match.tensors_in(node_value(n)))
@@ -98,7 +100,7 @@ def region_input_numel(key: str, as_int, recompute: bool = False) -> int:
 
 
 # torch-level ops whose backward reads none of their inputs' values (a residual add, a cast, a view)
-_READS_NOTHING = _VIEWS | frozenset({"add", "sub", "neg", "to", "float", "type", "clone", "output"})
+_READS_NOTHING = _VIEWS | match.FLOAT_CASTS | frozenset({"add", "sub", "neg", "clone", "output"})
 
 
 def _rerun(n: fx.Node, memo: dict) -> bool:
@@ -121,13 +123,12 @@ def recompute_flops(gm: fx.GraphModule, as_int, weight: Optional[Callable[[fx.No
     default once); `matmuls_only`: matmuls' and attention's FLOPs only (a profiler's count)."""
     from torch.utils.checkpoint import CheckpointPolicy
     total, memo = 0, {}
-    kept = match.MATMUL_OPS | match.ATTENTION_OPS
     for n in gm.graph.nodes:
         again = n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE and _rerun(n, memo)
         if match.op_name(n) in ("token_chunked", "token_segment"):
             f = region_recompute_flops(n.args[0], as_int, matmuls_only)
             f += region_flops(n.args[0], as_int, matmuls_only) if again else 0
-        elif again and (not matmuls_only or match.op_name(n) in kept):
+        elif again and (not matmuls_only or match.op_name(n) in _MATMULS):
             f = node_flops(n, as_int)
         else:
             continue

@@ -33,6 +33,7 @@ ATTENTION_OPS = frozenset({
     "attention_call", "sparse_attention", "dilated_attention",   # tailorfx's own (passes/attention)
     "score_mod_attention", "triton_attention",
 })
+FLOAT_CASTS = frozenset({"to", "type", "float", "half", "bfloat16", "double"})   # tensor methods casting dtype
 NORM_OPS = frozenset({"layer_norm", "rms_norm", "group_norm", "native_layer_norm", "_fused_rms_norm"})
 STAT_OPS = frozenset({"rsqrt", "var", "var_mean", "std"})
 # Ops that draw random numbers: recomputing them (a chunk in backward, an output on demand) would

@@ -86,13 +86,10 @@ def module_paths(node: fx.Node) -> list[str]:
     return stack_paths(node.meta.get("nn_module_stack"))
 
 
-_FLOAT_CASTS = frozenset({"to", "type", "float", "half", "bfloat16", "double"})
-
-
 def param_source(node: fx.Node) -> fx.Node:
     """`node` with float dtype casts peeled off: `W.to(bf16)` -> W (the precision pass reads fp32
     master weights through such casts)."""
-    while (node.op == "call_method" and node.target in _FLOAT_CASTS and node.args
+    while (node.op == "call_method" and node.target in match.FLOAT_CASTS and node.args
            and isinstance(node.args[0], fx.Node) and isinstance(v := node_value(node), torch.Tensor)
            and v.is_floating_point() and isinstance(s := node_value(node.args[0]), torch.Tensor)
            and s.is_floating_point() and s.shape == v.shape):
