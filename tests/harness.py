@@ -264,6 +264,28 @@ def tailorfx_ops(fn: Callable[[], object]) -> Counter:
     return Counter(e.name for e in prof.events() if e.name.startswith("tailorfx::"))
 
 
+def flops_run(module: nn.Module, inputs: dict, attention: bool = False) -> int:
+    """FLOPs of the matmuls one training step of `module` runs after a first one (the profiler's ATen
+    calls and their shapes, inside tailorfx's ops too: the in-place weight-gradient GEMMs, addmm_,
+    are ones torch's FLOP counter leaves out). `attention`: SDPA's CPU flash forwards too, 4 FLOPs per
+    pair and head dim: every pair where a mask tensor is passed (as transformers does under torch
+    2.11), half of them where the call is causal."""
+    from torch.profiler import ProfilerActivity, profile
+    module(**inputs).loss.backward()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        module(**inputs).loss.backward()
+    total = 0
+    for e in prof.events():
+        if e.name in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm"):
+            a, b = e.input_shapes[0:2] if e.name in ("aten::mm", "aten::bmm") else e.input_shapes[1:3]
+            total += 2 * math.prod(a) * b[-1]
+        elif attention and e.name == "aten::_scaled_dot_product_flash_attention_for_cpu":
+            q, k = e.input_shapes[0:2]
+            masked = len(e.input_shapes) > 5 and bool(e.input_shapes[5])   # attn_mask; else HF's call is causal
+            total += 4 * math.prod(q[:3]) * k[2] // (1 if masked else 2) * q[3]
+    return total
+
+
 def sweep_dynamo_limits():
     """Dynamo's limits as a process that has compiled many models sets them. transformers' models
     share one forward code object, and Dynamo counts every model compiled on it in the process

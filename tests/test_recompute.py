@@ -1,6 +1,5 @@
 """Recompute pass: tags honoured by the partitioner; exact numerics; measured memory."""
 import copy
-import math
 import warnings
 
 import pytest
@@ -8,7 +7,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 import tailorfx
-from harness import compare_with_eager, peak_of_step
+from harness import compare_with_eager, flops_run, peak_of_step
 from models import VOCAB, batch, hf_family, hf_llama, tiny_llama
 from tailorfx.passes.recompute import Recompute
 from tailorfx.planner import HEADROOM
@@ -85,25 +84,6 @@ def test_full_except_attention_runs_each_attention_forward_once():
     assert rows["full-except-attention"][1] < rows["selective"][1], rows
 
 
-def _matmuls_run(opt, inputs) -> int:
-    """FLOPs of the matmuls and attention forwards one training step runs (the profiler's ATen calls
-    and their shapes; an attention forward 4 FLOPs per pair and head dim: every pair where a mask
-    tensor is passed, as transformers does under torch 2.11, half of them where it is causal)."""
-    from torch.profiler import profile
-    with profile(record_shapes=True) as prof:
-        opt(**inputs).loss.backward()
-    total = 0
-    for e in prof.events():
-        if e.name in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm"):
-            a, b = e.input_shapes[0:2] if e.name in ("aten::mm", "aten::bmm") else e.input_shapes[1:3]
-            total += 2 * math.prod(a) * b[-1]
-        elif e.name == "aten::_scaled_dot_product_flash_attention_for_cpu":
-            q, k = e.input_shapes[0:2]
-            masked = len(e.input_shapes) > 5 and bool(e.input_shapes[5])   # attn_mask; else HF's call is causal
-            total += 4 * math.prod(q[:3]) * k[2] // (1 if masked else 2) * q[3]
-    return total
-
-
 @pytest.mark.parametrize("family,minisequence", [("llama", "mlp"), ("gemma2", "mlp"), ("llama", "segments")])
 def test_the_recompute_flops_planned_are_the_matmuls_a_step_runs_again(family, minisequence):
     """The planner's added FLOPs (cost.recompute_flops) of whole blocks recomputed around their
@@ -124,8 +104,7 @@ def test_the_recompute_flops_planned_are_the_matmuls_a_step_runs_again(family, m
         g = opt.graph_records[0].rewritten
         op = "token_segment" if minisequence == "segments" else "token_chunked"
         assert sum(op in str(n.target) for n in g.graph.nodes) >= 2   # a region of each block replaced
-        opt(**inputs).loss.backward()   # the first step's compiles out of the count
-        runs.append(_matmuls_run(opt, inputs))
+        runs.append(flops_run(opt, inputs, attention=True))
         planned.append(cost.recompute_flops(g, compat.size_hint, matmuls_only=True))
     assert planned[0] > 0 and planned[1] - planned[0] == runs[1] - runs[0] > 0, (planned, runs)
 

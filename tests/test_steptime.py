@@ -16,6 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from harness import flops_run
 from tailorfx import planner
 from tailorfx.budget import Budget
 from tailorfx.parallel import DEVICE_CLASSES, DeviceClass, plan_step_time, plan_world, predict_step_time, preference
@@ -63,22 +64,6 @@ def test_flops_of_a_step_are_torchs_flop_counter_plus_attention():
     assert moved["other"] > 0 and moved["gemm"] >= kinds["gemm"]
 
 
-def matmuls_run(opt, ids) -> int:
-    """FLOPs of the matmuls one step of `opt` runs, inside tailorfx's ops as well (the profiler's
-    shapes: the in-place weight-gradient GEMMs, addmm_, are ones its FLOP count leaves out)."""
-    from torch.profiler import ProfilerActivity, profile
-    opt(input_ids=ids, labels=ids).loss.backward()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        opt(input_ids=ids, labels=ids).loss.backward()
-    total = 0
-    for e in prof.events():
-        if e.name in ("aten::mm", "aten::addmm", "aten::addmm_"):
-            first = 0 if e.name == "aten::mm" else 1     # addmm's: (input, mat1, mat2, beta, alpha)
-            (m, k), (_, n) = e.input_shapes[first:first + 2]
-            total += 2 * m * k * n
-    return total
-
-
 def test_a_plans_step_time_walks_the_graphs_it_lowered():
     """plan_step_time(opt): an optimize()d HF Llama, nothing rewritten, costs the eager step's FLOPs;
     with its MLPs in sequence chunks (the regions replaced them), the gate and up projections run
@@ -98,8 +83,9 @@ def test_a_plans_step_time_walks_the_graphs_it_lowered():
     chunked = plan_step_time(opt, FLOPS)
     rerun = linear_params(model, inside="mlp") - linear_params(model, inside="down_proj")
     assert chunked.flops - plain.flops == 2 * ROWS * SEQ * rerun
-    assert [matmuls_run(o, ids) for o in (plain_opt, opt)] == [plain.flops - attention_flops(ROWS),
-                                                               chunked.flops - attention_flops(ROWS)]
+    batch = {"input_ids": ids, "labels": ids}
+    assert [flops_run(o, batch) for o in (plain_opt, opt)] == [plain.flops - attention_flops(ROWS),
+                                                            chunked.flops - attention_flops(ROWS)]
     mem = replace(FLOPS, memory_bandwidth=1.0)          # 1 s per FLOP and per byte
     assert dict(plan_step_time(opt, mem).by_kind)["other"] > dict(plan_step_time(opt, FLOPS).by_kind)["other"]
     # captured again at twice the length: the region's key, and its graph's recorded sizes, are the first's
