@@ -247,7 +247,8 @@ def test_generate_through_a_model_compiled_in_place_compiles_each_kind_of_step_o
     and two decode graphs (static, then dynamic), as Dynamo's own backends do, and its tokens are the
     model's. (Each step's length was pinned: a compile per token, to Dynamo's recompile limit.) Not
     in `make test-torch211`'s files: torch 2.11 has no regions, so there an in-place compile meets
-    the recompiles of every optimize() of the worker (docs/usage.md, "One process, many models")."""
+    the recompiles of every other test's plain compile in the worker (docs/usage.md, "One process,
+    many models")."""
     from torch._dynamo.utils import counters
     from models import batch, hf_llama
     model, prompt = hf_llama(num_layers=2), batch(B=2, S=12)["input_ids"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from typing import Iterator, Optional
 
 import torch
@@ -110,6 +111,81 @@ def compile_isolation() -> dict:
     """torch.compile keywords that keep one compiled module's recompiles apart from every other
     compile of the same code (torch 2.13's `isolate_recompiles`; nothing on torch 2.11)."""
     return {"isolate_recompiles": True} if _compile_isolates() else {}
+
+
+def compile_apart(model, **kwargs):
+    """torch.compile(model, **kwargs) in a compile region of its own, so that its frames never count
+    against the recompile limit a user's own compile of the same model class meets: torch 2.13's
+    `isolate_recompiles`; on torch 2.11 each call goes through a code object made for this compile
+    (Dynamo keeps its caches and that limit per code object, and every model's call shares one of
+    torch's or transformers')."""
+    if _compile_isolates():
+        return torch.compile(model, isolate_recompiles=True, **kwargs)
+    compiled: dict = {}
+
+    def call(*args, **kw):
+        frame, args, kw = _as_forward_frame(model, args, kw)
+        if frame not in compiled:
+            template = _calling(*frame)
+            global _APART
+            _APART += 1
+            own = types.FunctionType(template.__code__.replace(co_name=f"{template.__name__}_{_APART}"),
+                                     template.__globals__)
+            compiled[frame] = torch.compile(own, **kwargs)
+        return compiled[frame](model, *args, **kw)
+    return call
+
+
+_APART = 0
+
+
+def _as_forward_frame(model, args: tuple, kw: dict) -> tuple[tuple, tuple, dict]:
+    """The parameters of the frame Dynamo traces first when it compiles the module (its `forward`,
+    or the decorator around it), and the call's arguments bound to them: a graph's inputs are named
+    by the parameter they came through (`l_input_ids_`, `l_kwargs_position_ids_`), so the frame made
+    for compile_apart takes each as that frame does. Returns ((self, named, varargs, varkw), args, kw)."""
+    forward = getattr(model, "forward", None)
+    func = getattr(forward, "__func__", None)
+    me, positional, names, varargs, varkw = _frame_of(func) if func is not None else _GENERIC
+    if len(args) > len(positional) or set(positional[:len(args)]) & set(kw) or me in kw:
+        me, positional, names, varargs, varkw = _GENERIC    # named as a frame (self, *args, **kwargs) names them
+    else:
+        kw, args = {**dict(zip(positional, args)), **kw}, ()
+    return (me, tuple(k for k in kw if k in names), varargs, varkw), args, kw
+
+
+_GENERIC = ("self", (), frozenset(), "args", "kwargs")
+
+
+@functools.lru_cache(maxsize=None)
+def _frame_of(func) -> tuple[str, tuple, frozenset, str, str]:
+    """(self, positional-or-keyword names, named parameters, *varargs, **varkw) of a method."""
+    import inspect
+    try:
+        params = list(inspect.signature(func, follow_wrapped=False).parameters.values())
+    except (TypeError, ValueError):
+        return _GENERIC
+    kinds = inspect.Parameter
+    if not params or params[0].kind is not kinds.POSITIONAL_OR_KEYWORD \
+            or any(p.kind is kinds.POSITIONAL_ONLY for p in params):
+        return _GENERIC
+    var = {p.kind: p.name for p in params if p.kind in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)}
+    return (params[0].name, tuple(p.name for p in params[1:] if p.kind is kinds.POSITIONAL_OR_KEYWORD),
+            frozenset(p.name for p in params[1:] if p.kind not in var),
+            var.get(kinds.VAR_POSITIONAL, "args"), var.get(kinds.VAR_KEYWORD, "kwargs"))
+
+
+@functools.lru_cache(maxsize=None)
+def _calling(me: str, named: tuple, varargs: str, varkw: str) -> types.FunctionType:
+    """A function `(me, *varargs, <named>, **varkw)` that calls `me` with what it was given."""
+    params = "".join(f", {n}" for n in named)
+    passed = "".join(f", {n}={n}" for n in named)
+    scope: dict = {}
+    source = (f"def tailorfx_call({me}, *{varargs}{params}, **{varkw}):\n"
+              f"    return {me}(*{varargs}{passed}, **{varkw})\n")
+    # named after this file: a function with no source file Dynamo wraps in a frame of its own (`args_0`)
+    exec(compile(source, __file__, "exec"), scope)
+    return scope["tailorfx_call"]
 
 
 @functools.lru_cache(maxsize=None)

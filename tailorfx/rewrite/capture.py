@@ -353,7 +353,7 @@ def capture_graphs(model: torch.nn.Module, args: tuple = (), kwargs: Optional[di
 
     # a backend of its own: no cached graph (whose symbols would carry another call's lengths) matches it
     with compat.capture_config():
-        out = torch.compile(model, backend=record, dynamic=None, **compat.compile_isolation())(*args, **kwargs)
+        out = compat.compile_apart(model, backend=record, dynamic=None)(*args, **kwargs)
     return graphs, out
 
 
@@ -370,14 +370,14 @@ def run_recorded(model: torch.nn.Module, args: tuple = (), kwargs: Optional[dict
     """
     kwargs = dict(kwargs or {})
 
-    def run(backend: Callable, **isolation) -> Any:
+    def run(backend: Callable, apart: bool = False) -> Any:
         _RAN.clear()
         with compat.capture_config(), compat.fail_on_recompile_limit():
-            return torch.compile(model, backend=backend, dynamic=False, fullgraph=fullgraph,
-                                 **isolation)(*args, **kwargs)
+            compile_ = compat.compile_apart if apart else torch.compile
+            return compile_(model, backend=backend, dynamic=False, fullgraph=fullgraph)(*args, **kwargs)
     def afresh_run() -> Any:     # a new backend object: no cached frame was compiled for it
-        return run(lambda gm, example_inputs: _record_runs(gm, example_inputs), **compat.compile_isolation())
-    if _ISOLATED and compat.compile_isolation():
+        return run(lambda gm, example_inputs: _record_runs(gm, example_inputs), apart=True)
+    if _ISOLATED:
         return _unique(afresh_run())
     try:
         out = run(_record_runs)
@@ -408,8 +408,8 @@ def _unique(out: Any) -> tuple[list[tuple[fx.GraphModule, list]], Any]:
 
 @contextlib.contextmanager
 def isolated_captures():
-    """run_recorded inside traces in a compile region of its own (compat.compile_isolation(); none
-    on torch 2.11), never in Dynamo's default one: a prediction's many captures of fake copies
+    """run_recorded inside traces in a compile region of its own (compat.compile_apart), never in
+    Dynamo's default one: a prediction's many captures of fake copies
     (plan_world's layouts) would fill the recompile limit that a user's own torch.compile of the
     same model class meets there, and Dynamo would then run the user's model eagerly, unseen."""
     global _ISOLATED

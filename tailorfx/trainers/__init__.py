@@ -183,8 +183,8 @@ class TrainerHooks:
 
     def _compile(self, module: nn.Module):
         """`module` compiled by a tailorfx backend of this module's options and session."""
-        return torch.compile(module, backend=TailorBackend(self.options, self.session, owner_holds_session=True),
-                             dynamic=None, **compat.compile_isolation())
+        return compat.compile_apart(module, backend=TailorBackend(self.options, self.session, owner_holds_session=True),
+                                    dynamic=None)
 
     def __setattr__(self, name: str, value) -> None:
         """A replaced `forward` (TRL's add_fused_lm_head replaces it on the object it is given) is
