@@ -28,9 +28,9 @@ from tailorfx.compat.graph import (  # noqa: F401
     op_returns_alias, op_short_name, tailorfx_op_name)
 from tailorfx.compat.dynamo import (  # noqa: F401
     FAKE_TENSOR_LOGGER, active_ddp, aot_without_cse, autograd_enabled, capture_config, compile_fx, compile_fx_inner,
-    compiled_original,
-    compile_apart, compile_isolation, compiled_no_frames, ddp_splits_graphs, dynamo_backend_failed, dynamo_unsupported,
-    fail_on_recompile_limit, guards_hold, is_model_state_input, is_size_input, marked_dynamic, profiler_memory_events,
+    compiled_original, compile_apart, compile_isolation, compiled_no_frames, ddp_splits_graphs, dynamo_backend_failed,
+    dynamo_unsupported, fail_on_recompile_limit, guards_hold, is_model_state_input, is_size_input, marked_dynamic,
+    guards_suppressed, profiler_memory_events,
     restart_tracing, restart_with_floats_specialized, shape_env_hints, shape_guard_count, size_hint, specialize_equal,
     specialize_symint, sym_equal, sym_expr, tensorified_float_names, untraced_real_tensors)
 from tailorfx.compat.inductor import (  # noqa: F401

@@ -107,6 +107,13 @@ def specialize_equal(sizes: list) -> None:
             guard_bool(a == b)
 
 
+def guards_suppressed(fake_mode) -> contextlib.AbstractContextManager:
+    """Fake ops run without adding guards to `fake_mode`'s shapes (a value recomputed for its dtype:
+    torch 2.11's CPU linear on 16-bit inputs reads its sizes as ints, which would pin a symbol)."""
+    env = getattr(fake_mode, "shape_env", None)
+    return env.suppress_guards() if env is not None else contextlib.nullcontext()
+
+
 def compile_isolation() -> dict:
     """torch.compile keywords that keep one compiled module's recompiles apart from every other
     compile of the same code (torch 2.13's `isolate_recompiles`; nothing on torch 2.11)."""

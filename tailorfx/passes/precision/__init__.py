@@ -134,7 +134,7 @@ class _Rewriter:
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), node_value)
         fn = n.target if n.op == "call_function" else getattr(type(args[0]), n.target)
         try:
-            with self.fake_mode, _quiet_fake_tensor_log(), _no_guards(self.fake_mode):
+            with self.fake_mode, _quiet_fake_tensor_log(), compat.guards_suppressed(self.fake_mode):
                 val = fn(*args, **kwargs)
         except Exception as e:   # e.g. a matmul that would mix bf16 and fp32
             if z is None:
@@ -383,13 +383,6 @@ def _quiet_fake_tensor_log():
         yield
     finally:
         log.setLevel(level)
-
-
-def _no_guards(fake_mode):
-    """A fake op's value computed without adding guards: torch 2.11's CPU linear on 16-bit inputs
-    reads its sizes as ints (aten.size), which pinned the sequence symbol to the captured length."""
-    env = getattr(fake_mode, "shape_env", None)
-    return env.suppress_guards() if env is not None else contextlib.nullcontext()
 
 
 def _same_meta(a: Any, b: Any) -> bool:
