@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import types
 from typing import Iterator, Optional
 
@@ -134,16 +135,14 @@ def compile_apart(model, **kwargs):
         frame, args, kw = _as_forward_frame(model, args, kw)
         if frame not in compiled:
             template = _calling(*frame)
-            global _APART
-            _APART += 1
-            own = types.FunctionType(template.__code__.replace(co_name=f"{template.__name__}_{_APART}"),
+            own = types.FunctionType(template.__code__.replace(co_name=f"{template.__name__}_{next(_APART)}"),
                                      template.__globals__)
             compiled[frame] = torch.compile(own, **kwargs)
         return compiled[frame](model, *args, **kw)
     return call
 
 
-_APART = 0
+_APART = itertools.count(1)   # names each compile's code object
 
 
 def _as_forward_frame(model, args: tuple, kw: dict) -> tuple[tuple, tuple, dict]:
