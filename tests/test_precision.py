@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 import tailorfx
-from models import batch, hf_llama, tiny_llama
+from models import batch, hf_family, hf_llama, tiny_llama
 from tailorfx.models import LlamaConfig, LlamaLM
 from tailorfx.models.llama import Attention
 from tailorfx.passes.precision import NAME, POLICY, Precision, cleanup, resolve_policy
@@ -333,6 +333,24 @@ def test_fp32_glue_saves_for_backward_in_bf16(runs_4096):
     pred, peak = runs_4096["bf16 fp32 out"]["predicted"], runs_4096["bf16 fp32 out"]["peak"]
     assert -0.02 <= (pred - peak) / peak <= 0.03, (pred, peak)
 
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_hf_models_in_bf16_keep_their_sequence_symbol_for_mini_sequence(family):
+    """precision="bf16" then mini-sequence on HF models: the precision pass recomputes each node's
+    fake value, and torch 2.11's CPU linear on bf16 inputs reads its sizes as ints, which pinned the
+    sequence length (the repo's Llama, the test below) or left the head's input without its symbol
+    (HF Gemma-2, failing here before): the MLPs and the fused head were then left unrewritten
+    ("sequence dim of the LM head input not found")."""
+    inputs = batch(S=37, pad=5)
+    wrap = lambda m: tailorfx.optimize(m, passes=["precision", "minisequence"], precision="bf16",  # noqa: E731
+                                       example_inputs=inputs)
+    loss_err, errs, opt = grads_vs_eager(hf_family(family, num_layers=1), wrap, inputs)
+    ms = record(opt, "minisequence")
+    assert ms.touched and all(t.endswith("//512))))") for t in ms.touched) and not ms.skipped, (ms.touched, ms.skipped)
+    assert {t.split(" ")[0] for t in ms.touched} == {"model.layers.0.mlp", "lm_head"}
+    assert opt(**inputs).logits is None          # the fused head ran
+    assert loss_err < 5e-3 and max(errs.values()) < 3e-2, (loss_err, errs)
 
 
 @pytest.mark.parametrize("matmul_output", ["auto", "fp32"])   # fp32: the head is a linear_fp32_out

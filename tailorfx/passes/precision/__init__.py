@@ -143,6 +143,7 @@ class _Rewriter:
             raise _RegionFailed(z.region, f"{n.name} ({match.op_name(n)}) fails in {_short(z.dtype)}: "
                                           f"{msg[:160]}") from e
         old = node_value(n)
+        val = _symbolic_as(old, val)
         if _same_meta(old, val):
             self.fresh.discard(n)
             return
@@ -383,6 +384,27 @@ def _quiet_fake_tensor_log():
         yield
     finally:
         log.setLevel(level)
+
+
+def _symbolic_as(old: Any, new: Any) -> Any:
+    """`new` with `old`'s symbolic sizes and strides where it has the same ones by value: a dtype
+    changes no shape, but torch 2.11's CPU linear on 16-bit inputs computes its output's from its
+    sizes read as ints, which would leave the sequence symbol out of everything downstream."""
+    if isinstance(old, (tuple, list)) and isinstance(new, (tuple, list)) and len(old) == len(new):
+        vals = [_symbolic_as(a, b) for a, b in zip(old, new)]
+        return type(new)(vals) if type(new) in (tuple, list) else new
+    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or old.dim() != new.dim():
+        return new
+    concrete = [all(isinstance(x, int) for x in t.shape) for t in (old, new)]
+    if concrete[0] or not concrete[1] or _hints(old.shape + old.stride()) != _hints(new.shape + new.stride()):
+        return new
+    with new.fake_mode:
+        out = torch.empty_strided(old.shape, old.stride(), dtype=new.dtype, device=new.device)
+    return out.requires_grad_(new.requires_grad)
+
+
+def _hints(sizes) -> list[int]:
+    return [compat.size_hint(x) for x in sizes]
 
 
 def _same_meta(a: Any, b: Any) -> bool:
