@@ -14,7 +14,9 @@ Providers, in one interleaved run (every provider of a case runs before the next
 - `torch eager`: ATen (F.rms_norm, F.layer_norm, silu * up, HF's rotate_half RoPE, the head as
   F.linear then F.cross_entropy on fp32 logits; attention: SDPA with a dense mask);
 - `inductor`: torch.compile of the eager code;
-- `sdpa flash`: SDPA under sdpa_kernel(FLASH_ATTENTION) (dense causal, bf16);
+- `sdpa flash`, `sdpa cudnn`: SDPA under sdpa_kernel(FLASH_ATTENTION) and under
+  sdpa_kernel(CUDNN_ATTENTION) (dense causal, bf16; on Hopper cuDNN's kernel may beat FlashAttention-2's,
+  which the flash backend runs: the row says by how much, or why cuDNN refused the shape);
 - `flex`: FlexAttention (torch.compile'd) with the mask as a BlockMask, ALiBi as a score_mod;
 - `liger`: Liger-Kernel's functional ops (liger_rms_norm, liger_layer_norm, liger_swiglu,
   liger_rope, liger_fused_linear_cross_entropy), when installed (`make gpu-wheels` on the GPU);
@@ -263,11 +265,8 @@ def attention_cases(dev, dry, S, NH, NKV, D, window, rnd, compiled) -> list[Case
             return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale, enable_gqa=True)
         prov = {"torch eager": eager, "inductor": compiled(eager)}
         if name == "causal":
-            def flash(q, k, v):
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-            prov["sdpa flash"] = flash if cuda else "needs CUDA (dry run on CPU)"
+            for label, backend in (("sdpa flash", "FLASH_ATTENTION"), ("sdpa cudnn", "CUDNN_ATTENTION")):
+                prov[label] = sdpa_backend(backend, scale) if cuda else "needs CUDA (dry run on CPU)"
         prov["flex"] = flex_provider(name, keep, bias, S, scale) if cuda else "needs CUDA (dry run on CPU)"
         if name == "alibi":   # attention_call's form of the bias: (B, H, 1, S), as the attention pass passes it
             prov["tailorfx"] = (lambda q, k, v: ops.triton_attention(q, k, v, kind="Exact", params=(), causal=True,
@@ -286,6 +285,17 @@ def attention_cases(dev, dry, S, NH, NKV, D, window, rnd, compiled) -> list[Case
                         lambda: rnd(1, NH, S, D, dtype=dt, grad=False),
                         ("TFLOP", 3.5 * 4 * NH * pairs * D), prov))
     return out
+
+
+def sdpa_backend(backend: str, scale: float):
+    """Causal SDPA on one of its CUDA backends (`torch.nn.attention.SDPBackend`'s name), GQA's k, v
+    unrepeated; a backend that refuses the shape raises, and the row records why."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run(q, k, v):
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return run
 
 
 def _our_flex(name, window, doc, bias, scale):
