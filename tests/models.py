@@ -57,8 +57,10 @@ FAMILIES = {
     "starcoder2": {"residual_dropout": 0.0, "embedding_dropout": 0.0, "attention_dropout": 0.0},
     "gpt_neox": {"hidden_dropout": 0.0, "attention_dropout": 0.0, "num_key_value_heads": None},
     "falcon": {"hidden_dropout": 0.0, "attention_dropout": 0.0, "num_key_value_heads": None},
+    # eager attention, which soft-caps its scores (transformers 5.25's default for Gemma-2; 5.17, the GPU
+    # machines', picks SDPA, which leaves the soft-cap out)
     "gemma2": {"head_dim": 16, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
-               "query_pre_attn_scalar": 16},
+               "query_pre_attn_scalar": 16, "attn_implementation": "eager"},
     "gemma3_text": {"head_dim": 16, "query_pre_attn_scalar": 16},
     "cohere": {"logit_scale": 0.5},
     "granite": {"logits_scaling": 8.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
