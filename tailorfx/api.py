@@ -123,7 +123,8 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         are the whole step (warn once if not: predictions and budgets then cannot cover it)."""
         if not (self.model.training and torch.is_grad_enabled()):
             return compiled(*args, **kwargs)
-        obs = self.session.observing = StepObservation(source=id(compiled))
+        obs, before = StepObservation(source=id(compiled)), len(self.session.graphs)
+        self.session.observing = obs
         try:
             out = compiled(*args, **kwargs)   # may compile a graph (a cast model, a new batch size)
         finally:
@@ -133,8 +134,11 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
             obs.outside = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in obs.params]
             obs.num_graphs = len(self.session.graphs)
             self.session.last_step = obs
-            problems = obs.problems()   # the model's checkpointing turned on since: taken over, whole next call
-            if problems and not self._take_model_checkpointing(again=True):
+            # the model's checkpointing turned on since (layers outside the graphs where Dynamo cannot trace
+            # it, a graph compiled anew where it can): taken over, from the next call
+            problems = obs.problems()
+            taken = (problems or len(self.session.graphs) > before) and self._take_model_checkpointing(again=True)
+            if problems and not taken:
                 msg = ("the captured graphs are not the whole training step: " + "; ".join(problems) +
                        ". Memory predictions, budgets and max_seq_len cannot cover it: remove the graph break "
                        "(a print, logging or .item() in forward; TORCH_LOGS=graph_breaks names it)")

@@ -255,8 +255,8 @@ class TrainerHooks:
     def _take_model_checkpointing(self, again: bool = False) -> bool:
         """A model given with transformers' activation checkpointing on: torch.utils.checkpoint around each
         layer hides its MLP from every pass (and under transformers 5.25's hub-kernel wrappers Dynamo
-        skips the model), so at the first call (`again`: at a step that ran layers outside every graph)
-        it is turned off in the model and served by tailorfx's recompute pass, as a trainer's
+        skips the model), so at the first call (`again`: at a step that ran layers outside every graph or
+        compiled a graph anew) it is turned off in the model and served by tailorfx's recompute pass, as a trainer's
         activation_checkpointing_enable() is; True if it was. Not under parallel=."""
         if ("_model_checkpointing_seen" in self.__dict__ and not again) or self.session.parallel is not None:
             return False
