@@ -32,7 +32,7 @@ from tailorfx.compat.dynamo import (  # noqa: F401
     dynamo_unsupported, fail_on_recompile_limit, guards_hold, is_model_state_input, is_size_input, marked_dynamic,
     guards_suppressed, profiler_memory_events,
     restart_tracing, restart_with_floats_specialized, shape_env_hints, shape_guard_count, size_hint, specialize_equal,
-    specialize_symint, sym_equal, sym_expr, tensorified_float_names, untraced_real_tensors)
+    specialize_symint, sym_equal, sym_expr, tensorified_float_names, untraced_real_tensors, without_apart_numbers)
 from tailorfx.compat.inductor import (  # noqa: F401
     autograd_cache_off, backward_compiled_with_forward, extern_kernel_op, generated_kernels, inductor_generated,
     inductor_joint_pass, inductor_modules, inductor_partitioner, isolated_tracing, own_fake_mode, real_tensors)

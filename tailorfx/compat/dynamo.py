@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import re
 import types
 from typing import Iterator, Optional
 
@@ -143,6 +144,13 @@ def compile_apart(model, **kwargs):
 
 
 _APART = itertools.count(1)   # names each compile's code object
+_APART_NAME = re.compile(r"\btailorfx_call_\d+\b")
+
+
+def without_apart_numbers(stack_trace: str) -> str:
+    """A graph node's stack trace with compile_apart's frame named alike for every compile
+    (`tailorfx_call_<n>`: the number tells compiles apart, not what the graph computes)."""
+    return _APART_NAME.sub("tailorfx_call", stack_trace)
 
 
 def _as_forward_frame(model, args: tuple, kw: dict) -> tuple[tuple, tuple, dict]:

@@ -54,6 +54,8 @@ def _module(gm: fx.GraphModule) -> tuple:
 def _meta(key: str, v: Any) -> str:
     if key.endswith("nn_module_stack") and isinstance(v, dict):
         return repr(list(v.values()))    # (path, class) per module; its keys are ids of the modules
+    if key == "stack_trace" and isinstance(v, str):   # under torch 2.11 each capture's frame has a name of its own
+        return repr(compat.without_apart_numbers(v))
     return repr(v)
 
 
