@@ -110,11 +110,10 @@ def cmd_plan(args):
             sys.stderr.write(f"tailorfx plan: {str(e).splitlines()[0]}\n")
             sys.exit(1)
         note(f"planned in {time.perf_counter() - t:.0f}s")
-        if longest_later is None:
+        with stage("longest sequence that fits (the second process)") if longest_later else contextlib.nullcontext():
+            longest = longest_later() if longest_later else None
+        if longest is None:
             longest = sizing.max_seq_len(cfg, budget, batch_size=args.batch, setup=setup)
-        else:
-            with stage("longest sequence that fits (the second process)"):
-                longest = longest_later()
     print(f"{_n_params(opt.model, sizing.parameter_count(opt))} parameters\n")
     tables = [(gp, ([gp.chosen] if gp.chosen is not None else []) + list(gp.runners_up)) for gp in opt.plan]
     w = max([48] + [len(c.label) for _, rows in tables for c in rows])
@@ -147,7 +146,8 @@ def cmd_plan(args):
 
 @contextlib.contextmanager
 def _forked(fn, *args):
-    """`fn(*args)` in a forked process, killed when the block is left; yields a wait for its answer.
+    """`fn(*args)` in a forked process, killed when the block is left; yields a wait for its answer, None
+    where autograd refused to run in the child (torch 2.11's CUDA build, after a backward in this process).
     No helper threads here (a Pool's handlers wait on locks its worker shares)."""
     ctx = multiprocessing.get_context("fork")
     answer, send = ctx.Pipe(duplex=False)
@@ -167,9 +167,9 @@ def _forked(fn, *args):
         except EOFError:
             process.join()
             raise RuntimeError(f"the second process ended (exit code {process.exitcode}) without an answer") from None
-        if not ok:
+        if not ok and not (isinstance(value, RuntimeError) and "fork-based multiprocessing" in str(value)):
             raise value
-        return value
+        return value if ok else None
     try:
         yield result
     finally:

@@ -42,6 +42,19 @@ def test_plan_names_the_passes_and_the_longest_sequence(monkeypatch, capsys):
     assert longest <= bound, out   # a bound: no plan, the best included, fits more
 
 
+def test_plan_after_a_backward_in_the_process_finds_the_longest_sequence(capsys):
+    """`plan` called in a process that ran a backward before (a notebook, a training script): on torch
+    2.11's CUDA build autograd refuses to run in a forked child ("fork-based multiprocessing"), and the
+    longest sequence is then found in this process (before: the error; `make test-torch211` runs this)."""
+    import tailorfx
+    from models import batch, hf_family
+    tailorfx.optimize(hf_family("llama", num_layers=1), passes=["minisequence"])(**batch(S=16)).loss.backward()
+    main(["plan", *TINY, "--budget", "16MiB", "--seq", "256", "--setup", "fp32"])
+    out = capsys.readouterr().out
+    longest = int(out.split("longest sequence under 16MiB (16.00 MiB): ")[1].split(" tokens")[0].replace(",", ""))
+    assert longest >= 256, out   # the plan chosen at 256 fits
+
+
 def test_plans_second_process_runs_parallel_ops_after_the_first_started_openmps_threads(monkeypatch):
     """`plan` forks its longest-sequence search; a parent that had run a parallel op (here a
     2048 x 2048 tril on every thread) left GNU OpenMP's team unusable in the child, whose first
