@@ -28,8 +28,9 @@ def test_dry_run_covers_every_case_and_agrees(tmp_path):
     assert all(r["agrees"] for r in ran), [r for r in ran if not r["agrees"]]
     # only what needs CUDA or an uninstalled peer is skipped, and it says so
     assert all("CUDA" in r["skipped"] or "not installed" in r["skipped"] for r in rows if "skipped" in r)
-    assert {r["provider"] for r in rows} == {"torch eager", "inductor", "liger", "tailorfx", "sdpa flash", "sdpa cudnn", "flex",
-                                           "tailorfx flex", "tailorfx inductor", "liger fp32 sum", "tailorfx fp32 sum"}
+    assert {r["provider"] for r in rows} == {"torch eager", "inductor", "liger", "tailorfx", "sdpa flash", "sdpa cudnn",
+                                           "flex", "tailorfx flex", "tailorfx inductor", "liger fp32 sum",
+                                           "tailorfx fp32 sum"}
 
 
 def test_a_case_starts_only_while_the_time_left_fits_and_each_is_saved(monkeypatch):
