@@ -196,6 +196,7 @@ def is_long(nodeid: str) -> bool:
 LONGEST = {
     "tests/test_gpu_scale.py::test_dry_run_runs_every_section": 430,
     "tests/test_parallel.py::test_tp2_and_megatron_sp_equal_one_process": 400,
+    "tests/test_depth.py::test_triton_kernels_are_planned_on_a_shallow_capture_too": 231,   # 2026-12-07
     "tests/test_inductor.py::test_predictions_follow_inductors_code": 271,
     "tests/test_depth.py::test_the_activation_offload_ladder_from_a_shallow_capture_is_the_whole_ones": 198,
     "tests/test_parallel.py::test_pipeline_schedules_equal_one_process": 180,
