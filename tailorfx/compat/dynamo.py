@@ -143,14 +143,15 @@ def compile_apart(model, **kwargs):
     return call
 
 
-_APART = itertools.count(1)   # names each compile's code object
-_APART_NAME = re.compile(r"\btailorfx_call_\d+\b")
+_APART = itertools.count(1)   # names each compile's code object: _CALL_<n>
+_CALL = "tailorfx_call"
+_APART_NAME = re.compile(rf"\b{_CALL}_\d+\b")
 
 
 def without_apart_numbers(stack_trace: str) -> str:
     """A graph node's stack trace with compile_apart's frame named alike for every compile
     (`tailorfx_call_<n>`: the number tells compiles apart, not what the graph computes)."""
-    return _APART_NAME.sub("tailorfx_call", stack_trace)
+    return _APART_NAME.sub(_CALL, stack_trace)
 
 
 def _as_forward_frame(model, args: tuple, kw: dict) -> tuple[tuple, tuple, dict]:
@@ -195,11 +196,11 @@ def _calling(me: str, named: tuple, varargs: str, varkw: str) -> types.FunctionT
     params = "".join(f", {n}" for n in named)
     passed = "".join(f", {n}={n}" for n in named)
     scope: dict = {}
-    source = (f"def tailorfx_call({me}, *{varargs}{params}, **{varkw}):\n"
+    source = (f"def {_CALL}({me}, *{varargs}{params}, **{varkw}):\n"
               f"    return {me}(*{varargs}{passed}, **{varkw})\n")
     # named after this file: a function with no source file Dynamo wraps in a frame of its own (`args_0`)
     exec(compile(source, __file__, "exec"), scope)
-    return scope["tailorfx_call"]
+    return scope[_CALL]
 
 
 @functools.lru_cache(maxsize=None)
