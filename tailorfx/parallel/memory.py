@@ -103,6 +103,7 @@ from tailorfx.parallel.shard import VocabHead
 from tailorfx.parallel.spec import ParallelSpec, describe_layout, runs_chain
 from tailorfx.parallel.stages import block_costs, stage_blocks
 from tailorfx.parallel.trace import RankCapture, capture_rank, param_dtype
+from tailorfx.passes.attention.rules import drop_causal_sdpa_masks
 from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import seq_info
 from tailorfx.setup import TrainingSetup
@@ -406,6 +407,7 @@ class RankPrediction:
         try:
             with scope():
                 gm, _, _ = capture_static(model, self.example)
+                gm = drop_causal_sdpa_masks(gm)    # the mask a trace builds and the eager rank skips (trace.py)
                 return planner.predict_graphs([(gm, "dynamo", None)], [seq_info(gm, None)], None, setup)
         finally:
             if self.head is not None and self.head.fused is not None:    # the capture's run left the head's tensors in the hook

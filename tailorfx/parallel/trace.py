@@ -199,11 +199,11 @@ def _capture_on(src, *, tp, rows, seq, head, vocab_loss, dtype, mesh, passes, op
         with scope(), isolated_captures():
             gm, _, _ = capture_static(model, batch)
         local = local_params(model)
-    if batch.get("use_cache") is False:
-        # without a KV cache transformers checks position_ids for packed sequences, which reads
-        # their values: traced, it builds an S x S mask its eager forward drops when the batch is
-        # not packed; a chain and pipeline stages drop it too (apply.apply_chain, apply_pipeline)
-        gm = drop_causal_sdpa_masks(gm)
+    # traced, transformers builds an S x S mask its eager forward drops when the batch is not
+    # packed: without a KV cache it reads position_ids for packed sequences, and under torch < 2.13
+    # Dynamo answers "exporting" to the skip's check; a chain and pipeline stages drop it too
+    # (apply.apply_chain, apply_pipeline)
+    gm = drop_causal_sdpa_masks(gm)
     # outside the model's fake mode, as AOTAutograd: the graph's values are Dynamo's fake tensors
     return _traced(loss_only(gm) if cut == "chain" else gm, local, passes, scope, options, modules=not cut)
 

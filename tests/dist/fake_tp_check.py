@@ -1,8 +1,8 @@
 """tp=2 in ONE process, on torch's fake process group (its collectives return their input): each
 rank's allocator peak for one step against opt.predict_memory(), larger and more finely chunked
 than the gloo runs afford (a fake collective's output is the same size as gloo's). Run as
-`python fake_tp_check.py OUT FAMILY TOKENS CHUNKS PASSES[,PASSES...]` (PASSES: "+"-joined, "-" for
-none); writes OUT (JSON, one row per PASSES)."""
+`python fake_tp_check.py OUT FAMILY TOKENS CHUNKS PASSES[,PASSES...] [nocache]` (PASSES: "+"-joined, "-"
+for none; nocache: the model's config says use_cache=False); writes OUT (JSON, one row per PASSES)."""
 import json
 import os
 import sys
@@ -17,7 +17,7 @@ from models import hf_family  # noqa: E402
 from results import measured_and_predicted  # noqa: E402
 
 
-def main(out: str, family: str, tokens: int, chunks: int, runs: str) -> None:
+def main(out: str, family: str, tokens: int, chunks: int, runs: str, nocache: bool = False) -> None:
     torch.set_num_threads(1)
     compat.init_fake_process_group(2)
     rows = []
@@ -25,6 +25,8 @@ def main(out: str, family: str, tokens: int, chunks: int, runs: str) -> None:
         passes = [] if spec == "-" else spec.split("+")
         torch.manual_seed(0)
         model = hf_family(family, vocab_size=2048)
+        if nocache:
+            model.config.use_cache = False
         ids = torch.randint(0, 2048, (2, tokens), generator=torch.Generator().manual_seed(1))
         opt = tailorfx.optimize(model, example_inputs=dict(input_ids=ids, labels=ids), passes=passes,
                                 parallel=dict(tp=2), minisequence_chunks=chunks if "minisequence" in passes else None)
@@ -40,4 +42,4 @@ def main(out: str, family: str, tokens: int, chunks: int, runs: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6:] == ["nocache"])
