@@ -221,6 +221,44 @@ def test_checkpointed_blocks_run_without_a_kv_cache():
     assert "use_cache" not in ParallelRuntime(ParallelSpec(dp=2))._without_cache(model.train(), {})   # no recompute
 
 
+def test_zero_bubble_is_refused_where_torchs_pipelining_loses_a_custom_ops_backward():
+    """schedule="zb_h1" splits each stage's backward in two, input gradients then weight gradients
+    (torch's stage_backward_input and stage_backward_weight). Torch 2.11's loses a custom op's
+    backward node between the two, once the stage's outputs are gone (a tailorfx stage crashed
+    inside the schedule: "'_input_metadata' is invalid for this instance of _C._FunctionBase");
+    optimize() then refuses the schedule for stages with tailorfx's ops, naming them and the fix.
+    The probe agrees with the split run on one of tailorfx's ops (make test: torch 2.13; make
+    test-torch211: 2.11)."""
+    import torch.fx as fx
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from tailorfx import compat
+    from tailorfx.parallel.apply import check_zero_bubble
+    from tailorfx.runtime.linear_ops import linear_fp32_out_op
+    x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(3, 8, dtype=torch.bfloat16))
+    out = linear_fp32_out_op(x, w, None).sum()
+    _, groups = stage_backward_input([out], None, [x], iter([w]))
+    del out
+    try:
+        stage_backward_weight(iter([w]), groups)
+        split = w.grad is not None and torch.allclose(w.grad.float(), x.detach().float().sum(0).expand(3, 8), rtol=1e-2)
+    except RuntimeError as e:
+        assert "_input_metadata" in str(e)
+        split = False
+    assert compat.pipelining_splits_custom_op_backward() == split
+    spec = ParallelSpec(pp=2, schedule="zb_h1")
+    g = fx.Graph()
+    a, b = g.placeholder("x"), g.placeholder("w")
+    g.output(g.call_function(linear_fp32_out_op, (a, b, None)))
+    with pytest.raises(ValueError, match=r"schedule='zb_h1'.* tailorfx's linear_fp32_out .*use schedule='1f1b'"):
+        check_zero_bubble(fx.GraphModule({}, g), spec, splits=False)
+    check_zero_bubble(fx.GraphModule({}, g), spec, splits=True)
+    plain = fx.Graph()
+    a, b = plain.placeholder("x"), plain.placeholder("w")
+    plain.output(plain.call_function(torch.nn.functional.linear, (a, b)))
+    check_zero_bubble(fx.GraphModule({}, plain), spec, splits=False)     # no custom op: torch's split holds
+
+
 def test_parallel_outside_torchrun_says_how_to_launch(monkeypatch):
     import tailorfx
     monkeypatch.delenv("RANK", raising=False)

@@ -38,4 +38,4 @@ from tailorfx.compat.inductor import (  # noqa: F401
     inductor_joint_pass, inductor_modules, inductor_partitioner, isolated_tracing, own_fake_mode, real_tensors)
 from tailorfx.compat.runtime import (  # noqa: F401
     all_gather_single, backward_pass_id, collective_waited, cpu_packs_16bit_matmuls, cuda_memory_history, init_fake_process_group, profiler_running, reduce_scatter_single, pipelining_action, pipelining_format, pipelining_load,
-    pipelining_reference_order, pipelining_runtime, pipelining_simulate)
+    pipelining_reference_order, pipelining_runtime, pipelining_simulate, pipelining_splits_custom_op_backward)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
@@ -94,6 +95,36 @@ def pipelining_runtime(stages: list, num_microbatches: int, loss_fn, order: dict
     runtime = _PipelineScheduleRuntime(stages, num_microbatches, loss_fn=loss_fn)
     runtime._prepare_schedule_with_comms({r: list(actions) for r, actions in order.items()})
     return runtime
+
+
+@functools.lru_cache(maxsize=None)
+def pipelining_splits_custom_op_backward() -> bool:
+    """Whether torch's zero-bubble split (`stage_backward_input`, then `stage_backward_weight`)
+    reaches the weights through a Python autograd node (a custom op's backward) once the stage's
+    outputs are gone: torch 2.11 loses the node between the two ("'_input_metadata' is invalid
+    for this instance of _C._FunctionBase"), 2.13 keeps it. Tried on two-element tensors."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    x, w = torch.ones(2, requires_grad=True), torch.nn.Parameter(torch.ones(2))
+    out = _Scale.apply(x, w).sum()
+    _, groups = stage_backward_input([out], None, [x], iter([w]))
+    del out
+    try:
+        stage_backward_weight(iter([w]), groups)
+    except RuntimeError:
+        return False
+    return bool(torch.equal(w.grad, x.detach()))
+
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, g * x
 
 
 # ---- torch.distributed's in-process fake backend (checked on torch 2.13) -------------------------

@@ -30,6 +30,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor.parallel import loss_parallel
 
+from tailorfx import compat
 from tailorfx.codegen.pipeline import (StageChain, StagePieces, capture_static, chain_stages, cut_stages, loss_only,
                                        pipeline_runtime)
 from tailorfx.codegen.schedule import simulate_schedule
@@ -141,6 +142,18 @@ class Pipeline:
     captured: Optional[fx.GraphModule]   # the step graph as captured (tp=1): the prediction traces it
 
 
+def check_zero_bubble(gm: fx.GraphModule, spec: ParallelSpec, splits: bool) -> None:
+    """The zero-bubble schedule splits each stage's backward into its input gradients and, later,
+    its weight gradients: refused for a stage graph with tailorfx's custom ops where torch's
+    pipelining loses their backward nodes between the two (`splits` False: torch 2.11)."""
+    ops = sorted({name for n in gm.graph.nodes if n.op == "call_function" and (name := compat.tailorfx_op_name(n.target))})
+    if ops and not splits:
+        raise ValueError(f"schedule='zb_h1' under parallel={spec}: this torch's pipelining (before 2.13) loses a "
+                         f"custom op's backward between a stage's input and weight gradients, and the stages run "
+                         f"tailorfx's {', '.join(ops)} (torch 2.13 keeps it): use schedule='1f1b' (the same peak on "
+                         f"the first rank) or torch>=2.13")
+
+
 def apply_pipeline(model: nn.Module, *, spec: ParallelSpec, kwargs: dict, mesh, passes: tuple = (),
                    options: Optional[dict] = None, device=None) -> Pipeline:
     """Cut the model's step graph into spec.num_stages stages balanced by the cost model (on the
@@ -163,6 +176,8 @@ def apply_pipeline(model: nn.Module, *, spec: ParallelSpec, kwargs: dict, mesh, 
     costs = block_costs(gm, regions)
     blocks_of = stage_blocks(costs, num_stages)
     gm, records = rewrite_step(gm, tuple(p for p in passes if p != "recompute"), options)
+    if spec.schedule == "zb_h1":
+        check_zero_bubble(gm, spec, compat.pipelining_splits_custom_op_backward())
     if records:
         regions = find_regions(gm, seq_info(gm, None))
     if "recompute" in passes:
