@@ -187,7 +187,8 @@ def test_passes_hold_no_module_state():
 def test_optimized_modules_leave_no_regions_behind():
     """Once every optimized module is gone (Dynamo drops the compiled code it keeps in the model's
     module globals only at reset), none of their regions is registered; a backward still pending
-    then runs (the lowered graphs own the regions too)."""
+    then runs (the lowered graphs own the regions too). Collected until a collection finds nothing
+    (as a process's collector goes on): under torch 2.11 the last graphs go at the second."""
     opts = [tailorfx.optimize(m, passes=["minisequence"], minisequence_chunks=2, example_inputs=batch(S=24))
             for m in (hf_llama(), narrow_second_mlp(hf_llama()))]
     for opt in opts:
@@ -200,5 +201,7 @@ def test_optimized_modules_leave_no_regions_behind():
     gc.collect()
     pending.backward()
     del pending
-    gc.collect()
-    assert not any(registered(k) for k in keys)
+    collections = 1
+    while gc.collect() and collections < 10:
+        collections += 1
+    assert not any(registered(k) for k in keys), collections
