@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from tailorfx import compat, planner
 from tailorfx.budget import format_bytes
-from tailorfx.errors import BudgetError
+from tailorfx.errors import BudgetError, failure_site
 from tailorfx.options import Options, backend_options
 from tailorfx.codegen import lower as lowering_mod
 from tailorfx.rewrite import memory, trace_cache
@@ -223,7 +223,7 @@ class TailorBackend:
         """The graph as Dynamo captured it, with the reason the passes failed in the report; under
         a budget only if the graph as captured is predicted to fit it (else BudgetError)."""
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        why = f"{type(e).__name__}: {first}"
+        why = f"{type(e).__name__}: {first}{failure_site(e)}"
         self._check_captured_fits(gm, seq, idx, why, lowering)
         note = f"graph {idx}: passes failed, graph runs as captured (eager autograd, nothing rewritten): {why}"
         warnings.warn(note)

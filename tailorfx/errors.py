@@ -17,3 +17,21 @@ class BudgetError(ValueError):
 class PredictionError(RuntimeError):
     """The memory model cannot predict this step (not all of it was captured, or a graph's sizes
     do not follow the sequence length); the message says which and how to fix it."""
+
+
+def failure_site(e: BaseException) -> str:
+    """Where a failed trace stopped in the model's code or a library's (the innermost frame of the
+    traceback in neither torch nor tailorfx), and, when it read a tensor's values, that no trace
+    can follow that; '' when every frame is torch's or tailorfx's."""
+    import pathlib
+    import traceback
+
+    import torch
+    ours = (str(pathlib.Path(torch.nn.__file__).parents[1]), str(pathlib.Path(__file__).parent))
+    site = next((f for f in reversed(traceback.extract_tb(e.__traceback__)) if not f.filename.startswith(ours)), None)
+    if site is None:
+        return ""
+    where = f" at {site.filename.split('site-packages/')[-1]}:{site.lineno} ({site.name})"
+    if type(e).__name__ in ("DataDependentOutputException", "GuardOnDataDependentSymNode"):
+        where += ", which reads a tensor's values (.item(), .tolist()): no trace can follow it"
+    return where

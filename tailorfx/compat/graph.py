@@ -86,6 +86,8 @@ def flex_attention_role(t) -> Optional[str]:
 def op_qualified_name(t) -> Optional[str]:
     """'transformers::grouped_mm_fallback' for a custom op (packet or overload) in a graph; None
     for other targets."""
-    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if isinstance(t, torch._ops.OpOverload):    # a custom op called through its CustomOpDef, or .default
+        return t._schema.name
+    if isinstance(t, torch._ops.OpOverloadPacket):
         return t._qualified_op_name
     return None

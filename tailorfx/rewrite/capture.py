@@ -217,8 +217,10 @@ def with_eager_grouped_mm(gm: fx.GraphModule) -> fx.GraphModule:
         return gm
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     for n in out.graph.nodes:
-        if n.name in hits:
+        if n.name in hits:     # grouped_mm takes offs by keyword only
             n.target = grouped_mm
+            if len(n.args) > 2:
+                n.args, n.kwargs = n.args[:2], {**n.kwargs, "offs": n.args[2]}
     out.recompile()
     return out
 

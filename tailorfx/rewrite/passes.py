@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch.fx as fx
 
+from tailorfx.errors import failure_site
 from tailorfx.rewrite.capture import OWNED, SeqInfo, cast_value, clone, node_value, own, owned  # noqa: F401  (re-exported)
 from tailorfx.rewrite.capture import autocast_state, under_autocast
 from tailorfx.rewrite.regions import RegionMap
@@ -66,7 +67,7 @@ class LazyPeak:
                 with under_autocast(self._autocast):
                     self._value = self._predict(self._gm)
             except Exception as e:   # the report shows "-" for it; predict_memory() raises its own error
-                warnings.warn(f"cannot predict the peak of a rewritten graph: {type(e).__name__}: {e}")
+                warnings.warn(f"cannot predict the peak of a rewritten graph: {type(e).__name__}: {e}{failure_site(e)}")
         return self._value
 
 
