@@ -147,7 +147,7 @@ class TailorBackend:
         lowering = lowering_mod.resolve_lowering(self.options.lowering, example_inputs)
         with stage(f"graph {idx}: finding regions"):
             regions = find_regions(gm, seq)
-        notes: list[str] = []
+        notes: list[str] = [f"graph {idx}: {why}" for why in regions.left]
         try:
             ctx = PassContext(regions, seq, {}, idx)   # shared by the plans tried and the one run
             plan, warning = self._plan(gm, ctx, lowering, hinted)

@@ -79,6 +79,42 @@ def test_under_autocast_the_rewrites_compute_in_its_dtype_and_are_predicted(amp)
     assert abs(opt.predict_memory().dynamic_peak_bytes / measured - 1) <= 0.01
 
 
+class Fp32Mix(torch.nn.Module):
+    """A matmul with autocast turned off inside the model, as transformers 5.17's rotary embedding
+    turns it off: fp32 whatever the autocast around."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.register_buffer("w", torch.randn(width, width, generator=torch.Generator().manual_seed(3)) / width ** 0.5)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            return (x.float() @ self.w).to(x.dtype)
+
+
+def test_an_autocast_block_inside_the_model_is_rewritten_around_and_kept():
+    """Dynamo captures the block's entry and exit as calls whose value is the autocast context, not
+    a tensor: the passes' check refused them ("has no fake value"), and the graph ran as captured,
+    nothing rewritten. Each MLP's activation here has such a block: the attention is rewritten, and
+    each MLP is left as captured, with the reason in the report (chunked apart it ran its block under
+    the autocast around it: its logits 0.85x of fp32's distance from autocast eager's away); the
+    logits are autocast eager's."""
+    model, inputs = hf_llama(2), batch(2, 128)
+    for layer in model.model.layers:
+        layer.mlp.act_fn = torch.nn.Sequential(layer.mlp.act_fn, Fp32Mix(model.config.intermediate_size))
+    amp_loss, amp_logits, _ = step(Autocast(m := copy.deepcopy(model)), m, inputs)
+    _, fp32_logits, _ = step(m := copy.deepcopy(model), m, inputs)
+    kept = copy.deepcopy(model)
+    opt = tailorfx.optimize(kept, passes=["attention", "minisequence"], keep_logits=True)
+    loss, logits, _ = step(Autocast(opt), kept, inputs)
+    rec = opt.session.graphs[-1]
+    assert {r.name: r.changed for r in rec.records} == {"attention": True, "minisequence": False}, rec.warnings
+    left = [w for w in rec.warnings if "left as captured: part of it runs inside an autocast block" in w]
+    assert [w.split()[3] for w in left] == ["model.layers.0.mlp", "model.layers.1.mlp"], rec.warnings
+    assert rel(logits, amp_logits) <= 0.05 * rel(amp_logits, fp32_logits)
+    assert abs(loss - amp_loss).item() <= 2 ** -8 * amp_loss.item()
+
+
 def test_a_bf16_models_fused_loss_is_eagers_fp32_loss():
     """A model in bf16 (no autocast): HF's loss upcasts the logits (`logits.float()`), so eager's
     loss is fp32; the fused head's is too, not rounded to bf16 (up to 2^-9 off: 6.25 for 6.2398)."""

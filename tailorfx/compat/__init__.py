@@ -24,8 +24,8 @@ except ImportError:  # torch 2.11: AOTAutograd's own output stamp, `_dynamo_weak
         maybe_mark_dynamic_helper as mark_dynamo_propagated_dynamic_indices)
 
 from tailorfx.compat.graph import (  # noqa: F401
-    args_clearing_func, flex_attention_role, is_op_overload, op_argument, op_is_mutable, op_qualified_name,
-    op_returns_alias, op_short_name, tailorfx_op_name)
+    args_clearing_func, autocast_context_role, flex_attention_role, is_autocast_context, is_op_overload,
+    op_argument, op_is_mutable, op_qualified_name, op_returns_alias, op_short_name, tailorfx_op_name)
 from tailorfx.compat.dynamo import (  # noqa: F401
     FAKE_TENSOR_LOGGER, active_ddp, aot_without_cse, autograd_enabled, capture_config, compile_fx, compile_fx_inner,
     compiled_original, compile_apart, compile_isolation, compiled_no_frames, ddp_splits_graphs, dynamo_backend_failed,

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch.fx as fx
 
+from tailorfx import compat
 from tailorfx.errors import failure_site
 from tailorfx.rewrite.capture import OWNED, SeqInfo, cast_value, clone, node_value, own, owned  # noqa: F401  (re-exported)
 from tailorfx.rewrite.capture import autocast_state, under_autocast
@@ -144,7 +145,7 @@ def verify(gm: fx.GraphModule) -> None:
 
     - fx lint passes (topological order, no dangling uses, one output);
     - every computing node whose result is used has a fake value in meta["val"] or
-      meta["example_value"];
+      meta["example_value"] (but an autocast block's entry, whose value is its context);
     - every node a pass created names that pass in meta["tailorfx_pass"] (a non-empty str).
     """
     try:
@@ -153,7 +154,7 @@ def verify(gm: fx.GraphModule) -> None:
         raise VerifyError(f"graph lint failed: {e}") from e
     for n in gm.graph.nodes:
         if n.op in ("call_function", "call_method", "call_module") and n.users and \
-                node_value(n) is None:
+                node_value(n) is None and not compat.is_autocast_context(n.target):
             raise VerifyError(f"node {n.name} ({n.op} {n.target}) has no fake value in meta['val']")
         if PASS_META in n.meta and not (isinstance(n.meta[PASS_META], str) and n.meta[PASS_META]):
             raise VerifyError(f"node {n.name} has an empty or non-string meta['{PASS_META}']")

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from tailorfx import compat
 from tailorfx.rewrite import match
 from tailorfx.rewrite.capture import SeqInfo, node_value
 
@@ -46,6 +47,7 @@ class RegionMap:
     """All regions of one graph plus the per-node sequence classification."""
     regions: list[Region] = field(default_factory=list)
     node_class: dict[str, str] = field(default_factory=dict)
+    left: list[str] = field(default_factory=list)     # regions no pass may take, each with the reason
 
     def of_kind(self, kind: str) -> list[Region]:
         return [r for r in self.regions if r.kind == kind]
@@ -250,6 +252,7 @@ def find_regions(gm: fx.GraphModule, seq: SeqInfo) -> RegionMap:
     head = _lm_head_loss(nodes, cls, set(blocks))
     if head is not None:
         rmap.regions.append(head)
+    _leave_autocast_blocks(rmap, autocast_block_nodes(gm))
     order = {k: i for i, k in enumerate(KINDS)}
     rmap.regions.sort(key=lambda r: (order[r.kind], _path_key(r.path)))
     return rmap
@@ -264,6 +267,33 @@ class Segment:
     inputs: tuple[str, ...]        # tensors flowing in (activations, tables), not parameters
     params: tuple[str, ...]
     outputs: tuple[str, ...]       # nodes used outside the segment
+
+
+def autocast_block_nodes(gm: fx.GraphModule) -> frozenset[str]:
+    """Names of the nodes inside a `torch.autocast` block of the model's own forward, its entry and
+    exit included (Dynamo captures them as calls: the ops between run under that block's state)."""
+    inside, open_blocks = set(), []
+    for n in gm.graph.nodes:
+        role = compat.autocast_context_role(n.target) if n.op == "call_function" else None
+        if role == "enter":
+            open_blocks.append(n)
+        if open_blocks:
+            inside.add(n.name)
+        if role == "exit" and n.args and n.args[0] in open_blocks:
+            open_blocks.remove(n.args[0])
+    return frozenset(inside)
+
+
+def _leave_autocast_blocks(rmap: RegionMap, inside: frozenset[str]) -> None:
+    """Drop the regions (but blocks, which recompute reruns inside the graph) with a node inside an
+    autocast block: a region run apart, chunk by chunk or as a kernel, would leave the block's state
+    behind (its ops under the autocast around it)."""
+    if not inside:
+        return
+    for r in [r for r in rmap.regions if r.kind != "block" and inside.intersection(r.nodes)]:
+        rmap.regions.remove(r)
+        rmap.left.append(f"{r.kind} {r.path} left as captured: part of it runs inside an autocast block of the "
+                         f"model's own (torch.autocast in its forward), whose state a region run apart would lose")
 
 
 def token_segments(gm: fx.GraphModule, block: Region, cls: dict[str, str]) -> list[Segment]:
@@ -300,9 +330,10 @@ def token_segments(gm: fx.GraphModule, block: Region, cls: dict[str, str]) -> li
                 parent[n] = next(iter(owners))
                 groups[parent[n]].add(n)
     out = []
+    blocked = autocast_block_nodes(gm)
     for group in groups.values():
         seg = sorted(group, key=order.__getitem__)
-        if not _convex(seg, order):
+        if not _convex(seg, order) or blocked.intersection(n.name for n in seg):
             continue
         params, inputs = [], []
         for n in seg:
