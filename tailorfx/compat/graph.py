@@ -93,7 +93,6 @@ def op_qualified_name(t) -> Optional[str]:
     return None
 
 
-
 def autocast_context_role(t) -> Optional[str]:
     """'enter' or 'exit' for Dynamo's call entering or leaving a `torch.autocast` block inside the
     model (its value is the context, not a tensor: transformers 5.17's rotary embedding turns
