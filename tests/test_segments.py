@@ -78,7 +78,7 @@ def test_a_parallel_block_is_one_segment_before_attention():
     m = hf_family("falcon")
     c = capture_graphs(m, kwargs=batch(B=1, S=40))[0][0]
     rm = find_regions(c.gm, c.seq)
-    segs = [s for b in rm.of_kind("block") for s in token_segments(c.gm, b, rm.node_class)]
+    segs = [s for b in rm.of_kind("block") for s in token_segments(c.gm, b, rm)]
     first = [s for s in segs if len(s.outputs) >= 4]   # transformers 5.25: two more (keys, values)
     assert len(first) == 2, [(s.nodes[0], s.outputs) for s in segs]
 

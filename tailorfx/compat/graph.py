@@ -97,12 +97,15 @@ def autocast_context_role(t) -> Optional[str]:
     """'enter' or 'exit' for Dynamo's call entering or leaving a `torch.autocast` block inside the
     model (its value is the context, not a tensor: transformers 5.17's rotary embedding turns
     autocast off so); None for other targets."""
-    from torch.amp import autocast_mode
-    if t is getattr(autocast_mode, "_enter_autocast", None):
+    if t is _ENTER_AUTOCAST:
         return "enter"
-    return "exit" if t is getattr(autocast_mode, "_exit_autocast", None) else None
+    return "exit" if t is _EXIT_AUTOCAST else None
 
 
 def is_autocast_context(t) -> bool:
     """Whether `t` enters or leaves an autocast block (autocast_context_role)."""
     return autocast_context_role(t) is not None
+
+
+_ENTER_AUTOCAST = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
+_EXIT_AUTOCAST = getattr(torch.amp.autocast_mode, "_exit_autocast", None)

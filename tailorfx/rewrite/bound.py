@@ -113,7 +113,7 @@ def bound_shape(gm: fx.GraphModule, regions: RegionMap, seq: SeqInfo) -> Optiona
     else:         # eager attention: what crosses between the token-wise segments and the mixing ops
         attn = [r for r in regions.of_kind("attention") if r.path.startswith(last.path + ".")]
         mixing = {n for n in (attn[0].nodes if attn else last.nodes) if cls.get(n) == "mix"}
-        for seg in token_segments(gm, last, cls):
+        for seg in token_segments(gm, last, regions):
             attention += [node_value(nodes[o]) for o in seg.outputs if any(u.name in mixing for u in nodes[o].users)]
             attention += [node_value(nodes[i]) for i in seg.inputs if i in mixing and not is_param(nodes[i])]
     attention = [v for v in attention if isinstance(v, torch.Tensor) and len(seq.dims(v)) == 1]

@@ -48,6 +48,7 @@ class RegionMap:
     regions: list[Region] = field(default_factory=list)
     node_class: dict[str, str] = field(default_factory=dict)
     left: list[str] = field(default_factory=list)     # regions no pass may take, each with the reason
+    in_autocast_blocks: frozenset[str] = frozenset()  # nodes inside the model's own autocast blocks
 
     def of_kind(self, kind: str) -> list[Region]:
         return [r for r in self.regions if r.kind == kind]
@@ -231,7 +232,7 @@ def find_regions(gm: fx.GraphModule, seq: SeqInfo) -> RegionMap:
         if n.op in ("call_function", "call_method", "call_module"):
             for p in module_paths(n):
                 by_path[p].append(n)
-    rmap = RegionMap(node_class=cls)
+    rmap = RegionMap(node_class=cls, in_autocast_blocks=autocast_block_nodes(gm))
     blocks = _block_paths(nodes, cls)
     for b in blocks:
         members = by_path[b]
@@ -252,7 +253,7 @@ def find_regions(gm: fx.GraphModule, seq: SeqInfo) -> RegionMap:
     head = _lm_head_loss(nodes, cls, set(blocks))
     if head is not None:
         rmap.regions.append(head)
-    _leave_autocast_blocks(rmap, autocast_block_nodes(gm))
+    _leave_autocast_blocks(rmap)
     order = {k: i for i, k in enumerate(KINDS)}
     rmap.regions.sort(key=lambda r: (order[r.kind], _path_key(r.path)))
     return rmap
@@ -284,23 +285,24 @@ def autocast_block_nodes(gm: fx.GraphModule) -> frozenset[str]:
     return frozenset(inside)
 
 
-def _leave_autocast_blocks(rmap: RegionMap, inside: frozenset[str]) -> None:
+def _leave_autocast_blocks(rmap: RegionMap) -> None:
     """Drop the regions (but blocks, which recompute reruns inside the graph) with a node inside an
     autocast block: a region run apart, chunk by chunk or as a kernel, would leave the block's state
     behind (its ops under the autocast around it)."""
-    if not inside:
-        return
+    inside = rmap.in_autocast_blocks
     for r in [r for r in rmap.regions if r.kind != "block" and inside.intersection(r.nodes)]:
         rmap.regions.remove(r)
         rmap.left.append(f"{r.kind} {r.path} left as captured: part of it runs inside an autocast block of the "
                          f"model's own (torch.autocast in its forward), whose state a region run apart would lose")
 
 
-def token_segments(gm: fx.GraphModule, block: Region, cls: dict[str, str]) -> list[Segment]:
+def token_segments(gm: fx.GraphModule, block: Region, regions: RegionMap) -> list[Segment]:
     """The block's maximal token-wise segments. Nodes are grouped by how many position-mixing ops
     precede them inside the block (every path from a segment back into it would cross one), then
     by dataflow; ops that draw random numbers end a segment (a chunk recomputed in backward would
-    draw again). Sequence-free ops used only inside a segment (a constant's reshape) join it."""
+    draw again). Sequence-free ops used only inside a segment (a constant's reshape) join it. A
+    segment with a node inside an autocast block of the model's own is none (find_regions)."""
+    cls = regions.node_class
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     inside = set(block.nodes)
@@ -330,10 +332,9 @@ def token_segments(gm: fx.GraphModule, block: Region, cls: dict[str, str]) -> li
                 parent[n] = next(iter(owners))
                 groups[parent[n]].add(n)
     out = []
-    blocked = autocast_block_nodes(gm)
     for group in groups.values():
         seg = sorted(group, key=order.__getitem__)
-        if not _convex(seg, order) or blocked.intersection(n.name for n in seg):
+        if not _convex(seg, order) or regions.in_autocast_blocks.intersection(n.name for n in seg):
             continue
         params, inputs = [], []
         for n in seg:

@@ -57,7 +57,7 @@ class MiniSequence:
         done: list[Rewrite] = []
         skipped: list[str] = []
         for block in ctx.regions.of_kind("block") if self.segments else ():
-            for seg in token_segments(gm, block, ctx.regions.node_class):
+            for seg in token_segments(gm, block, ctx.regions):
                 why = rewrite_segment(gm, nodes, seg, ctx, chunking, done)
                 if why and not isinstance(why, TooSmall):   # a residual sum alone: nothing to save
                     skipped.append(f"{block.path} segment {seg.nodes[0]}..{seg.nodes[-1]}: {why}")
