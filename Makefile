@@ -36,7 +36,9 @@ SMOKE211 := tests/test_api.py tests/test_minisequence.py tests/test_recompute.py
 	tests/test_attention_pass.py::test_exact_matches_eager tests/test_trace_cache.py \
 	tests/test_cli.py::test_plan_after_a_backward_in_the_process_finds_the_longest_sequence \
 	tests/test_parallel.py::test_zero_bubble_is_refused_where_torchs_pipelining_loses_a_custom_ops_backward \
-	tests/test_passes.py::test_optimized_modules_leave_no_regions_behind
+	tests/test_passes.py::test_optimized_modules_leave_no_regions_behind \
+	tests/test_parallel_memory.py::test_a_tp_rank_of_a_model_without_a_kv_cache_is_predicted_as_it_runs \
+	tests/test_parallel_memory.py::test_a_tp_rank_whose_logits_get_no_gradient_is_predicted_as_it_runs
 # and every kernel compiled with ptxas under its Triton (3.6: the GPU machines'), which allocates
 # registers otherwise than 3.9 does (its interpreter fails on numpy 2.4: kernels do not run here);
 # those marked ptxas run here only (make test-slow leaves them: minutes of ptxas a second time)

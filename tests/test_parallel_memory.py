@@ -418,23 +418,51 @@ def test_tp_rank_prediction_holds_at_fine_chunks(tmp_path):
 def test_a_tp_rank_of_a_model_without_a_kv_cache_is_predicted_as_it_runs(tmp_path):
     """tp=2 on torch's fake process group (a process of its own): Llama whose config says
     use_cache=False (the paper table's Llama-3-8B, many training configs), at 512 tokens, alone
-    (the sharded model's own graph) and with its MLPs in 2 chunks. Without a KV cache transformers
-    reads position_ids for packed rows, so its traced forward builds an S x S causal mask its eager
-    forward drops for an unpacked batch (torch 2.11's Dynamo has it build one whatever the config):
-    the predictions counted it, +34% and +71% over the measured peaks here."""
+    (the sharded model's own graph), with its MLPs in 2 chunks and with each block recomputed. Without
+    a KV cache transformers reads position_ids for packed rows, so its traced forward builds an S x S
+    causal mask its eager forward drops for an unpacked batch (torch 2.11's Dynamo has it build one
+    whatever the config): the predictions counted it, +34% and +71% over the measured peaks here.
+    The logits the step returns hold the head's input (their linear's, whose backward never runs:
+    the fused loss reads that input): torch 2.11's trace dropped it, -2.1% and -3.1% there
+    (make test-torch211 runs this test)."""
     import json
     import os
     import subprocess
     import sys
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist", "fake_tp_check.py")
     out = tmp_path / "rows.json"
-    run = subprocess.run([sys.executable, script, str(out), "llama", "512", "2", "-,minisequence", "nocache"],
+    run = subprocess.run([sys.executable, script, str(out), "llama", "512", "2", "-,minisequence,recompute", "nocache"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert [r["passes"] for r in rows] == [[], ["minisequence"]]
+    assert [r["passes"] for r in rows] == [[], ["minisequence"], ["recompute"]]
     for r in rows:
         assert ("2 chunk(s)" in r["report"]) == ("minisequence" in r["passes"]), r["report"]   # chunked as asked
+        assert (r["report"].count("recompute: activation checkpointing") == 2) == ("recompute" in r["passes"]), r["report"]
+        assert -0.02 <= (r["predicted"] - r["measured"]) / r["measured"] <= 0.03, r
+
+
+def test_a_tp_rank_whose_logits_get_no_gradient_is_predicted_as_it_runs(tmp_path):
+    """tp=2 on torch's fake process group: Gemma-2 with its own head, split over the vocabulary and
+    soft-capped, its loss fused with it (it reads the head's input), alone and with each block
+    recomputed. The logits the step returns get no gradient: eager autograd never runs their
+    backward, and their graph keeps the head's input while the caller holds them. Torch 2.11's
+    trace plans that backward (the walk made its logits-sized tensors: +28.6%), 2.13's returns the
+    logits before the loss (the head's input was not kept: -3.1%)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist", "fake_tp_check.py")
+    out = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, script, str(out), "gemma2", "128", "2", "-,recompute", "untied"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["passes"] for r in rows] == [[], ["recompute"]]
+    for r in rows:
+        assert "colwise_vocab_parallel; loss fused with it" in r["report"], r["report"]   # the fused head ran
+        assert (r["report"].count("recompute: activation checkpointing") == 2) == ("recompute" in r["passes"]), r["report"]
         assert -0.02 <= (r["predicted"] - r["measured"]) / r["measured"] <= 0.03, r
 
 

@@ -102,7 +102,7 @@ from tailorfx.parallel.profile import Point, profile
 from tailorfx.parallel.shard import VocabHead
 from tailorfx.parallel.spec import ParallelSpec, describe_layout, runs_chain
 from tailorfx.parallel.stages import block_costs, stage_blocks
-from tailorfx.parallel.trace import RankCapture, capture_rank, param_dtype
+from tailorfx.parallel.trace import RankCapture, capture_rank, hold_what_outputs_save, param_dtype
 from tailorfx.passes.attention.rules import drop_causal_sdpa_masks
 from tailorfx.rewrite import memory
 from tailorfx.rewrite.capture import seq_info
@@ -407,7 +407,7 @@ class RankPrediction:
         try:
             with scope():
                 gm, _, _ = capture_static(model, self.example)
-                gm = drop_causal_sdpa_masks(gm)    # the mask a trace builds and the eager rank skips (trace.py)
+                gm = hold_what_outputs_save(drop_causal_sdpa_masks(gm))    # as the eager rank runs (trace.py)
                 return planner.predict_graphs([(gm, "dynamo", None)], [seq_info(gm, None)], None, setup)
         finally:
             if self.head is not None and self.head.fused is not None:    # the capture's run left the head's tensors in the hook

@@ -205,7 +205,61 @@ def _capture_on(src, *, tp, rows, seq, head, vocab_loss, dtype, mesh, passes, op
     # (apply.apply_chain, apply_pipeline)
     gm = drop_causal_sdpa_masks(gm)
     # outside the model's fake mode, as AOTAutograd: the graph's values are Dynamo's fake tensors
-    return _traced(loss_only(gm) if cut == "chain" else gm, local, passes, scope, options, modules=not cut)
+    gm = loss_only(gm) if cut == "chain" else gm if cut else hold_what_outputs_save(gm)
+    return _traced(gm, local, passes, scope, options, modules=not cut)
+
+
+def _made_from_local(n: fx.Node) -> bool:
+    """`n` is DTensor.from_local of its first argument (a plain tensor, the DTensor's local one)."""
+    from torch.distributed.tensor import DTensor
+    a = n.args[0] if n.args else None
+    return (isinstance(node_value(n), DTensor) and isinstance(a, fx.Node)
+            and type(node_value(a)) is not DTensor and isinstance(node_value(a), torch.Tensor)
+            and getattr(n.target, "__name__", "").endswith("from_local"))
+
+
+_SAVES_INPUTS = (torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm)
+
+
+def hold_what_outputs_save(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` (a rank's step as Dynamo captured it) returning also what the autograd graphs of its
+    outputs besides the loss hold for a backward no gradient reaches: the inputs of the matmuls
+    only those outputs read (the vocab-parallel head's logits, where the fused loss reads the head's
+    input: their linear's saved input lives while the caller holds them, 1 hidden state). Torch
+    2.13's trace returns that input with the logits; 2.11's does not, and its rank was predicted
+    one hidden state short. Unchanged without one 0-dim output with a gradient (the loss)."""
+    out = gm.graph.find_nodes(op="output")[0]
+    outs = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    graded = [o for o in outs if isinstance(o, fx.Node) and getattr(node_value(o), "requires_grad", False)]
+    losses = [o for o in graded if node_value(o).dim() == 0]
+    if len(losses) != 1:
+        return gm
+    loss = losses[0]
+    on_loss, stack = set(), [loss]
+    while stack:
+        n = stack.pop()
+        if n not in on_loss:
+            on_loss.add(n)
+            stack.extend(n.all_input_nodes)
+    held, seen = [], set(on_loss)
+    stack = [o for o in graded if o is not loss]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target in _SAVES_INPUTS:
+            for a in n.all_input_nodes:
+                if _made_from_local(a):
+                    a = a.args[0]
+                if a in on_loss and a.op == "call_function" and a not in held:
+                    held.append(a)
+        stack.extend(n.all_input_nodes)
+    if not held:
+        return gm
+    out.args = (tuple(outs) + tuple(held),)
+    gm.recompile()
+    return gm
 
 
 def local_params(model: nn.Module) -> dict[str, tuple]:

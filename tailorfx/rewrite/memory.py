@@ -22,7 +22,7 @@ from tailorfx import compat
 from tailorfx.rewrite import depth as depth_mod
 from tailorfx.rewrite.capture import SeqInfo, node_value
 from tailorfx.rewrite.memory_estimate import MemoryEstimate, Timeline
-from tailorfx.rewrite.memory_graph import Pool, eager_last_uses, placeholders, run_graph, run_schedule
+from tailorfx.rewrite.memory_graph import Pool, eager_last_uses, never_run, placeholders, run_graph, run_schedule
 from tailorfx.rewrite.optimizer_step import is_step, storage_root
 from tailorfx.rewrite.trace import (Sizer, StepGraphs, fake_inputs, graph_outputs, make_step,  # noqa: F401
                                     trace_step, trainable_inputs)
@@ -105,7 +105,7 @@ def simulate_step(steps: Sequence[StepGraphs], seq: Optional[SeqInfo] = None,
         pending.append((k, st, saved, user))
     for k, st, saved, user in reversed(pending):
         if st.bw is not None:
-            grad_bytes += _backward(pool, st, k, saved, sizer, setup)
+            grad_bytes += _backward(pool, st, k, saved, sizer, setup, user)
             if not keep_outputs:
                 for sid in user:
                     pool.release(sid, ("user", k))
@@ -184,16 +184,29 @@ def _forward(pool: Pool, st: StepGraphs, k: int, sizer: Sizer, setup: TrainingSe
     return saved, user
 
 
-def _backward(pool: Pool, st: StepGraphs, k: int, saved: dict, sizer: Sizer, setup: TrainingSetup) -> int:
+def _backward(pool: Pool, st: StepGraphs, k: int, saved: dict, sizer: Sizer, setup: TrainingSetup,
+              user: list) -> int:
     """Run one backward graph and hand its gradients to autograd and the setup; returns the
-    bytes of gradients that stay (see _accumulate)."""
-    env = {}
+    bytes of gradients that stay (see _accumulate). `user`: the held outputs' storages, to which
+    what only nodes that never run saved is added (the outputs' autograd graphs keep it)."""
+    env, absent = {}, set()
     for n in placeholders(st.bw):
         if n.name in saved:
             env[n.name] = saved[n.name]
         elif n.name.startswith("tangents") and isinstance(node_value(n), torch.Tensor):
             t = node_value(n)
-            env[n.name] = [] if st.loss_tangent_only and t.dim() > 0 else [pool.alloc(sizer(t), ("tangent", k))]
+            if st.loss_tangent_only and t.dim() > 0:
+                env[n.name] = []
+                absent.add(n.name)
+            else:
+                env[n.name] = [pool.alloc(sizer(t), ("tangent", k))]
+
+    skipped = never_run(st.bw, absent) if absent else None
+    for n in placeholders(st.bw) if skipped and user else ():
+        if n.name in saved and n.users and all(u in skipped for u in n.users):
+            for sid in saved[n.name]:
+                pool.hold(sid, ("user", k))
+                user.append(sid)
 
     def release_saved():
         for name, sids in saved.items():
@@ -216,7 +229,8 @@ def _backward(pool: Pool, st: StepGraphs, k: int, saved: dict, sizer: Sizer, set
                              dropped=dropped)
     else:
         grads = run_graph(st.bw, pool, env, sizer, f"backward[{k}]", setup, _grad_nodes(st.bw),
-                          release_saved, consumed, eager_last_uses(st.bw, st.checkpoint_args_held) if eager else None)
+                          release_saved, consumed, eager_last_uses(st.bw, st.checkpoint_args_held) if eager else None,
+                          skipped)
     for n in placeholders(st.bw):
         for sid in env.get(n.name, []):
             pool.release(sid, ("tangent", k))

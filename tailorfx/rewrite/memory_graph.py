@@ -220,14 +220,45 @@ def eager_last_uses(g: fx.GraphModule, checkpoint_args: bool = False) -> dict[fx
     return ends
 
 
+_ADDS = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
+
+
+def never_run(bw: fx.GraphModule, absent: set) -> dict[fx.Node, Optional[fx.Node]]:
+    """The nodes of a backward that eager autograd never runs when the tangents named in `absent`
+    get no gradient (outputs other than the loss): node -> None where every gradient it reads is
+    absent, or -> the one gradient an add sums an absent one with (autograd passes that one on, no
+    sum made). A node that reads an absent and a present gradient otherwise runs (on zeros)."""
+    flows, out = set(), {}
+    for n in bw.graph.nodes:
+        if n.op == "placeholder":
+            if n.name.startswith("tangents"):
+                flows.add(n)
+                if n.name in absent:
+                    out[n] = None
+            continue
+        grads = [a for a in n.all_input_nodes if a in flows]
+        if not grads or n.op != "call_function":
+            continue
+        flows.add(n)
+        present = [a for a in grads if a not in out or out[a] is not None]
+        if not present:
+            out[n] = None
+        elif n.target in _ADDS and len(grads) == 2 and len(present) == 1:
+            out[n] = out.get(present[0], present[0])
+    return {n: a for n, a in out.items() if n.op != "placeholder"}
+
+
 def run_graph(g: fx.GraphModule, pool: Pool, env: dict, sizer: Sizer, phase: str, setup: TrainingSetup,
               grad_nodes: frozenset = frozenset(), inputs_held: Optional[Callable[[], None]] = None,
-              grads_consumed: bool = False, last_use: Optional[dict[fx.Node, int]] = None) -> list:
+              grads_consumed: bool = False, last_use: Optional[dict[fx.Node, int]] = None,
+              skipped: Optional[dict] = None) -> list:
     """Simulate one graph. `env` maps placeholder names to storage-id lists (pre-existing values);
     values of `grad_nodes` are counted as gradients; `inputs_held` runs once the graph holds its
     inputs (each then lives until its last use in the graph, or the index `last_use` gives,
     unless held elsewhere); `grads_consumed`: each gradient is consumed as it is made (eager
-    autograd adding it into an accumulated .grad), not returned with the others."""
+    autograd adding it into an accumulated .grad), not returned with the others; `skipped`: nodes
+    that make nothing (never_run), each with no value or the value it passes on."""
+    skipped = skipped or {}
     nodes = list(g.graph.nodes)
     forward = phase.startswith("forward")
     index = {n: i for i, n in enumerate(nodes)}
@@ -250,7 +281,9 @@ def run_graph(g: fx.GraphModule, pool: Pool, env: dict, sizer: Sizer, phase: str
         if n.op == "output":
             break
         val = node_value(n)
-        if n.op == "call_function" and n.target.__name__ == "getitem" and isinstance(n.args[0], fx.Node):
+        if n in skipped:
+            held[n] = list(held.get(skipped[n], [])) if skipped[n] is not None else []
+        elif n.op == "call_function" and n.target.__name__ == "getitem" and isinstance(n.args[0], fx.Node):
             parent = held.get(n.args[0], [])
             k = n.args[1]
             held[n] = [parent[k]] if isinstance(k, int) and k < len(parent) else list(parent)
