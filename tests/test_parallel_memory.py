@@ -398,21 +398,26 @@ def test_tp_rank_prediction_holds_at_fine_chunks(tmp_path):
     an autograd node's inputs and a short formula's temporaries live until it returns, no gradient
     for the fused head's input (were +3.2% with 8 chunks, -2.7% with the chunks alone, and
     recompute alone -3.0% at 256 tokens once that gradient was dropped)."""
+    rows = _fake_tp_rows(tmp_path, "llama", "2048", "8", "minisequence+recompute,minisequence,recompute")
+    assert [r["passes"] for r in rows] == [["minisequence", "recompute"], ["minisequence"], ["recompute"]]
+    for r in rows:
+        assert ("8 chunk(s)" in r["report"]) == ("minisequence" in r["passes"]), r["report"]   # chunked as asked
+        assert -0.02 <= (r["predicted"] - r["measured"]) / r["measured"] <= 0.03, r
+    assert rows[0]["measured"] < min(rows[1]["measured"], rows[2]["measured"])    # both rewrites took effect
+
+
+def _fake_tp_rows(tmp_path, *args: str) -> list[dict]:
+    """The rows tests/dist/fake_tp_check.py writes for `args` (after its output path), run in a
+    process of its own."""
     import json
     import os
     import subprocess
     import sys
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist", "fake_tp_check.py")
     out = tmp_path / "rows.json"
-    run = subprocess.run([sys.executable, script, str(out), "llama", "2048", "8",
-                          "minisequence+recompute,minisequence,recompute"], capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, script, str(out), *args], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    rows = json.loads(out.read_text())
-    assert [r["passes"] for r in rows] == [["minisequence", "recompute"], ["minisequence"], ["recompute"]]
-    for r in rows:
-        assert ("8 chunk(s)" in r["report"]) == ("minisequence" in r["passes"]), r["report"]   # chunked as asked
-        assert -0.02 <= (r["predicted"] - r["measured"]) / r["measured"] <= 0.03, r
-    assert rows[0]["measured"] < min(rows[1]["measured"], rows[2]["measured"])    # both rewrites took effect
+    return json.loads(out.read_text())
 
 
 def test_a_tp_rank_of_a_model_without_a_kv_cache_is_predicted_as_it_runs(tmp_path):
@@ -425,16 +430,7 @@ def test_a_tp_rank_of_a_model_without_a_kv_cache_is_predicted_as_it_runs(tmp_pat
     The logits the step returns hold the head's input (their linear's, whose backward never runs:
     the fused loss reads that input): torch 2.11's trace dropped it, -2.1% and -3.1% there
     (make test-torch211 runs this test)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist", "fake_tp_check.py")
-    out = tmp_path / "rows.json"
-    run = subprocess.run([sys.executable, script, str(out), "llama", "512", "2", "-,minisequence,recompute", "nocache"],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    rows = _fake_tp_rows(tmp_path, "llama", "512", "2", "-,minisequence,recompute", "nocache")
     assert [r["passes"] for r in rows] == [[], ["minisequence"], ["recompute"]]
     for r in rows:
         assert ("2 chunk(s)" in r["report"]) == ("minisequence" in r["passes"]), r["report"]   # chunked as asked
@@ -449,16 +445,7 @@ def test_a_tp_rank_whose_logits_get_no_gradient_is_predicted_as_it_runs(tmp_path
     backward, and their graph keeps the head's input while the caller holds them. Torch 2.11's
     trace plans that backward (the walk made its logits-sized tensors: +28.6%), 2.13's returns the
     logits before the loss (the head's input was not kept: -3.1%)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist", "fake_tp_check.py")
-    out = tmp_path / "rows.json"
-    run = subprocess.run([sys.executable, script, str(out), "gemma2", "128", "2", "-,recompute", "untied"],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    rows = _fake_tp_rows(tmp_path, "gemma2", "128", "2", "-,recompute", "untied")
     assert [r["passes"] for r in rows] == [[], ["recompute"]]
     for r in rows:
         assert "colwise_vocab_parallel; loss fused with it" in r["report"], r["report"]   # the fused head ran
