@@ -434,7 +434,8 @@ def test_a_tp_rank_of_a_model_without_a_kv_cache_is_predicted_as_it_runs(tmp_pat
     assert [r["passes"] for r in rows] == [[], ["minisequence"], ["recompute"]]
     for r in rows:
         assert ("2 chunk(s)" in r["report"]) == ("minisequence" in r["passes"]), r["report"]   # chunked as asked
-        assert (r["report"].count("recompute: activation checkpointing") == 2) == ("recompute" in r["passes"]), r["report"]
+        checkpointed = r["report"].count("recompute: activation checkpointing")   # both blocks, as asked
+        assert (checkpointed == 2) == ("recompute" in r["passes"]), r["report"]
         assert -0.02 <= (r["predicted"] - r["measured"]) / r["measured"] <= 0.03, r
 
 
@@ -449,7 +450,8 @@ def test_a_tp_rank_whose_logits_get_no_gradient_is_predicted_as_it_runs(tmp_path
     assert [r["passes"] for r in rows] == [[], ["recompute"]]
     for r in rows:
         assert "colwise_vocab_parallel; loss fused with it" in r["report"], r["report"]   # the fused head ran
-        assert (r["report"].count("recompute: activation checkpointing") == 2) == ("recompute" in r["passes"]), r["report"]
+        checkpointed = r["report"].count("recompute: activation checkpointing")   # both blocks, as asked
+        assert (checkpointed == 2) == ("recompute" in r["passes"]), r["report"]
         assert -0.02 <= (r["predicted"] - r["measured"]) / r["measured"] <= 0.03, r
 
 
