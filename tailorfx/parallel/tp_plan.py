@@ -212,7 +212,7 @@ class _Propagation:
         if not param_only(a):
             return self._stop(f"{n.name} combines the sharded features with {a.name}, a replicated activation "
                               f"whose gradient would be partial on each rank")
-        for p in _ancestors(a):
+        for p in match.inputs_closure([a]):
             pv = node_value(p)
             if p.op == "placeholder" and isinstance(pv, torch.Tensor) and pv.requires_grad:
                 self.group.params[p] = dim
@@ -263,18 +263,7 @@ def _back_to_linears(n: fx.Node, linears: dict) -> list[fx.Node]:
 
 def param_only(n: fx.Node) -> bool:
     """`n` is computed from parameters and constants alone (`1 + weight`)."""
-    return all(is_param(x) for x in _ancestors(n) if x.op == "placeholder")
-
-
-def _ancestors(n: fx.Node) -> list[fx.Node]:
-    out, todo, seen = [], [n], set()
-    while todo:
-        x = todo.pop()
-        if x not in seen:
-            seen.add(x)
-            out.append(x)
-            todo.extend(x.all_input_nodes)
-    return out
+    return all(is_param(x) for x in match.inputs_closure([n]) if x.op == "placeholder")
 
 
 def _source_linear(n: fx.Node, linears: dict) -> Optional[fx.Node]:

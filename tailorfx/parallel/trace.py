@@ -35,7 +35,7 @@ from tailorfx.parallel.stages import StageCosts, block_costs
 from tailorfx.parallel.recompute_order import recompute_first
 from tailorfx.parallel.tp_plan import TPPlan
 from tailorfx.passes.attention.rules import drop_causal_sdpa_masks
-from tailorfx.rewrite import memory
+from tailorfx.rewrite import match, memory
 from tailorfx.rewrite.capture import isolated_captures, node_value, seq_info
 from tailorfx.rewrite.regions import find_regions, is_param, param_source, stack_paths
 from tailorfx.runtime.accumulation import model_device
@@ -235,12 +235,7 @@ def hold_what_outputs_save(gm: fx.GraphModule) -> fx.GraphModule:
     if len(losses) != 1:
         return gm
     loss = losses[0]
-    on_loss, stack = set(), [loss]
-    while stack:
-        n = stack.pop()
-        if n not in on_loss:
-            on_loss.add(n)
-            stack.extend(n.all_input_nodes)
+    on_loss = match.inputs_closure([loss])
     held, seen = [], set(on_loss)
     stack = [o for o in graded if o is not loss]
     while stack:

@@ -130,6 +130,18 @@ def users_closure(starts: Iterable[fx.Node]) -> list[fx.Node]:
     return sorted(seen, key=order.__getitem__)
 
 
+def inputs_closure(starts: Iterable[fx.Node]) -> set[fx.Node]:
+    """`starts` and every node they are computed from, back to the graph's inputs."""
+    seen: set[fx.Node] = set()
+    stack = list(starts)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
 def is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
