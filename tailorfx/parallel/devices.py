@@ -44,7 +44,7 @@ class DeviceClass:
 
 # Datasheet figures times the fraction training sustains. Hopper's, measured on an H200 (Llama-3-8B,
 # 2026-12-04, its kernels profiled by kind; benchmarks/steptime_gpu.py fits them on one row and holds
-# the others out): bf16 matmuls at 75% of peak, flash attention's forward and backward at 52%, the
+# the others out): bf16 matmuls at 75% of peak, SDPA's attention (cuDNN's sm90 kernels) at 52%, the
 # other ops (with the optimizer's) at 63% of the memory bandwidth; the H100 shares the H200's compute
 # and is taken at the same fractions of its own datasheet. The A100's are assumed (matmuls at 45%,
 # FlashAttention-2's published 50%, memory at 80%). Collectives at NCCL's bus bandwidth on 8-GPU
