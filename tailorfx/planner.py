@@ -7,7 +7,6 @@ memory model, and keeps the plan that fits with the least recomputed FLOPs."""
 from __future__ import annotations
 
 import graphlib
-import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
@@ -16,11 +15,11 @@ import torch.fx as fx
 
 from tailorfx import passes as pass_registry
 from tailorfx.attention import Exact
-from tailorfx.budget import format_bytes
 from tailorfx.errors import BudgetError
 from tailorfx.codegen.lower import partition_for
 from tailorfx.passes.attention import grouped_query
-from tailorfx.progress import progress
+from tailorfx.plan_search import (HEADROOM, Candidate, Evaluate, last_resort, ladders, recomputes_nothing,  # noqa: F401
+                                  search, usable, with_result)
 from tailorfx.rewrite import cost, memory
 from tailorfx.rewrite.capture import SeqInfo, graph_device
 from tailorfx.rewrite.trace_cache import traced_step
@@ -28,30 +27,8 @@ from tailorfx.rewrite.passes import PassContext
 from tailorfx.rewrite.regions import RegionMap
 from tailorfx.setup import TrainingSetup
 
-# A plan fits when its predicted peak is within the budget less this headroom: predictions with
-# recompute tags were measured up to ~3.6% under the allocator's peak (the min-cut partitioner's
-# choices); without them they are exact to the byte.
-HEADROOM = 0.04
 # the blocks of the last-resort candidate's attention backward: its accumulator 1/16th, ~3% slower
 ATTENTION_BACKWARD_BLOCKS = 16
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One plan the planner considered, with what the memory and cost models said of it."""
-    label: str
-    passes: tuple[str, ...]
-    options: tuple = ()               # extra (key, value) pass options
-    peak: Optional[int] = None        # predicted peak of one step (params, grads, optimizer, activations)
-    added_flops: Optional[int] = None  # forward FLOPs rerun in backward
-    fits: Optional[bool] = None
-
-    def __str__(self) -> str:
-        from tailorfx.rewrite.cost import fmt_flops
-        peak = format_bytes(self.peak) if self.peak is not None else "-"
-        flops = fmt_flops(self.added_flops) if self.added_flops is not None else "-"
-        return f"{self.label}: peak {peak}, recompute {flops}" + ("" if self.fits is None else
-                                                                     (" (fits)" if self.fits else " (over)"))
 
 
 @dataclass(frozen=True)
@@ -169,101 +146,6 @@ def budget_candidates(base: Plan, num_blocks: int, has_head: bool = False, cpu: 
         out = [replace(c, label=f"{c.label}, checkpoints offloaded to host") if "recompute" in c.passes else c
                for c in out]
     return out
-
-
-def last_resort(c: Candidate) -> bool:
-    """Tried only when no other candidate fits: it costs speed the FLOP count does not show."""
-    spec = dict(c.options).get("attention")
-    return (isinstance(spec, Exact) and spec.backward_blocks > 1) or dict(c.options).get("offload") is not None
-
-
-Evaluate = Callable[[Candidate], tuple[Candidate, object]]
-
-
-def search(candidates: list[Candidate], evaluate: Evaluate, budget: int, budget_label: str,
-           breakdown: Callable[[object], dict], allocator_headroom: float = 0.0, hint: Optional[str] = None
-           ) -> tuple[Candidate, object, list[Candidate]]:
-    """The fitting candidate with the least recompute (then the fewest blocks offloaded); raises
-    BudgetError if none fits. The `hint`ed one (a label) is tried first and taken if it fits. Then
-    candidates that recompute nothing: when one fits, no plan that recomputes can beat it, and none
-    is traced. Each ladder of first-k-blocks candidates (peak falling as k grows) is bisected for its
-    smallest k that fits, from the earlier ladder's (log(blocks) traces); the others are all tried."""
-    last = [c for c in candidates if last_resort(c)]
-    ks = [c for c in candidates if isinstance(dict(c.options).get("recompute_blocks"), int)]
-    free = [c for c in candidates if c not in ks and c not in last and recomputes_nothing(c)]
-    head = [c for c in candidates if c not in ks and c not in free and c not in last]
-    total = len(free) + len(head) + sum(len(x).bit_length() for x in ladders(ks)) + len(last)
-    with progress(total=total, desc="planning", unit="plan") as bar:
-        done: dict[int, tuple[Candidate, object]] = {}   # the hint, when it does not fit, is not traced again
-
-        def tried(c: Candidate) -> tuple[Candidate, object]:
-            if id(c) not in done:
-                bar.set_postfix_str(c.label, refresh=False)
-                done[id(c)] = evaluate(c)
-                bar.update(1)
-            return done[id(c)]
-        if (hinted := next((tried(c) for c in candidates if c.label == hint), None)) and hinted[0].fits:
-            return hinted[0], hinted[1], []
-        seen: list[tuple[Candidate, object]] = [tried(c) for c in free]
-        if any(c.fits for c, _ in seen):
-            head, ks = [], []
-        seen += [tried(c) for c in head]
-        floor = 0
-        for ladder in ladders(ks):   # a later ladder saves more a block: its smallest k is at least the last's
-            lo, hi = floor, len(ladder) - 1
-            while lo <= hi:
-                mid = (lo + hi) // 2
-                c, payload = tried(ladder[mid])
-                seen.append((c, payload))
-                if c.fits:
-                    hi = mid - 1
-                else:
-                    lo = mid + 1
-            floor = lo
-        if not any(c.fits for c, _ in seen):
-            seen += [tried(c) for c in last]
-    fitting = [(c, p) for c, p in seen if c.fits]
-    if not fitting:
-        smallest, payload = min(seen, key=lambda cp: cp[0].peak)
-        parts = breakdown(payload)
-        dominant, detail = max(parts, key=parts.get), ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
-        suggested = math.ceil(smallest.peak / usable(1, allocator_headroom))
-        raise BudgetError(
-            f"budget {budget_label} cannot be met: the smallest peak any plan reaches is "
-            f"{format_bytes(smallest.peak)} ({smallest.label}; {detail}), dominated by {dominant}. Use a "
-            f"budget of at least {format_bytes(suggested)} (that peak plus {HEADROOM:.0%} headroom for prediction error"
-            + (f" and the setup's {allocator_headroom:.0%} allocator headroom" if allocator_headroom else "")
-            + "), or shrink what dominates (shorter sequences or smaller batches for activations; "
-            "a lighter TrainingSetup for weights, gradients and optimizer state: pure-bf16, "
-            "pure-bf16-fused-optimizer, 8-bit AdamW).", smallest.peak, dominant, suggested)
-    fitting.sort(key=lambda cp: (cp[0].added_flops, dict(cp[0].options).get("recompute_blocks") or 0, cp[0].peak))
-    chosen, payload = fitting[0]
-    others = sorted((c for c, _ in seen if c is not chosen), key=lambda c: (not c.fits, c.added_flops))
-    return chosen, payload, others
-
-
-def ladders(ks: list[Candidate]) -> list[list[Candidate]]:
-    """The first-k-blocks candidates by recompute policy, in order: each ladder's peak falls as k grows."""
-    out: dict = {}
-    for c in ks:
-        out.setdefault(dict(c.options).get("recompute_policy"), []).append(c)
-    return list(out.values())
-
-
-def recomputes_nothing(c: Candidate) -> bool:
-    """No pass of the candidate reruns forward work in backward: no recompute, and mini-sequence
-    (if any) fuses the LM head only (its gradient is taken in forward)."""
-    return "recompute" not in c.passes and ("minisequence" not in c.passes
-                                           or dict(c.options).get("minisequence_mlps") is False)
-
-
-def usable(budget: int, allocator_headroom: float = 0.0) -> float:
-    """The part of a budget plans may fill: less the setup's allocator headroom and HEADROOM."""
-    return budget * (1 - allocator_headroom) * (1 - HEADROOM)
-
-
-def with_result(c: Candidate, peak: int, flops: int, budget: int, allocator_headroom: float = 0.0) -> Candidate:
-    return replace(c, peak=peak, added_flops=flops, fits=peak <= usable(budget, allocator_headroom))
 
 
 # ---- prediction: the one place that runs the memory model on a graph --------------------------
@@ -403,9 +285,13 @@ def _predicted(c: Candidate, g: fx.GraphModule, seq: SeqInfo, lowering: str, set
                headroom: float) -> tuple[Candidate, memory.MemoryEstimate]:
     """`c` with the peak the memory model predicts for its rewritten graph `g` and the FLOPs it recomputes."""
     est = predict_graphs([(g, lowering, None)], [seq], setup=setup, captured=True)
-    flops = cost.recompute_flops(g, memory.Sizer(seq, seq.length or None).as_int,
-                                 seq.depth.weight if seq.depth is not None else None)
-    return with_result(c, est.peak_bytes, flops, budget, headroom), est
+    return with_result(c, est.peak_bytes, _recomputed(g, seq), budget, headroom), est
+
+
+def _recomputed(g: fx.GraphModule, seq: SeqInfo) -> int:
+    """The forward FLOPs a rewritten graph reruns in backward, at `seq` (its depth's blocks weighed)."""
+    return cost.recompute_flops(g, memory.Sizer(seq, seq.length or None).as_int,
+                                seq.depth.weight if seq.depth is not None else None)
 
 
 def _search_setup(gm, ctx: PassContext, cands: list[Candidate], opts: dict, setup, lowering: str, verify: bool,
@@ -416,17 +302,29 @@ def _search_setup(gm, ctx: PassContext, cands: list[Candidate], opts: dict, setu
     budget = opts["budget_bytes"]
     headroom = setup.headroom if setup else 0.0
 
-    def evaluate(c: Candidate):
+    def rewrite(c: Candidate):
         o, seq = _resolved(c, opts, ctx, setup)
         key = (c.passes, tuple((k, o[k]) for k in dict(c.options)))
         if key not in rewritten:
             rewritten[key] = run_plan(Plan(c.passes, o), gm, replace(ctx, options=o, seq=seq), verify)[0]
-        c, est = _predicted(c, rewritten[key], seq, lowering, setup, budget, headroom)
+        return rewritten[key], o, seq
+
+    def evaluate(c: Candidate):
+        g, o, seq = rewrite(c)
+        c, est = _predicted(c, g, seq, lowering, setup, budget, headroom)
         return c, (est, o)
+
+    counted: dict[str, int] = {}
+
+    def flops(c: Candidate) -> int:   # on the rewritten graph alone: no trace
+        if c.label not in counted:
+            g, _, seq = rewrite(c)
+            counted[c.label] = _recomputed(g, seq)
+        return counted[c.label]
 
     chosen, (est, o), others = search(cands, evaluate, budget, opts.get("budget_label", ""),
                                       lambda payload: payload[0].breakdown(), headroom,
-                                      opts["plan_hint"].label if opts.get("plan_hint") else None)
+                                      opts["plan_hint"].label if opts.get("plan_hint") else None, flops)
     faster = repeat_kv_variant(chosen, opts) if cpu and grouped_query(gm, ctx) else None
     if faster is not None:
         tried, (fest, fo) = evaluate(faster)

@@ -15,7 +15,7 @@ LAYERS = (
     ("rewrite",),
     ("passes",),
     ("codegen",),
-    ("planner", "options", "report"),
+    ("planner", "plan_search", "options", "report"),
     ("backend",),
     ("parallel", "trainers"),
     ("api", "sizing", "configs", "demo", "cli", "cli_args", ""),   # "" is the package itself (tailorfx/__init__.py)
@@ -77,7 +77,7 @@ def test_the_checker_names_an_upward_import(tmp_path):
     (pkg / "runtime" / "ops.py").write_text("def f():\n    from tailorfx.planner import search\n")   # up
     assert layer_violations(pkg) == [
         "tailorfx/runtime/ops.py imports tailorfx.planner: layer 3 (runtime/attention) may not import "
-        "layer 7 (planner/options/report)"]
+        "layer 7 (planner/plan_search/options/report)"]
 
 
 def test_only_compat_touches_private_torch_names():

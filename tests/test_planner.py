@@ -186,7 +186,7 @@ def test_a_hint_that_does_not_fit_is_traced_once():
     tracing it again, and still finds the plan that fits."""
     from dataclasses import replace
 
-    from tailorfx.planner import Plan, budget_candidates, search
+    from tailorfx.planner import Plan, budget_candidates, recomputes_nothing, search
     cands = budget_candidates(Plan(("attention",)), num_blocks=4, has_head=True)
     tried = []
 
@@ -225,14 +225,91 @@ def test_a_shallow_captures_plan_is_checked_on_the_trace_the_lowering_makes(monk
         monkeypatch.setattr(compat, "aot_module_simplified", real)
         return opt, len(traces)
     # before any search: its traces are kept by content (rewrite/trace_cache.py), and would serve the hint's
-    hinted, traces = planned(Hint("minisequence segments", False, "2 of 2", variant=True))
+    hinted, traces = planned(Hint("minisequence + full recompute but attention, 2/2 blocks", False, "2 of 2",
+                                  variant=True))
     over, over_traces = planned(Hint("minisequence", False, "2 of 2"))
     searched = over.plan[0]   # the hint dropped: the search's plan, every candidate traced
     assert "shallow capture" not in searched.reason and searched.chosen.fits, str(searched)
     assert "minisequence" in [c.label for c in searched.runners_up if not c.fits], str(searched)
     plan = hinted.plan[0]
-    assert searched.chosen.label == "minisequence segments + attention backward on repeated k, v", str(searched)
+    assert searched.chosen.label == "minisequence + full recompute but attention, 2/2 blocks + attention backward " \
+                                    "on repeated k, v", str(searched)
     assert traces == 1 and plan.chosen.label == searched.chosen.label and plan.chosen.fits, (traces, str(plan))
     assert (plan.chosen.peak, plan.chosen.added_flops) == (searched.chosen.peak, searched.chosen.added_flops)
     assert "chosen on a shallow capture of its config (2 of 2 blocks), checked on this graph" in plan.reason
     assert len(over.graph_records) == 1 and over_traces > 1
+
+
+def test_the_search_traces_no_plan_that_recomputes_more_than_one_that_fits_and_chooses_as_trying_all():
+    """With each candidate's recomputed FLOPs known before it is traced (counted on its rewritten
+    graph), no candidate recomputing more than a fitting one already evaluated is evaluated, and
+    the plan chosen is the one trying every candidate would choose. A ladder whose peak falls by the
+    same bytes a block is searched along the line through two rungs: at most four evaluations of
+    32 rungs, where halving takes five or six."""
+    import random
+    import re
+    from dataclasses import replace
+
+    from tailorfx.planner import Plan, budget_candidates, ladders, last_resort, search, usable
+    cands = budget_candidates(Plan(("attention",)), num_blocks=32, has_head=True)
+    rng = random.Random(0)
+    for case in range(40):
+        p0, s_full = rng.randrange(600, 1000), rng.randrange(5, 20)
+        s_but = rng.randrange(2, s_full)   # a block recomputed but its attention saves less
+        fixed = {c.label: (rng.randrange(p0, 2000), rng.randrange(0, 3)) for c in cands}
+        budget = rng.randrange(p0 - 31 * s_but, p0)
+        fits = lambda peak: peak <= usable(budget)   # noqa: E731  (as planner.with_result decides)
+
+        def model(c):   # (peak, FLOPs)
+            k = dict(c.options).get("recompute_blocks")
+            if isinstance(k, int):
+                full = dict(c.options)["recompute_policy"] == "full"
+                return p0 - (s_full if full else s_but) * k, (10 if full else 3) * k + 50
+            peak, rank = fixed[c.label]
+            if "recompute" not in c.passes:
+                return peak, 0
+            return (peak if rank else rng.randrange(300, 2 * p0)), 400 + 100 * rank
+        results = {c.label: model(c) for c in cands}
+        order = []
+
+        def evaluate(c):
+            peak, flops = results[c.label]
+            order.append((flops, fits(peak)))
+            return replace(c, peak=peak, added_flops=flops, fits=fits(peak)), None
+        try:
+            chosen = search(cands, evaluate, budget, "b", lambda _: {"activations": 1},
+                            flops=lambda c: results[c.label][1])[0]
+        except tailorfx.BudgetError:
+            chosen = None
+        fitting = sorted((f, dict(c.options).get("recompute_blocks") or 0, p, c.label) for c in cands
+                         for p, f in [results[c.label]] if fits(p) and not last_resort(c))
+        fitting = fitting or sorted((f, 0, p, c.label) for c in cands for p, f in [results[c.label]]
+                                    if fits(p) and last_resort(c))
+        assert (chosen.label if chosen else None) == (fitting[0][3] if fitting else None), case
+        for i, (f, _) in enumerate(order):
+            assert all(f <= g for g, ok in order[:i] if ok), (case, order)
+        ladder_evals = [t for t in order if t[0] >= 50 and t[0] < 400]
+        assert len(ladder_evals) <= 2 * 4, (case, len(ladder_evals))
+    assert len(ladders([c for c in cands if re.search(r"\d+/32", c.label)])) == 2
+
+
+def test_the_second_ladders_last_rung_is_tried_when_no_rung_of_the_first_fits():
+    """The second ladder (whole blocks but their attention) is searched from the first's smallest k
+    that fits, a block of the first saving more; where none of the first fits, the second's last
+    rung is still tried: at all blocks a whole block's recompute can peak higher (found on a 2-block
+    Llama, where the bisection fell back to a plan recomputing a third more)."""
+    from dataclasses import replace
+
+    from tailorfx.planner import Plan, budget_candidates, recomputes_nothing, search
+    cands = budget_candidates(Plan(("attention",)), num_blocks=4, has_head=True)
+    tried = []
+
+    def evaluate(c):
+        tried.append(c.label)
+        k = dict(c.options).get("recompute_blocks")
+        but = dict(c.options).get("recompute_policy") == "full-except-attention"
+        fits = (but and k == 4) or c.label == "minisequence segments"
+        flops = 3 * k if isinstance(k, int) else 0 if recomputes_nothing(c) else 99
+        return replace(c, peak=1 if fits else 10, fits=fits, added_flops=flops), None
+    chosen = search(cands, evaluate, 5, "5 B", lambda _: {"activations": 10})[0]
+    assert chosen.label == "minisequence + full recompute but attention, 4/4 blocks", (chosen.label, tried)
