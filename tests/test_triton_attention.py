@@ -362,6 +362,23 @@ def test_bigbird_tables_trace_as_constants(block):
     assert torch.equal(compiled(x), op(x))
 
 
+def test_bigbird_tables_go_to_the_device_once_per_pattern():
+    """An eager launch copies BigBird's block tables to the device once per (pattern, length,
+    tiles, device): the next launch gets the same device tensors, no copy (here the meta device,
+    where every `.to` makes a new tensor), equal to the host tables."""
+    spec = dict(_spec("bigbird", bigbird_block=8, causal=True, bwd_block_m=32, bwd_block_n=16).params)
+    params = fl.normalize_params("bigbird", (8, 1, 1, 1, 3))
+    for role in ("fwd", "dq", "dkdv"):
+        first = fl._mode_args(spec, params, True, 256, torch.device("meta"), role)
+        again = fl._mode_args(spec, params, True, 256, "meta", role)
+        tensors = [t for t in first if isinstance(t, torch.Tensor)]
+        assert len(tensors) == 3 and all(t.device.type == "meta" for t in tensors), first
+        assert all(a is b for a, b in zip(tensors, (t for t in again if isinstance(t, torch.Tensor)))), role
+        host = fl._mode_args(spec, params, True, 256, torch.device("cpu"), role)
+        assert [t.shape for t in tensors] == [t.shape for t in host if isinstance(t, torch.Tensor)]
+        assert first[2] == host[2] and first[4] == host[4], (first, host)
+
+
 _TABLE_OPS: dict = {}
 
 

@@ -178,14 +178,17 @@ def _check(q, k, v, document_ids):
         raise ValueError(f"flash_attention: document_ids must be (B, S) = {(q.shape[0], q.shape[2])}")
 
 
-def _on_device(table, device):
-    """A host-built table on the launch's device. Inside a trace (Inductor tracing the triton_op
-    on fake tensors) a real tensor cannot be copied: there it is built from its values, a constant
-    of the traced graph."""
+@functools.lru_cache(maxsize=64)
+def _device_tables(key: tuple, device) -> tuple:
+    """`bigbird_tables(*key)` on `device`, copied once: a warm eager launch copies no table."""
+    return tuple(t.to(device) for t in bigbird_tables(*key))
+
+
+def _as_constant(table, device):
+    """A host-built table inside a trace (Inductor tracing the triton_op on fake tensors), where a
+    real tensor cannot be copied: built from its values, a constant of the traced graph."""
     import torch
     from tailorfx import compat
-    if compat.detect_fake_mode() is None:
-        return table.to(device)
     with compat.untraced_real_tensors():   # Dynamo's fake mode refuses even tolist() of a real tensor
         values = table.tolist()
     return torch.tensor(values, dtype=table.dtype, device=device)
@@ -201,12 +204,18 @@ def _mode_args(spec, params, causal, seq_len, device, role="fwd"):
         c = Config(spec)
         tiles = {"fwd": (c.block_m, c.block_n), "dq": (c.dq_block_m, c.dq_block_n),
                  "dkdv": (c.bwd_block_m, c.bwd_block_n)}[role]
+        import torch
         from tailorfx import compat
-        with compat.untraced_real_tensors():   # built from ints: real, untraced, under a trace too
-            table, count, block_mask = bigbird_tables(params, bool(causal), seq_len, *tiles, role == "dkdv")
-        out = [_on_device(table, device), _on_device(count, device), table.shape[1]]
+        key = (params, bool(causal), seq_len, *tiles, role == "dkdv")
+        if compat.detect_fake_mode() is None:
+            table, count, block_mask = _device_tables(key, torch.device(device))
+        else:
+            with compat.untraced_real_tensors():   # built from ints: real, untraced, under a trace too
+                host = bigbird_tables(*key)
+            table, count, block_mask = (_as_constant(t, device) for t in host)
+        out = [table, count, table.shape[1]]
         if not c.aligned:
-            out += [_on_device(block_mask, device), block_mask.shape[0]]
+            out += [block_mask, block_mask.shape[0]]
         return out
     return []
 
