@@ -292,7 +292,8 @@ class OptimizedModule(trainers.TrainerHooks, nn.Module):
         graphs = [(g.rewritten, g.lowering, g.step if lowered and (not g.step_static or seq_len in (None, g.seq.length))
                    else None) if rewritten else (drop_causal_sdpa_masks(g.original, g.single_document) if as_eager else g.original,
                                                  g.lowering, None) for g in gs]
-        return planner.predict_graphs(graphs, [g.seq for g in gs], seq_len, setup, outputs_held=outputs_held)
+        return planner.predict_graphs(graphs, [g.seq for g in gs], seq_len, setup, captured=True,
+                                      outputs_held=outputs_held)
 
     def _step_graphs(self, seq_len: Optional[int]) -> list[GraphRecord]:
         """The graphs one training step runs (those the last training call ran, else every graph),

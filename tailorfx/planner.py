@@ -155,9 +155,10 @@ def predict_graphs(graphs: Sequence[tuple[fx.GraphModule, str, Optional[memory.S
                    outputs_held: bool = True) -> memory.MemoryEstimate:
     """The memory model's estimate of one step made of `graphs`, each (graph, its lowering, its lowered
     forward/backward if known), at `seq_len` (default: the captured length), each traced with the
-    partition its lowering runs (`captured`: on static shapes, faster). `outputs_held`: the loop holds
-    the output (logits) through backward, as `out = model(...); out.loss.backward()`; else only the loss."""
-    static = captured and seq_len is None
+    partition its lowering runs (`captured`: on static shapes where `seq_len` is each graph's captured
+    length, 3-4x faster, the same bytes). `outputs_held`: the loop holds the output (logits) through
+    backward, as `out = model(...); out.loss.backward()`; else only the loss."""
+    static = captured and all(seq_len in (None, s.length) for s in seqs)
     steps = [replace(step if step is not None else traced_step(gm, partition_for(lowering, gm), setup, static),
                      eager_autograd=lowering == "dynamo", loss_tangent_only=lowering == "dynamo")
              for gm, lowering, step in graphs]

@@ -1,6 +1,7 @@
 """BigBird's block pattern (Zaheer et al. 2020): the key blocks each query block attends, as the
 Triton kernel's host tables and the torch tile engine (runtime/attention_tiles.py) both read it.
-Pure functions of the pattern's integers, so the kernels' layer needs nothing above it."""
+Pure functions of the pattern's integers, so the kernels' layer needs nothing above it; the kernel's
+tables are copied to a device once (launch_tables)."""
 from __future__ import annotations
 
 import functools
@@ -45,3 +46,55 @@ def block_rows(params: tuple, causal: bool, qb0: int, qb1: int, num_blocks: int)
     hits = torch.zeros(qb1 - qb0, num_blocks + 1, dtype=torch.bool)
     hits.scatter_(1, torch.where(rand < 0, num_blocks, rand), True)  # -1 pads land in a spare column
     return sel | hits[:, :num_blocks]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=64)
+def bigbird_tables(params: tuple, causal: bool, seq_len: int, block_m: int, block_n: int, by_keys: bool = False):
+    """CPU tensors for one BigBird pattern at tile sizes (block_m queries, block_n keys):
+    (table int32 (tiles, width), count int32 (tiles,), block_mask int8 (nb, nb)). The table lists,
+    per query tile, the key tiles holding a pair `Pattern("bigbird", params, causal,
+    seq_len).element_mask` allows (by_keys: per key tile, the query tiles), ascending; block_mask
+    is the Pattern's (query block, key block) rows."""
+    b = params[0]
+    nb = _cdiv(seq_len, b)
+    blocks = block_rows(tuple(params), causal, 0, nb, nb)
+    nqt, nkt = _cdiv(seq_len, block_m), _cdiv(seq_len, block_n)
+    pos = torch.arange(seq_len)
+    qa = torch.zeros(nqt, nb)
+    qa[pos // block_m, pos // b] = 1.0
+    ka = torch.zeros(nkt, nb)
+    ka[pos // block_n, pos // b] = 1.0
+    tiles = (qa @ blocks.float() @ ka.T) > 0
+    if causal:   # a key tile wholly after the query tile's last row is masked
+        last = torch.clamp((torch.arange(nqt) + 1) * block_m, max=seq_len) - 1
+        tiles &= (torch.arange(nkt) * block_n)[None, :] <= last[:, None]
+    if by_keys:
+        tiles = tiles.T
+    count = tiles.sum(1).to(torch.int32)
+    width = max(1, int(count.max()))
+    table = torch.argsort((~tiles).to(torch.int8), dim=1, stable=True)[:, :width].to(torch.int32)
+    return table.contiguous(), count, blocks.to(torch.int8).contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def _device_tables(key: tuple, device: torch.device) -> tuple:
+    """`bigbird_tables(*key)` on `device`, copied once: a warm eager launch copies no table."""
+    return tuple(t.to(device) for t in bigbird_tables(*key))
+
+
+def launch_tables(params: tuple, causal: bool, seq_len: int, block_m: int, block_n: int, by_keys: bool,
+                  device) -> tuple:
+    """bigbird_tables on the launch's device: on a real one copied once per pattern, length, tiles
+    and device; inside a trace (Inductor tracing the triton_op on fake tensors), where a real tensor
+    cannot be copied, built from their values, constants of the traced graph."""
+    from tailorfx import compat
+    key = (tuple(params), bool(causal), seq_len, block_m, block_n, by_keys)
+    if compat.detect_fake_mode() is None:
+        return _device_tables(key, torch.device(device))
+    with compat.untraced_real_tensors():   # real, untraced: Dynamo's fake mode refuses even tolist()
+        host = [(t.tolist(), t.dtype) for t in bigbird_tables(*key)]
+    return tuple(torch.tensor(values, dtype=dtype, device=device) for values, dtype in host)

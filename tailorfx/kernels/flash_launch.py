@@ -136,36 +136,6 @@ def _spec(dtype: str, head_dim: int, group: int, mask: str, params: tuple, causa
                       bwd_block_m=bm2, bwd_block_n=bn2, **extra)
 
 
-@functools.lru_cache(maxsize=64)
-def bigbird_tables(params: tuple, causal: bool, seq_len: int, block_m: int, block_n: int, by_keys: bool = False):
-    """CPU tensors for one BigBird pattern at tile sizes (block_m queries, block_n keys):
-    (table int32 (tiles, width), count int32 (tiles,), block_mask int8 (nb, nb)). The table lists,
-    per query tile, the key tiles holding a pair `Pattern("bigbird", params, causal,
-    seq_len).element_mask` allows (by_keys: per key tile, the query tiles), ascending; block_mask
-    is the Pattern's (query block, key block) rows."""
-    import torch
-    from tailorfx.kernels.bigbird import block_rows
-    b = params[0]
-    nb = _cdiv(seq_len, b)
-    blocks = block_rows(tuple(params), causal, 0, nb, nb)
-    nqt, nkt = _cdiv(seq_len, block_m), _cdiv(seq_len, block_n)
-    pos = torch.arange(seq_len)
-    qa = torch.zeros(nqt, nb)
-    qa[pos // block_m, pos // b] = 1.0
-    ka = torch.zeros(nkt, nb)
-    ka[pos // block_n, pos // b] = 1.0
-    tiles = (qa @ blocks.float() @ ka.T) > 0
-    if causal:   # a key tile wholly after the query tile's last row is masked
-        last = torch.clamp((torch.arange(nqt) + 1) * block_m, max=seq_len) - 1
-        tiles &= (torch.arange(nkt) * block_n)[None, :] <= last[:, None]
-    if by_keys:
-        tiles = tiles.T
-    count = tiles.sum(1).to(torch.int32)
-    width = max(1, int(count.max()))
-    table = torch.argsort((~tiles).to(torch.int8), dim=1, stable=True)[:, :width].to(torch.int32)
-    return table.contiguous(), count, blocks.to(torch.int8).contiguous()
-
-
 def _check(q, k, v, document_ids):
     if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
         raise ValueError(f"flash_attention: q (B, H, S, D), k and v (B, H_kv, S, D); got {tuple(q.shape)}, "
@@ -178,22 +148,6 @@ def _check(q, k, v, document_ids):
         raise ValueError(f"flash_attention: document_ids must be (B, S) = {(q.shape[0], q.shape[2])}")
 
 
-@functools.lru_cache(maxsize=64)
-def _device_tables(key: tuple, device) -> tuple:
-    """`bigbird_tables(*key)` on `device`, copied once: a warm eager launch copies no table."""
-    return tuple(t.to(device) for t in bigbird_tables(*key))
-
-
-def _as_constant(table, device):
-    """A host-built table inside a trace (Inductor tracing the triton_op on fake tensors), where a
-    real tensor cannot be copied: built from its values, a constant of the traced graph."""
-    import torch
-    from tailorfx import compat
-    with compat.untraced_real_tensors():   # Dynamo's fake mode refuses even tolist() of a real tensor
-        values = table.tolist()
-    return torch.tensor(values, dtype=table.dtype, device=device)
-
-
 def _mode_args(spec, params, causal, seq_len, device, role="fwd"):
     """A kernel's mode arguments (BigBird's tables at that kernel's tiles; role "dkdv" lists
     query tiles per key tile); none for dilated, whose (segment, rate) change per launch."""
@@ -204,15 +158,8 @@ def _mode_args(spec, params, causal, seq_len, device, role="fwd"):
         c = Config(spec)
         tiles = {"fwd": (c.block_m, c.block_n), "dq": (c.dq_block_m, c.dq_block_n),
                  "dkdv": (c.bwd_block_m, c.bwd_block_n)}[role]
-        import torch
-        from tailorfx import compat
-        key = (params, bool(causal), seq_len, *tiles, role == "dkdv")
-        if compat.detect_fake_mode() is None:
-            table, count, block_mask = _device_tables(key, torch.device(device))
-        else:
-            with compat.untraced_real_tensors():   # built from ints: real, untraced, under a trace too
-                host = bigbird_tables(*key)
-            table, count, block_mask = (_as_constant(t, device) for t in host)
+        from tailorfx.kernels.bigbird import launch_tables
+        table, count, block_mask = launch_tables(params, causal, seq_len, *tiles, role == "dkdv", device)
         out = [table, count, table.shape[1]]
         if not c.aligned:
             out += [block_mask, block_mask.shape[0]]
