@@ -42,9 +42,10 @@ Sections, in this order (or --section's); each writes the JSON (benchmarks/out/g
            32K also with kernels="triton": the norms, SwiGLU, RoPE and the head on tailorfx's
            kernels, against the eager lowering's unfused ATen ops; with lowering="auto",
            optimize()'s default: on CUDA Inductor's fused kernels, the optimizer steps inside its
-           backward, the plan chosen on the shallow capture checked on its trace; and with
-           offload="activations": the first k blocks' saved tensors wait in host
-           memory instead of those blocks being recomputed, the planner picking k; and with both
+           backward, the plan chosen on the shallow capture checked on its trace, also with
+           offload="activations"; and with offload="activations": the first k blocks' saved
+           tensors wait in host memory instead of those blocks being recomputed, the planner
+           picking k; and with both
            offload="activations" and kernels="triton", the plan the step-time model predicts
            fastest at 32K, --predict), eager, HF
            activation checkpointing, Liger-Kernel (its defaults, fused linear cross-entropy among
@@ -56,8 +57,9 @@ Sections, in this order (or --section's); each writes the JSON (benchmarks/out/g
            checked against eager at a short length (the loss, every weight's gradient norm, one
            step updating each parameter once; ALST with two shards or more of each kind) and for
            its feature firing. The 32K row runs first (optimize()'s default plan, Inductor on CUDA,
-           the goal's; Liger-Kernel's, the fastest peer measured; tailorfx's eager lowering, whose
-           optimize() time becomes the later rows' planning estimate; its offloaded Triton row and
+           the goal's; Liger-Kernel's, the fastest peer measured; the default with offloaded
+           activations; tailorfx's eager lowering, whose optimize() time becomes the later rows'
+           planning estimate; its offloaded Triton row and
            its Triton row; then the others: TOP_ROW), then those checks, then 16K and 8K: at 32K the
            rewrites decide what fits and how fast, so its MFU comparison is what the run is for, and
            a budgeted optimize() takes minutes, so what runs last may find no time.
@@ -108,18 +110,18 @@ OFFLOADED = "tailorfx, activations offloaded"   # in the longest row only
 TRITON_KERNELS = "tailorfx, Triton kernels"     # likewise: norms, SwiGLU, RoPE, the head on tailorfx/kernels
 INDUCTOR = "tailorfx, lowering auto"            # likewise: optimize()'s default, Inductor on CUDA (eager on CPU)
 BOTH = "tailorfx, offloaded, Triton kernels"    # likewise: both, the plan predicted fastest at 32K (--predict)
-INDUCTOR_OFFLOADED = "tailorfx, lowering auto, activations offloaded"
-PREDICTED_ONLY = {INDUCTOR_OFFLOADED: {"lowering": "auto", "offload": "activations"}}   # --predict's, no row's yet
+INDUCTOR_OFFLOADED = "tailorfx, lowering auto, activations offloaded"   # likewise: the default with offload
 TAILORFX = {"tailorfx": {}, TRITON_KERNELS: {"kernels": "triton"}, INDUCTOR: {"lowering": "auto"},
-            OFFLOADED: {"offload": "activations"},
+            OFFLOADED: {"offload": "activations"}, INDUCTOR_OFFLOADED: {"lowering": "auto", "offload": "activations"},
             BOTH: {"offload": "activations", "kernels": "triton"}}   # provider -> optimize() options (+ LOWERING)
 # the longest length's row: what the MFU goal compares first (optimize()'s default, Inductor on CUDA:
 # the goal's plan, first while the whole budget is left for its compile; the fastest peer measured,
-# Liger-Kernel; tailorfx's eager lowering, whose optimize() times the later rows' planning; the plan
-# predicted fastest, then the Triton row: kernel timing takes minutes), then the rows that end at once
-# in an OOM, then the slower ones
-TOP_ROW = (INDUCTOR, "liger+hf-checkpointing", "tailorfx", BOTH, TRITON_KERNELS, "eager", "hf-checkpointing", OFFLOADED,
-           "alst")
+# Liger-Kernel; the default with offload="activations", predicted over 50% where the default is not;
+# tailorfx's eager lowering, whose optimize() times the later rows' planning; the plan predicted
+# fastest, then the Triton row: kernel timing takes minutes), then the rows that end at once in an
+# OOM, then the slower ones
+TOP_ROW = (INDUCTOR, "liger+hf-checkpointing", INDUCTOR_OFFLOADED, "tailorfx", BOTH, TRITON_KERNELS, "eager",
+           "hf-checkpointing", OFFLOADED, "alst")
 # dry run: a 2-layer Llama on CPU, budgets in MiB, lengths short enough for CPU steps
 DRY = dict(budget=3 << 20, offload_budget=3 << 20, lengths=(256, 512), granule=64, limit=2048)
 
@@ -606,7 +608,7 @@ def predict_tables(out: str) -> dict:
                            "predicted_time": predicted_time(opt, cfg, S)}
         if S == max(LENGTHS):   # the row that also runs offload="activations", kernels="triton", both, Inductor
             for name in (OFFLOADED, TRITON_KERNELS, BOTH, INDUCTOR, INDUCTOR_OFFLOADED):
-                kw = {"lowering": LOWERING, **(TAILORFX.get(name) or PREDICTED_ONLY[name])}
+                kw = {"lowering": LOWERING, **TAILORFX[name]}
                 if kw["lowering"] == "auto":   # Inductor on CUDA (eager on this CPU): 8 min a plan here
                     kw["lowering"] = "inductor"
                 other = plan_for_budget(cfg, b, S, setup=SETUP, shallow=False, **kw)

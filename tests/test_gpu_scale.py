@@ -85,9 +85,10 @@ def test_a_call_runs_the_sections_rows_and_lengths_asked_in_the_order_asked(gpu_
     args.provider, args.length = None, None   # the default: every row, the longest length first
     names.clear()
     gpu_scale.section_speed(run, gpucheck.record.new_section())
-    assert names[:5] == ["tailorfx, lowering auto S=32768", "liger+hf-checkpointing S=32768", "tailorfx S=32768",
+    assert names[:6] == ["tailorfx, lowering auto S=32768", "liger+hf-checkpointing S=32768",
+                         "tailorfx, lowering auto, activations offloaded S=32768", "tailorfx S=32768",
                          "tailorfx, offloaded, Triton kernels S=32768", "tailorfx, Triton kernels S=32768"]
-    assert len(names) == 9 + 4 + 2 * 5 and names[-1] == "alst S=8192"
+    assert len(names) == 10 + 4 + 2 * 5 and names[-1] == "alst S=8192"
 
 
 def test_the_next_runs_first_call_starts_the_default_plans_row_and_learns_the_planning_time(gpu_scale, gpucheck,
