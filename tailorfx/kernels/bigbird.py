@@ -93,8 +93,9 @@ def launch_tables(params: tuple, causal: bool, seq_len: int, block_m: int, block
     cannot be copied, built from their values, constants of the traced graph."""
     from tailorfx import compat
     key = (tuple(params), bool(causal), seq_len, block_m, block_n, by_keys)
-    if compat.detect_fake_mode() is None:
-        return _device_tables(key, torch.device(device))
+    fake = compat.detect_fake_mode() is not None
     with compat.untraced_real_tensors():   # real, untraced: Dynamo's fake mode refuses even tolist()
+        if not fake:   # the cache holds real tensors, whatever traces the first launch
+            return _device_tables(key, torch.device(device))
         host = [(t.tolist(), t.dtype) for t in bigbird_tables(*key)]
     return tuple(torch.tensor(values, dtype=dtype, device=device) for values, dtype in host)
