@@ -39,6 +39,11 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in integers: the programs or tiles that cover a elements b at a time."""
+    return -(-a // b)
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """A kernel family and the compile-time values its source is rendered with."""

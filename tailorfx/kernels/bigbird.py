@@ -10,6 +10,8 @@ import random
 import torch
 from torch import Tensor
 
+from tailorfx.kernels import cdiv
+
 
 @functools.lru_cache(maxsize=64)
 def random_blocks(
@@ -48,10 +50,6 @@ def block_rows(params: tuple, causal: bool, qb0: int, qb1: int, num_blocks: int)
     return sel | hits[:, :num_blocks]
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @functools.lru_cache(maxsize=64)
 def bigbird_tables(params: tuple, causal: bool, seq_len: int, block_m: int, block_n: int, by_keys: bool = False):
     """CPU tensors for one BigBird pattern at tile sizes (block_m queries, block_n keys):
@@ -60,9 +58,9 @@ def bigbird_tables(params: tuple, causal: bool, seq_len: int, block_m: int, bloc
     seq_len).element_mask` allows (by_keys: per key tile, the query tiles), ascending; block_mask
     is the Pattern's (query block, key block) rows."""
     b = params[0]
-    nb = _cdiv(seq_len, b)
+    nb = cdiv(seq_len, b)
     blocks = block_rows(tuple(params), causal, 0, nb, nb)
-    nqt, nkt = _cdiv(seq_len, block_m), _cdiv(seq_len, block_n)
+    nqt, nkt = cdiv(seq_len, block_m), cdiv(seq_len, block_n)
     pos = torch.arange(seq_len)
     qa = torch.zeros(nqt, nb)
     qa[pos // block_m, pos // b] = 1.0

@@ -10,13 +10,9 @@ import functools
 import math
 from typing import Optional, Sequence
 
-from tailorfx.kernels import DTYPE_NAMES, KernelSpec, cached_kernel, interpreted
+from tailorfx.kernels import DTYPE_NAMES, KernelSpec, cached_kernel, cdiv, interpreted
 from tailorfx.kernels.flash_attention import MODES, Config, num_warps
 from tailorfx.kernels.tuning import Tiles, room_to_time
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def normalize_params(mask: str, params) -> tuple:
@@ -79,7 +75,7 @@ def first_launches(spec, arch: int, seq: int, batch_heads: int) -> list[tuple[st
         gpu = _spec(*static, blocks["fwd"] + blocks["dq"] + blocks["dkdv"], False)   # bf16 dots, as compiled
         rows, programs = {"fwd": (t.block_m, batch_heads), "dq": (t.block_m, batch_heads),
                           "dkdv": (t.block_n, batch_heads // c.group)}[role]
-        grid = "" if c.dilated else f"({_cdiv(seq, rows)}, {programs})"
+        grid = "" if c.dilated else f"({cdiv(seq, rows)}, {programs})"
         out.append((role, gpu, t.launch() | {"functions": [fn]}, grid))
     return out
 
@@ -198,7 +194,7 @@ class _Call:
                              f"(dilated attention: none)")
         # dk/dv's programs per KV head, decided before its tiles (whose candidates depend on it)
         self.split = kv_split or (1 if mask == "dilated" else split_rule(
-            group, _cdiv(self.seq_hint, 64) * compat.size_hint(self.batch) * self.num_kv, q.device))
+            group, cdiv(self.seq_hint, 64) * compat.size_hint(self.batch) * self.num_kv, q.device))
         self.tiles = _explicit(blocks) if self.given else _defaults(self.static, q.device, self.seq_hint, self.split)
         extra = []
         if document_ids is not None:
@@ -277,21 +273,21 @@ def _spills(compiled) -> int:
 
 def _launch_fwd(kern, call, options, q, k, v, out, lse, *extra):
     mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "fwd")
-    return _spills(kern.fn("attn_fwd")[(_cdiv(call.seq, kern.spec["block_m"]), call.batch * call.heads)](
+    return _spills(kern.fn("attn_fwd")[(cdiv(call.seq, kern.spec["block_m"]), call.batch * call.heads)](
         q, k, v, out, lse, *extra, *mode, call.scale, call.seq, call.heads, **options))
 
 
 def _launch_dq(kern, call, options, q, k, v, dout, lse, delta, dq, *extra):
     rows = kern.spec.get("dq_block_m") or kern.spec["block_m"]   # named only where it differs
     mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "dq")
-    return _spills(kern.fn("attn_bwd_dq")[(_cdiv(call.seq, rows), call.batch * call.heads)](
+    return _spills(kern.fn("attn_bwd_dq")[(cdiv(call.seq, rows), call.batch * call.heads)](
         q, k, v, dout, lse, delta, dq, *extra, *mode, call.scale, call.seq, call.heads, **options))
 
 
 def _launch_dkdv(kern, call, options, q, k, v, dout, lse, delta, dk, dv, *extra):
     import torch
     mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "dkdv")
-    grid, split = (_cdiv(call.seq, kern.spec["bwd_block_n"]), call.batch * call.num_kv), call.split
+    grid, split = (cdiv(call.seq, kern.spec["bwd_block_n"]), call.batch * call.num_kv), call.split
     parts = [torch.empty((split, *t.shape), dtype=torch.float32, device=t.device)
              for t in (dk, dv)] if split > 1 else []
     spills = _spills(kern.fn("attn_bwd_dkdv")[(grid[0], grid[1] * split)](
@@ -320,7 +316,7 @@ def forward(q, k, v, *, mask: str = "full", params=(), causal: bool = False, sca
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full((batch, heads, seq), float("-inf"), dtype=torch.float32, device=q.device)
         for w, r in zip(*call.params):
-            grid = (_cdiv(seq, w) * _cdiv(_cdiv(w, r), bm), batch * heads)   # segments x tiles of a segment
+            grid = (cdiv(seq, w) * cdiv(cdiv(w, r), bm), batch * heads)   # segments x tiles of a segment
             fn[grid](q, k, v, out, lse, *call.extra, w, r, call.scale, seq, heads, **call.options("fwd"))
         return out.to(q.dtype), lse
     out = torch.empty_like(q)
@@ -348,7 +344,7 @@ def backward(dout, q, k, v, out, lse, *, mask: str = "full", params=(), causal: 
     kern = call.kernel()
     delta = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
     rows = batch * heads * seq
-    kern.fn("attn_bwd_preprocess")[(_cdiv(rows, kern.spec["block_m"]),)](out, dout, delta, rows,
+    kern.fn("attn_bwd_preprocess")[(cdiv(rows, kern.spec["block_m"]),)](out, dout, delta, rows,
                                                                          num_warps=num_warps(None))
     if mask == "dilated":   # branches add into fp32 gradients
         c = Config(kern.spec)
@@ -358,11 +354,11 @@ def backward(dout, q, k, v, out, lse, *, mask: str = "full", params=(), causal: 
         dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
         group = heads // num_kv
         for w, r in zip(*call.params):
-            nseg, per = _cdiv(seq, w), _cdiv(w, r)
-            fdq[(nseg * _cdiv(per, c.dq_block_m), batch * heads)](
+            nseg, per = cdiv(seq, w), cdiv(w, r)
+            fdq[(nseg * cdiv(per, c.dq_block_m), batch * heads)](
                 q, k, v, dout, lse, delta, dq, *call.extra, w, r, call.scale, seq, heads, **call.options("dq"))
             # a kv head's query heads fall into min(group, r) offsets: one program each
-            fdkdv[(nseg * _cdiv(per, c.bwd_block_n), batch * num_kv * min(group, r))](
+            fdkdv[(nseg * cdiv(per, c.bwd_block_n), batch * num_kv * min(group, r))](
                 q, k, v, dout, lse, delta, dk, dv, *call.extra, w, r, call.scale, seq, heads, **call.options("dkdv"))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

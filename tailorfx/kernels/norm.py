@@ -13,7 +13,7 @@ from string import Template
 
 import torch
 
-from tailorfx.kernels import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel, next_pow2, partials
+from tailorfx.kernels import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel, cdiv, next_pow2, partials
 
 _HEADER = '''"""tailorfx generated: ${name}"""
 import triton
@@ -210,7 +210,7 @@ def backward_stats(dy, x, weight, stats, kind: str, offset: float = 0.0, bias: b
         dy = dy.contiguous()
     n = x.shape[-1]
     rows = x.numel() // n if n else 0
-    programs = triton_cdiv(rows, rows_per_program)
+    programs = cdiv(rows, rows_per_program)
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     parts = torch.empty((2 * programs if bias else programs, n), dtype=torch.float32, device=x.device)
     dw = torch.empty(n, dtype=weight.dtype, device=weight.device)
@@ -219,7 +219,3 @@ def backward_stats(dy, x, weight, stats, kind: str, offset: float = 0.0, bias: b
                                   num_warps=num_warps(k.spec))
     partials.column_sums(parts, dw, db)
     return dx, dw, db
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -376,15 +376,11 @@ def _int(x) -> int:
     return compat.size_hint(node_value(x) if isinstance(x, fx.Node) else x)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def kernel_launches(node: fx.Node) -> list[tuple]:
     """(spec, forward launch grid as text) for each Triton kernel a graph node launches, at the
     shapes of its inputs' fake values (a symbolic length at its hint); [] for nodes that launch
     none."""
-    from tailorfx.kernels import flash_launch, glu, linear_cross_entropy, norm, rope
+    from tailorfx.kernels import cdiv, flash_launch, glu, linear_cross_entropy, norm, rope
     from tailorfx.runtime.triton_ops import (attention_params, triton_attention, triton_glu,
                                              triton_linear_cross_entropy, triton_norm, triton_rope, triton_rope_qk)
     if node.op != "call_function":
@@ -403,14 +399,14 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
     if node.target is triton_glu:
         gate = node_value(node.args[0])
         spec = glu.spec_for(gate, kw["act"])
-        return [(spec, f"({_cdiv(_int(gate.numel()), spec['block'])},)")]
+        return [(spec, f"({cdiv(_int(gate.numel()), spec['block'])},)")]
     if node.target in (triton_rope, triton_rope_qk):
         x, cos = node_value(node.args[0]), node_value(node.args[-2])
         spec = rope.spec_for(x, cos=cos, out_dtype=node_value(node).dtype)   # (a qk call's value: q's result)
         batch, heads, seq = (_int(d) for d in x.shape[:3])
-        blocks = _cdiv(heads, spec["block_h"])
+        blocks = cdiv(heads, spec["block_h"])
         if node.target is triton_rope_qk:   # q's head blocks, then k's, in one launch
-            blocks += _cdiv(_int(node_value(node.args[1]).shape[1]), spec["block_h"])
+            blocks += cdiv(_int(node_value(node.args[1]).shape[1]), spec["block_h"])
         return [(spec, f"({batch * seq}, {blocks})")]
     if node.target is triton_linear_cross_entropy:
         rows, vocab = _int(node_value(node.args[0]).shape[0]), _int(node_value(node.args[1]).shape[0])
@@ -418,7 +414,7 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
         spec = linear_cross_entropy.spec_for(vocab, softcap=kw.get("logit_softcap"),
                                              logit_scale=kw.get("logit_scale"), grad=grad)
         chunks = max(1, min(rows, _int(kw.get("num_chunks", 8))))
-        return [(spec, f"({_cdiv(rows, chunks)},) x {chunks} chunks")]
+        return [(spec, f"({cdiv(rows, chunks)},) x {chunks} chunks")]
     if node.target is triton_attention:
         mask, params = attention_params(kw["kind"], dict(kw["params"]))
         q, k = node_value(node.args[0]), node_value(node.args[1])
@@ -428,10 +424,10 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
         batch, heads, seq = (_int(d) for d in q.shape[:3])
         if mask == "dilated":
             segments, rates = params
-            grids = [f"({_cdiv(seq, w) * _cdiv(_cdiv(w, r), spec['block_m'])}, {batch * heads})"
+            grids = [f"({cdiv(seq, w) * cdiv(cdiv(w, r), spec['block_m'])}, {batch * heads})"
                      for w, r in zip(segments, rates)]
             return [(spec, " + ".join(grids))]
-        return [(spec, f"({_cdiv(seq, spec['block_m'])}, {batch * heads})")]
+        return [(spec, f"({cdiv(seq, spec['block_m'])}, {batch * heads})")]
     return []
 
 
