@@ -283,10 +283,11 @@ def _resolved(c: Candidate, opts: dict, ctx: PassContext, setup) -> tuple[dict, 
 
 
 def _predicted(c: Candidate, g: fx.GraphModule, seq: SeqInfo, lowering: str, setup, budget: int,
-               headroom: float) -> tuple[Candidate, memory.MemoryEstimate]:
-    """`c` with the peak the memory model predicts for its rewritten graph `g` and the FLOPs it recomputes."""
+               headroom: float, flops: Optional[int] = None) -> tuple[Candidate, memory.MemoryEstimate]:
+    """`c` with the peak the memory model predicts for its rewritten graph `g` and the FLOPs it
+    recomputes (`flops`, where the caller counted them already)."""
     est = predict_graphs([(g, lowering, None)], [seq], setup=setup, captured=True)
-    return with_result(c, est.peak_bytes, _recomputed(g, seq), budget, headroom), est
+    return with_result(c, est.peak_bytes, _recomputed(g, seq) if flops is None else flops, budget, headroom), est
 
 
 def _recomputed(g: fx.GraphModule, seq: SeqInfo) -> int:
@@ -310,11 +311,6 @@ def _search_setup(gm, ctx: PassContext, cands: list[Candidate], opts: dict, setu
             rewritten[key] = run_plan(Plan(c.passes, o), gm, replace(ctx, options=o, seq=seq), verify)[0]
         return rewritten[key], o, seq
 
-    def evaluate(c: Candidate):
-        g, o, seq = rewrite(c)
-        c, est = _predicted(c, g, seq, lowering, setup, budget, headroom)
-        return c, (est, o)
-
     counted: dict[str, int] = {}
 
     def flops(c: Candidate) -> int:   # on the rewritten graph alone: no trace
@@ -322,6 +318,11 @@ def _search_setup(gm, ctx: PassContext, cands: list[Candidate], opts: dict, setu
             g, _, seq = rewrite(c)
             counted[c.label] = _recomputed(g, seq)
         return counted[c.label]
+
+    def evaluate(c: Candidate):
+        g, o, seq = rewrite(c)
+        c, est = _predicted(c, g, seq, lowering, setup, budget, headroom, flops(c))
+        return c, (est, o)
 
     chosen, (est, o), others = search(cands, evaluate, budget, opts.get("budget_label", ""),
                                       lambda payload: payload[0].breakdown(), headroom,
