@@ -46,6 +46,7 @@ COMPILE211 := tests/test_triton_codegen.py::test_every_example_compiles_for_sm80
 	tests/test_triton_codegen.py::test_every_attention_tile_candidate_compiles_without_spills \
 	tests/test_triton_attention.py::test_compiles_for_sm90_without_spills \
 	tests/test_triton_kernels.py::test_compiles_for_sm90 \
+	tests/test_triton_kernels.py::test_every_rope_layout_compiles_without_spills \
 	tests/test_cli.py::test_kernels_compile_for_sm80_at_the_configs_shapes
 # and the next GPU run's commands as docs/gpu.md gives them, under --dry-run with the machines' torch
 REHEARSE211 := tests/test_gpu_scale.py::test_the_next_gpu_runs_commands_rehearse_on_the_cpu

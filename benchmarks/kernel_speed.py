@@ -31,9 +31,10 @@ Providers, in one interleaved run (every provider of a case runs before the next
   pass builds from the proved form in the graph, each call (what the pass runs where FlexAttention
   is timed faster, or with attention_kernel="flex").
 
-tailorfx's attention picks each kernel's tiles (forward, dq, dk/dv) by timing its candidates the
-first time a shape bucket is seen (tailorfx/kernels/flash_tiles.py); the warm-up call of
-the interleaved run pays for it, and the JSON's meta.tuned lists what each key chose.
+tailorfx's attention picks each kernel's tiles (forward, dq, dk/dv), and its RoPE its heads a
+program, by timing the candidates the first time a shape bucket is seen (tailorfx/kernels/flash_tiles.py,
+rope.py::layouts); the warm-up call of the interleaved run pays for it, and the JSON's meta.tuned
+lists what each key chose.
 
 Per provider: device time (the CUDA kernels' own time per call, from the profiler, so host
 overheads do not count), wall time of an eager call (triton.testing.do_bench: host launch costs
@@ -441,7 +442,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
     def saved(rows: list[dict]) -> None:
-        meta["tuned"] = tuning.choices()   # the attention tiles each key chose on this GPU, every candidate's time
+        meta["tuned"] = tuning.choices()   # the tiles (layouts) each key chose on this GPU, every candidate's time
         tmp = f"{args.out}.tmp"
         with open(tmp, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
@@ -449,7 +450,7 @@ def main(argv=None) -> int:
     saved([])   # the meta from the start: a call killed in its first case still says what it was
     run_all(dev, args.dry_run, args.only, args.reps, budget_s, saved)
     for key, choice in meta["tuned"].items():
-        print(f"tuned {key}: {choice['tiles']}")
+        print(f"tuned {key}: {choice.get('tiles', choice.get('pick'))}")   # tiles, or `pick`'s implementation
     print(f"wrote {args.out}")
     return 0
 

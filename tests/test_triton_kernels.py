@@ -307,6 +307,85 @@ def test_rope_matches_hf(bsz, heads, kv_div, seq, half, pass_dims, cos_batch, tr
         torch.testing.assert_close(a.float(), r.detach(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
+def test_rope_layouts_reach_a_rows_every_head_and_each_is_exact():
+    """The layouts a GPU times (rope.layouts, rope.choose_layout): from 4 heads a program, the
+    default and the interpreter's, up to Llama-3-8B's 32 query heads in one program (Liger-Kernel's
+    layout), on 4 and 8 warps; each rotates q and k (32 and 8 heads, head dim 128, bf16) as HF's
+    formula does, forward and backward, bit for bit alike."""
+    from tailorfx.kernels.tuning import Tiles
+    cands = rope.layouts(32, 128)
+    assert cands[0] == Tiles(4, 1, 4) and len(set(cands)) == len(cands)
+    assert [t.block_m for t in cands] == sorted(t.block_m for t in cands) and cands[-1].block_m == 32
+    assert {t.num_warps for t in cands if t.block_m == 32} == {4, 8}
+    assert rope.layouts(2, 16) == [Tiles(4, 1, 1)]   # fewer heads than the default's block: one
+    assert rope.choose_layout(("bf16",) * 3, 128, 128, 32, 8, 8192, "interpreter") == cands[0]
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 32, 3, 128, generator=g).bfloat16(), torch.randn(1, 8, 3, 128, generator=g).bfloat16()
+    emb = torch.rand(1, 3, 64, generator=g).repeat(1, 1, 2) * 5
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    ref = _hf_rope(q.float(), k.float(), cos.float(), sin.float(), 128)
+    first = None
+    for t in cands:
+        got = rope.apply_pair(q, k, cos, sin, block_h=t.block_m) + \
+            rope.apply_pair(q, k, cos, sin, backward=True, block_h=t.block_m)
+        for a, r in zip(got[:2], ref):
+            torch.testing.assert_close(a.float(), r, rtol=1.6e-2, atol=1.6e-2)
+        if first is None:
+            first = got
+        assert all(torch.equal(a, b) for a, b in zip(got, first)), t
+
+
+def test_the_rope_layout_is_chosen_by_timing_once_per_key(tmp_path, monkeypatch):
+    """rope.choose_layout on a (stand-in) CUDA device: each layout timed by the launch it is given,
+    the fastest kept under its key (remembered in the process and on disk), untimed after; another
+    row bucket starts from the default."""
+    import uuid
+    from tailorfx.kernels import tuning
+    monkeypatch.setenv("TAILORFX_TRITON_CACHE", str(tmp_path))
+    heads = 1000 + uuid.uuid4().int % 10_000_000   # a key no other call used
+    names, ran = ("bf16", "bf16", "bf16"), []
+    cands = rope.layouts(heads, 128)
+    fastest = cands[-2]
+
+    def timer(fn):
+        fn()
+        return 1.0 if ran[-1] == fastest else 2.0
+    got = rope.choose_layout(names, 128, 128, heads, 8, 8192, "cuda", run=lambda t: ran.append(t), timer=timer)
+    assert got == fastest and ran == cands
+    assert rope.choose_layout(names, 128, 128, heads, 8, 5000, "cuda") == fastest   # the same bucket, untimed
+    assert rope.choose_layout(names, 128, 128, heads, 8, 20000, "cuda") == cands[0]   # another: the default
+    key = rope.layout_key(names, 128, 128, heads, 8, 8192, 90)
+    assert key.endswith(f"h{heads}+8 rows<=8192") and tuning.choices()[key]["tiles"]["block_m"] == fastest.block_m
+
+
+def test_a_choice_traced_on_fake_tensors_is_timed_on_real_stand_ins(monkeypatch):
+    """tuning.choose_on under a trace (fake tensors, as Inductor runs a triton_op's host code):
+    each candidate's launch gets real tensors of the call's shapes and dtypes, made once; where
+    those would not fit beside what the GPU holds, nothing is launched and the caller keeps its
+    default (None)."""
+    import uuid
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from tailorfx.kernels import tuning
+    from tailorfx.kernels.tuning import Tiles
+    cands, seen = [Tiles(4, 1), Tiles(8, 1)], []
+
+    def launch(t, x, ids):
+        seen.append((t, type(x), tuple(x.shape), x.dtype, ids.dtype, id(x)))
+    with FakeTensorMode():
+        fake = torch.empty(3, 5, dtype=torch.bfloat16), torch.empty(3, dtype=torch.int32)
+        monkeypatch.setattr(tuning, "room_to_time", lambda need, device: need == 3 * 5 * 2 + 3 * 4)
+        got = tuning.choose_on(fake, launch, lambda run: tuning.choose(f"test {uuid.uuid4()}", cands, run,
+                                                                       lambda fn: (fn(), 1.0)[1]))
+        assert got == cands[0] and [s[0] for s in seen] == cands
+        assert {s[1:5] for s in seen} == {(torch.Tensor, (3, 5), torch.bfloat16, torch.int32)}
+        assert isinstance(fake[0], FakeTensor) and len({s[5] for s in seen}) == 1   # real ones, made once
+        monkeypatch.setattr(tuning, "room_to_time", lambda need, device: False)
+        seen.clear()
+        assert tuning.choose_on(fake, launch, lambda run: tuning.choose(f"test {uuid.uuid4()}", cands, run,
+                                                                        lambda fn: (fn(), 1.0)[1])) is None
+        assert seen == []
+
+
 def test_rope_of_bf16_q_by_fp32_cos_is_promoted_as_torch_promotes_it():
     """Under autocast HF's q and k are bf16 and cos, sin fp32: eager's rotation is fp32 (type
     promotion) and its backward hands q a bf16 gradient. The kernel's forward is eager's to fp32
@@ -418,3 +497,17 @@ def test_compiles_for_sm90(fam, compiled_sm90):
     assert all(len(c) > 0 for c in res["cubin"].values())
     assert 0 < res["n_regs"] <= 255 and res["n_spills"] == 0
     assert res["shared_bytes"] <= tt.SHARED_LIMIT[90]
+
+
+@pytest.mark.slow
+@pytest.mark.ptxas   # make test-torch211 (CI) runs it under the GPU machines' Triton
+def test_every_rope_layout_compiles_without_spills():
+    """Each layout a GPU times for RoPE (rope.layouts at Llama's 32 heads, head dims 128 and 64),
+    at its warps, in bf16 and autocast's two mixed forms, compiled for sm80 and sm90: no spills."""
+    forms = [("bf16", None, None), ("bf16", "fp32", "fp32"), ("fp32", None, "bf16")]
+    jobs = [(rope._spec(dt, d, d, t.block_m, cos_dtype=cd, out_dtype=od), arch, {"num_warps": t.num_warps})
+            for arch in tt.ARCHS for d in (128, 64) for dt, cd, od in forms for t in rope.layouts(32, d)]
+    results = tt.compile_many(jobs)
+    bad = [f"{spec.name} sm{arch} {opts}: {res['n_spills']} B spilled" for (spec, arch, opts), res in zip(jobs, results)
+           if res["n_spills"] or not res["cubin"] or res["shared_bytes"] > tt.SHARED_LIMIT[arch]]
+    assert len(results) == len(jobs) >= 40 and bad == [], "\n".join(bad)

@@ -5,14 +5,13 @@ its docstring), with the autograd wrapper `attention`.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from typing import Optional, Sequence
 
-from tailorfx.kernels import DTYPE_NAMES, KernelSpec, cached_kernel, cdiv, interpreted
+from tailorfx.kernels import DTYPE_NAMES, KernelSpec, cached_kernel, cdiv, interpreted, tuning
 from tailorfx.kernels.flash_attention import MODES, Config, num_warps
-from tailorfx.kernels.tuning import Tiles, room_to_time
+from tailorfx.kernels.tuning import Tiles
 
 
 def normalize_params(mask: str, params) -> tuple:
@@ -221,66 +220,26 @@ class _Call:
                 or not torch.cuda.is_available()):
             return
         from tailorfx.kernels import flash_tiles
-        with contextlib.ExitStack() as stack:
-            made = []
-
-            def run(t):
-                if not made:
-                    made.append(stack.enter_context(_real(*tensors)))
-                if made[0] is None:
-                    raise _TooLarge
-                return launch(self.kernel(self.tiles | {role: t}), self, t.launch(), *made[0])
-            try:
-                self.tiles[role] = flash_tiles.choose(role, self.static, self.seq_hint, self.device, run,
-                                                      split=self.split)
-            except _TooLarge:
-                pass
+        got = tuning.choose_on(tensors, lambda t, *real: launch(self.kernel(self.tiles | {role: t}), self, t.launch(), *real),
+                               lambda run: flash_tiles.choose(role, self.static, self.seq_hint, self.device, run,
+                                                              split=self.split))
+        if got is not None:
+            self.tiles[role] = got
 
     def options(self, role: str) -> dict:
         return {"num_warps": num_warps(None)} if self.given or interpreted() else self.tiles[role].launch()
 
 
-class _TooLarge(Exception):
-    """A traced call's stand-in tensors would not fit beside what the GPU holds."""
-
-
-@contextlib.contextmanager
-def _real(*tensors):
-    """The call's own tensors, or under a trace (fake tensors) random real ones of their shapes
-    to time kernels on; None when a traced call's would take over a quarter of the free memory."""
-    import torch
-    from tailorfx import compat
-    if compat.detect_fake_mode() is None:
-        yield tensors
-        return
-    with compat.untraced_real_tensors():
-        shapes = [tuple(compat.size_hint(d) for d in t.shape) for t in tensors]
-        need = sum(math.prod(sh) * t.element_size() for sh, t in zip(shapes, tensors))
-        if not room_to_time(need, tensors[0].device):
-            yield None
-            return
-        made = [torch.zeros(sh, dtype=t.dtype, device=t.device) if not t.is_floating_point()
-                else torch.randn(sh, device=t.device).to(t.dtype) for sh, t in zip(shapes, tensors)]
-        yield made
-        del made
-
-
-def _spills(compiled) -> int:
-    """The bytes of registers a launched kernel spilled (Triton's CompiledKernel after its first
-    launch; 0 where the launcher returns none, as the interpreter's)."""
-    return int(getattr(compiled, "n_spills", 0) or 0)
-
-
 def _launch_fwd(kern, call, options, q, k, v, out, lse, *extra):
     mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "fwd")
-    return _spills(kern.fn("attn_fwd")[(cdiv(call.seq, kern.spec["block_m"]), call.batch * call.heads)](
+    return tuning.spills(kern.fn("attn_fwd")[(cdiv(call.seq, kern.spec["block_m"]), call.batch * call.heads)](
         q, k, v, out, lse, *extra, *mode, call.scale, call.seq, call.heads, **options))
 
 
 def _launch_dq(kern, call, options, q, k, v, dout, lse, delta, dq, *extra):
     rows = kern.spec.get("dq_block_m") or kern.spec["block_m"]   # named only where it differs
     mode = _mode_args(kern.spec, call.params, call.causal, call.seq, q.device, "dq")
-    return _spills(kern.fn("attn_bwd_dq")[(cdiv(call.seq, rows), call.batch * call.heads)](
+    return tuning.spills(kern.fn("attn_bwd_dq")[(cdiv(call.seq, rows), call.batch * call.heads)](
         q, k, v, dout, lse, delta, dq, *extra, *mode, call.scale, call.seq, call.heads, **options))
 
 
@@ -290,7 +249,7 @@ def _launch_dkdv(kern, call, options, q, k, v, dout, lse, delta, dk, dv, *extra)
     grid, split = (cdiv(call.seq, kern.spec["bwd_block_n"]), call.batch * call.num_kv), call.split
     parts = [torch.empty((split, *t.shape), dtype=torch.float32, device=t.device)
              for t in (dk, dv)] if split > 1 else []
-    spills = _spills(kern.fn("attn_bwd_dkdv")[(grid[0], grid[1] * split)](
+    spills = tuning.spills(kern.fn("attn_bwd_dkdv")[(grid[0], grid[1] * split)](
         q, k, v, dout, lse, delta, *(parts or (dk, dv)), *extra, *mode, call.scale, call.seq, call.heads,
         KV_SPLIT=split, **options))
     for part, out in zip(parts, (dk, dv)):   # the parts summed in one fixed order, rounded once

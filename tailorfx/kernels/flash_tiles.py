@@ -23,8 +23,8 @@ from __future__ import annotations
 import functools
 from typing import Callable, Optional
 
-from tailorfx.kernels import next_pow2, tuning
-from tailorfx.kernels.tuning import Tiles
+from tailorfx.kernels import tuning
+from tailorfx.kernels.tuning import Tiles, arch_of, bucket
 
 ROLES = ("fwd", "dq", "dkdv")
 
@@ -105,11 +105,6 @@ def small(role: str, dtype: str, head_dim: int, mask: str) -> Tiles:
     return Tiles(bm2, bn2, warps) if role == "dkdv" else Tiles(bm, bn, warps)
 
 
-def bucket(seq_len: int) -> int:
-    """Lengths that share a choice: powers of two, all above 16K together (the grid fills the GPU)."""
-    return min(next_pow2(seq_len), 16384)
-
-
 def key(role: str, arch: int, static: tuple, seq_len: int, split: int = 1) -> str:
     """static: (dtype, head_dim, group, mask, params, causal, documents, softcap, key_bias); split:
     dk/dv's `kv_split`, named where it is not 1."""
@@ -118,15 +113,6 @@ def key(role: str, arch: int, static: tuple, seq_len: int, split: int = 1) -> st
         ["softcap"] * (softcap is not None) + ["key_bias"] * bool(key_bias)
     split = f" split{split}" if split > 1 and role == "dkdv" else ""
     return f"flash_attention.{role} sm{arch} {dtype} d{head_dim} g{group} {'+'.join(form)} S<={bucket(seq_len)}{split}"
-
-
-def arch_of(device) -> int:
-    """The device's sm version; 90 where no GPU is present (a trace on fake CUDA tensors)."""
-    import torch
-    if not torch.cuda.is_available():
-        return 90
-    major, minor = torch.cuda.get_device_capability(device)
-    return major * 10 + minor
 
 
 def choose(role: str, static: tuple, seq_len: int, device, run: Optional[Callable[[Tiles], None]],

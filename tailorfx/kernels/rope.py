@@ -32,7 +32,8 @@ from typing import Optional
 
 import torch
 
-from tailorfx.kernels import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel, next_pow2
+from tailorfx.kernels import DTYPE_NAMES, POINTER_TYPES, KernelSpec, cached_kernel, cdiv, interpreted, next_pow2, tuning
+from tailorfx.kernels.tuning import Tiles
 
 _HEADER = '''"""tailorfx generated: ${name}"""
 import triton
@@ -133,8 +134,44 @@ def signatures(spec) -> dict[str, dict[str, str]]:
 
 def num_warps(spec) -> int:
     _, d, r, bh = _params(spec)
-    return 4 if bh * next_pow2(r // 2) >= 256 else 2 if bh * next_pow2(r // 2) >= 64 else 1
+    return _warps(bh, r)
 
+
+def _warps(block_h: int, rotary_dim: int) -> int:
+    values = block_h * next_pow2(rotary_dim // 2)   # of each half a program holds
+    return 4 if values >= 256 else 2 if values >= 64 else 1
+
+
+def layouts(heads: int, rotary_dim: int) -> list[Tiles]:
+    """The launch layouts a GPU times (`choose_layout`): heads a program (`Tiles.block_m`; block_n
+    unused) from 4, the default, up to all of a row's (Liger-Kernel's layout: cos and sin read once
+    a row), each on `num_warps`' count, and on twice it where a program holds 1K values a half."""
+    top = max(4, next_pow2(heads))
+    out = []
+    for bh in sorted({min(b, top) for b in (4, 8, 16, top)}):
+        w = _warps(bh, rotary_dim)
+        out += [Tiles(bh, 1, w)] + ([Tiles(bh, 1, 2 * w)] if bh * next_pow2(rotary_dim // 2) >= 1024 else [])
+    return out
+
+
+def layout_key(names: tuple, head_dim: int, rotary_dim: int, heads_q: int, heads_k: int, rows: int, arch: int) -> str:
+    """What a layout choice is kept under: arch, dtypes (x, cos/sin, out), dims, heads of q and k,
+    and the rows' bucket (batch x length: the grid's first dimension)."""
+    return f"rope sm{arch} {'/'.join(names)} d{head_dim} r{rotary_dim} h{heads_q}+{heads_k} rows<={tuning.bucket(rows)}"
+
+
+def choose_layout(names: tuple, head_dim: int, rotary_dim: int, heads_q: int, heads_k: int, rows: int, device,
+                  run=None, timer=None) -> Tiles:
+    """A launch's layout: off CUDA (the interpreter) 4 heads a program; on CUDA the fastest of
+    `layouts` for its key, timed by `run(tiles)` the first time the key is seen (None: not timed
+    now, the remembered choice or the first layout)."""
+    cands = layouts(max(heads_q, heads_k), rotary_dim)
+    if getattr(device, "type", device) != "cuda":
+        return cands[0]
+    key = layout_key(names, head_dim, rotary_dim, heads_q, heads_k, rows, tuning.arch_of(device))
+    if run is None or not tuning.enabled():
+        return tuning.known(key, cands) or cands[0]
+    return tuning.choose(key, cands, run, timer)
 
 
 def _spec(dtype: str, head_dim: int, rotary_dim: int, block_h: int, cos_dtype: Optional[str] = None,
@@ -147,13 +184,20 @@ def _spec(dtype: str, head_dim: int, rotary_dim: int, block_h: int, cos_dtype: O
 _kernel = cached_kernel(_spec)
 
 
-def spec_for(x, rotary_dim: Optional[int] = None, block_h: int = 4, cos=None,
-             out_dtype: Optional[torch.dtype] = None) -> KernelSpec:
-    """The spec serving x (..., D) with the first `rotary_dim` (default D) channels rotated, cos
-    (and sin) of cos's dtype (default x's), the result in `out_dtype` (default x's)."""
+def spec_for(x, rotary_dim: Optional[int] = None, cos=None, out_dtype: Optional[torch.dtype] = None,
+             heads_k: int = 0) -> KernelSpec:
+    """The spec serving x (B, H, S, D) (and a k of `heads_k` heads) with the first `rotary_dim`
+    (default cos's last dim, else D) channels rotated, cos (and sin) of cos's dtype (default x's), the result in
+    `out_dtype` (default x's), at the layout a launch takes now (`choose_layout`, untimed)."""
+    from tailorfx import compat
     d = int(x.shape[-1])
-    return _spec(DTYPE_NAMES[x.dtype], d, d if rotary_dim is None else int(rotary_dim), int(block_h),
-                 None if cos is None else DTYPE_NAMES[cos.dtype], None if out_dtype is None else DTYPE_NAMES[out_dtype])
+    rot = int(rotary_dim if rotary_dim is not None else d if cos is None else cos.shape[-1])
+    names = (DTYPE_NAMES[x.dtype], DTYPE_NAMES[x.dtype if cos is None else cos.dtype],
+             DTYPE_NAMES[x.dtype if out_dtype is None else out_dtype])
+    rows = compat.size_hint(x.shape[0]) * compat.size_hint(x.shape[2])
+    layout = choose_layout(names, d, rot, compat.size_hint(x.shape[1]), heads_k, rows,
+                           "interpreter" if interpreted() else x.device)
+    return _spec(names[0], d, rot, layout.block_m, *names[1:])
 
 
 def examples() -> list:
@@ -191,8 +235,14 @@ def _cos_sin(t, batch: int, seq: int, rot: int, dtype, name: str):
         t = t.to(dtype)
     if t.stride(-1) != 1:
         t = t.contiguous()
-    batch_stride, seq_stride = (0, t.stride(0)) if t.dim() == 2 else (t.stride(0), t.stride(-2))
-    return t, (batch_stride if rows[0] > 1 else 0), seq_stride
+    return (t, *_cos_strides(t))
+
+
+def _cos_strides(t) -> tuple:
+    """cos's (or sin's) batch stride (0 where it is broadcast) and position stride."""
+    if t.dim() == 2:
+        return 0, t.stride(0)
+    return (t.stride(0) if t.shape[0] > 1 else 0), t.stride(-2)
 
 
 def output_like(x, dtype: Optional[torch.dtype] = None):
@@ -205,7 +255,7 @@ def output_like(x, dtype: Optional[torch.dtype] = None):
     return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=dtype, device=x.device)
 
 
-def apply(x, cos, sin, rotary_dim: Optional[int] = None, *, backward: bool = False, block_h: int = 4,
+def apply(x, cos, sin, rotary_dim: Optional[int] = None, *, backward: bool = False, block_h: Optional[int] = None,
           out_dtype: Optional[torch.dtype] = None):
     """The rotation of x (B, H, S, D) (its transpose with `backward`: x is then the incoming grad),
     a new tensor with x's layout, in `out_dtype` (default x's). `rotary_dim` defaults to cos's last
@@ -213,11 +263,12 @@ def apply(x, cos, sin, rotary_dim: Optional[int] = None, *, backward: bool = Fal
     return apply_pair(x, None, cos, sin, rotary_dim, backward=backward, block_h=block_h, out_dtype=out_dtype)[0]
 
 
-def apply_pair(q, k, cos, sin, rotary_dim: Optional[int] = None, *, backward: bool = False, block_h: int = 4,
-               out_dtype: Optional[torch.dtype] = None):
+def apply_pair(q, k, cos, sin, rotary_dim: Optional[int] = None, *, backward: bool = False,
+               block_h: Optional[int] = None, out_dtype: Optional[torch.dtype] = None):
     """`apply` to q (B, H, S, D) and k (B, H_kv, S, D) in one launch: (q's rotation, k's), new
     tensors with their layout, in `out_dtype` (default q's); k may be None (q's alone, None for k).
-    cos and sin are read in their dtype (both in the promoted one where theirs differ)."""
+    cos and sin are read in their dtype (both in the promoted one where theirs differ). `block_h`:
+    heads a program, else `choose_layout`'s (on a GPU timed once per shape)."""
     for name, x in (("q", q), ("k", k)):
         if x is not None and x.dim() != 4:
             raise ValueError(f"rope: {name} {tuple(x.shape)} is not (B, H, S, D)")
@@ -231,12 +282,10 @@ def apply_pair(q, k, cos, sin, rotary_dim: Optional[int] = None, *, backward: bo
         names = DTYPE_NAMES[q.dtype], DTYPE_NAMES[cs_dtype], DTYPE_NAMES[out_dtype]
     except KeyError:
         raise ValueError(f"rope: x {q.dtype}, cos/sin {cs_dtype}, out {out_dtype}: each one of {list(DTYPE_NAMES)}") from None
-    kern = _kernel(names[0], int(d), rot, int(block_h), *names[1:])
     c, cb, cs = _cos_sin(cos, bsz, seq, rot, cs_dtype, "cos")
     s, sb, ss = _cos_sin(sin, bsz, seq, rot, cs_dtype, "sin")
     if (cb, cs) != (sb, ss):   # one set of offsets serves both
         c, s = (t.reshape(-1, seq, rot).expand(bsz, seq, rot).contiguous() for t in (c, s))
-        cb, cs = seq * rot, rot
     if q.stride(-1) != 1:
         q = q.contiguous()
     qo = output_like(q, out_dtype)
@@ -248,11 +297,34 @@ def apply_pair(q, k, cos, sin, rotary_dim: Optional[int] = None, *, backward: bo
     if bsz * seq == 0:
         return qo, ko
     kk, kko = (k, ko) if k is not None else (q, qo)   # no k: no k blocks, its pointers unread
-    grid = (bsz * seq, -(-heads_q // block_h) - (-heads_k // block_h))
-    kern.fn("rope_bwd" if backward else "rope_fwd")[grid](
-        q, kk, c, s, qo, kko, seq, heads_q, heads_k, *q.stride()[:3], *kk.stride()[:3], *qo.stride()[:3],
-        *kko.stride()[:3], cb, cs, num_warps=num_warps(kern.spec))
+    fn = "rope_bwd" if backward else "rope_fwd"
+
+    def launch(t: Tiles, q, k, c, s, qo, ko):
+        kern = _kernel(names[0], int(d), rot, t.block_m, *names[1:])
+        grid = (q.shape[0] * q.shape[2], cdiv(heads_q, t.block_m) + cdiv(heads_k, t.block_m))
+        return tuning.spills(kern.fn(fn)[grid](
+            q, k, c, s, qo, ko, q.shape[2], heads_q, heads_k, *q.stride()[:3], *k.stride()[:3], *qo.stride()[:3],
+            *ko.stride()[:3], *_cos_strides(c), num_warps=t.num_warps))
+    if block_h is not None:
+        tiles = Tiles(int(block_h), 1, _warps(int(block_h), rot))
+    else:
+        tiles = _layout(names, int(d), rot, heads_q, heads_k, bsz * seq, q.device, launch, (q, kk, c, s, qo, kko))
+    launch(tiles, q, kk, c, s, qo, kko)
     return qo, ko
+
+
+def _layout(names, head_dim, rot, heads_q, heads_k, rows, device, launch, tensors) -> Tiles:
+    """`choose_layout` for a call: on a GPU each layout timed by `launch` the first time its key is
+    seen, on the call's tensors (under a trace, random ones of their shapes); the interpreter's off it."""
+    from tailorfx import compat
+    rows = compat.size_hint(rows)
+    if interpreted() or device.type != "cuda":
+        return choose_layout(names, head_dim, rot, heads_q, heads_k, rows, "interpreter")
+    if not torch.cuda.is_available():   # fake CUDA tensors on a machine without a GPU: nothing to time on
+        return choose_layout(names, head_dim, rot, heads_q, heads_k, rows, device)
+    got = tuning.choose_on(tensors, launch, lambda run: choose_layout(names, head_dim, rot, heads_q, heads_k, rows,
+                                                                      device, run))
+    return got or choose_layout(names, head_dim, rot, heads_q, heads_k, rows, device)
 
 
 def forward(q, k, cos, sin, rotary_dim: Optional[int] = None):

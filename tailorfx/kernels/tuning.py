@@ -11,6 +11,7 @@ kernel or FlexAttention, per form and shape).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -47,6 +48,72 @@ def room_to_time(need: int, device) -> bool:
     GPU's free memory (the rule every timing on real tensors inside a capture keeps)."""
     import torch
     return need < torch.cuda.mem_get_info(device)[0] / 4
+
+
+def bucket(size: int) -> int:
+    """Sizes that share a choice: powers of two, all above 16K together (the grid fills the GPU)."""
+    from tailorfx.kernels import next_pow2
+    return min(next_pow2(size), 16384)
+
+
+def arch_of(device) -> int:
+    """The device's sm version; 90 where no GPU is present (a trace on fake CUDA tensors)."""
+    import torch
+    if not torch.cuda.is_available():
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+class _TooLarge(Exception):
+    """A traced call's stand-in tensors would not fit beside what the GPU holds."""
+
+
+@contextlib.contextmanager
+def _stand_ins(*tensors):
+    """The call's own tensors, or under a trace (fake tensors) random real ones of their shapes
+    to time kernels on; None when a traced call's would take over a quarter of the free memory."""
+    import torch
+    from tailorfx import compat
+    if compat.detect_fake_mode() is None:
+        yield tensors
+        return
+    with compat.untraced_real_tensors():
+        shapes = [tuple(compat.size_hint(d) for d in t.shape) for t in tensors]
+        need = sum(math.prod(sh) * t.element_size() for sh, t in zip(shapes, tensors))
+        if not room_to_time(need, tensors[0].device):
+            yield None
+            return
+        made = [torch.zeros(sh, dtype=t.dtype, device=t.device) if not t.is_floating_point()
+                else torch.randn(sh, device=t.device).to(t.dtype) for sh, t in zip(shapes, tensors)]
+        yield made
+        del made
+
+
+def choose_on(tensors: Sequence, launch: Callable, choose_with: Callable[[Callable], Tiles]) -> Optional[Tiles]:
+    """`choose_with(run)` (a `choose` of the caller's key and candidates) where `run(t)` is
+    `launch(t, *real)`: `real` the call's own `tensors`, or under a trace random ones of their
+    shapes, made only when a key is first timed; None where those would not fit (the caller keeps
+    its default)."""
+    with contextlib.ExitStack() as stack:
+        made = []
+
+        def run(t):
+            if not made:
+                made.append(stack.enter_context(_stand_ins(*tensors)))
+            if made[0] is None:
+                raise _TooLarge
+            return launch(t, *made[0])
+        try:
+            return choose_with(run)
+        except _TooLarge:
+            return None
+
+
+def spills(compiled) -> int:
+    """The bytes of registers a launched kernel spilled (Triton's CompiledKernel after its first
+    launch; 0 where the launcher returns none, as the interpreter's)."""
+    return int(getattr(compiled, "n_spills", 0) or 0)
 
 
 def _path() -> str:

@@ -59,7 +59,7 @@ def subgraph(inputs: list[fx.Node], outputs: list[fx.Node], within: Optional[set
 
 
 def _key(swap, values: list[torch.Tensor], names: tuple) -> str:
-    from tailorfx.kernels.flash_tiles import arch_of
+    from tailorfx.kernels.tuning import arch_of
     device = values[0].device
     where = f"sm{arch_of(device)}" if device.type == "cuda" else device.type
     shapes = " ".join(f"{_hinted(v)}:{str(v.dtype).removeprefix('torch.')}"

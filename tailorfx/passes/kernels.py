@@ -402,12 +402,11 @@ def kernel_launches(node: fx.Node) -> list[tuple]:
         return [(spec, f"({cdiv(_int(gate.numel()), spec['block'])},)")]
     if node.target in (triton_rope, triton_rope_qk):
         x, cos = node_value(node.args[0]), node_value(node.args[-2])
-        spec = rope.spec_for(x, cos=cos, out_dtype=node_value(node).dtype)   # (a qk call's value: q's result)
-        batch, heads, seq = (_int(d) for d in x.shape[:3])
-        blocks = cdiv(heads, spec["block_h"])
-        if node.target is triton_rope_qk:   # q's head blocks, then k's, in one launch
-            blocks += cdiv(_int(node_value(node.args[1]).shape[1]), spec["block_h"])
-        return [(spec, f"({batch * seq}, {blocks})")]
+        heads_k = _int(node_value(node.args[1]).shape[1]) if node.target is triton_rope_qk else 0
+        out = node_value(node) if node.target is triton_rope else node_value(node)[0]
+        spec = rope.spec_for(x, cos=cos, out_dtype=out.dtype, heads_k=heads_k)
+        batch, heads, seq = (_int(d) for d in x.shape[:3])   # q's head blocks, then k's, in one launch
+        return [(spec, f"({batch * seq}, {cdiv(heads, spec['block_h']) + cdiv(heads_k, spec['block_h'])})")]
     if node.target is triton_linear_cross_entropy:
         rows, vocab = _int(node_value(node.args[0]).shape[0]), _int(node_value(node.args[1]).shape[0])
         grad = any(isinstance(a, fx.Node) and node_value(a).requires_grad for a in node.args[:3])

@@ -194,7 +194,7 @@ def _shape(t: Tensor) -> tuple[int, ...]:
 def form_key(q: Tensor, k: Tensor, kwargs: dict) -> str:
     """What a choice between kernels is kept under: arch, dtype, head dim, query heads per kv head,
     the form (spec and its fields, causality, documents, soft-cap, bias) and the length's bucket."""
-    from tailorfx.kernels.flash_tiles import arch_of, bucket
+    from tailorfx.kernels.tuning import arch_of, bucket
     B, H, S, D = _shape(q)
     params = ",".join(f"{a}={b}" for a, b in kwargs["params"] if a not in _IGNORED)
     form = [f"{kwargs['kind']}({params})", "causal" if kwargs["causal"] else "bidirectional"] + \
