@@ -455,6 +455,8 @@ def test_spec_and_argument_errors():
         fl.forward(q, k, v)
     with pytest.raises(ValueError, match="window"):
         fl.forward(q, k[:, :1], v[:, :1], mask="window", params=(3,))
+    with pytest.raises(ValueError, match="scale=-1.0: must be positive"):   # the kernels scale each row's max
+        fl.forward(q, q, q, scale=-1.0)
 
 
 def test_examples_cover_the_family():

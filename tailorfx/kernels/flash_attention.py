@@ -226,23 +226,40 @@ def _softcap_lines(c: Config, s: str) -> str:
         f"{s} = SOFTCAP * t"])
 
 
-def _key_bias_line(c: Config, s: str, interior: bool = False) -> str:
+def _key_bias_line(c: Config, s: str, interior: bool = False, factor: str = "") -> str:
     """ALiBi's per-key bias (B * H, S) fp32, added after the soft-cap as the tiles' score_mod
-    "key_bias" adds it: a constant of the scores, so the backward's d scores are unchanged."""
+    "key_bias" adds it: a constant of the scores, so the backward's d scores are unchanged.
+    `factor`: the bias's scale where the scores are in exp2's units (" * LOG2E")."""
     if not c.key_bias:
         return ""
     bias = "tl.load(kb_ptr + bh * seq_len + pos_n" + (")" if interior else ", mask=col_ok, other=0.0)")
-    return f"{s} = {s} + {bias}[None, :]" if s == "s" else f"{s} = {s} + {bias}[:, None]"
+    return f"{s} = {s} + {bias}[None, :]{factor}" if s == "s" else f"{s} = {s} + {bias}[:, None]{factor}"
+
+
+def _scores(c: Config, s: str, dot: str, interior: bool = False) -> tuple[list[str], str]:
+    """The lines making the scores `s` from `dot` (q k^T, unscaled), and the factor that takes them
+    to exp2's units (log2 e x the natural scores): the softmax's exponent is then one FMA a score
+    (`s * factor - max`), the Triton fused-attention tutorial's arithmetic, where nothing else needs
+    the scores scaled (with a key bias they are scaled and biased in those units, one FMA; a
+    soft-cap acts on natural scores, then converted, as do dilated branches, whose dk/dv head loop
+    spilled registers on sm90 under Triton 3.6 the other way). The row max of unscaled scores times the
+    factor is the max of the scaled ones: `scale` is positive (flash_launch checks it)."""
+    if c.softcap is not None or c.dilated:   # dilated: its dk/dv's head loop spills otherwise (sm90, Triton 3.6)
+        return [f"{s} = {dot} * scale", _softcap_lines(c, s), _key_bias_line(c, s, interior)], " * LOG2E"
+    if c.key_bias:
+        return [f"{s} = {dot} * qk_scale", _key_bias_line(c, s, interior, " * LOG2E")], ""
+    return [f"{s} = {dot}"], " * qk_scale"
 
 
 # Inductor passes a Python float to a user kernel typed fp64 (`config._use_fp64_for_unbacked_floats`),
 # Triton's own launcher fp32: every dot and every stored value stays fp32 either way
 _SCALE_FP32 = "scale = tl.cast(scale, tl.float32)"
+_QK_SCALE = "qk_scale = scale * LOG2E   # natural scores to exp2's units"
 
 
 def _row_prologue(c: Config, fn: str) -> str:
     """Program -> (batch, head, query rows) for attn_fwd and attn_bwd_dq."""
-    out = [_SCALE_FP32,
+    out = [_SCALE_FP32, _QK_SCALE,
            "bh = tl.program_id(1)",
            "b = bh // num_heads",
            "h = bh % num_heads",
@@ -272,6 +289,7 @@ def _row_prologue(c: Config, fn: str) -> str:
         out += ["do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, "
                 f"mask=row_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}",
                 "lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=float(\"inf\"))",
+                "lse2 = lse * LOG2E   # in exp2's units",
                 "delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)"]
     if c.documents:
         out.append("doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)")
@@ -358,21 +376,20 @@ def _fwd(c: Config) -> str:
 
     def body(interior: bool) -> str:
         mask = _mask_lines(c, "q", interior)
-        if mask:
+        scores, to_exp2 = _scores(c, "s", f"tl.dot(q, tl.trans(k){c.prec})", interior)
+        if mask:   # m_i, m_new: the running max in exp2's units
             update = [mask,
                       "s = tl.where(mask, s, float(\"-inf\"))",
-                      "m_new = tl.maximum(m_i, tl.max(s, axis=1))",
+                      f"m_new = tl.maximum(m_i, tl.max(s, axis=1){to_exp2})",
                       "m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)  # a row with nothing allowed yet stays 0"]
         else:   # every score finite: the running max is too
-            update = ["m_new = tl.maximum(m_i, tl.max(s, axis=1))", "m_safe = m_new"]
+            update = [f"m_new = tl.maximum(m_i, tl.max(s, axis=1){to_exp2})", "m_safe = m_new"]
         return "\n".join(x for x in [
             _key_tile_loads(c, interior),
-            f"s = tl.dot(q, tl.trans(k){c.prec}) * scale",
-            _softcap_lines(c, "s"),
-            _key_bias_line(c, "s", interior),
+            *scores,
             *update,
-            "p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)",
-            "alpha = tl.math.exp2((m_i - m_safe) * LOG2E)",
+            f"p = tl.math.exp2(s{to_exp2} - m_safe[:, None])",
+            "alpha = tl.math.exp2(m_i - m_safe)",
             "l_i = l_i * alpha + tl.sum(p, axis=1)",
             f"acc = acc * alpha[:, None] + tl.dot(p{c.dot_cast}, v{c.prec})",
             "m_i = m_new"] if x)
@@ -405,7 +422,7 @@ def attn_fwd({", ".join(args)}):
 {_loops(setup, loops, body, 4)}
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log(l_safe))
+    lse = tl.where(l_i == 0.0, float("-inf"), (tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log2(l_safe)) / LOG2E)
 {_block(epilogue, 4)}
 '''
 
@@ -417,16 +434,15 @@ def _dq(c: Config) -> str:
 
     def body(interior: bool) -> str:
         mask = _mask_lines(c, "q", interior)
-        if mask:
+        scores, to_exp2 = _scores(c, "s", f"tl.dot(q, tl.trans(k){c.prec})", interior)
+        if mask:   # lse2: lse in exp2's units
             p = [mask, "# lse is -inf only on rows with no allowed key, where the mask drops every p",
-                 "p = tl.where(mask, tl.math.exp2((s - lse[:, None]) * LOG2E), 0.0)"]
+                 f"p = tl.where(mask, tl.math.exp2(s{to_exp2} - lse2[:, None]), 0.0)"]
         else:   # rows past the end read lse = inf: p = 0
-            p = ["p = tl.math.exp2((s - lse[:, None]) * LOG2E)"]
+            p = [f"p = tl.math.exp2(s{to_exp2} - lse2[:, None])"]
         return "\n".join(x for x in [
             _key_tile_loads(c, interior),
-            f"s = tl.dot(q, tl.trans(k){c.prec}) * scale",
-            _softcap_lines(c, "s"),
-            _key_bias_line(c, "s", interior),
+            *scores,
             *p,
             f"dp = tl.dot(do, tl.trans(v){c.prec})",
             "ds = p * (dp - delta[:, None])",
@@ -498,7 +514,7 @@ n_tiles = tl.load(count_ptr + tl.program_id(0))"""
 def _dkdv(c: Config) -> str:
     args = (["q_ptr", "k_ptr", "v_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dk_ptr", "dv_ptr"] + c.doc_args()
             + c.mode_args() + ["scale", "seq_len", "num_heads"] + ([] if c.dilated else ["KV_SPLIT: tl.constexpr"]))
-    pre = [_SCALE_FP32, "num_kv = num_heads // GROUP"]
+    pre = [_SCALE_FP32, _QK_SCALE, "num_kv = num_heads // GROUP"]
     if c.dilated:
         pre += ["# one dilated branch: this kv head's query heads with one offset (h % rate), at most",
                 "# min(GROUP, rate) offsets per kv head, one program each",
@@ -539,7 +555,8 @@ def _dkdv(c: Config) -> str:
 
     def body(interior: bool) -> str:
         mask = _mask_lines(c, "k", interior)
-        pt = "tl.math.exp2((st - lse[None, :]) * LOG2E)"
+        scores, to_exp2 = _scores(c, "st", f"tl.dot(k, tl.trans(q){c.prec})")
+        pt = f"tl.math.exp2(st{to_exp2} - lse2[None, :])"
         lse_other = 'float("inf")' if interior else "0.0"   # rows past the end: p = 0 with no mask
         return "\n".join(x for x in [
             "offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)",
@@ -548,12 +565,10 @@ def _dkdv(c: Config) -> str:
             "row_ptrs = bh.to(tl.int64) * seq_len * HEAD_DIM + pos_m[:, None] * HEAD_DIM + offs_d[None, :]",
             f"q = tl.load(q_ptr + row_ptrs, mask=row_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}",
             f"do = tl.load(do_ptr + row_ptrs, mask=row_ok[:, None]{c.dmask}, other=0.0){c.load_cvt}",
-            f"lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other={lse_other})",
+            f"lse2 = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other={lse_other}) * LOG2E",
             "delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)",
             "doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)" if c.documents else "",
-            f"st = tl.dot(k, tl.trans(q){c.prec}) * scale",
-            _softcap_lines(c, "st"),
-            _key_bias_line(c, "st"),
+            *scores,
             mask,
             f"pt = tl.where(mask, {pt}, 0.0)" if mask else f"pt = {pt}",
             f"dv += tl.dot(pt{c.dot_cast}, do{c.prec})",

@@ -185,6 +185,8 @@ class _Call:
         self.num_kv = k.shape[1]
         self.device = q.device
         self.scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+        if not self.scale > 0:   # the kernels scale each row's max, not each score (flash_attention._scores)
+            raise ValueError(f"flash_attention scale={self.scale}: must be positive")
         self.given = blocks is not None
         self.seq_hint = compat.size_hint(self.seq)   # a traced length keys the choice without a guard
         group = self.heads // self.num_kv

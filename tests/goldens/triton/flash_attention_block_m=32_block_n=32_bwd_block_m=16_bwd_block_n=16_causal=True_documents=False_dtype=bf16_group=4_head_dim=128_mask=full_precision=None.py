@@ -19,6 +19,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 @triton.jit
 def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
+    qk_scale = scale * LOG2E   # natural scores to exp2's units
     bh = tl.program_id(1)
     b = bh // num_heads
     h = bh % num_heads
@@ -45,11 +46,11 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale, seq_len, num_heads):
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
         k = tl.load(k_base + col_ptrs)
         v = tl.load(v_base + col_ptrs)
-        s = tl.dot(q, tl.trans(k)) * scale
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        s = tl.dot(q, tl.trans(k))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
         m_safe = m_new
-        p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
-        alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
+        p = tl.math.exp2(s * qk_scale - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
         m_i = m_new
@@ -60,20 +61,20 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale, seq_len, num_heads):
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
         k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k))
         mask = col_ok[None, :]
         mask = mask & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(mask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet stays 0
-        p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
-        alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
+        p = tl.math.exp2(s * qk_scale - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log(l_safe))
+    lse = tl.where(l_i == 0.0, float("-inf"), (tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log2(l_safe)) / LOG2E)
     tl.store(out_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + bh * seq_len + pos_m, lse, mask=row_ok)
 
@@ -93,6 +94,7 @@ def attn_bwd_preprocess(out_ptr, do_ptr, delta_ptr, n_rows):
 @triton.jit
 def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
+    qk_scale = scale * LOG2E   # natural scores to exp2's units
     bh = tl.program_id(1)
     b = bh // num_heads
     h = bh % num_heads
@@ -110,6 +112,7 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, 
     q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0)
     do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, mask=row_ok[:, None], other=0.0)
     lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=float("inf"))
+    lse2 = lse * LOG2E   # in exp2's units
     delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
     dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], dtype=tl.float32)
     hi = tl.cdiv(tl.minimum(start_m + DQ_BLOCK_M, n_keys), DQ_BLOCK_N)  # causal: no tile past the last row
@@ -120,8 +123,8 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, 
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
         k = tl.load(k_base + col_ptrs)
         v = tl.load(v_base + col_ptrs)
-        s = tl.dot(q, tl.trans(k)) * scale
-        p = tl.math.exp2((s - lse[:, None]) * LOG2E)
+        s = tl.dot(q, tl.trans(k))
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(tl.bfloat16), k)
@@ -132,11 +135,11 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, 
         col_ptrs = pos_n[:, None] * HEAD_DIM + offs_d[None, :]
         k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k))
         mask = col_ok[None, :]
         mask = mask & (offs_n[None, :] <= offs_m[:, None])
         # lse is -inf only on rows with no allowed key, where the mask drops every p
-        p = tl.where(mask, tl.math.exp2((s - lse[:, None]) * LOG2E), 0.0)
+        p = tl.where(mask, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(tl.bfloat16), k)
@@ -146,6 +149,7 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, 
 @triton.jit
 def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, scale, seq_len, num_heads, KV_SPLIT: tl.constexpr):
     scale = tl.cast(scale, tl.float32)
+    qk_scale = scale * LOG2E   # natural scores to exp2's units
     num_kv = num_heads // GROUP
     # KV_SPLIT programs share a kv head's query heads, each writing its fp32 part
     bkv = tl.program_id(1) // KV_SPLIT
@@ -171,12 +175,12 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
             row_ptrs = bh.to(tl.int64) * seq_len * HEAD_DIM + pos_m[:, None] * HEAD_DIM + offs_d[None, :]
             q = tl.load(q_ptr + row_ptrs, mask=row_ok[:, None], other=0.0)
             do = tl.load(do_ptr + row_ptrs, mask=row_ok[:, None], other=0.0)
-            lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
+            lse2 = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0) * LOG2E
             delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
-            st = tl.dot(k, tl.trans(q)) * scale
+            st = tl.dot(k, tl.trans(q))
             mask = col_ok[:, None] & row_ok[None, :]
             mask = mask & (offs_n[:, None] <= offs_m[None, :])
-            pt = tl.where(mask, tl.math.exp2((st - lse[None, :]) * LOG2E), 0.0)
+            pt = tl.where(mask, tl.math.exp2(st * qk_scale - lse2[None, :]), 0.0)
             dv += tl.dot(pt.to(tl.bfloat16), do)
             dpt = tl.dot(v, tl.trans(do))
             dst = pt * (dpt - delta[None, :])

@@ -20,6 +20,7 @@ PRECISION = tl.constexpr("tf32")
 @triton.jit
 def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, doc_ptr, window, num_global, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
+    qk_scale = scale * LOG2E   # natural scores to exp2's units
     bh = tl.program_id(1)
     b = bh // num_heads
     h = bh % num_heads
@@ -60,22 +61,22 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, doc_ptr, window, num_global,
         k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
         doc_n = tl.load(doc_ptr + b * seq_len + pos_n, mask=col_ok, other=-2)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         mask = col_ok[None, :]
         mask = mask & (offs_n[None, :] <= offs_m[:, None])
         mask = mask & ((offs_n[None, :] > offs_m[:, None] - window) | (offs_m[:, None] < num_global) | (offs_n[None, :] < num_global))
         mask = mask & (doc_m[:, None] == doc_n[None, :])
         s = tl.where(mask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet stays 0
-        p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
-        alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
+        p = tl.math.exp2(s * qk_scale - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log(l_safe))
+    lse = tl.where(l_i == 0.0, float("-inf"), (tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log2(l_safe)) / LOG2E)
     tl.store(out_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + bh * seq_len + pos_m, lse, mask=row_ok)
 
@@ -95,6 +96,7 @@ def attn_bwd_preprocess(out_ptr, do_ptr, delta_ptr, n_rows):
 @triton.jit
 def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr, window, num_global, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
+    qk_scale = scale * LOG2E   # natural scores to exp2's units
     bh = tl.program_id(1)
     b = bh // num_heads
     h = bh % num_heads
@@ -112,6 +114,7 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr
     q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=float("inf"))
+    lse2 = lse * LOG2E   # in exp2's units
     delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
     doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)
     dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -136,13 +139,13 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr
         k = tl.load(k_base + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_base + col_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
         doc_n = tl.load(doc_ptr + b * seq_len + pos_n, mask=col_ok, other=-2)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         mask = col_ok[None, :]
         mask = mask & (offs_n[None, :] <= offs_m[:, None])
         mask = mask & ((offs_n[None, :] > offs_m[:, None] - window) | (offs_m[:, None] < num_global) | (offs_n[None, :] < num_global))
         mask = mask & (doc_m[:, None] == doc_n[None, :])
         # lse is -inf only on rows with no allowed key, where the mask drops every p
-        p = tl.where(mask, tl.math.exp2((s - lse[:, None]) * LOG2E), 0.0)
+        p = tl.where(mask, tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds, k, input_precision=PRECISION)
@@ -152,6 +155,7 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_ptr
 @triton.jit
 def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, doc_ptr, window, num_global, scale, seq_len, num_heads, KV_SPLIT: tl.constexpr):
     scale = tl.cast(scale, tl.float32)
+    qk_scale = scale * LOG2E   # natural scores to exp2's units
     num_kv = num_heads // GROUP
     # KV_SPLIT programs share a kv head's query heads, each writing its fp32 part
     bkv = tl.program_id(1) // KV_SPLIT
@@ -183,15 +187,15 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
             row_ptrs = bh.to(tl.int64) * seq_len * HEAD_DIM + pos_m[:, None] * HEAD_DIM + offs_d[None, :]
             q = tl.load(q_ptr + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
             do = tl.load(do_ptr + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
+            lse2 = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0) * LOG2E
             delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
             doc_m = tl.load(doc_ptr + b * seq_len + pos_m, mask=row_ok, other=-1)
-            st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale
+            st = tl.dot(k, tl.trans(q), input_precision=PRECISION)
             mask = col_ok[:, None] & row_ok[None, :]
             mask = mask & (offs_n[:, None] <= offs_m[None, :])
             mask = mask & ((offs_n[:, None] > offs_m[None, :] - window) | (offs_m[None, :] < num_global) | (offs_n[:, None] < num_global))
             mask = mask & (doc_m[None, :] == doc_n[:, None])
-            pt = tl.where(mask, tl.math.exp2((st - lse[None, :]) * LOG2E), 0.0)
+            pt = tl.where(mask, tl.math.exp2(st * qk_scale - lse2[None, :]), 0.0)
             dv += tl.dot(pt, do, input_precision=PRECISION)
             dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             dst = pt * (dpt - delta[None, :])

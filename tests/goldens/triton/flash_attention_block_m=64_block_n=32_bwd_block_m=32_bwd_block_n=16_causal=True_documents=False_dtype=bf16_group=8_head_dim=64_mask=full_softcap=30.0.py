@@ -21,6 +21,7 @@ SOFTCAP = tl.constexpr(30.0)
 @triton.jit
 def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
+    qk_scale = scale * LOG2E   # natural scores to exp2's units
     bh = tl.program_id(1)
     b = bh // num_heads
     h = bh % num_heads
@@ -56,10 +57,10 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale, seq_len, num_heads):
         small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
         t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
         s = SOFTCAP * t
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * LOG2E)
         m_safe = m_new
-        p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
-        alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
+        p = tl.math.exp2(s * LOG2E - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
@@ -82,16 +83,16 @@ def attn_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, scale, seq_len, num_heads):
         mask = col_ok[None, :]
         mask = mask & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(mask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * LOG2E)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet stays 0
-        p = tl.math.exp2((s - m_safe[:, None]) * LOG2E)
-        alpha = tl.math.exp2((m_i - m_safe) * LOG2E)
+        p = tl.math.exp2(s * LOG2E - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log(l_safe))
+    lse = tl.where(l_i == 0.0, float("-inf"), (tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log2(l_safe)) / LOG2E)
     tl.store(out_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + bh * seq_len + pos_m, lse, mask=row_ok)
 
@@ -111,6 +112,7 @@ def attn_bwd_preprocess(out_ptr, do_ptr, delta_ptr, n_rows):
 @triton.jit
 def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, seq_len, num_heads):
     scale = tl.cast(scale, tl.float32)
+    qk_scale = scale * LOG2E   # natural scores to exp2's units
     bh = tl.program_id(1)
     b = bh // num_heads
     h = bh % num_heads
@@ -128,6 +130,7 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, 
     q = tl.load(q_base + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     do = tl.load(do_ptr + bh.to(tl.int64) * seq_len * HEAD_DIM + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
     lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=float("inf"))
+    lse2 = lse * LOG2E   # in exp2's units
     delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
     dq = tl.zeros([DQ_BLOCK_M, BLOCK_D], dtype=tl.float32)
     hi = tl.cdiv(tl.minimum(start_m + DQ_BLOCK_M, n_keys), DQ_BLOCK_N)  # causal: no tile past the last row
@@ -147,7 +150,7 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, 
         small = xc * (1.0 + x2c * (-0.3333333333333333 + x2c * (0.13333333333333333 + x2c * -0.05396825396825397)))
         t = tl.where(axc < 0.125, small, tl.where(xc < 0.0, -tc, tc))
         s = SOFTCAP * t
-        p = tl.math.exp2((s - lse[:, None]) * LOG2E)
+        p = tl.math.exp2(s * LOG2E - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         ds = ds * (1.0 - t * t)
@@ -171,7 +174,7 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, 
         mask = col_ok[None, :]
         mask = mask & (offs_n[None, :] <= offs_m[:, None])
         # lse is -inf only on rows with no allowed key, where the mask drops every p
-        p = tl.where(mask, tl.math.exp2((s - lse[:, None]) * LOG2E), 0.0)
+        p = tl.where(mask, tl.math.exp2(s * LOG2E - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         ds = ds * (1.0 - t * t)
@@ -182,6 +185,7 @@ def attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, scale, 
 @triton.jit
 def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, scale, seq_len, num_heads, KV_SPLIT: tl.constexpr):
     scale = tl.cast(scale, tl.float32)
+    qk_scale = scale * LOG2E   # natural scores to exp2's units
     num_kv = num_heads // GROUP
     # KV_SPLIT programs share a kv head's query heads, each writing its fp32 part
     bkv = tl.program_id(1) // KV_SPLIT
@@ -207,7 +211,7 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
             row_ptrs = bh.to(tl.int64) * seq_len * HEAD_DIM + pos_m[:, None] * HEAD_DIM + offs_d[None, :]
             q = tl.load(q_ptr + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
             do = tl.load(do_ptr + row_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            lse = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
+            lse2 = tl.load(lse_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0) * LOG2E
             delta = tl.load(delta_ptr + bh * seq_len + pos_m, mask=row_ok, other=0.0)
             st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale
             xc = st / SOFTCAP
@@ -220,7 +224,7 @@ def attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
             st = SOFTCAP * t
             mask = col_ok[:, None] & row_ok[None, :]
             mask = mask & (offs_n[:, None] <= offs_m[None, :])
-            pt = tl.where(mask, tl.math.exp2((st - lse[None, :]) * LOG2E), 0.0)
+            pt = tl.where(mask, tl.math.exp2(st * LOG2E - lse2[None, :]), 0.0)
             dv += tl.dot(pt, do, input_precision=PRECISION)
             dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             dst = pt * (dpt - delta[None, :])
