@@ -313,18 +313,28 @@ def apply_pair(q, k, cos, sin, rotary_dim: Optional[int] = None, *, backward: bo
     return qo, ko
 
 
+_LAYOUTS: dict = {}   # a call's (dtypes, dims, heads, rows' bucket, device) -> its layout: a warm launch looks it up
+
+
 def _layout(names, head_dim, rot, heads_q, heads_k, rows, device, launch, tensors) -> Tiles:
-    """`choose_layout` for a call: on a GPU each layout timed by `launch` the first time its key is
-    seen, on the call's tensors (under a trace, random ones of their shapes); the interpreter's off it."""
+    """`choose_layout` for a call, once per key: on a GPU each layout timed by `launch` the first
+    time (on the call's tensors; under a trace, random ones of their shapes); the interpreter's off it."""
     from tailorfx import compat
     rows = compat.size_hint(rows)
-    if interpreted() or device.type != "cuda":
-        return choose_layout(names, head_dim, rot, heads_q, heads_k, rows, "interpreter")
-    if not torch.cuda.is_available():   # fake CUDA tensors on a machine without a GPU: nothing to time on
-        return choose_layout(names, head_dim, rot, heads_q, heads_k, rows, device)
-    got = tuning.choose_on(tensors, launch, lambda run: choose_layout(names, head_dim, rot, heads_q, heads_k, rows,
-                                                                      device, run))
-    return got or choose_layout(names, head_dim, rot, heads_q, heads_k, rows, device)
+    where = "interpreter" if interpreted() or device.type != "cuda" else device
+    key = (names, head_dim, rot, heads_q, heads_k, tuning.bucket(rows), where)
+    got = _LAYOUTS.get(key)
+    if got is not None:
+        return got
+    if where == "interpreter" or not torch.cuda.is_available():   # (fake CUDA tensors: nothing to time on)
+        got = choose_layout(names, head_dim, rot, heads_q, heads_k, rows, where)
+    else:
+        got = tuning.choose_on(tensors, launch, lambda run: choose_layout(names, head_dim, rot, heads_q, heads_k,
+                                                                          rows, device, run))
+        if got is None:   # too large to time beside what the GPU holds: the default, not kept
+            return choose_layout(names, head_dim, rot, heads_q, heads_k, rows, device)
+    _LAYOUTS[key] = got
+    return got
 
 
 def forward(q, k, cos, sin, rotary_dim: Optional[int] = None):
