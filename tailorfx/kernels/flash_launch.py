@@ -6,7 +6,6 @@ its docstring), with the autograd wrapper `attention`.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional, Sequence
 
 from tailorfx.kernels import DTYPE_NAMES, KernelSpec, cached_kernel, cdiv, interpreted, tuning
@@ -222,9 +221,10 @@ class _Call:
                 or not torch.cuda.is_available()):
             return
         from tailorfx.kernels import flash_tiles
-        got = tuning.choose_on(tensors, lambda t, *real: launch(self.kernel(self.tiles | {role: t}), self, t.launch(), *real),
-                               lambda run: flash_tiles.choose(role, self.static, self.seq_hint, self.device, run,
-                                                              split=self.split))
+        def timed(t, *real):
+            return launch(self.kernel(self.tiles | {role: t}), self, t.launch(), *real)
+        got = tuning.choose_on(tensors, timed, lambda run: flash_tiles.choose(role, self.static, self.seq_hint,
+                                                                              self.device, run, split=self.split))
         if got is not None:
             self.tiles[role] = got
 
