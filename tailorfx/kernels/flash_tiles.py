@@ -126,10 +126,7 @@ def choose(role: str, static: tuple, seq_len: int, device, run: Optional[Callabl
     arch = arch_of(device)
     split = split if role == "dkdv" else 1
     cands = candidates(role, dtype, head_dim, mask, arch, plain(static), split > 1)
-    k = key(role, arch, static, seq_len, split)
-    if run is None or not tuning.enabled():
-        return tuning.known(k, cands) or cands[0]
-    return tuning.choose(k, cands, run, timer)
+    return tuning.choose(key(role, arch, static, seq_len, split), cands, run, timer)
 
 
 def kv_split(group: int, programs: int, device) -> int:

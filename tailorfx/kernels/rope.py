@@ -169,8 +169,6 @@ def choose_layout(names: tuple, head_dim: int, rotary_dim: int, heads_q: int, he
     if getattr(device, "type", device) != "cuda":
         return cands[0]
     key = layout_key(names, head_dim, rotary_dim, heads_q, heads_k, rows, tuning.arch_of(device))
-    if run is None or not tuning.enabled():
-        return tuning.known(key, cands) or cands[0]
     return tuning.choose(key, cands, run, timer)
 
 

@@ -160,16 +160,19 @@ def known(key: str, candidates: Sequence[Tiles]) -> Optional[Tiles]:
     return None
 
 
-def choose(key: str, candidates: Sequence[Tiles], run: Callable[[Tiles], Optional[int]],
+def choose(key: str, candidates: Sequence[Tiles], run: Optional[Callable[[Tiles], Optional[int]]],
            timer: Optional[Callable[[Callable[[], None]], float]] = None) -> Tiles:
     """The candidate whose `run` is fastest (`timer(fn) -> ms`, default triton's do_bench),
     timed once per key; a candidate the device cannot run (out of shared memory or registers)
     is skipped. `run` may return the bytes of registers its kernel spilled (Triton reports them
     when it loads the kernel): a candidate that spills under this GPU's compiler is kept only
-    where every candidate does. With one candidate nothing is timed."""
+    where every candidate does. With one candidate nothing is timed; with `run` None (not timed
+    now) or tuning off (`enabled`), the remembered choice, else the first."""
     got = known(key, candidates)
     if got is not None:
         return got
+    if run is None or not enabled():
+        return candidates[0]
     if len(candidates) == 1:
         _MEMO[key] = candidates[0]
         return candidates[0]
