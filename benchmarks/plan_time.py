@@ -11,10 +11,15 @@ model's step (the lowering's included) and of the shallow capture's.
     python benchmarks/plan_time.py --layers 16 --seq 1024 --out /tmp/plan_time.json
     python benchmarks/plan_time.py --kernels triton --layers 17 --hidden 64 --seq 256   # Triton's interpreter
     python benchmarks/plan_time.py --lowering inductor --layers 17 --hidden 64 --seq 256  # CUDA's default lowering
+    python benchmarks/plan_time.py --lowering inductor --hint-lowering eager --layers 32 --hidden 64 --seq 256
 
 With --lowering inductor every candidate is traced through Inductor's code generation (its own
 AOTAutograd call, which the trace counts leave out), and the shallow capture's plan stands only
 where its blocks' kernels repeat alike (rewrite/depth.py); the row's `hint_stood` says whether it did.
+With --hint-lowering eager the shallow capture is planned under the eager lowering, as a CUDA model's
+under lowering="auto" is (its capture on fake CPU tensors, where "auto" is eager), and the model's
+step lowered by Inductor: the row counts the times Inductor generated code only for the memory model
+(`inductor_traces`: the search's candidates; a hint checked on the lowering's own compile makes none).
 
 With --kernels the example forward runs the Triton kernels (on the CPU under the interpreter, which
 dominates there): each row also times a second forward, which the planning does not include.
@@ -43,6 +48,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--kernels", choices=["triton"], default=None)
     ap.add_argument("--lowering", choices=["eager", "inductor"], default="eager")
+    ap.add_argument("--hint-lowering", choices=["same", "eager"], default="same",
+                    help="the shallow capture's lowering: eager, as a CUDA model's under lowering='auto'")
     ap.add_argument("--row", choices=ROWS, default=None, help=argparse.SUPPRESS)   # one row, in this process
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -56,7 +63,8 @@ def main() -> None:
         r = rows[name] = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"{name:>13}: {r['seconds']:7.1f} s ({r['shallow_capture_s']:.1f} s in the shallow capture, a second "
               f"forward {r['a_second_forward_s']:.1f} s), {r['traces_of_the_model']:2d} traces of the model's step, "
-              f"{r['traces_of_the_shallow_capture']:2d} of the shallow capture's, chosen: {r['chosen']}"
+              f"{r['traces_of_the_shallow_capture']:2d} of the shallow capture's, {r['inductor_traces']:2d} Inductor "
+              f"code generations for the memory model ({r['inductor_traces_s']:.1f} s), chosen: {r['chosen']}"
               f"{'' if name == 'whole search' or r['hint_stood'] else ' (the hint did not stand)'}", flush=True)
     same = rows["shallow hint"]["chosen"] == rows["whole search"]["chosen"]
     hint_s, whole_s = (rows[k]["seconds"] - rows[k]["a_second_forward_s"] for k in ROWS)
@@ -79,6 +87,7 @@ def one_row(args) -> dict:
     from models import hf_family
     from tailorfx import api, compat
     from tailorfx.planner import HEADROOM
+    from tailorfx.rewrite import inductor_schedule
     torch.set_num_threads(1)
     base = hf_family("llama", num_layers=args.layers, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=2048)
@@ -90,23 +99,33 @@ def one_row(args) -> dict:
     sel = tailorfx.optimize(copy.deepcopy(base), recompute="selective", optimizer=None, example_inputs=inputs, **kw)
     budget = int(0.98 * sel.predict_memory(args.seq).peak_bytes / (1 - HEADROOM))   # the ladder's rungs: over selective
     warm = time.perf_counter() - t
-    traces = {"model": 0, "shallow": 0, "shallow_s": 0.0}
+    traces = {"model": 0, "shallow": 0, "shallow_s": 0.0, "inductor": 0, "inductor_s": 0.0}
     inside, whole = [], args.row == "whole search"
-    real_aot, real_hint = compat.aot_module_simplified, api.shallow_hint
+    real_aot, real_hint, real_inductor = compat.aot_module_simplified, api.shallow_hint, inductor_schedule.trace
 
     def counted_aot(*a, **kw):
         traces["shallow" if inside else "model"] += 1
         return real_aot(*a, **kw)
 
-    def timed_hint(*a, **kw):
+    def counted_inductor(*a, **kw):   # Inductor's code generated only for the memory model
+        t0 = time.perf_counter()
+        try:
+            return real_inductor(*a, **kw)
+        finally:
+            if not inside:
+                traces["inductor"] += 1
+                traces["inductor_s"] += time.perf_counter() - t0
+
+    def timed_hint(model, budget, setup, examples, options, lowering, optimize):
         if whole:
             return None
         inside.append(time.perf_counter())
         try:
-            return real_hint(*a, **kw)
+            return real_hint(model, budget, setup, examples, options,
+                             "auto" if args.hint_lowering == "eager" else lowering, optimize)
         finally:
             traces["shallow_s"] = time.perf_counter() - inside.pop()
-    compat.aot_module_simplified, api.shallow_hint = counted_aot, timed_hint
+    compat.aot_module_simplified, api.shallow_hint, inductor_schedule.trace = counted_aot, timed_hint, counted_inductor
     t = time.perf_counter()
     opt = tailorfx.optimize(base, budget=budget, optimizer=None, example_inputs=inputs, **kw)
     seconds = time.perf_counter() - t
@@ -121,8 +140,10 @@ def one_row(args) -> dict:
             "a_second_forward_s": round(forward, 1), "chosen": plan.chosen.label, "reason": plan.reason,
             "hint_stood": "shallow capture" in plan.reason, "traces_of_the_model": traces["model"],
             "traces_of_the_shallow_capture": traces["shallow"], "predicted_peak": plan.chosen.peak,
+            "inductor_traces": traces["inductor"], "inductor_traces_s": round(traces["inductor_s"], 1),
             "meta": {"layers": args.layers, "hidden": args.hidden, "seq": args.seq, "budget": budget,
-                     "kernels": args.kernels, "lowering": args.lowering, "torch": torch.__version__, "threads": 1,
+                     "kernels": args.kernels, "lowering": args.lowering, "hint_lowering": args.hint_lowering,
+                     "torch": torch.__version__, "threads": 1,
                      "warm_up_s": round(warm, 1)}}
 
 

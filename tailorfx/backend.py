@@ -194,7 +194,7 @@ class TailorBackend:
               hinted: bool) -> tuple[planner.Plan, Optional[str]]:
         """The passes the user named, else the planner's default, searched against the budget
         when there is one (Dynamo guards on grad mode and module.training, so each mode gets its
-        own graph and plan); under the eager lowering, a shallow capture's plan if `hinted`. With
+        own graph and plan); a shallow capture's plan if `hinted` (checked on what the lowering made). With
         the warning that the plan fits only with the optimizer step in backward, if it does."""
         opts = {**self.options.options_dict(), "grad": torch.is_grad_enabled(),
                 "training": torch.is_grad_enabled() and self.session.training is not False, "lowering": lowering}
@@ -205,7 +205,7 @@ class TailorBackend:
         plan = planner.choose(self.options.passes, ctx.regions, opts)
         if not (opts.get("budget_bytes") and self.options.passes is None):
             return plan, None
-        if hinted and lowering == "eager" and (unchecked := planner.hinted_plan(gm, ctx, plan)) is not None:
+        if hinted and (unchecked := planner.hinted_plan(gm, ctx, plan)) is not None:
             return unchecked
         if not hinted:   # the hint did not fit this graph
             plan = replace(plan, options={k: v for k, v in plan.options.items() if k != "plan_hint"})
@@ -236,8 +236,10 @@ class TailorBackend:
     def _lower(self, rec: GraphRecord, example_inputs: list) -> Callable:
         """The rewritten graph compiled for its lowering; the forward/backward it runs are kept
         for the memory model, and the optimizer step goes into backward if the setup says so."""
-        def keep(fw, bw, n, static):
+        def keep(fw, bw, n, static, schedules=None):
             rec.step, rec.step_static = memory.make_step(rec.rewritten, fw, bw, n), static
+            if schedules is not None:   # Inductor's: the code it generated, read off this compile
+                rec.step = replace(rec.step, fw_schedule=schedules[0], bw_schedule=schedules[1])
             trace_cache.remember_trace(rec.rewritten, lowering_mod.partition_for(rec.lowering, rec.rewritten),
                                        steps_in_backward is not None, rec.step, static)
         setup = rec.plan.options.get("setup")
@@ -247,7 +249,8 @@ class TailorBackend:
             self.session.graph_inputs.append(steps_in_backward)
         with stage(f"graph {rec.index}: lowering ({rec.lowering})"):
             return lowering_mod.lower(rec.rewritten, example_inputs, rec.lowering, on_partition=keep,
-                                      steps_in_backward=steps_in_backward)
+                                      steps_in_backward=steps_in_backward,
+                                      record=rec.plan.chosen is not None and rec.plan.chosen.fits is None)
 
     def _check_captured_fits(self, gm: fx.GraphModule, seq: SeqInfo, idx: int, why: str, lowering: str) -> None:
         """Under a budget, the passes of graph idx failed (`why`): running it as captured keeps

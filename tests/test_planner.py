@@ -240,6 +240,48 @@ def test_a_shallow_captures_plan_is_checked_on_the_trace_the_lowering_makes(monk
     assert len(over.graph_records) == 1 and over_traces > 1
 
 
+@pytest.mark.slow   # 46 s: four Inductor compiles and a search under Inductor
+def test_under_inductor_a_shallow_captures_plan_is_checked_on_the_code_the_lowering_compiles(monkeypatch):
+    """Under lowering="inductor" (a CUDA model's default) a shallow capture's plan is taken unsearched
+    too, and predicted on the code Inductor generates in the lowering's own compile, read off it
+    (inductor_schedule.Recorder): no code generated a second time for the memory model
+    (inductor_schedule.trace, which the search runs for every candidate). Its peak is the search's to
+    the byte; a hint over the budget is dropped for the search's plan."""
+    from models import hf_family
+    from tailorfx import api
+    from tailorfx.rewrite import inductor_schedule
+    from tailorfx.shallow import Hint
+    base = hf_family("llama", num_layers=2, hidden_size=64, intermediate_size=172, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=512)
+    ids = torch.randint(0, 512, (1, 256), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    sel = tailorfx.optimize(copy.deepcopy(base), recompute="selective", optimizer=None, example_inputs=inputs,
+                            lowering="inductor")
+    budget = int(0.98 * sel.predict_memory(256).peak_bytes / (1 - HEADROOM))   # selective is over
+    traces, real = [], inductor_schedule.trace
+    monkeypatch.setattr(inductor_schedule, "trace", lambda *a, **kw: traces.append(1) or real(*a, **kw))
+
+    def planned(hint):
+        monkeypatch.setattr(api, "shallow_hint", lambda *a, **kw: hint)
+        traces.clear()
+        opt = tailorfx.optimize(copy.deepcopy(base), budget=budget, optimizer=None, example_inputs=inputs,
+                                lowering="inductor")
+        return opt, len(traces)
+    label = "minisequence + full recompute but attention, 1/2 blocks, selective in the rest"
+    hinted, hinted_traces = planned(Hint(label, False, "2 of 2", variant=True))
+    over, over_traces = planned(Hint("minisequence", False, "2 of 2"))
+    plan, found = hinted.plan[0], over.plan[0]   # the hint over the budget dropped: the search's plan
+    assert "shallow capture" not in found.reason and over_traces > 1 and len(over.graph_records) == 1, str(found)
+    assert "minisequence" in [c.label for c in found.runners_up if not c.fits], str(found)
+    assert found.chosen.label == label + " + attention backward on repeated k, v", str(found)
+    assert hinted_traces == 0 and plan.chosen.fits, (hinted_traces, str(plan))
+    assert plan.chosen.label == found.chosen.label, str(plan)
+    assert "chosen on a shallow capture of its config (2 of 2 blocks), checked on this graph" in plan.reason
+    assert (plan.chosen.peak, plan.chosen.added_flops) == (found.chosen.peak, found.chosen.added_flops)
+    assert hinted.session.graphs[0].step.bw_schedule is not None   # the lowering's, kept as the graph's trace
+    assert torch.allclose(hinted(**inputs).loss, copy.deepcopy(base)(**inputs).loss, rtol=1e-5, atol=0)
+
+
 def test_the_search_traces_no_plan_that_recomputes_more_than_one_that_fits_and_chooses_as_trying_all():
     """With each candidate's recomputed FLOPs known before it is traced (counted on its rewritten
     graph), no candidate recomputing more than a fitting one already evaluated is evaluated, and

@@ -26,9 +26,9 @@ FIRST_STEP_S = 5.0             # the first step's extra: Triton's compiles, the 
 PLAN_S = 90.0                  # a budgeted optimize(): capture and the planner's traces
 KERNEL_CHOICE_S = 90.0         # kernels="triton": each norm, SwiGLU, rotary and attention form timed, its Triton
                                # kernels and Inductor's code for it alone compiled first (not yet measured on a GPU)
-INDUCTOR_S = 180.0             # lowering "auto" on CUDA: the hinted plan checked on the model's Inductor trace, and
-                               # Inductor's compile of the 32-block step (78 s a trace on this project's 2-core CPU;
-                               # not yet measured on a GPU)
+INDUCTOR_S = 180.0             # lowering "auto" on CUDA: Inductor's compile of the 32-block step, the hinted plan
+                               # checked on its code (until 2026-12-07 on a trace of its own before it; 69 s a
+                               # compile on this project's 2-core CPU; not yet measured on a GPU)
 PREDICT_S = 30.0               # one predict_memory(), or max_seq_len / plan_for_budget on a shallow capture
 TRACE_S = 60.0                 # optimize() with fixed passes and one prediction: capture, one trace
 PYTHON_S = 30.0                # a fresh interpreter's imports (the probe's subprocess)

@@ -2,6 +2,7 @@
 A graph no pass changed runs as Dynamo captured it ("dynamo"): eager autograd, no AOTAutograd."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -10,7 +11,7 @@ import torch.fx as fx
 
 from tailorfx import compat
 from tailorfx.rewrite.capture import with_eager_grouped_mm
-from tailorfx.rewrite.inductor_schedule import compile_context
+from tailorfx.rewrite.inductor_schedule import Recorder, compile_context
 from tailorfx.rewrite.lazy_outputs import Split, split_lazy_outputs
 from tailorfx.rewrite.trace import captured_inputs, fake_inputs, trainable_inputs
 from tailorfx.rewrite.optimizer_step import STEPS_NOT_FUSED, fuse_into_backward
@@ -56,11 +57,14 @@ def partition_for(lowering: str, gm: Optional[fx.GraphModule] = None) -> str:
 
 
 def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
-          on_partition: Optional[Callable] = None, steps_in_backward: Optional[GraphInputs] = None) -> Callable:
+          on_partition: Optional[Callable] = None, steps_in_backward: Optional[GraphInputs] = None,
+          record: bool = False) -> Callable:
     """Compile a (rewritten) Dynamo graph for training; returns Dynamo's boxed callable.
 
-    `on_partition(fw, bw, num_fwd_outputs, static)` sees the graphs that will run (eager
-    lowering), so the memory model can reuse them instead of tracing again. `steps_in_backward`:
+    `on_partition(fw, bw, num_fwd_outputs, static)` sees the graphs that will run (under Inductor
+    also `schedules=`, its code's), so the memory model can reuse them instead of tracing again;
+    `record`: Inductor's caches left out, so that its code is generated and read (a plan to check
+    on it). `steps_in_backward`:
     put the optimizer step of each parameter inside the backward graph (see
     rewrite/optimizer_step.py); the forward records its inputs there, so the backward can find the
     parameters to update. Logits-like outputs leave the compiled graph detached and get their
@@ -80,13 +84,28 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence, lowering: str,
     split = split_lazy_outputs(gm)
     gm = split.gm
     if lowering == "inductor":
-        trained = trainable_inputs(gm)
-        steps = (steps_in_backward.handle, tuple(trained)) if steps_in_backward is not None and any(trained) else None
-        kw = {"inner_compile": _compiler_with_steps(steps_in_backward)} if steps else {}
-        with compile_context(gm, steps):
-            return _with_lazy_outputs(compat.compile_fx()(gm, list(example_inputs), **kw), split)
+        return _with_lazy_outputs(_compile_fx(gm, example_inputs, on_partition, steps_in_backward, record), split)
     compile_on = _aot_compiler(gm, lowering, needs, on_partition, steps_in_backward)
     return _with_lazy_outputs(_compile_per_size(gm, example_inputs, compile_on), split)
+
+
+def _compile_fx(gm: fx.GraphModule, example_inputs: Sequence, on_partition: Optional[Callable],
+                steps_in_backward: Optional[GraphInputs], record: bool) -> Callable:
+    """`gm` compiled by Inductor, the backward with the forward; `on_partition` also gets the
+    schedules of the code it generated (`schedules=`), read off this compile (inductor_schedule.Recorder)
+    for the memory model, unless a cache served it (`record`: none does)."""
+    trained = trainable_inputs(gm)
+    steps = (steps_in_backward.handle, tuple(trained)) if steps_in_backward is not None and any(trained) else None
+    recorder = Recorder()
+    inner = _compiler_with_steps(steps_in_backward) if steps else compat.compile_fx_inner()
+    with compile_context(gm, steps), compat.backward_compiled_with_forward(), \
+            compat.compile_caches_off() if record else contextlib.nullcontext():
+        compiled = compat.compile_fx()(gm, list(example_inputs), inner_compile=recorder.wrap(inner))
+    if on_partition is not None and (traced := recorder.traced()) is not None:
+        fw, bw, n, fw_s, bw_s = traced
+        static = not any(_symbolic(p.meta.get("val")) for p in fw.graph.nodes if p.op == "placeholder")
+        on_partition(fw, bw, n, static, schedules=(fw_s, bw_s))
+    return compiled
 
 
 def _eager_forward(g: fx.GraphModule, _) -> Callable:

@@ -34,8 +34,9 @@ from tailorfx.compat.dynamo import (  # noqa: F401
     restart_tracing, restart_with_floats_specialized, shape_env_hints, shape_guard_count, size_hint, specialize_equal,
     specialize_symint, sym_equal, sym_expr, tensorified_float_names, untraced_real_tensors, without_apart_numbers)
 from tailorfx.compat.inductor import (  # noqa: F401
-    autograd_cache_off, backward_compiled_with_forward, extern_kernel_op, generated_kernels, inductor_generated,
-    inductor_joint_pass, inductor_modules, inductor_partitioner, isolated_tracing, own_fake_mode, real_tensors)
+    autograd_cache_off, backward_compiled_with_forward, compile_caches_off, extern_kernel_op, generated_kernels,
+    inductor_generated, inductor_joint_pass, inductor_modules, inductor_partitioner, isolated_tracing,
+    on_generated_code, own_fake_mode, real_tensors)
 from tailorfx.compat.runtime import (  # noqa: F401
     all_gather_single, backward_pass_id, collective_waited, cpu_packs_16bit_matmuls, cuda_memory_history, init_fake_process_group, profiler_running, reduce_scatter_single, pipelining_action, pipelining_format, pipelining_load,
     pipelining_reference_order, pipelining_runtime, pipelining_simulate, pipelining_splits_custom_op_backward)

@@ -42,6 +42,28 @@ def inductor_generated(g, example_inputs, is_backward: bool, is_inference: bool)
         mode.allow_non_fake_inputs = allowed
 
 
+@contextlib.contextmanager
+def on_generated_code(fn) -> Iterator[None]:
+    """Meanwhile each Inductor compile calls `fn(graph)` with its GraphLowering once the wrapper code is
+    generated, before it is loaded, under the graph's handlers (GraphLowering's `save_output_code`
+    hook, which torch's `run_and_get_code` patches too: one set before is still called; checked on
+    torch 2.11 and 2.13). A compile an FX graph cache serves generates nothing: no call."""
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.virtualized import V
+    before = GraphLowering.save_output_code
+
+    def hook(code: str) -> None:
+        if before is not None:
+            before(code)
+        if isinstance(V.graph, GraphLowering):   # a cache's load calls it too, outside any graph
+            fn(V.graph)
+    GraphLowering.save_output_code = hook
+    try:
+        yield
+    finally:
+        GraphLowering.save_output_code = before
+
+
 def inductor_modules():
     """Inductor's IR and wrapper-codegen modules (their buffer layouts and wrapper line classes)."""
     from torch._inductor import ir
@@ -128,6 +150,16 @@ def autograd_cache_off():
     artifact, saving everything). Inductor's FX graph cache still serves the partitioned graphs."""
     import torch._functorch.config as functorch_config
     return functorch_config.patch(enable_autograd_cache=False)
+
+
+def compile_caches_off() -> contextlib.AbstractContextManager:
+    """AOTAutograd's and Inductor's FX graph caches left out of a compile, so it generates its code
+    (a compile the caches serve generates none); the kernels' own caches still serve."""
+    import torch._inductor.config as inductor_config
+    stack = contextlib.ExitStack()
+    stack.enter_context(autograd_cache_off())
+    stack.enter_context(inductor_config.patch(fx_graph_cache=False))
+    return stack
 
 
 @contextlib.contextmanager

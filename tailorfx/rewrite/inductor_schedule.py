@@ -17,7 +17,7 @@ import copy
 import functools
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import sympy
 import torch
@@ -54,10 +54,19 @@ class Schedule:
 def _schedule(g: fx.GraphModule, example_inputs: Sequence, is_backward: bool, is_inference: bool) -> Schedule:
     """Generate `g`'s code as compile_fx_inner would (an AOTAutograd forward or backward graph,
     given to Inductor's inner compiler) and read its memory events."""
-    placeholders = {n.target: i for i, n in enumerate(n for n in g.graph.nodes if n.op == "placeholder")}
+    placeholders = _placeholders(g)
     with compat.inductor_generated(g, example_inputs, is_backward, is_inference) as graph:
-        out = _walk(graph, placeholders)
-        out.generated = compat.generated_kernels(graph)
+        return _read(graph, placeholders, g)
+
+
+def _placeholders(g: fx.GraphModule) -> dict[str, int]:
+    return {n.target: i for i, n in enumerate(n for n in g.graph.nodes if n.op == "placeholder")}
+
+
+def _read(graph, placeholders: dict[str, int], g: fx.GraphModule) -> Schedule:
+    """The Schedule of `g` from the GraphLowering Inductor generated its code with."""
+    out = _walk(graph, placeholders)
+    out.generated = compat.generated_kernels(graph)
     out.gm = g
     return out
 
@@ -241,6 +250,11 @@ def trace(gm: fx.GraphModule, example_inputs: Sequence, steps: Optional[tuple] =
     own = fx.GraphModule(gm, copy.deepcopy(gm.graph))   # compile_fx takes ownership of what it gets
     with compat.isolated_tracing(example_inputs), compat.backward_compiled_with_forward(), compile_context(own, steps):
         compat.compile_fx()(own, list(example_inputs), inner_compile=inner)
+    return _traced(rec)
+
+
+def _traced(rec: dict) -> tuple[fx.GraphModule, Optional[fx.GraphModule], int, Schedule, Optional[Schedule]]:
+    """trace's result from the (as traced, schedule) of the forward ("fw") and backward ("bw")."""
     fw, fw_sched = rec["fw"]
     bw, bw_sched = rec.get("bw", (None, None))
     n_user = len(fw_sched.outputs)
@@ -248,3 +262,32 @@ def trace(gm: fx.GraphModule, example_inputs: Sequence, steps: Optional[tuple] =
         bw_inputs = [n for n in bw.graph.nodes if n.op == "placeholder"]
         n_user -= sum(1 for n in bw_inputs if not n.name.startswith("tangents"))
     return fw, bw, n_user, fw_sched, bw_sched
+
+
+class Recorder:
+    """trace's graphs and schedules read off the lowering's own compile (`wrap` its inner compiler;
+    compat.on_generated_code), so a graph Inductor compiles is not generated a second time for the
+    memory model. `traced()`: trace's result, or None where a cache served a compile (nothing was
+    generated to read) or the backward was not compiled with the forward."""
+
+    def __init__(self):
+        self.graphs: dict = {}
+        self.training = False
+
+    def wrap(self, compile_inner: Callable) -> Callable:
+        def inner(g: fx.GraphModule, inputs, **kw):
+            key = "bw" if kw.get("is_backward") else "fw"
+            self.training = self.training or (key == "fw" and not kw.get("is_inference"))
+            as_traced = fx.GraphModule(g, copy.deepcopy(g.graph))   # before post-grad passes, as trace keeps it
+            placeholders = _placeholders(g)
+
+            def read(graph) -> None:
+                self.graphs.setdefault(key, (as_traced, _read(graph, placeholders, g)))
+            with compat.on_generated_code(read):
+                return compile_inner(g, inputs, **kw)
+        return inner
+
+    def traced(self) -> Optional[tuple[fx.GraphModule, Optional[fx.GraphModule], int, Schedule, Optional[Schedule]]]:
+        if "fw" not in self.graphs or (self.training and "bw" not in self.graphs):
+            return None
+        return _traced(self.graphs)
