@@ -175,7 +175,7 @@ class TailorBackend:
         inputs_before = len(self.session.graph_inputs)
         try:
             lowered = self._lower(rec, example_inputs)
-            if plan.chosen is not None and plan.chosen.fits is None:   # the hint, predicted on what was lowered
+            if plan.unchecked:   # the hint, predicted on what was lowered
                 rec.plan = planner.check_hinted(plan, rewritten, seq, lowering)
         except ValueError:
             raise
@@ -249,8 +249,7 @@ class TailorBackend:
             self.session.graph_inputs.append(steps_in_backward)
         with stage(f"graph {rec.index}: lowering ({rec.lowering})"):
             return lowering_mod.lower(rec.rewritten, example_inputs, rec.lowering, on_partition=keep,
-                                      steps_in_backward=steps_in_backward,
-                                      record=rec.plan.chosen is not None and rec.plan.chosen.fits is None)
+                                      steps_in_backward=steps_in_backward, record=rec.plan.unchecked)
 
     def _check_captured_fits(self, gm: fx.GraphModule, seq: SeqInfo, idx: int, why: str, lowering: str) -> None:
         """Under a budget, the passes of graph idx failed (`why`): running it as captured keeps

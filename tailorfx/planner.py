@@ -43,6 +43,12 @@ class Plan:
     # search predicted it (the static part of the bound reads it: no second trace of the graph)
     estimate: Optional[memory.MemoryEstimate] = field(default=None, compare=False, repr=False)
 
+    @property
+    def unchecked(self) -> bool:
+        """A shallow capture's plan not yet predicted on this graph (hinted_plan): check_hinted
+        predicts it on what the lowering made."""
+        return self.chosen is not None and self.chosen.fits is None
+
     def __str__(self) -> str:
         s = f"passes={list(self.passes)}" + (f" ({self.reason})" if self.reason else "")
         s += f"; chosen: {self.chosen}" if self.chosen is not None else ""
